@@ -1,0 +1,98 @@
+"""Content-addressed blob store on disk: a blob's name is the sha256 of its bytes (`blobs/ab/cdef...`).
+
+Writes are atomic (temporary file in the same directory, fsync, rename), so a reader never sees half a file and a
+crash leaves at worst an orphaned temporary file. Writing the same bytes twice is a no-op: storage dedupes itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+_KEY = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+class BlobNotFoundError(KeyError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"blob {key} is not in the store (deleted by retention, or the data dir changed)")
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, key: str) -> Path:
+        if not _KEY.match(key):
+            raise ValueError(f"not a blob key (64 lowercase hex digits): {key!r}")
+        return self.root / key[:2] / key[2:]
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def put_bytes(self, data: bytes) -> str:
+        key = hashlib.sha256(data).hexdigest()
+        if not self.exists(key):
+            self._write(key, [data])
+        return key
+
+    def put_stream(self, stream: BinaryIO, *, max_bytes: int | None = None) -> tuple[str, int]:
+        """Store a stream without holding it in memory; returns (key, size). Stops with ValueError past max_bytes
+        (counted on bytes actually read, never on what a client claimed)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                while chunk := stream.read(_CHUNK):
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise ValueError(f"input is larger than the limit of {max_bytes} bytes")
+                    digest.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            key = digest.hexdigest()
+            target = self.path(key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, target)  # same bytes already there: replacing is harmless
+            return key, size
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_file(self, path: Path) -> tuple[str, int]:
+        with open(path, "rb") as f:
+            return self.put_stream(f)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            raise BlobNotFoundError(key) from None
+
+    def delete(self, key: str) -> bool:
+        try:
+            self.path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _write(self, key: str, parts: list[bytes]) -> None:
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for part in parts:
+                    out.write(part)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,151 @@
+"""All configuration of docpipe in one place: pipeline, workers and API read the same `Settings`.
+
+Values come from (highest first) constructor arguments, environment variables prefixed `DOCPIPE_`, a `.env`
+file in the working directory, then the defaults below. List values (API keys, watch folders) accept either a JSON
+list or a comma-separated string: `DOCPIPE_API_KEYS=key1,key2`.
+
+The data directory defaults to `./.docpipe` (next to where docpipe runs, like a git checkout's `.git`), so a demo
+or a test never writes into the user's home and two projects never share a database by accident. Set
+`DOCPIPE_DATA_DIR` (for example to `~/.local/share/docpipe`) for a per-user installation.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Runner = Literal["reference", "cuda"]
+WatchAction = Literal["leave", "move"]
+
+
+def _split_list(value: Any) -> Any:
+    """Accept `a,b,c` as well as a JSON list from the environment."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+    )
+
+    # --- where things live -------------------------------------------------------------------------------------
+    data_dir: Path = Field(Path(".docpipe"), description="Blobs, the default SQLite database and logs live here.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; None = SQLite file <data_dir>/docpipe.sqlite. PostgreSQL: "
+        "postgresql+psycopg://user@host/db"
+    )
+    # --- model and engine ----------------------------------------------------------------------------------------
+    model_dir: Path | None = Field(None, description="HF-format Qwen3.5 checkpoint folder; None = bundled tiny model.")
+    runner: Runner = Field("reference", description="Engine runner: reference (numpy, CPU) or cuda.")
+    engine_max_num_seqs: int = Field(16, ge=1, description="Sequences the engine batches together.")
+    engine_max_batched_tokens: int = Field(2048, ge=16, description="Token budget of one engine step (prefill chunk).")
+    engine_max_model_len: int = Field(16384, ge=256, description="Longest prompt + output the engine accepts.")
+    engine_kv_cache_bytes: int | None = Field(
+        None, ge=1, description="Memory budget for the KV cache; None = the engine's own default."
+    )
+    # --- extraction ----------------------------------------------------------------------------------------------
+    default_schema: str = Field("generic", description="Extraction schema used when none is given.")
+    max_tokens: int = Field(2048, ge=1, description="Output token cap of one extraction request.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy, reproducible).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Wall-clock cap per engine request (engine-enforced).")
+    grammar_max_string_length: int | None = Field(
+        None, ge=1, description="Tighten every free-text string's maxLength in the decoding grammar (bounds output)."
+    )
+    grammar_max_array_items: int | None = Field(
+        None, ge=0, description="Tighten every array's maxItems in the decoding grammar (bounds output)."
+    )
+    anchor_text_chars: int = Field(4000, ge=0, description="PDF text-layer characters offered to the prompt per page.")
+    # --- media limits and rendering (passed to vision) -----------------------------------------------------------
+    max_file_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Largest accepted input file.")
+    max_pages: int = Field(2000, ge=1, description="Most pages (PDF/TIFF) per document.")
+    max_page_pixels: int = Field(16_000_000, ge=1, description="Rendered pages/frames are downscaled to this.")
+    max_video_seconds: float = Field(600.0, gt=0, description="Longest accepted video.")
+    pdf_dpi: float = Field(150.0, gt=0, description="PDF render resolution.")
+    video_fps: float = Field(2.0, gt=0, description="Video frames sampled per second (Qwen's rule).")
+    video_max_frames: int = Field(64, ge=4, description="Most frames sampled from one video.")
+    # --- jobs and queue ------------------------------------------------------------------------------------------
+    broker_url: str | None = Field(None, description="Celery broker (redis://...); None = embedded in-process runs.")
+    job_lease_s: float = Field(900.0, gt=0, description="A running job whose lease passed may be taken over.")
+    job_max_attempts: int = Field(3, ge=1, description="Attempts before a job is failed for good (poison cap).")
+    # --- folder ingestion ----------------------------------------------------------------------------------------
+    watch_folders: Annotated[list[Path], NoDecode] = Field(default_factory=list, description="Folders beat ingests.")
+    watch_action: WatchAction = Field("leave", description="After processing: leave files, or move to done/|failed/.")
+    stable_seconds: float = Field(2.0, ge=0, description="A file must keep size and mtime this long to be taken.")
+    # --- API ----------------------------------------------------------------------------------------------------
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted API keys; empty = none.")
+    api_host: str = Field("127.0.0.1", description="Address `docpipe serve` binds.")
+    api_port: int = Field(8000, ge=1, le=65535, description="Port `docpipe serve` binds.")
+    api_rate_limit_per_minute: int = Field(120, ge=1, description="Requests per minute per API key.")
+    api_max_inflight_per_key: int = Field(32, ge=1, description="Queued/running jobs one key may hold.")
+    retention_days: int | None = Field(None, ge=1, description="Purge documents older than this; None = keep.")
+
+    @field_validator("watch_folders", "api_keys", mode="before")
+    @classmethod
+    def _lists_from_env(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_trivial(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if len(key) < 16:
+                raise ValueError("every API key must be at least 16 characters (generate one: openssl rand -hex 24)")
+        return keys
+
+    @model_validator(mode="after")
+    def _data_dir_absolute(self) -> "Settings":
+        # Resolve once so a later chdir (tests, daemons) cannot move the data dir.
+        object.__setattr__(self, "data_dir", self.data_dir.expanduser().resolve())
+        return self
+
+    # --- derived values -------------------------------------------------------------------------------------------
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'docpipe.sqlite'}"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def embedded(self) -> bool:
+        """True when jobs run in this process (no broker configured)."""
+        return self.broker_url is None
+
+    def resolved_model_dir(self) -> Path:
+        if self.model_dir is not None:
+            return self.model_dir.expanduser().resolve()
+        from gpu_engine.bundled import bundled_model_dir  # imported late: only needed when a model is used
+
+        return Path(bundled_model_dir())
+
+    def media_limits(self) -> Any:
+        """The `vision.MediaLimits` these settings describe."""
+        from vision.limits import MediaLimits
+
+        return MediaLimits(
+            max_file_bytes=self.max_file_bytes,
+            max_pages=self.max_pages,
+            max_page_pixels=self.max_page_pixels,
+            max_video_seconds=self.max_video_seconds,
+        )
+
+    def render_options(self) -> Any:
+        """The `vision.RenderOptions` these settings describe."""
+        from vision.limits import RenderOptions
+
+        return RenderOptions(pdf_dpi=self.pdf_dpi, video_fps=self.video_fps, video_max_frames=self.video_max_frames)
+
+
+def get_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with keyword overrides (used by the CLI and tests)."""
+    return Settings(**overrides)
