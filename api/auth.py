@@ -1,0 +1,121 @@
+"""API-key authentication and per-key request rate limiting, as one ASGI middleware.
+
+Why a middleware and not a route dependency: it runs before any request body is read, so an unauthenticated
+client cannot make the server stream a large upload, and unknown paths do not reveal which routes exist.
+
+Keys arrive as `Authorization: Bearer <key>` (what the OpenAI client sends) or `X-API-Key: <key>`.
+No key -> 401 `auth_required`; a key that matches none -> 403 `invalid_api_key`.
+Health probes and the static web UI (which holds no data and asks the user for a key) stay open.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import ApiError, problem_response
+from .limits import RateLimiter
+
+# Paths reachable without a key. "/" and /ui/* are the static web UI; its API calls carry the key.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/", "/favicon.ico"})
+OPEN_PREFIXES = ("/ui/",)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a short, non-secret key id (never the key itself), used for limits and logs."""
+
+    key_id: str
+    authenticated: bool
+
+
+def key_id(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class KeyRing:
+    """The configured API keys, compared in constant time."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        # Compare digests, so timing does not depend on the length of the configured key either.
+        self._digests = [(hashlib.sha256(k.encode()).digest(), key_id(k)) for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def match(self, presented: str) -> str | None:
+        """The key id of `presented`, or None. Every configured key is compared (no early exit)."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: str | None = None
+        for expected, ident in self._digests:
+            if hmac.compare_digest(digest, expected):
+                found = ident
+        return found
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    auth = headers.get(b"authorization")
+    if auth is not None:
+        scheme, _, value = auth.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    x_key = headers.get(b"x-api-key")
+    if x_key is not None and x_key.strip():
+        return x_key.decode("latin-1").strip()
+    return None
+
+
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, keys: KeyRing, limiter: RateLimiter) -> None:
+        self.app = app
+        self.keys = keys
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        try:
+            principal = self._authenticate(scope)
+            if principal is not None and not is_open_path(path):
+                self.limiter.check(principal.key_id)
+        except ApiError as exc:
+            headers = dict(exc.headers)
+            if exc.status == 401:
+                headers["WWW-Authenticate"] = 'Bearer realm="docpipe"'
+            response = problem_response(
+                exc.status, exc.code, exc.detail, instance=path, headers=headers, extra=exc.extra
+            )
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+    def _authenticate(self, scope: Scope) -> Principal | None:
+        headers = dict(scope["headers"])
+        open_path = is_open_path(scope["path"])
+        if not self.keys.enabled:
+            # No keys configured (loopback use): clients are told apart by address for the limits.
+            client = scope.get("client") or ("local", 0)
+            return Principal(key_id=f"addr-{client[0]}", authenticated=False)
+        key = presented_key(headers)
+        if key is None:
+            if open_path:
+                return None
+            raise ApiError(401, "auth_required", "This server requires an API key: send 'Authorization: Bearer "
+                           "<key>' or 'X-API-Key: <key>'.")
+        ident = self.keys.match(key)
+        if ident is None:
+            if open_path:
+                return None
+            raise ApiError(403, "invalid_api_key", "The API key is not valid for this server.")
+        return Principal(key_id=ident, authenticated=True)

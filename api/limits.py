@@ -1,0 +1,140 @@
+"""Per-client limits: a request-rate token bucket and caps on work in flight (jobs, engine requests).
+
+One runaway client must not take the whole queue or the engine's cache, so every key gets its own budget.
+All state is in-process (one API process); with several API processes each enforces its own share.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import RateLimited
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Limits the API enforces. Built from `pipeline.settings.Settings` by `api.app.limits_from_settings`."""
+
+    rate_per_minute: int = 120  # requests per key per minute (sustained)
+    burst: int = 60  # requests a key may send at once before the rate applies
+    max_inflight_jobs: int = 32  # queued + running jobs one key may hold
+    max_inflight_engine: int = 4  # concurrent /v1/chat/completions requests per key
+    max_upload_bytes: int = 512 * 1024 * 1024  # one uploaded file
+    max_batch_files: int = 100  # files in one POST /v1/batches
+    max_json_bytes: int = 32 * 1024 * 1024  # JSON request bodies (chat requests carry data: URL images)
+    max_image_bytes: int = 20 * 1024 * 1024  # one decoded data: URL image or video
+    max_images_per_request: int = 16  # image/video parts in one chat request
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"ApiLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class RateLimiter:
+    """Token bucket per client key: `burst` tokens, refilled at `rate_per_minute / 60` per second."""
+
+    def __init__(self, rate_per_minute: int, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate_per_minute / 60.0
+        self._burst = float(burst)
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill time)
+        self._lock = threading.Lock()
+
+    def check(self, key: str) -> None:
+        """Take one token for `key` or raise RateLimited with the wait until the next token."""
+        with self._lock:
+            now = self._clock()
+            tokens, last = self._buckets.get(key, (self._burst, now))
+            tokens = min(self._burst, tokens + (now - last) * self._rate)
+            if tokens < 1.0:
+                self._buckets[key] = (tokens, now)
+                wait = (1.0 - tokens) / self._rate
+                raise RateLimited(
+                    "rate_limited",
+                    f"Too many requests for this API key (limit {self._rate * 60:.0f}/minute); retry later.",
+                    wait,
+                )
+            self._buckets[key] = (tokens - 1.0, now)
+
+
+class EngineSlots:
+    """Caps concurrent engine requests per key; a request holds a slot until its response (or stream) ends."""
+
+    def __init__(self, per_key: int) -> None:
+        self._per_key = per_key
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        self.acquire(key)
+        try:
+            yield
+        finally:
+            self.release(key)
+
+    def acquire(self, key: str) -> None:
+        with self._lock:
+            held = self._held.get(key, 0)
+            if held >= self._per_key:
+                raise RateLimited(
+                    "too_many_engine_requests",
+                    f"This API key already has {held} model requests running (limit {self._per_key}); "
+                    "wait for one to finish.",
+                    1.0,
+                )
+            self._held[key] = held + 1
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            left = self._held.get(key, 0) - 1
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
+
+    def held(self, key: str) -> int:
+        with self._lock:
+            return self._held.get(key, 0)
+
+
+class JobQuota:
+    """Caps queued + running jobs per key.
+
+    The server remembers which key submitted which job; `still_active` (a DB lookup supplied by the app) says
+    which of those are not finished yet, so jobs finished by any process (embedded thread or Celery worker) free
+    their slot.
+    """
+
+    def __init__(self, per_key: int, still_active: Callable[[Iterable[str]], set[str]]) -> None:
+        self._per_key = per_key
+        self._still_active = still_active
+        self._jobs: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, key: str, adding: int = 1) -> None:
+        """Raise RateLimited when `key` cannot add `adding` more jobs now."""
+        with self._lock:
+            mine = self._jobs.get(key, set())
+        active = self._still_active(mine) if mine else set()
+        with self._lock:
+            # Jobs recorded since the lookup stay counted; finished ones are forgotten.
+            current = self._jobs.get(key, set())
+            current = {j for j in current if j in active or j not in mine}
+            self._jobs[key] = current
+            if len(current) + adding > self._per_key:
+                raise RateLimited(
+                    "too_many_jobs",
+                    f"This API key has {len(current)} jobs queued or running (limit {self._per_key}); "
+                    "wait for some to finish.",
+                    5.0,
+                )
+
+    def record(self, key: str, job_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._jobs.setdefault(key, set()).update(job_ids)

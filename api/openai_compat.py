@@ -1,0 +1,327 @@
+"""OpenAI-compatible `POST /v1/chat/completions` and `GET /v1/models`, served by our engine.
+
+This is the one api module that imports `gpu_engine` directly. Why: the endpoint exposes the raw model, so it
+speaks the engine's own request types (`SamplingParams`, `RequestOutput`); routing them through `pipeline` would
+add a pass-through layer with nothing to do. Everything document-shaped still goes through `pipeline`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import jsonschema
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gpu_engine.params import RequestOutput, SamplingParams, TokenLogprob
+
+from .errors import ApiError
+from .limits import ApiLimits, EngineSlots
+from .media import decode_image, write_video
+from .openai_schema import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprobOut,
+    Usage,
+)
+
+
+class ChatEngine(Protocol):
+    """What this endpoint needs from `gpu_engine.AsyncEngine`."""
+
+    async def agenerate(self, messages: list[dict[str, Any]], params: SamplingParams) -> RequestOutput: ...
+
+    def astream(self, messages: list[dict[str, Any]], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+
+@dataclass
+class ChatBackend:
+    """The served model: its public id and a way to get the (lazily started, shared) engine."""
+
+    model_id: str
+    get_engine: Callable[[], ChatEngine]
+    fingerprint: str | None = None
+    default_max_tokens: int = 512
+    request_timeout_s: float | None = None
+    created: int = 0
+
+
+class UnknownModel(ApiError):
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(404, "model_not_found", f"This server serves the model {served!r}, not {asked!r}.")
+
+
+# --- request -> engine ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineRequest:
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    temp_files: list[Path]
+
+    def cleanup(self) -> None:
+        for path in self.temp_files:
+            path.unlink(missing_ok=True)
+
+
+def _engine_messages(
+    messages: list[ChatMessage], limits: ApiLimits, spool_dir: Path, temp_files: list[Path]
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    media_parts = 0
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role  # our template knows no 'developer'
+        if message.content is None or isinstance(message.content, str):
+            out.append({"role": role, "content": message.content or ""})
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+                continue
+            media_parts += 1
+            if media_parts > limits.max_images_per_request:
+                raise ApiError(400, "too_many_media_parts",
+                               f"At most {limits.max_images_per_request} image/video parts per request.")
+            if role != "user":
+                raise ApiError(400, "media_not_in_user_message", "Images and videos must be in user messages.")
+            if part.type == "image_url":
+                parts.append({"type": "image", "image": decode_image(part.image_url.url, limits.max_image_bytes)})
+            elif part.type == "video_url":
+                path = write_video(part.video_url.url, limits.max_image_bytes, spool_dir)
+                temp_files.append(path)
+                parts.append({"type": "video", "video": str(path), "fps": part.fps or 2.0})
+            else:  # frames
+                frames = [decode_image(url, limits.max_image_bytes) for url in part.video]
+                parts.append({"type": "video", "video": frames, "fps": part.fps})
+        out.append({"role": role, "content": parts})
+    if not any(m["role"] == "user" for m in out):
+        raise ApiError(400, "no_user_message", "The conversation needs at least one user message.")
+    return out
+
+
+def _json_schema_of(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or not fmt.json_schema.schema_:
+        raise ApiError(400, "invalid_response_format", "response_format json_schema needs a json_schema.schema.")
+    schema = fmt.json_schema.schema_
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ApiError(400, "invalid_json_schema", f"response_format.json_schema.schema is not valid JSON Schema: "
+                       f"{exc.message}") from exc
+    return schema
+
+
+def build_engine_request(
+    req: ChatCompletionRequest, backend: ChatBackend, limits: ApiLimits, spool_dir: Path
+) -> EngineRequest:
+    if req.tools:
+        raise ApiError(400, "unsupported_parameter", "Tool calling is not supported by this server.")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true.")
+    if req.top_logprobs:
+        raise ApiError(400, "unsupported_parameter", "top_logprobs is not supported; use logprobs: true for the "
+                       "chosen tokens' log probabilities.")
+    temp_files: list[Path] = []
+    try:
+        messages = _engine_messages(req.messages, limits, spool_dir, temp_files)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        try:
+            params = SamplingParams(
+                max_tokens=req.max_completion_tokens or req.max_tokens or backend.default_max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                presence_penalty=req.presence_penalty or 0.0,
+                seed=req.seed,
+                stop=stop,
+                logprobs=req.logprobs,
+                json_schema=_json_schema_of(req),
+                timeout_s=backend.request_timeout_s,
+            )
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from exc
+        return EngineRequest(messages=messages, params=params, temp_files=temp_files)
+    except BaseException:
+        for path in temp_files:
+            path.unlink(missing_ok=True)
+        raise
+
+
+# --- engine -> response ---------------------------------------------------------------------------------------
+
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if out.finish_reason == "error":
+        raise EngineFailed(out.error or "the engine reported an error without a message")
+    if out.finish_reason == "abort":
+        raise EngineFailed("the request was aborted (timeout or shutdown)")
+    return _FINISH.get(out.finish_reason or "", None)
+
+
+class EngineFailed(ApiError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, "engine_error", f"The model could not complete this request: {reason}")
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        total_tokens=out.prompt_tokens + out.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_prompt_tokens),
+    )
+
+
+def _logprobs(items: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    if items is None:
+        return None
+    return ChoiceLogprobs(
+        content=[TokenLogprobOut(token=t.text, logprob=t.logprob, bytes=list(t.text.encode())) for t in items]
+    )
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _SlotResponse(StreamingResponse):
+    """A streaming response that gives its engine slot (and temp files) back however the stream ends —
+    including when the client is gone before the first byte."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _stream_events(
+    engine: ChatEngine, ereq: EngineRequest, completion_id: str, model_id: str, created: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: ChoiceLogprobs | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs.model_dump()
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
+                "choices": [choice]}
+
+    yield _sse(chunk({"role": "assistant", "content": ""}, None))
+    last: RequestOutput | None = None
+    sent_logprobs = 0
+    stream = engine.astream(ereq.messages, ereq.params)
+    try:
+        async for out in stream:
+            last = out
+            new_lp = None
+            if out.logprobs is not None and len(out.logprobs) > sent_logprobs:
+                new_lp = _logprobs(out.logprobs[sent_logprobs:])
+                sent_logprobs = len(out.logprobs)
+            if out.finished:
+                finish = _finish_reason(out)
+                yield _sse(chunk({"content": out.delta} if out.delta else {}, finish, new_lp))
+                break
+            if out.delta or new_lp is not None:
+                yield _sse(chunk({"content": out.delta}, None, new_lp))
+    except ApiError as exc:
+        # Headers are already sent: report the error in-band, the way OpenAI's streaming API does.
+        yield _sse({"error": {"message": exc.detail, "type": exc.code, "code": exc.code}})
+        yield _sse("[DONE]")
+        return
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()  # cancels the engine request when the client went away mid-stream
+    if include_usage and last is not None:
+        yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
+                    "choices": [], "usage": _usage(last).model_dump()})
+    yield _sse("[DONE]")
+
+
+# --- router ---------------------------------------------------------------------------------------------------
+
+
+def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spool_dir: Path) -> APIRouter:
+    router = APIRouter(tags=["openai"])
+
+    @router.get("/v1/models", response_model=ModelList)
+    def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=backend.model_id, created=backend.created)])
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletion,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "A completion, or SSE chunks when "
+                                                                              "stream is true."}},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        if body.model != backend.model_id:
+            raise UnknownModel(body.model, backend.model_id)
+        principal = request.state.principal
+        ereq = build_engine_request(body, backend, limits, spool_dir)
+        try:
+            slots.acquire(principal.key_id)
+        except ApiError:
+            ereq.cleanup()
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release(principal.key_id)
+                ereq.cleanup()
+
+        completion_id = "chatcmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        try:
+            engine = backend.get_engine()
+        except BaseException:
+            release()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _stream_events(engine, ereq, completion_id, backend.model_id, created, include_usage)
+            return _SlotResponse(events, on_close=release)
+        try:
+            out = await engine.agenerate(ereq.messages, ereq.params)
+        finally:
+            release()
+        completion = ChatCompletion(
+            id=completion_id,
+            created=created,
+            model=backend.model_id,
+            choices=[Choice(message=AssistantMessage(content=out.text), finish_reason=_finish_reason(out),
+                            logprobs=_logprobs(out.logprobs))],
+            usage=_usage(out),
+            system_fingerprint=backend.fingerprint,
+        )
+        return JSONResponse(completion.model_dump())
+
+    return router

@@ -1,0 +1,173 @@
+"""Streaming multipart/form-data reception: file parts go straight to disk, hashed and counted as they arrive.
+
+Starlette's form parser spools the whole body before the route sees it, so a size limit could only be checked
+afterwards. Here every received byte is counted, the limit is enforced on bytes actually received (whatever
+Content-Length claims), and an aborted upload leaves no file behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from .errors import ApiError, BodyTooLarge
+
+MAX_FIELD_BYTES = 64 * 1024  # text fields (schema name, password) are small
+MAX_FIELDS = 32
+
+
+@dataclass
+class SpooledFile:
+    """One received file part, already on disk (in the spool directory, next to the blob store)."""
+
+    path: Path
+    filename: str  # the client's name: display only, never used as a path
+    size: int
+    sha256: str
+
+
+@dataclass
+class ReceivedForm:
+    fields: dict[str, str] = field(default_factory=dict)
+    files: list[tuple[str, SpooledFile]] = field(default_factory=list)  # (form field name, file)
+
+    def discard(self) -> None:
+        """Remove every spooled file (after an error, or once the blob store has its own copies)."""
+        for _, f in self.files:
+            f.path.unlink(missing_ok=True)
+        self.files.clear()
+
+
+class _Part:
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self.name: str = ""
+        self.filename: str | None = None
+        self.data = bytearray()  # text fields only
+        self.out: BinaryIO | None = None
+        self.path: Path | None = None
+        self.hasher = hashlib.sha256()
+        self.size = 0
+
+
+class _FormBuilder:
+    """Receives python-multipart callbacks and builds a ReceivedForm, enforcing per-file and count limits."""
+
+    def __init__(self, spool_dir: Path, max_file_bytes: int, max_files: int) -> None:
+        self.spool_dir = spool_dir
+        self.max_file_bytes = max_file_bytes
+        self.max_files = max_files
+        self.form = ReceivedForm()
+        self.part = _Part()
+        self.header_name = b""
+        self.header_value = b""
+        self.open_part: _Part | None = None
+
+    # -- callbacks ------------------------------------------------------------------------------------------------
+    def on_part_begin(self) -> None:
+        self.part = _Part()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self.header_name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self.header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        self.part.headers[self.header_name.strip().lower()] = self.header_value.strip()
+        self.header_name = b""
+        self.header_value = b""
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self.part.headers.get(b"content-disposition", b""))
+        if b"name" not in options:
+            raise ApiError(400, "malformed_multipart", "Every form part needs a Content-Disposition name.")
+        self.part.name = options[b"name"].decode("utf-8", "replace")
+        if b"filename" in options:
+            if len(self.form.files) >= self.max_files:
+                raise ApiError(400, "too_many_files", f"At most {self.max_files} files per request.")
+            self.part.filename = options[b"filename"].decode("utf-8", "replace")
+            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=self.spool_dir)
+            self.part.out = os.fdopen(fd, "wb")
+            self.part.path = Path(name)
+            self.open_part = self.part
+        elif len(self.form.fields) >= MAX_FIELDS:
+            raise ApiError(400, "too_many_fields", f"At most {MAX_FIELDS} form fields per request.")
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        chunk = data[start:end]
+        part = self.part
+        if part.out is None:
+            if len(part.data) + len(chunk) > MAX_FIELD_BYTES:
+                raise ApiError(400, "field_too_large", f"Form field {part.name!r} exceeds {MAX_FIELD_BYTES} bytes.")
+            part.data.extend(chunk)
+            return
+        part.size += len(chunk)
+        if part.size > self.max_file_bytes:
+            raise BodyTooLarge(self.max_file_bytes)
+        part.hasher.update(chunk)
+        part.out.write(chunk)
+
+    def on_part_end(self) -> None:
+        part = self.part
+        if part.out is None:
+            self.form.fields[part.name] = part.data.decode("utf-8", "replace")
+            return
+        part.out.close()
+        self.open_part = None
+        assert part.path is not None and part.filename is not None
+        self.form.files.append(
+            (part.name, SpooledFile(path=part.path, filename=part.filename, size=part.size,
+                                    sha256=part.hasher.hexdigest()))
+        )
+
+    # -- cleanup --------------------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        if self.open_part is not None and self.open_part.out is not None:
+            self.open_part.out.close()
+            if self.open_part.path is not None:
+                self.open_part.path.unlink(missing_ok=True)
+        self.form.discard()
+
+
+async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int, max_files: int) -> ReceivedForm:
+    """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/413/415) on bad input."""
+    content_type, params = parse_options_header(request.headers.get("content-type", ""))
+    if content_type != b"multipart/form-data":
+        raise ApiError(415, "unsupported_media_type", "Send the upload as multipart/form-data.")
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "malformed_multipart", "The multipart Content-Type has no boundary.")
+    spool_dir.mkdir(parents=True, exist_ok=True)
+    builder = _FormBuilder(spool_dir, max_file_bytes, max_files)
+    callbacks = {
+        name: getattr(builder, name)
+        for name in ("on_part_begin", "on_part_data", "on_part_end", "on_header_field", "on_header_value",
+                     "on_header_end", "on_headers_finished")
+    }
+    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+    completed = False
+    try:
+        async for chunk in request.stream():
+            if chunk:
+                parser.write(chunk)
+        parser.finalize()
+        if builder.open_part is not None:
+            raise ApiError(400, "malformed_multipart", "The multipart body ended in the middle of a file.")
+        completed = True
+        return builder.form
+    except ApiError:
+        raise
+    except ClientDisconnect:
+        raise ApiError(400, "client_disconnected", "The client closed the connection before the upload finished.")
+    except Exception as exc:  # python-multipart raises its own parse errors (and ValueError) on malformed input
+        raise ApiError(400, "malformed_multipart", f"The multipart body could not be parsed: {exc}") from exc
+    finally:
+        if not completed:
+            builder.abort()
