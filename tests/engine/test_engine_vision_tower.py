@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -183,8 +184,6 @@ def test_checkpoint_names_under_model_visual_load_and_match():
     config.vision_config._attn_implementation = "eager"
     model = Qwen3_5ForConditionalGeneration(config).eval()
     randomize_(model.model.visual, SEED)
-
-    import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
