@@ -1,0 +1,120 @@
+"""Just-in-time vision encoding with a byte-bounded cache of embeddings.
+
+A prefill chunk that overlaps an item's placeholders needs that item's embeddings; the item is encoded then (not
+the whole video up front) and kept, keyed by its content hash (which covers pixels, grid and processor
+parameters), until the budget forces it out (LRU). Items needed by the step being built are pinned: the scheduler
+reserves them first, and cuts a chunk short at the first item that does not fit, so the cache never holds more than
+`budget_bytes` and one step never needs more than that. Encoding happens one item at a time, so the peak is the
+cache plus one item's encoder input/output — whatever the video length.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .inputs import VisionItem
+from .runner_api import VisionSlice
+
+
+class EncoderCache:
+    def __init__(
+        self,
+        budget_bytes: int,
+        encode: Callable[[VisionItem], Any],
+        nbytes: Callable[[VisionItem], int],
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self._encode = encode
+        self._nbytes = nbytes
+        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # content hash -> (embeddings, bytes)
+        self._pinned: dict[str, int] = {}  # reserved for the step being built: content hash -> bytes
+        self.bytes_cached = 0
+        # Accounting (asserted by tests, reported by stats()).
+        self.peak_cached_bytes = 0
+        self.peak_bytes = 0  # cache + the one item being encoded (its pixel input + embedding output)
+        self.encodes = 0
+        self.hits = 0
+        self.evictions = 0
+
+    def item_bytes(self, item: VisionItem) -> int:
+        return int(self._nbytes(item))
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self._pinned.values())
+
+    def reserve(self, items: list[VisionItem]) -> int:
+        """Pin `items` in order for the coming step; returns how many leading items fit the budget."""
+        for i, item in enumerate(items):
+            key = item.content_hash
+            if key in self._pinned:
+                continue
+            size = self._entries[key][1] if key in self._entries else self.item_bytes(item)
+            if self.pinned_bytes + size > self.budget_bytes:
+                return i
+            self._pinned[key] = size
+        return len(items)
+
+    def release(self) -> None:
+        """The step ran: its items may be evicted again."""
+        self._pinned.clear()
+
+    def get(self, item: VisionItem) -> Any:
+        key = item.content_hash
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+        size = self.item_bytes(item)
+        self._evict_until(size)
+        self.peak_bytes = max(self.peak_bytes, self.bytes_cached + int(item.pixel_values.nbytes) + size)
+        emb = self._encode(item)
+        if emb.shape[0] != item.num_tokens:
+            raise ValueError(
+                f"vision encoder returned {emb.shape[0]} embeddings for an item with {item.num_tokens} placeholders"
+            )
+        self.encodes += 1
+        self._entries[key] = (emb, size)
+        self.bytes_cached += size
+        self.peak_cached_bytes = max(self.peak_cached_bytes, self.bytes_cached)
+        return emb
+
+    def _evict_until(self, size: int) -> None:
+        for key in list(self._entries):
+            if self.bytes_cached + size <= self.budget_bytes:
+                return
+            if key in self._pinned:
+                continue
+            _, freed = self._entries.pop(key)
+            self.bytes_cached -= freed
+            self.evictions += 1
+        if self.bytes_cached + size > self.budget_bytes:
+            raise RuntimeError(
+                f"encoder cache: {size} bytes do not fit next to {self.bytes_cached} pinned bytes "
+                f"(budget {self.budget_bytes}); reserve() must run first"
+            )
+
+    def slices(self, items: list[VisionItem], start: int, end: int) -> list[VisionSlice]:
+        """Embedding slices for the chunk covering tokens [start, end) (items already reserved)."""
+        out = []
+        for item in items:
+            lo = max(start, item.token_start)
+            hi = min(end, item.token_end)
+            if lo >= hi:
+                continue
+            emb = self.get(item)
+            out.append(VisionSlice(chunk_offset=lo - start, embeddings=emb[lo - item.token_start : hi - item.token_start]))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "encoder_cache_bytes": self.bytes_cached,
+            "encoder_cache_budget_bytes": self.budget_bytes,
+            "encoder_cache_peak_bytes": self.peak_cached_bytes,
+            "encoder_peak_bytes": self.peak_bytes,
+            "encoder_encodes": self.encodes,
+            "encoder_hits": self.hits,
+            "encoder_evictions": self.evictions,
+        }

@@ -1,0 +1,69 @@
+"""EngineConfig: the knobs that bound the engine's memory and batching, checked once at construction.
+
+Memory is bounded by configuration, never by luck: the KV cache and the linear-attention state slots are sized
+from `kv_cache_bytes` (or an explicit `num_kv_blocks`), vision embeddings from `encoder_cache_bytes`, and a
+step never holds more than `max_batched_tokens` tokens for `max_num_seqs` sequences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineConfigError(ValueError):
+    """An EngineConfig value is out of range or inconsistent with another one."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32  # sequences running at once (each holds one linear-attention state slot)
+    max_batched_tokens: int = 2048  # tokens per forward step, decode tokens + prefill chunks together
+    block_size: int = 16  # tokens per paged KV block (also the prefix-cache granularity)
+    # Cache memory: give a byte budget (KV blocks + state slots are carved from it) or an explicit block count.
+    kv_cache_bytes: int | None = 256 * 1024**2
+    num_kv_blocks: int | None = None
+    # Linear-attention state slots: one per running sequence, the rest hold prefix-cache snapshots.
+    # None -> 2 * max_num_seqs (half of them snapshots).
+    num_state_slots: int | None = None
+    encoder_cache_bytes: int = 64 * 1024**2  # vision embeddings kept between chunks / requests (hard cap)
+    enable_prefix_caching: bool = True
+    enable_jump_forward: bool = True  # feed grammar-forced token runs into the next forward as one chunk
+    max_model_len: int | None = None  # prompt + generated tokens; None -> what the KV cache can hold
+    max_logprobs: int = 20  # largest SamplingParams.top_logprobs accepted
+    json_whitespace_flexible: bool = False  # compact JSON (no free whitespace) keeps outputs short and finite
+    seed: int = 0  # seeds requests that give no seed of their own (reproducible runs of the whole engine)
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name} must be a positive int, got {value!r}")
+
+        for name in ("max_num_seqs", "max_batched_tokens", "block_size", "encoder_cache_bytes"):
+            positive(name)
+        if (self.kv_cache_bytes is None) == (self.num_kv_blocks is None):
+            raise EngineConfigError(
+                "give exactly one of kv_cache_bytes and num_kv_blocks "
+                f"(got kv_cache_bytes={self.kv_cache_bytes!r}, num_kv_blocks={self.num_kv_blocks!r})"
+            )
+        if self.kv_cache_bytes is not None:
+            positive("kv_cache_bytes")
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+        # Every running sequence must be able to advance by at least one token per step.
+        if self.max_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError(
+                f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.num_state_slots is not None and self.num_state_slots < self.max_num_seqs:
+            raise EngineConfigError(
+                f"num_state_slots ({self.num_state_slots}) must be >= max_num_seqs ({self.max_num_seqs}): "
+                "every running sequence holds one"
+            )
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.max_logprobs < 0:
+            raise EngineConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def state_slots(self) -> int:
+        return self.num_state_slots if self.num_state_slots is not None else 2 * self.max_num_seqs

@@ -1,0 +1,161 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Every sequence simply has "uncomputed tokens" (a whole prompt, the rest of a chunked prompt, one decode token, or
+a jump-forward run). Each step:
+1. running sequences, oldest first, get their next tokens (decode = 1) while the `max_batched_tokens` budget lasts;
+   if the cache has no block for one, the most recently admitted running sequence is preempted (its cache is
+   dropped and it is recomputed later, keeping every generated token) — possibly the sequence itself;
+2. the leftover budget is backfilled with waiting requests in FIFO order (prefix-cache hits skip their cached
+   prefix); the last one admitted may get a partial chunk. A head request that does not fit blocks the queue, so
+   large requests are never starved by small ones.
+Chunks are also cut so that the vision items they overlap fit the encoder-cache budget, and (hybrid models with
+prefix caching) so that they end on the block boundaries where linear-attention state snapshots are taken.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cache import BlockManager
+from .encoder_cache import EncoderCache
+from .engine_config import EngineConfig
+from .inputs import VisionItem
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token of the chunk (== tokens already in the cache)
+    num_tokens: int
+    vision_items: list[VisionItem]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def wants_logits(self) -> bool:
+        """Only a chunk that reaches the sequence's last token produces a token to sample."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, encoder: EncoderCache) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.encoder = encoder
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # Snapshots of linear-attention state are only useful (and only taken) on block boundaries.
+        self._align = blocks.enable_prefix_caching and blocks.has_linear_state
+
+    # ---- queue management ----
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished / aborted / failed sequence out and give back its cache."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk_size(seq, seq.num_computed, budget)
+            if n == 0:
+                continue
+            while not self.blocks.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self._take(out, seq, n)
+            budget -= n
+
+        # Admission only when nothing had to be preempted: memory is tight, let the running ones finish first.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.blocks.match_prefix(seq)
+            n = self._chunk_size(seq, hit.num_tokens, budget)
+            if n == 0 or not self.blocks.can_admit(seq, hit, n):
+                break
+            self.waiting.popleft()
+            self.blocks.admit(seq, hit)
+            if not seq.admitted_once:
+                seq.cached_prompt_tokens = hit.num_tokens
+                seq.admitted_once = True
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._take(out, seq, n)
+            budget -= n
+        return out
+
+    def _take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        self.blocks.allocate(seq, n)
+        start = seq.num_computed
+        out.chunks.append(ScheduledChunk(seq, start, n, seq.vision_items_in(start, start + n)))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens of `seq` to run from `start` this step (0: cannot advance now)."""
+        remaining = seq.num_tokens - start
+        n = min(remaining, budget)
+        if n == 0 or start >= seq.prompt_len:
+            return n  # decode / jump-forward run: no vision, no snapshot boundary
+        bs = self.config.block_size
+        if self._align:
+            if n < remaining and (start + n) // bs * bs > start:
+                n = (start + n) // bs * bs - start  # a budget-cut chunk ends on a block boundary
+            for b in self._snapshot_boundaries(seq):
+                if start < b < start + n:
+                    n = b - start
+                    break
+        items = seq.vision_items_in(start, start + n)
+        if items:
+            fit = self.encoder.reserve(items)
+            if fit < len(items):
+                n = max(0, items[fit].token_start - start)
+        return n
+
+    def _snapshot_boundaries(self, seq: Sequence) -> list[int]:
+        """Block boundaries worth a state snapshot: after the last vision item (same document, other question)
+        and the end of the prompt's last full block (same prompt again)."""
+        bs = self.config.block_size
+        points = {(seq.prompt_len - 1) // bs * bs}
+        if seq.prompt.vision_items:
+            points.add(seq.prompt.vision_items[-1].token_end // bs * bs)
+        return sorted(p for p in points if p > 0)

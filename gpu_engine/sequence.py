@@ -1,0 +1,123 @@
+"""Sequence: the engine's per-request state (tokens, cache ownership, sampling and output bookkeeping).
+
+One request = one sequence. Its tokens are the prompt followed by the generated tokens; `num_computed` of them
+are in the cache. Everything the scheduler runs is "the next uncomputed tokens": a prefill chunk, one decode
+token, or a run of grammar-forced tokens (jump-forward) — one code path for all three.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .inputs import ProcessedPrompt, VisionItem
+from .params import FinishReason, SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (cache dropped, will be recomputed)
+    RUNNING = "running"  # holds cache blocks and a state slot
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    rng: np.random.Generator
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time after which the request ends with finish_reason "error"
+
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV / linear state is in the cache
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of full blocks
+    num_committed_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    admitted_once: bool = False
+
+    matcher: Any = None  # llguidance.LLMatcher when the request is constrained
+    logprobs: list[TokenLogprob] | None = None
+    detok: Any = None  # incremental detokenizer
+    text: str = ""  # generated text (stop string excluded once finished)
+    emitted_chars: int = 0  # characters of `text` already sent as deltas
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt)
+        # Fixed capacity: a request can never grow past prompt + max_tokens (forced runs are capped too).
+        self._tokens = np.zeros(self.prompt_len + self.params.max_tokens, dtype=np.int64)
+        self._tokens[: self.prompt_len] = self.prompt.token_ids
+        self.num_tokens = self.prompt_len
+        self.logprobs = [] if self.params.logprobs else None
+
+    # ---- tokens ----
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._tokens[: self.num_tokens]
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self._tokens[self.prompt_len : self.num_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def remaining_tokens(self) -> int:
+        """How many more tokens this request may generate."""
+        return self.params.max_tokens - self.num_output_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def last_token(self) -> int:
+        return int(self._tokens[self.num_tokens - 1])
+
+    def append(self, token_id: int) -> None:
+        self._tokens[self.num_tokens] = token_id
+        self.num_tokens += 1
+
+    def positions(self, start: int, n: int) -> np.ndarray:
+        """M-RoPE positions [3, n] of tokens [start, start + n): the processor's for the prompt, then i + rope_delta."""
+        out = np.empty((3, n), dtype=np.int64)
+        in_prompt = max(0, min(n, self.prompt_len - start))
+        if in_prompt:
+            out[:, :in_prompt] = self.prompt.positions[:, start : start + in_prompt]
+        if in_prompt < n:
+            out[:, in_prompt:] = np.arange(start + in_prompt, start + n, dtype=np.int64) + self.prompt.rope_delta
+        return out
+
+    def vision_items_in(self, start: int, end: int) -> list[VisionItem]:
+        """Vision items whose placeholders overlap tokens [start, end)."""
+        if start >= self.prompt_len:
+            return []
+        return [it for it in self.prompt.vision_items if it.token_start < end and it.token_end > start]
+
+    # ---- state ----
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget the cache, keep every generated token (they are re-prefilled)."""
+        self.status = SeqStatus.WAITING
+        self.num_computed = 0
+        self.block_table = []
+        self.state_slot = None
+        self.num_committed_blocks = 0
+        self.num_preemptions += 1
