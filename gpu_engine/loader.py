@@ -1,0 +1,312 @@
+"""Checkpoint loading: safetensors (single file or sharded), memory-mapped, no torch; integrity and fingerprint.
+
+Reading: every file is first opened with `safetensors.safe_open(..., framework="np")`, which validates the header
+against the file (a truncated or corrupt file fails there). Tensor bytes are then viewed through one `np.memmap`
+per file at the offsets of the safetensors header (8-byte little-endian header length, JSON header, data), because
+numpy has no bfloat16 and safetensors' numpy API refuses BF16 tensors. F32 tensors stay zero-copy views of the
+mapped file; F16 and BF16 are converted to float32 (BF16 = the high 16 bits of a float32).
+
+Names: transformers writes `model.language_model.*`, `model.visual.*`, `lm_head.weight` for
+Qwen3_5ForConditionalGeneration; upstream checkpoints add `mtp.*`. Older VL layouts (`model.layers.*`, `visual.*`,
+`language_model.model.*`) are mapped too. Everything is checked against the name -> shape table that ModelConfig
+implies; all problems are reported in one CheckpointError.
+
+Fingerprint (`checkpoint_fingerprint`): sha256 of the UTF-8 text made of one line per file,
+`<file name>\\0<sha256 hex of the file>\\n`, for config.json followed by the weight files in sorted name order.
+It changes whenever the config or any weight byte changes and does not depend on the folder's location.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from .config import ModelConfig, ModelLoadError
+
+
+class CheckpointError(ModelLoadError):
+    """Weight files are missing, unreadable, or do not match config.json (names / shapes)."""
+
+
+class IntegrityError(ModelLoadError):
+    """A file's SHA-256 does not match the expected digest (SHA256SUMS or caller-supplied)."""
+
+
+SUMS_FILE = "SHA256SUMS"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# (checkpoint prefix, our group) in the order they are tried; the first match wins.
+_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "text"),
+    ("model.visual.", "vision"),
+    ("language_model.model.", "text"),
+    ("language_model.lm_head.", "lm_head"),
+    ("lm_head.", "lm_head"),
+    ("mtp.", "mtp"),
+    ("visual.", "vision"),
+    ("model.", "text"),
+)
+
+
+@dataclass
+class ModelWeights:
+    """float32 numpy tensors, keyed relative to their component prefix."""
+
+    text: dict[str, np.ndarray]  # e.g. "layers.0.linear_attn.in_proj_qkv.weight", "embed_tokens.weight"
+    vision: dict[str, np.ndarray]  # e.g. "blocks.0.attn.qkv.weight"
+    lm_head: np.ndarray  # [vocab, hidden]; the embedding matrix itself when tied
+    mtp: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. "fc.weight" (kept for speculative decoding)
+
+
+# ------------------------------------------------------------------------------------------------ expected shapes
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, as `group/name` -> shape (group: text, vision, lm_head)."""
+    t, v = config.text, config.vision
+    h = t.hidden_size
+    out: dict[str, tuple[int, ...]] = {
+        "text/embed_tokens.weight": (t.vocab_size, h),
+        "text/norm.weight": (h,),
+    }
+    for i, kind in enumerate(t.layer_types):
+        p = f"text/layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (t.intermediate_size, h)
+        out[p + "mlp.up_proj.weight"] = (t.intermediate_size, h)
+        out[p + "mlp.down_proj.weight"] = (h, t.intermediate_size)
+        if kind == "linear_attention":
+            nv = t.linear_num_value_heads
+            a = p + "linear_attn."
+            out[a + "in_proj_qkv.weight"] = (t.linear_conv_dim, h)
+            out[a + "in_proj_z.weight"] = (t.linear_value_dim, h)
+            out[a + "in_proj_b.weight"] = (nv, h)
+            out[a + "in_proj_a.weight"] = (nv, h)
+            out[a + "conv1d.weight"] = (t.linear_conv_dim, 1, t.linear_conv_kernel_dim)
+            out[a + "dt_bias"] = (nv,)
+            out[a + "A_log"] = (nv,)
+            out[a + "norm.weight"] = (t.linear_value_head_dim,)
+            out[a + "out_proj.weight"] = (h, t.linear_value_dim)
+        else:
+            a = p + "self_attn."
+            q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+            out[a + "q_proj.weight"] = (2 * q, h)  # query and output gate, interleaved per head
+            out[a + "k_proj.weight"] = (kv, h)
+            out[a + "v_proj.weight"] = (kv, h)
+            out[a + "o_proj.weight"] = (h, q)
+            out[a + "q_norm.weight"] = (t.head_dim,)
+            out[a + "k_norm.weight"] = (t.head_dim,)
+            if t.attention_bias:
+                out[a + "q_proj.bias"] = (2 * q,)
+                out[a + "k_proj.bias"] = (kv,)
+                out[a + "v_proj.bias"] = (kv,)
+                out[a + "o_proj.bias"] = (h,)
+    if not config.tie_word_embeddings:
+        out["lm_head/weight"] = (t.vocab_size, h)
+
+    vh, m2 = v.hidden_size, v.spatial_merge_size**2
+    out["vision/patch_embed.proj.weight"] = (vh, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    out["vision/patch_embed.proj.bias"] = (vh,)
+    out["vision/pos_embed.weight"] = (v.num_position_embeddings, vh)
+    for i in range(v.depth):
+        p = f"vision/blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            out[p + norm + ".weight"] = (vh,)
+            out[p + norm + ".bias"] = (vh,)
+        out[p + "attn.qkv.weight"] = (3 * vh, vh)
+        out[p + "attn.qkv.bias"] = (3 * vh,)
+        out[p + "attn.proj.weight"] = (vh, vh)
+        out[p + "attn.proj.bias"] = (vh,)
+        out[p + "mlp.linear_fc1.weight"] = (v.intermediate_size, vh)
+        out[p + "mlp.linear_fc1.bias"] = (v.intermediate_size,)
+        out[p + "mlp.linear_fc2.weight"] = (vh, v.intermediate_size)
+        out[p + "mlp.linear_fc2.bias"] = (vh,)
+    out["vision/merger.norm.weight"] = (vh,)
+    out["vision/merger.norm.bias"] = (vh,)
+    out["vision/merger.linear_fc1.weight"] = (vh * m2, vh * m2)
+    out["vision/merger.linear_fc1.bias"] = (vh * m2,)
+    out["vision/merger.linear_fc2.weight"] = (v.out_hidden_size, vh * m2)
+    out["vision/merger.linear_fc2.bias"] = (v.out_hidden_size,)
+    return out
+
+
+def _our_name(checkpoint_name: str) -> str | None:
+    """`group/relative name` for a checkpoint tensor name, or None if it belongs to nothing we know."""
+    for prefix, group in _PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            rest = checkpoint_name[len(prefix):]
+            return f"{group}/{rest}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def weight_files(folder: Path) -> list[str]:
+    """Weight file names of a checkpoint folder (the shards an index lists, or model.safetensors)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {exc}") from exc
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} and no {INDEX_FILE}; is this a safetensors checkpoint folder?")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_sums_file(path: Path) -> dict[str, str]:
+    """Parse `<hex>  <filename>` lines (sha256sum output; a `*` binary marker is accepted)."""
+    digests: dict[str, str] = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split(None, 1)
+        if len(parts) != 2 or len(parts[0]) != 64 or any(c not in "0123456789abcdefABCDEF" for c in parts[0]):
+            raise IntegrityError(f"{path}:{lineno}: expected '<64 hex digits>  <file name>', got {line!r}")
+        digests[parts[1].strip().lstrip("*")] = parts[0].lower()
+    return digests
+
+
+def verify_digests(folder: Path, expected: Mapping[str, str], *, required: list[str]) -> dict[str, str]:
+    """Hash every file in `expected`; mismatch, missing file, or a required file not covered -> IntegrityError.
+
+    Returns the computed digests (reused for the fingerprint so big files are read once).
+    """
+    uncovered = [name for name in required if name not in expected]
+    if uncovered:
+        raise IntegrityError(
+            f"{folder}: the expected digests do not cover {', '.join(uncovered)}; every config and weight file must be listed"
+        )
+    actual: dict[str, str] = {}
+    bad: list[str] = []
+    for name, want in sorted(expected.items()):
+        path = folder / name
+        if not path.is_file():
+            bad.append(f"{name}: listed but missing")
+            continue
+        actual[name] = sha256_file(path)
+        if actual[name] != want.lower():
+            bad.append(f"{name}: sha256 {actual[name]} != expected {want.lower()}")
+    if bad:
+        raise IntegrityError(f"{folder}: integrity check failed:\n  " + "\n  ".join(bad))
+    return actual
+
+
+def checkpoint_fingerprint(folder: Path, files: list[str], known: Mapping[str, str] | None = None) -> str:
+    """sha256 over config.json + weight files (see the module docstring for the exact recipe)."""
+    known = known or {}
+    lines = []
+    for name in ["config.json", *sorted(files)]:
+        digest = known.get(name) or sha256_file(folder / name)
+        lines.append(f"{name}\0{digest}\n")
+    return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+
+_NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+def _read_file(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file as float32 (F32 as read-only memory-mapped views)."""
+    try:
+        with safe_open(str(path), framework="np") as f:  # validates header and sizes against the file
+            names = list(f.keys())
+    except Exception as exc:  # safetensors raises its own SafetensorError for truncated / corrupt files
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    tensors: dict[str, np.ndarray] = {}
+    for name in names:
+        info = header[name]
+        dtype = _NP_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 are supported")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        raw = data[begin:end].view(dtype).reshape(shape)
+        if info["dtype"] == "F32":
+            tensors[name] = raw
+        elif info["dtype"] == "F16":
+            tensors[name] = raw.astype(np.float32)
+        else:  # BF16 is the upper half of an IEEE float32
+            tensors[name] = (raw.astype(np.uint32) << 16).view(np.float32)
+    return tensors
+
+
+def load_weights(
+    folder: str | Path,
+    config: ModelConfig,
+    *,
+    expected_digests: Mapping[str, str] | None = None,
+) -> tuple[ModelWeights, str]:
+    """Verify (SHA256SUMS or `expected_digests`), read and validate the weights; returns (weights, fingerprint)."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    digests: dict[str, str] = {}
+    expected = dict(expected_digests) if expected_digests is not None else None
+    if expected is None and (folder / SUMS_FILE).is_file():
+        expected = read_sums_file(folder / SUMS_FILE)
+    if expected is not None:
+        digests = verify_digests(folder, expected, required=["config.json", *files])
+    fingerprint = checkpoint_fingerprint(folder, files, digests)
+
+    found: dict[str, np.ndarray] = {}
+    unknown: list[str] = []
+    for file in files:
+        for name, tensor in _read_file(folder / file).items():
+            ours = _our_name(name)
+            if ours is None:
+                unknown.append(name)
+            else:
+                found[ours] = tensor
+
+    # A tied checkpoint may still carry a (duplicate) lm_head; transformers ties it to the embedding anyway.
+    if config.tie_word_embeddings:
+        found.pop("lm_head/weight", None)
+    want = expected_shapes(config)
+    missing = sorted(n for n in want if n not in found)
+    unexpected = sorted(unknown + [n for n in found if n not in want and not n.startswith("mtp/")])
+    misshaped = sorted(
+        f"{n}: {tuple(found[n].shape)} (expected {want[n]})" for n in want if n in found and tuple(found[n].shape) != want[n]
+    )
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append("missing: " + ", ".join(missing))
+        if unexpected:
+            parts.append("unexpected: " + ", ".join(unexpected))
+        if misshaped:
+            parts.append("wrong shape: " + "; ".join(misshaped))
+        raise CheckpointError(f"{folder}: weights do not match config.json ({'; '.join(parts)})")
+
+    def group(g: str) -> dict[str, np.ndarray]:
+        return {n[len(g) + 1:]: a for n, a in found.items() if n.startswith(g + "/")}
+
+    text = group("text")
+    lm_head = text["embed_tokens.weight"] if config.tie_word_embeddings else found["lm_head/weight"]
+    return ModelWeights(text=text, vision=group("vision"), lm_head=lm_head, mtp=group("mtp")), fingerprint

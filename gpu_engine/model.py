@@ -1,0 +1,204 @@
+"""The engine's small public surface for scripts, benchmarks and checks: load a checkpoint, get logits, generate.
+
+    import gpu_engine
+    m = gpu_engine.load("path/to/checkpoint", runner="reference")    # or runner="cuda"
+    m.logits(input_ids)                 # float32 [T, vocab], text-only token ids
+    m.logits_for_messages(messages)     # chat template + processor applied, images / videos encoded
+    m.generate(messages_or_ids, max_tokens=24, temperature=0.0) -> list[int]
+
+One sequence at a time, through the same runner contract the continuous-batching engine uses (a single state
+slot and a block table covering the whole sequence). For serving many requests use gpu_engine.Engine.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .inputs import ProcessedPrompt, VisionItem
+from .loader import ModelWeights, load_weights
+from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch, VisionSlice
+
+RUNNERS = ("reference", "cuda")
+_BLOCK_SIZE = 16
+
+
+class RunnerUnavailableError(RuntimeError):
+    """The requested runner cannot run here (e.g. runner='cuda' without the CUDA packages or a GPU)."""
+
+
+def load(
+    path: str | Path,
+    runner: str = "reference",
+    *,
+    expected_digests: dict[str, str] | None = None,
+) -> LoadedModel:
+    """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner."""
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
+    folder = Path(path)
+    config = ModelConfig.from_pretrained(folder)
+    weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests)
+    return LoadedModel(config=config, fingerprint=fingerprint, path=folder, runner=_make_runner(runner, config, weights))
+
+
+def _make_runner(name: str, config: ModelConfig, weights: ModelWeights) -> Runner:
+    if name == "reference":
+        from .reference.runner import ReferenceRunner
+
+        return ReferenceRunner(config, weights)
+    try:
+        from .cuda.runner import CudaRunner
+    except ImportError as exc:
+        raise RunnerUnavailableError(
+            f"runner='cuda' is unavailable: {exc}. Install the extra (pip install -e '.[cuda]') on a machine with an "
+            "NVIDIA GPU, or use runner='reference'."
+        ) from exc
+    return CudaRunner(config, weights)
+
+
+def _is_token_ids(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return x.ndim == 1 and np.issubdtype(x.dtype, np.integer)
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x
+    )
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    fingerprint: str  # sha256 over config.json + weight files (gpu_engine.loader.checkpoint_fingerprint)
+    path: Path
+    runner: Runner
+    _capacity_tokens: int = field(default=0, repr=False)
+    _processor: Any = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------------------------------------ prompts
+
+    def text_prompt(self, input_ids: Sequence[int] | np.ndarray) -> ProcessedPrompt:
+        """A text-only prompt: all three M-RoPE position rows are 0..T-1."""
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("input_ids is empty")
+        positions = np.broadcast_to(np.arange(ids.size, dtype=np.int64), (3, ids.size)).copy()
+        return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
+
+    def prepare(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """Chat template + processor (tokens, M-RoPE positions, vision items) for an OpenAI-style message list."""
+        if self._processor is None:
+            from .processor import Processor
+
+            self._processor = Processor.from_pretrained(self.path, self.config)
+        return self._processor.prepare(messages, add_generation_prompt=add_generation_prompt)
+
+    # ------------------------------------------------------------------------------------------------ logits
+
+    def logits(self, input_ids: Sequence[int] | np.ndarray, *, chunk_size: int | None = None) -> np.ndarray:
+        """float32 [T, vocab]: logits at every position of a text-only prompt."""
+        return self.prefill(self.text_prompt(input_ids), chunk_size=chunk_size)
+
+    def logits_for_messages(self, messages: list[dict[str, Any]], *, chunk_size: int | None = None) -> np.ndarray:
+        """float32 [T, vocab] for the expanded prompt of `messages` (generation prompt appended)."""
+        return self.prefill(self.prepare(messages), chunk_size=chunk_size)
+
+    def prefill(self, prompt: ProcessedPrompt, *, chunk_size: int | None = None, logits: str = "all") -> np.ndarray:
+        """Run a fresh sequence's prompt in chunks of `chunk_size` tokens (None: one chunk); returns logit rows."""
+        total = len(prompt)
+        step = total if chunk_size is None else chunk_size
+        if step < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self._ensure_cache(total)
+        embeddings: dict[int, np.ndarray] = {}  # vision item index -> embeddings, encoded when first needed
+        rows = []
+        for begin in range(0, total, step):
+            end = min(begin + step, total)
+            want = logits if logits == "all" else ("last" if end == total and logits == "last" else "none")
+            vision = self._vision_slices(prompt.vision_items, begin, end, embeddings)
+            out = self._step(prompt.token_ids[begin:end], prompt.positions[:, begin:end], begin, want, vision)
+            rows.append(out)
+        return np.concatenate(rows, axis=0)
+
+    # ------------------------------------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        messages_or_ids: list[dict[str, Any]] | Sequence[int] | np.ndarray,
+        max_tokens: int = 24,
+        temperature: float = 0.0,
+        *,
+        seed: int | None = None,
+        chunk_size: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Generated token ids (greedy when temperature == 0). Stops after an eos / stop token (included)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if _is_token_ids(messages_or_ids):
+            prompt = self.text_prompt(messages_or_ids)  # type: ignore[arg-type]
+        else:
+            prompt = self.prepare(messages_or_ids)  # type: ignore[arg-type]
+        stops = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        rng = np.random.default_rng(seed)
+        total = len(prompt) + max_tokens
+        self._ensure_cache(total)
+        last = self.prefill(prompt, chunk_size=chunk_size, logits="last")[-1]
+        out: list[int] = []
+        while True:
+            token = _pick(last, temperature, rng)
+            out.append(token)
+            if token in stops or len(out) == max_tokens:
+                return out
+            index = len(prompt) + len(out) - 1  # where the new token sits in the sequence
+            positions = np.full((3, 1), index + prompt.rope_delta, dtype=np.int64)
+            last = self._step(np.array([token], dtype=np.int64), positions, index, "last", [])[-1]
+
+    # ------------------------------------------------------------------------------------------------ internals
+
+    def _ensure_cache(self, tokens: int) -> None:
+        """(Re)allocate a one-sequence cache holding `tokens`, growing by powers of two."""
+        if tokens <= self._capacity_tokens:
+            return
+        blocks = 1 << max(4, math.ceil(math.log2(math.ceil(tokens / _BLOCK_SIZE))))
+        self.runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=_BLOCK_SIZE, num_state_slots=1))
+        self._capacity_tokens = blocks * _BLOCK_SIZE
+
+    def _step(
+        self, token_ids: np.ndarray, positions: np.ndarray, start: int, logits: str, vision: list[VisionSlice]
+    ) -> np.ndarray:
+        n = token_ids.shape[0]
+        table = np.arange(math.ceil((start + n) / _BLOCK_SIZE), dtype=np.int32)
+        chunk = SeqChunk(
+            seq_id=0, token_ids=token_ids, positions=positions, start=start, block_table=table,
+            state_slot=0, vision=vision, logits=logits,  # type: ignore[arg-type]
+        )
+        return self.runner.forward(StepBatch(chunks=[chunk])).logits
+
+    def _vision_slices(
+        self, items: list[VisionItem], begin: int, end: int, cache: dict[int, np.ndarray]
+    ) -> list[VisionSlice]:
+        """Embeddings of the vision items overlapping chunk [begin, end), encoding each item when first touched."""
+        slices = []
+        for index, item in enumerate(items):
+            lo, hi = max(begin, item.token_start), min(end, item.token_end)
+            if lo >= hi:
+                continue
+            if index not in cache:
+                cache[index] = np.asarray(self.runner.encode_vision(item))
+            slices.append(VisionSlice(chunk_offset=lo - begin, embeddings=cache[index][lo - item.token_start:hi - item.token_start]))
+        return slices
+
+
+def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    return int(rng.choice(p.size, p=p / p.sum()))

@@ -1,0 +1,177 @@
+"""ReferenceRunner: the numpy float32 implementation of the runner contract (gpu_engine/runner_api.py).
+
+Cache layout (allocated once by `allocate_cache`):
+- per full-attention layer: k and v arrays [num_kv_blocks, block_size, num_key_value_heads, head_dim];
+- per linear-attention layer: conv state [num_state_slots, conv_dim, conv_kernel - 1] and recurrent state
+  [num_state_slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim].
+
+Sequences of a step are run one after another: this runner is the oracle, so it stays plain.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..inputs import VisionItem
+from ..loader import ModelWeights
+from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput
+from .text_model import SequenceCache, TextModel
+
+_F32 = 4  # bytes
+
+
+class RunnerInputError(ValueError):
+    """A step batch that breaks the runner contract (shapes, ids, cache indices)."""
+
+
+class ReferenceRunner:
+    name = "reference"
+
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights) -> None:
+        self.config = model_config
+        self.weights = weights
+        self.text = TextModel(model_config.text, weights)
+        self.spec: CacheSpec | None = None
+        self.k_cache: dict[int, np.ndarray] = {}
+        self.v_cache: dict[int, np.ndarray] = {}
+        self.conv_state: dict[int, np.ndarray] = {}
+        self.recurrent_state: dict[int, np.ndarray] = {}
+        self._vision_tower: Any = None
+        # Optional override of the DeltaNet form (None: recurrent for 1 token, chunked otherwise). Tests set it.
+        self.deltanet_recurrent: bool | None = None
+
+    # ------------------------------------------------------------------------------------------------ sizes
+
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        """Bytes of one KV block over all full-attention layers; `block_size` is needed before allocate_cache."""
+        t = self.config.text
+        size = block_size if block_size is not None else self._spec().block_size
+        return len(t.full_attention_layers) * 2 * size * t.num_key_value_heads * t.head_dim * _F32
+
+    def state_bytes_per_slot(self) -> int:
+        t = self.config.text
+        conv = t.linear_conv_dim * (t.linear_conv_kernel_dim - 1)
+        recurrent = t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim
+        return len(t.linear_attention_layers) * (conv + recurrent) * _F32
+
+    def embedding_nbytes(self, item: VisionItem) -> int:
+        return item.num_tokens * self.config.text.hidden_size * _F32
+
+    # ------------------------------------------------------------------------------------------------ cache
+
+    def allocate_cache(self, spec: CacheSpec) -> None:
+        if spec.num_kv_blocks < 1 or spec.block_size < 1 or spec.num_state_slots < 1:
+            raise RunnerInputError(f"cache spec needs positive sizes, got {spec}")
+        t = self.config.text
+        self.spec = spec
+        kv_shape = (spec.num_kv_blocks, spec.block_size, t.num_key_value_heads, t.head_dim)
+        self.k_cache = {i: np.zeros(kv_shape, np.float32) for i in t.full_attention_layers}
+        self.v_cache = {i: np.zeros(kv_shape, np.float32) for i in t.full_attention_layers}
+        conv_shape = (spec.num_state_slots, t.linear_conv_dim, t.linear_conv_kernel_dim - 1)
+        rec_shape = (spec.num_state_slots, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)
+        self.conv_state = {i: np.zeros(conv_shape, np.float32) for i in t.linear_attention_layers}
+        self.recurrent_state = {i: np.zeros(rec_shape, np.float32) for i in t.linear_attention_layers}
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        spec = self._spec()
+        for slot in (src, dst):
+            if not 0 <= slot < spec.num_state_slots:
+                raise RunnerInputError(f"state slot {slot} out of range [0, {spec.num_state_slots})")
+        for layer in self.conv_state:
+            self.conv_state[layer][dst] = self.conv_state[layer][src]
+            self.recurrent_state[layer][dst] = self.recurrent_state[layer][src]
+
+    def _spec(self) -> CacheSpec:
+        if self.spec is None:
+            raise RuntimeError("allocate_cache() must be called before running the model")
+        return self.spec
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    def forward(self, batch: StepBatch) -> StepOutput:
+        spec = self._spec()
+        rows: list[np.ndarray] = []
+        offsets = [0]
+        for chunk in batch.chunks:
+            self._check(chunk, spec)
+            hidden = self._run_chunk(chunk)
+            if chunk.logits == "all":
+                picked = hidden
+            elif chunk.logits == "last":
+                picked = hidden[-1:]
+            else:
+                picked = hidden[:0]
+            rows.append(picked)
+            offsets.append(offsets[-1] + picked.shape[0])
+        hidden_rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, self.config.text.hidden_size), np.float32)
+        return StepOutput(logits=self.text.logits(hidden_rows), row_offsets=offsets, hidden=hidden_rows)
+
+    def _run_chunk(self, chunk: SeqChunk) -> np.ndarray:
+        slot = chunk.state_slot
+        if chunk.start == 0:  # a fresh sequence: nothing of a previous owner of this slot may leak in
+            for layer in self.conv_state:
+                self.conv_state[layer][slot] = 0.0
+                self.recurrent_state[layer][slot] = 0.0
+        embeds = self.text.embed_tokens(chunk.token_ids)
+        for piece in chunk.vision:
+            emb = np.asarray(piece.embeddings, dtype=np.float32)
+            embeds[piece.chunk_offset:piece.chunk_offset + emb.shape[0]] = emb
+        cache = SequenceCache(
+            start=chunk.start,
+            block_table=np.asarray(chunk.block_table, dtype=np.int64),
+            kv={i: (self.k_cache[i], self.v_cache[i]) for i in self.k_cache},
+            conv={i: s[slot] for i, s in self.conv_state.items()},
+            recurrent={i: s[slot] for i, s in self.recurrent_state.items()},
+        )
+        return self.text.forward(embeds, chunk.positions, cache, recurrent=self.deltanet_recurrent)
+
+    def _check(self, chunk: SeqChunk, spec: CacheSpec) -> None:
+        n = chunk.num_tokens
+        cfg = self.config.text
+        where = f"sequence {chunk.seq_id}"
+        if n < 1:
+            raise RunnerInputError(f"{where}: a chunk needs at least one token")
+        if chunk.token_ids.min() < 0 or chunk.token_ids.max() >= cfg.vocab_size:
+            raise RunnerInputError(f"{where}: token ids must be in [0, {cfg.vocab_size})")
+        if chunk.positions.shape != (3, n):
+            raise RunnerInputError(f"{where}: positions must have shape (3, {n}), got {chunk.positions.shape}")
+        if chunk.start < 0:
+            raise RunnerInputError(f"{where}: start must be >= 0, got {chunk.start}")
+        if cfg.full_attention_layers:
+            needed = -(-(chunk.start + n) // spec.block_size)
+            table = np.asarray(chunk.block_table)
+            if table.shape[0] < needed:
+                raise RunnerInputError(f"{where}: block table has {table.shape[0]} blocks, needs {needed}")
+            if table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
+                raise RunnerInputError(f"{where}: block ids must be in [0, {spec.num_kv_blocks})")
+        if not 0 <= chunk.state_slot < spec.num_state_slots:
+            raise RunnerInputError(f"{where}: state slot {chunk.state_slot} out of range [0, {spec.num_state_slots})")
+        if chunk.logits not in ("none", "last", "all"):
+            raise RunnerInputError(f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}")
+        for piece in chunk.vision:
+            shape = np.shape(piece.embeddings)
+            if len(shape) != 2 or shape[1] != cfg.hidden_size:
+                raise RunnerInputError(f"{where}: vision embeddings must be [n, {cfg.hidden_size}], got {shape}")
+            if piece.chunk_offset < 0 or piece.chunk_offset + shape[0] > n:
+                raise RunnerInputError(
+                    f"{where}: vision rows [{piece.chunk_offset}, {piece.chunk_offset + shape[0]}) fall outside the chunk of {n}"
+                )
+
+    # ------------------------------------------------------------------------------------------------ vision
+
+    def encode_vision(self, item: VisionItem) -> np.ndarray:
+        """Vision tower for one item -> [item.num_tokens, text hidden] float32."""
+        if self._vision_tower is None:
+            from .vision_tower import VisionTower  # written separately; imported only when vision is used
+
+            self._vision_tower = VisionTower(self.config.vision, self.weights.vision)
+        out = np.asarray(self._vision_tower.encode(item.pixel_values, item.grid_thw), dtype=np.float32)
+        if out.shape != (item.num_tokens, self.config.text.hidden_size):
+            raise RunnerInputError(
+                f"vision item at token {item.token_start}: tower gave {out.shape}, expected "
+                f"({item.num_tokens}, {self.config.text.hidden_size})"
+            )
+        return out
+
