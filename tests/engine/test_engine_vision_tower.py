@@ -27,6 +27,7 @@ from gpu_engine.reference.vision_tower import (  # noqa: E402
     VisionTower,
     VisionWeightError,
     gelu_exact,
+    merge_window_coords,
     split_frame_groups,
     vision_weight_shapes,
 )
@@ -197,6 +198,31 @@ def test_checkpoint_names_under_model_visual_load_and_match():
     ours = VisionTower(config.vision_config, weights).encode(pixels, grids)
     err = rel_l2(ours, hf_encode(model.model.visual, pixels, grids))
     assert err <= PARITY_RTOL, f"rel L2 {err:.2e} (seed {SEED})"
+
+
+def test_row_layout_is_what_the_hf_image_processor_emits():
+    """Rows in merge-window order, columns in (C, T, P, P) order with a still image repeated over T: rebuild
+    the processor's output from the normalised image with our `merge_window_coords` and compare."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    patch, temporal, merge = 4, 2, 2
+    mean, std = np.array([0.5, 0.4, 0.3]), np.array([0.2, 0.3, 0.25])
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=patch, temporal_patch_size=temporal, merge_size=merge, min_pixels=16, max_pixels=10**6,
+        image_mean=mean.tolist(), image_std=std.tolist(),
+    )
+    # 24 x 40 is a multiple of patch * merge, so the processor keeps the size (no resampling to reproduce).
+    image = np.random.default_rng([SEED, 4]).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+    out = processor(images=[image], return_tensors="np")
+    assert out["image_grid_thw"].tolist() == [[1, 6, 10]]
+
+    chw = ((image / 255.0 - mean) / std).transpose(2, 0, 1)
+    rows, cols = merge_window_coords(6, 10, merge)
+    expected = np.stack([
+        np.stack([chw[:, r * patch:(r + 1) * patch, c * patch:(c + 1) * patch]] * temporal, axis=1).reshape(-1)
+        for r, c in zip(rows, cols)
+    ])
+    assert np.abs(out["pixel_values"] - expected).max() <= 1e-5
 
 
 def test_gelu_exact_matches_math_erf():
