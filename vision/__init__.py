@@ -1,0 +1,70 @@
+"""vision: media in. Turns a PDF, image or short video into an ordered, lazy stream of RGB page/frame images.
+
+Public API (stable; the pipeline codes against these names):
+
+    from vision import open_media, MediaLimits, RenderOptions, MediaPage, MediaError
+
+    with open_media(path_or_bytes, password=None, limits=MediaLimits(), options=RenderOptions()) as doc:
+        doc.kind          # "pdf" | "image" | "video"
+        doc.media_type    # MIME type found from the content (magic bytes), never from the name
+        doc.page_count    # pages, or the planned number of sampled video frames
+        doc.metadata      # dict of facts (repaired, encrypted, fps, duration, rotation, frame_indices, ...)
+        for page in doc.pages():          # lazy: one page/frame rendered at a time
+            page.image                    # PIL RGB image, or None if this page failed
+            page.index, page.kind         # output position; "page" | "frame"
+            page.timestamp                # seconds (frames only)
+            page.source_size, page.dpi    # source size (PDF points / pixels) and render DPI
+            page.text                     # PDF text layer (lazy), None for rasters/frames
+            page.error                    # MediaError for this page only, or None
+
+Accepted (by content): PDF; JPEG, PNG (APNG: first frame), TIFF (all frames are pages), WebP, BMP, GIF (first
+frame only); MP4, MOV, MKV, WebM video. HEIC/AVIF are refused with a hint to convert.
+
+Errors (all subclasses of `MediaError`, each message says what was found and what to do):
+`UnsupportedMediaError` (`AmbiguousMediaError` for polyglots, `NoVideoStreamError`), `EncryptedDocumentError`
+(`WrongPasswordError`), `CorruptMediaError` (`EmptyMediaError`, `DecoderCrashedError`), `LimitExceededError`
+(`DecodeTimeoutError`). Video decoding runs in a separate process with time and memory limits, so a crashing
+decoder raises `DecoderCrashedError` instead of killing the caller.
+"""
+
+from .document import MediaDocument
+from .errors import (
+    AmbiguousMediaError,
+    CorruptMediaError,
+    DecodeTimeoutError,
+    DecoderCrashedError,
+    EmptyMediaError,
+    EncryptedDocumentError,
+    LimitExceededError,
+    MediaError,
+    NoVideoStreamError,
+    UnsupportedMediaError,
+    WrongPasswordError,
+)
+from .limits import MediaLimits, RenderOptions
+from .opener import open_media
+from .page import MediaPage
+from .sniff import ACCEPTED as ACCEPTED_MEDIA_TYPES
+from .video.sampling import pad_indices, qwen_frame_indices
+
+__all__ = [
+    "ACCEPTED_MEDIA_TYPES",
+    "AmbiguousMediaError",
+    "CorruptMediaError",
+    "DecodeTimeoutError",
+    "DecoderCrashedError",
+    "EmptyMediaError",
+    "EncryptedDocumentError",
+    "LimitExceededError",
+    "MediaDocument",
+    "MediaError",
+    "MediaLimits",
+    "MediaPage",
+    "NoVideoStreamError",
+    "RenderOptions",
+    "UnsupportedMediaError",
+    "WrongPasswordError",
+    "open_media",
+    "pad_indices",
+    "qwen_frame_indices",
+]

@@ -1,0 +1,145 @@
+"""PDF pages through PyMuPDF (MuPDF): lazy, one page rendered at a time.
+
+- Pages render at `RenderOptions.pdf_dpi`; a page whose render would exceed `MediaLimits.max_page_pixels` is
+  rendered at a lower DPI instead (the page's `dpi` says which), so a poster-sized page cannot exhaust memory.
+- `/Rotate` is honoured: MuPDF's page rectangle and pixmap are already in display orientation.
+- More pages than `MediaLimits.max_pages` is refused before anything is rendered.
+- Encrypted files need the password (`EncryptedDocumentError` / `WrongPasswordError`). Files that are encrypted
+  with an owner password only (anyone may open them) open normally; `metadata["encrypted"]` records it.
+- Damaged files MuPDF had to repair open with `metadata["repaired"] = True`; a page that still fails to render
+  becomes a page with `error` set, and the other pages come out.
+- The page's text layer (`MediaPage.text`) is read on first access, in MuPDF's reading order.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import pymupdf
+from PIL import Image
+
+from .document import MediaDocument
+from .errors import CorruptMediaError, EncryptedDocumentError, LimitExceededError, MediaError, WrongPasswordError
+from .limits import MediaLimits, RenderOptions
+from .page import MediaPage
+
+# MuPDF prints every repair warning to stderr; we report damage through metadata and page errors instead.
+pymupdf.TOOLS.mupdf_display_errors(False)
+pymupdf.TOOLS.mupdf_display_warnings(False)
+
+
+def _open(source: bytes | Path, name: str) -> pymupdf.Document:
+    try:
+        if isinstance(source, Path):
+            return pymupdf.open(source, filetype="pdf")
+        return pymupdf.open(stream=source, filetype="pdf")
+    except Exception as exc:  # MuPDF raises several types (FileDataError, RuntimeError, ValueError)
+        raise CorruptMediaError(
+            f"{name} looks like a PDF but cannot be opened ({exc}); it is probably truncated or damaged — "
+            f"download or export it again."
+        ) from exc
+
+
+def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int) -> float:
+    """Pixels per point for `dpi`, lowered so that the rendered page has at most `max_pixels` pixels."""
+    scale = dpi / 72.0
+    pixels = (width_pt * scale + 1) * (height_pt * scale + 1)  # +1: MuPDF rounds the pixmap outwards
+    if pixels > max_pixels:
+        scale *= math.sqrt(max_pixels / pixels)
+    return scale
+
+
+class PdfDocument(MediaDocument):
+    kind = "pdf"
+    media_type = "application/pdf"
+
+    def __init__(
+        self,
+        source: bytes | Path,
+        *,
+        name: str,
+        password: str | None,
+        limits: MediaLimits,
+        options: RenderOptions,
+    ) -> None:
+        self._name = name
+        self._limits = limits
+        self._options = options
+        doc = _open(source, name)
+        try:
+            encrypted = doc.is_encrypted
+            if doc.needs_pass:
+                if password is None:
+                    raise EncryptedDocumentError(
+                        f"{name} is password-protected; send the password with the document, or upload an "
+                        f"unprotected copy."
+                    )
+                if not doc.authenticate(password):
+                    raise WrongPasswordError(f"the password given for {name} is not accepted; check it and retry.")
+            count = doc.page_count
+            if count == 0:
+                raise CorruptMediaError(f"{name} is a PDF without any readable page; it is damaged or empty.")
+            if count > limits.max_pages:
+                raise LimitExceededError(
+                    f"{name} has {count} pages; the limit is {limits.max_pages} (MediaLimits.max_pages). "
+                    f"Split the document or raise the limit."
+                )
+        except BaseException:
+            doc.close()
+            raise
+        self._doc = doc
+        self._count = count
+        self.metadata: dict[str, Any] = {
+            "page_count": count,
+            "repaired": bool(doc.is_repaired),
+            "encrypted": bool(encrypted),
+            "format": (doc.metadata or {}).get("format", ""),
+            "title": (doc.metadata or {}).get("title", ""),
+            "author": (doc.metadata or {}).get("author", ""),
+            "producer": (doc.metadata or {}).get("producer", ""),
+            "dpi": options.pdf_dpi,
+        }
+
+    @property
+    def page_count(self) -> int:
+        return self._count
+
+    def _text_of(self, number: int) -> str:
+        if self._doc.is_closed:
+            raise MediaError(f"{self._name} was closed before page {number + 1}'s text was read; read .text first.")
+        return self._doc.load_page(number).get_text("text", sort=True)
+
+    def render_page(self, number: int) -> MediaPage:
+        """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
+        try:
+            page = self._doc.load_page(number)
+            rect = page.rect
+            scale = render_scale(rect.width, rect.height, self._options.pdf_dpi, self._limits.max_page_pixels)
+            pix = page.get_pixmap(matrix=pymupdf.Matrix(scale, scale), colorspace=pymupdf.csRGB, alpha=False)
+            image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples_mv)
+        except Exception as exc:
+            size = (0.0, 0.0)
+            error = CorruptMediaError(
+                f"page {number + 1} of {self._name} cannot be rendered ({exc}); the other pages are unaffected. "
+                f"Re-export the document to recover this page."
+            )
+            return MediaPage(index=number, kind="page", image=None, source_size=size, frame_index=number, error=error)
+        return MediaPage(
+            index=number,
+            kind="page",
+            image=image,
+            source_size=(rect.width, rect.height),
+            dpi=scale * 72.0,
+            frame_index=number,
+            _text_loader=lambda: self._text_of(number),
+        )
+
+    def pages(self) -> Iterator[MediaPage]:
+        for number in range(self._count):
+            yield self.render_page(number)
+
+    def close(self) -> None:
+        if not self._doc.is_closed:
+            self._doc.close()

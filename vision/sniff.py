@@ -1,0 +1,87 @@
+"""Type detection by content (magic bytes), never by file name or a client's content type.
+
+Library choice: `filetype` (pure Python, no system library, reads only the first bytes) over `python-magic`, which
+needs the libmagic shared library and its database on every host (ingest workers, GPU boxes, CI) and whose
+answers change with the installed database version. `filetype` recognises every type we accept; what it does not
+recognise we refuse anyway, so libmagic's wider catalogue would only improve the wording of refusals.
+
+On top of the library we add one rule of our own: a file that starts as one accepted type but carries a PDF header
+within the first 1024 bytes (where PDF readers look for it) is a polyglot. Two readers would see two different
+documents, so we refuse it instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import filetype
+
+from .document import MediaKind
+from .errors import AmbiguousMediaError, EmptyMediaError, UnsupportedMediaError
+
+SNIFF_BYTES = 8192  # filetype never looks further than this
+_PDF_HEADER_WINDOW = 1024  # PDF readers accept "%PDF-" anywhere in the first 1 KiB
+
+ACCEPTED: dict[str, MediaKind] = {
+    "application/pdf": "pdf",
+    "image/jpeg": "image",
+    "image/png": "image",
+    "image/apng": "image",
+    "image/tiff": "image",
+    "image/webp": "image",
+    "image/bmp": "image",
+    "image/gif": "image",
+    "video/mp4": "video",
+    "video/x-m4v": "video",
+    "video/quicktime": "video",
+    "video/x-matroska": "video",
+    "video/webm": "video",
+}
+
+_REFUSAL_HINTS = {
+    "image/heic": "HEIC/HEIF photos are not supported yet; export the photo as JPEG (most phones: 'Most compatible').",
+    "image/avif": "AVIF is not supported; convert the image to PNG or JPEG.",
+    "application/zip": "archives are not unpacked; upload the files inside it one by one.",
+}
+
+
+@dataclass(frozen=True)
+class Sniffed:
+    kind: MediaKind
+    media_type: str
+
+
+def _describe_unknown(head: bytes) -> str:
+    try:
+        text = head[:512].decode("utf-8")
+    except UnicodeDecodeError:
+        return f"unrecognised binary data starting with {head[:8].hex(' ')}"
+    if text and all(c.isprintable() or c in "\r\n\t" for c in text):
+        return f"plain text starting with {text[:40]!r}"
+    return f"unrecognised data starting with {head[:8].hex(' ')}"
+
+
+def sniff(head: bytes, *, name: str = "input") -> Sniffed:
+    """Classify `head` (the first `SNIFF_BYTES` of a file, or all of it). Raises an `UnsupportedMediaError`
+    subclass (or `EmptyMediaError`) naming what was found."""
+    if not head:
+        raise EmptyMediaError(f"{name} is empty (0 bytes); the upload or copy probably failed — send the file again.")
+    found = filetype.guess(head)
+    if found is None:
+        raise UnsupportedMediaError(
+            f"{name} is not an accepted media type: found {_describe_unknown(head)}. "
+            f"Accepted: PDF, JPEG, PNG, TIFF, WebP, BMP, GIF, MP4, MOV, MKV, WebM."
+        )
+    mime = found.mime
+    if mime not in ACCEPTED:
+        hint = _REFUSAL_HINTS.get(mime, "convert it to PDF, PNG/JPEG or MP4.")
+        raise UnsupportedMediaError(f"{name} is {mime} (.{found.extension}), which is not accepted: {hint}")
+    kind = ACCEPTED[mime]
+    if kind != "pdf":
+        at = head.find(b"%PDF-", 0, _PDF_HEADER_WINDOW)
+        if at >= 0:
+            raise AmbiguousMediaError(
+                f"{name} starts as {mime} but also carries a PDF header at byte {at}, so it reads as two different "
+                f"documents (a polyglot file). Re-export it from the original application as a single format."
+            )
+    return Sniffed(kind=kind, media_type=mime)

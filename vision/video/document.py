@@ -1,0 +1,182 @@
+"""`VideoDocument`: a probed video whose pages are Qwen-sampled frames, decoded lazily in an isolated process.
+
+- Probe (in the child): container, codec, size, fps, frame count, duration, rotation; a container without a video
+  stream is `NoVideoStreamError`; longer than `MediaLimits.max_video_seconds` is `LimitExceededError`.
+- Sampling: `qwen_frame_indices` with `RenderOptions` (fps 2, min 4, max 768 by default), padded to an even count
+  by repeating the last frame (`pad_frames_to`). `page_count` is that planned count.
+- Decoding: only the sampled frames are converted (and only the stretches of stream that contain them are
+  decoded: the child seeks when a keyframe lies between two targets). Frames are downscaled to
+  `MediaLimits.max_page_pixels` in the child and rotated upright here using the display-matrix rotation.
+- Frame index -> time assumes a constant frame rate (`timestamp = index / fps`), which is also how Qwen's processor
+  computes frame timestamps; for variable-rate files the frame nearest that time is used.
+- If the stream ends before a planned frame (a truncated file whose header promised more), that frame comes out as
+  a page with `error` set. A decoder crash or timeout mid-way raises from `pages()`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Iterator
+
+from PIL import Image
+
+from ..document import MediaDocument
+from ..errors import CorruptMediaError, LimitExceededError, NoVideoStreamError
+from ..limits import MediaLimits, RenderOptions
+from ..page import MediaPage
+from . import isolate
+from .dedupe import NearDuplicateFilter
+from .sampling import pad_indices, qwen_frame_indices
+
+_TRANSPOSE = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
+
+
+def upright(image: Image.Image, rotation: int) -> Image.Image:
+    """Apply a display-matrix rotation (degrees counter-clockwise, as FFmpeg/PyAV report it)."""
+    degrees = rotation % 360
+    if degrees == 0:
+        return image
+    if degrees in _TRANSPOSE:
+        return image.transpose(_TRANSPOSE[degrees])
+    return image.rotate(degrees, expand=True, fillcolor=(255, 255, 255))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class VideoDocument(MediaDocument):
+    kind = "video"
+
+    def __init__(
+        self, source: bytes | Path, *, media_type: str, name: str, limits: MediaLimits, options: RenderOptions
+    ) -> None:
+        self.media_type = media_type
+        self._name = name
+        self._limits = limits
+        self._options = options
+        if isinstance(source, Path):
+            self._path = str(source)
+        else:  # the decoder child reads a file; bytes go to a private temporary file removed on close/GC
+            fd, self._path = tempfile.mkstemp(prefix="docpipe-video-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(source)
+        self._cleanup = weakref.finalize(self, _remove, self._path) if not isinstance(source, Path) else None
+        try:
+            info = self._probe()
+        except BaseException:
+            self.close()
+            raise
+        self._info = info
+        fps = info["fps"]
+        plan = qwen_frame_indices(
+            info["frames"], fps, fps=options.video_fps, min_frames=options.video_min_frames,
+            max_frames=options.video_max_frames,
+        )
+        self._plan = pad_indices(plan, options.pad_frames_to)
+        rotation = info["rotation"] % 360
+        w, h = info["width"], info["height"]
+        self._display_size = (h, w) if rotation in (90, 270) else (w, h)
+        self.metadata: dict[str, Any] = {
+            "container": info["container"],
+            "codec": info["codec"],
+            "width": self._display_size[0],
+            "height": self._display_size[1],
+            "fps": fps,
+            "total_frames": info["frames"],
+            "duration": info["duration"],
+            "rotation": info["rotation"],
+            "streams": info["streams"],
+            "frame_indices": self._plan,
+            "dedupe_frames": options.dedupe_frames,
+        }
+
+    def _probe(self) -> dict[str, Any]:
+        request = {"op": "probe", "path": self._path}
+        for header, _ in isolate.run(request, timeout_s=self._limits.decode_timeout_s,
+                                     memory_bytes=self._limits.decode_memory_bytes, name=self._name):
+            if header["type"] == "error" and header["kind"] == "no_video":
+                found = ", ".join(f"{s['type']} ({s['codec']})" for s in header["streams"]) or "no streams at all"
+                raise NoVideoStreamError(
+                    f"{self._name} is a {self.media_type} container without a video stream (found: {found}); "
+                    f"only videos are accepted — for audio-only files there is nothing to read."
+                )
+            if header["type"] == "probe":
+                info = header
+                break
+        else:
+            raise CorruptMediaError(f"{self._name}: the video probe returned nothing; the file is damaged.")
+        if info["fps"] <= 0 or info["frames"] <= 0:
+            raise CorruptMediaError(
+                f"{self._name} does not state a frame rate or frame count; re-encode it (e.g. to H.264 MP4)."
+            )
+        if info["duration"] > self._limits.max_video_seconds:
+            raise LimitExceededError(
+                f"{self._name} lasts {info['duration']:.1f} s; the limit is {self._limits.max_video_seconds:g} s "
+                f"(MediaLimits.max_video_seconds). Trim the video or raise the limit."
+            )
+        return info
+
+    @property
+    def page_count(self) -> int:
+        return len(self._plan)
+
+    def _frame_page(self, index: int, header: dict[str, Any], payload: bytes) -> MediaPage:
+        image = Image.frombytes("RGB", (header["width"], header["height"]), payload)
+        return MediaPage(
+            index=index,
+            kind="frame",
+            image=upright(image, header["rotation"]),
+            source_size=self._display_size,
+            timestamp=header["index"] / self._info["fps"],
+            frame_index=header["index"],
+        )
+
+    def _decoded(self) -> Iterator[tuple[int, MediaPage | None]]:
+        """(source index, page or None when the stream ended before it) in ascending source order."""
+        request = {"op": "decode", "path": self._path, "indices": sorted(set(self._plan)),
+                   "fps": self._info["fps"], "start": self._info["start"],
+                   "max_pixels": self._limits.max_page_pixels}
+        for header, payload in isolate.run(request, timeout_s=self._limits.decode_timeout_s,
+                                           memory_bytes=self._limits.decode_memory_bytes, name=self._name):
+            if header["type"] == "frame":
+                yield header["index"], self._frame_page(0, header, payload)
+            elif header["type"] == "done":
+                for missing in header["missing"]:
+                    yield missing, None
+
+    def pages(self) -> Iterator[MediaPage]:
+        dedupe = NearDuplicateFilter(self._options.dedupe_max_distance) if self._options.dedupe_frames else None
+        count = 0
+        last: MediaPage | None = None
+        for source_index, page in self._decoded():
+            if page is None:
+                page = MediaPage(
+                    index=0, kind="frame", image=None, source_size=self._display_size,
+                    timestamp=source_index / self._info["fps"], frame_index=source_index,
+                    error=CorruptMediaError(
+                        f"frame {source_index} of {self._name} is missing: the stream ends early (truncated file)."
+                    ),
+                )
+            elif dedupe is not None and not dedupe.keep(page.image):
+                continue
+            page.index = count
+            count += 1
+            last = page
+            yield page
+        multiple = self._options.pad_frames_to
+        while last is not None and multiple > 1 and count % multiple:
+            # Qwen pads the temporal dimension by repeating the last frame; yield that frame again.
+            yield MediaPage(index=count, kind="frame", image=last.image, source_size=last.source_size,
+                            timestamp=last.timestamp, frame_index=last.frame_index, error=last.error)
+            count += 1
+
+    def close(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup()
