@@ -307,3 +307,8 @@ def test_wrong_weight_shape_missing_and_unexpected_are_listed():
 def test_unsupported_config_raises(overrides, message):
     with pytest.raises(VisionConfigError, match=message):
         vision_weight_shapes(small_config(**overrides))
+
+
+def test_split_frame_groups_checks_rows():
+    with pytest.raises(VisionInputError, match="needs 48"):
+        split_frame_groups(np.zeros((47, 96), np.float32), (3, 4, 4))
