@@ -49,6 +49,7 @@ class Sequence:
     detok: Any = None  # incremental detokenizer
     text: str = ""  # generated text (stop string excluded once finished)
     emitted_chars: int = 0  # characters of `text` already sent as deltas
+    stopped_by_string: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None

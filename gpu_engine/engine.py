@@ -1,0 +1,562 @@
+"""Engine: requests in, streamed and final RequestOutputs out; one `step()` = one forward of the runner.
+
+    engine = Engine.from_pretrained("ckpt/", runner="reference", config=EngineConfig(max_num_seqs=16))
+    rid = engine.add_request(messages, SamplingParams(max_tokens=64, json_schema=schema))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.delta, out.finish_reason)
+
+Not thread-safe: one thread drives it (see AsyncEngine for many callers).
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence as SequenceABC
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cache import BlockManager
+from .encoder_cache import EncoderCache
+from .engine_config import EngineConfig, EngineConfigError
+from .inputs import ProcessedPrompt
+from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch
+from .sampling import SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Sequence, SeqStatus
+from .structured import GrammarError, StructuredOutput, is_constrained
+
+Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
+
+
+class RequestError(ValueError):
+    """A request that can never run as given (bad prompt, bad parameters, too long for this engine)."""
+
+
+class UnknownRequestError(KeyError):
+    """No live request has this id."""
+
+
+@dataclass
+class _StepTimes:
+    count: int = 0
+    total_s: float = 0.0
+    last_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.last_s = seconds
+        self.max_s = max(self.max_s, seconds)
+
+
+def _kv_bytes_per_block(runner: Runner, block_size: int) -> int:
+    """The contract's kv_bytes_per_block() takes no argument, but the block size is only known to the runner after
+    allocate_cache; runners that accept `block_size` (the reference runner does) are asked for our size."""
+    if "block_size" in inspect.signature(runner.kv_bytes_per_block).parameters:
+        return int(runner.kv_bytes_per_block(block_size=block_size))  # type: ignore[call-arg]
+    return int(runner.kv_bytes_per_block())
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        config: EngineConfig | None = None,
+        prepare: Callable[[list[dict[str, Any]]], ProcessedPrompt] | None = None,
+        model_fingerprint: str = "",
+        eos_token_ids: SequenceABC[int] | None = None,
+    ) -> None:
+        """`tokenizer`: gpu_engine.tokenizer.Tokenizer (decode + tokenizer.json for grammars); `prepare`: messages ->
+        ProcessedPrompt (the processor; None = token-id / ProcessedPrompt prompts only)."""
+        self.config = config or EngineConfig()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.model_fingerprint = model_fingerprint
+        self._prepare = prepare
+        self.eos_token_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids))
+
+        cfg = self.config
+        self._kv_bytes_per_block = _kv_bytes_per_block(runner, cfg.block_size)
+        state_bytes = int(runner.state_bytes_per_slot())
+        num_slots = cfg.state_slots
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            assert cfg.kv_cache_bytes is not None
+            left = cfg.kv_cache_bytes - num_slots * state_bytes
+            per_block = max(self._kv_bytes_per_block, 1)
+            if left < per_block:
+                raise EngineConfigError(
+                    f"kv_cache_bytes={cfg.kv_cache_bytes} is too small: {num_slots} state slots take "
+                    f"{num_slots * state_bytes} bytes and one KV block {self._kv_bytes_per_block} bytes"
+                )
+            num_blocks = left // per_block
+        self.cache_bytes = num_blocks * self._kv_bytes_per_block + num_slots * state_bytes
+        runner.allocate_cache(CacheSpec(num_kv_blocks=num_blocks, block_size=cfg.block_size, num_state_slots=num_slots))
+        capacity = num_blocks * cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or capacity, capacity)
+
+        self.blocks = BlockManager(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            num_state_slots=num_slots,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            has_linear_state=state_bytes > 0,
+            copy_state_slot=runner.copy_state_slot,
+        )
+        self.encoder = EncoderCache(cfg.encoder_cache_bytes, runner.encode_vision, runner.embedding_nbytes)
+        self.scheduler = Scheduler(cfg, self.blocks, self.encoder)
+        self._structured: StructuredOutput | None = None
+
+        self._live: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # finished outside step() (abort): delivered by the next step()
+        self._seq_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(cfg.seed)
+        self._counters = {
+            "requests_added": 0,
+            "requests_finished": 0,
+            "finished_stop": 0,
+            "finished_length": 0,
+            "finished_abort": 0,
+            "finished_error": 0,
+            "steps": 0,
+            "prompt_tokens_computed": 0,  # prompt tokens run through the model (prefix-cache hits excluded)
+            "chunked_output_tokens": 0,  # generated tokens run in chunks: jump-forward runs, recompute after preemption
+            "decode_tokens": 0,  # tokens run as single decode steps
+            "forced_tokens": 0,  # jump-forward tokens appended without sampling
+            "sampled_tokens": 0,
+        }
+        self._step_times = _StepTimes()
+        self._mask_s = 0.0
+        self._sample_s = 0.0
+        self._forward_s = 0.0
+
+    # ------------------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        runner: str = "reference",
+        config: EngineConfig | None = None,
+        *,
+        expected_digests: dict[str, str] | None = None,
+    ) -> Engine:
+        from .model import load
+        from .tokenizer import Tokenizer
+
+        loaded = load(folder, runner=runner, expected_digests=expected_digests)
+        tokenizer = Tokenizer.from_pretrained(folder)
+        eos = list(loaded.config.eos_token_ids) if getattr(loaded.config, "eos_token_ids", None) else None
+        return cls(
+            loaded.runner,
+            tokenizer,
+            vocab_size=loaded.config.text.vocab_size,
+            config=config,
+            prepare=loaded.prepare,
+            model_fingerprint=loaded.fingerprint,
+            eos_token_ids=eos,
+        )
+
+    @property
+    def structured(self) -> StructuredOutput:
+        if self._structured is None:  # built on first use: ~10 ms for a tiny vocabulary, ~1 s for a real one
+            self._structured = StructuredOutput(
+                self.tokenizer.backend.to_str(),
+                self.vocab_size,
+                sorted(self.eos_token_ids),
+                whitespace_flexible=self.config.json_whitespace_flexible,
+            )
+        return self._structured
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; bad input raises RequestError here (nothing is queued)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self._live:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        processed = self._to_prompt(prompt)
+        self._check_request(processed, params)
+        matcher = None
+        if is_constrained(params):
+            try:
+                matcher = self.structured.new_matcher(params)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from exc
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt=processed,
+            params=params,
+            rng=np.random.default_rng(seed),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        seq.deadline = seq.arrival_time + params.timeout_s if params.timeout_s is not None else None
+        seq.matcher = matcher
+        from .tokenizer import IncrementalDetokenizer
+
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        if matcher is not None and self.config.enable_jump_forward:
+            # The grammar may force the first tokens (e.g. '{"name":"'): they are prefilled with the prompt.
+            # Capped one short of max_tokens so that the request still has a token to sample.
+            for token in StructuredOutput.forced_tokens(matcher, seq.remaining_tokens - 1):
+                self._counters["forced_tokens"] += 1
+                self._append(seq, token, forced=True)
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["requests_added"] += 1
+        return request_id
+
+    def _to_prompt(self, prompt: Prompt) -> ProcessedPrompt:
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, np.ndarray) or (
+            isinstance(prompt, SequenceABC) and not isinstance(prompt, (str, bytes)) and prompt
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)
+        ):
+            ids = np.asarray(prompt)
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise RequestError(f"token-id prompts must be a 1-D list of ints, got shape {ids.shape} {ids.dtype}")
+            ids = ids.astype(np.int64)
+            positions = np.broadcast_to(np.arange(ids.size, dtype=np.int64), (3, ids.size)).copy()
+            return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self._prepare is None:
+                raise RequestError("this engine has no processor: pass token ids or a ProcessedPrompt")
+            try:
+                return self._prepare(prompt)
+            except Exception as exc:  # the processor's own errors say what is wrong with the messages
+                raise RequestError(f"cannot prepare the messages: {exc}") from exc
+        raise RequestError(
+            "prompt must be a non-empty list of chat messages (dicts), a non-empty list of token ids, "
+            f"or a ProcessedPrompt; got {type(prompt).__name__}"
+        )
+
+    def _check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        n = len(prompt)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        ids = prompt.token_ids
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if prompt.positions.shape != (3, n):
+            raise RequestError(f"prompt positions must have shape (3, {n}), got {prompt.positions.shape}")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this engine's limit of "
+                f"{self.max_model_len} tokens (KV cache capacity / max_model_len); lower max_tokens or shorten the prompt"
+            )
+        if params.top_logprobs > self.config.max_logprobs:
+            raise RequestError(f"top_logprobs={params.top_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        if any(not isinstance(s, str) or not s for s in params.stop):
+            raise RequestError("stop strings must be non-empty strings")
+        if params.timeout_s is not None and params.timeout_s <= 0:
+            raise RequestError(f"timeout_s must be > 0, got {params.timeout_s}")
+        end = 0
+        for item in prompt.vision_items:
+            if item.token_start < end or item.token_end > n:
+                raise RequestError("vision items must be ordered, non-overlapping and inside the prompt")
+            end = item.token_end
+            size = self.encoder.item_bytes(item)
+            if size > self.config.encoder_cache_bytes:
+                raise RequestError(
+                    f"a {item.kind} item needs {size} bytes of embeddings, more than encoder_cache_bytes="
+                    f"{self.config.encoder_cache_bytes}; raise the budget or send smaller images / fewer frames per group"
+                )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its final output (finish_reason "abort") comes with the next step(). False if unknown."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._pending.append(self._finish(seq, "abort"))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or bool(self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        now = time.monotonic()
+        for seq in list(self._live.values()):
+            if seq.deadline is not None and now > seq.deadline:
+                outputs.append(self._finish(seq, "error", f"timed out after {seq.params.timeout_s} s"))
+
+        sched = self.scheduler.schedule()
+        chunks: list[SeqChunk] = []
+        scheduled: list[ScheduledChunk] = []
+        for sc in sched.chunks:
+            try:
+                vision = self.encoder.slices(sc.vision_items, sc.start, sc.end) if sc.vision_items else []
+            except Exception as exc:  # one bad image must not stop the batch
+                outputs.append(self._finish(sc.seq, "error", f"vision encoding failed: {exc}"))
+                continue
+            seq = sc.seq
+            chunks.append(SeqChunk(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids[sc.start:sc.end],
+                positions=seq.positions(sc.start, sc.num_tokens),
+                start=sc.start,
+                block_table=np.asarray(seq.block_table, dtype=np.int32),
+                state_slot=seq.state_slot,  # type: ignore[arg-type]
+                vision=vision,
+                logits="last" if sc.wants_logits else "none",
+            ))
+            scheduled.append(sc)
+        self.encoder.release()
+        if chunks:
+            tf = time.perf_counter()
+            try:
+                result = self.runner.forward(StepBatch(chunks))
+            except Exception as exc:
+                # The runner failed the whole batch: those requests end with the reason; the engine keeps serving.
+                for sc in scheduled:
+                    outputs.append(self._finish(sc.seq, "error", f"runner failed: {type(exc).__name__}: {exc}"))
+                scheduled = []
+            self._forward_s += time.perf_counter() - tf
+            if scheduled:
+                outputs.extend(self._after_forward(scheduled, result.logits, result.row_offsets))
+        self._counters["steps"] += 1
+        self._step_times.add(time.perf_counter() - t0)
+        return outputs
+
+    def _after_forward(self, scheduled: list[ScheduledChunk], logits: np.ndarray, offsets: list[int]) -> list[RequestOutput]:
+        to_sample: list[tuple[Sequence, int]] = []
+        for i, sc in enumerate(scheduled):
+            seq = sc.seq
+            self._count_computed(sc)
+            seq.num_computed = sc.end
+            self.blocks.commit(seq)
+            if seq.num_computed <= seq.prompt_len:
+                self.blocks.snapshot_state(seq)
+            if sc.wants_logits:
+                to_sample.append((seq, offsets[i]))
+        if not to_sample:
+            return []
+        rows = logits[[r for _, r in to_sample]].astype(np.float32, copy=True)
+        seqs = [s for s, _ in to_sample]
+        return self._sample_and_append(seqs, rows)
+
+    def _count_computed(self, sc: ScheduledChunk) -> None:
+        seq = sc.seq
+        in_prompt = max(0, min(sc.end, seq.prompt_len) - sc.start)
+        rest = sc.num_tokens - in_prompt
+        self._counters["prompt_tokens_computed"] += in_prompt
+        if sc.num_tokens == 1 and in_prompt == 0:
+            self._counters["decode_tokens"] += 1
+        elif seq.num_preemptions and sc.start < seq.num_tokens - 1:
+            self._counters["recomputed_tokens"] += rest
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
+        params = [s.params for s in seqs]
+        rows = SamplingRows.from_params(params)
+        apply_penalties(logits, rows, [s.token_ids for s in seqs], [s.output_ids for s in seqs])
+        constrained = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            tm = time.perf_counter()
+            bitmask = self.structured.bitmask(constrained, len(seqs))
+            cidx = [i for _, i in constrained]
+            allowed = bitmask_to_bool(bitmask[cidx], logits.shape[1])
+            sub = logits[cidx]
+            apply_allowed_mask(sub, allowed)
+            logits[cidx] = sub
+            self._mask_s += time.perf_counter() - tm
+            dead = [seqs[i] for i, row in zip(cidx, allowed) if not row.any()]
+        else:
+            dead = []
+        ts = time.perf_counter()
+        result = sample(logits, rows, [s.rng for s in seqs])
+        self._sample_s += time.perf_counter() - ts
+
+        outputs = []
+        for i, seq in enumerate(seqs):
+            if seq in dead:
+                err = seq.matcher.get_error() or "the grammar allows no further token"
+                outputs.append(self._finish(seq, "error", f"structured output failed: {err}"))
+                continue
+            try:
+                out = self._accept(seq, int(result.token_ids[i]), float(result.logprobs[i]), result.top[i])
+            except Exception as exc:  # a request-level failure (grammar, detokenizer) ends that request only
+                out = self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            outputs.append(out)
+        return outputs
+
+    def _accept(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]]) -> RequestOutput:
+        """Append a sampled token (+ any grammar-forced run after it) and decide whether the request is done."""
+        self._counters["sampled_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        reason = self._append(seq, token, logprob=logprob, top=top)
+        if reason is None and seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                return self._finish(seq, "error", f"structured output failed: {seq.matcher.get_error()}")
+            if seq.matcher.is_stopped():
+                reason = "stop"
+            elif self.config.enable_jump_forward:
+                for forced in StructuredOutput.forced_tokens(seq.matcher, seq.remaining_tokens):
+                    self._counters["forced_tokens"] += 1
+                    reason = self._append(seq, forced, forced=True)
+                    if reason is not None:
+                        break
+                if reason is None and seq.matcher.is_stopped():
+                    reason = "stop"
+        if reason is not None:
+            return self._finish(seq, reason)
+        return self._output(seq)
+
+    def _append(
+        self, seq: Sequence, token: int, *, logprob: float = 0.0, top: list[tuple[int, float]] | None = None,
+        forced: bool = False,
+    ) -> FinishReason | None:
+        """Append one generated token; returns a finish reason when this token ends the request."""
+        seq.append(token)
+        if seq.logprobs is not None:
+            # A forced token was the only one the grammar allowed: probability 1 under the constrained distribution.
+            lp = 0.0 if forced else logprob
+            seq.logprobs.append(TokenLogprob(
+                token_id=token, text=self.tokenizer.decode([token]), logprob=lp,
+                top=[(token, 0.0)] if forced and seq.params.top_logprobs else list(top or []),
+            ))
+        if token in seq.eos_token_ids or token in seq.params.stop_token_ids:
+            return "stop"  # the stop token's text is not part of the output
+        piece = seq.detok.push(token)
+        if piece:
+            seq.text += piece
+            if seq.params.stop and self._cut_stop_string(seq, len(piece)):
+                seq.stopped_by_string = True
+                return "stop"
+        if seq.remaining_tokens <= 0:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_stop_string(seq: Sequence, new_chars: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        begin = max(0, len(seq.text) - new_chars - longest + 1)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, begin)) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    # ------------------------------------------------------------------------------------------ outputs
+    def _visible_text(self, seq: Sequence) -> str:
+        """Text safe to show: while running, the tail that could still become a stop string is held back."""
+        if seq.is_finished or not seq.params.stop:
+            return seq.text
+        hold = max(len(s) for s in seq.params.stop) - 1
+        return seq.text[: max(seq.emitted_chars, len(seq.text) - hold)]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self._visible_text(seq)
+        delta = text[seq.emitted_chars:]
+        seq.emitted_chars = len(text)
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=[int(t) for t in seq.output_ids],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            error=seq.error,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_tokens=seq.prompt_len,
+            cached_prompt_tokens=seq.cached_prompt_tokens,
+            delta=delta,
+        )
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        if not seq.stopped_by_string and seq.detok is not None:
+            seq.text += seq.detok.flush()  # bytes held back for an incomplete character
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.finish_time = time.monotonic()
+        self._live.pop(seq.request_id, None)
+        self._counters["requests_finished"] += 1
+        self._counters[f"finished_{reason}"] += 1
+        return self._output(seq)
+
+    # ------------------------------------------------------------------------------------------ batch helper
+    def generate(
+        self, prompts: SequenceABC[Prompt] | Prompt, params: SamplingParams | SequenceABC[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (together, continuously batched); final outputs in the order given.
+
+        A request that fails while running comes back with finish_reason "error"; a request that is rejected up
+        front raises RequestError (none of the prompts is then left queued)."""
+        if isinstance(prompts, ProcessedPrompt) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]  # one chat conversation
+        elif isinstance(prompts, np.ndarray) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # one token-id prompt
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                ids.append(self.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while wanted - final.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def stats(self) -> dict[str, Any]:
+        st = self._step_times
+        out: dict[str, Any] = dict(self._counters)
+        out.update(self.blocks.stats())
+        out.update(self.encoder.stats())
+        out.update({
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "cache_bytes": self.cache_bytes,
+            "max_model_len": self.max_model_len,
+            "step_time_last_s": st.last_s,
+            "step_time_mean_s": st.total_s / st.count if st.count else 0.0,
+            "step_time_max_s": st.max_s,
+            "forward_time_s": self._forward_s,
+            "mask_time_s": self._mask_s,
+            "sample_time_s": self._sample_s,
+            "model_fingerprint": self.model_fingerprint,
+        })
+        return out

@@ -1,0 +1,107 @@
+"""Structured output through llguidance: JSON schema, regex and choice grammars.
+
+One LLMatcher per constrained request follows the generated tokens. Each step the masks of all constrained rows
+are computed together (LLExecutor) into one int32 bitmask [rows, ceil(vocab / 32)] that the sampler applies before
+choosing. After a token is accepted, `forced_tokens` asks the grammar for the tokens it allows as the only
+continuation (JSON keys, punctuation): the engine appends them at once and feeds them to the next forward as a small
+chunk (jump-forward) instead of decoding them one step at a time.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from .params import SamplingParams
+
+_GRAMMAR_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """The json_schema / regex / choice of a request cannot be compiled into a grammar."""
+
+
+def is_constrained(params: SamplingParams) -> bool:
+    return params.json_schema is not None or params.regex is not None or params.choice is not None
+
+
+class StructuredOutput:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        whitespace_flexible: bool = False,
+        num_threads: int = 1,
+    ) -> None:
+        if not eos_token_ids:
+            raise GrammarError("structured output needs at least one eos token id (the grammar ends with it)")
+        self.vocab_size = vocab_size
+        # n_vocab = the model's logit width (often padded past the tokenizer's vocabulary).
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.executor = llguidance.LLExecutor(num_threads)
+        self.whitespace_flexible = whitespace_flexible
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # request key -> validated grammar
+
+    def _grammar_source(self, params: SamplingParams) -> tuple[str, str]:
+        if params.json_schema is not None:
+            if not isinstance(params.json_schema, dict):
+                raise GrammarError(f"json_schema must be a dict, got {type(params.json_schema).__name__}")
+            key = "json:" + json.dumps(params.json_schema, sort_keys=True)
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    params.json_schema, defaults={"whitespace_flexible": self.whitespace_flexible}
+                )
+            except ValueError as exc:
+                raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from exc
+            return key, grammar
+        if params.regex is not None:
+            return "regex:" + params.regex, llguidance.LLMatcher.grammar_from_regex(params.regex)
+        assert params.choice is not None
+        if not params.choice or not all(isinstance(c, str) and c for c in params.choice):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        # Lark string literals take JSON-style escapes, so json.dumps quotes any choice safely.
+        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
+        return "choice:" + json.dumps(params.choice), llguidance.LLMatcher.grammar_from_lark(lark)
+
+    def grammar_for(self, params: SamplingParams) -> str:
+        key, grammar = self._grammar_source(params)
+        cached = self._grammars.get(key)
+        if cached is not None:
+            self._grammars.move_to_end(key)
+            return cached
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise GrammarError(f"cannot build the output grammar: {'; '.join(messages)}")
+        self._grammars[key] = grammar
+        if len(self._grammars) > _GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def new_matcher(self, params: SamplingParams) -> Any:
+        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar_for(params))
+        if matcher.is_error():
+            raise GrammarError(f"cannot start the output grammar: {matcher.get_error()}")
+        return matcher
+
+    def bitmask(self, matchers: list[tuple[Any, int]], num_rows: int) -> np.ndarray:
+        """int32 [num_rows, ceil(V/32)]; rows not listed allow every token."""
+        mask = llnp.allocate_token_bitmask(num_rows, self.vocab_size)
+        if matchers:
+            llnp.fill_next_token_bitmask_par(self.executor, matchers, mask)
+        return mask
+
+    @staticmethod
+    def forced_tokens(matcher: Any, limit: int) -> list[int]:
+        """Consume and return the run of tokens the grammar forces next (at most `limit`)."""
+        if limit <= 0 or matcher.is_stopped():
+            return []
+        forced = list(matcher.compute_ff_tokens())[:limit]
+        if forced and not matcher.consume_tokens(forced):
+            raise GrammarError(f"grammar rejected its own forced tokens: {matcher.get_error()}")
+        return forced
