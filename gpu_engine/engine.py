@@ -370,8 +370,8 @@ class Engine:
         self._counters["prompt_tokens_computed"] += in_prompt
         if sc.num_tokens == 1 and in_prompt == 0:
             self._counters["decode_tokens"] += 1
-        elif seq.num_preemptions and sc.start < seq.num_tokens - 1:
-            self._counters["recomputed_tokens"] += rest
+        else:
+            self._counters["chunked_output_tokens"] += rest
 
     def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
         params = [s.params for s in seqs]
