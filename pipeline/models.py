@@ -96,7 +96,6 @@ class Schema(Base):
     json_schema: Mapped[dict[str, Any]] = mapped_column(JSON)
     prompt: Mapped[str] = mapped_column(Text)
     merge_rules: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
-    media: Mapped[str] = mapped_column(String(16), default="page")  # page: one request per page; video: per video
     builtin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -145,6 +144,7 @@ class Job(Base):
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)  # last transition
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     model_seconds: Mapped[float] = mapped_column(Float, default=0.0)  # wall time spent waiting on the engine

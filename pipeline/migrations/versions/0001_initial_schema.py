@@ -2,7 +2,6 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 05:29:45.879778
 """
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ def upgrade() -> None:
     sa.Column('json_schema', sa.JSON(), nullable=False),
     sa.Column('prompt', sa.Text(), nullable=False),
     sa.Column('merge_rules', sa.JSON(), nullable=False),
-    sa.Column('media', sa.String(length=16), nullable=False),
     sa.Column('builtin', sa.Boolean(), nullable=False),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id'),
@@ -70,6 +68,7 @@ def upgrade() -> None:
     sa.Column('lease_until', sa.DateTime(timezone=True), nullable=True),
     sa.Column('error', sa.Text(), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('model_seconds', sa.Float(), nullable=False),
@@ -85,6 +84,7 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f('ix_jobs_document_id'), ['document_id'], unique=False)
         batch_op.create_index(batch_op.f('ix_jobs_schema_id'), ['schema_id'], unique=False)
         batch_op.create_index(batch_op.f('ix_jobs_state'), ['state'], unique=False)
+        batch_op.create_index(batch_op.f('ix_jobs_updated_at'), ['updated_at'], unique=False)
 
     op.create_table('pages',
     sa.Column('id', sa.Integer(), nullable=False),
@@ -169,6 +169,7 @@ def downgrade() -> None:
 
     op.drop_table('pages')
     with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_jobs_updated_at'))
         batch_op.drop_index(batch_op.f('ix_jobs_state'))
         batch_op.drop_index(batch_op.f('ix_jobs_schema_id'))
         batch_op.drop_index(batch_op.f('ix_jobs_document_id'))

@@ -1,0 +1,51 @@
+"""`Pipeline`: the settings, database, blob store and (lazily) engine client one process works with.
+
+Workers and the API build one per process and pass it to the library functions (`ingest_file`, `run_job`, ...).
+The engine is only built when a job actually runs, so an API process that only enqueues never loads weights.
+"""
+from __future__ import annotations
+
+from .blobs import BlobStore
+from .db import Database
+from .engine_client import ExtractionClient, model_key, shared_client
+from .settings import Settings
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        client: ExtractionClient | None = None,
+        database: Database | None = None,
+        migrate: bool = True,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.db = database or Database(self.settings.resolved_database_url)
+        self.blobs = BlobStore(self.settings.blob_dir)
+        self._client = client
+        self._model_key: str | None = client.model_key if client is not None else None
+        if migrate:
+            self.db.upgrade()  # cheap when already at head; a fresh data dir just works
+        from .schemas import ensure_builtin_schemas
+
+        with self.db.session() as session:
+            ensure_builtin_schemas(session)
+
+    @property
+    def client(self) -> ExtractionClient:
+        """The engine client (built on first use; one per process and model)."""
+        if self._client is None:
+            self._client = shared_client(self.settings)
+        return self._client
+
+    @property
+    def model_key(self) -> str:
+        """Identity of the configured model, known without loading it (jobs are deduped on it)."""
+        if self._model_key is None:
+            self._model_key = model_key(self.settings.resolved_model_dir())
+        return self._model_key
+
+    def close(self) -> None:
+        self.db.dispose()

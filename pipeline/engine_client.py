@@ -1,0 +1,140 @@
+"""The only place where the pipeline talks to the inference engine.
+
+`ExtractionClient` is what jobs need: submit a batch of requests at once (so the engine's continuous batcher sees
+them together) and receive the replies one by one, in request order. `EngineClient` implements it on top of
+`gpu_engine.AsyncEngine`; tests of storage or merging may pass any object with the same shape.
+
+`model_key(model_dir)` is a cheap identity of a checkpoint folder, used to dedupe jobs without loading weights:
+sha256 over config.json's bytes and every file's name and size, plus the SHA256SUMS file when the folder has one.
+The full weight digest (the engine's `model_fingerprint`) is recorded on every result.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+from gpu_engine.params import SamplingParams
+
+from .settings import Settings
+
+
+@dataclass
+class EngineRequest:
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+
+
+@dataclass
+class EngineReply:
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    token_texts: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # wall time from submit to this reply
+
+
+class ExtractionClient(Protocol):
+    model_key: str
+    model_fingerprint: str
+    engine_version: str
+
+    def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+        """Submit all requests, then yield one reply per request, in request order."""
+        ...
+
+
+def model_key(model_dir: Path) -> str:
+    folder = Path(model_dir)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{folder} is not a model checkpoint folder (no config.json)")
+    digest.update(config.read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        digest.update(f"\n{rel}\t{path.stat().st_size}".encode())
+    sums = folder / "SHA256SUMS"
+    if sums.is_file():
+        digest.update(sums.read_bytes())
+    return digest.hexdigest()
+
+
+class EngineClient:
+    """ExtractionClient backed by one in-process engine (reference or CUDA runner)."""
+
+    def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float) -> None:
+        import gpu_engine
+
+        self._async = async_engine
+        self.model_key = model_key(model_dir)
+        self.model_fingerprint = fingerprint
+        self.engine_version = gpu_engine.__version__
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "EngineClient":
+        """Build the engine described by the settings (loads the weights: call once per process)."""
+        import gpu_engine
+
+        config_kwargs: dict[str, Any] = {
+            "max_num_seqs": settings.engine_max_num_seqs,
+            "max_batched_tokens": max(settings.engine_max_batched_tokens, settings.engine_max_num_seqs),
+            "max_model_len": settings.engine_max_model_len,
+        }
+        if settings.engine_kv_cache_bytes is not None:
+            config_kwargs["kv_cache_bytes"] = settings.engine_kv_cache_bytes
+        model_dir = settings.resolved_model_dir()
+        engine = gpu_engine.Engine.from_pretrained(
+            model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs)
+        )
+        return cls(
+            gpu_engine.AsyncEngine(engine),
+            model_dir=model_dir,
+            fingerprint=engine.model_fingerprint,
+            timeout_s=settings.request_timeout_s,
+        )
+
+    def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+        started = time.perf_counter()
+        handles = [self._async.submit(r.messages, r.params) for r in requests]
+        for handle in handles:
+            out = handle.result(self._timeout_s)
+            logprobs = out.logprobs or []
+            yield EngineReply(
+                text=out.text,
+                finish_reason=out.finish_reason,
+                error=out.error,
+                token_texts=[lp.text for lp in logprobs],
+                token_logprobs=[float(lp.logprob) for lp in logprobs],
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                seconds=time.perf_counter() - started,
+            )
+
+    def close(self) -> None:
+        for name in ("shutdown", "close", "stop"):
+            method = getattr(self._async, name, None)
+            if callable(method):
+                method()
+                return
+
+
+_shared: dict[tuple[str, str], EngineClient] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_client(settings: Settings) -> EngineClient:
+    """One engine per (model, runner) per process, built on first use (embedded CLI/API runs share it)."""
+    key = (str(settings.resolved_model_dir()), settings.runner)
+    with _shared_lock:
+        client = _shared.get(key)
+        if client is None:
+            client = _shared[key] = EngineClient.from_settings(settings)
+        return client

@@ -1,0 +1,396 @@
+"""The job state machine and `run_job`, the one function that turns a queued job into results.
+
+States: queued -> running -> succeeded | partial | failed. Every transition is one database transaction that
+checks the state it expects (compare-and-set), so concurrent or repeated deliveries cannot both act.
+
+Idempotence. A job's results are unique per (job, unit) in the database. `run_job` writes each page result in its
+own transaction as soon as it arrives, skips units that already have a result (a re-run after a crash resumes
+where the crash happened), and writes the merged document result in the same transaction as the final state. So a
+job run twice (crash, broker redelivery, two workers) ends with exactly one result set.
+
+Ownership. Claiming a job increments `attempts`; that number is the run's fencing token. Every later write of the
+run checks `attempts == token AND state == 'running'`: a run that was taken over stops writing. A running job may
+be taken over when its lease passed, when its owner process (host:pid) is gone from this host, or when the caller
+says `takeover=True` (e.g. a broker redelivery after the worker died). Each claim counts as an attempt; after
+`job_max_attempts` the job is failed with the last error (a poison document never loops).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import jsonschema
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from .context import Pipeline
+from .errors import JobStateError, NotFoundError
+from .extraction import (
+    UnitInput,
+    UnitOutcome,
+    build_request,
+    interpret_reply,
+    load_png,
+    sampling_params,
+    sampling_record,
+)
+from .merge import UnitData, merge_units
+from .models import Job, JobState, Page, Result, utcnow
+
+DOCUMENT_UNIT = "document"
+
+
+def this_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """True only when we can tell: the owner ran on this host and its process no longer exists."""
+    if not owner or ":" not in owner:
+        return False
+    host, _, pid_text = owner.rpartition(":")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def aware(moment: datetime | None) -> datetime | None:
+    """SQLite hands datetimes back without a zone; we only ever store UTC."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
+    return moment
+
+
+@dataclass
+class JobRun:
+    """What one `run_job` call did. `ran` is False when the job was finished, busy elsewhere or taken over."""
+
+    job_id: int
+    state: str
+    ran: bool
+    note: str = ""
+    units_total: int = 0
+    units_done_now: int = 0
+    model_seconds: float = 0.0
+    overhead_seconds: float = 0.0  # wall time of this call not spent waiting on the engine
+
+
+@dataclass
+class _Claim:
+    token: int
+    document_id: int
+    schema_name: str
+    schema_version: int
+    json_schema: dict[str, Any]
+    prompt: str
+    merge_rules: dict[str, str]
+    kind: str | None
+    pages: list[dict[str, Any]] = field(default_factory=list)
+    done_units: set[str] = field(default_factory=set)
+
+
+def _fenced(job_id: int, token: int) -> Any:
+    return (Job.id == job_id) & (Job.attempts == token) & (Job.state == JobState.running.value)
+
+
+def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
+    now = utcnow()
+    with p.db.session() as s:
+        job = s.get(Job, job_id, with_for_update=True)
+        if job is None:
+            raise NotFoundError("job", job_id)
+        state = JobState(job.state)
+        if state.finished:
+            return JobRun(job_id, job.state, ran=False, note="already finished")
+        if state is JobState.running:
+            lease = aware(job.lease_until)
+            expired = lease is None or lease <= now
+            if not (takeover or expired or owner_is_dead(job.owner)):
+                return JobRun(job_id, job.state, ran=False,
+                              note=f"running in {job.owner} (lease until {lease:%H:%M:%S} UTC)")
+        if job.attempts >= p.settings.job_max_attempts:
+            job.state = JobState.failed.value
+            job.error = f"gave up after {job.attempts} attempts; last error: {job.error or 'the worker died'}"
+            job.finished_at = job.updated_at = now
+            job.owner, job.lease_until = None, None
+            return JobRun(job_id, job.state, ran=False, note="attempt cap reached")
+        job.state = JobState.running.value
+        job.attempts += 1
+        job.owner = this_owner()
+        job.lease_until = now + timedelta(seconds=p.settings.job_lease_s)
+        job.started_at = job.started_at or now
+        job.updated_at = now
+        schema = job.schema
+        pages = s.scalars(select(Page).where(Page.document_id == job.document_id).order_by(Page.index)).all()
+        done = set(s.scalars(select(Result.unit).where(Result.job_id == job_id)))
+        return _Claim(
+            token=job.attempts,
+            document_id=job.document_id,
+            schema_name=schema.name,
+            schema_version=schema.version,
+            json_schema=schema.json_schema,
+            prompt=schema.prompt,
+            merge_rules=dict(schema.merge_rules or {}),
+            kind=job.document.kind,
+            pages=[
+                {"index": pg.index, "kind": pg.kind, "blob": pg.image_blob, "timestamp": pg.timestamp,
+                 "text": pg.text_layer, "error": pg.error}
+                for pg in pages
+            ],
+            done_units=done,
+        )
+
+
+def _units(claim: _Claim) -> tuple[list[str], list[tuple[str, int | None, str]], list[dict[str, Any]]]:
+    """(all unit names, units failed before the model (name, page, reason), pages grouped per runnable unit)."""
+    if claim.kind == "video":
+        good = [pg for pg in claim.pages if pg["blob"] and not pg["error"]]
+        if good:
+            return ["video"], [], [{"unit": "video", "page_index": None, "pages": good}]
+        reasons = "; ".join(pg["error"] for pg in claim.pages if pg["error"]) or "no frames were decoded"
+        return ["video"], [("video", None, reasons)], []
+    names, failed, runnable = [], [], []
+    for pg in claim.pages:
+        name = f"page:{pg['index']}"
+        names.append(name)
+        if pg["error"] or not pg["blob"]:
+            failed.append((name, pg["index"], pg["error"] or "the page was not rendered"))
+        else:
+            runnable.append({"unit": name, "page_index": pg["index"], "pages": [pg]})
+    return names, failed, runnable
+
+
+def _write_unit(
+    p: Pipeline, job_id: int, claim: _Claim, unit: str, page_index: int | None, outcome: UnitOutcome,
+    *, provenance: dict[str, Any], prompt_tokens: int = 0, completion_tokens: int = 0, model_seconds: float = 0.0,
+) -> bool:
+    """Store one unit result and renew the lease; False when this run no longer owns the job."""
+    now = utcnow()
+    with p.db.session() as s:
+        renewed = s.execute(
+            update(Job)
+            .where(_fenced(job_id, claim.token))
+            .values(
+                lease_until=now + timedelta(seconds=p.settings.job_lease_s),
+                updated_at=now,
+                prompt_tokens=Job.prompt_tokens + prompt_tokens,
+                completion_tokens=Job.completion_tokens + completion_tokens,
+                model_seconds=Job.model_seconds + model_seconds,
+            )
+        ).rowcount
+        if not renewed:
+            return False
+        try:
+            with s.begin_nested():
+                s.add(_result_row(job_id, unit, page_index, outcome, claim, provenance,
+                                  prompt_tokens, completion_tokens))
+        except IntegrityError:
+            pass  # this unit was stored by an earlier attempt: keep that one
+    return True
+
+
+def _result_row(job_id: int, unit: str, page_index: int | None, outcome: UnitOutcome, claim: _Claim,
+                provenance: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> Result:
+    return Result(
+        job_id=job_id,
+        document_id=provenance["document_id"],
+        unit=unit,
+        page_index=page_index,
+        ok=outcome.ok,
+        data=outcome.data,
+        confidence=outcome.confidence.as_json() if outcome.confidence else None,
+        raw_text=outcome.raw_text,
+        error=outcome.error,
+        model_fingerprint=provenance.get("model_fingerprint"),
+        engine_version=provenance.get("engine_version"),
+        schema_name=claim.schema_name,
+        schema_version=claim.schema_version,
+        sampling=provenance.get("sampling"),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
+
+
+def _finish(p: Pipeline, job_id: int, claim: _Claim, unit_names: list[str], provenance: dict[str, Any]) -> str | None:
+    """Merge, store the document result and set the final state, in one transaction. None if taken over."""
+    now = utcnow()
+    with p.db.session() as s:
+        job = s.scalars(select(Job).where(_fenced(job_id, claim.token)).with_for_update()).first()
+        if job is None:
+            return None
+        rows = {r.unit: r for r in s.scalars(select(Result).where(Result.job_id == job_id))}
+        ok_rows = sorted((rows[u] for u in unit_names if u in rows and rows[u].ok),
+                         key=lambda r: (r.page_index is None, r.page_index or 0))
+        failed = [(u, rows[u].error if u in rows else "no result was stored") for u in unit_names
+                  if u not in rows or not rows[u].ok]
+        if ok_rows and DOCUMENT_UNIT not in rows:
+            merged = merge_units(
+                [UnitData(r.data, (r.confidence or {}).get("fields", {})) for r in ok_rows],
+                claim.json_schema, claim.merge_rules,
+            )
+            problems = list(jsonschema.Draft202012Validator(claim.json_schema).iter_errors(merged.data))
+            overall = [c["overall"] for c in (r.confidence for r in ok_rows) if c and c.get("overall") is not None]
+            s.add(Result(
+                job_id=job_id, document_id=job.document_id, unit=DOCUMENT_UNIT, page_index=None,
+                ok=not problems, data=merged.data,
+                confidence={"overall": min(overall) if overall else None, "fields": merged.fields},
+                raw_text=None,
+                error=f"merged result does not match the schema: {problems[0].message}" if problems else None,
+                model_fingerprint=provenance.get("model_fingerprint"), engine_version=provenance.get("engine_version"),
+                schema_name=claim.schema_name, schema_version=claim.schema_version,
+                sampling=provenance.get("sampling"),
+                prompt_tokens=sum(r.prompt_tokens for r in ok_rows),
+                completion_tokens=sum(r.completion_tokens for r in ok_rows),
+            ))
+        if not unit_names:
+            state, error = JobState.failed, "the document has no pages"
+        elif not ok_rows:
+            state, error = JobState.failed, _summarise(failed)
+        elif failed:
+            state, error = JobState.partial, _summarise(failed)
+        else:
+            state, error = JobState.succeeded, None
+        job.state, job.error = state.value, error
+        job.finished_at = job.updated_at = now
+        job.owner, job.lease_until = None, None
+        return job.state
+
+
+def _summarise(failed: list[tuple[str, str | None]], limit: int = 2000) -> str:
+    text = "; ".join(f"{unit.replace(':', ' ')}: {reason}" for unit, reason in failed)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _release(p: Pipeline, job_id: int, token: int, *, error: str | None, count_attempt: bool) -> str:
+    """After an exception: back to queued (or failed once attempts are spent)."""
+    now = utcnow()
+    with p.db.session() as s:
+        job = s.scalars(select(Job).where(_fenced(job_id, token)).with_for_update()).first()
+        if job is None:
+            return "superseded"
+        if not count_attempt:
+            job.attempts -= 1
+        spent = job.attempts >= p.settings.job_max_attempts
+        job.state = (JobState.failed if spent else JobState.queued).value
+        job.error = error if not spent else f"gave up after {job.attempts} attempts; last error: {error}"
+        job.owner, job.lease_until, job.updated_at = None, None, now
+        if spent:
+            job.finished_at = now
+        return job.state
+
+
+def run_job(p: Pipeline, job_id: int, *, takeover: bool = False) -> JobRun:
+    """Run one job to a final state (or resume it). Safe to call any number of times, from any process.
+
+    Returns without work when the job is finished or running elsewhere. An exception from the engine puts the job
+    back to `queued` (or `failed` when attempts are spent), records it, and is raised again so a queue can retry.
+    """
+    started = time.perf_counter()
+    claim = _claim(p, job_id, takeover)
+    if isinstance(claim, JobRun):
+        return claim
+    model_seconds = 0.0
+    try:
+        client = p.client
+        params = sampling_params(claim.json_schema, p.settings)
+        provenance = {"document_id": claim.document_id, "model_fingerprint": client.model_fingerprint,
+                      "engine_version": client.engine_version, "sampling": sampling_record(params)}
+        unit_names, failed_early, runnable = _units(claim)
+        for name, page_index, reason in failed_early:
+            if name not in claim.done_units and not _write_unit(
+                p, job_id, claim, name, page_index, UnitOutcome(False, None, None, None, reason), provenance=provenance
+            ):
+                return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
+        todo = [u for u in runnable if u["unit"] not in claim.done_units]
+        window = max(1, p.settings.engine_max_num_seqs)  # bounds decoded images held in memory at once
+        done_now = 0
+        for start in range(0, len(todo), window):
+            group = todo[start : start + window]
+            inputs = [_unit_input(p, u) for u in group]
+            requests = [build_request(u, claim.prompt, params, p.settings) for u in inputs]
+            t0 = time.perf_counter()
+            previous = 0.0
+            for unit, reply in zip(group, client.run(requests)):
+                waited = time.perf_counter() - t0 - previous
+                previous += waited
+                model_seconds += waited
+                outcome = interpret_reply(reply, claim.json_schema, params.max_tokens)
+                if not _write_unit(p, job_id, claim, unit["unit"], unit["page_index"], outcome,
+                                   provenance=provenance, prompt_tokens=reply.prompt_tokens,
+                                   completion_tokens=reply.completion_tokens, model_seconds=waited):
+                    return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
+                done_now += 1
+        state = _finish(p, job_id, claim, unit_names, provenance)
+        if state is None:
+            return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
+        total = time.perf_counter() - started
+        return JobRun(job_id, state, ran=True, units_total=len(unit_names), units_done_now=done_now,
+                      model_seconds=model_seconds, overhead_seconds=total - model_seconds)
+    except KeyboardInterrupt:
+        _release(p, job_id, claim.token, error="interrupted", count_attempt=False)
+        raise
+    except Exception as exc:
+        _release(p, job_id, claim.token, error=f"{type(exc).__name__}: {exc}", count_attempt=True)
+        raise
+
+
+def _unit_input(p: Pipeline, unit: dict[str, Any]) -> UnitInput:
+    pages = unit["pages"]
+    return UnitInput(
+        unit=unit["unit"],
+        page_index=unit["page_index"],
+        images=[load_png(p.blobs.get_bytes(pg["blob"])) for pg in pages],
+        timestamps=[pg["timestamp"] for pg in pages],
+        anchor_text=pages[0]["text"] if unit["unit"] != "video" else None,
+    )
+
+
+def retry_job(p: Pipeline, job_id: int) -> None:
+    """Put a failed or partial job back in the queue with its results cleared (the API's retry)."""
+    with p.db.session() as s:
+        job = s.get(Job, job_id, with_for_update=True)
+        if job is None:
+            raise NotFoundError("job", job_id)
+        if job.state not in (JobState.failed.value, JobState.partial.value):
+            raise JobStateError(f"job {job_id} is {job.state}; only failed or partial jobs can be retried")
+        for row in list(job.results):
+            s.delete(row)
+        job.state, job.error, job.attempts = JobState.queued.value, None, 0
+        job.owner = job.lease_until = job.finished_at = None
+        job.prompt_tokens = job.completion_tokens = 0
+        job.model_seconds = 0.0
+        job.updated_at = utcnow()
+
+
+def stale_jobs(p: Pipeline, *, queued_for_s: float) -> list[int]:
+    """Jobs a reconciler should enqueue again: running past their lease (or with a dead local owner), or queued
+    without progress for `queued_for_s` seconds (their broker message may be lost)."""
+    now = utcnow()
+    with p.db.read_session() as s:
+        rows = s.execute(
+            select(Job.id, Job.state, Job.lease_until, Job.owner, Job.updated_at).where(
+                Job.state.in_([JobState.queued.value, JobState.running.value])
+            )
+        ).all()
+    out = []
+    for job_id, state, lease, owner, updated in rows:
+        if state == JobState.running.value:
+            lease = aware(lease)
+            if lease is None or lease <= now or owner_is_dead(owner):
+                out.append(job_id)
+        elif aware(updated) <= now - timedelta(seconds=queued_for_s):
+            out.append(job_id)
+    return out

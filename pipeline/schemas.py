@@ -1,0 +1,140 @@
+"""The schema registry: built-in schemas plus user schemas, versioned, validated when they enter.
+
+A user schema must be a JSON Schema (draft 2020-12) for an object, compilable by the decoding grammar (llguidance),
+with merge rules naming top-level properties only. Registering the same name with different content creates the
+next version; the same content again returns the existing version. Built-in names are reserved.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from .builtin_schemas import BUILTIN_SCHEMAS, SchemaSpec
+from .errors import InvalidSchemaError, UnknownSchemaError
+from .merge import MERGE_RULES
+from .models import Schema
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+DEFAULT_USER_PROMPT = (
+    "Extract the information on this page into JSON that matches the schema. Use null where a value is absent; "
+    "never guess."
+)
+
+
+def validate_schema_definition(name: str, json_schema: Any, merge_rules: dict[str, str] | None = None) -> None:
+    """Raise InvalidSchemaError (with the reason) unless this schema can be used for extraction."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidSchemaError(
+            f"schema name {name!r} is not allowed: use 1-64 lowercase letters, digits, '_' or '-', starting with a letter"
+        )
+    if not isinstance(json_schema, dict):
+        raise InvalidSchemaError(f"schema {name!r} must be a JSON object, got {type(json_schema).__name__}")
+    try:
+        jsonschema.Draft202012Validator.check_schema(json_schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise InvalidSchemaError(f"schema {name!r} is not valid JSON Schema at {where}: {exc.message}") from None
+    if json_schema.get("type") != "object" or not isinstance(json_schema.get("properties"), dict):
+        raise InvalidSchemaError(
+            f"schema {name!r} must describe an object (\"type\": \"object\" with \"properties\") so that page "
+            "results can be merged field by field"
+        )
+    import llguidance  # the grammar library the engine uses; refusing here beats failing every job later
+
+    problem = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", json.dumps(json_schema)))
+    if problem:
+        raise InvalidSchemaError(f"schema {name!r} cannot be used for constrained decoding: {problem.strip()}")
+    for field_name, rule in (merge_rules or {}).items():
+        if field_name not in json_schema["properties"]:
+            raise InvalidSchemaError(f"merge rule for {field_name!r}: schema {name!r} has no such top-level property")
+        if rule not in MERGE_RULES:
+            raise InvalidSchemaError(
+                f"merge rule {rule!r} for {field_name!r} is unknown; use one of {', '.join(sorted(MERGE_RULES))}"
+            )
+
+
+def _same(row: Schema, spec: SchemaSpec) -> bool:
+    return row.json_schema == spec.json_schema and row.prompt == spec.prompt and row.merge_rules == spec.merge_rules
+
+
+def ensure_builtin_schemas(session: Session) -> None:
+    """Insert the built-in schemas that are missing (safe to call from many processes at once)."""
+    have = {(n, v) for n, v in session.execute(select(Schema.name, Schema.version).where(Schema.builtin))}
+    for spec in BUILTIN_SCHEMAS.values():
+        if (spec.name, spec.version) in have:
+            continue
+        try:
+            with session.begin_nested():
+                session.add(
+                    Schema(
+                        name=spec.name,
+                        version=spec.version,
+                        json_schema=spec.json_schema,
+                        prompt=spec.prompt,
+                        merge_rules=spec.merge_rules,
+                        builtin=True,
+                    )
+                )
+        except IntegrityError:
+            pass  # another process inserted it first
+
+
+def register_schema(
+    session: Session,
+    name: str,
+    json_schema: Any,
+    *,
+    prompt: str | None = None,
+    merge_rules: dict[str, str] | None = None,
+) -> Schema:
+    """Validate and store a user schema; returns the stored row (a new version only if the content changed)."""
+    if name in BUILTIN_SCHEMAS:
+        raise InvalidSchemaError(f"{name!r} is a built-in schema name; choose another name for your schema")
+    validate_schema_definition(name, json_schema, merge_rules)
+    spec = SchemaSpec(name=name, json_schema=json_schema, prompt=prompt or DEFAULT_USER_PROMPT,
+                      merge_rules=dict(merge_rules or {}))
+    latest = _latest(session, name)
+    if latest is not None and _same(latest, spec):
+        return latest
+    row = Schema(
+        name=name,
+        version=(latest.version + 1) if latest else 1,
+        json_schema=spec.json_schema,
+        prompt=spec.prompt,
+        merge_rules=spec.merge_rules,
+        builtin=False,
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def _latest(session: Session, name: str) -> Schema | None:
+    return session.scalars(select(Schema).where(Schema.name == name).order_by(Schema.version.desc()).limit(1)).first()
+
+
+def get_schema(session: Session, name: str, version: int | None = None) -> Schema:
+    """The named schema (latest version unless one is given); UnknownSchemaError lists what exists."""
+    if version is None:
+        row = _latest(session, name)
+    else:
+        row = session.scalars(select(Schema).where(Schema.name == name, Schema.version == version)).first()
+    if row is None:
+        known = list(session.scalars(select(Schema.name).distinct()))
+        if version is not None and name in known:
+            raise UnknownSchemaError(f"{name} version {version}", known)
+        raise UnknownSchemaError(name, known)
+    return row
+
+
+def list_schemas(session: Session) -> list[Schema]:
+    """Latest version of every schema, by name."""
+    latest = select(Schema.name, func.max(Schema.version).label("v")).group_by(Schema.name).subquery()
+    stmt = select(Schema).join(latest, (Schema.name == latest.c.name) & (Schema.version == latest.c.v))
+    return list(session.scalars(stmt.order_by(Schema.name)))
