@@ -14,6 +14,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.errors import (
+    InvalidSchemaError,
+    JobStateError,
+    NotFoundError,
+    PipelineError,
+    UnknownSchemaError,
+)
+
 log = logging.getLogger("docpipe.api")
 
 PROBLEM_JSON = "application/problem+json"
@@ -162,6 +170,24 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def pipeline_error_to_api(exc: PipelineError) -> ApiError:
+    """The pipeline's own exceptions already carry messages a person can act on; give each a status and code."""
+    if isinstance(exc, NotFoundError):
+        return ApiError(404, f"{exc.kind.replace(' ', '_')}_not_found", str(exc))
+    if isinstance(exc, UnknownSchemaError):
+        return ApiError(422, "unknown_schema", str(exc))
+    if isinstance(exc, InvalidSchemaError):
+        return ApiError(422, "invalid_schema", str(exc))
+    if isinstance(exc, JobStateError):
+        return ApiError(409, "job_state_conflict", str(exc))
+    return ApiError(422, "pipeline_error", str(exc))
+
+
+async def _pipeline_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PipelineError)
+    return await _api_error(request, pipeline_error_to_api(exc))
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     incident = uuid.uuid4().hex[:12]
     log.exception("unhandled error on %s %s (incident %s)", request.method, request.url.path, incident)
@@ -174,6 +200,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(PipelineError, _pipeline_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -25,6 +25,7 @@ class ApiLimits:
     max_inflight_engine: int = 4  # concurrent /v1/chat/completions requests per key
     max_upload_bytes: int = 512 * 1024 * 1024  # one uploaded file
     max_batch_files: int = 100  # files in one POST /v1/batches
+    max_batch_bytes: int = 2 * 1024**3  # one POST /v1/batches body
     max_json_bytes: int = 32 * 1024 * 1024  # JSON request bodies (chat requests carry data: URL images)
     max_image_bytes: int = 20 * 1024 * 1024  # one decoded data: URL image or video
     max_images_per_request: int = 16  # image/video parts in one chat request

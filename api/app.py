@@ -1,0 +1,142 @@
+"""The FastAPI application factory: `create_app(settings)` wires pipeline, limits, auth, routes and the web UI.
+
+Middleware order (outermost first): metrics -> auth + rate limit -> body size limit -> routes. Auth runs before
+any body byte is read; the body limit applies to whatever reaches a route.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from pipeline.context import Pipeline
+from pipeline.jobs import run_job, stale_jobs
+from pipeline.settings import Settings
+
+from .auth import AuthMiddleware, KeyRing
+from .bodylimit import BodyLimitMiddleware
+from .context import ApiContext
+from .engine_access import EngineAccess
+from .errors import install_error_handlers
+from .limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
+from .metrics import Metrics, MetricsMiddleware
+from .openai_compat import ChatBackend, chat_router
+from .queries import active_job_ids
+from .routes import batches, documents, health, jobs, schemas
+from .runners import BrokerRunner, EmbeddedRunner, JobRunner
+
+log = logging.getLogger("docpipe.api")
+
+STATIC_DIR = Path(__file__).parent / "static"
+UPLOAD_PATHS = ("/v1/documents", "/v1/batches")
+MULTIPART_OVERHEAD = 64 * 1024  # form headers and text fields around the file bytes
+EMBEDDED_THREADS = 2  # jobs run at once in embedded mode; each hands its pages to the engine's batcher together
+
+
+def limits_from_settings(settings: Settings) -> ApiLimits:
+    return ApiLimits(
+        rate_per_minute=settings.api_rate_limit_per_minute,
+        burst=max(1, settings.api_rate_limit_per_minute // 2),
+        max_inflight_jobs=settings.api_max_inflight_per_key,
+        max_inflight_engine=max(1, min(settings.api_max_inflight_per_key, settings.engine_max_num_seqs // 2 or 1)),
+        max_upload_bytes=settings.max_file_bytes,
+        max_batch_bytes=max(settings.max_file_bytes, ApiLimits.max_batch_bytes),
+    )
+
+
+def _job_runner(pipeline: Pipeline) -> JobRunner:
+    if pipeline.settings.embedded:
+        return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
+                              pending=lambda: stale_jobs(pipeline, queued_for_s=0.0))
+    try:
+        from workers.enqueue import enqueue_job, ping_broker  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise RuntimeError(
+            "DOCPIPE_BROKER_URL is set but this installation has no broker client (workers.enqueue); "
+            "unset DOCPIPE_BROKER_URL to run jobs inside the API process"
+        ) from exc
+    return BrokerRunner(lambda job_id: enqueue_job(pipeline.settings, job_id),
+                        lambda: ping_broker(pipeline.settings))
+
+
+def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = None) -> FastAPI:
+    """Build the app. `settings` defaults to the environment (DOCPIPE_*); `limits` overrides the derived limits."""
+    settings = settings or Settings()
+    limits = limits or limits_from_settings(settings)
+    pipeline = Pipeline(settings)  # migrates the database and registers the built-in schemas
+    engine = EngineAccess(pipeline, preload=settings.embedded)
+    runner = _job_runner(pipeline)
+    metrics = Metrics()
+
+    def still_active(job_ids: object) -> set[int]:
+        with pipeline.db.read_session() as s:
+            return active_job_ids(s, list(job_ids))  # type: ignore[call-overload]
+
+    ctx = ApiContext(
+        pipeline=pipeline,
+        limits=limits,
+        runner=runner,
+        jobs=JobQuota(limits.max_inflight_jobs, still_active),
+        engine_slots=EngineSlots(limits.max_inflight_engine),
+        metrics=metrics,
+        spool_dir=settings.data_dir / "incoming",
+        engine=engine,
+    )
+    metrics.watch(pipeline.db, runner.queue_depth, engine.figures)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        runner.start()
+        log.info("docpipe API ready (%s mode, %d API key(s))", runner.mode, len(settings.api_keys))
+        try:
+            yield
+        finally:
+            runner.stop()
+
+    app = FastAPI(
+        title="docpipe",
+        version="0.1.0",
+        description="Documents in, schema-valid JSON out. Errors are RFC 9457 problem documents with a stable "
+        "`code`. Send the API key as `Authorization: Bearer <key>` or `X-API-Key`.",
+        lifespan=lifespan,
+        docs_url=None,  # Swagger/ReDoc pages load their scripts from a CDN; a self-hosted server must not
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    for module in (documents, batches, schemas, jobs, health):
+        app.include_router(module.router)
+    backend = ChatBackend(
+        model_id=engine.model_id,
+        get_engine=engine.async_engine,
+        default_max_tokens=min(512, settings.max_tokens),
+        request_timeout_s=settings.request_timeout_s,
+    )
+    app.include_router(chat_router(backend, limits, ctx.engine_slots, ctx.spool_dir))
+
+    app.mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    def body_limit(method: str, path: str) -> int:
+        if method == "POST" and path in UPLOAD_PATHS:
+            if path == "/v1/batches":
+                return limits.max_batch_bytes + MULTIPART_OVERHEAD
+            return limits.max_upload_bytes + MULTIPART_OVERHEAD
+        return limits.max_json_bytes
+
+    # add_middleware puts each new one outside the previous: this order gives metrics -> auth -> body limit.
+    app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
+    app.add_middleware(AuthMiddleware, keys=KeyRing(settings.api_keys),
+                       limiter=RateLimiter(limits.rate_per_minute, limits.burst))
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,35 @@
+"""What every route works with, built once per app by `api.app.create_app` and stored on `app.state.ctx`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from pipeline.context import Pipeline
+
+from .auth import Principal
+from .engine_access import EngineAccess
+from .limits import ApiLimits, EngineSlots, JobQuota
+from .metrics import Metrics
+from .runners import JobRunner
+
+
+@dataclass
+class ApiContext:
+    pipeline: Pipeline
+    limits: ApiLimits
+    runner: JobRunner
+    jobs: JobQuota
+    engine_slots: EngineSlots
+    metrics: Metrics
+    spool_dir: Path  # partial uploads, inside the data dir
+    engine: EngineAccess
+
+
+def get_ctx(request: Request) -> ApiContext:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+def get_principal(request: Request) -> Principal:
+    return request.state.principal  # type: ignore[no-any-return]

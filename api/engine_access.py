@@ -1,0 +1,80 @@
+"""The engine as this API process sees it: loaded once (shared with embedded jobs), loading state for /readyz,
+figures for /metrics.
+
+In embedded mode the engine is loaded in the background at start-up so the first upload does not wait for the
+weights, and /readyz says "loading" until it is there. With a broker, jobs run in the workers' engines; this
+process loads one only when /v1/chat/completions is first used.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pipeline.context import Pipeline
+
+from .errors import ApiError
+from .metrics import EngineFigures
+
+log = logging.getLogger("docpipe.api.engine")
+
+
+class EngineUnavailable(ApiError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, "engine_unavailable", f"The model is not available: {reason}",
+                         headers={"Retry-After": "5"})
+
+
+class EngineAccess:
+    def __init__(self, pipeline: Pipeline, *, preload: bool) -> None:
+        self._pipeline = pipeline
+        self._preload = preload
+        self._lock = threading.Lock()
+        self._loading = False
+        self._client: Any = None
+        self._error: str | None = None
+
+    def start(self) -> None:
+        if self._preload:
+            with self._lock:
+                self._loading = True
+            threading.Thread(target=self._load, name="docpipe-engine-load", daemon=True).start()
+
+    def _load(self) -> Any:
+        try:
+            client = self._pipeline.client  # builds the process-wide engine once (thread-safe)
+        except Exception as exc:
+            log.exception("loading the engine failed")
+            with self._lock:
+                self._error = f"{type(exc).__name__}: {exc}"
+                self._loading = False
+            raise EngineUnavailable(self._error) from exc
+        with self._lock:
+            self._client, self._error, self._loading = client, None, False
+        return client
+
+    def async_engine(self) -> Any:
+        """The shared `gpu_engine.AsyncEngine` (loads it on first use). 503 if it cannot be loaded."""
+        client = self._client or self._load()
+        return client.async_engine
+
+    @property
+    def model_id(self) -> str:
+        return self._pipeline.settings.resolved_model_dir().name
+
+    def status(self) -> str | None:
+        """None when usable (or when this process does not need it yet), else why not."""
+        with self._lock:
+            if self._error is not None:
+                return f"failed to load: {self._error}"
+            if self._loading:
+                return "loading the model"
+        return None  # loaded, or (broker mode) loaded on the first chat request
+
+    def figures(self) -> EngineFigures | None:
+        client = self._client
+        if client is None:
+            return None
+        stats = client.async_engine.stats()
+        return EngineFigures(running=stats.get("running"), waiting=stats.get("waiting"),
+                             kv_cache_usage=stats.get("kv_usage"))

@@ -1,0 +1,121 @@
+"""Uploaded files -> the pipeline's intake (`pipeline.ingest.ingest_file`): documents, jobs, batches.
+
+Runs in a worker thread (blocking DB and file work). The spooled upload is always removed afterwards: the blob
+store keeps its own content-addressed copy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from pipeline.ingest import IngestOutcome, create_batch, ingest_file
+from pipeline.jobs import retry_job as pipeline_retry_job
+from pipeline.models import Document
+from pipeline.schemas import get_schema
+
+from .context import ApiContext
+from .errors import ApiError
+from .queries import load_document, load_job
+from .uploads import ReceivedForm, SpooledFile
+from .views import JobOut, UploadOut, document_out, job_out
+
+MAX_NAME = 255
+
+
+def UPLOAD_FORM_DOC(multiple: bool) -> dict[str, Any]:  # noqa: N802 - reads like the constant it builds
+    """OpenAPI description of the multipart body (the route reads the stream itself, so FastAPI cannot infer it)."""
+    file_schema = {"type": "string", "format": "binary"}
+    files = {"files": {"type": "array", "items": file_schema, "minItems": 1}} if multiple else {"file": file_schema}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["files" if multiple else "file"],
+                        "properties": {
+                            **files,
+                            "schema": {"type": "string", "description": "Extraction schema name (default: generic, "
+                                                                        "video for videos)"},
+                            "password": {"type": "string", "description": "Password of an encrypted PDF"},
+                        },
+                    }
+                }
+            },
+        }
+    }
+
+
+def _options(form: ReceivedForm) -> tuple[str | None, str | None]:
+    schema = form.fields.get("schema") or None
+    password = form.fields.get("password") or None
+    return schema, password
+
+
+def _display_name(f: SpooledFile) -> str:
+    # The client's name is only shown, never used as a path; keep its last component, bounded.
+    name = f.filename.replace("\\", "/").rsplit("/", 1)[-1].strip() or "upload"
+    return name[:MAX_NAME]
+
+
+def _known_document(ctx: ApiContext, sha256: str) -> bool:
+    with ctx.pipeline.db.read_session() as s:
+        return s.scalars(select(Document.id).where(Document.sha256 == sha256)).first() is not None
+
+
+def _unreadable(out: IngestOutcome) -> ApiError:
+    return ApiError(422, "unreadable_file", f"{out.name} could not be read: {out.error}",
+                    extra={"document_id": out.document_id, "error_type": out.error_type})
+
+
+def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[UploadOut, list[int]]:
+    """Ingest the single uploaded file; returns the response body and the job ids to run."""
+    try:
+        files = [f for name, f in form.files if name == "file"]
+        if len(files) != 1:
+            raise ApiError(400, "file_missing", "Send exactly one file in the form field 'file'.")
+        upload = files[0]
+        schema, password = _options(form)
+        existed = _known_document(ctx, upload.sha256)
+        out = ingest_file(ctx.pipeline, upload.path, name=_display_name(upload), schema=schema, password=password)
+    finally:
+        form.discard()
+    if out.outcome == "failed" or out.document_id is None or out.job_id is None:
+        raise _unreadable(out)
+    new_jobs = [out.job_id] if out.outcome == "new" else []
+    if new_jobs:
+        ctx.jobs.record(key_id, new_jobs)
+    with ctx.pipeline.db.read_session() as s:
+        doc = load_document(s, out.document_id)
+        job = load_job(s, out.job_id)
+        body = UploadOut(document=document_out(doc), job=job_out(job), duplicate=existed and not new_jobs)
+    return body, new_jobs
+
+
+def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int, list[int]]:
+    """Ingest every file of the form field 'files' into one new batch; bad files become failed batch items."""
+    try:
+        files = [f for name, f in form.files if name == "files"]
+        if not files:
+            raise ApiError(400, "file_missing", "Send one or more files in the form field 'files'.")
+        ctx.jobs.check(key_id, adding=len(files))
+        schema, password = _options(form)
+        if schema is not None:  # fail before creating an empty batch
+            with ctx.pipeline.db.read_session() as s:
+                get_schema(s, schema)
+        batch_id = create_batch(ctx.pipeline, "upload")
+        outcomes = [ingest_file(ctx.pipeline, f.path, name=_display_name(f), schema=schema, password=password,
+                                batch_id=batch_id) for f in files]
+    finally:
+        form.discard()
+    new_jobs = [o.job_id for o in outcomes if o.outcome == "new" and o.job_id is not None]
+    ctx.jobs.record(key_id, new_jobs)
+    return batch_id, new_jobs
+
+
+def retry_job(ctx: ApiContext, job_id: int) -> JobOut:
+    pipeline_retry_job(ctx.pipeline, job_id)
+    with ctx.pipeline.db.read_session() as s:
+        return job_out(load_job(s, job_id))

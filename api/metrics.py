@@ -1,0 +1,140 @@
+"""Prometheus metrics: HTTP traffic measured here, pipeline and engine figures read at scrape time.
+
+Job states, queue depth, pages/s and tokens/s are computed from the database when Prometheus scrapes, so they are
+true for the whole deployment (embedded thread or any number of Celery workers), not just for this process.
+Engine figures (batch size, cache use) exist only where an engine runs in this process.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.db import Database
+from pipeline.models import Job, JobState, Result
+
+RATE_WINDOW_S = 60.0
+
+
+@dataclass
+class PipelineSnapshot:
+    jobs_by_state: dict[str, int]
+    pages_per_s: float
+    tokens_per_s: float
+
+
+def pipeline_snapshot(db: Database, window_s: float = RATE_WINDOW_S) -> PipelineSnapshot:
+    since = datetime.now(timezone.utc) - timedelta(seconds=window_s)
+    with db.read_session() as s:
+        states = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+        pages, tokens = s.execute(
+            select(func.count(), func.coalesce(func.sum(Result.completion_tokens), 0))
+            .where(Result.created_at >= since, Result.unit != "document")
+        ).one()
+    return PipelineSnapshot(
+        jobs_by_state={st.value: int(states.get(st.value, 0)) for st in JobState},
+        pages_per_s=pages / window_s,
+        tokens_per_s=float(tokens) / window_s,
+    )
+
+
+@dataclass
+class EngineFigures:
+    """What an in-process engine reports; any field may be absent (None) if the engine does not track it."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None  # fraction of KV blocks in use
+
+
+class _ScrapeCollector(Collector):
+    def __init__(self, db: Database, local_queue: Callable[[], int], engine: Callable[[], EngineFigures | None]):
+        self.db = db
+        self.local_queue = local_queue
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        snap = pipeline_snapshot(self.db)
+        jobs = GaugeMetricFamily("docpipe_jobs", "Jobs by state (whole deployment, from the database)",
+                                 labels=["state"])
+        for state, count in snap.jobs_by_state.items():
+            jobs.add_metric([state], count)
+        yield jobs
+        yield GaugeMetricFamily("docpipe_queue_depth", "Jobs waiting to run (state queued)",
+                                value=snap.jobs_by_state.get("queued", 0))
+        yield GaugeMetricFamily("docpipe_embedded_queue_depth",
+                                "Job ids waiting in this server's in-process worker queue", value=self.local_queue())
+        yield GaugeMetricFamily("docpipe_pages_per_second",
+                                f"Page/segment results written per second over the last {RATE_WINDOW_S:.0f} s",
+                                value=snap.pages_per_s)
+        yield GaugeMetricFamily("docpipe_tokens_per_second",
+                                f"Generated tokens per second in extraction over the last {RATE_WINDOW_S:.0f} s",
+                                value=snap.tokens_per_s)
+        figures = self.engine()
+        if figures is None:
+            return
+        if figures.running is not None:
+            yield GaugeMetricFamily("docpipe_engine_batch_size", "Sequences in the engine's running batch",
+                                    value=figures.running)
+        if figures.waiting is not None:
+            yield GaugeMetricFamily("docpipe_engine_waiting", "Requests waiting for the engine", value=figures.waiting)
+        if figures.kv_cache_usage is not None:
+            yield GaugeMetricFamily("docpipe_engine_kv_cache_usage", "Fraction of KV cache blocks in use",
+                                    value=figures.kv_cache_usage)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+
+    def __post_init__(self) -> None:
+        self.requests = Counter("docpipe_http_requests", "HTTP requests handled", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("docpipe_http_request_seconds", "Time to the response start", ["method", "route"],
+                                 registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def watch(self, db: Database, local_queue: Callable[[], int],
+              engine: Callable[[], EngineFigures | None]) -> None:
+        self.registry.register(_ScrapeCollector(db, local_queue, engine))
+
+
+class MetricsMiddleware:
+    """Counts requests by route template (not raw path: ids would explode the label set)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                route = _route_of(scope)
+                self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(scope["method"], _route_of(scope), str(status)).inc()
+
+
+def _route_of(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"

@@ -1,0 +1,158 @@
+"""Read queries behind the REST routes (documents list with filters and cursor pagination, lookups, delete)."""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, exists, or_, select
+from sqlalchemy.orm import Session, selectinload
+
+from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
+
+from .errors import ApiError, NotFound
+
+
+class BadCursor(ApiError):
+    def __init__(self) -> None:
+        super().__init__(400, "invalid_cursor", "The cursor is not one this server issued; start again without it.")
+
+
+def encode_cursor(last_id: int) -> str:
+    return base64.urlsafe_b64encode(f"d:{last_id}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        prefix, _, value = raw.partition(":")
+        if prefix != "d" or not value.isdigit():
+            raise ValueError(raw)
+        return int(value)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise BadCursor() from None
+
+
+@dataclass(frozen=True)
+class DocumentFilter:
+    status: str | None = None  # queued | running | succeeded | partial | failed
+    schema: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+def _job_of_schema(schema: str | None):  # type: ignore[no-untyped-def]
+    cond = Job.document_id == Document.id
+    if schema is not None:
+        cond = and_(cond, Job.schema_id.in_(select(Schema.id).where(Schema.name == schema)))
+    return cond
+
+
+def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | None) -> tuple[list[Document], str | None]:
+    """Newest first. A cursor is the last id of the previous page (ids only grow, so pages never overlap)."""
+    stmt = select(Document).options(selectinload(Document.jobs).selectinload(Job.schema))
+    if cursor is not None:
+        stmt = stmt.where(Document.id < decode_cursor(cursor))
+    if flt.created_after is not None:
+        stmt = stmt.where(Document.created_at >= flt.created_after)
+    if flt.created_before is not None:
+        stmt = stmt.where(Document.created_at < flt.created_before)
+    if flt.schema is not None:
+        stmt = stmt.where(exists().where(_job_of_schema(flt.schema)))
+    if flt.status is not None:
+        # Status of a document = state of its latest job (the API's `status`), or failed when unreadable.
+        latest = select(Job.id).where(Job.document_id == Document.id).order_by(Job.id.desc()).limit(1)
+        latest_in_state = exists().where(Job.id == latest.scalar_subquery(), Job.state == flt.status)
+        if flt.status == JobState.failed.value:
+            stmt = stmt.where(or_(Document.status == DocumentStatus.failed.value, latest_in_state))
+        elif flt.status == JobState.queued.value:
+            no_jobs = ~exists().where(Job.document_id == Document.id)
+            stmt = stmt.where(Document.status != DocumentStatus.failed.value, or_(latest_in_state, no_jobs))
+        else:
+            stmt = stmt.where(Document.status != DocumentStatus.failed.value, latest_in_state)
+    rows = list(s.scalars(stmt.order_by(Document.id.desc()).limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (encode_cursor(rows[-1].id) if more and rows else None)
+
+
+def load_document(s: Session, doc_id: int, *, pages: bool = False) -> Document:
+    opts = [selectinload(Document.jobs).selectinload(Job.schema)]
+    if pages:
+        opts.append(selectinload(Document.pages))
+    doc = s.scalars(select(Document).where(Document.id == doc_id).options(*opts)).first()
+    if doc is None:
+        raise NotFound("document", doc_id)
+    return doc
+
+
+def load_job(s: Session, job_id: int, *, results: bool = False) -> Job:
+    opts = [selectinload(Job.schema)]
+    if results:
+        opts.append(selectinload(Job.results))
+    job = s.scalars(select(Job).where(Job.id == job_id).options(*opts)).first()
+    if job is None:
+        raise NotFound("job", job_id)
+    return job
+
+
+def result_job(s: Session, doc_id: int, schema: str | None) -> Job:
+    """The document's latest job (of `schema` if given), with its results."""
+    doc = load_document(s, doc_id)
+    jobs = [j for j in doc.jobs if schema is None or j.schema.name == schema]
+    if not jobs:
+        what = f" with schema {schema!r}" if schema else ""
+        raise ApiError(404, "result_not_found", f"Document {doc_id} has no extraction job{what}"
+                       + (f" ({doc.error})" if doc.error else "."))
+    return load_job(s, jobs[-1].id, results=True)
+
+
+def page_blob(s: Session, doc_id: int, index: int) -> str:
+    load_document(s, doc_id)
+    page = s.scalars(select(Page).where(Page.document_id == doc_id, Page.index == index)).first()
+    if page is None:
+        raise NotFound("page", f"{doc_id}/{index}")
+    if page.image_blob is None:
+        raise ApiError(404, "page_not_rendered", f"Page {index} of document {doc_id} has no image"
+                       + (f": {page.error}" if page.error else "."))
+    return page.image_blob
+
+
+def load_batch(s: Session, batch_id: int) -> Batch:
+    batch = s.scalars(select(Batch).where(Batch.id == batch_id).options(selectinload(Batch.items))).first()
+    if batch is None:
+        raise NotFound("batch", batch_id)
+    return batch
+
+
+def batch_job_states(s: Session, batch: Batch) -> dict[int, str]:
+    ids = [i.job_id for i in batch.items if i.job_id is not None]
+    if not ids:
+        return {}
+    return dict(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids))).all())  # type: ignore[arg-type]
+
+
+def active_job_ids(s: Session, job_ids: list[int]) -> set[int]:
+    rows = s.scalars(select(Job.id).where(Job.id.in_(job_ids),
+                                          Job.state.in_([JobState.queued.value, JobState.running.value])))
+    return set(rows)
+
+
+def delete_document(s: Session, doc_id: int) -> set[str]:
+    """Delete the document with its pages, jobs and results (batch items keep their row, without the link).
+
+    Returns the blob keys no other row uses any more; the caller removes them once the transaction committed
+    (removing them earlier could lose a blob that a rolled-back delete still needs).
+    """
+    doc = load_document(s, doc_id, pages=True)
+    if any(j.state == JobState.running.value for j in doc.jobs):
+        raise ApiError(409, "document_busy", f"Document {doc_id} is being processed right now; delete it when its "
+                       "job has finished.")
+    keys = {doc.sha256} | {p.image_blob for p in doc.pages if p.image_blob}
+    s.delete(doc)
+    s.flush()
+    # Blobs are content-addressed: an identical page image may belong to another document too.
+    still_used = set(s.scalars(select(Page.image_blob).where(Page.image_blob.in_(keys))))
+    still_used |= set(s.scalars(select(Document.sha256).where(Document.sha256.in_(keys))))
+    return keys - still_used

@@ -1,0 +1,54 @@
+"""POST /v1/batches (several files in one request) and GET /v1/batches/{id} (progress counts)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, status
+from starlette.concurrency import run_in_threadpool
+
+from ..auth import Principal
+from ..context import ApiContext, get_ctx, get_principal
+from ..intake import UPLOAD_FORM_DOC, accept_batch
+from ..queries import batch_job_states, load_batch
+from ..uploads import receive_form
+from ..views import BatchItemOut, BatchOut
+
+router = APIRouter(tags=["batches"])
+
+
+@router.post("/v1/batches", response_model=BatchOut, status_code=status.HTTP_202_ACCEPTED,
+             openapi_extra=UPLOAD_FORM_DOC(multiple=True))
+async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
+                         who: Principal = Depends(get_principal)) -> BatchOut:
+    """Upload several files (form field `files`, repeated) read with one schema; they form one batch."""
+    await run_in_threadpool(ctx.jobs.check, who.key_id)
+    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes,
+                              max_files=ctx.limits.max_batch_files)
+    batch_id, job_ids = await run_in_threadpool(accept_batch, ctx, form, who.key_id)
+    ctx.runner.submit(job_ids)
+    return await run_in_threadpool(batch_view, ctx, batch_id)
+
+
+def batch_view(ctx: ApiContext, batch_id: int) -> BatchOut:
+    with ctx.pipeline.db.read_session() as s:
+        batch = load_batch(s, batch_id)
+        states = batch_job_states(s, batch)
+        counts: dict[str, int] = {"queued": 0, "running": 0, "succeeded": 0, "partial": 0, "failed": 0,
+                                  "intake_failed": 0, "deleted": 0}
+        for item in batch.items:
+            if item.outcome == "failed":
+                counts["intake_failed"] += 1
+            elif item.job_id is None or item.job_id not in states:
+                counts["deleted"] += 1
+            else:
+                counts[states[item.job_id]] += 1
+        done = counts["queued"] == 0 and counts["running"] == 0
+        return BatchOut(
+            id=batch.id, source=batch.source, created_at=batch.created_at, counts=counts,
+            total=len(batch.items), done=done,
+            items=[BatchItemOut(name=i.name, outcome=i.outcome, document_id=i.document_id, job_id=i.job_id,
+                                error=i.error) for i in batch.items],
+        )
+
+
+@router.get("/v1/batches/{batch_id}", response_model=BatchOut)
+def batches_get(batch_id: int, ctx: ApiContext = Depends(get_ctx)) -> BatchOut:
+    return batch_view(ctx, batch_id)

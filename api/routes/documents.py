@@ -1,0 +1,99 @@
+"""/v1/documents: upload, list, detail, result, page images, delete."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..auth import Principal
+from ..context import ApiContext, get_ctx, get_principal
+from ..errors import ApiError
+from ..intake import UPLOAD_FORM_DOC, accept_upload
+from ..queries import DocumentFilter, delete_document, list_documents, load_document, page_blob, result_job
+from ..uploads import receive_form
+from ..views import DeletedOut, DocumentDetail, DocumentPage, ResultOut, UploadOut, document_detail, \
+    document_out, result_out
+
+router = APIRouter(tags=["documents"])
+
+DocId = Annotated[int, Path(ge=1, le=2**62)]
+
+
+@router.post("/v1/documents", response_model=UploadOut, status_code=status.HTTP_202_ACCEPTED,
+             responses={200: {"model": UploadOut, "description": "Duplicate: these bytes were uploaded before"},
+                        413: {"description": "File larger than the limit"}},
+             openapi_extra=UPLOAD_FORM_DOC(multiple=False))
+async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
+                           who: Principal = Depends(get_principal)) -> JSONResponse:
+    """Upload one file (form field `file`) with an optional `schema` and PDF `password`.
+
+    The body is streamed to disk and counted as it arrives. 202 with the new document and its job;
+    200 with the existing document when the same bytes were uploaded before.
+    """
+    await run_in_threadpool(ctx.jobs.check, who.key_id)
+    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1)
+    out, new_job_ids = await run_in_threadpool(accept_upload, ctx, form, who.key_id)
+    ctx.runner.submit(new_job_ids)
+    return JSONResponse(out.model_dump(mode="json", by_alias=True),
+                        status_code=status.HTTP_200_OK if out.duplicate else status.HTTP_202_ACCEPTED)
+
+
+@router.get("/v1/documents", response_model=DocumentPage)
+def documents_list(
+    ctx: ApiContext = Depends(get_ctx),
+    status_: Annotated[Literal["queued", "running", "succeeded", "partial", "failed"] | None,
+                       Query(alias="status")] = None,
+    schema: Annotated[str | None, Query(max_length=64)] = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=64)] = None,
+) -> DocumentPage:
+    """Newest first, filtered; follow `next_cursor` for the next page."""
+    flt = DocumentFilter(status=status_, schema=schema, created_after=created_after, created_before=created_before)
+    with ctx.pipeline.db.read_session() as s:
+        rows, next_cursor = list_documents(s, flt, limit, cursor)
+        return DocumentPage(items=[document_out(d) for d in rows], next_cursor=next_cursor)
+
+
+@router.get("/v1/documents/{doc_id}", response_model=DocumentDetail)
+def documents_get(doc_id: DocId, ctx: ApiContext = Depends(get_ctx)) -> DocumentDetail:
+    with ctx.pipeline.db.read_session() as s:
+        return document_detail(load_document(s, doc_id, pages=True))
+
+
+@router.get("/v1/documents/{doc_id}/result", response_model=ResultOut)
+def documents_result(doc_id: DocId, ctx: ApiContext = Depends(get_ctx),
+                     schema: Annotated[str | None, Query(max_length=64)] = None) -> ResultOut:
+    """The merged result, per-page results and confidences of the latest job (of `schema` if given).
+
+    While the job is queued or running, `state` says so and `document` is null.
+    """
+    with ctx.pipeline.db.read_session() as s:
+        return result_out(result_job(s, doc_id, schema))
+
+
+@router.get("/v1/documents/{doc_id}/pages/{index}.png", response_class=FileResponse,
+            responses={200: {"content": {"image/png": {}}}})
+def documents_page_image(doc_id: DocId, index: Annotated[int, Path(ge=0, le=1_000_000)],
+                         ctx: ApiContext = Depends(get_ctx)) -> FileResponse:
+    """The rendered page (or sampled video frame) as PNG; `index` counts from 0."""
+    with ctx.pipeline.db.read_session() as s:
+        key = page_blob(s, doc_id, index)
+    path = ctx.pipeline.blobs.path(key)
+    if not path.is_file():
+        raise ApiError(404, "blob_missing", f"The image of page {index} is no longer in the blob store.")
+    return FileResponse(path, media_type="image/png", headers={"Cache-Control": "private, max-age=3600"})
+
+
+@router.delete("/v1/documents/{doc_id}", response_model=DeletedOut)
+def documents_delete(doc_id: DocId, ctx: ApiContext = Depends(get_ctx)) -> DeletedOut:
+    """Delete the document, its pages, jobs and results, and blobs nothing else uses."""
+    with ctx.pipeline.db.session() as s:
+        orphaned = delete_document(s, doc_id)
+    for key in orphaned:
+        ctx.pipeline.blobs.delete(key)
+    return DeletedOut(id=doc_id, deleted=True)

@@ -1,0 +1,31 @@
+"""GET/POST /v1/schemas: the extraction schemas (built-in and user-registered)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, status
+
+from pipeline.schemas import get_schema, list_schemas, register_schema
+
+from ..context import ApiContext, get_ctx
+from ..views import SchemaIn, SchemaList, SchemaOut, schema_out
+
+router = APIRouter(tags=["schemas"])
+
+
+@router.get("/v1/schemas", response_model=SchemaList)
+def schemas_list(ctx: ApiContext = Depends(get_ctx)) -> SchemaList:
+    with ctx.pipeline.db.read_session() as s:
+        return SchemaList(items=[schema_out(row) for row in list_schemas(s)])
+
+
+@router.get("/v1/schemas/{name}", response_model=SchemaOut)
+def schemas_get(name: str, version: int | None = None, ctx: ApiContext = Depends(get_ctx)) -> SchemaOut:
+    with ctx.pipeline.db.read_session() as s:
+        return schema_out(get_schema(s, name, version))
+
+
+@router.post("/v1/schemas", response_model=SchemaOut, status_code=status.HTTP_201_CREATED)
+def schemas_register(body: SchemaIn, ctx: ApiContext = Depends(get_ctx)) -> SchemaOut:
+    """Register a user schema (validated as JSON Schema and as a decoding grammar). Same content -> same version."""
+    with ctx.pipeline.db.session() as s:
+        row = register_schema(s, body.name, body.json_schema, prompt=body.prompt, merge_rules=body.merge_rules)
+        return schema_out(row)

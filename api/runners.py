@@ -1,0 +1,124 @@
+"""Where submitted jobs go: an in-process worker thread pool (embedded mode) or a broker (Celery workers).
+
+Embedded mode is for one machine and no Redis: the same job function the Celery tasks call runs in daemon threads
+of the API process. Jobs are durable rows, so a restart loses nothing: queued jobs found at start-up are resumed.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+log = logging.getLogger("docpipe.api.jobs")
+
+
+class JobRunner(Protocol):
+    mode: str
+
+    def start(self) -> None: ...
+
+    def submit(self, job_ids: Iterable[int]) -> None: ...
+
+    def queue_depth(self) -> int: ...
+
+    def problem(self) -> str | None:
+        """None when jobs can be handed on, else why not (for /readyz)."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class EmbeddedRunner:
+    """Runs `run_job(job_id)` in `threads` daemon threads. `run_job` must be idempotent (the pipeline's is)."""
+
+    mode = "embedded"
+
+    def __init__(self, run_job: Callable[[int], object], threads: int = 2,
+                 pending: Callable[[], list[int]] | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._run_job = run_job
+        self._pending = pending
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._loop, name=f"docpipe-job-{i}", daemon=True)
+                         for i in range(threads)]
+        self._queued: set[int] = set()  # ids in the queue, so a retry of a waiting job is not run twice
+        self._lock = threading.Lock()
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for t in self._threads:
+            t.start()
+        if self._pending is not None:
+            self.submit(self._pending())  # resume what a previous run left queued
+
+    def submit(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            with self._lock:
+                if job_id in self._queued:
+                    continue
+                self._queued.add(job_id)
+            self._queue.put(job_id)
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def problem(self) -> str | None:
+        if self._started and not all(t.is_alive() for t in self._threads):
+            return "an embedded worker thread has stopped"
+        return None
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            job_id = self._queue.get()
+            if job_id is None:
+                return
+            with self._lock:
+                self._queued.discard(job_id)
+            try:
+                self._run_job(job_id)
+            except Exception:  # the job row holds the reason; the thread must survive for the next job
+                log.exception("job %s raised outside its own error handling", job_id)
+
+
+class BrokerRunner:
+    """Hands job ids to the Celery broker; this process runs nothing itself."""
+
+    mode = "broker"
+
+    def __init__(self, enqueue: Callable[[int], object], ping: Callable[[], None]) -> None:
+        self._enqueue = enqueue
+        self._ping = ping
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            self._enqueue(job_id)
+
+    def queue_depth(self) -> int:
+        return 0  # the broker's queue is measured from the database (docpipe_queue_depth)
+
+    def problem(self) -> str | None:
+        try:
+            self._ping()
+        except Exception as exc:
+            return f"broker unreachable: {exc}"
+        return None
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,214 @@
+"""Response bodies of the REST API (pydantic), built from the pipeline's ORM rows.
+
+The public shape is defined here, not by the tables: renaming a column must not change the API.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pipeline.models import Batch, Document, DocumentStatus, Job, Page, Result, Schema
+
+Status = Literal["queued", "running", "succeeded", "partial", "failed"]
+
+
+class JobOut(BaseModel):
+    id: int
+    document_id: int
+    schema_name: str = Field(serialization_alias="schema")
+    schema_version: int
+    state: Status
+    attempts: int
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    model_seconds: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class PageOut(BaseModel):
+    index: int
+    kind: str
+    width: int | None
+    height: int | None
+    timestamp: float | None
+    error: str | None
+    image_url: str | None
+
+
+class DocumentOut(BaseModel):
+    id: int
+    name: str
+    sha256: str
+    media_type: str | None
+    kind: str | None
+    size_bytes: int
+    page_count: int
+    status: Status = Field(description="failed if the file could not be read, else the state of its latest job")
+    error: str | None
+    error_type: str | None
+    created_at: datetime
+    jobs: list[JobOut]
+
+
+class DocumentDetail(DocumentOut):
+    pages: list[PageOut]
+    metadata: dict[str, Any]
+
+
+class DocumentPage(BaseModel):
+    items: list[DocumentOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page; null at the end.")
+
+
+class UploadOut(BaseModel):
+    document: DocumentOut
+    job: JobOut | None = Field(description="null when the file could not be read (see document.error)")
+    duplicate: bool = Field(description="true when these bytes were uploaded before: the existing document")
+
+
+class UnitOut(BaseModel):
+    unit: str = Field(description='"page:N", "video" or "document"')
+    page_index: int | None
+    ok: bool
+    data: Any | None
+    confidence: dict[str, Any] | None = Field(description='{"overall": p, "fields": {json_pointer: p}}')
+    error: str | None
+
+
+class ProvenanceOut(BaseModel):
+    model_fingerprint: str | None
+    engine_version: str | None
+    schema_name: str = Field(serialization_alias="schema")
+    schema_version: int
+    sampling: dict[str, Any] | None
+
+
+class ResultOut(BaseModel):
+    document_id: int
+    job_id: int
+    schema_name: str = Field(serialization_alias="schema")
+    schema_version: int
+    state: Status
+    error: str | None
+    document: UnitOut | None = Field(description="The merged document result; null until the job finished")
+    units: list[UnitOut] = Field(description="Per page (or per video) results")
+    provenance: ProvenanceOut | None
+
+
+class SchemaOut(BaseModel):
+    name: str
+    version: int
+    builtin: bool
+    media: str
+    json_schema: dict[str, Any]
+    prompt: str
+    merge_rules: dict[str, str]
+    created_at: datetime
+
+
+class SchemaList(BaseModel):
+    items: list[SchemaOut]
+
+
+class SchemaIn(BaseModel):
+    name: str = Field(min_length=1, max_length=64, description="lowercase letters, digits, '_' or '-'")
+    json_schema: dict[str, Any]
+    prompt: str | None = Field(None, max_length=20_000)
+    merge_rules: dict[str, str] | None = None
+
+
+class BatchItemOut(BaseModel):
+    name: str
+    outcome: str = Field(description="new | duplicate | failed")
+    document_id: int | None
+    job_id: int | None
+    error: str | None
+
+
+class BatchOut(BaseModel):
+    id: int
+    source: str
+    created_at: datetime
+    counts: dict[str, int] = Field(description="jobs by state, plus 'intake_failed' for files never read")
+    total: int
+    done: bool
+    items: list[BatchItemOut]
+
+
+class DeletedOut(BaseModel):
+    id: int
+    deleted: bool
+
+
+# --- conversions ------------------------------------------------------------------------------------------------
+
+
+def job_out(job: Job) -> JobOut:
+    return JobOut(
+        id=job.id, document_id=job.document_id, schema_name=job.schema.name, schema_version=job.schema.version,
+        state=job.state, attempts=job.attempts, error=job.error, created_at=job.created_at,
+        started_at=job.started_at, finished_at=job.finished_at, model_seconds=job.model_seconds,
+        prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+    )
+
+
+def document_status(doc: Document) -> Status:
+    if doc.status == DocumentStatus.failed.value or not doc.jobs:
+        return "failed" if doc.status == DocumentStatus.failed.value else "queued"
+    return doc.jobs[-1].state  # type: ignore[return-value]
+
+
+def document_out(doc: Document) -> DocumentOut:
+    return DocumentOut(
+        id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
+        size_bytes=doc.size_bytes, page_count=doc.page_count, status=document_status(doc), error=doc.error,
+        error_type=doc.error_type, created_at=doc.created_at, jobs=[job_out(j) for j in doc.jobs],
+    )
+
+
+def page_out(doc_id: int, page: Page) -> PageOut:
+    return PageOut(
+        index=page.index, kind=page.kind, width=page.width, height=page.height, timestamp=page.timestamp,
+        error=page.error, image_url=f"/v1/documents/{doc_id}/pages/{page.index}.png" if page.image_blob else None,
+    )
+
+
+def document_detail(doc: Document) -> DocumentDetail:
+    base = document_out(doc)
+    return DocumentDetail(
+        **base.model_dump(), pages=[page_out(doc.id, p) for p in doc.pages], metadata=doc.media_metadata or {}
+    )
+
+
+def unit_out(result: Result) -> UnitOut:
+    return UnitOut(unit=result.unit, page_index=result.page_index, ok=result.ok, data=result.data,
+                   confidence=result.confidence, error=result.error)
+
+
+def result_out(job: Job) -> ResultOut:
+    merged = next((r for r in job.results if r.unit == "document"), None)
+    units = sorted((r for r in job.results if r.unit != "document"),
+                   key=lambda r: (r.page_index if r.page_index is not None else -1, r.unit))
+    source = merged or (units[0] if units else None)
+    provenance = None
+    if source is not None:
+        provenance = ProvenanceOut(
+            model_fingerprint=source.model_fingerprint, engine_version=source.engine_version,
+            schema_name=source.schema_name, schema_version=source.schema_version, sampling=source.sampling,
+        )
+    return ResultOut(
+        document_id=job.document_id, job_id=job.id, schema_name=job.schema.name, schema_version=job.schema.version,
+        state=job.state, error=job.error, document=unit_out(merged) if merged else None,
+        units=[unit_out(r) for r in units], provenance=provenance,
+    )
+
+
+def schema_out(row: Schema) -> SchemaOut:
+    return SchemaOut(name=row.name, version=row.version, builtin=row.builtin, media=row.media,
+                     json_schema=row.json_schema, prompt=row.prompt, merge_rules=row.merge_rules or {},
+                     created_at=row.created_at)
