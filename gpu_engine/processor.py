@@ -1,0 +1,806 @@
+"""Prompt building for Qwen3.5-family models: chat template, image/video preprocessing, placeholder expansion,
+M-RoPE position ids. Numerically follows transformers 5.17 (Qwen2VLImageProcessor, Qwen3VLVideoProcessor,
+Qwen3VLProcessor, Qwen3_5Model.get_rope_index).
+
+Resampling: we resize with Pillow's bicubic filter on uint8 RGB, exactly what transformers' PIL image backend does.
+transformers' torchvision backends (its video processor, and its image processor when torchvision is installed)
+use torch's antialiased uint8 bicubic instead, which differs from Pillow by at most 1/255 on under 1% of pixels;
+the tests state that tolerance. Everything else (sizes, sampling, patch order, tokens, positions) is exact.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .inputs import ProcessedPrompt, VisionItem
+from .tokenizer import Tokenizer
+from .video_io import VideoError, probe_video, read_video_frames
+
+
+class ProcessorError(ValueError):
+    """Bad media or messages, or processor configs that cannot work; the message says which input and why."""
+
+
+# transformers' default when a frame list arrives without its sampling rate (Qwen3VLVideoProcessor.sample_frames).
+DEFAULT_FRAME_LIST_FPS = 24.0
+
+
+# --------------------------------------------------------------------------------------------- sizes and sampling
+
+
+def smart_resize_image(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, pixel count within [min_pixels, max_pixels], aspect kept."""
+    if max(height, width) / min(height, width) > 200:
+        raise ProcessorError(f"image aspect ratio must be at most 200:1, got {width}x{height}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def smart_resize_video(
+    num_frames: int, height: int, width: int, *, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Like the image rule, but the pixel budget counts all frames (rounded to whole temporal patches)."""
+    if num_frames < temporal_factor:
+        raise ProcessorError(
+            f"a video needs at least {temporal_factor} frames (temporal patch size), got {num_frames}"
+        )
+    if height < factor or width < factor:  # tiny frames are first scaled up so the short side reaches `factor`
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ProcessorError(f"video aspect ratio must be at most 200:1, got {width}x{height}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_group_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds per frame group: the mean time of its first and last frame (the last frame pads an odd count)."""
+    indices = [int(i) for i in frame_indices]
+    if len(indices) % temporal_patch_size:
+        indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
+    times = [i / video_fps for i in indices]
+    return [
+        (times[g] + times[g + temporal_patch_size - 1]) / 2 for g in range(0, len(times), temporal_patch_size)
+    ]
+
+
+# ------------------------------------------------------------------------------------------- pixels to patches
+
+
+def _patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
+    """[F, C, H, W] (F a multiple of temporal_patch_size) -> [groups*gh*gw, C*tp*p*p].
+
+    Rows run frame group by frame group, and inside a group merge window by merge window (each window's
+    merge_size**2 patches adjacent), which is the order the vision tower's patch merger expects.
+    """
+    f, c, h, w = frames.shape
+    gt, gh, gw = f // temporal_patch_size, h // patch_size, w // patch_size
+    x = frames.reshape(gt, temporal_patch_size, c, gh // merge_size, merge_size, patch_size,
+                       gw // merge_size, merge_size, patch_size)
+    # -> (gt, gh/m, gw/m, m_h, m_w, C, tp, p_h, p_w)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, c * temporal_patch_size * patch_size * patch_size))
+
+
+@dataclass(frozen=True)
+class _PixelParams:
+    """What both processors share (preprocessor_config.json / video_preprocessor_config.json fields)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    do_resize: bool
+    do_rescale: bool
+    do_normalize: bool
+    do_convert_rgb: bool
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str) -> _PixelParams:
+        size = cfg.get("size") or {}
+        min_pixels = cfg.get("min_pixels", size.get("shortest_edge"))
+        max_pixels = cfg.get("max_pixels", size.get("longest_edge"))
+        if min_pixels is None or max_pixels is None:
+            raise ProcessorError(f"{source}: needs size.shortest_edge and size.longest_edge (min/max pixels)")
+        resample = cfg.get("resample", 3)
+        if resample not in (3, "bicubic", None):
+            raise ProcessorError(f"{source}: resample={resample!r} is not supported (only 3 = bicubic)")
+        try:
+            params = cls(
+                patch_size=int(cfg["patch_size"]),
+                temporal_patch_size=int(cfg["temporal_patch_size"]),
+                merge_size=int(cfg["merge_size"]),
+                min_pixels=int(min_pixels),
+                max_pixels=int(max_pixels),
+                image_mean=tuple(float(v) for v in cfg.get("image_mean", (0.5, 0.5, 0.5))),
+                image_std=tuple(float(v) for v in cfg.get("image_std", (0.5, 0.5, 0.5))),
+                rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
+                do_resize=bool(cfg.get("do_resize", True)),
+                do_rescale=bool(cfg.get("do_rescale", True)),
+                do_normalize=bool(cfg.get("do_normalize", True)),
+                do_convert_rgb=bool(cfg.get("do_convert_rgb", True)),
+            )
+        except KeyError as exc:
+            raise ProcessorError(f"{source}: missing key {exc.args[0]!r}") from exc
+        if min(params.patch_size, params.temporal_patch_size, params.merge_size) < 1:
+            raise ProcessorError(f"{source}: patch_size, temporal_patch_size and merge_size must be positive")
+        if len(params.image_mean) != 3 or len(params.image_std) != 3:
+            raise ProcessorError(f"{source}: image_mean and image_std need 3 values (RGB)")
+        return params
+
+    def to_float(self, frames: np.ndarray) -> np.ndarray:
+        """uint8 [F, C, H, W] -> float32, rescaled and normalised as transformers' fused torch op does.
+
+        transformers folds the rescale into mean/std (mean/rescale, std/rescale, in float32), then subtracts and
+        divides in float32; its PIL backend rescales then normalises, which agrees to ~1e-7.
+        """
+        x = frames.astype(np.float32)
+        if self.do_rescale and self.do_normalize:
+            inv = np.float32(1.0 / self.rescale_factor)
+            mean = np.asarray(self.image_mean, dtype=np.float32) * inv
+            std = np.asarray(self.image_std, dtype=np.float32) * inv
+            return (x - mean[None, :, None, None]) / std[None, :, None, None]
+        if self.do_normalize:
+            mean = np.asarray(self.image_mean, dtype=np.float32)
+            std = np.asarray(self.image_std, dtype=np.float32)
+            return (x - mean[None, :, None, None]) / std[None, :, None, None]
+        if self.do_rescale:
+            return (frames.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        return x
+
+    def fingerprint(self, kind: str, extra: Mapping[str, Any] | None = None) -> bytes:
+        """Canonical bytes of every parameter that changes pixels: part of each item's content hash."""
+        fields = dict(self.__dict__)
+        fields["kind"] = kind
+        fields.update(extra or {})
+        return json.dumps(fields, sort_keys=True, default=list).encode()
+
+
+def _resize_rgb(image: Image.Image, height: int, width: int) -> Image.Image:
+    if image.size == (width, height):
+        return image
+    return image.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+
+def _to_chw(image: Image.Image) -> np.ndarray:
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: np.ndarray  # float32 [grid_h*grid_w, C*tp*p*p]
+    grid_thw: tuple[int, int, int]
+    content_hash: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_thw[0] * self.grid_thw[1] * self.grid_thw[2]
+
+
+@dataclass(frozen=True)
+class FrameGroup:
+    """One temporal patch of a video (grid t == 1): what one VisionItem of kind "video" carries."""
+
+    pixel_values: np.ndarray  # float32 [grid_h*grid_w, C*tp*p*p]
+    grid_thw: tuple[int, int, int]  # (1, grid_h, grid_w)
+    timestamp: float
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    frame_groups: list[FrameGroup]
+    frame_indices: list[int]  # sampled frame indices in the source video
+    video_fps: float
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:  # the whole video, as transformers reports it
+        _, gh, gw = self.frame_groups[0].grid_thw
+        return (len(self.frame_groups), gh, gw)
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        return np.concatenate([g.pixel_values for g in self.frame_groups], axis=0)
+
+    @property
+    def timestamps(self) -> list[float]:
+        return [g.timestamp for g in self.frame_groups]
+
+
+def _hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], params: bytes) -> str:
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes())
+    digest.update(json.dumps(list(grid_thw)).encode())
+    digest.update(params)
+    return digest.hexdigest()
+
+
+class ImageProcessor:
+    """Still images -> patches (the image is repeated to fill one temporal patch), like Qwen2VLImageProcessor."""
+
+    def __init__(self, params: _PixelParams) -> None:
+        self.params = params
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str = "preprocessor_config.json") -> ImageProcessor:
+        return cls(_PixelParams.from_dict(cfg, source))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> ImageProcessor:
+        path = Path(folder) / "preprocessor_config.json"
+        return cls.from_dict(_read_config(path), str(path))
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        p = self.params
+        if not p.do_resize:
+            return height, width
+        return smart_resize_image(height, width, factor=p.factor, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        p = self.params
+        if p.do_convert_rgb and image.mode != "RGB":
+            image = image.convert("RGB")
+        if image.mode != "RGB":
+            raise ProcessorError(f"image mode {image.mode!r} is not RGB and do_convert_rgb is off")
+        height, width = self.target_size(image.height, image.width)
+        if height % p.factor or width % p.factor:
+            raise ProcessorError(f"image size {width}x{height} is not a multiple of {p.factor} (do_resize is off)")
+        chw = _to_chw(_resize_rgb(image, height, width))
+        frames = np.repeat(chw[None], p.temporal_patch_size, axis=0)  # a still image fills one temporal patch
+        pixel_values = _patchify(p.to_float(frames), p.patch_size, p.merge_size, p.temporal_patch_size)
+        grid = (1, height // p.patch_size, width // p.patch_size)
+        return ProcessedImage(pixel_values, grid, _hash(pixel_values, grid, p.fingerprint("image")))
+
+
+class VideoProcessor:
+    """Video frames -> frame groups of patches + timestamps, like Qwen3VLVideoProcessor."""
+
+    def __init__(
+        self,
+        params: _PixelParams,
+        *,
+        fps: float | None = 2.0,
+        num_frames: int | None = None,
+        min_frames: int = 4,
+        max_frames: int = 768,
+        do_sample_frames: bool = True,
+        cap_pixels_per_frame: bool = False,
+        max_video_tokens: int = 768,
+    ) -> None:
+        if do_sample_frames and fps is not None and num_frames is not None:
+            raise ProcessorError("video processor config sets both fps and num_frames; they are mutually exclusive")
+        self.params = params
+        self.fps = fps
+        self.num_frames = num_frames
+        self.min_frames = min_frames
+        self.max_frames = max_frames
+        self.do_sample_frames = do_sample_frames
+        self.cap_pixels_per_frame = cap_pixels_per_frame
+        self.max_video_tokens = max_video_tokens
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str = "video_preprocessor_config.json") -> VideoProcessor:
+        fps = cfg.get("fps", 2.0)
+        num_frames = cfg.get("num_frames")
+        return cls(
+            _PixelParams.from_dict(cfg, source),
+            fps=float(fps) if fps is not None else None,
+            num_frames=int(num_frames) if num_frames is not None else None,
+            min_frames=int(cfg.get("min_frames", 4)),
+            max_frames=int(cfg.get("max_frames", 768)),
+            do_sample_frames=bool(cfg.get("do_sample_frames", True)),
+            cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame") or False),
+            max_video_tokens=int(cfg.get("max_video_tokens", 768)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> VideoProcessor:
+        path = Path(folder) / "video_preprocessor_config.json"
+        if not path.is_file():  # older checkpoints keep one config for both
+            path = Path(folder) / "preprocessor_config.json"
+        return cls.from_dict(_read_config(path), str(path))
+
+    def sample_indices(self, total_frames: int, video_fps: float) -> np.ndarray:
+        """Frame indices to keep: `fps` frames per second of video, clamped to [min_frames, max_frames]."""
+        if total_frames < 1:
+            raise ProcessorError("the video has no frames")
+        if not self.do_sample_frames:
+            return np.arange(total_frames)
+        if self.num_frames is not None:
+            count = self.num_frames
+        elif self.fps is not None:
+            count = int(total_frames / video_fps * self.fps)
+            count = min(max(count, self.min_frames), self.max_frames, total_frames)
+        else:
+            count = min(max(total_frames, self.min_frames), self.max_frames)
+        return np.linspace(0, total_frames - 1, count).round().astype(int)
+
+    def target_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        p = self.params
+        if not p.do_resize:
+            if num_frames < p.temporal_patch_size:
+                raise ProcessorError(f"a video needs at least {p.temporal_patch_size} frames, got {num_frames}")
+            return height, width
+        max_pixels = p.max_pixels
+        if self.cap_pixels_per_frame:  # per-frame budget as qwen-vl-utils computes it
+            frame_cap = self.max_video_tokens * p.factor * p.factor
+            per_frame = max(min(frame_cap, p.max_pixels // num_frames), int(p.min_pixels * 1.05))
+            max_pixels = per_frame * num_frames
+        return smart_resize_video(
+            num_frames, height, width, temporal_factor=p.temporal_patch_size, factor=p.factor,
+            min_pixels=p.min_pixels, max_pixels=max_pixels,
+        )
+
+    def preprocess(self, frames: Sequence[np.ndarray], frame_indices: Sequence[int], video_fps: float) -> ProcessedVideo:
+        """`frames`: the SAMPLED frames, uint8 RGB [H, W, 3], all one size; `frame_indices`: their source indices."""
+        p = self.params
+        if len(frames) != len(frame_indices):
+            raise ProcessorError(f"{len(frames)} frames but {len(frame_indices)} frame indices")
+        if not frames:
+            raise ProcessorError("the video has no frames")
+        shapes = {tuple(f.shape) for f in frames}
+        if len(shapes) != 1:
+            raise ProcessorError(f"all video frames must have one size, got {sorted(shapes)}")
+        height, width = frames[0].shape[:2]
+        target_h, target_w = self.target_size(len(frames), height, width)
+        if target_h % p.factor or target_w % p.factor:
+            raise ProcessorError(f"frame size {target_w}x{target_h} is not a multiple of {p.factor} (do_resize is off)")
+        chw = np.stack([_to_chw(_resize_rgb(Image.fromarray(f), target_h, target_w)) for f in frames])
+        if pad := -len(chw) % p.temporal_patch_size:  # an odd count is completed with the last frame
+            chw = np.concatenate([chw, np.repeat(chw[-1:], pad, axis=0)])
+        pixel_values = _patchify(p.to_float(chw), p.patch_size, p.merge_size, p.temporal_patch_size)
+        gh, gw = target_h // p.patch_size, target_w // p.patch_size
+        group_rows = gh * gw
+        timestamps = frame_group_timestamps(frame_indices, video_fps, p.temporal_patch_size)
+        fingerprint = p.fingerprint("video")
+        groups = []
+        for g, seconds in enumerate(timestamps):
+            rows = pixel_values[g * group_rows:(g + 1) * group_rows]
+            grid = (1, gh, gw)
+            groups.append(FrameGroup(rows, grid, seconds, _hash(rows, grid, fingerprint)))
+        return ProcessedVideo(groups, [int(i) for i in frame_indices], float(video_fps))
+
+
+# --------------------------------------------------------------------------------------------------- M-RoPE
+
+
+@dataclass(frozen=True)
+class VisionSpan:
+    """A run of placeholder tokens that one image or one video frame group fills."""
+
+    kind: str  # "image" | "video"
+    start: int
+    length: int
+
+
+def find_vision_spans(token_ids: np.ndarray, image_token_id: int, video_token_id: int) -> list[VisionSpan]:
+    """Maximal runs of image or video placeholder tokens, in order."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    kind = np.where(ids == image_token_id, 1, np.where(ids == video_token_id, 2, 0))
+    change = np.flatnonzero(np.diff(kind)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(ids)]])
+    return [
+        VisionSpan("image" if kind[s] == 1 else "video", int(s), int(e - s))
+        for s, e in zip(starts, ends) if len(ids) and kind[s] != 0
+    ]
+
+
+def rope_index(
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None,
+    video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int,
+) -> tuple[np.ndarray, int]:
+    """M-RoPE position ids [3, T] (temporal, height, width) and the rope delta, as Qwen3.5's get_rope_index.
+
+    Text advances all three axes together. A vision run (one image, or one video frame group: videos are split
+    per temporal patch because timestamps separate them) takes t = start, h = start + row, w = start + col over its
+    merged grid, then text resumes at start + max(rows, cols). Generated token i (0-based over the whole sequence)
+    sits at position i + delta.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or len(ids) == 0:
+        raise ProcessorError("rope_index needs a non-empty 1-D token sequence")
+    grids = {
+        "image": [tuple(int(v) for v in g) for g in (image_grid_thw if image_grid_thw is not None else [])],
+        "video": [(1, int(g[1]), int(g[2])) for g in (video_grid_thw if video_grid_thw is not None else [])
+                  for _ in range(int(g[0]))],
+    }
+    spans = find_vision_spans(ids, image_token_id, video_token_id)
+    for kind in ("image", "video"):
+        runs = sum(1 for s in spans if s.kind == kind)
+        if runs != len(grids[kind]):
+            raise ProcessorError(
+                f"{runs} {kind} placeholder runs in the tokens but {len(grids[kind])} {kind} grids "
+                "(video grids count once per frame group)"
+            )
+    positions = np.empty((3, len(ids)), dtype=np.int64)
+    next_grid = {"image": iter(grids["image"]), "video": iter(grids["video"])}
+    pos = 0  # next text position
+    cursor = 0  # next token index
+    for span in spans:
+        text_len = span.start - cursor
+        positions[:, cursor:span.start] = pos + np.arange(text_len)
+        pos += text_len
+        t, h, w = next(next_grid[span.kind])
+        lh, lw = h // spatial_merge_size, w // spatial_merge_size
+        if t * lh * lw != span.length:
+            raise ProcessorError(
+                f"{span.kind} run at token {span.start} has {span.length} placeholders but its grid "
+                f"{(t, h, w)} needs {t * lh * lw}"
+            )
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+        end = span.start + span.length
+        positions[0, span.start:end] = tt.reshape(-1) + pos
+        positions[1, span.start:end] = hh.reshape(-1) + pos
+        positions[2, span.start:end] = ww.reshape(-1) + pos
+        pos += max(h, w) // spatial_merge_size
+        cursor = end
+    positions[:, cursor:] = pos + np.arange(len(ids) - cursor)
+    delta = int(positions.max()) + 1 - len(ids)
+    return positions, delta
+
+
+# --------------------------------------------------------------------------------------------- media loading
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise ProcessorError(f"processor config not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ProcessorError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProcessorError(f"{path}: expected a JSON object")
+    return data
+
+
+def _decode_image_bytes(data: bytes, what: str) -> Image.Image:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)  # oversized images are errors, not warnings
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+            # Like transformers' load_image for files/URLs: honour the EXIF orientation.
+            image = ImageOps.exif_transpose(image)
+        except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ProcessorError(f"{what}: not a decodable image ({exc})") from exc
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise ProcessorError(f"{what}: damaged or truncated image ({exc})") from exc
+    return image
+
+
+def _data_url_bytes(url: str, what: str) -> bytes:
+    header, _, payload = url.partition(",")
+    if not header.startswith("data:") or not header.endswith(";base64"):
+        raise ProcessorError(f"{what}: only base64 data: URLs are supported, got {url[:40]!r}...")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProcessorError(f"{what}: invalid base64 in data: URL ({exc})") from exc
+
+
+def load_image(source: Any, what: str = "image") -> Image.Image:
+    """A PIL image from a PIL image, bytes, a file path or a base64 data: URL. Remote URLs are not fetched."""
+    if isinstance(source, Image.Image):
+        try:
+            source.load()
+        except (OSError, ValueError) as exc:
+            raise ProcessorError(f"{what}: damaged image ({exc})") from exc
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _decode_image_bytes(bytes(source), what)
+    if isinstance(source, (str, Path)):
+        text = str(source)
+        if text.startswith("data:"):
+            return _decode_image_bytes(_data_url_bytes(text, what), what)
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
+            raise ProcessorError(f"{what}: remote URLs are not fetched by the engine ({text[:60]}); pass bytes or a path")
+        path = Path(text)
+        if not path.is_file():
+            raise ProcessorError(f"{what}: file not found: {path}")
+        return _decode_image_bytes(path.read_bytes(), f"{what} ({path})")
+    raise ProcessorError(f"{what}: unsupported image value of type {type(source).__name__}")
+
+
+def _frame_array(frame: Any, what: str) -> np.ndarray:
+    if isinstance(frame, Image.Image):
+        return np.asarray(frame.convert("RGB") if frame.mode != "RGB" else frame, dtype=np.uint8)
+    array = np.asarray(frame)
+    if array.ndim == 3 and array.shape[-1] == 3 and array.dtype == np.uint8:
+        return array
+    raise ProcessorError(f"{what}: frames must be PIL images or uint8 [H, W, 3] arrays, got {array.dtype} {array.shape}")
+
+
+# --------------------------------------------------------------------------------------------- the processor
+
+
+@dataclass(frozen=True)
+class _Media:
+    kind: str  # "image" | "video"
+    source: Any
+    fps: float | None
+    what: str  # "message 2, part 1" — for error messages
+
+
+def _part_source(part: Mapping[str, Any], keys: Sequence[str], what: str) -> Any:
+    for key in keys:
+        if part.get(key) is not None:
+            return part[key]
+    raise ProcessorError(f"{what}: needs one of the keys {', '.join(keys)}")
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[_Media]]:
+    """Validate messages and list their media in prompt order.
+
+    OpenAI "image_url" parts become HF "image" parts (as transformers' processor does before templating), so a
+    template sees the same messages there and here.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ProcessorError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    normalized: list[dict[str, Any]] = []
+    media: list[_Media] = []
+    for m_index, message in enumerate(messages):
+        where = f"message {m_index}"
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ProcessorError(f"{where}: must be a dict with a string 'role'")
+        content = message.get("content")
+        out = dict(message)
+        if isinstance(content, list):
+            parts = []
+            for p_index, part in enumerate(content):
+                what = f"{where}, part {p_index}"
+                if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                    raise ProcessorError(f"{what}: must be a dict with a string 'type'")
+                kind = part["type"]
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ProcessorError(f"{what}: text part needs a string 'text'")
+                    parts.append(dict(part))
+                elif kind == "image":
+                    media.append(_Media("image", _part_source(part, ("image", "url", "path", "base64"), what), None, what))
+                    parts.append(dict(part))
+                elif kind == "image_url":
+                    info = part.get("image_url")
+                    url = info.get("url") if isinstance(info, Mapping) else info
+                    if not isinstance(url, str):
+                        raise ProcessorError(f"{what}: image_url part needs image_url.url")
+                    media.append(_Media("image", url, None, what))
+                    parts.append({"type": "image", "url": url})
+                elif kind == "video":
+                    fps = part.get("fps")
+                    if fps is not None and (not isinstance(fps, (int, float)) or fps <= 0):
+                        raise ProcessorError(f"{what}: fps must be a positive number, got {fps!r}")
+                    media.append(_Media("video", _part_source(part, ("video", "url", "path"), what), fps, what))
+                    parts.append(dict(part))
+                else:
+                    raise ProcessorError(f"{what}: unsupported content type {kind!r} (text, image, image_url, video)")
+            out["content"] = parts
+        elif content is not None and not isinstance(content, str):
+            raise ProcessorError(f"{where}: content must be a string, a list of parts or None")
+        normalized.append(out)
+    return normalized, media
+
+
+class Processor:
+    """Messages (or token ids) -> ProcessedPrompt: expanded token ids, M-RoPE positions and vision items."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        image_processor: ImageProcessor,
+        video_processor: VideoProcessor,
+        *,
+        image_token_id: int,
+        video_token_id: int,
+        spatial_merge_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.video_processor = video_processor
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.spatial_merge_size = spatial_merge_size
+        self.image_token = tokenizer.id_to_token(image_token_id)
+        self.video_token = tokenizer.id_to_token(video_token_id)
+        self.vision_start_token = tokenizer.special_tokens.get("vision_bos_token", "<|vision_start|>")
+        self.vision_end_token = tokenizer.special_tokens.get("vision_eos_token", "<|vision_end|>")
+        tokenizer.token_to_id(self.vision_start_token)  # fail early if the vocabulary lacks them
+        tokenizer.token_to_id(self.vision_end_token)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, model_config: Any = None) -> Processor:
+        """Load tokenizer + processor configs from a checkpoint folder.
+
+        `model_config` (gpu_engine.config.ModelConfig, optional) supplies the placeholder ids and the vision
+        merge size the model uses; they must agree with the tokenizer and processor configs.
+        """
+        folder = Path(folder)
+        tokenizer = Tokenizer.from_pretrained(folder)
+        image_processor = ImageProcessor.from_pretrained(folder)
+        video_processor = VideoProcessor.from_pretrained(folder)
+        image_id = tokenizer.token_to_id(tokenizer.special_tokens.get("image_token", "<|image_pad|>"))
+        video_id = tokenizer.token_to_id(tokenizer.special_tokens.get("video_token", "<|video_pad|>"))
+        merge = image_processor.params.merge_size
+        if model_config is not None:
+            if (model_config.image_token_id, model_config.video_token_id) != (image_id, video_id):
+                raise ProcessorError(
+                    f"{folder}: config.json image/video token ids {model_config.image_token_id}/"
+                    f"{model_config.video_token_id} differ from the tokenizer's {image_id}/{video_id}"
+                )
+            model_merge = model_config.vision.spatial_merge_size
+            if model_merge != merge:
+                raise ProcessorError(
+                    f"{folder}: vision spatial_merge_size {model_merge} differs from the processor merge_size {merge}"
+                )
+        if video_processor.params.merge_size != merge:
+            raise ProcessorError(f"{folder}: image and video processors disagree on merge_size")
+        return cls(tokenizer, image_processor, video_processor,
+                   image_token_id=image_id, video_token_id=video_id, spatial_merge_size=merge)
+
+    # -- media ---------------------------------------------------------------------------------------------
+
+    def process_image(self, source: Any, what: str = "image") -> ProcessedImage:
+        return self.image_processor.preprocess(load_image(source, what))
+
+    def process_video(self, source: Any, fps: float | None = None, what: str = "video") -> ProcessedVideo:
+        """A video file path (decoded with PyAV) or a list of frames sampled at `fps` frames per second."""
+        vp = self.video_processor
+        if isinstance(source, (str, Path)):
+            try:
+                info = probe_video(source)
+                indices = vp.sample_indices(info.total_frames, info.fps)
+                frames = read_video_frames(source, indices.tolist())
+            except VideoError as exc:
+                raise ProcessorError(f"{what}: {exc}") from exc
+            return vp.preprocess(frames, indices.tolist(), info.fps)
+        if isinstance(source, (list, tuple)) or (isinstance(source, np.ndarray) and source.ndim == 4):
+            all_frames = [_frame_array(f, f"{what}, frame {i}") for i, f in enumerate(source)]
+            video_fps = float(fps) if fps is not None else DEFAULT_FRAME_LIST_FPS
+            indices = vp.sample_indices(len(all_frames), video_fps)
+            return vp.preprocess([all_frames[i] for i in indices], indices.tolist(), video_fps)
+        raise ProcessorError(f"{what}: a video must be a file path or a list of frames, got {type(source).__name__}")
+
+    def _video_placeholder(self, video: ProcessedVideo) -> str:
+        _, gh, gw = video.grid_thw
+        per_group = gh * gw // self.spatial_merge_size**2
+        return "".join(
+            f"<{seconds:.1f} seconds>" + self.vision_start_token + self.video_token * per_group + self.vision_end_token
+            for seconds in video.timestamps
+        )
+
+    # -- prompts -------------------------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               enable_thinking: bool = False) -> str:
+        """The chat-template string before placeholder expansion (what processor.apply_chat_template returns)."""
+        normalized, _ = _normalize_messages(messages)
+        return self.tokenizer.apply_chat_template(
+            normalized, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
+
+    def prepare(
+        self,
+        messages_or_token_ids: Sequence[Mapping[str, Any]] | Sequence[int] | np.ndarray,
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+    ) -> ProcessedPrompt:
+        """Build the engine's input. Token ids are taken as a finished text-only prompt."""
+        if _is_token_ids(messages_or_token_ids):
+            return self._prepare_token_ids(np.asarray(messages_or_token_ids, dtype=np.int64))
+        normalized, media = _normalize_messages(messages_or_token_ids)  # type: ignore[arg-type]
+        text = self.tokenizer.apply_chat_template(
+            normalized, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
+        processed: list[ProcessedImage | ProcessedVideo] = [
+            self.process_image(m.source, m.what) if m.kind == "image" else self.process_video(m.source, m.fps, m.what)
+            for m in media
+        ]
+        expanded = self._expand(text, media, processed)
+        token_ids = np.asarray(self.tokenizer.encode(expanded), dtype=np.int64)
+        image_grids = [p.grid_thw for p in processed if isinstance(p, ProcessedImage)]
+        video_grids = [p.grid_thw for p in processed if isinstance(p, ProcessedVideo)]
+        positions, delta = rope_index(
+            token_ids, image_grid_thw=image_grids, video_grid_thw=video_grids,
+            image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+            spatial_merge_size=self.spatial_merge_size,
+        )
+        items = self._vision_items(token_ids, processed)
+        return ProcessedPrompt(token_ids=token_ids, positions=positions, rope_delta=delta, vision_items=items)
+
+    def _expand(self, text: str, media: list[_Media], processed: list[ProcessedImage | ProcessedVideo]) -> str:
+        """Replace each placeholder token, in order, by its expansion (as transformers' processor does)."""
+        pattern = re.compile(f"({re.escape(self.image_token)})|({re.escape(self.video_token)})")
+        found = [("image" if m.group(1) else "video") for m in pattern.finditer(text)]
+        expected = [m.kind for m in media]
+        if found != expected:
+            raise ProcessorError(
+                f"the chat template produced placeholders {found} but the messages carry media {expected} "
+                "(text that contains a placeholder token literally is not allowed)"
+            )
+        merge_area = self.spatial_merge_size**2
+        replacements = iter(
+            self.image_token * (p.num_tokens // merge_area) if isinstance(p, ProcessedImage)
+            else self._video_placeholder(p)
+            for p in processed
+        )
+        return pattern.sub(lambda _: next(replacements), text)
+
+    def _vision_items(self, token_ids: np.ndarray, processed: list[ProcessedImage | ProcessedVideo]) -> list[VisionItem]:
+        spans = iter(find_vision_spans(token_ids, self.image_token_id, self.video_token_id))
+        items: list[VisionItem] = []
+        for p in processed:
+            if isinstance(p, ProcessedImage):
+                span = next(spans)
+                items.append(VisionItem("image", p.pixel_values, p.grid_thw, span.start, span.length, p.content_hash))
+            else:
+                for group in p.frame_groups:
+                    span = next(spans)
+                    items.append(VisionItem("video", group.pixel_values, group.grid_thw, span.start, span.length,
+                                            group.content_hash, timestamp=group.timestamp))
+        return items
+
+    def _prepare_token_ids(self, token_ids: np.ndarray) -> ProcessedPrompt:
+        if token_ids.ndim != 1 or len(token_ids) == 0:
+            raise ProcessorError("token ids must be a non-empty 1-D sequence")
+        if np.isin(token_ids, [self.image_token_id, self.video_token_id]).any():
+            raise ProcessorError(
+                "token ids contain image/video placeholder tokens but carry no pixels; pass messages with media instead"
+            )
+        if token_ids.min() < 0:
+            raise ProcessorError("token ids must be non-negative")
+        positions = np.broadcast_to(np.arange(len(token_ids), dtype=np.int64), (3, len(token_ids))).copy()
+        return ProcessedPrompt(token_ids=token_ids.copy(), positions=positions, rope_delta=0)
+
+
+def _is_token_ids(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return np.issubdtype(value.dtype, np.integer)
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value))
