@@ -1,0 +1,244 @@
+"""AsyncEngine: many callers (HTTP handlers, Celery threads), one engine, one step loop on a background thread.
+
+    front = AsyncEngine(engine)
+    h = front.submit(messages, SamplingParams(json_schema=schema))
+    out = h.result(timeout=60)                 # blocking wait (threads)
+    for piece in front.submit(...).stream():   # blocking streaming
+        print(piece.delta, end="")
+    out = await front.agenerate(messages, params)       # asyncio (FastAPI)
+    async for piece in front.astream(messages, params): ...
+    front.shutdown()
+
+The Engine itself is never touched outside the loop thread: submit / cancel only queue commands. A request the
+engine rejects (bad prompt / parameters) raises its RequestError from result() / stream() / agenerate().
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from .engine import Engine, Prompt
+from .params import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineStoppedError(RuntimeError):
+    """The AsyncEngine was shut down (or its step loop died); the request cannot complete."""
+
+
+class RequestHandle:
+    """One submitted request, as seen from any thread."""
+
+    def __init__(self, front: AsyncEngine, request_id: str, listener: Listener | None = None) -> None:
+        self.request_id = request_id
+        self._front = front
+        self._items: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self._done = threading.Event()
+        self._final: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._listener = listener
+
+    # called on the loop thread
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        if self._done.is_set():
+            return
+        if isinstance(item, BaseException):
+            self._error = item
+        elif item.finished:
+            self._final = item
+        self._items.put(item)
+        if self._listener is not None:
+            self._listener(item)
+        if self._error is not None or self._final is not None:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output; raises TimeoutError if not finished within `timeout` seconds (the request goes on)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._final is not None
+        return self._final
+
+    def stream(self, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """Outputs as they come (each with its `delta`), ending with the finished one. Use once per handle."""
+        while True:
+            try:
+                item = self._items.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id}: no output for {timeout} s") from None
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def cancel(self) -> None:
+        """Abort the request; its final output has finish_reason "abort" (if it had not finished already)."""
+        self._front._command(("abort", self.request_id))
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._handles: dict[str, RequestHandle] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # no request can slip in after the stop command
+        self._stats: dict[str, Any] = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="gpu-engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- any thread
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        listener: Listener | None = None,
+    ) -> RequestHandle:
+        handle = RequestHandle(self, request_id or uuid.uuid4().hex, listener)
+        with self._submit_lock:
+            if self._stopping or self._dead is not None:
+                raise EngineStoppedError(
+                    "the engine is shut down" if self._dead is None else f"the engine died: {self._dead}"
+                )
+            self._command(("add", handle, prompt, params))
+        return handle
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, timeout: float | None = None) -> RequestOutput:
+        return self.submit(prompt, params).result(timeout)
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+        final: RequestOutput | None = None
+        async for out in self.astream(prompt, params):
+            final = out
+        assert final is not None
+        return final
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Async iterator of outputs; leaving it early (client gone, task cancelled) aborts the request."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        handle = self.submit(prompt, params, listener=lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        finished = False
+        try:
+            while True:
+                item = await items.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters as of the last step (a copy; safe from any thread)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; requests still running end with finish_reason "abort"."""
+        with self._submit_lock:
+            self._stopping = True
+            self._command(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _command(self, cmd: tuple[Any, ...]) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- loop thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                if self._drain_commands():
+                    break
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                    with self._stats_lock:
+                        self._stats = self.engine.stats()
+                else:
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+        except BaseException as exc:  # an engine bug: fail every caller instead of leaving them waiting
+            log.exception("engine step loop died")
+            with self._submit_lock:
+                self._dead = exc
+            for handle in list(self._handles.values()):
+                handle._deliver(EngineStoppedError(f"the engine step loop died: {type(exc).__name__}: {exc}"))
+            self._handles.clear()
+            self._fail_queued(EngineStoppedError(f"the engine step loop died: {exc}"))
+            return
+        # Orderly stop: abort what is still running and tell its callers.
+        for request_id in list(self._handles):
+            self.engine.abort(request_id)
+        self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])
+        for handle in list(self._handles.values()):
+            handle._deliver(EngineStoppedError("the engine was shut down"))
+        self._handles.clear()
+        self._fail_queued(EngineStoppedError("the engine was shut down"))
+
+    def _drain_commands(self) -> bool:
+        """Apply queued commands; True when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            kind = cmd[0]
+            if kind == "stop":
+                return True
+            if kind == "add":
+                _, handle, prompt, params = cmd
+                try:
+                    self.engine.add_request(prompt, params, request_id=handle.request_id)
+                except Exception as exc:  # rejected: only this caller hears about it
+                    handle._deliver(exc)
+                else:
+                    self._handles[handle.request_id] = handle
+            elif kind == "abort":
+                self.engine.abort(cmd[1])
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                cmd[1]._deliver(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle._deliver(out)
+            if out.finished:
+                del self._handles[out.request_id]
