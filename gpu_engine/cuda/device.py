@@ -1,0 +1,218 @@
+"""The device layer: one GPU, one stream, kernels compiled by NVRTC (cached on disk), raw memory copies.
+
+Built on `cuda.core` (Device, Program, ObjectCode, LaunchConfig, launch, events, graph builders) with
+`cuda.bindings.driver` for what cuda.core leaves out (plain cuMemAlloc of the start-up budget, async memcpy and
+memset on raw addresses). Nothing here is tied to one card: the compile target is read off the device.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CudaUnavailable, KernelCompileError
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
+def _import_cuda() -> tuple[Any, Any, Any]:
+    try:
+        import cuda.core as core
+        from cuda.bindings import driver, nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the host
+        raise CudaUnavailable(f"cuda-python is not installed ({exc}); pip install 'docpipe[cuda]'") from exc
+    return core, driver, nvrtc
+
+
+def check(result: tuple[Any, ...], what: str) -> Any:
+    """cuda.bindings calls return (CUresult, *values); raise on failure, return the values."""
+    _, driver, _ = _import_cuda()
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def expand_source(path: Path) -> str:
+    """Source text with our own `#include "x.cuh"` lines inlined (NVRTC then needs no include path, and the
+    cache key covers the headers too)."""
+    text = path.read_text()
+    return _INCLUDE.sub(lambda m: (path.parent / m.group(1)).read_text(), text)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    arch: str  # e.g. "sm_90"
+    sm_count: int
+    l2_bytes: int
+    total_mem: int
+
+
+class ModuleCache:
+    """cubins on disk, keyed by sha256(source + arch + options + NVRTC version)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        default = Path(os.environ.get("DOCPIPE_CUDA_CACHE", Path.home() / ".cache" / "docpipe" / "cuda_modules"))
+        self.directory = directory or default
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(source: str, arch: str, options: tuple[str, ...], compiler: str) -> str:
+        h = hashlib.sha256()
+        for part in (source, arch, "\0".join(options), compiler):
+            h.update(part.encode())
+            h.update(b"\x00\x01")
+        return h.hexdigest()
+
+    def get(self, key: str) -> bytes | None:
+        path = self.directory / f"{key}.cubin"
+        if path.exists():
+            self.hits += 1
+            return path.read_bytes()
+        self.misses += 1
+        return None
+
+    def put(self, key: str, cubin: bytes) -> None:
+        path = self.directory / f"{key}.cubin"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)  # atomic: concurrent workers never read half a file
+
+
+class CudaDevice:
+    """One GPU: current context, a non-default stream, compiled modules, raw memory helpers."""
+
+    def __init__(self, device_id: int = 0, cache: ModuleCache | None = None) -> None:
+        core, driver, nvrtc = _import_cuda()
+        self._core, self._driver = core, driver
+        try:
+            count = len(core.Device.get_all_devices())
+        except Exception as exc:  # noqa: BLE001 - any driver failure means "no GPU here"
+            raise CudaUnavailable(f"no CUDA driver / GPU usable here: {exc}") from exc
+        if device_id >= count:
+            raise CudaUnavailable(f"GPU {device_id} requested but {count} visible")
+        self.dev = core.Device(device_id)
+        self.dev.set_current()
+        self.stream = self.dev.create_stream()
+        props = self.dev.properties
+        self.info = DeviceInfo(
+            name=self.dev.name,
+            arch=f"sm_{self.dev.arch}",
+            sm_count=props.multiprocessor_count,
+            l2_bytes=props.l2_cache_size,
+            total_mem=check(driver.cuDeviceTotalMem(self.dev.device_id), "cuDeviceTotalMem"),
+        )
+        major, minor = _nvrtc_version(nvrtc)
+        self._compiler = f"nvrtc-{major}.{minor}"
+        self.cache = cache or ModuleCache()
+        self._modules: dict[str, Any] = {}
+        self._kernels: dict[tuple[str, str], Any] = {}
+        self._allocations: list[int] = []
+
+    # ---- compilation -------------------------------------------------------------------------------------
+    def module(self, family: str) -> Any:
+        """Compiled module of kernels/<family>.cu (NVRTC for this device's arch; disk-cached)."""
+        if family in self._modules:
+            return self._modules[family]
+        path = KERNEL_DIR / f"{family}.cu"
+        if not path.exists():
+            raise KernelCompileError(f"no kernel file {path}")
+        source = expand_source(path)
+        options = ("std=c++17",)
+        key = ModuleCache.key(source, self.info.arch, options, self._compiler)
+        cubin = self.cache.get(key)
+        core = self._core
+        if cubin is None:
+            opts = core.ProgramOptions(arch=self.info.arch, std="c++17", name=family)
+            try:
+                obj = core.Program(source, "c++", opts).compile("cubin")
+            except Exception as exc:  # NVRTC errors carry the log in the message
+                raise KernelCompileError(f"compiling {path.name} for {self.info.arch} failed:\n{exc}") from exc
+            cubin = bytes(obj.code)
+            self.cache.put(key, cubin)
+        mod = core.ObjectCode.from_cubin(cubin, name=family)
+        self._modules[family] = mod
+        return mod
+
+    def kernel(self, family: str, name: str) -> Any:
+        k = self._kernels.get((family, name))
+        if k is None:
+            k = self.module(family).get_kernel(name)
+            self._kernels[(family, name)] = k
+        return k
+
+    def launch(self, family: str, name: str, grid: Any, block: Any, *args: Any, shmem: int = 0,
+               stream: Any = None) -> None:
+        core = self._core
+        config = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+        core.launch(stream or self.stream, config, self.kernel(family, name), *args)
+
+    # ---- memory ------------------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        """Plain cuMemAlloc (the start-up budget; everything else is sub-allocated from it)."""
+        ptr = int(check(self._driver.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
+        self._allocations.append(ptr)
+        return ptr
+
+    def free_all(self) -> None:
+        self.sync()
+        for ptr in self._allocations:
+            check(self._driver.cuMemFree(ptr), "cuMemFree")
+        self._allocations.clear()
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = check(self._driver.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def upload(self, dst: int, host: np.ndarray, stream: Any = None) -> None:
+        host = np.ascontiguousarray(host)
+        check(self._driver.cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self._handle(stream)),
+              "cuMemcpyHtoDAsync")
+        self.sync(stream)  # the host array may die right after; keep the copy safe and simple
+
+    def download(self, host: np.ndarray, src: int, stream: Any = None) -> np.ndarray:
+        if not host.flags.c_contiguous:
+            raise ValueError("download target must be C-contiguous")
+        check(self._driver.cuMemcpyDtoHAsync(host.ctypes.data, src, host.nbytes, self._handle(stream)),
+              "cuMemcpyDtoHAsync")
+        self.sync(stream)
+        return host
+
+    def memset(self, dst: int, byte: int, nbytes: int, stream: Any = None) -> None:
+        check(self._driver.cuMemsetD8Async(dst, byte, nbytes, self._handle(stream)), "cuMemsetD8Async")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        check(self._driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._handle(stream)), "cuMemcpyDtoDAsync")
+
+    # ---- ordering and timing -----------------------------------------------------------------------------
+    def sync(self, stream: Any = None) -> None:
+        (stream or self.stream).sync()
+
+    def event(self) -> Any:
+        return self.dev.create_event(self._core.EventOptions(timing_enabled=True))
+
+    def stream_handle(self, stream: Any = None) -> int:
+        """Raw CUstream address (for cuBLASLt)."""
+        return int((stream or self.stream).handle)
+
+    def _handle(self, stream: Any) -> Any:
+        return (stream or self.stream).handle
+
+
+def _nvrtc_version(nvrtc: Any) -> tuple[int, int]:
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CudaUnavailable(f"NVRTC unusable: {err}")
+    return int(major), int(minor)

@@ -1,0 +1,135 @@
+"""GEMMs through cuBLASLt (nvmath-python's low-level bindings) on raw device addresses.
+
+One call shape covers every projection of the model: Y[m, n] = X[m, k] @ W[n, k]^T (+ beta * Y), with W stored
+row-major like a torch Linear weight. cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
+A = W (transposed), B = X: the layout Hopper's FP8 kernels also require, so FP8 weights can follow by adding a
+weight dtype and its scale pointer to the plan (not done yet: only bf16 and fp32 are accepted today).
+
+Plans (descriptors + the heuristic's algorithm) are cached per shape and dtype; the decode step reuses a handful.
+No torch or cupy here: addresses are plain ints from our arena.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .device import CudaDevice
+from .errors import CudaUnavailable, ShapeError
+
+# cudaDataType_t values (library_types.h); stable ABI numbers.
+CUDA_DTYPES = {"f32": 0, "bf16": 14}
+ITEMSIZE = {"f32": 4, "bf16": 2}
+
+
+def _lt() -> tuple[Any, Any]:
+    try:
+        from nvmath.bindings import cublas, cublasLt
+    except ImportError as exc:  # pragma: no cover - depends on the host
+        raise CudaUnavailable(f"nvmath-python is not installed ({exc}); pip install 'docpipe[cuda]'") from exc
+    return cublas, cublasLt
+
+
+@dataclass(frozen=True)
+class GemmKey:
+    m: int
+    n: int
+    k: int
+    x_dtype: str
+    w_dtype: str
+    y_dtype: str
+    x_ld: int
+    y_ld: int
+
+
+@dataclass
+class _Plan:
+    desc: int
+    a_layout: int
+    b_layout: int
+    d_layout: int
+    heuristic: Any  # MatmulHeuristicResult; its first field is the algorithm struct cuBLASLt reads
+    workspace_needed: int
+
+
+class CublasLt:
+    """cuBLASLt handle + workspace + plan cache for one device."""
+
+    def __init__(self, device: CudaDevice, workspace_ptr: int, workspace_bytes: int) -> None:
+        self._cublas, self._lt = _lt()
+        self.device = device
+        self.handle = self._lt.create()
+        self.workspace_ptr = workspace_ptr
+        self.workspace_bytes = workspace_bytes
+        self._plans: dict[GemmKey, _Plan] = {}
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    @property
+    def version(self) -> int:
+        return int(self._lt.get_version())
+
+    def linear(self, y: int, x: int, w: int, m: int, n: int, k: int, *, dtype: str = "bf16",
+               y_dtype: str | None = None, x_ld: int | None = None, y_ld: int | None = None,
+               accumulate: bool = False, stream: Any = None) -> None:
+        """Y[m, n] (+)= X[m, k] @ W[n, k]^T. X and W in `dtype`; Y in `y_dtype` (default `dtype`); fp32 accumulate.
+
+        x_ld / y_ld: row strides in elements (default k / n) so that a projection can read or write a slice of a
+        wider buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream.
+        """
+        y_dtype = y_dtype or dtype
+        for name, dt in (("dtype", dtype), ("y_dtype", y_dtype)):
+            if dt not in CUDA_DTYPES:
+                raise ShapeError(f"{name}={dt!r} not supported (have {sorted(CUDA_DTYPES)}); FP8 is not done yet")
+        if min(m, n, k) <= 0:
+            raise ShapeError(f"GEMM sizes must be positive, got m={m} n={n} k={k}")
+        key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n)
+        if key.x_ld < k or key.y_ld < n:
+            raise ShapeError(f"row strides too small: x_ld={key.x_ld} < k={k} or y_ld={key.y_ld} < n={n}")
+        plan = self._plans.get(key) or self._make_plan(key)
+        beta = self._one if accumulate else self._zero
+        self._lt.matmul(
+            self.handle, plan.desc, self._one.ctypes.data, w, plan.a_layout, x, plan.b_layout,
+            beta.ctypes.data, y, plan.d_layout, y, plan.d_layout, plan.heuristic.ptr,
+            self.workspace_ptr, self.workspace_bytes, self.device.stream_handle(stream),
+        )
+
+    def _set(self, setter: Any, dtype_of: Any, obj: int, attr: Any, value: int) -> None:
+        buf = np.array([value], dtype=dtype_of(attr))
+        setter(obj, attr, buf.ctypes.data, buf.nbytes)
+
+    def _make_plan(self, key: GemmKey) -> _Plan:
+        lt, cublas = self._lt, self._cublas
+        scale_type = CUDA_DTYPES["f32"]
+        desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, scale_type)
+        mda = lt.MatmulDescAttribute
+        self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSA, 1)  # OP_T
+        self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSB, 0)  # OP_N
+        # column-major views: A = W^T storage [k, n] ld k; B = X^T storage [k, m] ld x_ld; D = Y^T [n, m] ld y_ld
+        a_layout = lt.matrix_layout_create(CUDA_DTYPES[key.w_dtype], key.k, key.n, key.k)
+        b_layout = lt.matrix_layout_create(CUDA_DTYPES[key.x_dtype], key.k, key.m, key.x_ld)
+        d_layout = lt.matrix_layout_create(CUDA_DTYPES[key.y_dtype], key.n, key.m, key.y_ld)
+        pref = lt.matmul_preference_create()
+        self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
+                  lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, self.workspace_bytes)
+        heuristic = lt.MatmulHeuristicResult(1)
+        count = np.zeros(1, np.int32)
+        lt.matmul_algo_get_heuristic(self.handle, desc, a_layout, b_layout, d_layout, d_layout, pref, 1,
+                                     heuristic.ptr, count.ctypes.data)
+        lt.matmul_preference_destroy(pref)
+        if count[0] < 1:
+            raise ShapeError(f"cuBLASLt has no algorithm for {key}")
+        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristic, int(heuristic.workspace_size))
+        self._plans[key] = plan
+        return plan
+
+    def close(self) -> None:
+        lt = self._lt
+        for plan in self._plans.values():
+            lt.matrix_layout_destroy(plan.a_layout)
+            lt.matrix_layout_destroy(plan.b_layout)
+            lt.matrix_layout_destroy(plan.d_layout)
+            lt.matmul_desc_destroy(plan.desc)
+        self._plans.clear()
+        lt.destroy(self.handle)

@@ -1,0 +1,115 @@
+// Paged attention for the full-attention layers (decode and varlen prefill alike).
+//
+// KV cache of one layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; a token at absolute
+// position p of a sequence lives in block block_table[p / block_size], row p % block_size.
+//
+// kv_store: writes this step's K and V rows into their cache slots (slot = block * block_size + row).
+// paged_attention: one block of 4 warps per (query token, query head). Query token i of the batch belongs to
+//   sequence token_seq[i] and sits at absolute position token_pos[i]; it attends causally to cache positions
+//   0..token_pos[i] (its own chunk included, so kv_store runs first). GQA: query head h reads kv head
+//   h / (heads / kv_heads). Each warp walks every 4th key with a running (max, sum, acc) online softmax; the
+//   four partial states merge at the end. Output is multiplied by sigmoid(gate) (Qwen3.5 attention gate), read
+//   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
+// Each lane owns head_dim/32 consecutive dims (head_dim a multiple of 32, at most 256).
+// Not tiled: prefill cost is one pass over the keys per query row. A tiled flash-style prefill is future work.
+#include "common.cuh"
+
+#define MAX_PER_LANE 8
+#define ATT_WARPS 4
+
+template <typename T>
+__device__ void kv_store_impl(T* k_cache, T* v_cache, const T* k, long long k_stride, const T* v, long long v_stride,
+                              const int* slots, int n, int kv_heads, int head_dim) {
+    const int token = blockIdx.x;
+    if (token >= n) return;
+    const long long slot = slots[token];
+    const int width = kv_heads * head_dim;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        k_cache[slot * width + i] = k[token * k_stride + i];
+        v_cache[slot * width + i] = v[token * v_stride + i];
+    }
+}
+
+template <typename T>
+__device__ void paged_attention_impl(T* out, const T* q, long long q_stride, const T* gate, long long gate_stride,
+                                     int gate_head_stride, const T* k_cache, const T* v_cache, const int* block_tables,
+                                     int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
+                                     int heads, int kv_heads, int head_dim, int block_size, float scale) {
+    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    __shared__ float s_acc[ATT_WARPS][MAX_PER_LANE * 32];
+    const int token = blockIdx.x, h = blockIdx.y;
+    if (token >= n || h >= heads) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_lane = head_dim / 32;
+    const int kvh = h / (heads / kv_heads);
+    const int seq = token_seq[token], last = token_pos[token];
+    const int* table = block_tables + (long long)seq * max_blocks_per_seq;
+    const long long row_width = (long long)kv_heads * head_dim;
+
+    float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
+    const T* qh = q + token * q_stride + (long long)h * head_dim + lane * per_lane;
+#pragma unroll
+    for (int e = 0; e < MAX_PER_LANE; ++e) {
+        qv[e] = e < per_lane ? to_f(qh[e]) * scale : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (int p = warp; p <= last; p += ATT_WARPS) {
+        const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
+        const long long off = slot * row_width + (long long)kvh * head_dim + lane * per_lane;
+        const T* kr = k_cache + off;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_PER_LANE; ++e)
+            if (e < per_lane) dot += qv[e] * to_f(kr[e]);
+        const float s = warp_sum(dot);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
+        const float pw = expf(s - m_new);
+        l = l * corr + pw;
+        const T* vr = v_cache + off;
+#pragma unroll
+        for (int e = 0; e < MAX_PER_LANE; ++e)
+            if (e < per_lane) acc[e] = acc[e] * corr + pw * to_f(vr[e]);
+        m = m_new;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < MAX_PER_LANE; ++e)
+        if (e < per_lane) s_acc[warp][lane * per_lane + e] = acc[e];
+    __syncthreads();
+    float m_all = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; ++w) m_all = fmaxf(m_all, s_m[w]);
+    float l_all = 0.0f;
+    for (int w = 0; w < ATT_WARPS; ++w) l_all += s_m[w] == NEG_INF ? 0.0f : s_l[w] * expf(s_m[w] - m_all);
+    const T* gh = gate + token * gate_stride + (long long)h * gate_head_stride;
+    T* oh = out + (long long)token * heads * head_dim + (long long)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w)
+            if (s_m[w] != NEG_INF) o += s_acc[w][d] * expf(s_m[w] - m_all);
+        oh[d] = from_f<T>(o / l_all * sigmoidf(to_f(gh[d])));
+    }
+}
+
+#define DEFINE(S, T)                                                                                             \
+    extern "C" __global__ void kv_store_##S(T* k_cache, T* v_cache, const T* k, long long k_stride, const T* v,   \
+                                            long long v_stride, const int* slots, int n, int kv_heads,            \
+                                            int head_dim) {                                                      \
+        kv_store_impl<T>(k_cache, v_cache, k, k_stride, v, v_stride, slots, n, kv_heads, head_dim);               \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_##S(                             \
+        T* out, const T* q, long long q_stride, const T* gate, long long gate_stride, int gate_head_stride,       \
+        const T* k_cache,                                                                                        \
+        const T* v_cache, const int* block_tables, int max_blocks_per_seq, const int* token_seq,                 \
+        const int* token_pos, int n, int heads, int kv_heads, int head_dim, int block_size, float scale) {       \
+        paged_attention_impl<T>(out, q, q_stride, gate, gate_stride, gate_head_stride, k_cache, v_cache, block_tables,              \
+                                max_blocks_per_seq, token_seq, token_pos, n, heads, kv_heads, head_dim,           \
+                                block_size, scale);                                                              \
+    }
+DEFINE(bf16, bf16_t)
+DEFINE(f32, float)
+#undef DEFINE

@@ -1,0 +1,132 @@
+// Gated DeltaNet (Qwen3.5 linear-attention layers): causal depthwise conv1d with state, and the gated delta rule.
+// Both kernels take a varlen batch: sequence s owns tokens [cu_seqlens[s], cu_seqlens[s+1]) (a decode step is
+// one token, a prefill chunk many) and its state slot state_slots[s]; fresh[s] != 0 means "start from zeros".
+// Decode and prefill are the same code path, run token by token (sequential prefill; a chunked WY-form prefill
+// is future work).
+//
+// conv1d_silu: x [tokens, x_stride] holds conv_dim channels; w [conv_dim, K]; conv_state [slots, K-1, conv_dim]
+//   (channel-contiguous so that neighbouring threads touch neighbouring words). out = silu(causal conv), and the
+//   last K-1 inputs of the sequence become its new state.
+// gated_delta_rule: per value head h (key head h / (v_heads / k_heads)), with q, k L2-normalised (eps 1e-6) and
+//   q scaled by 1/sqrt(dk), g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b):
+//       S = S * exp(g);  S += k (beta * (v - S^T k))^T;  o = S^T q
+//   State [slots, v_heads, dv, dk] fp32 (S transposed: one warp owns one value column j and its lanes walk k rows
+//   contiguously). One block of 8 warps = 8 value columns of one head of one sequence.
+#include "common.cuh"
+
+#define MAX_CONV 8
+#define MAX_DK_PER_LANE 8
+#define GDN_WARPS 8
+
+template <typename T>
+__device__ void conv1d_silu_impl(T* out, long long out_stride, const T* x, long long x_stride, const T* w,
+                                 T* conv_state, const int* cu_seqlens, const int* state_slots, const int* fresh,
+                                 int conv_dim, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (c >= conv_dim) return;
+    T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c;
+    float win[MAX_CONV], wc[MAX_CONV];
+#pragma unroll
+    for (int k = 0; k < MAX_CONV; ++k) {
+        wc[k] = k < K ? to_f(w[(long long)c * K + k]) : 0.0f;
+        win[k] = (k < K - 1 && !fresh[s]) ? to_f(st[(long long)k * conv_dim]) : 0.0f;
+    }
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        const float xt = to_f(x[t * x_stride + c]);
+        float acc = wc[K - 1] * xt;
+#pragma unroll
+        for (int k = 0; k < MAX_CONV - 1; ++k)
+            if (k < K - 1) acc += wc[k] * win[k];
+        out[t * out_stride + c] = from_f<T>(silu(acc));
+        // slide the window: drop the oldest input, append this one
+#pragma unroll
+        for (int k = 0; k < MAX_CONV - 1; ++k)
+            if (k < K - 2) win[k] = win[k + 1];
+#pragma unroll
+        for (int k = 0; k < MAX_CONV - 1; ++k)
+            if (k == K - 2) win[k] = xt;
+    }
+#pragma unroll
+    for (int k = 0; k < MAX_CONV - 1; ++k)
+        if (k < K - 1) st[(long long)k * conv_dim] = from_f<T>(win[k]);
+}
+
+template <typename T>
+__device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v, long long qkv_stride, const T* a,
+                                      const T* b, long long ab_stride, const float* A_log, const float* dt_bias,
+                                      float* state, const int* cu_seqlens, const int* state_slots, const int* fresh,
+                                      int k_heads, int v_heads, int dk, int dv) {
+    __shared__ float q_s[MAX_DK_PER_LANE * 32], k_s[MAX_DK_PER_LANE * 32], scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int j = blockIdx.x * GDN_WARPS + warp;  // value column owned by this warp (may be >= dv: idle warp)
+    const int kh = h / (v_heads / k_heads);
+    const int per_lane = dk / 32;
+    float* S = state + (((long long)state_slots[s] * v_heads + h) * dv + (j < dv ? j : 0)) * dk;
+    float Sr[MAX_DK_PER_LANE];
+#pragma unroll
+    for (int e = 0; e < MAX_DK_PER_LANE; ++e)
+        Sr[e] = (e < per_lane && j < dv && !fresh[s]) ? S[lane + 32 * e] : 0.0f;
+    const float neg_A = -expf(A_log[h]);
+    const float q_scale = rsqrtf((float)dk);
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        const T* qt = q + t * qkv_stride + (long long)kh * dk;
+        const T* kt = k + t * qkv_stride + (long long)kh * dk;
+        float qss = 0.0f, kss = 0.0f;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            const float qi = to_f(qt[i]), ki = to_f(kt[i]);
+            q_s[i] = qi;
+            k_s[i] = ki;
+            qss += qi * qi;
+            kss += ki * ki;
+        }
+        const float q_inv = rsqrtf(block_sum(qss, scratch) + 1e-6f) * q_scale;
+        const float k_inv = rsqrtf(block_sum(kss, scratch) + 1e-6f);  // block_sum's barriers also publish q_s/k_s
+        const float decay = expf(neg_A * softplusf(to_f(a[t * ab_stride + h]) + dt_bias[h]));
+        const float beta = sigmoidf(to_f(b[t * ab_stride + h]));
+        if (j < dv) {
+            float kv = 0.0f;
+#pragma unroll
+            for (int e = 0; e < MAX_DK_PER_LANE; ++e)
+                if (e < per_lane) {
+                    Sr[e] *= decay;
+                    kv += Sr[e] * k_s[lane + 32 * e] * k_inv;
+                }
+            kv = warp_sum(kv);
+            const float delta = (to_f(v[t * qkv_stride + (long long)h * dv + j]) - kv) * beta;
+            float o = 0.0f;
+#pragma unroll
+            for (int e = 0; e < MAX_DK_PER_LANE; ++e)
+                if (e < per_lane) {
+                    Sr[e] += k_s[lane + 32 * e] * k_inv * delta;
+                    o += Sr[e] * q_s[lane + 32 * e] * q_inv;
+                }
+            o = warp_sum(o);
+            if (lane == 0) out[(long long)t * v_heads * dv + (long long)h * dv + j] = from_f<T>(o);
+        }
+        __syncthreads();  // q_s / k_s are overwritten by the next token
+    }
+    if (j < dv) {
+#pragma unroll
+        for (int e = 0; e < MAX_DK_PER_LANE; ++e)
+            if (e < per_lane) S[lane + 32 * e] = Sr[e];
+    }
+}
+
+#define DEFINE(S, T)                                                                                              \
+    extern "C" __global__ void conv1d_silu_##S(T* out, long long out_stride, const T* x, long long x_stride,      \
+                                               const T* w, T* conv_state, const int* cu_seqlens,                  \
+                                               const int* state_slots, const int* fresh, int conv_dim, int K) {   \
+        conv1d_silu_impl<T>(out, out_stride, x, x_stride, w, conv_state, cu_seqlens, state_slots, fresh,         \
+                            conv_dim, K);                                                                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gated_delta_rule_##S(                             \
+        T* out, const T* q, const T* k, const T* v, long long qkv_stride, const T* a, const T* b,                 \
+        long long ab_stride, const float* A_log, const float* dt_bias, float* state, const int* cu_seqlens,       \
+        const int* state_slots, const int* fresh, int k_heads, int v_heads, int dk, int dv) {                     \
+        gated_delta_rule_impl<T>(out, q, k, v, qkv_stride, a, b, ab_stride, A_log, dt_bias, state, cu_seqlens,    \
+                                 state_slots, fresh, k_heads, v_heads, dk, dv);                                   \
+    }
+DEFINE(bf16, bf16_t)
+DEFINE(f32, float)
+#undef DEFINE

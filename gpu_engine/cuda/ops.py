@@ -1,0 +1,225 @@
+"""Typed launchers for the kernels in kernels/*.cu (one function per kernel entry, checked arguments).
+
+Every function enqueues on the context's stream and returns at once. Shapes are row-major; strides are in
+elements. Scalars are passed with explicit C types (np.int32 / np.int64 / np.float32); addresses as ints.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .context import DArray, GpuContext
+from .errors import ShapeError
+
+i32, i64, f32 = np.int32, np.int64, np.float32
+FLOAT_TYPES = ("bf16", "f32")
+
+
+def _same_float(*arrays: DArray) -> str:
+    dtypes = {a.dtype for a in arrays}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_TYPES:
+        raise ShapeError(f"expected one float dtype (bf16 or f32) for all operands, got {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def _need(arr: DArray, dtype: str, what: str) -> None:
+    if arr.dtype != dtype:
+        raise ShapeError(f"{what} must be {dtype}, got {arr.dtype}")
+
+
+def _threads(width: int) -> int:
+    """Threads for a one-block-per-row kernel: ~2 elements a thread, a multiple of 32, at most 1024."""
+    return min(1024, max(32, ((width + 1) // 2 + 31) // 32 * 32))
+
+
+# ---- norms ---------------------------------------------------------------------------------------------------
+def rmsnorm(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, dim: int, eps: float,
+            zero_centred: bool, x_stride: int | None = None, out_stride: int | None = None) -> None:
+    """out[r, :dim] = x[r, :dim] * rsqrt(mean(x^2) + eps) * (w + 1 if zero_centred else w)."""
+    t = _same_float(out, x, w)
+    if w.size != dim:
+        raise ShapeError(f"norm weight has {w.size} elements, dim is {dim}")
+    ctx.device.launch("norm", f"rmsnorm_{t}", rows, _threads(dim), out.ptr, i32(out_stride or dim), x.ptr,
+                      i32(x_stride or dim), w.ptr, i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
+
+
+def add_rmsnorm(ctx: GpuContext, out: DArray, residual: DArray, x: DArray, w: DArray, eps: float,
+                zero_centred: bool) -> None:
+    """residual += x (in place, rounded to storage), out = rmsnorm(residual). residual/x/out: [rows, dim]."""
+    t = _same_float(out, residual, x, w)
+    rows, dim = residual.shape
+    if x.shape != residual.shape or out.shape != residual.shape or w.size != dim:
+        raise ShapeError(f"add_rmsnorm shapes: residual {residual.shape}, x {x.shape}, out {out.shape}, w {w.shape}")
+    ctx.device.launch("norm", f"add_rmsnorm_{t}", rows, _threads(dim), out.ptr, residual.ptr, x.ptr, w.ptr,
+                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
+
+
+def rmsnorm_gated(ctx: GpuContext, out: DArray, x: DArray, z: DArray, w: DArray, eps: float,
+                  heads_per_z_row: int, z_stride: int) -> None:
+    """out = w * rmsnorm(x) * silu(z), per head row. x/out: [rows, dim]; z row r // heads_per_z_row, head r % ..."""
+    t = _same_float(out, x, z, w)
+    rows, dim = x.shape
+    if out.shape != x.shape or w.size != dim:
+        raise ShapeError(f"rmsnorm_gated shapes: x {x.shape}, out {out.shape}, w {w.shape}")
+    ctx.device.launch("norm", f"rmsnorm_gated_{t}", rows, _threads(dim), out.ptr, x.ptr, z.ptr, i32(z_stride),
+                      w.ptr, i32(rows), i32(dim), i32(heads_per_z_row), f32(eps))
+
+
+# ---- element-wise --------------------------------------------------------------------------------------------
+def _grid_1d(ctx: GpuContext, n: int, threads: int = 256) -> int:
+    return max(1, min((n + threads - 1) // threads, ctx.device.info.sm_count * 16))
+
+
+def silu_mul(ctx: GpuContext, out: DArray, gate_up: DArray) -> None:
+    """out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up [rows, 2*inter], out [rows, inter]."""
+    t = _same_float(out, gate_up)
+    rows, inter = out.shape
+    if gate_up.shape != (rows, 2 * inter):
+        raise ShapeError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
+    ctx.device.launch("elementwise", f"silu_mul_{t}", _grid_1d(ctx, rows * inter), 256, out.ptr, gate_up.ptr,
+                      i32(rows), i32(inter))
+
+
+def add(ctx: GpuContext, out: DArray, a: DArray, b: DArray) -> None:
+    t = _same_float(out, a, b)
+    if not out.size == a.size == b.size:
+        raise ShapeError(f"add sizes differ: {out.shape} {a.shape} {b.shape}")
+    ctx.device.launch("elementwise", f"add_{t}", _grid_1d(ctx, out.size), 256, out.ptr, a.ptr, b.ptr, i64(out.size))
+
+
+# ---- rotary --------------------------------------------------------------------------------------------------
+def rope(ctx: GpuContext, x: DArray, n: int, heads: int, rot_dim: int, token_stride: int, head_stride: int,
+         pos: DArray, inv_freq: DArray, axis: DArray) -> None:
+    """In-place rotate-half rotary on the first rot_dim dims of each head.
+
+    pos: i32 [P, n] (P = 3 for text M-RoPE, 2 for vision h/w); inv_freq: f32 [rot_dim/2]; axis: i32 [rot_dim/2]
+    (which pos row drives each frequency; see mrope_axis / vision_axis in rotary.py).
+    """
+    t = _same_float(x)
+    _need(pos, "i32", "pos")
+    _need(inv_freq, "f32", "inv_freq")
+    _need(axis, "i32", "axis")
+    if rot_dim % 2 or inv_freq.size != rot_dim // 2 or axis.size != rot_dim // 2 or pos.shape[-1] != n:
+        raise ShapeError(f"rope tables: rot_dim {rot_dim}, inv_freq {inv_freq.shape}, axis {axis.shape}, pos {pos.shape}")
+    ctx.device.launch("rope", f"rope_{t}", n, 128, x.ptr, i64(token_stride), i32(head_stride), pos.ptr, i32(n),
+                      inv_freq.ptr, axis.ptr, i32(n), i32(heads), i32(rot_dim))
+
+
+# ---- embeddings ----------------------------------------------------------------------------------------------
+def embed_gather(ctx: GpuContext, out: DArray, table: DArray, ids: DArray) -> None:
+    """out[i] = table[ids[i]] (ids outside the table give zeros). table [vocab, hidden], out [n, hidden]."""
+    t = _same_float(out, table)
+    _need(ids, "i32", "ids")
+    vocab, hidden = table.shape
+    n = ids.size
+    if out.shape != (n, hidden):
+        raise ShapeError(f"embed_gather: out {out.shape}, expected {(n, hidden)}")
+    ctx.device.launch("embed", f"embed_gather_{t}", n, _threads(hidden), out.ptr, table.ptr, ids.ptr, i32(n),
+                      i32(hidden), i32(vocab))
+
+
+def scatter_rows(ctx: GpuContext, out: DArray, src: DArray, dst_rows: DArray) -> None:
+    """out[dst_rows[i]] = src[i] (vision embeddings into their placeholder rows)."""
+    t = _same_float(out, src)
+    _need(dst_rows, "i32", "dst_rows")
+    n, hidden = src.shape
+    if dst_rows.size != n or out.shape[1] != hidden:
+        raise ShapeError(f"scatter_rows: src {src.shape}, dst_rows {dst_rows.shape}, out {out.shape}")
+    ctx.device.launch("embed", f"scatter_rows_{t}", n, _threads(hidden), out.ptr, src.ptr, dst_rows.ptr, i32(n),
+                      i32(hidden))
+
+
+# ---- attention -----------------------------------------------------------------------------------------------
+def kv_store(ctx: GpuContext, k_cache: DArray, v_cache: DArray, k: DArray, k_stride: int, v: DArray, v_stride: int,
+             slots: DArray, kv_heads: int, head_dim: int) -> None:
+    """Write K/V rows of this step into cache slots (slot = block * block_size + row)."""
+    t = _same_float(k_cache, v_cache, k, v)
+    _need(slots, "i32", "slots")
+    ctx.device.launch("attention", f"kv_store_{t}", slots.size, _threads(kv_heads * head_dim), k_cache.ptr,
+                      v_cache.ptr, k.ptr, i64(k_stride), v.ptr, i64(v_stride), slots.ptr, i32(slots.size),
+                      i32(kv_heads), i32(head_dim))
+
+
+def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
+                    gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray, token_pos: DArray,
+                    heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float) -> None:
+    """Causal paged attention with GQA and sigmoid output gate; out [n, heads*head_dim]."""
+    t = _same_float(out, q, gate, k_cache, v_cache)
+    for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
+        _need(arr, "i32", name)
+    if head_dim % 32 or head_dim > 256 or heads % kv_heads:
+        raise ShapeError(f"paged_attention needs head_dim a multiple of 32 up to 256 and heads % kv_heads == 0 "
+                         f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
+    n = token_seq.size
+    ctx.device.launch("attention", f"paged_attention_{t}", (n, heads), 128, out.ptr, q.ptr, i64(q_stride), gate.ptr,
+                      i64(gate_stride), i32(gate_head_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
+                      token_seq.ptr, token_pos.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim),
+                      i32(block_size), f32(scale))
+
+
+# ---- Gated DeltaNet ------------------------------------------------------------------------------------------
+def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stride: int, w: DArray,
+                conv_state: DArray, cu_seqlens: DArray, state_slots: DArray, fresh: DArray) -> None:
+    """Causal depthwise conv (kernel K) + silu over a varlen batch, reading and updating per-slot conv state.
+
+    w [conv_dim, K]; conv_state [slots, K-1, conv_dim]; cu_seqlens i32 [seqs+1]; state_slots, fresh i32 [seqs].
+    """
+    t = _same_float(out, x, w, conv_state)
+    conv_dim, K = w.shape
+    if K > 8 or conv_state.shape[1:] != (K - 1, conv_dim):
+        raise ShapeError(f"conv1d: K={K} (max 8), conv_state {conv_state.shape}, expected [*, {K - 1}, {conv_dim}]")
+    seqs = state_slots.size
+    ctx.device.launch("deltanet", f"conv1d_silu_{t}", ((conv_dim + 127) // 128, seqs), 128, out.ptr, i64(out_stride),
+                      x.ptr, i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr,
+                      i32(conv_dim), i32(K))
+
+
+def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int, a: DArray,
+                     b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray, cu_seqlens: DArray,
+                     state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int, dk: int, dv: int) -> None:
+    """Gated delta rule over a varlen batch; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv]."""
+    t = _same_float(out, q, k, v, a, b)
+    _need(state, "f32", "state")
+    _need(A_log, "f32", "A_log")
+    _need(dt_bias, "f32", "dt_bias")
+    if dk % 32 or dk > 256 or v_heads % k_heads:
+        raise ShapeError(f"gated_delta_rule needs dk a multiple of 32 up to 256, v_heads % k_heads == 0 "
+                         f"(dk={dk}, k_heads={k_heads}, v_heads={v_heads})")
+    if state.shape[1:] != (v_heads, dv, dk):
+        raise ShapeError(f"state {state.shape}, expected [*, {v_heads}, {dv}, {dk}]")
+    seqs = state_slots.size
+    ctx.device.launch("deltanet", f"gated_delta_rule_{t}", ((dv + 7) // 8, v_heads, seqs), 256, out.ptr, q.ptr,
+                      k.ptr, v.ptr, i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr, dt_bias.ptr, state.ptr,
+                      cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads), i32(dk), i32(dv))
+
+
+# ---- sampling helpers ----------------------------------------------------------------------------------------
+def argmax(ctx: GpuContext, out: DArray, logits: DArray) -> None:
+    _need(logits, "f32", "logits")
+    _need(out, "i32", "argmax output")
+    rows, vocab = logits.shape
+    ctx.device.launch("sampling", "argmax_f32", rows, 1024, out.ptr, logits.ptr, i32(rows), i32(vocab))
+
+
+def log_softmax(ctx: GpuContext, out: DArray, lse: DArray, logits: DArray) -> None:
+    for arr, name in ((out, "out"), (lse, "lse"), (logits, "logits")):
+        _need(arr, "f32", name)
+    rows, vocab = logits.shape
+    ctx.device.launch("sampling", "log_softmax_f32", rows, 1024, out.ptr, lse.ptr, logits.ptr, i32(rows), i32(vocab))
+
+
+def apply_bitmask(ctx: GpuContext, logits: DArray, mask: DArray) -> None:
+    """logits[r, i] = -inf where bit i of mask row r is 0 (mask u32/i32 [rows, ceil(vocab/32)])."""
+    _need(logits, "f32", "logits")
+    rows, vocab = logits.shape
+    words = (vocab + 31) // 32
+    if mask.shape != (rows, words) or mask.dtype not in ("u32", "i32"):
+        raise ShapeError(f"bitmask {mask.shape} {mask.dtype}, expected u32 {(rows, words)}")
+    ctx.device.launch("sampling", "apply_bitmask_f32", rows, 256, logits.ptr, mask.ptr, i32(rows), i32(vocab),
+                      i32(words))
+
+
+def copy_u4(ctx: GpuContext, dst: int, src: int, nbytes: int, blocks: int | None = None) -> None:
+    """16-byte-vector device copy (the bandwidth ceiling of the benchmark); nbytes a multiple of 16."""
+    if nbytes % 16:
+        raise ShapeError(f"copy_u4 needs a multiple of 16 bytes, got {nbytes}")
+    ctx.device.launch("copy", "copy_u4", blocks or ctx.device.info.sm_count * 8, 512, dst, src, i64(nbytes // 16))

@@ -1,0 +1,407 @@
+"""Check every CUDA kernel (and the cuBLASLt GEMM) against float64 numpy references on fresh random inputs.
+
+Run on a GPU machine:   python3 -m tests.gpu.check_kernels [--json out.json] [--seed N]
+Without a GPU or cuda-python it prints why and exits 0 (skip). Exit 1 if any check fails.
+
+Rules: inputs are fresh random draws each run (the seed is printed so a failure can be replayed); bf16 inputs
+are rounded to bf16 on upload and the reference sees the same rounded values; every output is poisoned (0xFF:
+NaN / -1) before the launch, so an unwritten element fails; metric = ||out - ref|| / ||ref|| (any NaN fails).
+Tolerances: fp32 paths 1e-4, bf16 paths 1e-2; index outputs must match exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from tests.gpu import references as ref
+
+TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
+
+
+@dataclass
+class Result:
+    name: str
+    dtype: str
+    rel_err: float
+    tol: float
+    ok: bool
+    note: str = ""
+
+
+def rel_err(out: np.ndarray, expect: np.ndarray) -> float:
+    out = np.asarray(out, np.float64)
+    expect = np.asarray(expect, np.float64)
+    if out.shape != expect.shape:
+        raise AssertionError(f"shape {out.shape} != reference {expect.shape}")
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    denom = np.linalg.norm(expect)
+    return float(np.linalg.norm(out - expect) / (denom if denom > 0 else 1.0))
+
+
+class Checker:
+    def __init__(self, ctx, rng: np.random.Generator) -> None:
+        from gpu_engine.cuda import ops
+        from gpu_engine.cuda.bf16 import round_to_bf16
+
+        self.ctx, self.rng, self.ops = ctx, rng, ops
+        self._round = round_to_bf16
+        self.results: list[Result] = []
+
+    # helpers ---------------------------------------------------------------------------------------------
+    def rand(self, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+        """Random normal values as the device will hold them (bf16-rounded for bf16)."""
+        x = (self.rng.standard_normal(shape) * scale).astype(np.float32)
+        return self._round(x) if dtype == "bf16" else x
+
+    def up(self, host: np.ndarray, dtype: str, name: str = "in"):
+        return self.ctx.to_device(host, dtype, name)
+
+    def out(self, shape, dtype: str, name: str = "out"):
+        arr = self.ctx.empty(shape, dtype, name)
+        self.ctx.poison(arr)
+        return arr
+
+    def get(self, arr) -> np.ndarray:
+        self.ctx.device.sync()
+        return self.ctx.to_host(arr)
+
+    def record(self, name: str, dtype: str, err: float, note: str = "", tol: float | None = None) -> None:
+        tol = TOL[dtype] if tol is None else tol
+        ok = bool(np.isfinite(err) and err <= tol)
+        self.results.append(Result(name, dtype, err, tol, ok, note))
+
+    def run(self, name: str, dtype: str, fn: Callable[[str], None]) -> None:
+        mark = self.ctx.arena.mark()
+        try:
+            fn(dtype)
+        except Exception as exc:  # noqa: BLE001 - one broken kernel must not hide the others
+            traceback.print_exc()
+            self.results.append(Result(name, dtype, float("nan"), TOL.get(dtype, 0.0), False,
+                                       f"{type(exc).__name__}: {exc}"[:200]))
+        finally:
+            try:
+                self.ctx.device.sync()
+            finally:
+                self.ctx.arena.release(mark)
+
+    # checks ----------------------------------------------------------------------------------------------
+    def rmsnorm(self, t: str) -> None:
+        rows, dim, eps = 37, 1000, 1e-6
+        xs = self.rand((rows, 2 * dim), t)  # read with a row stride: q out of a fused q|gate projection
+        w = self.rand((dim,), t, 0.1)
+        for zc in (True, False):
+            x, wd = self.up(xs, t), self.up(w, t)
+            out = self.out((rows, dim), t)
+            self.ops.rmsnorm(self.ctx, out, x, wd, rows, dim, eps, zc, x_stride=2 * dim)
+            self.record(f"rmsnorm{'(zero-centred)' if zc else ''}", t,
+                        rel_err(self.get(out), ref.rmsnorm(xs[:, :dim], w, eps, zc)))
+
+    def add_rmsnorm(self, t: str) -> None:
+        rows, dim, eps = 19, 2048, 1e-6
+        r0, x, w = self.rand((rows, dim), t), self.rand((rows, dim), t), self.rand((dim,), t, 0.1)
+        rd, xd, wd = self.up(r0, t), self.up(x, t), self.up(w, t)
+        out = self.out((rows, dim), t)
+        self.ops.add_rmsnorm(self.ctx, out, rd, xd, wd, 1e-6, True)
+        s = r0.astype(np.float64) + x
+        stored = self._round(s.astype(np.float32)) if t == "bf16" else s
+        self.record("add_rmsnorm(out)", t, rel_err(self.get(out), ref.rmsnorm(stored, w, eps, True)))
+        self.record("add_rmsnorm(residual)", t, rel_err(self.get(rd), s))
+
+    def rmsnorm_gated(self, t: str) -> None:
+        tokens, heads, dv = 9, 6, 128
+        x = self.rand((tokens * heads, dv), t)
+        zwide = self.rand((tokens, heads * dv + 40), t)  # z sits in a wider fused-projection row
+        w = (1.0 + self.rand((dv,), "f32", 0.1)).astype(np.float32)
+        w = self._round(w) if t == "bf16" else w
+        out = self.out((tokens * heads, dv), t)
+        self.ops.rmsnorm_gated(self.ctx, out, self.up(x, t), self.up(zwide, t), self.up(w, t), 1e-6, heads,
+                               heads * dv + 40)
+        z = zwide[:, : heads * dv].reshape(tokens * heads, dv)
+        self.record("rmsnorm_gated", t, rel_err(self.get(out), ref.rmsnorm_gated(x, z, w, 1e-6)))
+
+    def silu_mul(self, t: str) -> None:
+        rows, inter = 13, 3000
+        gu = self.rand((rows, 2 * inter), t, 2.0)
+        out = self.out((rows, inter), t)
+        self.ops.silu_mul(self.ctx, out, self.up(gu, t))
+        self.record("silu_mul", t, rel_err(self.get(out), ref.silu(gu[:, :inter]) * gu[:, inter:]))
+
+    def add(self, t: str) -> None:
+        a, b = self.rand((77, 515), t), self.rand((77, 515), t)
+        out = self.out((77, 515), t)
+        self.ops.add(self.ctx, out, self.up(a, t), self.up(b, t))
+        self.record("add", t, rel_err(self.get(out), a.astype(np.float64) + b))
+
+    def rope(self, t: str) -> None:
+        from gpu_engine.cuda import rotary
+
+        # text: partial interleaved M-RoPE, q heads inside a wider row (stride), 64 of 256 dims rotated
+        n, heads, hd, rot = 21, 4, 256, 64
+        width = heads * hd + 128
+        x = self.rand((n, width), t)
+        pos = np.stack([self.rng.integers(0, 4000, n), self.rng.integers(0, 64, n), self.rng.integers(0, 64, n)])
+        inv, axis = rotary.inv_freq(1e7, rot), rotary.mrope_axis(rot, (11, 11, 10))
+        xd = self.up(x, t)
+        self.ops.rope(self.ctx, xd, n, heads, rot, width, hd, self.up(pos.astype(np.int32), "i32"),
+                      self.up(inv, "f32"), self.up(axis, "i32"))
+        got = self.get(xd)
+        expect = x.astype(np.float64).copy()
+        expect[:, : heads * hd] = ref.rope(x[:, : heads * hd].reshape(n, heads, hd), pos, inv, axis, rot).reshape(n, -1)
+        self.record("rope(M-RoPE text)", t, rel_err(got, expect))
+        # vision: 2-D rotary over the whole head
+        n, heads, hd = 33, 3, 64
+        x = self.rand((n, heads * hd), t)
+        pos = np.stack([self.rng.integers(0, 48, n), self.rng.integers(0, 48, n)])
+        inv, axis = rotary.vision_tables(hd, 10000.0)
+        xd = self.up(x, t)
+        self.ops.rope(self.ctx, xd, n, heads, hd, heads * hd, hd, self.up(pos.astype(np.int32), "i32"),
+                      self.up(inv, "f32"), self.up(axis, "i32"))
+        expect = ref.rope(x.reshape(n, heads, hd), pos, inv, axis, hd).reshape(n, -1)
+        self.record("rope(vision 2-D)", t, rel_err(self.get(xd), expect))
+
+    def embed(self, t: str) -> None:
+        vocab, hidden, n = 500, 384, 17
+        table = self.rand((vocab, hidden), t)
+        ids = self.rng.integers(0, vocab, n).astype(np.int32)
+        ids[3] = vocab + 5  # out of range -> zero row
+        out = self.out((n, hidden), t)
+        self.ops.embed_gather(self.ctx, out, self.up(table, t), self.up(ids, "i32"))
+        expect = np.where((ids < vocab)[:, None], table[np.minimum(ids, vocab - 1)], 0.0)
+        self.record("embed_gather", "exact", rel_err(self.get(out), expect), note=t)
+        # scatter 5 vision rows into a 17-row chunk (other rows untouched)
+        src = self.rand((5, hidden), t)
+        dst_rows = self.rng.choice(n, 5, replace=False).astype(np.int32)
+        base = self.rand((n, hidden), t)
+        chunk = self.up(base, t)
+        self.ops.scatter_rows(self.ctx, chunk, self.up(src, t), self.up(dst_rows, "i32"))
+        expect = base.copy()
+        expect[dst_rows] = src
+        self.record("scatter_rows", "exact", rel_err(self.get(chunk), expect), note=t)
+
+    def attention(self, t: str) -> None:
+        heads, kvh, hd, bs, num_blocks = 8, 2, 256, 16, 40
+        scale = hd ** -0.5
+        # (start, n): a decode step, a prefill chunk continuing a prompt, and a fresh prompt
+        seqs = [(45, 1), (20, 37), (0, 5)]
+        perm = self.rng.permutation(num_blocks)
+        tables, used = [], 0
+        max_blocks = max((s + n + bs - 1) // bs for s, n in seqs)
+        cache_k = self.rand((num_blocks, bs, kvh, hd), t)  # random garbage everywhere, as a reused cache has
+        cache_v = self.rand((num_blocks, bs, kvh, hd), t)
+        full_k, full_v = [], []
+        for s, n in seqs:
+            nb = (s + n + bs - 1) // bs
+            table = np.full(max_blocks, -1, np.int32)
+            table[:nb] = perm[used : used + nb]
+            used += nb
+            tables.append(table)
+            full_k.append(self.rand((s + n, kvh, hd), t))
+            full_v.append(self.rand((s + n, kvh, hd), t))
+            for p in range(s):  # the first `start` positions are already cached
+                cache_k[table[p // bs], p % bs] = full_k[-1][p]
+                cache_v[table[p // bs], p % bs] = full_v[-1][p]
+        total = sum(n for _, n in seqs)
+        qw = 2 * heads * hd  # fused q|gate row per head pair, as the q projection emits it
+        q_rows = self.rand((total, qw), t)
+        kv_w = 2 * kvh * hd + 64  # k and v inside one wider row
+        kv_rows = np.zeros((total, kv_w), np.float32)
+        slots, token_seq, token_pos = [], [], []
+        row = 0
+        for i, (s, n) in enumerate(seqs):
+            for j in range(n):
+                p = s + j
+                kv_rows[row, : kvh * hd] = full_k[i][p].reshape(-1)
+                kv_rows[row, kvh * hd : 2 * kvh * hd] = full_v[i][p].reshape(-1)
+                slots.append(tables[i][p // bs] * bs + p % bs)
+                token_seq.append(i)
+                token_pos.append(p)
+                row += 1
+        kc, vc = self.up(cache_k, t), self.up(cache_v, t)
+        kvd = self.up(kv_rows, t)
+        ctx = self.ctx
+        self.ops.kv_store(ctx, kc, vc, kvd, kv_w, kvd.view((total, kv_w), kvh * hd), kv_w,
+                          self.up(np.array(slots, np.int32), "i32"), kvh, hd)
+        expect_k = cache_k.copy()
+        for r, slot in enumerate(slots):
+            expect_k[slot // bs, slot % bs] = kv_rows[r, : kvh * hd].reshape(kvh, hd)
+        self.record("kv_store", "exact", rel_err(self.get(kc), expect_k), note=t)
+        # q|gate rows as the q projection emits them: head h = [q (hd) | gate (hd)]. The runner's q-norm writes a
+        # de-interleaved q; the gate is read in place (token stride 2*H*hd, head stride 2*hd).
+        q_only = q_rows.reshape(total, heads, 2, hd)[:, :, 0].reshape(total, heads * hd)
+        gate = q_rows.reshape(total, heads, 2, hd)[:, :, 1]
+        qd = self.up(q_rows, t)
+        out = self.out((total, heads * hd), t)
+        self.ops.paged_attention(ctx, out, self.up(q_only, t), heads * hd, qd.view((total, qw), hd), qw, 2 * hd,
+                                 kc, vc, self.up(np.stack(tables), "i32"),
+                                 self.up(np.array(token_seq, np.int32), "i32"),
+                                 self.up(np.array(token_pos, np.int32), "i32"), heads, kvh, hd, bs, scale)
+        expect, row = [], 0
+        for i, (s, n) in enumerate(seqs):
+            qi = q_only[row : row + n].reshape(n, heads, hd)
+            gi = gate[row : row + n]
+            expect.append(ref.attention(qi, full_k[i], full_v[i], gi, np.arange(s, s + n), scale))
+            row += n
+        self.record("paged_attention(GQA, gate, varlen)", t, rel_err(self.get(out), np.concatenate(expect)))
+
+    def deltanet(self, t: str) -> None:
+        kh, vh, dk, dv, K = 2, 4, 128, 64, 4
+        conv_dim = 2 * kh * dk + vh * dv
+        seqs = [(True, 6), (False, 1), (False, 11)]  # (fresh, tokens)
+        slots_list = [3, 0, 5]
+        num_slots = 6
+        total = sum(n for _, n in seqs)
+        cu = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+        fresh = np.array([int(f) for f, _ in seqs], np.int32)
+        slots = np.array(slots_list, np.int32)
+        ctx = self.ctx
+        # conv1d: x inside a wider projection row
+        xw = conv_dim + 96
+        x = self.rand((total, xw), t)
+        w = self.rand((conv_dim, K), t, 0.5)
+        conv_state = self.rand((num_slots, K - 1, conv_dim), t)
+        cs = self.up(conv_state, t)
+        conv_out = self.out((total, conv_dim), t)
+        self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs, self.up(cu, "i32"),
+                             self.up(slots, "i32"), self.up(fresh, "i32"))
+        exp_out, exp_state = [], conv_state.astype(np.float64).copy()
+        for i, (f, n) in enumerate(seqs):
+            st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
+            o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
+            exp_out.append(o)
+            exp_state[slots[i]] = new
+        got_out = self.get(conv_out)
+        self.record("conv1d_silu(out)", t, rel_err(got_out, np.concatenate(exp_out)))
+        self.record("conv1d_silu(state)", t, rel_err(self.get(cs), exp_state))
+        # gated delta rule on independent random q/k/v (so this check does not inherit conv errors)
+        qkv_w = conv_dim + 32
+        qkv = self.rand((total, qkv_w), t)
+        ab = self.rand((total, 2 * vh + 8), t)
+        A_log = np.log(self.rng.uniform(0.5, 8.0, vh)).astype(np.float32)
+        dt_bias = self.rand((vh,), "f32", 0.5)
+        state = (self.rng.standard_normal((num_slots, vh, dv, dk)) * 0.3).astype(np.float32)
+        sd = self.up(state, "f32")
+        qkvd, abd = self.up(qkv, t), self.up(ab, t)
+        o = self.out((total, vh * dv), t)
+        self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.view((total, qkv_w), kh * dk),
+                                  qkvd.view((total, qkv_w), 2 * kh * dk), qkv_w, abd,
+                                  abd.view((total, 2 * vh + 8), vh), 2 * vh + 8, self.up(A_log, "f32"),
+                                  self.up(dt_bias, "f32"), sd, self.up(cu, "i32"), self.up(slots, "i32"),
+                                  self.up(fresh, "i32"), kh, vh, dk, dv)
+        exp_o, exp_s = [], state.astype(np.float64).copy()
+        for i, (f, n) in enumerate(seqs):
+            r = slice(cu[i], cu[i + 1])
+            S0 = np.zeros((vh, dk, dv)) if f else state[slots[i]].transpose(0, 2, 1)
+            oi, Si = ref.gated_delta_rule(qkv[r, : kh * dk].reshape(n, kh, dk),
+                                          qkv[r, kh * dk : 2 * kh * dk].reshape(n, kh, dk),
+                                          qkv[r, 2 * kh * dk : 2 * kh * dk + vh * dv].reshape(n, vh, dv),
+                                          ab[r, :vh], ab[r, vh : 2 * vh], A_log, dt_bias, S0)
+            exp_o.append(oi)
+            exp_s[slots[i]] = Si.transpose(0, 2, 1)
+        self.record("gated_delta_rule(out)", t, rel_err(self.get(o), np.concatenate(exp_o)))
+        # the state is fp32 on both paths; bf16 inputs only perturb what flows into it
+        self.record("gated_delta_rule(state)", t, rel_err(self.get(sd), exp_s))
+
+    def sampling(self, t: str) -> None:
+        rows, vocab = 5, 151_007
+        logits = self.rand((rows, vocab), "f32", 3.0)
+        logits[2, 777] = logits[2, 778] = logits[2].max() + 1.0  # a tie: the smaller index must win
+        ld = self.up(logits, "f32")
+        idx = self.out((rows,), "i32")
+        self.ops.argmax(self.ctx, idx, ld)
+        self.record("argmax", "exact", float(np.sum(self.get(idx) != logits.argmax(-1))), note="mismatches")
+        lp, lse = self.out((rows, vocab), "f32"), self.out((rows,), "f32")
+        self.ops.log_softmax(self.ctx, lp, lse, ld)
+        self.record("log_softmax", "f32", rel_err(self.get(lp), ref.log_softmax(logits)))
+        words = (vocab + 31) // 32
+        mask = self.rng.integers(0, 2**32, (rows, words), dtype=np.uint64).astype(np.uint32)
+        self.ops.apply_bitmask(self.ctx, ld, self.up(mask, "u32"))
+        bits = np.unpackbits(mask.view(np.uint8).reshape(rows, words, 4), axis=-1, bitorder="little")
+        allowed = bits.reshape(rows, words * 32)[:, :vocab].astype(bool)
+        got = self.get(ld)
+        bad = np.sum((got == -np.inf) != ~allowed) + np.sum(got[allowed] != logits[allowed])
+        self.record("apply_bitmask", "exact", float(bad), note="mismatches")
+
+    def gemm(self, t: str) -> None:
+        blas = self.ctx.blas
+        for m, n, k in ((1, 1000, 512), (37, 3000, 1024)):
+            x = self.rand((m, k + 64), t)  # x rows read with a stride
+            w = self.rand((n, k), t, k ** -0.5)
+            y0 = self.rand((m, n), t)
+            expect = x[:, :k].astype(np.float64) @ w.astype(np.float64).T
+            xd, wd = self.up(x, t), self.up(w, t)
+            y = self.out((m, n), t)
+            blas.linear(y.ptr, xd.ptr, wd.ptr, m, n, k, dtype=t, x_ld=k + 64)
+            self.record(f"gemm {m}x{n}x{k}", t, rel_err(self.get(y), expect))
+            yacc = self.up(y0, t)
+            blas.linear(yacc.ptr, xd.ptr, wd.ptr, m, n, k, dtype=t, x_ld=k + 64, accumulate=True)
+            self.record(f"gemm {m}x{n}x{k} (+=Y)", t, rel_err(self.get(yacc), expect + y0))
+            if t == "bf16":  # LM-head shape: bf16 in, fp32 logits out
+                y32 = self.out((m, n), "f32")
+                blas.linear(y32.ptr, xd.ptr, wd.ptr, m, n, k, dtype="bf16", y_dtype="f32", x_ld=k + 64)
+                self.record(f"gemm {m}x{n}x{k} -> f32", "f32", rel_err(self.get(y32), expect))
+
+    CHECKS = ("rmsnorm", "add_rmsnorm", "rmsnorm_gated", "silu_mul", "add", "rope", "embed", "attention",
+              "deltanet", "sampling", "gemm")
+
+
+def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
+    """Run every check; raises CudaUnavailable when there is no GPU / cuda-python."""
+    from gpu_engine.cuda.context import GpuContext
+
+    seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
+    ctx = GpuContext(budget_bytes=1 << 30)
+    info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch,
+            "cublaslt_version": ctx.blas.version}
+    try:
+        checker = Checker(ctx, np.random.default_rng(seed))
+        t0 = time.perf_counter()
+        for name in Checker.CHECKS:
+            for dtype in ("f32", "bf16") if name != "sampling" else ("f32",):
+                checker.run(name, dtype, getattr(checker, name))
+        info["seconds"] = round(time.perf_counter() - t0, 2)
+        info["module_cache"] = {"hits": ctx.device.cache.hits, "misses": ctx.device.cache.misses}
+        return checker.results, info
+    finally:
+        ctx.close()
+
+
+def format_table(results: list[Result]) -> str:
+    lines = [f"{'check':<40} {'dtype':<6} {'rel.err':>10} {'tol':>8}  ok", "-" * 72]
+    for r in results:
+        lines.append(f"{r.name:<40} {r.dtype:<6} {r.rel_err:>10.2e} {r.tol:>8.0e}  {'PASS' if r.ok else 'FAIL'}"
+                     + (f"  {r.note}" if r.note else ""))
+    passed = sum(r.ok for r in results)
+    lines.append(f"{passed}/{len(results)} passed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--seed", type=int)
+    args = parser.parse_args(argv)
+    from gpu_engine.cuda.errors import CudaUnavailable
+
+    try:
+        results, info = run_all(args.seed)
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return 0
+    print(json.dumps(info))
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"info": info, "results": [asdict(r) for r in results]}, fh, indent=1)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
