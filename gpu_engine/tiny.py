@@ -140,7 +140,7 @@ def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, np.ndarra
 def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("A_log"):
-        return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+        return np.log(rng.uniform(0.05, 2.0, size=shape)).astype(np.float32)
     if name.endswith("dt_bias"):
         return np.ones(shape, np.float32)
     if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: plain scale around 1

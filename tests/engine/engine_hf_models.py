@@ -1,0 +1,102 @@
+"""Tiny random Qwen3.5 checkpoints built WITH transformers (the external truth) for the engine parity tests.
+
+Weights: transformers' own init is too small (std 0.02, norms at their neutral value) to tell a right forward pass
+from a subtly wrong one, so every parameter is replaced with O(1)-activation random values before saving.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Three deliberately different shapes: head counts / GQA ratios, layer patterns, mrope sections, rotary fractions,
+# DeltaNet head ratios, tying, attention bias, conv kernels, legacy rope_scaling.
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "gqa2-half-rotary": {
+        "text_config": {
+            "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        },
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+                          "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
+                          "num_position_embeddings": 64},
+        "tie_word_embeddings": False,
+    },
+    "mqa-full-rotary-tied": {
+        "text_config": {
+            "vocab_size": 300, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4,
+            "layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"],
+            "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 8, "attention_bias": True,
+            "linear_conv_kernel_dim": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+            "linear_num_key_heads": 3, "linear_num_value_heads": 3,
+            # legacy key: transformers takes rope_scaling over rope_parameters
+            "rope_scaling": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        },
+        "vision_config": {"depth": 1, "hidden_size": 24, "intermediate_size": 40, "num_heads": 3, "patch_size": 4,
+                          "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 48,
+                          "num_position_embeddings": 36},
+        "tie_word_embeddings": True,
+    },
+    "interval2-quarter-rotary": {
+        "text_config": {
+            "vocab_size": 280, "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 5,
+            "full_attention_interval": 2,  # no layer_types: transformers derives them
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 24,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 3,
+            "partial_rotary_factor": 0.25,  # top of text_config: used because rope_parameters lacks it
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 1],
+                                "mrope_interleaved": True},
+        },
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "patch_size": 8,
+                          "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 96,
+                          "num_position_embeddings": 49},
+        "tie_word_embeddings": False,
+    },
+}
+SPECIAL_IDS = {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253}
+
+
+def randomize(model: Any, seed: int) -> None:
+    """Give every parameter a random value on its natural scale (deterministic in `seed`)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = p.shape
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(shape).uniform_(0.05, 2.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(1.0 + 0.3 * torch.randn(shape, generator=gen))
+            elif name.endswith("linear_attn.norm.weight") or (".visual." in name and "norm" in name and name.endswith("weight")):
+                p.copy_(1.0 + 0.2 * torch.randn(shape, generator=gen))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(0.2 * torch.randn(shape, generator=gen))  # zero-centred RMSNorm offset
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(shape, generator=gen))
+            elif "embed_tokens" in name or "pos_embed" in name:
+                p.copy_(torch.randn(shape, generator=gen))
+            else:
+                fan_in = int(np.prod(shape[1:]))
+                p.copy_(torch.randn(shape, generator=gen) / fan_in**0.5)
+
+
+def build_hf_checkpoint(name: str, folder: Path, seed: int = 0) -> Any:
+    """Build config `name` with transformers, randomize, save_pretrained into `folder`; returns the float32 model."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen3_5Config(**HF_CONFIGS[name], **SPECIAL_IDS)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return model
