@@ -55,8 +55,7 @@ class EngineAccess:
 
     def async_engine(self) -> Any:
         """The shared `gpu_engine.AsyncEngine` (loads it on first use). 503 if it cannot be loaded."""
-        client = self._client or self._load()
-        return client.async_engine
+        return _async_engine_of(self._client or self._load())
 
     @property
     def model_id(self) -> str:
@@ -75,6 +74,16 @@ class EngineAccess:
         client = self._client
         if client is None:
             return None
-        stats = client.async_engine.stats()
+        stats = _async_engine_of(client).stats()
         return EngineFigures(running=stats.get("running"), waiting=stats.get("waiting"),
                              kv_cache_usage=stats.get("kv_usage"))
+
+
+def _async_engine_of(client: Any) -> Any:
+    """The AsyncEngine inside the pipeline's EngineClient.
+
+    `EngineClient` keeps it in `_async`; a public `async_engine` attribute has been requested from the pipeline
+    owner. Until it exists we read the private one, in this one place only.
+    """
+    engine = getattr(client, "async_engine", None)
+    return engine if engine is not None else client._async

@@ -4,7 +4,7 @@ The public shape is defined here, not by the tables: renaming a column must not 
 """
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -148,11 +148,18 @@ class DeletedOut(BaseModel):
 # --- conversions ------------------------------------------------------------------------------------------------
 
 
+def utc(moment: datetime | None) -> datetime | None:
+    """SQLite returns datetimes without a zone; everything is stored in UTC, so say so in the API."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
+    return moment
+
+
 def job_out(job: Job) -> JobOut:
     return JobOut(
         id=job.id, document_id=job.document_id, schema_name=job.schema.name, schema_version=job.schema.version,
-        state=job.state, attempts=job.attempts, error=job.error, created_at=job.created_at,
-        started_at=job.started_at, finished_at=job.finished_at, model_seconds=job.model_seconds,
+        state=job.state, attempts=job.attempts, error=job.error, created_at=utc(job.created_at),
+        started_at=utc(job.started_at), finished_at=utc(job.finished_at), model_seconds=job.model_seconds,
         prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
     )
 
@@ -167,7 +174,7 @@ def document_out(doc: Document) -> DocumentOut:
     return DocumentOut(
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
         size_bytes=doc.size_bytes, page_count=doc.page_count, status=document_status(doc), error=doc.error,
-        error_type=doc.error_type, created_at=doc.created_at, jobs=[job_out(j) for j in doc.jobs],
+        error_type=doc.error_type, created_at=utc(doc.created_at), jobs=[job_out(j) for j in doc.jobs],
     )
 
 
@@ -211,4 +218,4 @@ def result_out(job: Job) -> ResultOut:
 def schema_out(row: Schema) -> SchemaOut:
     return SchemaOut(name=row.name, version=row.version, builtin=row.builtin, media=row.media,
                      json_schema=row.json_schema, prompt=row.prompt, merge_rules=row.merge_rules or {},
-                     created_at=row.created_at)
+                     created_at=utc(row.created_at))

@@ -9,7 +9,7 @@ from ..context import ApiContext, get_ctx, get_principal
 from ..intake import UPLOAD_FORM_DOC, accept_batch
 from ..queries import batch_job_states, load_batch
 from ..uploads import receive_form
-from ..views import BatchItemOut, BatchOut
+from ..views import BatchItemOut, BatchOut, utc
 
 router = APIRouter(tags=["batches"])
 
@@ -42,7 +42,7 @@ def batch_view(ctx: ApiContext, batch_id: int) -> BatchOut:
                 counts[states[item.job_id]] += 1
         done = counts["queued"] == 0 and counts["running"] == 0
         return BatchOut(
-            id=batch.id, source=batch.source, created_at=batch.created_at, counts=counts,
+            id=batch.id, source=batch.source, created_at=utc(batch.created_at), counts=counts,
             total=len(batch.items), done=done,
             items=[BatchItemOut(name=i.name, outcome=i.outcome, document_id=i.document_id, job_id=i.job_id,
                                 error=i.error) for i in batch.items],

@@ -1,0 +1,77 @@
+"""`docpipe serve`: added to the pipeline's typer CLI through the "docpipe.commands" entry-point group.
+
+Secure by default: binds 127.0.0.1; binding any address that is not loopback needs API keys (DOCPIPE_API_KEYS),
+or an explicit `--insecure` from an operator who has put something else in front of it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Annotated, Optional
+
+import typer
+
+
+class BindRefused(Exception):
+    """`docpipe serve` would expose an unauthenticated server to the network."""
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is a loopback address (names are resolved; unresolvable -> False)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
+
+
+def check_bind(host: str, have_keys: bool, insecure: bool) -> None:
+    if is_loopback(host) or have_keys or insecure:
+        return
+    raise BindRefused(
+        f"refusing to serve on {host}: it is reachable from the network and no API keys are configured. "
+        "Set DOCPIPE_API_KEYS (e.g. DOCPIPE_API_KEYS=$(openssl rand -hex 24)), bind 127.0.0.1, "
+        "or pass --insecure if access is controlled some other way."
+    )
+
+
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default DOCPIPE_API_HOST, 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default DOCPIPE_API_PORT, 8000).")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without API keys.")]
+    = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the REST API, the web UI (at /) and the OpenAI-compatible endpoint."""
+    import uvicorn
+
+    from pipeline.settings import Settings
+
+    from .app import create_app
+
+    settings = Settings()
+    bind_host = host or settings.api_host
+    bind_port = port or settings.api_port
+    try:
+        check_bind(bind_host, bool(settings.api_keys), insecure)
+    except BindRefused as exc:
+        typer.echo(f"docpipe serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if insecure and not settings.api_keys and not is_loopback(bind_host):
+        typer.echo(f"docpipe serve: WARNING: serving {bind_host} without API keys (--insecure)", err=True)
+    app = create_app(settings)
+    mode = "embedded (jobs run in this process)" if settings.embedded else "broker (jobs go to Celery workers)"
+    typer.echo(f"docpipe serve: http://{bind_host}:{bind_port}/  mode: {mode}  "
+               f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}")
+    uvicorn.run(app, host=bind_host, port=bind_port, log_level=log_level, server_header=False,
+                proxy_headers=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Entry point of the "docpipe.commands" group: add our commands to the `docpipe` CLI."""
+    app.command("serve")(serve)
