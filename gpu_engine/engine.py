@@ -95,12 +95,11 @@ class Engine:
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
-            assert cfg.kv_cache_bytes is not None
-            left = cfg.kv_cache_bytes - num_slots * state_bytes
+            left = cfg.cache_budget_bytes - num_slots * state_bytes
             per_block = max(self._kv_bytes_per_block, 1)
             if left < per_block:
                 raise EngineConfigError(
-                    f"kv_cache_bytes={cfg.kv_cache_bytes} is too small: {num_slots} state slots take "
+                    f"kv_cache_bytes={cfg.cache_budget_bytes} is too small: {num_slots} state slots take "
                     f"{num_slots * state_bytes} bytes and one KV block {self._kv_bytes_per_block} bytes"
                 )
             num_blocks = left // per_block

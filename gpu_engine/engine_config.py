@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
+
+
 class EngineConfigError(ValueError):
     """An EngineConfig value is out of range or inconsistent with another one."""
 
@@ -18,8 +21,9 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences running at once (each holds one linear-attention state slot)
     max_batched_tokens: int = 2048  # tokens per forward step, decode tokens + prefill chunks together
     block_size: int = 16  # tokens per paged KV block (also the prefix-cache granularity)
-    # Cache memory: give a byte budget (KV blocks + state slots are carved from it) or an explicit block count.
-    kv_cache_bytes: int | None = 256 * 1024**2
+    # Cache memory: a byte budget (KV blocks + state slots are carved from it) or an explicit block count;
+    # at most one of the two; neither -> DEFAULT_KV_CACHE_BYTES.
+    kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     # Linear-attention state slots: one per running sequence, the rest hold prefix-cache snapshots.
     # None -> 2 * max_num_seqs (half of them snapshots).
@@ -40,9 +44,9 @@ class EngineConfig:
 
         for name in ("max_num_seqs", "max_batched_tokens", "block_size", "encoder_cache_bytes"):
             positive(name)
-        if (self.kv_cache_bytes is None) == (self.num_kv_blocks is None):
+        if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
             raise EngineConfigError(
-                "give exactly one of kv_cache_bytes and num_kv_blocks "
+                "give at most one of kv_cache_bytes and num_kv_blocks "
                 f"(got kv_cache_bytes={self.kv_cache_bytes!r}, num_kv_blocks={self.num_kv_blocks!r})"
             )
         if self.kv_cache_bytes is not None:
@@ -63,6 +67,10 @@ class EngineConfig:
             positive("max_model_len")
         if self.max_logprobs < 0:
             raise EngineConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def cache_budget_bytes(self) -> int:
+        return self.kv_cache_bytes if self.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
 
     @property
     def state_slots(self) -> int:
