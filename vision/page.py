@@ -28,6 +28,8 @@ class MediaPage:
     - `text`: the embedded text layer of a PDF page ("" when the page has none), None for rasters and frames.
       Read lazily on first access (so callers that do not need it do not pay for it) while the document is open.
     - `error`: a `MediaError` for this page only, or None.
+    - `warnings`: problems the decoder worked around on this page (e.g. MuPDF's "cannot load content" on a
+      repaired PDF): the image exists but may be incomplete. Empty when the page decoded cleanly.
     """
 
     index: int
@@ -38,6 +40,7 @@ class MediaPage:
     timestamp: float | None = None
     frame_index: int | None = None
     error: MediaError | None = None
+    warnings: tuple[str, ...] = ()
     _text_loader: Callable[[], str] | None = field(default=None, repr=False, compare=False)
     _text: str | None = field(default=None, repr=False, compare=False)
 

@@ -6,8 +6,10 @@
 - More pages than `MediaLimits.max_pages` is refused before anything is rendered.
 - Encrypted files need the password (`EncryptedDocumentError` / `WrongPasswordError`). Files that are encrypted
   with an owner password only (anyone may open them) open normally; `metadata["encrypted"]` records it.
-- Damaged files MuPDF had to repair open with `metadata["repaired"] = True`; a page that still fails to render
-  becomes a page with `error` set, and the other pages come out.
+- Damaged files MuPDF had to repair open with `metadata["repaired"] = True` (and its messages in
+  `metadata["warnings"]`); a page MuPDF renders with complaints carries them in `MediaPage.warnings`; a page that
+  fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
+  process-wide: concurrent renders in threads of one process may see each other's warnings.)
 - The page's text layer (`MediaPage.text`) is read on first access, in MuPDF's reading order.
 """
 
@@ -25,9 +27,15 @@ from .errors import CorruptMediaError, EncryptedDocumentError, LimitExceededErro
 from .limits import MediaLimits, RenderOptions
 from .page import MediaPage
 
-# MuPDF prints every repair warning to stderr; we report damage through metadata and page errors instead.
+# MuPDF prints every repair warning to stderr; we report damage through metadata, page warnings and page errors.
 pymupdf.TOOLS.mupdf_display_errors(False)
 pymupdf.TOOLS.mupdf_display_warnings(False)
+
+
+def _take_warnings() -> tuple[str, ...]:
+    """MuPDF's warnings since the last call (MuPDF keeps one process-wide store)."""
+    text = pymupdf.TOOLS.mupdf_warnings(reset=True)
+    return tuple(line for line in text.splitlines() if line.strip())
 
 
 def _open(source: bytes | Path, name: str) -> pymupdf.Document:
@@ -67,7 +75,9 @@ class PdfDocument(MediaDocument):
         self._name = name
         self._limits = limits
         self._options = options
+        _take_warnings()
         doc = _open(source, name)
+        open_warnings = _take_warnings()
         try:
             encrypted = doc.is_encrypted
             if doc.needs_pass:
@@ -100,6 +110,7 @@ class PdfDocument(MediaDocument):
             "author": (doc.metadata or {}).get("author", ""),
             "producer": (doc.metadata or {}).get("producer", ""),
             "dpi": options.pdf_dpi,
+            "warnings": list(open_warnings),
         }
 
     @property
@@ -113,6 +124,7 @@ class PdfDocument(MediaDocument):
 
     def render_page(self, number: int) -> MediaPage:
         """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
+        _take_warnings()
         try:
             page = self._doc.load_page(number)
             rect = page.rect
@@ -125,7 +137,8 @@ class PdfDocument(MediaDocument):
                 f"page {number + 1} of {self._name} cannot be rendered ({exc}); the other pages are unaffected. "
                 f"Re-export the document to recover this page."
             )
-            return MediaPage(index=number, kind="page", image=None, source_size=size, frame_index=number, error=error)
+            return MediaPage(index=number, kind="page", image=None, source_size=size, frame_index=number, error=error,
+                             warnings=_take_warnings())
         return MediaPage(
             index=number,
             kind="page",
@@ -133,6 +146,7 @@ class PdfDocument(MediaDocument):
             source_size=(rect.width, rect.height),
             dpi=scale * 72.0,
             frame_index=number,
+            warnings=_take_warnings(),
             _text_loader=lambda: self._text_of(number),
         )
 

@@ -77,11 +77,16 @@ def probe(container: Any) -> dict[str, Any]:
 
 
 def keyframe_times(stream: Any) -> list[float]:
+    """Estimated presentation times of the keyframes. The index stores decode timestamps; with B-frames these run
+    a constant reorder delay behind presentation times, which we estimate from the first entry."""
     try:
-        entries = stream.index_entries
+        entries = [e for e in stream.index_entries]
     except (AttributeError, av.FFmpegError):
         return []
-    return [float(e.timestamp * stream.time_base) for e in entries if e.is_keyframe]
+    if not entries or stream.start_time is None:
+        return []
+    delay = float((stream.start_time - entries[0].timestamp) * stream.time_base)
+    return [float(e.timestamp * stream.time_base) + max(delay, 0.0) for e in entries if e.is_keyframe]
 
 
 def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
@@ -92,20 +97,29 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
     keys = keyframe_times(stream)
     frames = None
     position = -1  # index of the last decoded frame
+    sought_for = -1  # the target we last seeked for: never seek twice for one target (a seek may land early)
     sent = 0
+    failure = ""
     while targets:
         target = targets[0]
         target_time = start + target / fps
         # Seek only when a keyframe lies between where we are and the target; otherwise decode forward.
         last_key = max((k for k in keys if k <= target_time + 1e-6), default=None)
         current_time = start + position / fps
-        ahead = last_key is not None and last_key > current_time + 1e-6 and target_time - current_time > SEEK_MIN_GAP_S
+        ahead = (target != sought_for and last_key is not None and last_key > current_time + 1e-6
+                 and target_time - current_time > SEEK_MIN_GAP_S)
         if frames is None or ahead:
             if ahead:
                 container.seek(int(target_time / stream.time_base), stream=stream, backward=True)
+                sought_for = target
             frames = container.decode(stream)
-        frame = next(frames, None)
+        try:
+            frame = next(frames, None)
+        except av.FFmpegError as exc:  # damage mid-stream: report the frames we could not reach, keep the rest
+            failure = f"{type(exc).__name__}: {exc}"
+            break
         if frame is None:
+            failure = "the stream ends before this frame"
             break
         position = round((frame.time - start) * fps) if frame.time is not None else position + 1
         if position < target:
@@ -117,7 +131,7 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
             send(out, {"type": "frame", "index": index, "time": frame.time, "width": width, "height": height,
                        "rotation": int(frame.rotation or 0)}, rgb.tobytes())
             sent += 1
-    send(out, {"type": "done", "sent": sent, "missing": targets})
+    send(out, {"type": "done", "sent": sent, "missing": targets, "failure": failure if targets else ""})
 
 
 def main() -> int:
@@ -131,7 +145,8 @@ def main() -> int:
             else:
                 decode(container, request, out)
     except (av.FFmpegError, ValueError, OSError, StopIteration, IndexError) as exc:
-        send(out, {"type": "error", "kind": "corrupt", "message": f"{type(exc).__name__}: {exc}"})
+        message = f"{type(exc).__name__}: {exc}".replace(repr(request["path"]), "the file")
+        send(out, {"type": "error", "kind": "corrupt", "message": message.replace(request["path"], "the file")})
     except MemoryError:
         send(out, {"type": "error", "kind": "memory", "message": "decoder ran out of its memory limit"})
     return 0

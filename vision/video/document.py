@@ -74,6 +74,7 @@ class VideoDocument(MediaDocument):
             self.close()
             raise
         self._info = info
+        self._failure = ""
         fps = info["fps"]
         plan = qwen_frame_indices(
             info["frames"], fps, fps=options.video_fps, min_frames=options.video_min_frames,
@@ -148,6 +149,7 @@ class VideoDocument(MediaDocument):
             if header["type"] == "frame":
                 yield header["index"], self._frame_page(0, header, payload)
             elif header["type"] == "done":
+                self._failure = header["failure"]
                 for missing in header["missing"]:
                     yield missing, None
 
@@ -161,7 +163,8 @@ class VideoDocument(MediaDocument):
                     index=0, kind="frame", image=None, source_size=self._display_size,
                     timestamp=source_index / self._info["fps"], frame_index=source_index,
                     error=CorruptMediaError(
-                        f"frame {source_index} of {self._name} is missing: the stream ends early (truncated file)."
+                        f"frame {source_index} of {self._name} cannot be decoded ({self._failure}); the file is "
+                        f"truncated or damaged from here on — the earlier frames are fine. Upload it again."
                     ),
                 )
             elif dedupe is not None and not dedupe.keep(page.image):
