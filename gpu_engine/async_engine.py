@@ -56,7 +56,10 @@ class RequestHandle:
             self._final = item
         self._items.put(item)
         if self._listener is not None:
-            self._listener(item)
+            try:
+                self._listener(item)
+            except Exception:  # a caller's callback (e.g. its event loop is gone) must not stop the step loop
+                log.warning("output listener of request %s failed", self.request_id, exc_info=True)
         if self._error is not None or self._final is not None:
             self._done.set()
 
@@ -134,10 +137,17 @@ class AsyncEngine:
         return final
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Async iterator of outputs; leaving it early (client gone, task cancelled) aborts the request."""
+        """Async iterator of outputs; closing it early (client gone, task cancelled, aclose()) aborts the request.
+        (A plain `break` out of `async for` closes the generator only when it is garbage-collected: use
+        contextlib.aclosing to abort at once.)"""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        handle = self.submit(prompt, params, listener=lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+
+        def listener(item: RequestOutput | BaseException) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(items.put_nowait, item)
+
+        handle = self.submit(prompt, params, listener=listener)
         finished = False
         try:
             while True:
