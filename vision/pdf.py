@@ -10,11 +10,14 @@
   `metadata["warnings"]`); a page MuPDF renders with complaints carries them in `MediaPage.warnings`; a page that
   fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
   process-wide: concurrent renders in threads of one process may see each other's warnings.)
-- The page's text layer (`MediaPage.text`) is read on first access, in MuPDF's reading order.
+- The page's text layer (`MediaPage.text`) is read on first access, in MuPDF's reading order (lazily, because text
+  extraction costs a third of a simple page's render time and many callers never use it). It stays readable after
+  `close()`: an unread page keeps the MuPDF document alive until the page is dropped.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Iterator
@@ -48,6 +51,12 @@ def _open(source: bytes | Path, name: str) -> pymupdf.Document:
             f"{name} looks like a PDF but cannot be opened ({exc}); it is probably truncated or damaged — "
             f"download or export it again."
         ) from exc
+
+
+def _page_text(doc: pymupdf.Document, number: int) -> str:
+    # Bound to the MuPDF document, not to PdfDocument: a page whose text is still unread keeps the MuPDF document
+    # alive after PdfDocument.close(), so `page.text` works whenever it is read.
+    return doc.load_page(number).get_text("text", sort=True)
 
 
 def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int) -> float:
@@ -104,7 +113,9 @@ class PdfDocument(MediaDocument):
         self.metadata: dict[str, Any] = {
             "page_count": count,
             "repaired": bool(doc.is_repaired),
-            "encrypted": bool(encrypted),
+            # is_encrypted turns False once authenticated and is False for owner-password-only files
+            "encrypted": bool(encrypted or (doc.metadata or {}).get("encryption")),
+            "encryption": (doc.metadata or {}).get("encryption") or "",
             "format": (doc.metadata or {}).get("format", ""),
             "title": (doc.metadata or {}).get("title", ""),
             "author": (doc.metadata or {}).get("author", ""),
@@ -117,10 +128,6 @@ class PdfDocument(MediaDocument):
     def page_count(self) -> int:
         return self._count
 
-    def _text_of(self, number: int) -> str:
-        if self._doc.is_closed:
-            raise MediaError(f"{self._name} was closed before page {number + 1}'s text was read; read .text first.")
-        return self._doc.load_page(number).get_text("text", sort=True)
 
     def render_page(self, number: int) -> MediaPage:
         """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
@@ -147,13 +154,15 @@ class PdfDocument(MediaDocument):
             dpi=scale * 72.0,
             frame_index=number,
             warnings=_take_warnings(),
-            _text_loader=lambda: self._text_of(number),
+            _text_loader=functools.partial(_page_text, self._doc, number),
         )
 
     def pages(self) -> Iterator[MediaPage]:
         for number in range(self._count):
+            if self._doc is None:
+                raise MediaError(f"{self._name} was closed; open it again to read more pages.")
             yield self.render_page(number)
 
     def close(self) -> None:
-        if not self._doc.is_closed:
-            self._doc.close()
+        # Drop our reference; MuPDF closes the file when the last page with unread text is gone too.
+        self._doc = None  # type: ignore[assignment]

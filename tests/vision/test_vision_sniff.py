@@ -1,0 +1,116 @@
+"""Type detection by content: empty files, text posing as PDF, polyglots, refused types, size limit."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+from vision_media_factory import encoded, pdf_bytes, random_words, smooth_rgb
+
+from vision import (
+    AmbiguousMediaError,
+    EmptyMediaError,
+    LimitExceededError,
+    MediaLimits,
+    UnsupportedMediaError,
+    open_media,
+)
+from vision.sniff import sniff
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+def test_zero_byte_file_and_bytes(tmp_path):
+    empty = tmp_path / "scan.pdf"
+    empty.write_bytes(b"")
+    with pytest.raises(EmptyMediaError, match=r"scan\.pdf is empty \(0 bytes\).*send the file again"):
+        open_media(empty)
+    with pytest.raises(EmptyMediaError):
+        open_media(b"")
+
+
+def test_text_file_named_pdf_is_refused_naming_what_it_is(tmp_path, rng):
+    fake = tmp_path / "invoice.pdf"
+    words = random_words(rng)
+    fake.write_text(f"Dear customer,\n{words}\n")
+    with pytest.raises(UnsupportedMediaError, match=r"invoice\.pdf is not an accepted media type: found plain text") as e:
+        open_media(fake)
+    assert "Dear customer" in str(e.value)
+    assert "Accepted: PDF" in str(e.value)
+
+
+def test_polyglot_pdf_after_jpeg_header_is_refused(rng):
+    jpeg_head = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    polyglot = jpeg_head + pdf_bytes([random_words(rng)])
+    with pytest.raises(AmbiguousMediaError, match=r"starts as image/jpeg but also carries a PDF header at byte 20"):
+        open_media(polyglot, name="upload.jpg")
+
+
+def test_polyglot_is_an_unsupported_media_error_subclass():
+    # Callers that only catch the broad class still catch polyglots.
+    assert issubclass(AmbiguousMediaError, UnsupportedMediaError)
+
+
+def test_pdf_appended_beyond_first_kib_of_a_complete_jpeg_opens_as_the_jpeg_only(rng):
+    img = smooth_rgb(rng, 64, 48)
+    data = encoded(img, "JPEG", quality=95) + b"\x00" * 2048 + pdf_bytes([random_words(rng)])
+    with open_media(data) as doc:
+        assert (doc.kind, doc.media_type, doc.page_count) == ("image", "image/jpeg", 1)
+        page = next(doc.pages())
+        assert page.image.size == (64, 48)
+
+
+@pytest.mark.parametrize(
+    "head, expected",
+    [
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 64, "HEIC/HEIF photos are not supported"),
+        (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + b"\x00" * 64, "AVIF is not supported"),
+        (b"ID3\x03\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, "audio/mpeg"),
+    ],
+)
+def test_recognised_but_refused_types_name_the_type(head, expected):
+    with pytest.raises(UnsupportedMediaError, match=expected):
+        sniff(head, name="x")
+
+
+def test_zip_is_refused_with_a_hint():
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("a.txt", "hello")
+    with pytest.raises(UnsupportedMediaError, match="application/zip.*archives are not unpacked"):
+        open_media(buf.getvalue())
+
+
+def test_unknown_binary_is_refused_with_its_first_bytes(rng):
+    blob = bytes([0x00, 0x01, 0xFE, 0xFF]) + rng.integers(0, 256, 100, dtype=np.uint8).tobytes()
+    with pytest.raises(UnsupportedMediaError, match="unrecognised .*data starting with 00 01 fe ff"):
+        open_media(blob)
+
+
+def test_extension_is_ignored(tmp_path, rng):
+    # A PNG named .pdf is a PNG.
+    path = tmp_path / "report.pdf"
+    path.write_bytes(encoded(smooth_rgb(rng, 20, 10), "PNG"))
+    with open_media(path) as doc:
+        assert (doc.kind, doc.media_type) == ("image", "image/png")
+
+
+def test_file_size_limit(rng):
+    data = pdf_bytes([random_words(rng)])
+    with pytest.raises(LimitExceededError, match=r"the limit is 100 \(MediaLimits.max_file_bytes\)"):
+        open_media(data, limits=MediaLimits(max_file_bytes=100))
+
+
+def test_missing_path_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        open_media(tmp_path / "nope.pdf")
+
+
+def test_limits_validate_fields():
+    with pytest.raises(ValueError, match="max_pages must be > 0"):
+        MediaLimits(max_pages=0)
