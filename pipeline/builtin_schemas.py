@@ -4,7 +4,8 @@ Design choices that matter for constrained decoding:
 - every property is `required` and `additionalProperties` is false: the model always answers every field (null when
   absent), so a result has one predictable shape and output length stays bounded;
 - every free-text string has a `maxLength` and every array a `maxItems`, so even a weak (or random) model ends;
-- dates are strings with a YYYY-MM-DD pattern (patterns are enforced by the grammar; `format` would not be).
+- dates are strings with a YYYY-MM-DD pattern (patterns are enforced by the grammar; `format` would not be);
+- numbers have a minimum and maximum (the grammar then cannot produce overflowing exponents).
 
 Merge rules (page results -> one document result) are described in `pipeline/merge.py`.
 """
@@ -50,7 +51,10 @@ def array(items: dict[str, Any], max_items: int) -> dict[str, Any]:
     return {"type": "array", "items": items, "maxItems": max_items}
 
 
-MONEY = nullable({"type": "number"})
+# Numbers are bounded: an unbounded JSON number grammar lets a model write 9E+99999, which parses as infinity.
+AMOUNT = {"type": "number", "minimum": -1e12, "maximum": 1e12}
+MONEY = nullable(AMOUNT)
+SECONDS = {"type": "number", "minimum": 0, "maximum": 86400}
 CURRENCY = nullable({"type": "string", "pattern": "^[A-Z]{3}$"})
 
 _COMMON_RULES = (
@@ -73,7 +77,7 @@ INVOICE = SchemaSpec(
                 obj(
                     {
                         "description": text(300),
-                        "quantity": nullable({"type": "number"}),
+                        "quantity": MONEY,
                         "unit_price": MONEY,
                         "amount": MONEY,
                     }
@@ -181,7 +185,7 @@ GENERIC = SchemaSpec(
             "title": nullable(text(200)),
             "dates": array(DATE, 20),
             "parties": array(obj({"name": text(200), "role": nullable(text(64))}), 20),
-            "amounts": array(obj({"label": text(100), "value": {"type": "number"}, "currency": CURRENCY}), 50),
+            "amounts": array(obj({"label": text(100), "value": AMOUNT, "currency": CURRENCY}), 50),
             "summary": text(1000),
             "language": nullable({"type": "string", "pattern": "^[a-z]{2}$"}),
         },
@@ -206,7 +210,7 @@ VIDEO = SchemaSpec(
     json_schema=obj(
         {
             "segments": array(
-                obj({"start_s": {"type": "number"}, "end_s": {"type": "number"}, "description": text(300)}), 100
+                obj({"start_s": SECONDS, "end_s": SECONDS, "description": text(300)}), 100
             ),
             "text_seen": array(text(300), 100),
             "summary": text(1000),

@@ -10,8 +10,9 @@ l_1..l_n (natural log, as reported by the engine for the token actually emitted)
 
 Both lie in (0, 1]. The geometric mean does not punish long values for their length (a product would) yet one
 very unlikely token still pulls the value down. Containers (objects, arrays) get no entry of their own: use the
-leaves under their pointer. If the token texts do not line up with the answer text (they always should), only
-`overall` is reported and `fields` is empty rather than guessed.
+leaves under their pointer. Token texts are aligned to the answer text character by character; a token that
+holds only part of a multi-byte character (shown as U+FFFD) is given the span of the character it helps to form.
+If the tokens cannot be aligned, only `overall` is reported and `fields` is empty rather than guessed.
 """
 from __future__ import annotations
 
@@ -83,6 +84,51 @@ def leaf_spans(text: str) -> list[tuple[str, int, int]]:
     return spans
 
 
+REPLACEMENT = "\ufffd"
+_MAX_CHAR_LOOKAHEAD = 4  # characters a run of partial-byte tokens can stand for before the next plain character
+
+
+def align_tokens(text: str, token_texts: list[str]) -> list[tuple[int, int]] | None:
+    """Character span [start, end) of each token in `text`, or None if they do not line up."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    pending: dict[int, int] = {}  # token index -> its start, for tokens holding bytes of an unfinished character
+
+    def resolve(end: int) -> None:
+        for j, j_start in pending.items():
+            spans[j] = (j_start, end)
+        pending.clear()
+
+    for i, piece in enumerate(token_texts):
+        spans.append((pos, pos))
+        start: int | None = None
+        for ch in piece:
+            if ch == REPLACEMENT and not text.startswith(REPLACEMENT, pos):
+                if i not in pending:
+                    pending[i] = start if start is not None else pos
+                continue
+            if pending:
+                found = text.find(ch, pos + 1, pos + 1 + _MAX_CHAR_LOOKAHEAD)
+                if found < 0:
+                    return None
+                mine = pending.pop(i, None)
+                resolve(found)  # the characters before `ch` are those the partial tokens formed
+                pos = found
+                if mine is not None:
+                    start = mine
+            if not text.startswith(ch, pos):
+                return None
+            if start is None:
+                start = pos
+            pos += 1
+        if i not in pending:
+            spans[i] = (start if start is not None else pos, pos)
+    if pending:  # the text ends with the character the partial tokens formed
+        resolve(len(text))
+        pos = len(text)
+    return spans if pos == len(text) else None
+
+
 @dataclass
 class Confidence:
     overall: float | None
@@ -99,16 +145,12 @@ def field_confidence(text: str, token_texts: list[str], token_logprobs: list[flo
     if not token_logprobs:
         return Confidence(overall=None, fields={})
     overall = math.exp(sum(token_logprobs) / len(token_logprobs))
-    joined = "".join(token_texts)
-    if not joined.startswith(text):  # token boundaries do not describe this text: report nothing per field
+    spans = align_tokens(text, token_texts)
+    if spans is None:  # token boundaries do not describe this text: report nothing per field
         return Confidence(overall=overall, fields={})
-    starts: list[int] = []
-    ends: list[int] = []
-    pos = 0
-    for piece in token_texts:
-        starts.append(pos)
-        pos += len(piece)
-        ends.append(pos)
+    # spans are non-decreasing in both ends, so bisect finds the overlapping tokens
+    starts = [a for a, _ in spans]
+    ends = [b for _, b in spans]
     fields: dict[str, float] = {}
     for pointer, a, b in leaf_spans(text):
         # tokens i with starts[i] < b and ends[i] > a overlap [a, b)

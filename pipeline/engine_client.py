@@ -102,10 +102,25 @@ class EngineClient:
         )
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+        """A request the engine refuses (too long, bad media) or that times out becomes a reply with `error`;
+        a dead or stopped engine raises (that is the job's problem, not the page's)."""
+        from gpu_engine.engine import RequestError
+
         started = time.perf_counter()
         handles = [self._async.submit(r.messages, r.params) for r in requests]
         for handle in handles:
-            out = handle.result(self._timeout_s)
+            try:
+                out = handle.result(self._timeout_s)
+            except RequestError as exc:
+                yield EngineReply(text="", finish_reason="error", error=f"the engine refused the request: {exc}",
+                                  seconds=time.perf_counter() - started)
+                continue
+            except TimeoutError:
+                handle.cancel()
+                yield EngineReply(text="", finish_reason="abort",
+                                  error=f"no answer within {self._timeout_s:.0f} s (DOCPIPE_REQUEST_TIMEOUT_S)",
+                                  seconds=time.perf_counter() - started)
+                continue
             logprobs = out.logprobs or []
             yield EngineReply(
                 text=out.text,
@@ -119,11 +134,7 @@ class EngineClient:
             )
 
     def close(self) -> None:
-        for name in ("shutdown", "close", "stop"):
-            method = getattr(self._async, name, None)
-            if callable(method):
-                method()
-                return
+        self._async.shutdown()
 
 
 _shared: dict[tuple[str, str], EngineClient] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +45,9 @@ class UnitOutcome:
 
 def grammar_schema(json_schema: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The schema handed to the decoder: the stored schema, with free-text strings and arrays optionally bounded
-    tighter (settings.grammar_max_*). Tightening only removes answers, so every output still validates against
+    tighter (`Settings.grammar_caps`). Tightening only removes answers, so every output still validates against
     the stored schema."""
-    max_len, max_items = settings.grammar_max_string_length, settings.grammar_max_array_items
+    max_len, max_items = settings.grammar_caps()
     if max_len is None and max_items is None:
         return json_schema
     out = copy.deepcopy(json_schema)
@@ -115,6 +116,17 @@ def build_request(unit: UnitInput, schema_prompt: str, params: SamplingParams, s
     return EngineRequest(messages=[{"role": "user", "content": content}], params=params)
 
 
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(literal[:40])
+    return value
+
+
 def interpret_reply(reply: EngineReply, json_schema: dict[str, Any], max_tokens: int) -> UnitOutcome:
     """Parse and validate one answer. A bad answer is a failed unit with a reason, never an exception."""
     if reply.error or reply.finish_reason == "error":
@@ -122,7 +134,11 @@ def interpret_reply(reply: EngineReply, json_schema: dict[str, Any], max_tokens:
     if reply.finish_reason == "abort":
         return UnitOutcome(False, None, None, reply.text or None, "the engine aborted the request (timeout or shutdown)")
     try:
-        data = json.loads(reply.text)
+        data = json.loads(reply.text, parse_float=_finite_float)
+    except _NonFiniteNumber as exc:
+        return UnitOutcome(False, None, None, reply.text,
+                           f"the answer has a number too large to represent ({exc}); bound it in the schema "
+                           "with minimum/maximum")
     except json.JSONDecodeError as exc:
         if reply.finish_reason == "length":
             reason = (f"the answer was cut at max_tokens={max_tokens} before the JSON ended; raise DOCPIPE_MAX_TOKENS "
@@ -130,6 +146,8 @@ def interpret_reply(reply: EngineReply, json_schema: dict[str, Any], max_tokens:
         else:
             reason = f"the answer is not JSON ({exc.msg} at character {exc.pos})"
         return UnitOutcome(False, None, None, reply.text, reason)
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts
+        return UnitOutcome(False, None, None, reply.text, f"the answer is not usable JSON: {exc}")
     errors = sorted(jsonschema.Draft202012Validator(json_schema).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         first = errors[0]

@@ -21,7 +21,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 from sqlalchemy import select, update
@@ -292,11 +292,14 @@ def _release(p: Pipeline, job_id: int, token: int, *, error: str | None, count_a
         return job.state
 
 
-def run_job(p: Pipeline, job_id: int, *, takeover: bool = False) -> JobRun:
+def run_job(
+    p: Pipeline, job_id: int, *, takeover: bool = False, on_unit: Callable[[str, bool], None] | None = None
+) -> JobRun:
     """Run one job to a final state (or resume it). Safe to call any number of times, from any process.
 
     Returns without work when the job is finished or running elsewhere. An exception from the engine puts the job
     back to `queued` (or `failed` when attempts are spent), records it, and is raised again so a queue can retry.
+    `on_unit(unit, ok)` is called after each unit result is stored (progress display).
     """
     started = time.perf_counter()
     claim = _claim(p, job_id, takeover)
@@ -333,6 +336,8 @@ def run_job(p: Pipeline, job_id: int, *, takeover: bool = False) -> JobRun:
                                    completion_tokens=reply.completion_tokens, model_seconds=waited):
                     return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
                 done_now += 1
+                if on_unit is not None:
+                    on_unit(unit["unit"], outcome.ok)
         state = _finish(p, job_id, claim, unit_names, provenance)
         if state is None:
             return JobRun(job_id, "running", ran=False, note="taken over by another attempt")

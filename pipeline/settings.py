@@ -17,6 +17,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Runner = Literal["reference", "cuda"]
+BUNDLED_MAX_STRING_LENGTH = 24
+BUNDLED_MAX_ARRAY_ITEMS = 3
 WatchAction = Literal["leave", "move"]
 
 
@@ -58,10 +60,12 @@ class Settings(BaseSettings):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy, reproducible).")
     request_timeout_s: float = Field(600.0, gt=0, description="Wall-clock cap per engine request (engine-enforced).")
     grammar_max_string_length: int | None = Field(
-        None, ge=1, description="Tighten every free-text string's maxLength in the decoding grammar (bounds output)."
+        None, ge=1, description="Tighten every free-text string's maxLength in the decoding grammar (bounds output); "
+        "None = the schema's own, or 24 with the bundled tiny model."
     )
     grammar_max_array_items: int | None = Field(
-        None, ge=0, description="Tighten every array's maxItems in the decoding grammar (bounds output)."
+        None, ge=0, description="Tighten every array's maxItems in the decoding grammar (bounds output); "
+        "None = the schema's own, or 3 with the bundled tiny model."
     )
     anchor_text_chars: int = Field(4000, ge=0, description="PDF text-layer characters offered to the prompt per page.")
     # --- media limits and rendering (passed to vision) -----------------------------------------------------------
@@ -127,6 +131,18 @@ class Settings(BaseSettings):
         from gpu_engine.bundled import bundled_model_dir  # imported late: only needed when a model is used
 
         return Path(bundled_model_dir())
+
+    def grammar_caps(self) -> tuple[int | None, int | None]:
+        """(max string length, max array items) for the decoding grammar. The bundled model has random weights:
+        it writes noise until a string's maxLength, so unless told otherwise its answers are kept short."""
+        bundled = self.model_dir is None
+        length = self.grammar_max_string_length
+        items = self.grammar_max_array_items
+        if bundled and length is None:
+            length = BUNDLED_MAX_STRING_LENGTH
+        if bundled and items is None:
+            items = BUNDLED_MAX_ARRAY_ITEMS
+        return length, items
 
     def media_limits(self) -> Any:
         """The `vision.MediaLimits` these settings describe."""

@@ -1,0 +1,262 @@
+"""The `docpipe` command line (typer + rich).
+
+Built-in commands: process, results, demo, schemas, schema-add, db upgrade. Other packages add commands without
+`pipeline` importing them (import arrows point down): every entry point in the group `docpipe.commands` is a
+callable `register(app: typer.Typer) -> None`, called at start-up. A plugin that fails to load is reported on
+stderr and skipped; the built-in commands keep working.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import PipelineError
+
+PLUGIN_GROUP = "docpipe.commands"
+
+app = typer.Typer(help="docpipe: scans, photos and videos in; schema-valid JSON out.", no_args_is_help=True,
+                  add_completion=False)
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+out = Console()
+err = Console(stderr=True)
+
+
+def _pipeline() -> Any:
+    from .context import Pipeline
+
+    return Pipeline()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+class _RichProgress:
+    """Progress bar over pages with a pages/s rate; one line per finished file."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]} pages/s"), TimeElapsedColumn(), console=console,
+                            transient=True)
+        self.task: Any = None
+        self._done = 0
+        self._started = 0.0
+
+    def __enter__(self) -> "_RichProgress":
+        import time
+
+        self._started = time.perf_counter()
+        self.bar.start()
+        self.task = self.bar.add_task("pages", total=None, rate="-")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def files_found(self, count: int) -> None:
+        self.bar.update(self.task, description=f"{count} file(s)")
+
+    def file_ingested(self, outcome: Any) -> None:
+        if outcome.outcome == "new":
+            total = (self.bar.tasks[0].total or 0) + max(outcome.pages, 1)
+            self.bar.update(self.task, total=total)
+
+    def unit_done(self, name: str, unit: str, ok: bool) -> None:
+        import time
+
+        self._done += 1
+        rate = self._done / max(time.perf_counter() - self._started, 1e-9)
+        self.bar.update(self.task, advance=1, rate=f"{rate:.2f}")
+
+    def file_done(self, report: Any) -> None:
+        colour = {"succeeded": "green", "partial": "yellow"}.get(report.state, "red")
+        self.console.print(f"[{colour}]{report.state:>9}[/] {report.name}")
+
+
+def _summary_table(report: Any) -> Table:
+    table = Table(title=f"batch {report.batch_id}: {len(report.files)} file(s) in {report.seconds:.1f}s, "
+                        f"{report.pages_processed} page(s) run")
+    for column in ("file", "doc", "job", "intake", "state", "pages", "seconds", "error"):
+        table.add_column(column, overflow="fold")
+    for f in report.files:
+        colour = {"succeeded": "green", "partial": "yellow"}.get(f.state, "red")
+        table.add_row(f.name, str(f.document_id or "-"), str(f.job_id or "-"), f.outcome,
+                      f"[{colour}]{f.state}[/]", str(f.pages), f"{f.seconds:.2f}", f.error or "")
+    return table
+
+
+def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: Optional[str], source: str) -> None:
+    from .processing import process_paths
+
+    try:
+        p = _pipeline()
+        if as_json:
+            report = process_paths(p, paths, schema=schema, password=password, source=source)
+        else:
+            with _RichProgress(err) as progress:
+                report = process_paths(p, paths, schema=schema, password=password, source=source,
+                                       progress=progress)
+    except (PipelineError, FileNotFoundError, NotADirectoryError) as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        out.print_json(json.dumps(report.as_json()))
+    else:
+        out.print(_summary_table(report))
+    if not report.ok:
+        err.print(f"[bold red]{len(report.failed)} of {len(report.files)} file(s) failed or were only partly read[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def process(
+    paths: list[Path] = typer.Argument(..., help="Files and folders (folders are walked recursively)."),
+    schema: Optional[str] = typer.Option(None, "--schema", "-s", help="Extraction schema (default: generic, "
+                                         "or video for videos)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+    password: Optional[str] = typer.Option(None, "--password", help="Password for encrypted PDFs."),
+) -> None:
+    """Read files into the database and extract them in this process. Exit code 1 if any file failed."""
+    _process(paths, schema, as_json, password, source="cli")
+
+
+@app.command()
+def results(
+    document_id: int = typer.Argument(..., help="Document id (shown by `process`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    schema: Optional[str] = typer.Option(None, "--schema", "-s", help="Only results for this schema."),
+) -> None:
+    """Show a document's merged result, per-page results and confidences."""
+    from .queries import get_results
+
+    try:
+        data = get_results(_pipeline(), document_id, schema=schema)
+    except PipelineError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
+    out.print(f"[bold]document {data['id']}[/] {data['name']} ({data['media_type']}, {data['page_count']} "
+              f"page(s)) status: {data['status']}" + (f" — {data['error']}" if data["error"] else ""))
+    for job in data["results"]:
+        out.print(f"\n[bold]job {job['job_id']}[/] schema {job['schema']}: {job['state']}"
+                  + (f" — {job['error']}" if job["error"] else ""))
+        merged = job["document"]
+        if merged:
+            table = Table("field", "value", "confidence")
+            fields = (merged["confidence"] or {}).get("fields", {})
+            for key, value in (merged["data"] or {}).items():
+                leaf = [c for ptr, c in fields.items() if ptr == f"/{key}" or ptr.startswith(f"/{key}/")]
+                conf = f"{min(leaf):.3f}" if leaf else "-"
+                table.add_row(key, json.dumps(value, ensure_ascii=False)[:200], conf)
+            out.print(table)
+        for unit in job["units"]:
+            if not unit["ok"]:
+                out.print(f"  [red]{unit['unit']}[/]: {unit['error']}")
+
+
+@app.command()
+def demo(
+    samples: Optional[Path] = typer.Option(None, help="Folder of sample files (default: the repository's samples/)."),
+) -> None:
+    """Process the sample files with the bundled tiny model and print the results table.
+
+    The bundled model has random weights: its answers are schema-valid noise. Point DOCPIPE_MODEL_DIR at a real
+    Qwen3.5 checkpoint for real answers."""
+    folder = samples or Path(__file__).resolve().parent.parent / "samples"
+    if not folder.is_dir() or not any(folder.iterdir()):
+        _fail(f"no sample files in {folder}; pass --samples FOLDER")
+    _process([folder], None, False, None, source="demo")
+
+
+@app.command("schemas")
+def schemas_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the extraction schemas (latest version of each)."""
+    from .schemas import list_schemas
+
+    p = _pipeline()
+    with p.db.read_session() as s:
+        rows = [{"name": r.name, "version": r.version, "builtin": r.builtin,
+                 "fields": list(r.json_schema.get("properties", {}))} for r in list_schemas(s)]
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    table = Table("name", "version", "built-in", "fields")
+    for r in rows:
+        table.add_row(r["name"], str(r["version"]), "yes" if r["builtin"] else "", ", ".join(r["fields"]))
+    out.print(table)
+
+
+@app.command("schema-add")
+def schema_add(
+    name: str = typer.Argument(..., help="Name for the schema (lowercase letters, digits, _ or -)."),
+    schema_file: Path = typer.Argument(..., help="JSON Schema file (an object schema)."),
+    prompt: Optional[str] = typer.Option(None, help="Instruction for the model (a default is used if absent)."),
+    merge: Optional[str] = typer.Option(None, help='Merge rules as JSON, e.g. \'{"items": "concat"}\'.'),
+) -> None:
+    """Register a user schema (validated before it is stored)."""
+    from .schemas import register_schema
+
+    try:
+        definition = json.loads(schema_file.read_text())
+        rules = json.loads(merge) if merge else None
+    except (OSError, json.JSONDecodeError) as exc:
+        _fail(f"cannot read the schema: {exc}")
+        return
+    p = _pipeline()
+    try:
+        with p.db.session() as s:
+            row = register_schema(s, name, definition, prompt=prompt, merge_rules=rules)
+            out.print(f"schema {row.name} version {row.version} registered")
+    except PipelineError as exc:
+        _fail(str(exc))
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Apply the database migrations (safe to run repeatedly)."""
+    from .db import Database
+    from .settings import Settings
+
+    settings = Settings()
+    db = Database(settings.resolved_database_url)
+    db.upgrade(revision)
+    out.print(f"database at {revision}: {db.engine.url.render_as_string(hide_password=True)}")
+
+
+def load_plugins(target: typer.Typer, entry_points: Iterable[Any] | None = None) -> list[str]:
+    """Call `register(app)` of every `docpipe.commands` entry point; returns the names that loaded."""
+    loaded = []
+    for ep in entry_points if entry_points is not None else metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            register = ep.load()
+            register(target)
+            loaded.append(ep.name)
+        except Exception as exc:  # one broken plugin must not take the CLI down
+            err.print(f"[yellow]warning:[/] could not load docpipe command plugin {ep.name!r}: "
+                      f"{type(exc).__name__}: {exc}")
+    return loaded
+
+
+_plugins_loaded = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    global _plugins_loaded
+    if not _plugins_loaded:
+        load_plugins(app)
+        _plugins_loaded = True
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="docpipe")

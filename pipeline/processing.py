@@ -1,0 +1,123 @@
+"""Embedded processing: ingest files and folders, then run their jobs in this process (CLI `process`, `demo`).
+
+The same library functions a queue worker calls (`ingest_file`, `run_job`) run here one after another, so the
+embedded path and the distributed path cannot drift apart.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .context import Pipeline
+from .ingest import IngestOutcome, create_batch, ingest_file, ingest_folder
+from .jobs import run_job
+from .queries import get_job
+
+FAILED_STATES = frozenset({"failed", "partial"})
+
+
+@dataclass
+class FileReport:
+    name: str
+    outcome: str  # new | duplicate | failed | unstable (intake)
+    state: str  # final job state, or "failed" (unreadable) / "skipped" (unstable)
+    document_id: int | None = None
+    job_id: int | None = None
+    pages: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class ProcessReport:
+    batch_id: int
+    files: list[FileReport] = field(default_factory=list)
+    seconds: float = 0.0
+    pages_processed: int = 0  # units run through the model by this call (dedupes excluded)
+
+    @property
+    def failed(self) -> list[FileReport]:
+        return [f for f in self.files if f.state in FAILED_STATES]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def as_json(self) -> dict[str, Any]:
+        return {"batch_id": self.batch_id, "seconds": self.seconds, "pages_processed": self.pages_processed,
+                "ok": self.ok, "files": [asdict(f) for f in self.files]}
+
+
+class Progress:
+    """Callbacks for a progress display; the default does nothing."""
+
+    def files_found(self, count: int) -> None: ...
+
+    def file_ingested(self, outcome: IngestOutcome) -> None: ...
+
+    def unit_done(self, name: str, unit: str, ok: bool) -> None: ...
+
+    def file_done(self, report: FileReport) -> None: ...
+
+
+def expand_inputs(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
+                  batch_id: int, password: str | None) -> list[IngestOutcome]:
+    outcomes: list[IngestOutcome] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            outcomes.extend(ingest_folder(p, path, schema=schema, batch_id=batch_id))
+        else:
+            outcomes.append(ingest_file(p, path, name=str(path), schema=schema, password=password,
+                                        batch_id=batch_id))
+    return outcomes
+
+
+def process_paths(
+    p: Pipeline,
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    schema: str | None = None,
+    password: str | None = None,
+    source: str = "cli",
+    progress: Progress | None = None,
+) -> ProcessReport:
+    """Ingest every file (folders recursively) as one batch and run the jobs here. Never raises for a bad file."""
+    progress = progress or Progress()
+    started = time.perf_counter()
+    report = ProcessReport(batch_id=create_batch(p, source))
+    for raw in paths:  # a missing path is a usage error, not a bad document
+        if not Path(raw).exists():
+            raise FileNotFoundError(f"{raw}: no such file or folder")
+    outcomes = expand_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password)
+    progress.files_found(len(outcomes))
+    for outcome in outcomes:
+        progress.file_ingested(outcome)
+    for outcome in outcomes:
+        t0 = time.perf_counter()
+        item = FileReport(name=outcome.name, outcome=outcome.outcome, state="failed", document_id=outcome.document_id,
+                          job_id=outcome.job_id, pages=outcome.pages, error=outcome.error)
+        if outcome.outcome == "unstable":
+            item.state, item.error = "skipped", "still being written; run again later"
+        elif outcome.job_id is not None:
+            def on_unit(unit: str, ok: bool, _name: str = outcome.name) -> None:
+                report.pages_processed += 1
+                progress.unit_done(_name, unit, ok)
+
+            try:
+                run = run_job(p, outcome.job_id, on_unit=on_unit)
+                job = get_job(p, outcome.job_id)
+                item.state, item.error = job["state"], job["error"]
+                if run.note and job["state"] in ("queued", "running"):
+                    item.error = run.note  # e.g. running in another process right now
+            except Exception as exc:  # recorded on the job by run_job; keep going with the other files
+                item.state, item.error = "failed", f"{type(exc).__name__}: {exc}"
+        item.seconds = outcome.seconds + time.perf_counter() - t0
+        report.files.append(item)
+        progress.file_done(item)
+    report.seconds = time.perf_counter() - started
+    return report
+
