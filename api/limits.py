@@ -29,6 +29,7 @@ class ApiLimits:
     max_json_bytes: int = 32 * 1024 * 1024  # JSON request bodies (chat requests carry data: URL images)
     max_image_bytes: int = 20 * 1024 * 1024  # one decoded data: URL image or video
     max_images_per_request: int = 16  # image/video parts in one chat request
+    max_completion_tokens: int = 4096  # largest max_tokens a chat request may ask for (bounds engine time)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

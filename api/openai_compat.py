@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gpu_engine.async_engine import EngineStoppedError
+from gpu_engine.engine import RequestError
 from gpu_engine.params import RequestOutput, SamplingParams, TokenLogprob
 
 from .errors import ApiError
@@ -44,7 +46,8 @@ class ChatEngine(Protocol):
 
     async def agenerate(self, messages: list[dict[str, Any]], params: SamplingParams) -> RequestOutput: ...
 
-    def astream(self, messages: list[dict[str, Any]], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    def astream(self, messages: list[dict[str, Any]], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        ...
 
 
 @dataclass
@@ -141,13 +144,17 @@ def build_engine_request(
     if req.top_logprobs:
         raise ApiError(400, "unsupported_parameter", "top_logprobs is not supported; use logprobs: true for the "
                        "chosen tokens' log probabilities.")
+    asked = req.max_completion_tokens or req.max_tokens
+    if asked is not None and asked > limits.max_completion_tokens:
+        raise ApiError(400, "max_tokens_too_large",
+                       f"max_tokens {asked} is above this server's limit of {limits.max_completion_tokens}.")
     temp_files: list[Path] = []
     try:
         messages = _engine_messages(req.messages, limits, spool_dir, temp_files)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             params = SamplingParams(
-                max_tokens=req.max_completion_tokens or req.max_tokens or backend.default_max_tokens,
+                max_tokens=asked or min(backend.default_max_tokens, limits.max_completion_tokens),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 presence_penalty=req.presence_penalty or 0.0,
@@ -184,6 +191,18 @@ class EngineFailed(ApiError):
         super().__init__(503, "engine_error", f"The model could not complete this request: {reason}")
 
 
+def _engine_error(exc: Exception) -> ApiError:
+    """The engine's refusals are the client's fault (400); a stopped engine is ours (503)."""
+    if isinstance(exc, RequestError):
+        return ApiError(400, "invalid_request", f"The model cannot run this request: {exc}")
+    if isinstance(exc, EngineStoppedError):
+        return ApiError(503, "engine_unavailable", f"The model is not available: {exc}",
+                        headers={"Retry-After": "5"})
+    if isinstance(exc, ApiError):
+        return exc
+    raise exc
+
+
 def _usage(out: RequestOutput) -> Usage:
     return Usage(
         prompt_tokens=out.prompt_tokens,
@@ -210,7 +229,7 @@ class _SlotResponse(StreamingResponse):
     """A streaming response that gives its engine slot (and temp files) back however the stream ends —
     including when the client is gone before the first byte."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
@@ -218,11 +237,18 @@ class _SlotResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            await self._on_close()
+
+
+async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
 
 
 async def _stream_events(
-    engine: ChatEngine, ereq: EngineRequest, completion_id: str, model_id: str, created: int, include_usage: bool
+    stream: AsyncGenerator[RequestOutput, None], first: RequestOutput, completion_id: str, model_id: str, created: int,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None, logprobs: ChoiceLogprobs | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
@@ -234,9 +260,8 @@ async def _stream_events(
     yield _sse(chunk({"role": "assistant", "content": ""}, None))
     last: RequestOutput | None = None
     sent_logprobs = 0
-    stream = engine.astream(ereq.messages, ereq.params)
     try:
-        async for out in stream:
+        async for out in _prepend(first, stream):
             last = out
             new_lp = None
             if out.logprobs is not None and len(out.logprobs) > sent_logprobs:
@@ -248,15 +273,14 @@ async def _stream_events(
                 break
             if out.delta or new_lp is not None:
                 yield _sse(chunk({"content": out.delta}, None, new_lp))
-    except ApiError as exc:
+    except (ApiError, RequestError, EngineStoppedError) as exc:
         # Headers are already sent: report the error in-band, the way OpenAI's streaming API does.
-        yield _sse({"error": {"message": exc.detail, "type": exc.code, "code": exc.code}})
+        problem = _engine_error(exc)
+        yield _sse({"error": {"message": problem.detail, "type": problem.code, "code": problem.code}})
         yield _sse("[DONE]")
         return
     finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()  # cancels the engine request when the client went away mid-stream
+        await stream.aclose()  # cancels the engine request when the client went away mid-stream
     if include_usage and last is not None:
         yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
                     "choices": [], "usage": _usage(last).model_dump()})
@@ -307,10 +331,28 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream_events(engine, ereq, completion_id, backend.model_id, created, include_usage)
-            return _SlotResponse(events, on_close=release)
+            stream = engine.astream(ereq.messages, ereq.params)
+            try:
+                # Wait for the first output before sending headers, so a refused request is a proper 400.
+                first = await anext(stream)
+            except (RequestError, EngineStoppedError) as exc:
+                release()
+                raise _engine_error(exc) from exc
+            except BaseException:
+                release()
+                await stream.aclose()
+                raise
+            events = _stream_events(stream, first, completion_id, backend.model_id, created, include_usage)
+
+            async def close() -> None:
+                await stream.aclose()  # also when the client left before the first event (request cancelled)
+                release()
+
+            return _SlotResponse(events, on_close=close)
         try:
             out = await engine.agenerate(ereq.messages, ereq.params)
+        except (RequestError, EngineStoppedError) as exc:
+            raise _engine_error(exc) from exc
         finally:
             release()
         completion = ChatCompletion(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import and_, exists, or_, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session, aliased, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
 
@@ -62,15 +62,16 @@ def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | No
         stmt = stmt.where(exists().where(_job_of_schema(flt.schema)))
     if flt.status is not None:
         # Status of a document = state of its latest job (the API's `status`), or failed when unreadable.
-        latest = select(Job.id).where(Job.document_id == Document.id).order_by(Job.id.desc()).limit(1)
-        latest_in_state = exists().where(Job.id == latest.scalar_subquery(), Job.state == flt.status)
+        j = aliased(Job)
+        latest_state = (select(j.state).where(j.document_id == Document.id).order_by(j.id.desc()).limit(1)
+                        .correlate(Document).scalar_subquery())
+        readable = Document.status != DocumentStatus.failed.value
         if flt.status == JobState.failed.value:
-            stmt = stmt.where(or_(Document.status == DocumentStatus.failed.value, latest_in_state))
+            stmt = stmt.where(or_(~readable, latest_state == flt.status))
         elif flt.status == JobState.queued.value:
-            no_jobs = ~exists().where(Job.document_id == Document.id)
-            stmt = stmt.where(Document.status != DocumentStatus.failed.value, or_(latest_in_state, no_jobs))
+            stmt = stmt.where(readable, or_(latest_state == flt.status, latest_state.is_(None)))
         else:
-            stmt = stmt.where(Document.status != DocumentStatus.failed.value, latest_in_state)
+            stmt = stmt.where(readable, latest_state == flt.status)
     rows = list(s.scalars(stmt.order_by(Document.id.desc()).limit(limit + 1)))
     more = len(rows) > limit
     rows = rows[:limit]

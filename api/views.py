@@ -104,7 +104,6 @@ class SchemaOut(BaseModel):
     name: str
     version: int
     builtin: bool
-    media: str
     json_schema: dict[str, Any]
     prompt: str
     merge_rules: dict[str, str]
@@ -216,6 +215,6 @@ def result_out(job: Job) -> ResultOut:
 
 
 def schema_out(row: Schema) -> SchemaOut:
-    return SchemaOut(name=row.name, version=row.version, builtin=row.builtin, media=row.media,
+    return SchemaOut(name=row.name, version=row.version, builtin=row.builtin,
                      json_schema=row.json_schema, prompt=row.prompt, merge_rules=row.merge_rules or {},
                      created_at=utc(row.created_at))

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, status
 
+from pipeline.errors import UnknownSchemaError
 from pipeline.schemas import get_schema, list_schemas, register_schema
 
 from ..context import ApiContext, get_ctx
+from ..errors import NotFound
 from ..views import SchemaIn, SchemaList, SchemaOut, schema_out
 
 router = APIRouter(tags=["schemas"])
@@ -20,7 +22,10 @@ def schemas_list(ctx: ApiContext = Depends(get_ctx)) -> SchemaList:
 @router.get("/v1/schemas/{name}", response_model=SchemaOut)
 def schemas_get(name: str, version: int | None = None, ctx: ApiContext = Depends(get_ctx)) -> SchemaOut:
     with ctx.pipeline.db.read_session() as s:
-        return schema_out(get_schema(s, name, version))
+        try:
+            return schema_out(get_schema(s, name, version))
+        except UnknownSchemaError:
+            raise NotFound("schema", name if version is None else f"{name} v{version}") from None
 
 
 @router.post("/v1/schemas", response_model=SchemaOut, status_code=status.HTTP_201_CREATED)
