@@ -89,13 +89,17 @@ class LoadedModel:
         positions = np.broadcast_to(np.arange(ids.size, dtype=np.int64), (3, ids.size)).copy()
         return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
 
-    def prepare(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> ProcessedPrompt:
+    def prepare(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, enable_thinking: bool = False
+    ) -> ProcessedPrompt:
         """Chat template + processor (tokens, M-RoPE positions, vision items) for an OpenAI-style message list."""
         if self._processor is None:
             from .processor import Processor
 
             self._processor = Processor.from_pretrained(self.path, self.config)
-        return self._processor.prepare(messages, add_generation_prompt=add_generation_prompt)
+        return self._processor.prepare(
+            messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
 
     # ------------------------------------------------------------------------------------------------ logits
 

@@ -1,0 +1,164 @@
+"""Images, videos and mixed conversations: gpu_engine.load(...).logits_for_messages / generate vs transformers'
+Qwen3_5ForConditionalGeneration, on three tiny random configs.
+
+What transformers is fed: the token ids of our processor (chat template + placeholder expansion; byte-equality
+of those with transformers' processor is the processor's own test) and, for images, the pixel values of
+transformers' own image processor (its PIL backend; the torchvision one is not installed here). For videos
+transformers' video processor needs torchvision, so the model is fed our processor's frame patches; the frame
+sampling and patch layout are checked against transformers in the processor tests.
+
+Tolerances (see test_engine_text_parity for why): vs transformers, relative L2 error over all positions' logits
+<= 1e-4 and at any single position <= 1e-3; chunked prefill (chunk boundaries inside the placeholder spans) vs
+whole: <= 1e-5 over all logits.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from PIL import Image  # noqa: E402
+
+import gpu_engine  # noqa: E402
+from engine_hf_models import HF_CONFIGS, randomize  # noqa: E402
+from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def per_position_rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)))
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def pair(request, tmp_path_factory):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("vlm-" + request.param)
+    vocab = write_tokenizer_files(folder)
+    spec = copy.deepcopy(HF_CONFIGS[request.param])
+    spec["text_config"]["vocab_size"] = vocab.vocab_size
+    vision = spec["vision_config"]
+    write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+                            merge_size=vision["spatial_merge_size"])
+    config = Qwen3_5Config(
+        **spec, image_token_id=vocab.image_token_id, video_token_id=vocab.video_token_id,
+        vision_start_token_id=vocab.vision_start_token_id, vision_end_token_id=vocab.vision_end_token_id,
+    )
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(hf, seed=sorted(HF_CONFIGS).index(request.param) + 10)
+    hf.save_pretrained(folder)
+    return hf, Qwen2VLImageProcessorPil.from_pretrained(folder), gpu_engine.load(folder)
+
+
+def random_image(rng: np.random.Generator, height: int, width: int) -> Image.Image:
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def random_frames(rng: np.random.Generator, count: int, height: int, width: int) -> list[np.ndarray]:
+    base = rng.integers(0, 256, (height, width, 3)).astype(np.int16)
+    # a drifting picture, so consecutive frames differ but are related like video frames
+    return [np.clip(base + 8 * i + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8) for i in range(count)]
+
+
+def hf_logits(hf, image_processor, ours, messages, images=()):
+    """transformers' logits for the prompt our processor builds (see the module docstring for what is fed)."""
+    prompt = ours.prepare(messages)
+    cfg = ours.config
+    ids = torch.from_numpy(prompt.token_ids)[None]
+    kinds = torch.zeros_like(ids)
+    kinds[ids == cfg.image_token_id] = 1
+    kinds[ids == cfg.video_token_id] = 2
+    kwargs = {"input_ids": ids, "mm_token_type_ids": kinds}
+    if images:
+        processed = image_processor(images=list(images), return_tensors="pt")
+        ours_grids = [item.grid_thw for item in prompt.vision_items if item.kind == "image"]
+        assert processed["image_grid_thw"].tolist() == [list(g) for g in ours_grids]
+        kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    video_items = [item for item in prompt.vision_items if item.kind == "video"]
+    if video_items:
+        # one video per conversation in these tests: its frame groups in order make up the whole video
+        _, h, w = video_items[0].grid_thw
+        pixels = np.concatenate([item.pixel_values for item in video_items])
+        kwargs.update(pixel_values_videos=torch.from_numpy(pixels), video_grid_thw=torch.tensor([[len(video_items), h, w]]))
+    with torch.no_grad():
+        return prompt, kwargs, hf(**kwargs).logits[0].numpy()
+
+
+def check(pair, messages, images=(), chunk_sizes=(7,)):
+    hf, image_processor, ours = pair
+    prompt, _, expected = hf_logits(hf, image_processor, ours, messages, images)
+    got = ours.logits_for_messages(messages)
+    assert got.shape == expected.shape
+    assert rel_err(got, expected) <= 1e-4
+    assert per_position_rel_err(got, expected) <= 1e-3
+    for size in chunk_sizes:
+        chunked = ours.logits_for_messages(messages, chunk_size=size)
+        assert rel_err(chunked, got) <= 1e-5
+    return prompt
+
+
+def test_one_image(pair):
+    rng = np.random.default_rng(1)
+    image = random_image(rng, 45, 77)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
+    prompt = check(pair, messages, [image], chunk_sizes=(1, 7, 64))
+    assert len(prompt.vision_items) == 1
+
+
+def test_two_images_of_different_sizes(pair):
+    rng = np.random.default_rng(2)
+    images = [random_image(rng, 61, 33), random_image(rng, 40, 90)]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": images[0]},
+        {"type": "text", "text": "with"}, {"type": "image", "image": images[1]},
+    ]}]
+    prompt = check(pair, messages, images)
+    assert prompt.vision_items[0].grid_thw != prompt.vision_items[1].grid_thw
+
+
+def test_video_of_at_least_eight_frames(pair):
+    rng = np.random.default_rng(3)
+    frames = random_frames(rng, 16, 40, 56)  # 16 frames at 4 fps -> 8 sampled at 2 fps -> 4 frame groups
+    messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 4.0},
+                                             {"type": "text", "text": "Describe the clip."}]}]
+    prompt = check(pair, messages, chunk_sizes=(5, 64))
+    assert sum(item.grid_thw[0] for item in prompt.vision_items) * 2 >= 8
+
+
+def test_mixed_multi_turn_conversation(pair):
+    rng = np.random.default_rng(4)
+    image = random_image(rng, 50, 50)
+    frames = random_frames(rng, 8, 32, 48)
+    messages = [
+        {"role": "system", "content": "You read documents."},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "The total is 42."},
+        {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "video", "video": frames, "fps": 2.0}]},
+    ]
+    prompt = check(pair, messages, [image], chunk_sizes=(3, 16))
+    assert [item.kind for item in prompt.vision_items][0] == "image" and prompt.vision_items[-1].kind == "video"
+
+
+def test_greedy_generation_with_an_image_is_token_identical(pair):
+    hf, image_processor, ours = pair
+    rng = np.random.default_rng(5)
+    image = random_image(rng, 64, 48)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Read it."}]}]
+    prompt, kwargs, _ = hf_logits(hf, image_processor, ours, messages, [image])
+    with torch.no_grad():
+        out = hf.generate(**kwargs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt):].tolist()
+    assert len(expected) == 24
+    assert ours.generate(messages, max_tokens=24, stop_token_ids=[]) == expected
+    assert ours.generate(messages, max_tokens=24, stop_token_ids=[], chunk_size=9) == expected
