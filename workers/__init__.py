@@ -1,0 +1,5 @@
+"""docpipe's queue: Celery + Redis workers, beat schedule, reconciler (see workers.cli for the commands).
+
+For callers that only send work (the API): `workers.enqueue.enqueue_job(job_id)` and
+`workers.enqueue.enqueue_ingest(path_or_bytes, name=..., schema=...)`.
+"""

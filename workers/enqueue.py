@@ -1,0 +1,116 @@
+"""Sending work to the queue: what the CLI, the API and the tasks themselves call.
+
+    from workers.enqueue import enqueue_job, enqueue_ingest
+    enqueue_job(job_id)                                # a job row that is `queued` in the database
+    enqueue_ingest(path_or_bytes, name="scan.pdf")     # a file not yet ingested (rendered on an ingest worker)
+
+Both use the broker from `Settings.broker_url`. Publishing is best effort by design: the database row (or the
+staged file) is the record, and the reconciler sends again whatever has no message waiting. So `enqueue_job`
+returns False instead of raising when the broker is unreachable; the job is still `queued` and nothing is lost.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from celery import Celery
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
+
+from pipeline.settings import Settings
+
+from . import staging
+from .config import TASK_EXTRACT, TASK_INGEST, QUEUE_GPU, QUEUE_INGEST, WorkerSettings, celery_config
+from .markers import clear_marker, ingest_marker, job_marker, redis_client, set_marker
+
+log = logging.getLogger(__name__)
+
+_producers: dict[str, Celery] = {}
+_producers_lock = threading.Lock()
+
+BROKER_ERRORS = (KombuOperationalError, RedisError, ConnectionError, OSError)
+
+
+def producer(settings: Settings, ws: WorkerSettings) -> Celery:
+    """A send-only Celery app for this broker (tasks are sent by name; no task code is imported)."""
+    config = celery_config(settings, ws)
+    with _producers_lock:
+        app = _producers.get(config["broker_url"])
+        if app is None:
+            app = Celery("docpipe-producer", set_as_current=False)
+            app.conf.update(config)
+            _producers[config["broker_url"]] = app
+        return app
+
+
+def _settings(settings: Settings | None, ws: WorkerSettings | None) -> tuple[Settings, WorkerSettings]:
+    if settings is None or ws is None:
+        from .runtime import process_config
+
+        cfg = process_config()
+        settings, ws = settings or cfg.settings, ws or cfg.worker_settings
+    return settings, ws
+
+
+def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_settings: WorkerSettings | None = None,
+                countdown: float | None = None) -> bool:
+    """Publish the extraction of one job to the `gpu` queue. False when the broker is unreachable (the reconciler
+    sends it later; the job stays `queued`)."""
+    settings, ws = _settings(settings, worker_settings)
+    app = producer(settings, ws)
+    if _publish(app, job_marker(job_id), ws, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, countdown):
+        return True
+    log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "
+                "once the broker answers", job_id)
+    return False
+
+
+def _publish(app: Celery, marker: str, ws: WorkerSettings, task: str, args: list[object], queue: str,
+             countdown: float | None = None) -> bool:
+    client = redis_client(app.conf.broker_url)
+    try:
+        # The marker goes first so a worker that receives the message at once always finds one to clear.
+        set_marker(client, marker, ws.enqueue_marker_ttl_s)
+        app.send_task(task, args=args, queue=queue, countdown=countdown)
+        return True
+    except BROKER_ERRORS as exc:
+        log.debug("publishing %s%s failed: %s", task, args, exc)
+        try:
+            clear_marker(client, marker)  # no message waits: do not hide it from the reconciler
+        except BROKER_ERRORS:
+            pass  # Redis is down; a marker that survives it expires after enqueue_marker_ttl_s
+        return False
+
+
+@dataclass
+class StagedIngest:
+    stage_id: str
+    published: bool  # False: the broker was unreachable; the reconciler sends it once the broker answers
+
+
+def enqueue_ingest(source: Path | str | bytes | BinaryIO, *, name: str | None = None, schema: str | None = None,
+                   batch_id: int | None = None, settings: Settings | None = None,
+                   worker_settings: WorkerSettings | None = None) -> StagedIngest:
+    """Stage one file under <data_dir>/incoming and publish its ingestion to the `ingest` queue.
+
+    Raises OSError when the file cannot be read or staged; a broker that is down is not an error (the staged
+    file is the record of the submission, the reconciler sends it).
+    """
+    settings, ws = _settings(settings, worker_settings)
+    label = name or (Path(source).name if isinstance(source, (str, Path)) else "upload")
+    staged = staging.stage(settings.data_dir, Path(source) if isinstance(source, str) else source,
+                           name=label, schema=schema, batch_id=batch_id)
+    return StagedIngest(staged.stage_id, publish_ingest(staged.stage_id, settings=settings, worker_settings=ws))
+
+
+def publish_ingest(stage_id: str, *, settings: Settings | None = None,
+                   worker_settings: WorkerSettings | None = None) -> bool:
+    settings, ws = _settings(settings, worker_settings)
+    app = producer(settings, ws)
+    if _publish(app, ingest_marker(stage_id), ws, TASK_INGEST, [stage_id], QUEUE_INGEST):
+        return True
+    log.warning("staged intake %s waits for the reconciler; the broker is unreachable", stage_id)
+    return False

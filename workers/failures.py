@@ -1,0 +1,64 @@
+"""What a task does with an exception: bad input fails at once, anything else is retried with backoff and jitter
+until the job's attempt cap (counted in the database by `run_job`, so crashes and lost messages count too).
+
+Permanent ("bad input") errors are the ones that would fail the same way on every run: the pipeline's own errors
+(unknown schema, missing job, ...), media that cannot be read, and requests the engine refuses (too long a
+prompt, an unusable grammar). Everything else (database or broker hiccups, a storage read that failed, an engine
+that stopped) is presumed transient; a document that fails "transiently" on every attempt is a poison document
+and ends `failed` with the last error once `job_max_attempts` runs were spent.
+"""
+from __future__ import annotations
+
+import random
+from datetime import timezone
+
+from sqlalchemy import select, update
+
+from pipeline.context import Pipeline
+from pipeline.errors import PipelineError
+from pipeline.models import Job, JobState, utcnow
+
+from .staging import StagingError
+
+
+def permanent_error_types() -> tuple[type[BaseException], ...]:
+    import vision
+    from gpu_engine.engine import RequestError
+    from gpu_engine.processor import ProcessorError
+    from gpu_engine.structured import GrammarError
+
+    return (PipelineError, StagingError, vision.MediaError, RequestError, ProcessorError, GrammarError)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    return isinstance(exc, permanent_error_types())
+
+
+def backoff_seconds(attempt: int, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
+    """Delay before retry number `attempt` (1, 2, ...): doubling from `base_s`, capped at `max_s`, with "equal
+    jitter" (half fixed, half random) so retries of many jobs that failed together do not return together."""
+    if attempt < 1:
+        raise ValueError(f"attempt numbers start at 1, got {attempt}")
+    ceiling = min(max_s, base_s * 2 ** min(attempt - 1, 30))
+    return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
+
+
+def job_state(p: Pipeline, job_id: int) -> tuple[str, int] | None:
+    """(state, attempts) of a job, None when it does not exist."""
+    with p.db.read_session() as s:
+        row = s.execute(select(Job.state, Job.attempts).where(Job.id == job_id)).first()
+    return (row.state, row.attempts) if row else None
+
+
+def fail_queued_job(p: Pipeline, job_id: int, reason: str) -> bool:
+    """Fail a job that `run_job` put back to `queued` after a permanent error (it would fail again on every run).
+    Compare-and-set on `queued`: a job another worker already claimed is left to that worker."""
+    now = utcnow().astimezone(timezone.utc)
+    with p.db.session() as s:
+        changed = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.queued.value)
+            .values(state=JobState.failed.value, error=reason[:2000], finished_at=now, updated_at=now,
+                    owner=None, lease_until=None)
+        ).rowcount
+    return bool(changed)

@@ -1,0 +1,80 @@
+"""Per-process state of a worker: the settings it runs with and its `Pipeline` (database, blob store, engine).
+
+A worker process builds its Pipeline in `worker_process_init`, which the prefork pool sends in each child after
+the fork, and the GPU worker's thread pool (workers.pool) sends once at start. Nothing that holds sockets, threads
+or GPU memory (database connections, the engine) is ever created before a fork.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from celery import signals
+
+from pipeline.context import Pipeline
+from pipeline.settings import Settings
+
+from .config import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessConfig:
+    settings: Settings
+    worker_settings: WorkerSettings
+    build_engine: bool = False  # GPU workers load the model at start, not on the first job
+
+
+_config: ProcessConfig | None = None
+_pipeline: Pipeline | None = None
+_lock = threading.Lock()
+
+
+def configure_process(settings: Settings | None = None, worker_settings: WorkerSettings | None = None,
+                      *, build_engine: bool = False) -> ProcessConfig:
+    """Fix the settings this process uses (the CLI calls it once; library callers may skip it: env is read)."""
+    global _config, _pipeline
+    with _lock:
+        _config = ProcessConfig(settings or Settings(), worker_settings or WorkerSettings(), build_engine)
+        _pipeline = None
+        return _config
+
+
+def process_config() -> ProcessConfig:
+    global _config
+    with _lock:
+        if _config is None:
+            _config = ProcessConfig(Settings(), WorkerSettings())
+        return _config
+
+
+def pipeline() -> Pipeline:
+    """This process's Pipeline, built on first use (tasks run on many threads: built once, under a lock)."""
+    global _pipeline
+    cfg = process_config()
+    with _lock:
+        if _pipeline is None:
+            _pipeline = Pipeline(cfg.settings)
+        return _pipeline
+
+
+@signals.worker_process_init.connect
+def _on_process_init(**_: object) -> None:
+    cfg = process_config()
+    p = pipeline()
+    if cfg.build_engine:
+        client = p.client  # loads the weights and starts the engine's step loop, once per process
+        log.info("engine ready in pid %d: model %s (%s runner), CUDA_VISIBLE_DEVICES=%s", os.getpid(),
+                 client.model_fingerprint[:16], cfg.settings.runner, os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+
+
+@signals.worker_process_shutdown.connect
+def _on_process_shutdown(**_: object) -> None:
+    global _pipeline
+    with _lock:
+        p, _pipeline = _pipeline, None
+    if p is not None:
+        p.close()  # the engine's step loop is a daemon thread: it ends with the process

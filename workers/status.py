@@ -1,0 +1,65 @@
+"""`docpipe status`: queue depths from Redis, jobs by state from the database, beat and watch-folder activity."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from redis.exceptions import RedisError
+from sqlalchemy import func, select
+
+from pipeline.context import Pipeline
+from pipeline.models import Job
+
+from .beat import BEAT_LOCK_KEY
+from .config import QUEUES
+from .watch import stats_key
+
+# kombu's Redis transport keeps one list per queue and priority level: "<queue>" plus "<queue>\x06\x16<n>".
+_PRIORITY_SEP = "\x06\x16"
+_UNACKED = "unacked"
+
+
+@dataclass
+class QueueStatus:
+    broker_ok: bool
+    broker_error: str | None = None
+    depths: dict[str, int] = field(default_factory=dict)  # messages waiting per queue
+    unacked: int = 0  # delivered to a worker, not yet acknowledged (running, or held for a delayed retry)
+    beat_holder: str | None = None
+    watch: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class Status:
+    queues: QueueStatus
+    jobs_by_state: dict[str, int]
+
+
+def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
+    try:
+        depths = {}
+        for queue in QUEUES:
+            keys = [queue] + [k.decode() for k in client.scan_iter(match=f"{queue}{_PRIORITY_SEP}*", count=100)]
+            depths[queue] = sum(int(client.llen(k)) for k in keys)
+        holder = client.get(BEAT_LOCK_KEY)
+        watch = {}
+        for folder in watch_folders:
+            raw = client.hgetall(stats_key(Path(folder).expanduser().resolve()))
+            stats = {k.decode(): v.decode() for k, v in raw.items()}
+            if "last_scan" in stats:
+                stats["last_scan_ago_s"] = f"{time.time() - float(stats['last_scan']):.0f}"
+            watch[str(folder)] = stats
+        return QueueStatus(True, None, depths, int(client.hlen(_UNACKED)), holder.decode() if holder else None, watch)
+    except RedisError as exc:
+        return QueueStatus(False, f"{type(exc).__name__}: {exc}")
+
+
+def jobs_by_state(p: Pipeline) -> dict[str, int]:
+    with p.db.read_session() as s:
+        return {state: int(n) for state, n in s.execute(select(Job.state, func.count()).group_by(Job.state))}
+
+
+def collect(p: Pipeline, client: redis.Redis) -> Status:
+    return Status(queue_status(client, list(p.settings.watch_folders)), jobs_by_state(p))

@@ -1,0 +1,163 @@
+"""The Celery tasks. Each is a thin shell around a pipeline function; the shell's job is failure handling.
+
+    docpipe.extract(job_id)      gpu queue      run_job; retries transient errors with backoff until the cap
+    docpipe.ingest(stage_id)     ingest queue   a staged file -> document + job, then enqueues the job
+    docpipe.watch_folders()      ingest queue   beat: scan every watch folder
+    docpipe.requeue_stuck()      ingest queue   beat: the reconciler
+    docpipe.purge_retention()    ingest queue   beat: delete documents past retention_days
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task, signals
+from celery.exceptions import Reject, Retry
+
+from pipeline.errors import NotFoundError
+from pipeline.ingest import ingest_file
+from pipeline.jobs import run_job
+from pipeline.models import JobState
+
+from . import runtime, staging
+from .app import app
+from .config import TASK_EXTRACT, TASK_INGEST, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
+from .enqueue import enqueue_job
+from .failures import backoff_seconds, fail_queued_job, is_permanent, job_state
+from .markers import clear_marker, ingest_marker, job_marker, redis_client, set_marker
+
+log = logging.getLogger(__name__)
+
+
+def _redis() -> Any:
+    return redis_client(runtime.process_config().settings.broker_url or "")
+
+
+@signals.task_received.connect
+def _clear_enqueue_marker(request: Any = None, **_: Any) -> None:
+    """The message left the queue: from now on a lost job is the reconciler's to find (see workers.markers)."""
+    try:
+        if request.name == TASK_EXTRACT:
+            clear_marker(_redis(), job_marker(int(request.args[0])))
+        elif request.name == TASK_INGEST:
+            clear_marker(_redis(), ingest_marker(str(request.args[0])))
+    except Exception as exc:  # a marker left behind only delays the reconciler; never refuse the message for it
+        log.warning("could not clear the enqueue marker of %s: %s", getattr(request, "name", "?"), exc)
+
+
+def _retry(task: Task, exc: BaseException, delay: float, marker: str) -> Retry:
+    """Publish the delayed retry (raises Retry on success). The cap is the job's attempt count in the database,
+    not Celery's retry counter, which a crash or a lost message would reset."""
+    ws = runtime.process_config().worker_settings
+    try:
+        set_marker(_redis(), marker, ws.enqueue_marker_ttl_s)
+        return task.retry(exc=exc, countdown=delay)
+    except Reject:  # the retry could not be published: the row stays queued, the reconciler sends it later
+        try:
+            clear_marker(_redis(), marker)
+        except Exception:
+            pass
+        raise
+
+
+@app.task(name=TASK_EXTRACT, bind=True, max_retries=None)
+def extract(self: Task, job_id: int) -> dict[str, Any]:
+    p = runtime.pipeline()
+    ws = runtime.process_config().worker_settings
+    try:
+        run = run_job(p, job_id)
+    except NotFoundError:
+        log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
+        return {"job_id": job_id, "state": "missing"}
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        try:
+            found = job_state(p, job_id)
+        except Exception:  # the database itself is unreachable: retry the message, the job row is untouched
+            if self.request.retries >= ws.transient_max_retries:
+                log.error("job %s: giving up on this message after %d retries (%s); the reconciler will send the "
+                          "job again once the database answers", job_id, self.request.retries, reason)
+                return {"job_id": job_id, "state": "unknown", "error": reason}
+            delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+            raise _retry(self, exc, delay, job_marker(job_id)) from None
+        state, attempts = found if found else ("missing", 0)
+        if state == JobState.queued.value and is_permanent(exc):
+            # Bad input fails the same way every time: no retry.
+            fail_queued_job(p, job_id, f"not retried (the input cannot be processed): {reason}")
+            log.warning("job %s failed without retry: %s", job_id, reason)
+            return {"job_id": job_id, "state": JobState.failed.value, "error": reason}
+        if state == JobState.queued.value:
+            delay = backoff_seconds(max(1, attempts), ws.retry_backoff_s, ws.retry_backoff_max_s)
+            log.warning("job %s attempt %d failed (%s); retry in %.1f s", job_id, attempts, reason, delay)
+            raise _retry(self, exc, delay, job_marker(job_id)) from None
+        # failed: run_job spent the attempt cap and recorded the reason; running: another run owns it now.
+        log.warning("job %s is %s after: %s", job_id, state, reason)
+        return {"job_id": job_id, "state": state, "error": reason}
+    return {"job_id": job_id, "state": run.state, "ran": run.ran, "note": run.note}
+
+
+@app.task(name=TASK_INGEST, bind=True, max_retries=None)
+def ingest(self: Task, stage_id: str) -> dict[str, Any]:
+    p = runtime.pipeline()
+    ws = runtime.process_config().worker_settings
+    data_dir = p.settings.data_dir
+    try:
+        staged = staging.load(data_dir, stage_id)
+    except staging.StagingError as exc:
+        log.warning("%s; message dropped", exc)
+        return {"stage_id": stage_id, "outcome": "gone"}
+    try:
+        out = ingest_file(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema,
+                          batch_id=staged.batch_id)
+        found = job_state(p, out.job_id) if out.job_id is not None else None
+        if found and found[0] == JobState.queued.value:  # a duplicate whose job already ran needs nothing
+            enqueue_job(out.job_id, settings=p.settings, worker_settings=ws)
+    except Exception as exc:
+        if is_permanent(exc):  # e.g. the schema was deleted since submission: keep nothing half-done
+            log.error("staged intake %s (%s) cannot be ingested: %s", stage_id, staged.name, exc)
+            staging.remove(data_dir, stage_id)
+            return {"stage_id": stage_id, "outcome": "failed", "error": str(exc)}
+        if self.request.retries >= ws.transient_max_retries:
+            log.error("staged intake %s: giving up on this message (%s); the reconciler sends it again", stage_id, exc)
+            return {"stage_id": stage_id, "outcome": "retry-later", "error": str(exc)}
+        delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+        raise _retry(self, exc, delay, ingest_marker(stage_id)) from None
+    staging.remove(data_dir, stage_id)  # only now: until here the staged copy is the record of the submission
+    return {"stage_id": stage_id, "outcome": out.outcome, "document_id": out.document_id, "job_id": out.job_id,
+            "error": out.error}
+
+
+@app.task(name=TASK_WATCH)
+def watch_folders() -> list[dict[str, Any]]:
+    from .watch import scan_folder
+
+    p = runtime.pipeline()
+    ws = runtime.process_config().worker_settings
+    reports = []
+    for folder in p.settings.watch_folders:
+        report = scan_folder(p, folder, _redis(), lock_ttl_s=max(60.0, 3 * ws.watch_interval_s))
+        for job_id in report.jobs_to_run:
+            enqueue_job(job_id, settings=p.settings, worker_settings=ws)
+        reports.append({"folder": report.folder, "scanned": report.scanned, "files": len(report.outcomes),
+                        "jobs": report.jobs_to_run, "unstable": report.unstable})
+    return reports
+
+
+@app.task(name=TASK_REQUEUE)
+def requeue_stuck() -> dict[str, Any]:
+    from .reconciler import reconcile
+
+    report = reconcile(runtime.pipeline(), runtime.process_config().worker_settings, _redis())
+    return {"jobs_sent": report.jobs_sent, "jobs_waiting": report.jobs_waiting, "stages_sent": report.stages_sent}
+
+
+@app.task(name=TASK_PURGE)
+def purge_retention() -> dict[str, Any]:
+    from .retention import purge_older_than
+
+    p = runtime.pipeline()
+    days = p.settings.retention_days
+    if days is None:
+        return {"documents": 0, "blobs": 0, "note": "retention_days is not set: nothing is purged"}
+    report = purge_older_than(p, days)
+    return {"documents": report.documents, "blobs": report.blobs}
