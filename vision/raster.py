@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import io
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .colour import to_rgb
 from .document import MediaDocument
@@ -38,6 +39,30 @@ PILLOW_FORMAT = {
 }
 _PAGED_FORMATS = {"TIFF"}  # formats whose frames are pages; others contribute their first frame only
 _EXIF_ORIENTATION = 0x0112
+
+
+@contextmanager
+def _decoding(what: str) -> Iterator[None]:
+    """Map failures while Pillow parses untrusted bytes to our errors.
+
+    Pillow's plugins report malformed input with many exception types (OSError, ValueError, SyntaxError, TypeError,
+    KeyError, struct.error, EOFError...), so this boundary catches Exception; MemoryError is re-raised untouched.
+    """
+    try:
+        yield
+    except (MediaError, MemoryError):
+        raise
+    except Image.DecompressionBombError as exc:
+        raise LimitExceededError(
+            f"{what} claims a pixel count Pillow refuses as a decompression bomb ({exc}). Reduce the image size, "
+            f"or raise both MediaLimits.max_image_pixels and PIL.Image.MAX_IMAGE_PIXELS."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 — see docstring
+        # UnidentifiedImageError's text names a Python object; say what it means instead
+        detail = "the header cannot be parsed" if isinstance(exc, UnidentifiedImageError) else f"{type(exc).__name__}: {exc}"
+        raise CorruptMediaError(
+            f"{what} cannot be decoded ({detail}); the file is truncated or damaged — export or upload it again."
+        ) from exc
 
 
 def _fit(size: tuple[int, int], max_pixels: int) -> tuple[int, int]:
@@ -59,80 +84,55 @@ class ImageDocument(MediaDocument):
         if fmt is None:
             raise UnsupportedMediaError(f"{name} is {media_type}, which is not an accepted image format.")
         fp = source if isinstance(source, Path) else io.BytesIO(source)
-        try:
+        with _decoding(name):
             img = Image.open(fp, formats=[fmt])
-        except Image.DecompressionBombError as exc:
-            raise LimitExceededError(
-                f"{name} claims a pixel count Pillow refuses as a decompression bomb ({exc}). Reduce the image size, "
-                f"or raise both MediaLimits.max_image_pixels and PIL.Image.MAX_IMAGE_PIXELS."
-            ) from exc
-        except (OSError, ValueError, SyntaxError) as exc:  # Pillow reports bad headers with all three
-            raise CorruptMediaError(
-                f"{name} is {media_type} by its signature but its header cannot be read ({exc}); "
-                f"the file is damaged — export it again."
-            ) from exc
         self._img = img
-        frames = int(getattr(img, "n_frames", 1))
-        self._count = frames if img.format in _PAGED_FORMATS else 1
-        if self._count > limits.max_pages:
+        try:
+            with _decoding(name):
+                frames = int(getattr(img, "n_frames", 1))  # TIFF walks its whole page chain here
+            self._count = frames if img.format in _PAGED_FORMATS else 1
+            if self._count > limits.max_pages:
+                raise LimitExceededError(
+                    f"{name} has {self._count} pages; the limit is {limits.max_pages} (MediaLimits.max_pages)."
+                )
+            self.metadata: dict[str, Any] = {
+                "format": img.format,
+                "frames_in_file": frames,
+                "page_count": self._count,
+                "mode": img.mode,
+                "size": img.size,
+            }
+            # The only page: decode now, so damage surfaces as an exception from open_media.
+            self._first = self._render(0) if self._count == 1 else None
+        except BaseException:
             img.close()
-            raise LimitExceededError(
-                f"{name} has {self._count} pages; the limit is {limits.max_pages} (MediaLimits.max_pages)."
-            )
-        self.metadata: dict[str, Any] = {
-            "format": img.format,
-            "frames_in_file": frames,
-            "page_count": self._count,
-            "mode": img.mode,
-            "size": img.size,
-        }
-        self._first: MediaPage | None = None
-        if self._count == 1:
-            # The only page: decode now so damage surfaces as an exception from open_media.
-            try:
-                self._first = self._render(0)
-            except BaseException:
-                img.close()
-                raise
-            self._img.close()
+            raise
+        if self._first is not None:
+            img.close()
 
     @property
     def page_count(self) -> int:
         return self._count
 
-    def _check_size(self, size: tuple[int, int], number: int) -> None:
-        w, h = size
-        if w * h > self._limits.max_image_pixels:
-            where = f"frame {number + 1} of {self._name}" if self._count > 1 else self._name
-            raise LimitExceededError(
-                f"{where} claims {w} x {h} = {w * h:,} pixels, above MediaLimits.max_image_pixels "
-                f"({self._limits.max_image_pixels:,}); treated as a decompression bomb. Downscale the image or raise "
-                f"the limit."
-            )
-
     def _render(self, number: int) -> MediaPage:
         img = self._img
-        try:
+        where = f"page {number + 1} of {self._name}" if self._count > 1 else self._name
+        with _decoding(where):
             img.seek(number)
-        except (EOFError, OSError, ValueError) as exc:
-            raise CorruptMediaError(f"frame {number + 1} of {self._name} cannot be read ({exc}).") from exc
-        self._check_size(img.size, number)
-        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
-        w, h = img.size
-        source_size = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-        target = _fit(img.size, self._limits.max_page_pixels)
-        if img.format == "JPEG" and target != img.size:
-            img.draft("RGB", target)  # DCT-domain downscale: decode a smaller image instead of resizing a large one
-        try:
+            w, h = img.size
+            if w * h > self._limits.max_image_pixels:
+                raise LimitExceededError(
+                    f"{where} claims {w} x {h} = {w * h:,} pixels, above MediaLimits.max_image_pixels "
+                    f"({self._limits.max_image_pixels:,}); treated as a decompression bomb. Downscale the image or "
+                    f"raise the limit."
+                )
+            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+            source_size = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+            target = _fit((w, h), self._limits.max_page_pixels)
+            if img.format == "JPEG" and target != (w, h):
+                img.draft("RGB", target)  # DCT-domain downscale: decode a smaller image instead of shrinking a big one
             img.load()
-            frame = ImageOps.exif_transpose(img)
-        except Image.DecompressionBombError as exc:
-            raise LimitExceededError(f"{self._name}: {exc}") from exc
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise CorruptMediaError(
-                f"{self._name} could not be decoded ({exc}); it is truncated or damaged — upload it again."
-            ) from exc
-        rgb = to_rgb(frame)
+            rgb = to_rgb(ImageOps.exif_transpose(img))
         fitted = _fit(rgb.size, self._limits.max_page_pixels)
         if fitted != rgb.size:
             rgb = rgb.resize(fitted, Image.Resampling.BICUBIC, reducing_gap=2.0)
