@@ -177,9 +177,16 @@ def demo(
     The bundled model has random weights: its answers are schema-valid noise. Point DOCPIPE_MODEL_DIR at a real
     Qwen3.5 checkpoint for real answers."""
     folder = samples or Path(__file__).resolve().parent.parent / "samples"
-    if not folder.is_dir() or not any(folder.iterdir()):
+    files = sample_files(folder) if folder.is_dir() else []
+    if not files:
         _fail(f"no sample files in {folder}; pass --samples FOLDER")
-    _process([folder], None, False, None, source="demo")
+    _process(files, None, False, None, source="demo")
+
+
+def sample_files(folder: Path) -> list[Path]:
+    """The media files of a samples folder: its generator script and README are not samples."""
+    return [f for f in sorted(folder.iterdir())
+            if f.is_file() and not f.name.startswith(".") and f.suffix.lower() not in {".py", ".md", ".txt"}]
 
 
 @app.command("schemas")
