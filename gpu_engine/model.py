@@ -90,9 +90,14 @@ class LoadedModel:
         return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
 
     def prepare(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, enable_thinking: bool = False
+        self,
+        messages: list[dict[str, Any]] | Sequence[int] | np.ndarray,
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
     ) -> ProcessedPrompt:
-        """Chat template + processor (tokens, M-RoPE positions, vision items) for an OpenAI-style message list."""
+        """Chat template + processor (tokens, M-RoPE positions, vision items) for an OpenAI-style message list
+        (token ids are taken as a finished text-only prompt). Needs the folder's tokenizer and processor files."""
         if self._processor is None:
             from .processor import Processor
 

@@ -253,3 +253,17 @@ def test_bundled_model_is_generated_once_and_repaired(tmp_path, monkeypatch):
     repaired = bundled_model_dir()
     assert gpu_engine.load(repaired).fingerprint == fingerprint
     assert not [p for p in repaired.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_missing_tokenizer_is_reported_when_a_chat_prompt_needs_it(copy_of):
+    from gpu_engine.tokenizer import TokenizerError
+
+    folder = copy_of()
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(IntegrityError, match="tokenizer.json: listed but missing"):  # SHA256SUMS catches it first
+        gpu_engine.load(folder)
+    (folder / "SHA256SUMS").unlink()
+    model = gpu_engine.load(folder)
+    assert model.logits([1, 2]).shape[0] == 2  # token ids need no tokenizer
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        model.logits_for_messages([{"role": "user", "content": "hi"}])
