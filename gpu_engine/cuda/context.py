@@ -46,6 +46,13 @@ class DArray:
             raise ShapeError(f"view {shape} at +{offset_elems} exceeds array of {self.shape}")
         return DArray(self.ptr + offset_elems * self.itemsize, shape, self.dtype)
 
+    def at(self, offset_elems: int) -> DArray:
+        """Flat view from an element offset to the end: a column slice of a wider row-major buffer, to be read
+        with that buffer's row stride (e.g. the gate half of a fused q|gate projection)."""
+        if not 0 <= offset_elems < self.size:
+            raise ShapeError(f"offset {offset_elems} outside array of {self.shape}")
+        return DArray(self.ptr + offset_elems * self.itemsize, (self.size - offset_elems,), self.dtype)
+
 
 class GpuContext:
     def __init__(self, budget_bytes: int, device_id: int = 0) -> None:

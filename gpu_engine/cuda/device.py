@@ -30,6 +30,17 @@ def _import_cuda() -> tuple[Any, Any, Any]:
     return core, driver, nvrtc
 
 
+def require_gpu() -> None:
+    """Raise CudaUnavailable (with the reason) unless cuda-python imports and sees at least one GPU."""
+    core, _, _ = _import_cuda()
+    try:
+        count = len(core.Device.get_all_devices())
+    except Exception as exc:  # noqa: BLE001 - any driver failure means "no GPU here"
+        raise CudaUnavailable(f"no CUDA driver / GPU usable here: {exc}") from exc
+    if count == 0:
+        raise CudaUnavailable("cuda-python found no GPU")
+
+
 def check(result: tuple[Any, ...], what: str) -> Any:
     """cuda.bindings calls return (CUresult, *values); raise on failure, return the values."""
     _, driver, _ = _import_cuda()
@@ -202,6 +213,26 @@ class CudaDevice:
 
     def event(self) -> Any:
         return self.dev.create_event(self._core.EventOptions(timing_enabled=True))
+
+    def capture(self, enqueue: Any) -> Any:
+        """Record everything `enqueue()` launches on this device's stream into an executable CUDA graph.
+
+        During capture the device's stream is swapped for the graph builder's capturing stream, so every op
+        (kernels and cuBLASLt alike) records into the graph without knowing about it.
+        """
+        builder = self.stream.create_graph_builder()
+        builder.begin_building()
+        saved = self.stream
+        self.stream = builder.stream
+        try:
+            enqueue()
+        finally:
+            self.stream = saved
+            builder.end_building()
+        return builder.complete()
+
+    def launch_graph(self, graph: Any, stream: Any = None) -> None:
+        graph.launch(stream or self.stream)
 
     def stream_handle(self, stream: Any = None) -> int:
         """Raw CUstream address (for cuBLASLt)."""

@@ -33,13 +33,21 @@ def _threads(width: int) -> int:
 
 # ---- norms ---------------------------------------------------------------------------------------------------
 def rmsnorm(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, dim: int, eps: float,
-            zero_centred: bool, x_stride: int | None = None, out_stride: int | None = None) -> None:
-    """out[r, :dim] = x[r, :dim] * rsqrt(mean(x^2) + eps) * (w + 1 if zero_centred else w)."""
+            zero_centred: bool, *, heads: int = 1, x_tok_stride: int | None = None, x_head_stride: int | None = None,
+            out_tok_stride: int | None = None, out_head_stride: int | None = None) -> None:
+    """out = x * rsqrt(mean(x^2) + eps) * (w + 1 if zero_centred else w), over `rows` rows of `dim`.
+
+    Row r is head r % heads of token r // heads, found at token * tok_stride + head * head_stride (elements;
+    defaults: packed [tokens, heads, dim]). out may alias x (in place).
+    """
     t = _same_float(out, x, w)
-    if w.size != dim:
-        raise ShapeError(f"norm weight has {w.size} elements, dim is {dim}")
-    ctx.device.launch("norm", f"rmsnorm_{t}", rows, _threads(dim), out.ptr, i32(out_stride or dim), x.ptr,
-                      i32(x_stride or dim), w.ptr, i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
+    if w.size != dim or rows % heads:
+        raise ShapeError(f"norm weight has {w.size} elements (dim {dim}); rows {rows} vs heads {heads}")
+    x_head = dim if x_head_stride is None else x_head_stride
+    o_head = dim if out_head_stride is None else out_head_stride
+    ctx.device.launch("norm", f"rmsnorm_{t}", rows, _threads(dim), out.ptr, i64(out_tok_stride or heads * dim),
+                      i32(o_head), x.ptr, i64(x_tok_stride or heads * dim), i32(x_head), i32(heads), w.ptr,
+                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
 
 
 def add_rmsnorm(ctx: GpuContext, out: DArray, residual: DArray, x: DArray, w: DArray, eps: float,
@@ -146,8 +154,8 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     t = _same_float(out, q, gate, k_cache, v_cache)
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
         _need(arr, "i32", name)
-    if head_dim % 32 or head_dim > 256 or heads % kv_heads:
-        raise ShapeError(f"paged_attention needs head_dim a multiple of 32 up to 256 and heads % kv_heads == 0 "
+    if head_dim > 256 or heads % kv_heads:
+        raise ShapeError(f"paged_attention needs head_dim <= 256 and heads % kv_heads == 0 "
                          f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
     n = token_seq.size
     ctx.device.launch("attention", f"paged_attention_{t}", (n, heads), 128, out.ptr, q.ptr, i64(q_stride), gate.ptr,
@@ -181,8 +189,8 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
     _need(state, "f32", "state")
     _need(A_log, "f32", "A_log")
     _need(dt_bias, "f32", "dt_bias")
-    if dk % 32 or dk > 256 or v_heads % k_heads:
-        raise ShapeError(f"gated_delta_rule needs dk a multiple of 32 up to 256, v_heads % k_heads == 0 "
+    if dk > 256 or v_heads % k_heads:
+        raise ShapeError(f"gated_delta_rule needs dk <= 256 and v_heads % k_heads == 0 "
                          f"(dk={dk}, k_heads={k_heads}, v_heads={v_heads})")
     if state.shape[1:] != (v_heads, dv, dk):
         raise ShapeError(f"state {state.shape}, expected [*, {v_heads}, {dv}, {dk}]")

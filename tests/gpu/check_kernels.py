@@ -100,9 +100,27 @@ class Checker:
         for zc in (True, False):
             x, wd = self.up(xs, t), self.up(w, t)
             out = self.out((rows, dim), t)
-            self.ops.rmsnorm(self.ctx, out, x, wd, rows, dim, eps, zc, x_stride=2 * dim)
+            self.ops.rmsnorm(self.ctx, out, x, wd, rows, dim, eps, zc, x_tok_stride=2 * dim)
             self.record(f"rmsnorm{'(zero-centred)' if zc else ''}", t,
                         rel_err(self.get(out), ref.rmsnorm(xs[:, :dim], w, eps, zc)))
+        # per-head q/k norm straight out of a fused projection row [q0 g0 q1 g1 ... | k0 k1 | v0 v1]
+        n, heads, kvh, hd = 11, 4, 2, 128
+        width = (2 * heads + 2 * kvh) * hd
+        rows_h = self.rand((n, width), t)
+        wq, wk = self.rand((hd,), t, 0.1), self.rand((hd,), t, 0.1)
+        proj = self.up(rows_h, t)
+        q = self.out((n, heads * hd), t)
+        self.ops.rmsnorm(self.ctx, q, proj, self.up(wq, t), n * heads, hd, eps, True, heads=heads,
+                         x_tok_stride=width, x_head_stride=2 * hd)
+        k_at = proj.at(2 * heads * hd)
+        self.ops.rmsnorm(self.ctx, k_at, k_at, self.up(wk, t), n * kvh, hd, eps, True, heads=kvh,
+                         x_tok_stride=width, out_tok_stride=width)  # in place
+        q_ref = ref.rmsnorm(rows_h[:, : 2 * heads * hd].reshape(n, heads, 2, hd)[:, :, 0], wq, eps, True)
+        self.record("rmsnorm(per-head q, strided)", t, rel_err(self.get(q), q_ref.reshape(n, -1)))
+        expect = rows_h.astype(np.float64).copy()
+        k_cols = slice(2 * heads * hd, (2 * heads + kvh) * hd)
+        expect[:, k_cols] = ref.rmsnorm(rows_h[:, k_cols].reshape(n, kvh, hd), wk, eps, True).reshape(n, -1)
+        self.record("rmsnorm(per-head k, in place)", t, rel_err(self.get(proj), expect))
 
     def add_rmsnorm(self, t: str) -> None:
         rows, dim, eps = 19, 2048, 1e-6
@@ -227,7 +245,7 @@ class Checker:
         kc, vc = self.up(cache_k, t), self.up(cache_v, t)
         kvd = self.up(kv_rows, t)
         ctx = self.ctx
-        self.ops.kv_store(ctx, kc, vc, kvd, kv_w, kvd.view((total, kv_w), kvh * hd), kv_w,
+        self.ops.kv_store(ctx, kc, vc, kvd, kv_w, kvd.at(kvh * hd), kv_w,
                           self.up(np.array(slots, np.int32), "i32"), kvh, hd)
         expect_k = cache_k.copy()
         for r, slot in enumerate(slots):
@@ -239,7 +257,7 @@ class Checker:
         gate = q_rows.reshape(total, heads, 2, hd)[:, :, 1]
         qd = self.up(q_rows, t)
         out = self.out((total, heads * hd), t)
-        self.ops.paged_attention(ctx, out, self.up(q_only, t), heads * hd, qd.view((total, qw), hd), qw, 2 * hd,
+        self.ops.paged_attention(ctx, out, self.up(q_only, t), heads * hd, qd.at(hd), qw, 2 * hd,
                                  kc, vc, self.up(np.stack(tables), "i32"),
                                  self.up(np.array(token_seq, np.int32), "i32"),
                                  self.up(np.array(token_pos, np.int32), "i32"), heads, kvh, hd, bs, scale)
@@ -290,9 +308,9 @@ class Checker:
         sd = self.up(state, "f32")
         qkvd, abd = self.up(qkv, t), self.up(ab, t)
         o = self.out((total, vh * dv), t)
-        self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.view((total, qkv_w), kh * dk),
-                                  qkvd.view((total, qkv_w), 2 * kh * dk), qkv_w, abd,
-                                  abd.view((total, 2 * vh + 8), vh), 2 * vh + 8, self.up(A_log, "f32"),
+        self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.at(kh * dk),
+                                  qkvd.at(2 * kh * dk), qkv_w, abd,
+                                  abd.at(vh), 2 * vh + 8, self.up(A_log, "f32"),
                                   self.up(dt_bias, "f32"), sd, self.up(cu, "i32"), self.up(slots, "i32"),
                                   self.up(fresh, "i32"), kh, vh, dk, dv)
         exp_o, exp_s = [], state.astype(np.float64).copy()

@@ -10,7 +10,7 @@
 //   h / (heads / kv_heads). Each warp walks every 4th key with a running (max, sum, acc) online softmax; the
 //   four partial states merge at the end. Output is multiplied by sigmoid(gate) (Qwen3.5 attention gate), read
 //   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
-// Each lane owns head_dim/32 consecutive dims (head_dim a multiple of 32, at most 256).
+// Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
 // Not tiled: prefill cost is one pass over the keys per query row. A tiled flash-style prefill is future work.
 #include "common.cuh"
 
@@ -40,28 +40,28 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
     const int token = blockIdx.x, h = blockIdx.y;
     if (token >= n || h >= heads) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int per_lane = head_dim / 32;
     const int kvh = h / (heads / kv_heads);
     const int seq = token_seq[token], last = token_pos[token];
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
     const long long row_width = (long long)kv_heads * head_dim;
 
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
-    const T* qh = q + token * q_stride + (long long)h * head_dim + lane * per_lane;
+    const T* qh = q + token * q_stride + (long long)h * head_dim;
 #pragma unroll
     for (int e = 0; e < MAX_PER_LANE; ++e) {
-        qv[e] = e < per_lane ? to_f(qh[e]) * scale : 0.0f;
+        const int d = lane + 32 * e;
+        qv[e] = d < head_dim ? to_f(qh[d]) * scale : 0.0f;
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
     for (int p = warp; p <= last; p += ATT_WARPS) {
         const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
-        const long long off = slot * row_width + (long long)kvh * head_dim + lane * per_lane;
+        const long long off = slot * row_width + (long long)kvh * head_dim;
         const T* kr = k_cache + off;
         float dot = 0.0f;
 #pragma unroll
         for (int e = 0; e < MAX_PER_LANE; ++e)
-            if (e < per_lane) dot += qv[e] * to_f(kr[e]);
+            if (lane + 32 * e < head_dim) dot += qv[e] * to_f(kr[lane + 32 * e]);
         const float s = warp_sum(dot);
         const float m_new = fmaxf(m, s);
         const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
@@ -70,7 +70,7 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
         const T* vr = v_cache + off;
 #pragma unroll
         for (int e = 0; e < MAX_PER_LANE; ++e)
-            if (e < per_lane) acc[e] = acc[e] * corr + pw * to_f(vr[e]);
+            if (lane + 32 * e < head_dim) acc[e] = acc[e] * corr + pw * to_f(vr[lane + 32 * e]);
         m = m_new;
     }
     if (lane == 0) {
@@ -79,7 +79,7 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
     }
 #pragma unroll
     for (int e = 0; e < MAX_PER_LANE; ++e)
-        if (e < per_lane) s_acc[warp][lane * per_lane + e] = acc[e];
+        if (lane + 32 * e < head_dim) s_acc[warp][lane + 32 * e] = acc[e];
     __syncthreads();
     float m_all = NEG_INF;
     for (int w = 0; w < ATT_WARPS; ++w) m_all = fmaxf(m_all, s_m[w]);

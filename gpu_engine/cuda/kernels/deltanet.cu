@@ -11,7 +11,7 @@
 //   q scaled by 1/sqrt(dk), g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b):
 //       S = S * exp(g);  S += k (beta * (v - S^T k))^T;  o = S^T q
 //   State [slots, v_heads, dv, dk] fp32 (S transposed: one warp owns one value column j and its lanes walk k rows
-//   contiguously). One block of 8 warps = 8 value columns of one head of one sequence.
+//   contiguously; dk at most 256). One block of 8 warps = 8 value columns of one head of one sequence.
 #include "common.cuh"
 
 #define MAX_CONV 8
@@ -61,12 +61,11 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
     const int h = blockIdx.y, s = blockIdx.z;
     const int j = blockIdx.x * GDN_WARPS + warp;  // value column owned by this warp (may be >= dv: idle warp)
     const int kh = h / (v_heads / k_heads);
-    const int per_lane = dk / 32;
     float* S = state + (((long long)state_slots[s] * v_heads + h) * dv + (j < dv ? j : 0)) * dk;
     float Sr[MAX_DK_PER_LANE];
 #pragma unroll
     for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-        Sr[e] = (e < per_lane && j < dv && !fresh[s]) ? S[lane + 32 * e] : 0.0f;
+        Sr[e] = (lane + 32 * e < dk && j < dv && !fresh[s]) ? S[lane + 32 * e] : 0.0f;
     const float neg_A = -expf(A_log[h]);
     const float q_scale = rsqrtf((float)dk);
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
@@ -88,7 +87,7 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
             float kv = 0.0f;
 #pragma unroll
             for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-                if (e < per_lane) {
+                if (lane + 32 * e < dk) {
                     Sr[e] *= decay;
                     kv += Sr[e] * k_s[lane + 32 * e] * k_inv;
                 }
@@ -97,7 +96,7 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
             float o = 0.0f;
 #pragma unroll
             for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-                if (e < per_lane) {
+                if (lane + 32 * e < dk) {
                     Sr[e] += k_s[lane + 32 * e] * k_inv * delta;
                     o += Sr[e] * q_s[lane + 32 * e] * q_inv;
                 }
@@ -109,7 +108,7 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
     if (j < dv) {
 #pragma unroll
         for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-            if (e < per_lane) S[lane + 32 * e] = Sr[e];
+            if (lane + 32 * e < dk) S[lane + 32 * e] = Sr[e];
     }
 }
 

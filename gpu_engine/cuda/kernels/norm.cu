@@ -2,17 +2,20 @@
 //   rmsnorm:        out = x * rsqrt(mean(x^2) + eps) * (offset + w)   offset 1.0 = zero-centred weights (Qwen3.5)
 //   add_rmsnorm:    residual += x (stored), out = rmsnorm(residual)   (the fused residual add of every layer)
 //   rmsnorm_gated:  out = w * rmsnorm(x) * silu(z)                     (Gated DeltaNet output norm)
-// Row strides are in elements so that per-head norms can read q out of the fused q|gate projection in place.
+// rmsnorm rows may be heads of tokens (token and head strides, in elements): the per-head q/k norms read q and k
+// straight out of the fused q|gate|k|v projection; in place (out == x) is allowed.
 #include "common.cuh"
 
 template <typename T>
-__device__ void rmsnorm_impl(T* out, int out_stride, const T* x, int x_stride, const T* w, int rows, int dim,
+__device__ void rmsnorm_impl(T* out, long long out_tok_stride, int out_head_stride, const T* x,
+                             long long x_tok_stride, int x_head_stride, int heads, const T* w, int rows, int dim,
                              float eps, float offset) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
-    const T* xr = x + (long long)row * x_stride;
-    T* yr = out + (long long)row * out_stride;
+    const int tok = row / heads, h = row % heads;  // row = one head of one token (heads == 1: plain rows)
+    const T* xr = x + tok * x_tok_stride + (long long)h * x_head_stride;
+    T* yr = out + tok * out_tok_stride + (long long)h * out_head_stride;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = to_f(xr[i]);
@@ -64,9 +67,11 @@ __device__ void rmsnorm_gated_impl(T* out, const T* x, const T* z, int z_stride,
 }
 
 #define DEFINE(S, T)                                                                                              \
-    extern "C" __global__ void rmsnorm_##S(T* out, int out_stride, const T* x, int x_stride, const T* w, int rows, \
-                                           int dim, float eps, float offset) {                                    \
-        rmsnorm_impl<T>(out, out_stride, x, x_stride, w, rows, dim, eps, offset);                                  \
+    extern "C" __global__ void rmsnorm_##S(T* out, long long out_tok_stride, int out_head_stride, const T* x,     \
+                                           long long x_tok_stride, int x_head_stride, int heads, const T* w,      \
+                                           int rows, int dim, float eps, float offset) {                          \
+        rmsnorm_impl<T>(out, out_tok_stride, out_head_stride, x, x_tok_stride, x_head_stride, heads, w, rows, dim,  \
+                        eps, offset);                                                                             \
     }                                                                                                             \
     extern "C" __global__ void add_rmsnorm_##S(T* out, T* residual, const T* x, const T* w, int rows, int dim,     \
                                                float eps, float offset) {                                         \

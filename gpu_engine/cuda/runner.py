@@ -1,0 +1,400 @@
+"""CudaRunner: the runner contract (gpu_engine/runner_api.py) for the Qwen3.5 text decoder on one NVIDIA GPU.
+
+Memory: one cuMemAlloc of `memory_budget` bytes at start-up; weights first, then the cache (allocate_cache), and
+per-step activations from what is left (released at the end of every step).
+Step: all sequences of the batch run together (varlen): host-side metadata is packed into one int32 array and
+uploaded once; every layer is a fixed sequence of cuBLASLt GEMMs and kernels on one stream; logits come back
+as float32 for the requested rows only.
+Vision: encode_vision runs the numpy reference tower on the CPU (a GPU vision tower is not written yet); its
+float32 embeddings are uploaded and scattered into their placeholder rows.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..inputs import VisionItem
+from ..loader import ModelWeights
+from ..runner_api import CacheSpec, StepBatch, StepOutput
+from . import ops, rotary
+from .context import ITEMSIZE, DArray, GpuContext
+from .errors import CudaBackendError, ShapeError
+from .weights import AttentionWeights, DeltaNetWeights, upload_text_weights
+
+_ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
+
+
+class RunnerInputError(CudaBackendError, ValueError):
+    """A step batch that breaks the runner contract."""
+
+
+@dataclass
+class _LayerCache:
+    k: DArray | None = None
+    v: DArray | None = None
+    conv: DArray | None = None  # [slots, K-1, conv_dim]
+    state: DArray | None = None  # f32 [slots, Hv, dv, dk]
+
+
+@dataclass
+class _StepMeta:
+    """Host-side description of one step (everything the kernels index with)."""
+
+    n: int
+    arrays: dict[str, np.ndarray]  # int32 arrays, packed and uploaded together
+    logit_rows: int
+    vision_rows: np.ndarray
+    vision_embeds: np.ndarray | None
+
+
+class CudaRunner:
+    name = "cuda"
+
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, dtype: str = "bf16",
+                 memory_budget: int | None = None, device_id: int = 0) -> None:
+        if dtype not in ("bf16", "f32"):
+            raise ShapeError(f"dtype must be 'bf16' or 'f32', got {dtype!r}")
+        self.config = model_config
+        self.cfg = model_config.text
+        self.dtype = dtype
+        self.weights_host = weights
+        budget = memory_budget or _default_budget(device_id)
+        self.ctx = GpuContext(budget, device_id)
+        self.w = upload_text_weights(self.ctx, self.cfg, weights, dtype)
+        cfg = self.cfg
+        self._rope_inv = self.ctx.to_device(rotary.inv_freq(cfg.rope_theta, cfg.rotary_dim), "f32", "rope.inv_freq")
+        self._rope_axis = self.ctx.to_device(rotary.mrope_axis(cfg.rotary_dim, cfg.mrope_section), "i32", "rope.axis")
+        self._after_weights = self.ctx.arena.mark()
+        self.spec: CacheSpec | None = None
+        self.cache: dict[int, _LayerCache] = {}
+        self._after_cache = self._after_weights
+        self._vision_tower: Any = None
+
+    # ---- sizes -----------------------------------------------------------------------------------------------
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        cfg = self.cfg
+        size = block_size if block_size is not None else self._spec().block_size
+        return len(cfg.full_attention_layers) * 2 * size * cfg.num_key_value_heads * cfg.head_dim * ITEMSIZE[self.dtype]
+
+    def state_bytes_per_slot(self) -> int:
+        cfg = self.cfg
+        conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * ITEMSIZE[self.dtype]
+        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        return len(cfg.linear_attention_layers) * (conv + state)
+
+    def embedding_nbytes(self, item: VisionItem) -> int:
+        return item.num_tokens * self.cfg.hidden_size * 4  # host float32 (the tower runs on the CPU for now)
+
+    # ---- cache -----------------------------------------------------------------------------------------------
+    def allocate_cache(self, spec: CacheSpec) -> None:
+        if spec.num_kv_blocks < 1 or spec.block_size < 1 or spec.num_state_slots < 1:
+            raise RunnerInputError(f"cache spec needs positive sizes, got {spec}")
+        cfg, ctx = self.cfg, self.ctx
+        ctx.device.sync()
+        ctx.arena.release(self._after_weights)  # a new spec replaces the old cache
+        self.cache = {}
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "full_attention":
+                shape = (spec.num_kv_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
+                self.cache[i] = _LayerCache(k=ctx.empty(shape, self.dtype, f"k{i}"), v=ctx.empty(shape, self.dtype, f"v{i}"))
+            else:
+                conv = ctx.empty((spec.num_state_slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+                                 self.dtype, f"conv{i}")
+                state = ctx.empty((spec.num_state_slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                                   cfg.linear_key_head_dim), "f32", f"state{i}")
+                self.cache[i] = _LayerCache(conv=conv, state=state)
+        for c in self.cache.values():  # deterministic contents (fresh sequences never read them anyway)
+            for arr in (c.k, c.v, c.conv, c.state):
+                if arr is not None:
+                    ctx.device.memset(arr.ptr, 0, arr.nbytes)
+        self.spec = spec
+        self._after_cache = ctx.arena.mark()
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        spec = self._spec()
+        for slot in (src, dst):
+            if not 0 <= slot < spec.num_state_slots:
+                raise RunnerInputError(f"state slot {slot} out of range [0, {spec.num_state_slots})")
+        for c in self.cache.values():
+            for arr in (c.conv, c.state):
+                if arr is not None:
+                    row = arr.nbytes // arr.shape[0]
+                    self.ctx.device.copy(arr.ptr + dst * row, arr.ptr + src * row, row)
+        self.ctx.device.sync()
+
+    def _spec(self) -> CacheSpec:
+        if self.spec is None:
+            raise RuntimeError("allocate_cache() must be called before running the model")
+        return self.spec
+
+    # ---- vision ----------------------------------------------------------------------------------------------
+    def encode_vision(self, item: VisionItem) -> np.ndarray:
+        if self._vision_tower is None:
+            from ..reference.vision_tower import VisionTower
+
+            self._vision_tower = VisionTower(self.config.vision, self.weights_host.vision)
+        out = np.asarray(self._vision_tower.encode(item.pixel_values, item.grid_thw), dtype=np.float32)
+        if out.shape != (item.num_tokens, self.cfg.hidden_size):
+            raise RunnerInputError(f"vision tower gave {out.shape}, expected ({item.num_tokens}, {self.cfg.hidden_size})")
+        return out
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> StepOutput:
+        meta = self._prepare(batch)
+        ctx = self.ctx
+        mark = ctx.arena.mark()
+        try:
+            bufs = self._step_buffers(meta)
+            packed = self._upload_meta(meta)
+            self._run(meta, packed, bufs)
+            if meta.logit_rows:
+                out_logits = ctx.to_host(bufs["logits"])
+                out_hidden = ctx.to_host(bufs["rows"]).astype(np.float32, copy=False)
+            else:
+                out_logits = np.zeros((0, self.cfg.vocab_size), np.float32)
+                out_hidden = np.zeros((0, self.cfg.hidden_size), np.float32)
+        finally:
+            ctx.device.sync()
+            ctx.arena.release(mark)
+        return StepOutput(logits=out_logits, row_offsets=_row_offsets(batch), hidden=out_hidden)
+
+    def capture_step(self, batch: StepBatch, table_width: int) -> CapturedStep:
+        """Record this step's device work (decoder + LM head) in a CUDA graph, for decode loops.
+
+        The graph keeps the addresses of this step's buffers: `CapturedStep.update(next_batch)` uploads the next
+        step's metadata into the same place (same number of sequences and tokens, block tables padded to
+        `table_width`), `replay()` launches the graph (capture itself runs nothing), `logits()` reads the result.
+        Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). Release with
+        close(); the runner must not run other steps while a captured step is open.
+        """
+        if any(c.vision for c in batch.chunks):
+            raise RunnerInputError("steps with vision embeddings are not captured")
+        meta = self._prepare(batch, table_width)
+        ctx = self.ctx
+        mark = ctx.arena.mark()
+        bufs = self._step_buffers(meta)
+        packed = self._upload_meta(meta)
+        graph = ctx.device.capture(lambda: self._run(meta, packed, bufs))
+        return CapturedStep(self, graph, meta, packed, bufs, mark, table_width)
+
+    def _prepare(self, batch: StepBatch, table_width: int | None = None) -> _StepMeta:
+        spec, cfg = self._spec(), self.cfg
+        if not batch.chunks:
+            raise RunnerInputError("empty step batch")
+        ids, pos, cu, slots, fresh, tok_seq, tok_pos, kv_slots, logit_rows, vis_rows, vis = ([] for _ in range(11))
+        tables = []
+        base = 0
+        for s, chunk in enumerate(batch.chunks):
+            n = chunk.num_tokens
+            where = f"sequence {chunk.seq_id}"
+            if n < 1:
+                raise RunnerInputError(f"{where}: a chunk needs at least one token")
+            if chunk.token_ids.min() < 0 or chunk.token_ids.max() >= cfg.vocab_size:
+                raise RunnerInputError(f"{where}: token ids must be in [0, {cfg.vocab_size})")
+            if chunk.positions.shape != (3, n):
+                raise RunnerInputError(f"{where}: positions must have shape (3, {n}), got {chunk.positions.shape}")
+            if not 0 <= chunk.state_slot < spec.num_state_slots:
+                raise RunnerInputError(f"{where}: state slot {chunk.state_slot} out of range")
+            if chunk.logits not in ("none", "last", "all"):
+                raise RunnerInputError(f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}")
+            p = np.arange(chunk.start, chunk.start + n)
+            table = np.asarray(chunk.block_table, np.int64)
+            if cfg.full_attention_layers:
+                needed = -(-(chunk.start + n) // spec.block_size)
+                if table.shape[0] < needed or table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
+                    raise RunnerInputError(f"{where}: block table needs {needed} valid block ids < {spec.num_kv_blocks}")
+                kv_slots.append(table[p // spec.block_size] * spec.block_size + p % spec.block_size)
+            tables.append(table)
+            ids.append(chunk.token_ids)
+            pos.append(chunk.positions)
+            cu.append(base)
+            slots.append(chunk.state_slot)
+            fresh.append(int(chunk.start == 0))
+            tok_seq.append(np.full(n, s))
+            tok_pos.append(p)
+            if chunk.logits == "all":
+                logit_rows.append(base + np.arange(n))
+            elif chunk.logits == "last":
+                logit_rows.append(np.array([base + n - 1]))
+            for piece in chunk.vision:
+                emb = np.asarray(piece.embeddings, np.float32)
+                if emb.ndim != 2 or emb.shape[1] != cfg.hidden_size or not 0 <= piece.chunk_offset <= n - emb.shape[0]:
+                    raise RunnerInputError(f"{where}: vision embeddings {emb.shape} at row {piece.chunk_offset} "
+                                           f"do not fit a chunk of {n} x {cfg.hidden_size}")
+                vis_rows.append(base + piece.chunk_offset + np.arange(emb.shape[0]))
+                vis.append(emb)
+            base += n
+        cu.append(base)
+        width = table_width or max(1, max(t.shape[0] for t in tables))
+        if any(t.shape[0] > width for t in tables):
+            raise RunnerInputError(f"block table longer than the captured width {width}")
+        block_tables = np.zeros((len(tables), width), np.int64)
+        for s, t in enumerate(tables):
+            block_tables[s, : t.shape[0]] = np.maximum(t, 0)
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        arrays = {
+            "ids": cat(ids), "pos": np.concatenate(pos, axis=1), "cu": np.array(cu), "slots": np.array(slots),
+            "fresh": np.array(fresh), "tok_seq": cat(tok_seq), "tok_pos": cat(tok_pos), "kv_slots": cat(kv_slots),
+            "tables": block_tables, "logit_rows": cat(logit_rows), "vis_rows": cat(vis_rows),
+        }
+        return _StepMeta(n=base, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
+                         logit_rows=int(arrays["logit_rows"].size), vision_rows=arrays["vis_rows"].astype(np.int32),
+                         vision_embeds=np.concatenate(vis) if vis else None)
+
+    def _upload_meta(self, meta: _StepMeta) -> dict[str, DArray]:
+        """One upload for all int32 metadata; returns typed views into it."""
+        offsets, total = {}, 0
+        for name, arr in meta.arrays.items():
+            offsets[name] = total
+            total += -(-max(arr.size, 1) // _ALIGN_I32) * _ALIGN_I32
+        host = np.zeros(total, np.int32)
+        for name, arr in meta.arrays.items():
+            host[offsets[name] : offsets[name] + arr.size] = arr.reshape(-1)
+        dev = self.ctx.to_device(host, "i32", "step-meta")
+        return {name: dev.view(arr.shape if arr.size else (1,), offsets[name]) for name, arr in meta.arrays.items()}
+
+    def _step_buffers(self, meta: _StepMeta) -> dict[str, DArray]:
+        """Activation buffers of one step (sizes depend on the token count only), allocated before the metadata
+        so that equal-shaped steps get equal addresses."""
+        ctx, cfg, t, n = self.ctx, self.cfg, self.dtype, meta.n
+        H, R = cfg.hidden_size, max(meta.logit_rows, 1)
+        bufs = {
+            "x": ctx.empty((n, H), t, "x"),  # residual stream
+            "h": ctx.empty((n, H), t, "h"),  # normed input of the next block
+            "d": ctx.empty((n, H), t, "delta"),  # output of the last block, added to x by the next fused norm
+            "rows": ctx.empty((R, H), t, "hidden_rows"),
+            "logits": ctx.empty((R, cfg.vocab_size), "f32", "logits"),
+        }
+        if meta.vision_embeds is not None:
+            bufs["vision"] = ctx.to_device(meta.vision_embeds, t, "vision")
+        return bufs
+
+    def _run(self, meta: _StepMeta, m: dict[str, DArray], bufs: dict[str, DArray]) -> None:
+        """Decoder over all tokens of the step, then the LM head on the requested rows (enqueue only)."""
+        ctx, cfg, t, n = self.ctx, self.cfg, self.dtype, meta.n
+        H = cfg.hidden_size
+        x, h, d = bufs["x"], bufs["h"], bufs["d"]
+        ops.embed_gather(ctx, x, self.w.embed, m["ids"])
+        if "vision" in bufs:
+            ops.scatter_rows(ctx, x, bufs["vision"], m["vis_rows"])
+        first = True
+        for i, layer in enumerate(self.w.layers):
+            if first:
+                ops.rmsnorm(ctx, h, x, layer.input_norm, n, H, cfg.rms_norm_eps, True)
+                first = False
+            else:
+                ops.add_rmsnorm(ctx, h, x, d, layer.input_norm, cfg.rms_norm_eps, True)
+            scratch = ctx.arena.mark()
+            if isinstance(layer.mixer, AttentionWeights):
+                self._attention(i, layer.mixer, h, d, m, n)
+            else:
+                self._deltanet(i, layer.mixer, h, d, m, n)
+            ops.add_rmsnorm(ctx, h, x, d, layer.post_norm, cfg.rms_norm_eps, True)
+            inter = cfg.intermediate_size
+            gu = ctx.empty((n, 2 * inter), t, "gate_up")
+            ctx.blas.linear(gu.ptr, h.ptr, layer.gate_up.ptr, n, 2 * inter, H, dtype=t)
+            act = ctx.empty((n, inter), t, "act")
+            ops.silu_mul(ctx, act, gu)
+            ctx.blas.linear(d.ptr, act.ptr, layer.down.ptr, n, H, inter, dtype=t)
+            ctx.arena.release(scratch)
+        ops.add_rmsnorm(ctx, h, x, d, self.w.final_norm, cfg.rms_norm_eps, True)
+        if meta.logit_rows:
+            rows, logits = bufs["rows"], bufs["logits"]
+            ops.embed_gather(ctx, rows, h, m["logit_rows"])  # row gather: the "table" is h, the ids are row numbers
+            ctx.blas.linear(logits.ptr, rows.ptr, self.w.lm_head.ptr, meta.logit_rows, cfg.vocab_size, H, dtype=t,
+                            y_dtype="f32")
+
+    def _attention(self, i: int, w: AttentionWeights, h: DArray, d: DArray, m: dict[str, DArray], n: int) -> None:
+        ctx, cfg, t = self.ctx, self.cfg, self.dtype
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = (2 * nh + 2 * kvh) * hd
+        proj = ctx.empty((n, width), t, "qkv")
+        ctx.blas.linear(proj.ptr, h.ptr, w.qkv.ptr, n, width, cfg.hidden_size, dtype=t)
+        q = ctx.empty((n, nh * hd), t, "q")
+        eps = cfg.rms_norm_eps
+        ops.rmsnorm(ctx, q, proj, w.q_norm, n * nh, hd, eps, True, heads=nh, x_tok_stride=width, x_head_stride=2 * hd)
+        k = proj.at(2 * nh * hd)
+        ops.rmsnorm(ctx, k, k, w.k_norm, n * kvh, hd, eps, True, heads=kvh, x_tok_stride=width, out_tok_stride=width)
+        ops.rope(ctx, q, n, nh, cfg.rotary_dim, nh * hd, hd, m["pos"], self._rope_inv, self._rope_axis)
+        ops.rope(ctx, k, n, kvh, cfg.rotary_dim, width, hd, m["pos"], self._rope_inv, self._rope_axis)
+        cache = self.cache[i]
+        ops.kv_store(ctx, cache.k, cache.v, k, width, proj.at((2 * nh + kvh) * hd), width, m["kv_slots"], kvh, hd)
+        out = ctx.empty((n, nh * hd), t, "attn")
+        ops.paged_attention(ctx, out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m["tables"],
+                            m["tok_seq"], m["tok_pos"], nh, kvh, hd, self._spec().block_size, hd ** -0.5)
+        ctx.blas.linear(d.ptr, out.ptr, w.o_proj.ptr, n, cfg.hidden_size, nh * hd, dtype=t)
+
+    def _deltanet(self, i: int, w: DeltaNetWeights, h: DArray, d: DArray, m: dict[str, DArray], n: int) -> None:
+        ctx, cfg, t = self.ctx, self.cfg, self.dtype
+        kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim, vdim = cfg.linear_conv_dim, cfg.linear_value_dim
+        width = conv_dim + vdim + 2 * vh
+        proj = ctx.empty((n, width), t, "in_proj")
+        ctx.blas.linear(proj.ptr, h.ptr, w.in_proj.ptr, n, width, cfg.hidden_size, dtype=t)
+        cache = self.cache[i]
+        conv_out = ctx.empty((n, conv_dim), t, "conv_out")
+        ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m["cu"], m["slots"], m["fresh"])
+        core = ctx.empty((n, vdim), t, "core")
+        ops.gated_delta_rule(ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
+                             proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
+                             cache.state, m["cu"], m["slots"], m["fresh"], kh, vh, dk, dv)
+        normed = ctx.empty((n * vh, dv), t, "gated_norm")
+        ops.rmsnorm_gated(ctx, normed, core.view((n * vh, dv)), proj.at(conv_dim), w.norm, cfg.rms_norm_eps, vh, width)
+        ctx.blas.linear(d.ptr, normed.ptr, w.out_proj.ptr, n, cfg.hidden_size, vdim, dtype=t)
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class CapturedStep:
+    """A recorded step (see CudaRunner.capture_step)."""
+
+    def __init__(self, runner: CudaRunner, graph: Any, meta: _StepMeta, packed: dict[str, DArray],
+                 bufs: dict[str, DArray], mark: int, table_width: int) -> None:
+        self.runner, self.graph, self.meta, self.packed, self.bufs = runner, graph, meta, packed, bufs
+        self._mark, self._width = mark, table_width
+        self._base = min(a.ptr for a in packed.values())
+
+    def update(self, batch: StepBatch) -> None:
+        """Upload the metadata of the next step of the same shape into the captured buffers."""
+        meta = self.runner._prepare(batch, self._width)
+        shapes = {k: v.shape for k, v in meta.arrays.items()}
+        if meta.n != self.meta.n or shapes != {k: v.shape for k, v in self.meta.arrays.items()}:
+            raise RunnerInputError("captured step replayed with a batch of another shape")
+        self.meta = meta
+        for name, arr in meta.arrays.items():
+            if arr.size:
+                self.runner.ctx.device.upload(self.packed[name].ptr, arr)
+
+    def replay(self) -> None:
+        self.runner.ctx.device.launch_graph(self.graph)
+
+    def logits(self) -> np.ndarray:
+        return self.runner.ctx.to_host(self.bufs["logits"])[: self.meta.logit_rows]
+
+    def close(self) -> None:
+        self.runner.ctx.device.sync()
+        self.runner.ctx.arena.release(self._mark)
+
+
+def _row_offsets(batch: StepBatch) -> list[int]:
+    offsets = [0]
+    for chunk in batch.chunks:
+        offsets.append(offsets[-1] + {"none": 0, "last": 1, "all": chunk.num_tokens}[chunk.logits])
+    return offsets
+
+
+def _default_budget(device_id: int) -> int:
+    """DOCPIPE_CUDA_MEMORY_FRACTION (default 0.85) of the device's free memory, taken once."""
+    from .device import CudaDevice
+
+    fraction = float(os.environ.get("DOCPIPE_CUDA_MEMORY_FRACTION", "0.85"))
+    if not 0.05 <= fraction <= 0.98:
+        raise ShapeError(f"DOCPIPE_CUDA_MEMORY_FRACTION must be in [0.05, 0.98], got {fraction}")
+    free, _ = CudaDevice(device_id).mem_info()
+    return int(free * fraction) // (1 << 20) * (1 << 20)
