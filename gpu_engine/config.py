@@ -35,7 +35,7 @@ class UnsupportedModelError(ModelLoadError):
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)
 _TEXT_ACTS = ("silu", "swish")  # the MLP and the DeltaNet conv both use hidden_act; both names mean SiLU
-_VISION_ACTS = ("gelu_pytorch_tanh", "gelu")
+_VISION_ACTS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 _LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "conv": "linear_attention"}
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
