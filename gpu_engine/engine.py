@@ -122,6 +122,7 @@ class Engine:
         self._structured: StructuredOutput | None = None
 
         self._live: dict[str, Sequence] = {}
+        self._with_deadline: dict[str, Sequence] = {}  # live requests with a timeout_s
         self._pending: list[RequestOutput] = []  # finished outside step() (abort): delivered by the next step()
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(cfg.seed)
@@ -219,6 +220,8 @@ class Engine:
                 self._counters["forced_tokens"] += 1
                 self._append(seq, token, forced=True)
         self._live[request_id] = seq
+        if seq.deadline is not None:
+            self._with_deadline[request_id] = seq
         self.scheduler.add(seq)
         self._counters["requests_added"] += 1
         return request_id
@@ -302,15 +305,21 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        now = time.monotonic()
-        for seq in list(self._live.values()):
-            if seq.deadline is not None and now > seq.deadline:
+        if self._with_deadline:
+            now = time.monotonic()
+            for seq in [s for s in self._with_deadline.values() if now > s.deadline]:  # type: ignore[operator]
                 outputs.append(self._finish(seq, "error", f"timed out after {seq.params.timeout_s} s"))
 
         sched = self.scheduler.schedule()
         chunks: list[SeqChunk] = []
         scheduled: list[ScheduledChunk] = []
-        for sc in sched.chunks:
+        # Decode positions for the whole step in one array (one numpy call instead of one per sequence).
+        decode_pos = np.array(
+            [sc.start + sc.seq.prompt.rope_delta if sc.num_tokens == 1 and sc.start >= sc.seq.prompt_len else 0
+             for sc in sched.chunks], dtype=np.int64,
+        )
+        decode_pos = np.broadcast_to(decode_pos, (3, decode_pos.shape[0])).copy()
+        for k, sc in enumerate(sched.chunks):
             try:
                 vision = self.encoder.slices(sc.vision_items, sc.start, sc.end) if sc.vision_items else []
             except Exception as exc:  # one bad image must not stop the batch
@@ -320,9 +329,10 @@ class Engine:
             chunks.append(SeqChunk(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[sc.start:sc.end],
-                positions=seq.positions(sc.start, sc.num_tokens),
+                positions=decode_pos[:, k : k + 1] if sc.num_tokens == 1 and sc.start >= seq.prompt_len
+                else seq.positions(sc.start, sc.num_tokens),
                 start=sc.start,
-                block_table=np.asarray(seq.block_table, dtype=np.int32),
+                block_table=seq.block_table_array(),
                 state_slot=seq.state_slot,  # type: ignore[arg-type]
                 vision=vision,
                 logits="last" if sc.wants_logits else "none",
@@ -351,19 +361,27 @@ class Engine:
             seq = sc.seq
             self._count_computed(sc)
             seq.num_computed = sc.end
-            self.blocks.commit(seq)
-            if seq.num_computed <= seq.prompt_len:
-                self.blocks.snapshot_state(seq)
+            if seq.num_computed % self.config.block_size == 0 or sc.num_tokens > 1:
+                self.blocks.commit(seq)  # only when a block may have filled up
+                if seq.num_computed <= seq.prompt_len:
+                    self.blocks.snapshot_state(seq)
             if sc.wants_logits:
                 to_sample.append((seq, offsets[i]))
         if not to_sample:
             return []
-        rows = logits[[r for _, r in to_sample]].astype(np.float32, copy=True)
         seqs = [s for s, _ in to_sample]
+        index = [r for _, r in to_sample]
+        if index == list(range(logits.shape[0])):
+            rows = logits  # the usual case: every row is sampled; copied below only if it must be modified
+        else:
+            rows = logits[index]
         return self._sample_and_append(seqs, rows)
 
     def _count_computed(self, sc: ScheduledChunk) -> None:
         seq = sc.seq
+        if sc.num_tokens == 1 and sc.start >= seq.prompt_len:
+            self._counters["decode_tokens"] += 1
+            return
         in_prompt = max(0, min(sc.end, seq.prompt_len) - sc.start)
         rest = sc.num_tokens - in_prompt
         self._counters["prompt_tokens_computed"] += in_prompt
@@ -373,10 +391,12 @@ class Engine:
             self._counters["chunked_output_tokens"] += rest
 
     def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
-        params = [s.params for s in seqs]
-        rows = SamplingRows.from_params(params)
-        apply_penalties(logits, rows, [s.token_ids for s in seqs], [s.output_ids for s in seqs])
+        """`logits` may be the runner's own array: it is copied before anything is written into it."""
+        rows = SamplingRows.from_params([s.params for s in seqs])
         constrained = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained or rows.has_penalties:
+            logits = np.array(logits, dtype=np.float32, copy=True)
+            apply_penalties(logits, rows, [s.token_ids for s in seqs], [s.output_ids for s in seqs])
         if constrained:
             tm = time.perf_counter()
             bitmask = self.structured.bitmask(constrained, len(seqs))
@@ -479,7 +499,7 @@ class Engine:
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
-            token_ids=[int(t) for t in seq.output_ids],
+            token_ids=seq.output_list[:],
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             error=seq.error,
@@ -498,6 +518,7 @@ class Engine:
         seq.error = error
         seq.finish_time = time.monotonic()
         self._live.pop(seq.request_id, None)
+        self._with_deadline.pop(seq.request_id, None)
         self._counters["requests_finished"] += 1
         self._counters[f"finished_{reason}"] += 1
         return self._output(seq)

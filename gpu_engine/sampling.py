@@ -32,15 +32,24 @@ class SamplingRows:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingRows:
+        table = np.array([
+            (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+             p.top_logprobs if p.logprobs else -1)
+            for p in params
+        ], dtype=np.float64).reshape(len(params), 7)
         return cls(
-            temperature=np.array([p.temperature for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int64),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            min_p=np.array([p.min_p for p in params], dtype=np.float32),
-            repetition_penalty=np.array([p.repetition_penalty for p in params], dtype=np.float32),
-            presence_penalty=np.array([p.presence_penalty for p in params], dtype=np.float32),
-            num_logprobs=np.array([p.top_logprobs if p.logprobs else -1 for p in params], dtype=np.int64),
+            temperature=table[:, 0].astype(np.float32),
+            top_k=table[:, 1].astype(np.int64),
+            top_p=table[:, 2].astype(np.float32),
+            min_p=table[:, 3].astype(np.float32),
+            repetition_penalty=table[:, 4].astype(np.float32),
+            presence_penalty=table[:, 5].astype(np.float32),
+            num_logprobs=table[:, 6].astype(np.int64),
         )
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(np.any(self.repetition_penalty != 1.0) or np.any(self.presence_penalty != 0.0))
 
 
 @dataclass

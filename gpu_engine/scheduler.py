@@ -23,21 +23,19 @@ from .inputs import VisionItem
 from .sequence import Sequence, SeqStatus
 
 
-@dataclass
 class ScheduledChunk:
-    seq: Sequence
-    start: int  # first token of the chunk (== tokens already in the cache)
-    num_tokens: int
-    vision_items: list[VisionItem]
+    """One sequence's tokens [start, end) for this step (plain slots class: built for every sequence, every step)."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    __slots__ = ("seq", "start", "num_tokens", "end", "vision_items", "wants_logits")
 
-    @property
-    def wants_logits(self) -> bool:
-        """Only a chunk that reaches the sequence's last token produces a token to sample."""
-        return self.end == self.seq.num_tokens
+    def __init__(self, seq: Sequence, start: int, num_tokens: int, vision_items: list[VisionItem]) -> None:
+        self.seq = seq
+        self.start = start  # == tokens already in the cache
+        self.num_tokens = num_tokens
+        self.end = start + num_tokens
+        self.vision_items = vision_items
+        # Only a chunk that reaches the sequence's last token produces a token to sample.
+        self.wants_logits = self.end == seq.num_tokens
 
 
 @dataclass
@@ -86,7 +84,14 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk_size(seq, seq.num_computed, budget)
+            if seq.num_tokens - seq.num_computed == 1 and seq.num_computed >= seq.prompt_len:
+                n = 1  # plain decode (the common case, kept cheap)
+                if seq.num_computed % self.config.block_size:  # its block exists already
+                    out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, []))
+                    budget -= 1
+                    continue
+            else:
+                n = self._chunk_size(seq, seq.num_computed, budget)
             if n == 0:
                 continue
             while not self.blocks.can_allocate(seq, n):
@@ -121,7 +126,8 @@ class Scheduler:
     def _take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         self.blocks.allocate(seq, n)
         start = seq.num_computed
-        out.chunks.append(ScheduledChunk(seq, start, n, seq.vision_items_in(start, start + n)))
+        items = seq.vision_items_in(start, start + n) if start < seq.prompt_len else []
+        out.chunks.append(ScheduledChunk(seq, start, n, items))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -62,6 +62,9 @@ class Sequence:
         self._tokens[: self.prompt_len] = self.prompt.token_ids
         self.num_tokens = self.prompt_len
         self.logprobs = [] if self.params.logprobs else None
+        self.output_list: list[int] = []  # generated ids as Python ints (cheap copies for every RequestOutput)
+        self._bt_source: list[int] | None = None  # the block_table list the cached array was built from
+        self._bt_array = np.zeros(0, dtype=np.int32)
 
     # ---- tokens ----
     @property
@@ -92,9 +95,21 @@ class Sequence:
     def append(self, token_id: int) -> None:
         self._tokens[self.num_tokens] = token_id
         self.num_tokens += 1
+        self.output_list.append(token_id)
+
+    def block_table_array(self) -> np.ndarray:
+        """int32 copy of block_table, rebuilt only when the table changed (a new block every block_size tokens)."""
+        if self._bt_source is not self.block_table or len(self._bt_array) != len(self.block_table):
+            self._bt_source = self.block_table
+            self._bt_array = np.asarray(self.block_table, dtype=np.int32)
+        return self._bt_array
 
     def positions(self, start: int, n: int) -> np.ndarray:
         """M-RoPE positions [3, n] of tokens [start, start + n): the processor's for the prompt, then i + rope_delta."""
+        if start >= self.prompt_len:  # generated tokens: the same position on all three axes
+            if n == 1:
+                return np.full((3, 1), start + self.prompt.rope_delta, dtype=np.int64)
+            return np.tile(np.arange(start, start + n, dtype=np.int64) + self.prompt.rope_delta, (3, 1))
         out = np.empty((3, n), dtype=np.int64)
         in_prompt = max(0, min(n, self.prompt_len - start))
         if in_prompt:

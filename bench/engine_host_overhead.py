@@ -1,0 +1,149 @@
+"""Host overhead of one engine step (scheduler + batch building + sampling + bookkeeping + detokenising) for
+1 / 32 / 128 sequences in steady decode, with a runner that returns at once.
+
+The runner hands back a preallocated logits array, so every microsecond measured is engine host work — the part
+that must stay small next to a GPU decode step. Two vocabulary sizes: the tiny test model's (2074) and Qwen3.5's
+(248320), because numpy sampling over the vocabulary is the one cost that scales with it (a GPU runner would do
+that reduction on the device).
+
+    python bench/engine_host_overhead.py [--steps 200] [--out bench/results/engine_host_overhead.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.engine_config import EngineConfig  # noqa: E402
+from gpu_engine.params import SamplingParams  # noqa: E402
+from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput  # noqa: E402
+from gpu_engine.tiny_assets import write_tokenizer_files  # noqa: E402
+from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+
+class InstantRunner:
+    """Runner contract with no compute: fixed logits rows (distinct per row so argmax is not trivially 0)."""
+
+    name = "instant"
+
+    def __init__(self, vocab_size: int, max_rows: int, text_vocab: int) -> None:
+        rng = np.random.default_rng(0)
+        self.logits = np.full((max_rows, vocab_size), -10.0, np.float32)
+        # Only real text tokens get mass, so the detokeniser sees ordinary tokens.
+        self.logits[:, :text_vocab] = rng.standard_normal((max_rows, text_vocab)).astype(np.float32)
+
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        return 1
+
+    def state_bytes_per_slot(self) -> int:
+        return 1
+
+    def embedding_nbytes(self, item) -> int:
+        return 0
+
+    def allocate_cache(self, spec: CacheSpec) -> None:
+        pass
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        pass
+
+    def encode_vision(self, item):
+        raise NotImplementedError
+
+    def forward(self, batch: StepBatch) -> StepOutput:
+        offsets = [0]
+        for c in batch.chunks:
+            offsets.append(offsets[-1] + (c.logits != "none"))
+        return StepOutput(logits=self.logits[: offsets[-1]], row_offsets=offsets)
+
+
+def measure(tokenizer: Tokenizer, vocab: int, num_seqs: int, steps: int, params: SamplingParams) -> dict:
+    runner = InstantRunner(vocab, num_seqs, 2000)
+    cfg = EngineConfig(max_num_seqs=num_seqs, max_batched_tokens=max(2048, num_seqs), num_kv_blocks=num_seqs * 64 + 64,
+                       block_size=16)
+    eng = Engine(runner, tokenizer, vocab_size=vocab, config=cfg)
+    rng = np.random.default_rng(1)
+    for _ in range(num_seqs):
+        eng.add_request(rng.integers(0, 2000, size=16).tolist(), params)
+    for _ in range(3):  # prefill + warm-up: afterwards every sequence decodes one token per step
+        eng.step()
+    before = eng.stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    after = eng.stats()
+    assert after["running"] == num_seqs and after["decode_tokens"] - before["decode_tokens"] == steps * num_seqs
+    us = np.array(times) * 1e6
+    sample_us = (after["sample_time_s"] - before["sample_time_s"]) / steps * 1e6
+    return {
+        "vocab": vocab, "num_seqs": num_seqs, "steps": steps,
+        "step_us_mean": float(us.mean()), "step_us_p50": float(np.percentile(us, 50)),
+        "step_us_p95": float(np.percentile(us, 95)),
+        "sampling_us_mean": float(sample_us),
+        "host_us_without_sampling": float(us.mean() - sample_us),
+        "us_per_sequence": float(us.mean() / num_seqs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default=str(ROOT / "bench/results/engine_host_overhead.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(tmp)
+        tokenizer = Tokenizer.from_pretrained(tmp)
+    rows = []
+    params = SamplingParams(max_tokens=900, ignore_eos=True)
+    for vocab in (2074, 248320):
+        for n in (1, 32, 128):
+            rows.append(measure(tokenizer, vocab, n, args.steps if vocab < 10000 else max(20, args.steps // 5), params))
+            rows[-1]["detokenizer"] = True
+    # The same at the small vocabulary with the incremental detokeniser stubbed out, to show its share.
+    real_push = IncrementalDetokenizer.push
+    IncrementalDetokenizer.push = lambda self, token_id: ""  # type: ignore[method-assign]
+    try:
+        for n in (1, 32, 128):
+            rows.append(measure(tokenizer, 2074, n, args.steps, params))
+            rows[-1]["detokenizer"] = False
+    finally:
+        IncrementalDetokenizer.push = real_push  # type: ignore[method-assign]
+    print(f"{'vocab':>7} {'seqs':>5} {'detok':>6} {'step µs p50':>12} {'mean':>8} {'p95':>8} {'sampling µs':>12} "
+          f"{'host w/o sampling µs':>21} {'µs/seq (p50)':>13}")
+    for r in rows:
+        print(f"{r['vocab']:>7} {r['num_seqs']:>5} {str(r['detokenizer']):>6} {r['step_us_p50']:>12.0f} "
+              f"{r['step_us_mean']:>8.0f} {r['step_us_p95']:>8.0f} {r['sampling_us_mean']:>12.0f} "
+              f"{r['host_us_without_sampling']:>21.0f} {r['step_us_p50'] / r['num_seqs']:>13.1f}")
+    result = {
+        "benchmark": "engine_host_overhead",
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"python": platform.python_version(), "numpy": np.__version__,
+                    "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "load_average_1m_at_end": os.getloadavg()[0]},
+        "note": "p50 is the figure to read: this machine is shared, so mean / p95 include other processes' bursts",
+        "sampling": "greedy, no penalties, no logprobs",
+        "goal": "<= 1000 µs per step at 128 sequences",
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
