@@ -42,6 +42,9 @@ SUMS_FILE = "SHA256SUMS"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+# The names transformers' save_pretrained writes, per group (used for messages and by the tiny generator).
+CANONICAL_PREFIX = {"text": "model.language_model.", "vision": "model.visual.", "lm_head": "lm_head.", "mtp": "mtp."}
+
 # (checkpoint prefix, our group) in the order they are tried; the first match wins.
 _PREFIXES: tuple[tuple[str, str], ...] = (
     ("model.language_model.", "text"),
@@ -136,6 +139,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["vision/merger.linear_fc2.weight"] = (v.out_hidden_size, vh * m2)
     out["vision/merger.linear_fc2.bias"] = (v.out_hidden_size,)
     return out
+
+
+def checkpoint_name(ours: str) -> str:
+    """The name transformers writes for our `group/name` (e.g. text/norm.weight -> model.language_model.norm.weight)."""
+    group, name = ours.split("/", 1)
+    return CANONICAL_PREFIX[group] + name
 
 
 def _our_name(checkpoint_name: str) -> str | None:
@@ -276,6 +285,7 @@ def load_weights(
     fingerprint = checkpoint_fingerprint(folder, files, digests)
 
     found: dict[str, np.ndarray] = {}
+    source: dict[str, str] = {}  # our name -> the checkpoint's name, for messages
     unknown: list[str] = []
     for file in files:
         for name, tensor in _read_file(folder / file).items():
@@ -284,15 +294,18 @@ def load_weights(
                 unknown.append(name)
             else:
                 found[ours] = tensor
+                source[ours] = name
 
     # A tied checkpoint may still carry a (duplicate) lm_head; transformers ties it to the embedding anyway.
     if config.tie_word_embeddings:
         found.pop("lm_head/weight", None)
     want = expected_shapes(config)
-    missing = sorted(n for n in want if n not in found)
-    unexpected = sorted(unknown + [n for n in found if n not in want and not n.startswith("mtp/")])
+    missing = sorted(checkpoint_name(n) for n in want if n not in found)
+    unexpected = sorted(unknown + [source[n] for n in found if n not in want and not n.startswith("mtp/")])
     misshaped = sorted(
-        f"{n}: {tuple(found[n].shape)} (expected {want[n]})" for n in want if n in found and tuple(found[n].shape) != want[n]
+        f"{source[n]}: {tuple(found[n].shape)} (expected {want[n]})"
+        for n in want
+        if n in found and tuple(found[n].shape) != want[n]
     )
     if missing or unexpected or misshaped:
         parts = []

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
-from .loader import INDEX_FILE, SINGLE_FILE, SUMS_FILE, expected_shapes
+from .loader import INDEX_FILE, SINGLE_FILE, SUMS_FILE, checkpoint_name, expected_shapes
 from .tiny_assets import write_processor_configs, write_tokenizer_files
 
 # Qwen3.5-like proportions at toy size: 3 DeltaNet layers then 1 gated full-attention layer, GQA 4:2,
@@ -64,8 +64,6 @@ TINY_VISION: dict[str, Any] = {
     "out_hidden_size": 64,
     "num_position_embeddings": 64,
 }
-
-_CHECKPOINT_PREFIX = {"text": "model.language_model.", "vision": "model.visual.", "lm_head": "lm_head."}
 
 
 def make_tiny_checkpoint(
@@ -132,8 +130,7 @@ def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, np.ndarra
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for ours, shape in sorted(expected_shapes(config).items()):
-        group, name = ours.split("/", 1)
-        out[_CHECKPOINT_PREFIX[group] + name] = _init(name, shape, rng)
+        out[checkpoint_name(ours)] = _init(ours.split("/", 1)[1], shape, rng)
     return out
 
 
