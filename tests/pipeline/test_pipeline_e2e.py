@@ -1,0 +1,282 @@
+"""End-to-end acceptance: real files, the real engine (bundled tiny model, reference runner), SQLite and
+PostgreSQL. The tiny model's weights are random, so answers are schema-valid noise: the tests check shape,
+validity, bookkeeping and idempotence, never the content."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import fitz
+import jsonschema
+import pytest
+from pipeline_test_support import REPO, png_bytes
+from sqlalchemy import func, select
+
+from pipeline import models
+from pipeline.errors import UnknownSchemaError
+from pipeline.ingest import create_batch, ingest_file, ingest_folder
+from pipeline.jobs import run_job
+from pipeline.processing import process_paths
+from pipeline.queries import batch_items, batch_progress, get_results
+from pipeline.schemas import register_schema
+
+TABLES = (models.Document, models.Page, models.Job, models.Result, models.Schema, models.Batch, models.BatchItem)
+
+
+def row_counts(p: Any) -> dict[str, int]:
+    with p.db.read_session() as s:
+        return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) for t in TABLES}
+
+
+def results_of(p: Any, job_id: int) -> list[models.Result]:
+    with p.db.read_session() as s:
+        return list(s.scalars(select(models.Result).where(models.Result.job_id == job_id)))
+
+
+def check_document(p: Any, document_id: int, name: str) -> None:
+    """One succeeded job whose unit and merged results validate against the schema; pages recorded."""
+    res = get_results(p, document_id)
+    assert res["status"] == "succeeded", (name, res["results"][0]["error"] if res["results"] else res["error"])
+    assert res["page_count"] == len(res["pages"]) >= 1
+    kind = res["kind"]
+    for page in res["pages"]:
+        assert page["has_image"] and page["width"] > 0 and page["height"] > 0 and page["error"] is None
+        assert (page["timestamp"] is not None) == (kind == "video"), name
+    if kind == "video":
+        stamps = [pg["timestamp"] for pg in res["pages"]]
+        assert stamps == sorted(stamps) and stamps[0] >= 0.0
+    [job] = res["results"]
+    with p.db.read_session() as s:
+        schema = s.get(models.Job, job["job_id"]).schema.json_schema
+    units = job["units"]
+    expected_units = ["video"] if kind == "video" else [f"page:{pg['index']}" for pg in res["pages"]]
+    assert [u["unit"] for u in units] == expected_units
+    for unit in units + [job["document"]]:
+        assert unit["ok"], unit["error"]
+        jsonschema.validate(unit["data"], schema)
+        assert unit["provenance"]["model_fingerprint"] and unit["provenance"]["schema_version"] == 1
+        conf = unit["confidence"]
+        assert 0.0 < conf["overall"] <= 1.0
+        assert all(0.0 < c <= 1.0 for c in conf["fields"].values())
+
+
+def test_every_sample_end_to_end(database_url: str, make_pipeline: Any, engine_client: Any,
+                                 inputs: list[Path]) -> None:
+    p = make_pipeline(database_url, client=engine_client)
+    report = process_paths(p, inputs)
+    assert [f.state for f in report.files] == ["succeeded"] * len(inputs), [(f.name, f.error) for f in report.files]
+    assert len({f.document_id for f in report.files}) == len(inputs)
+    for f in report.files:
+        check_document(p, f.document_id, f.name)
+    counts = row_counts(p)
+    assert counts["documents"] == len(inputs) and counts["jobs"] == len(inputs)
+
+    again = process_paths(p, inputs)  # same files, schema and model: nothing new, same results
+    assert [f.outcome for f in again.files] == ["duplicate"] * len(inputs)
+    assert [f.document_id for f in again.files] == [f.document_id for f in report.files]
+    assert again.pages_processed == 0
+    grown = row_counts(p)
+    assert grown["batch_items"] == 2 * len(inputs) and grown["batches"] == 2  # intake is recorded ...
+    for table in ("documents", "pages", "jobs", "results", "schemas"):
+        assert grown[table] == counts[table], table  # ... nothing else is added
+    for f in report.files:
+        assert run_job(p, f.job_id).ran is False  # a finished job is never run again
+
+
+def test_bad_files_fail_with_reasons_good_ones_succeed(make_pipeline: Any, engine_client: Any, tmp_path: Path,
+                                                       inputs: list[Path]) -> None:
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    (folder / "good.png").write_bytes(png_bytes(96, 64))
+    (folder / "empty.pdf").write_bytes(b"")
+    (folder / "notes.pdf").write_text("this is text, not a PDF")
+    for suffix in (".jpg", ".mp4"):
+        whole = next(f for f in inputs if f.suffix == suffix).read_bytes()
+        (folder / f"truncated{suffix}").write_bytes(whole[: len(whole) // 3])
+    doc = fitz.open()
+    doc.new_page().insert_text((72, 72), "secret")
+    doc.save(folder / "locked.pdf", encryption=fitz.PDF_ENCRYPT_AES_256, user_pw="pw", owner_pw="pw")
+
+    p = make_pipeline(client=engine_client)
+    report = process_paths(p, [folder])
+    states = {Path(f.name).name: f for f in report.files}
+    assert states["good.png"].state == "succeeded"
+    for bad, words in (("empty.pdf", "empty"), ("notes.pdf", "not an accepted media type"),
+                       ("locked.pdf", "password"), ("truncated.jpg", "cannot be decoded"),
+                       ("truncated.mp4", "cannot be decoded")):
+        assert states[bad].state == "failed", bad
+        assert states[bad].error and words in states[bad].error.lower(), (bad, states[bad].error)
+    assert not report.ok
+    progress = batch_progress(p, report.batch_id)
+    assert progress["finished"] and progress["counts"]["succeeded"] == 1 and progress["counts"]["failed"] == 5
+    assert {i["name"]: i["state"] for i in batch_items(p, report.batch_id)}["locked.pdf"] == "failed"
+
+    # the password makes the locked file readable: the same bytes are taken again, not refused as a duplicate
+    again = ingest_file(p, folder / "locked.pdf", password="pw")
+    assert again.outcome == "new" and again.pages == 1
+
+
+CRASHING_RUN = textwrap.dedent("""
+    import os, sys
+    from pipeline.context import Pipeline
+    from pipeline.engine_client import EngineClient
+    from pipeline.jobs import run_job
+    from pipeline.settings import Settings
+
+    class CrashAfterFirstPage:
+        def __init__(self, inner):
+            self.inner = inner
+            self.model_key, self.model_fingerprint = inner.model_key, inner.model_fingerprint
+            self.engine_version = inner.engine_version
+
+        def run(self, requests):
+            for n, reply in enumerate(self.inner.run(requests)):
+                if n == 1:
+                    os._exit(17)  # the process dies after page 0 is stored, before page 1 is
+                yield reply
+
+    settings = Settings(**{**__import__("json").loads(sys.argv[1])})
+    client = CrashAfterFirstPage(EngineClient.from_settings(settings))
+    run_job(Pipeline(settings, client=client), int(sys.argv[2]))
+    sys.exit(0)
+""")
+
+
+def test_crash_between_pages_then_rerun_leaves_one_result_set(make_pipeline: Any, engine_client: Any,
+                                                               inputs: list[Path], tmp_path: Path) -> None:
+    p = make_pipeline(client=engine_client)
+    multi = max(inputs, key=lambda f: (f.suffix in (".pdf", ".tif", ".tiff"), f.stat().st_size))
+    intake = ingest_file(p, multi)
+    assert intake.pages >= 2, "needs a multi-page input"
+    settings = json.dumps({**json.loads(p.settings.model_dump_json(include={
+        "data_dir", "database_url", "stable_seconds", "max_tokens", "video_max_frames", "engine_max_num_seqs"}))})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    crashed = subprocess.run([sys.executable, "-c", CRASHING_RUN, settings, str(intake.job_id)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == 17, crashed.stderr[-2000:]
+    with p.db.read_session() as s:
+        job = s.get(models.Job, intake.job_id)
+        assert (job.state, job.attempts) == ("running", 1)  # the dead process left it running
+    [survivor] = results_of(p, intake.job_id)
+    assert survivor.unit == "page:0"
+
+    run = run_job(p, intake.job_id)  # owner process is gone from this host: taken over at once
+    assert run.ran and run.state == "succeeded" and run.units_done_now == intake.pages - 1  # resumed, not redone
+    rows = results_of(p, intake.job_id)
+    assert sorted(r.unit for r in rows) == sorted([f"page:{i}" for i in range(intake.pages)] + ["document"])
+    assert next(r for r in rows if r.unit == "page:0").id == survivor.id
+    assert run_job(p, intake.job_id).ran is False
+    assert len(results_of(p, intake.job_id)) == intake.pages + 1
+
+
+def test_concurrent_runs_of_one_job_write_once(make_pipeline: Any, engine_client: Any) -> None:
+    p = make_pipeline(client=engine_client)
+    intake = ingest_file(p, png_bytes(), name="twice.png")
+    runs: list[Any] = []
+    threads = [threading.Thread(target=lambda: runs.append(run_job(p, intake.job_id, takeover=True)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = results_of(p, intake.job_id)
+    assert sorted(r.unit for r in rows) == ["document", "page:0"]
+    assert sum(r.ran for r in runs) >= 1
+    with p.db.read_session() as s:
+        assert s.get(models.Job, intake.job_id).state == "succeeded"
+
+
+def test_running_job_is_not_taken_from_a_live_owner(make_pipeline: Any, engine_client: Any) -> None:
+    from pipeline.jobs import JobRun, _claim
+
+    p = make_pipeline(client=engine_client)
+    intake = ingest_file(p, png_bytes(), name="busy.png")
+    claim = _claim(p, intake.job_id, takeover=False)  # this process now owns it (lease valid, pid alive)
+    assert not isinstance(claim, JobRun)
+    busy = run_job(p, intake.job_id)
+    assert not busy.ran and "running in" in busy.note
+    taken = run_job(p, intake.job_id, takeover=True)
+    assert taken.ran and taken.state == "succeeded"
+
+
+def test_poison_job_fails_after_the_attempt_cap(make_pipeline: Any) -> None:
+    class Exploding:  # the behaviour under test is the retry cap, not the model
+        model_key, model_fingerprint, engine_version = "poison" * 8, "none", "0"
+
+        def run(self, requests: Any) -> Any:
+            raise RuntimeError("extraction blew up")
+            yield  # pragma: no cover
+
+    p = make_pipeline(client=Exploding(), job_max_attempts=2)
+    intake = ingest_file(p, png_bytes(), name="poison.png")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="blew up"):
+            run_job(p, intake.job_id)
+    final = run_job(p, intake.job_id)
+    assert final.state == "failed" and not final.ran
+    with p.db.read_session() as s:
+        job = s.get(models.Job, intake.job_id)
+        assert job.state == "failed" and "gave up after 2 attempts" in job.error and "blew up" in job.error
+
+
+def test_unknown_schema_is_refused_before_any_work(make_pipeline: Any, engine_client: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=engine_client)
+    before = row_counts(p)
+    with pytest.raises(UnknownSchemaError, match="unknown extraction schema 'nope'"):
+        ingest_file(p, png_bytes(), schema="nope")
+    (tmp_path / "in").mkdir()
+    with pytest.raises(UnknownSchemaError):
+        ingest_folder(p, tmp_path / "in", schema="nope")
+    assert row_counts(p) == before
+
+
+def test_user_schema_end_to_end(make_pipeline: Any, engine_client: Any) -> None:
+    p = make_pipeline(client=engine_client)
+    definition = {"type": "object", "additionalProperties": False, "required": ["colour", "count"],
+                  "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                 "count": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    with p.db.session() as s:
+        register_schema(s, "swatch", definition, prompt="Which colour is this swatch?")
+    image = png_bytes()
+    intake = ingest_file(p, image, name="swatch.png", schema="swatch")
+    assert run_job(p, intake.job_id).state == "succeeded"
+    merged = get_results(p, intake.document_id)["results"][0]["document"]
+    jsonschema.validate(merged["data"], definition)
+    assert set(merged["confidence"]["fields"]) == {"/colour", "/count"}
+    # the same file with another schema: the same document, a new job
+    generic = ingest_file(p, image, name="swatch.png", schema="generic")
+    assert generic.outcome == "new" and generic.document_id == intake.document_id
+    assert generic.job_id != intake.job_id
+
+
+def test_folder_ingestion_skips_files_being_written(make_pipeline: Any, engine_client: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "watch"
+    (folder / "done").mkdir(parents=True)
+    (folder / "a.png").write_bytes(png_bytes())
+    (folder / "done" / "old.png").write_bytes(png_bytes())  # already processed by a watch run
+    (folder / ".partial.png").write_bytes(png_bytes())
+    p = make_pipeline(client=engine_client)
+    growing = folder / "growing.png"
+    data = png_bytes(128, 128)
+    growing.write_bytes(data[:100])
+
+    def finish_writing() -> None:
+        import time
+
+        time.sleep(0.2)
+        growing.write_bytes(data)
+
+    writer = threading.Thread(target=finish_writing)
+    writer.start()
+    outcomes = ingest_folder(p, folder, stable_seconds=0.6)
+    writer.join()
+    by_name = {o.name: o.outcome for o in outcomes}
+    assert by_name == {"a.png": "new", "growing.png": "unstable"}
+    later = {o.name: o.outcome for o in ingest_folder(p, folder, stable_seconds=0.0)}
+    assert later == {"a.png": "duplicate", "growing.png": "new"}
