@@ -1,0 +1,67 @@
+"""End to end through the queue: `submit` -> ingest worker -> gpu worker (reference runner, bundled tiny model).
+
+Acceptance: 50 documents all succeed with exactly one result set each; a poison document (its stored page is
+damaged, so extraction raises on every attempt) ends `failed` after the attempt cap and does not block others.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from workers_harness import FLAG_SCHEMA, REPO, png
+
+
+def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_after_the_cap(redis_url, make_cluster):
+    cluster = make_cluster(redis_url, DOCPIPE_JOB_MAX_ATTEMPTS="3")
+    cluster.register_schema("flag", FLAG_SCHEMA)  # also creates the database before any worker starts
+    inbox = cluster.root / "inbox"
+    inbox.mkdir()
+    for i in range(50):
+        (inbox / f"doc{i:02d}.png").write_bytes(png(size=20))
+
+    gpu = cluster.start_worker("gpu")
+    ingest = cluster.start_worker("ingest", "--concurrency", "1")
+    beat = cluster.start_beat()  # the reconciler would resend anything lost; nothing should need it here
+
+    submitted = subprocess.run([sys.executable, "-m", "workers", "submit", str(inbox), "--schema", "flag", "--json"],
+                               cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stderr
+    report = json.loads(submitted.stdout)
+    assert len(report["files"]) == 50 and all(f["published"] for f in report["files"])
+
+    # The poison document goes in alongside: its rendered page is overwritten with junk after ingestion.
+    from pipeline.models import Page
+
+    poison_job = cluster.ingest(png(size=20), "poison.png", "flag", enqueue=False)
+    with cluster.pipeline.db.read_session() as s:
+        blob = s.query(Page).join(Page.document).filter(Page.document.has(original_name="poison.png")).one().image_blob
+    cluster.pipeline.blobs.path(blob).write_bytes(b"this is not a PNG any more")
+    cluster.enqueue(poison_job)
+
+    cluster.wait_for("51 finished jobs",
+                     lambda: sum(n for st, n in cluster.job_states().items() if st != "queued" and st != "running")
+                     == 51, timeout=150)
+    assert gpu.alive() and ingest.alive() and beat.alive(), cluster.logs_text()
+
+    jobs = {j.id: j for j in cluster.jobs()}
+    assert len(jobs) == 51
+    poison = jobs.pop(poison_job)
+    assert poison.state == "failed", (poison.state, poison.error)
+    assert poison.attempts == 3 and poison.error.startswith("gave up after 3 attempts"), poison.error
+    assert "UnidentifiedImageError" in poison.error  # the reason a person can act on is kept
+
+    assert {j.state for j in jobs.values()} == {"succeeded"}, cluster.logs_text()
+    units = cluster.result_units()
+    for job_id in jobs:
+        assert sorted(units[job_id]) == ["document", "page:0"], (job_id, units.get(job_id))
+    assert all(j.attempts == 1 for j in jobs.values())  # nothing crashed: every job ran exactly once
+    assert not any((cluster.data_dir / "incoming").iterdir())  # every staged file was ingested and removed
+
+    status = subprocess.run([sys.executable, "-m", "workers", "status", "--json"], cwd=REPO, env=cluster.env,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    st = json.loads(status.stdout)
+    assert st["jobs_by_state"] == {"succeeded": 50, "failed": 1}
+    assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
+    assert st["queues"]["beat_holder"] is not None
