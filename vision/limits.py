@@ -52,7 +52,7 @@ class RenderOptions:
     video_max_frames: int = 768
     pad_frames_to: int = 2
     dedupe_frames: bool = False
-    dedupe_max_distance: int = 4
+    dedupe_max_distance: int = 8  # of 64 bits; the same page re-encoded differs by <= 6, different pages by >= 18
 
     def __post_init__(self) -> None:
         for name in ("pdf_dpi", "video_fps", "video_min_frames", "video_max_frames", "pad_frames_to"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pymupdf
-from PIL import Image
+from PIL import Image, ImageDraw
 
 WORDS = ["invoice", "total", "amount", "receipt", "customer", "order", "payment", "tax", "date", "item", "price",
          "quantity", "address", "number", "account", "balance"]
@@ -116,3 +116,13 @@ def write_audio_only_mp4(path: Path, seconds: float = 0.5) -> Path:
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def document_like(rng: np.random.Generator, w: int = 160, h: int = 120) -> np.ndarray:
+    """White page with random black 'text lines' (what a document video shows)."""
+    img = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(img)
+    for _ in range(12):
+        x, y = int(rng.integers(5, w - 40)), int(rng.integers(5, h - 8))
+        draw.rectangle((x, y, x + int(rng.integers(10, 35)), y + 3), fill="black")
+    return np.asarray(img)
