@@ -38,7 +38,7 @@ def _pipeline() -> Any:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}")
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)  # soft: never break a message
     raise typer.Exit(code)
 
 
@@ -112,11 +112,12 @@ def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: 
         _fail(str(exc))
         return
     if as_json:
-        out.print_json(json.dumps(report.as_json()))
+        typer.echo(json.dumps(report.as_json(), indent=2, ensure_ascii=False))
     else:
         out.print(_summary_table(report))
     if not report.ok:
-        err.print(f"[bold red]{len(report.failed)} of {len(report.files)} file(s) failed or were only partly read[/]")
+        err.print(f"[bold red]{len(report.failed)} of {len(report.files)} file(s) failed or were only partly read[/]",
+                  soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -147,7 +148,7 @@ def results(
         _fail(str(exc))
         return
     if as_json:
-        out.print_json(json.dumps(data))
+        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
         return
     out.print(f"[bold]document {data['id']}[/] {data['name']} ({data['media_type']}, {data['page_count']} "
               f"page(s)) status: {data['status']}" + (f" — {data['error']}" if data["error"] else ""))
@@ -199,7 +200,7 @@ def schemas_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.
         rows = [{"name": r.name, "version": r.version, "builtin": r.builtin,
                  "fields": list(r.json_schema.get("properties", {}))} for r in list_schemas(s)]
     if as_json:
-        out.print_json(json.dumps(rows))
+        typer.echo(json.dumps(rows, indent=2, ensure_ascii=False))
         return
     table = Table("name", "version", "built-in", "fields")
     for r in rows:
