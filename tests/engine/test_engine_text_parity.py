@@ -201,3 +201,19 @@ def test_tiny_generator_checkpoint_loads_in_transformers_with_equal_logits(tmp_p
         got = ours.logits(ids)
         assert rel_err(got, expected) <= 1e-4
         assert per_position_rel_err(got, expected) <= 1e-3
+
+
+def test_generate_stops_on_stop_tokens_and_samples_reproducibly(pair):
+    _, ours = pair
+    ids = text_ids(ours, 9, seed=13)
+    greedy = ours.generate(ids, max_tokens=6)
+    stop = greedy[2]
+    expected = greedy[: greedy.index(stop) + 1]  # up to and including the first stop token
+    assert ours.generate(ids, max_tokens=6, stop_token_ids=[stop]) == expected
+    hot = ours.generate(ids, max_tokens=12, temperature=1.5, seed=7)
+    assert hot == ours.generate(ids, max_tokens=12, temperature=1.5, seed=7)
+    assert len(hot) == 12
+    with pytest.raises(ValueError, match="max_tokens"):
+        ours.generate(ids, max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        ours.generate(ids, temperature=-1.0)
