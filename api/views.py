@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pipeline.models import Batch, Document, DocumentStatus, Job, Page, Result, Schema
+from pipeline.models import Document, DocumentStatus, Job, Page, Result, Schema
 
 Status = Literal["queued", "running", "succeeded", "partial", "failed"]
 

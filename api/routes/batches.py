@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, status
 from starlette.concurrency import run_in_threadpool
 
+from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..intake import UPLOAD_FORM_DOC, accept_batch
@@ -50,5 +51,5 @@ def batch_view(ctx: ApiContext, batch_id: int) -> BatchOut:
 
 
 @router.get("/v1/batches/{batch_id}", response_model=BatchOut)
-def batches_get(batch_id: int, ctx: ApiContext = Depends(get_ctx)) -> BatchOut:
+def batches_get(batch_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> BatchOut:
     return batch_view(ctx, batch_id)

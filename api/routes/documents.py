@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, status
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..errors import ApiError
@@ -18,9 +19,6 @@ from ..views import DeletedOut, DocumentDetail, DocumentPage, ResultOut, UploadO
     document_out, result_out
 
 router = APIRouter(tags=["documents"])
-
-DocId = Annotated[int, Path(ge=1, le=2**62)]
-
 
 @router.post("/v1/documents", response_model=UploadOut, status_code=status.HTTP_202_ACCEPTED,
              responses={200: {"model": UploadOut, "description": "Duplicate: these bytes were uploaded before"},
@@ -60,13 +58,13 @@ def documents_list(
 
 
 @router.get("/v1/documents/{doc_id}", response_model=DocumentDetail)
-def documents_get(doc_id: DocId, ctx: ApiContext = Depends(get_ctx)) -> DocumentDetail:
+def documents_get(doc_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> DocumentDetail:
     with ctx.pipeline.db.read_session() as s:
         return document_detail(load_document(s, doc_id, pages=True))
 
 
 @router.get("/v1/documents/{doc_id}/result", response_model=ResultOut)
-def documents_result(doc_id: DocId, ctx: ApiContext = Depends(get_ctx),
+def documents_result(doc_id: RowId, ctx: ApiContext = Depends(get_ctx),
                      schema: Annotated[str | None, Query(max_length=64)] = None) -> ResultOut:
     """The merged result, per-page results and confidences of the latest job (of `schema` if given).
 
@@ -78,7 +76,7 @@ def documents_result(doc_id: DocId, ctx: ApiContext = Depends(get_ctx),
 
 @router.get("/v1/documents/{doc_id}/pages/{index}.png", response_class=FileResponse,
             responses={200: {"content": {"image/png": {}}}})
-def documents_page_image(doc_id: DocId, index: Annotated[int, Path(ge=0, le=1_000_000)],
+def documents_page_image(doc_id: RowId, index: Annotated[int, Path(ge=0, le=1_000_000)],
                          ctx: ApiContext = Depends(get_ctx)) -> FileResponse:
     """The rendered page (or sampled video frame) as PNG; `index` counts from 0."""
     with ctx.pipeline.db.read_session() as s:
@@ -90,7 +88,7 @@ def documents_page_image(doc_id: DocId, index: Annotated[int, Path(ge=0, le=1_00
 
 
 @router.delete("/v1/documents/{doc_id}", response_model=DeletedOut)
-def documents_delete(doc_id: DocId, ctx: ApiContext = Depends(get_ctx)) -> DeletedOut:
+def documents_delete(doc_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> DeletedOut:
     """Delete the document, its pages, jobs and results, and blobs nothing else uses."""
     with ctx.pipeline.db.session() as s:
         orphaned = delete_document(s, doc_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, status
 from starlette.concurrency import run_in_threadpool
 
+from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..intake import retry_job
@@ -14,14 +15,14 @@ router = APIRouter(tags=["jobs"])
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut)
-def jobs_get(job_id: int, ctx: ApiContext = Depends(get_ctx)) -> JobOut:
+def jobs_get(job_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> JobOut:
     with ctx.pipeline.db.read_session() as s:
         return job_out(load_job(s, job_id))
 
 
 @router.post("/v1/jobs/{job_id}/retry", response_model=JobOut, status_code=status.HTTP_202_ACCEPTED,
              responses={409: {"description": "The job is still queued or running"}})
-async def jobs_retry(job_id: int, ctx: ApiContext = Depends(get_ctx),
+async def jobs_retry(job_id: RowId, ctx: ApiContext = Depends(get_ctx),
                      who: Principal = Depends(get_principal)) -> JobOut:
     """Queue a finished (failed or partial) job again; its old results are replaced when it succeeds."""
     await run_in_threadpool(ctx.jobs.check, who.key_id)

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, status
 from pipeline.errors import UnknownSchemaError
 from pipeline.schemas import get_schema, list_schemas, register_schema
 
+from . import Version
 from ..context import ApiContext, get_ctx
 from ..errors import NotFound
 from ..views import SchemaIn, SchemaList, SchemaOut, schema_out
@@ -20,7 +21,7 @@ def schemas_list(ctx: ApiContext = Depends(get_ctx)) -> SchemaList:
 
 
 @router.get("/v1/schemas/{name}", response_model=SchemaOut)
-def schemas_get(name: str, version: int | None = None, ctx: ApiContext = Depends(get_ctx)) -> SchemaOut:
+def schemas_get(name: str, version: Version = None, ctx: ApiContext = Depends(get_ctx)) -> SchemaOut:
     with ctx.pipeline.db.read_session() as s:
         try:
             return schema_out(get_schema(s, name, version))
