@@ -46,7 +46,10 @@ class StructuredOutput:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.executor = llguidance.LLExecutor(num_threads)
         self.whitespace_flexible = whitespace_flexible
-        self._grammars: OrderedDict[str, str] = OrderedDict()  # request key -> validated grammar
+        # Request key -> a fresh matcher of that grammar. New requests get deep copies: the copy shares the compiled
+        # grammar and its lazily built lexer automaton, so the second request of a schema does not pay to build
+        # (and warm) it again.
+        self._templates: OrderedDict[str, Any] = OrderedDict()
 
     def _grammar_source(self, params: SamplingParams) -> tuple[str, str]:
         if params.json_schema is not None:
@@ -69,25 +72,22 @@ class StructuredOutput:
         lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
         return "choice:" + json.dumps(params.choice), llguidance.LLMatcher.grammar_from_lark(lark)
 
-    def grammar_for(self, params: SamplingParams) -> str:
-        key, grammar = self._grammar_source(params)
-        cached = self._grammars.get(key)
-        if cached is not None:
-            self._grammars.move_to_end(key)
-            return cached
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(f"cannot build the output grammar: {'; '.join(messages)}")
-        self._grammars[key] = grammar
-        if len(self._grammars) > _GRAMMAR_CACHE_SIZE:
-            self._grammars.popitem(last=False)
-        return grammar
-
     def new_matcher(self, params: SamplingParams) -> Any:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar_for(params))
-        if matcher.is_error():
-            raise GrammarError(f"cannot start the output grammar: {matcher.get_error()}")
-        return matcher
+        key, grammar = self._grammar_source(params)
+        template = self._templates.get(key)
+        if template is None:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+            if is_error:
+                raise GrammarError(f"cannot build the output grammar: {'; '.join(messages)}")
+            template = llguidance.LLMatcher(self.tokenizer, grammar)
+            if template.is_error():
+                raise GrammarError(f"cannot start the output grammar: {template.get_error()}")
+            self._templates[key] = template
+            if len(self._templates) > _GRAMMAR_CACHE_SIZE:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(key)
+        return template.deep_copy()
 
     def bitmask(self, matchers: list[tuple[Any, int]], num_rows: int) -> np.ndarray:
         """int32 [num_rows, ceil(V/32)]; rows not listed allow every token."""

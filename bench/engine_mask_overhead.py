@@ -1,0 +1,165 @@
+"""Grammar-mask overhead per engine step for 1 / 8 / 32 / 128 JSON-schema-constrained sequences.
+
+A runner that returns at once hands back random logits; every request is constrained by an invoice-like JSON
+schema and sampled at temperature 1, so the grammars walk through varied states. Finished requests are replaced
+at once, so the batch stays full. Reported per step: the mask time (llguidance computing the bitmask for the
+batch + unpacking + applying it, the engine's own `mask_time_s` counter), the whole step, and how many tokens
+jump-forward appended without sampling.
+
+    python bench/engine_mask_overhead.py [--steps 100] [--out bench/results/engine_mask_overhead.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.engine_config import EngineConfig  # noqa: E402
+from gpu_engine.params import SamplingParams  # noqa: E402
+from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput  # noqa: E402
+from gpu_engine.tiny_assets import write_tokenizer_files  # noqa: E402
+from gpu_engine.tokenizer import Tokenizer  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "vendor": {"type": "string", "maxLength": 24},
+        "invoice_number": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4,8}$"},
+        "issued": {"type": "string", "format": "date"},
+        "currency": {"enum": ["EUR", "USD", "GBP", "CHF"]},
+        "lines": {"type": "array", "maxItems": 4, "items": {
+            "type": "object",
+            "properties": {"description": {"type": "string", "maxLength": 16},
+                           "qty": {"type": "integer", "minimum": 1, "maximum": 999},
+                           "price": {"type": "number", "minimum": 0, "maximum": 100000}},
+            "required": ["description", "qty", "price"], "additionalProperties": False}},
+        "total": {"type": "number", "minimum": 0, "maximum": 1000000},
+    },
+    "required": ["vendor", "invoice_number", "issued", "currency", "lines", "total"],
+    "additionalProperties": False,
+}
+
+
+class RandomLogitsRunner:
+    name = "random-logits"
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        self.rng = np.random.default_rng(0)
+        self.pool = self.rng.standard_normal((max_rows * 8, vocab_size)).astype(np.float32)
+
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        return 1
+
+    def state_bytes_per_slot(self) -> int:
+        return 1
+
+    def embedding_nbytes(self, item) -> int:
+        return 0
+
+    def allocate_cache(self, spec: CacheSpec) -> None:
+        pass
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        pass
+
+    def encode_vision(self, item):
+        raise NotImplementedError
+
+    def forward(self, batch: StepBatch) -> StepOutput:
+        offsets = [0]
+        for c in batch.chunks:
+            offsets.append(offsets[-1] + (c.logits != "none"))
+        start = int(self.rng.integers(0, self.pool.shape[0] - offsets[-1] + 1))
+        return StepOutput(logits=self.pool[start : start + offsets[-1]], row_offsets=offsets)
+
+
+def measure(tokenizer: Tokenizer, num_seqs: int, steps: int) -> dict:
+    vocab = tokenizer.vocab_size
+    eng = Engine(RandomLogitsRunner(vocab, num_seqs), tokenizer, vocab_size=vocab,
+                 config=EngineConfig(max_num_seqs=num_seqs, max_batched_tokens=4096, num_kv_blocks=num_seqs * 64))
+    rng = np.random.default_rng(1)
+
+    def add() -> None:
+        eng.add_request(rng.integers(0, 2000, size=16).tolist(),
+                        SamplingParams(max_tokens=400, temperature=1.0, json_schema=SCHEMA, seed=int(rng.integers(1 << 30))))
+
+    for _ in range(num_seqs):
+        add()
+    eng.step()  # prefill
+    before = eng.stats()
+    times, masks, finished, valid = [], [], 0, 0
+    for _ in range(steps):
+        m0 = eng.stats()["mask_time_s"]
+        t0 = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t0)
+        masks.append(eng.stats()["mask_time_s"] - m0)
+        for out in outs:
+            if out.finished:
+                finished += 1
+                try:
+                    json.loads(out.text)
+                    valid += out.finish_reason == "stop"
+                except json.JSONDecodeError:
+                    pass
+                add()
+    after = eng.stats()
+    us = np.array(times) * 1e6
+    mask_us = np.array(masks) * 1e6
+    return {
+        "num_seqs": num_seqs, "steps": steps, "vocab": vocab,
+        "mask_us_p50": float(np.percentile(mask_us, 50)), "mask_us_mean": float(mask_us.mean()),
+        "mask_us_p50_per_sequence": float(np.percentile(mask_us, 50) / num_seqs),
+        "step_us_p50": float(np.percentile(us, 50)), "step_us_mean": float(us.mean()),
+        "sampled_tokens": after["sampled_tokens"] - before["sampled_tokens"],
+        "forced_tokens": after["forced_tokens"] - before["forced_tokens"],
+        "finished": finished, "finished_valid_json": valid,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--out", default=str(ROOT / "bench/results/engine_mask_overhead.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(tmp)
+        tokenizer = Tokenizer.from_pretrained(tmp)
+    rows = [measure(tokenizer, n, args.steps) for n in (1, 8, 32, 128)]
+    print(f"{'seqs':>5} {'mask µs p50':>12} {'mean':>8} {'µs/seq':>8} {'step µs p50':>12} {'sampled':>8} "
+          f"{'forced':>7} {'finished':>9} {'valid':>6}")
+    for r in rows:
+        print(f"{r['num_seqs']:>5} {r['mask_us_p50']:>12.0f} {r['mask_us_mean']:>8.0f} {r['mask_us_p50_per_sequence']:>8.1f} "
+              f"{r['step_us_p50']:>12.0f} {r['sampled_tokens']:>8} {r['forced_tokens']:>7} {r['finished']:>9} "
+              f"{r['finished_valid_json']:>6}")
+    result = {
+        "benchmark": "engine_mask_overhead",
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
+                    "load_average_1m_at_end": os.getloadavg()[0]},
+        "tokenizer": f"tiny test BPE, vocab {rows[0]['vocab']} (no real Qwen tokenizer offline; llguidance mask "
+                     "cost grows with the vocabulary)",
+        "llguidance_threads": 1,
+        "schema": SCHEMA,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
