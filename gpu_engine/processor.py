@@ -2,10 +2,13 @@
 M-RoPE position ids. Numerically follows transformers 5.17 (Qwen2VLImageProcessor, Qwen3VLVideoProcessor,
 Qwen3VLProcessor, Qwen3_5Model.get_rope_index).
 
-Resampling: we resize with Pillow's bicubic filter on uint8 RGB, exactly what transformers' PIL image backend does.
-transformers' torchvision backends (its video processor, and its image processor when torchvision is installed)
-use torch's antialiased uint8 bicubic instead, which differs from Pillow by at most 1/255 on under 1% of pixels;
-the tests state that tolerance. Everything else (sizes, sampling, patch order, tokens, positions) is exact.
+Resampling: Pillow bicubic on uint8 RGB. Images are resized exactly as transformers' PIL image backend
+(Qwen2VLImageProcessorPil, what transformers uses without torchvision). Video frames follow transformers' video
+processor, which uses torch's antialiased uint8 bicubic (width pass, then height pass): we run Pillow's passes in
+that order and agree within two uint8 levels on ~1% of pixels. (transformers' torchvision image backend, used when
+torchvision is installed, resizes images like our video path; for images that grow along one axis and shrink along
+the other it differs from the PIL backend, and from us, by up to ~20 levels.) Everything else — sizes, sampling,
+patch order, tokens, positions, timestamps — is exact.
 """
 from __future__ import annotations
 
@@ -196,9 +199,18 @@ class _PixelParams:
         return json.dumps(fields, sort_keys=True, default=list).encode()
 
 
-def _resize_rgb(image: Image.Image, height: int, width: int) -> Image.Image:
+def _resize_rgb(image: Image.Image, height: int, width: int, *, horizontal_first: bool = False) -> Image.Image:
+    """Bicubic resize of a uint8 RGB image.
+
+    Pillow resizes in two separable passes and picks the order itself (smaller intermediate first): that is
+    transformers' PIL image backend exactly. torch's antialiased uint8 kernel (transformers' video processor)
+    always resizes width first; `horizontal_first` reproduces that order, leaving at most two uint8 levels of
+    difference. With the other order the two can differ by ~20 levels when one axis grows and the other shrinks.
+    """
     if image.size == (width, height):
         return image
+    if horizontal_first and image.width != width and image.height != height:
+        image = image.resize((width, image.height), resample=Image.Resampling.BICUBIC)
     return image.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
@@ -385,7 +397,7 @@ class VideoProcessor:
         target_h, target_w = self.target_size(len(frames), height, width)
         if target_h % p.factor or target_w % p.factor:
             raise ProcessorError(f"frame size {target_w}x{target_h} is not a multiple of {p.factor} (do_resize is off)")
-        chw = np.stack([_to_chw(_resize_rgb(Image.fromarray(f), target_h, target_w)) for f in frames])
+        chw = np.stack([_to_chw(_resize_rgb(Image.fromarray(f), target_h, target_w, horizontal_first=True)) for f in frames])
         if pad := -len(chw) % p.temporal_patch_size:  # an odd count is completed with the last frame
             chw = np.concatenate([chw, np.repeat(chw[-1:], pad, axis=0)])
         pixel_values = _patchify(p.to_float(chw), p.patch_size, p.merge_size, p.temporal_patch_size)
