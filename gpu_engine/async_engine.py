@@ -176,6 +176,10 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
+    def model_fingerprint(self) -> str:
+        return self.engine.model_fingerprint
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
 

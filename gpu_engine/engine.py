@@ -32,16 +32,13 @@ from .sampling import SamplingRows, apply_allowed_mask, apply_penalties, bitmask
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
 from .structured import GrammarError, StructuredOutput, is_constrained
+from .tokenizer import IncrementalDetokenizer
 
 Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
 
 
 class RequestError(ValueError):
     """A request that can never run as given (bad prompt, bad parameters, too long for this engine)."""
-
-
-class UnknownRequestError(KeyError):
-    """No live request has this id."""
 
 
 @dataclass
@@ -210,8 +207,6 @@ class Engine:
         )
         seq.deadline = seq.arrival_time + params.timeout_s if params.timeout_s is not None else None
         seq.matcher = matcher
-        from .tokenizer import IncrementalDetokenizer
-
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         if matcher is not None and self.config.enable_jump_forward:
             # The grammar may force the first tokens (e.g. '{"name":"'): they are prefilled with the prompt.
@@ -267,7 +262,9 @@ class Engine:
             )
         if params.top_logprobs > self.config.max_logprobs:
             raise RequestError(f"top_logprobs={params.top_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if isinstance(params.stop, str) or isinstance(params.stop_token_ids, int):
+            raise RequestError("stop must be a list of strings and stop_token_ids a list of ints")
+        bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
         if any(not isinstance(s, str) or not s for s in params.stop):

@@ -256,6 +256,8 @@ def test_bad_requests_are_rejected(tok):
         eng.add_request([1, 2], SamplingParams(max_tokens=3, logprobs=True, top_logprobs=50))
     with pytest.raises(RequestError, match="stop_token_ids"):
         eng.add_request([1, 2], SamplingParams(max_tokens=3, stop_token_ids=[-1]))
+    with pytest.raises(RequestError, match="list of strings"):
+        eng.add_request([1, 2], SamplingParams(max_tokens=3, stop="END"))  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="encoder_cache_bytes"):
         eng.add_request(vision_prompt(np.random.default_rng(0), [1, ("image", 8, "x")]), SamplingParams(max_tokens=3))
     with pytest.raises(RequestError, match="no processor"):
