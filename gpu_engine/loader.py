@@ -238,8 +238,27 @@ def checkpoint_fingerprint(folder: Path, files: list[str], known: Mapping[str, s
 _NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
-def _read_file(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one safetensors file as float32 (F32 as read-only memory-mapped views)."""
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor as it sits in the mapped file (converted to float32 only after the whole checkpoint checks out)."""
+
+    dtype: str  # safetensors dtype name
+    raw: np.ndarray  # read-only view of the file bytes, numpy dtype per _NP_DTYPES (BF16 as uint16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.raw.shape)
+
+    def to_float32(self) -> np.ndarray:
+        if self.dtype == "F32":
+            return self.raw  # zero-copy view of the mapped file
+        if self.dtype == "F16":
+            return self.raw.astype(np.float32)
+        return (self.raw.astype(np.uint32) << 16).view(np.float32)  # BF16 is the upper half of an IEEE float32
+
+
+def _read_file(path: Path) -> dict[str, _Stored]:
+    """Index one safetensors file: every tensor as a view into one read-only memory map of the file."""
     try:
         with safe_open(str(path), framework="np") as f:  # validates header and sizes against the file
             names = list(f.keys())
@@ -249,21 +268,14 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
         (header_len,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(header_len))
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, _Stored] = {}
     for name in names:
         info = header[name]
         dtype = _NP_DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 are supported")
         begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        raw = data[begin:end].view(dtype).reshape(shape)
-        if info["dtype"] == "F32":
-            tensors[name] = raw
-        elif info["dtype"] == "F16":
-            tensors[name] = raw.astype(np.float32)
-        else:  # BF16 is the upper half of an IEEE float32
-            tensors[name] = (raw.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = _Stored(info["dtype"], data[begin:end].view(dtype).reshape(tuple(info["shape"])))
     return tensors
 
 
@@ -284,7 +296,7 @@ def load_weights(
         digests = verify_digests(folder, expected, required=["config.json", *files])
     fingerprint = checkpoint_fingerprint(folder, files, digests)
 
-    found: dict[str, np.ndarray] = {}
+    found: dict[str, _Stored] = {}
     source: dict[str, str] = {}  # our name -> the checkpoint's name, for messages
     unknown: list[str] = []
     for file in files:
@@ -292,6 +304,8 @@ def load_weights(
             ours = _our_name(name)
             if ours is None:
                 unknown.append(name)
+            elif ours in found:  # e.g. the same tensor in two shards, or under an old and a new name
+                unknown.append(f"{name} (duplicate of {source[ours]})")
             else:
                 found[ours] = tensor
                 source[ours] = name
@@ -318,8 +332,8 @@ def load_weights(
         raise CheckpointError(f"{folder}: weights do not match config.json ({'; '.join(parts)})")
 
     def group(g: str) -> dict[str, np.ndarray]:
-        return {n[len(g) + 1:]: a for n, a in found.items() if n.startswith(g + "/")}
+        return {n[len(g) + 1:]: t.to_float32() for n, t in found.items() if n.startswith(g + "/")}
 
     text = group("text")
-    lm_head = text["embed_tokens.weight"] if config.tie_word_embeddings else found["lm_head/weight"]
+    lm_head = text["embed_tokens.weight"] if config.tie_word_embeddings else found["lm_head/weight"].to_float32()
     return ModelWeights(text=text, vision=group("vision"), lm_head=lm_head, mtp=group("mtp")), fingerprint

@@ -267,3 +267,14 @@ def test_missing_tokenizer_is_reported_when_a_chat_prompt_needs_it(copy_of):
     assert model.logits([1, 2]).shape[0] == 2  # token ids need no tokenizer
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         model.logits_for_messages([{"role": "user", "content": "hi"}])
+
+
+def test_duplicate_tensor_under_two_names(copy_of):
+    folder = copy_of()
+
+    def edit(t):
+        t["model.norm.weight"] = t["model.language_model.norm.weight"].copy()  # old and new layout at once
+
+    rewrite(folder, edit)
+    with pytest.raises(CheckpointError, match="duplicate of"):
+        gpu_engine.load(folder)
