@@ -161,6 +161,62 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
     return out
 
 
+def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) -> dict:
+    """Each op of one 2B-class decode token on its own (events around one launch; the graph removes launch gaps,
+    so the sum is a prediction of the graph replay time)."""
+    cfg = TEXT_2B
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                      cfg["linear_value_head_dim"])
+    conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
+    out: dict[str, float] = {}
+    mark = ctx.arena.mark()
+    x = random_bf16(ctx, (1, max(I, 2 * H)), "x", rng)
+    gemms = {"in_proj": conv_dim + vdim + 2 * vh, "qkv": (2 * nh + 2 * kvh) * hd, "gate_up": 2 * I}
+    for name, n in gemms.items():
+        w = random_bf16(ctx, (n, H), name, rng, 0.02)
+        y = ctx.empty((1, n), "bf16", "y")
+        out[f"gemm {name} {n}x{H}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, n, H))
+    for name, k in (("out_proj", vdim), ("o_proj", nh * hd), ("down", I)):
+        w = random_bf16(ctx, (H, k), name, rng, 0.02)
+        y = ctx.empty((1, H), "bf16", "y")
+        out[f"gemm {name} {H}x{k}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, H, k))
+    w = random_bf16(ctx, (V, H), "lm_head", rng, 0.02)
+    y = ctx.empty((1, V), "f32", "logits")
+    out[f"gemm lm_head {V}x{H}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
+    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731
+    h, r, nw = random_bf16(ctx, (1, H), "h", rng), random_bf16(ctx, (1, H), "r", rng), random_bf16(ctx, (H,), "w", rng)
+    out["add_rmsnorm"] = time_ms(ctx, lambda: ops.add_rmsnorm(ctx, h, r, h, nw, 1e-6, True))
+    gu, act = random_bf16(ctx, (1, 2 * I), "gu", rng), ctx.empty((1, I), "bf16", "act")
+    out["silu_mul"] = time_ms(ctx, lambda: ops.silu_mul(ctx, act, gu))
+    bs = 16
+    blocks = context // bs + 1
+    kc, vc = random_bf16(ctx, (blocks, bs, kvh, hd), "k", rng), random_bf16(ctx, (blocks, bs, kvh, hd), "v", rng)
+    q, att = random_bf16(ctx, (1, 2 * nh * hd), "q", rng), ctx.empty((1, nh * hd), "bf16", "att")
+    table, seq, pos = i32([np.arange(blocks)]), i32([0]), i32([context - 1])
+    for splits in (1, None):
+        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = time_ms(ctx, lambda: ops.paged_attention(
+            ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
+            hd ** -0.5, splits=splits))
+    proj = random_bf16(ctx, (1, conv_dim + vdim + 2 * vh), "proj", rng)
+    conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
+    conv_out, core = random_bf16(ctx, (1, conv_dim), "co", rng), ctx.empty((1, vdim), "bf16", "core")
+    cu, slots, fresh = i32([0, 1]), i32([0]), i32([0])
+    out["conv1d_silu"] = time_ms(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.size, conv_w,
+                                                              conv_state, cu, slots, fresh))
+    a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
+    state = ctx.to_device((rng.standard_normal((2, vh, dv, dk)) * 0.1).astype(np.float32), "f32", "state")
+    out["gated_delta_rule"] = time_ms(ctx, lambda: ops.gated_delta_rule(
+        ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
+        proj.at(conv_dim + vdim + vh), proj.size, a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv))
+    normed, gnw = ctx.empty((vh, dv), "bf16", "gn"), random_bf16(ctx, (dv,), "gnw", rng)
+    out["rmsnorm_gated"] = time_ms(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)), proj.at(conv_dim),
+                                                                  gnw, 1e-6, vh, proj.size))
+    ctx.arena.release(mark)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results here")
@@ -196,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             gbps = g["n"] * g["k"] * 2 / g["ms"] / 1e6
             results[f"gemm_decode_m{m}"] = {**g, "weight_GBps": gbps}
             rows.append((f"GEMM m={m} n={g['n']} k={g['k']}", f"{g['ms'] * 1e3:.1f} us, weights {gbps:.0f} GB/s"))
+        if not args.no_model:
+            results["decode_ops_2b"] = bench_decode_ops(ctx, rng, 1024)
     finally:
         ctx.close()
     if not args.no_model:
@@ -211,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(info))
+    for name, ms in results.get("decode_ops_2b", {}).items():
+        rows.append((f"  op: {name}", f"{ms * 1e3:.1f} us"))
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0

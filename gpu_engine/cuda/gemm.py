@@ -21,6 +21,8 @@ from .errors import CudaUnavailable, ShapeError
 # cudaDataType_t values (library_types.h); stable ABI numbers.
 CUDA_DTYPES = {"f32": 0, "bf16": 14}
 ITEMSIZE = {"f32": 4, "bf16": 2}
+TUNE_MAX_M = 64  # shapes with at most this many rows get their algorithm chosen by timing
+TUNE_CANDIDATES = 8
 
 
 def _lt() -> tuple[Any, Any]:
@@ -49,8 +51,10 @@ class _Plan:
     a_layout: int
     b_layout: int
     d_layout: int
-    heuristic: Any  # MatmulHeuristicResult; its first field is the algorithm struct cuBLASLt reads
-    workspace_needed: int
+    heuristics: Any  # MatmulHeuristicResult array (kept alive: cuBLASLt reads the algorithm struct in place)
+    algo_ptr: int  # address of the chosen candidate's algorithm (first field of its heuristic result)
+    candidates: int
+    timings_ms: list[float]
 
 
 class CublasLt:
@@ -87,11 +91,14 @@ class CublasLt:
         key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n)
         if key.x_ld < k or key.y_ld < n:
             raise ShapeError(f"row strides too small: x_ld={key.x_ld} < k={k} or y_ld={key.y_ld} < n={n}")
-        plan = self._plans.get(key) or self._make_plan(key)
+        plan = self._plans.get(key) or self._make_plan(key, y, x, w, tune=not accumulate)
+        self._matmul(plan, plan.algo_ptr, y, x, w, accumulate, stream)
+
+    def _matmul(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, accumulate: bool, stream: Any) -> None:
         beta = self._one if accumulate else self._zero
         self._lt.matmul(
             self.handle, plan.desc, self._one.ctypes.data, w, plan.a_layout, x, plan.b_layout,
-            beta.ctypes.data, y, plan.d_layout, y, plan.d_layout, plan.heuristic.ptr,
+            beta.ctypes.data, y, plan.d_layout, y, plan.d_layout, algo_ptr,
             self.workspace_ptr, self.workspace_bytes, self.device.stream_handle(stream),
         )
 
@@ -99,7 +106,11 @@ class CublasLt:
         buf = np.array([value], dtype=dtype_of(attr))
         setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
-    def _make_plan(self, key: GemmKey) -> _Plan:
+    def _make_plan(self, key: GemmKey, y: int, x: int, w: int, tune: bool) -> _Plan:
+        """Descriptors + algorithm for one shape. Small-m (decode) shapes are weight-streaming, where the
+        heuristic's first choice is often not the fastest: time its top candidates once, on the real operands
+        (beta = 0, so Y is only overwritten; never when the caller accumulates into Y), and keep the fastest.
+        Not callable during graph capture."""
         lt, cublas = self._lt, self._cublas
         scale_type = CUDA_DTYPES["f32"]
         desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, scale_type)
@@ -113,16 +124,34 @@ class CublasLt:
         pref = lt.matmul_preference_create()
         self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
                   lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, self.workspace_bytes)
-        heuristic = lt.MatmulHeuristicResult(1)
+        wanted = TUNE_CANDIDATES if tune and key.m <= TUNE_MAX_M else 1
+        heuristics = lt.MatmulHeuristicResult(wanted)
         count = np.zeros(1, np.int32)
-        lt.matmul_algo_get_heuristic(self.handle, desc, a_layout, b_layout, d_layout, d_layout, pref, 1,
-                                     heuristic.ptr, count.ctypes.data)
+        lt.matmul_algo_get_heuristic(self.handle, desc, a_layout, b_layout, d_layout, d_layout, pref, wanted,
+                                     heuristics.ptr, count.ctypes.data)
         lt.matmul_preference_destroy(pref)
-        if count[0] < 1:
+        found = int(count[0])
+        if found < 1:
             raise ShapeError(f"cuBLASLt has no algorithm for {key}")
-        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristic, int(heuristic.workspace_size))
+        stride = lt.matmul_heuristic_result_dtype.itemsize
+        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristics, heuristics.ptr, found, [])
+        if found > 1:
+            plan.timings_ms = [self._time(plan, heuristics.ptr + i * stride, y, x, w) for i in range(found)]
+            plan.algo_ptr = heuristics.ptr + int(np.argmin(plan.timings_ms)) * stride
         self._plans[key] = plan
         return plan
+
+    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, reps: int = 10) -> float:
+        dev = self.device
+        for _ in range(2):
+            self._matmul(plan, algo_ptr, y, x, w, False, None)
+        start, stop = dev.event(), dev.event()
+        dev.stream.record(start)
+        for _ in range(reps):
+            self._matmul(plan, algo_ptr, y, x, w, False, None)
+        dev.stream.record(stop)
+        stop.sync()
+        return float(stop - start) / reps
 
     def close(self) -> None:
         lt = self._lt

@@ -147,10 +147,21 @@ def kv_store(ctx: GpuContext, k_cache: DArray, v_cache: DArray, k: DArray, k_str
                       i32(kv_heads), i32(head_dim))
 
 
+def attention_splits(ctx: GpuContext, n_tokens: int, heads: int) -> int:
+    """Key splits per (token, head): enough blocks to cover the GPU twice when there are few queries."""
+    blocks = n_tokens * heads
+    return max(1, min(64, -(-2 * ctx.device.info.sm_count // blocks)))
+
+
 def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
-                    gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray, token_pos: DArray,
-                    heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float) -> None:
-    """Causal paged attention with GQA and sigmoid output gate; out [n, heads*head_dim]."""
+                    gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
+                    token_pos: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float,
+                    splits: int | None = None) -> None:
+    """Causal paged attention with GQA and sigmoid output gate; out [n, heads*head_dim].
+
+    Split-K over the keys (`splits`, default attention_splits()) into a float32 workspace taken from the arena for
+    the two launches (stream order makes the early release safe), then one combine launch.
+    """
     t = _same_float(out, q, gate, k_cache, v_cache)
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
         _need(arr, "i32", name)
@@ -158,10 +169,18 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
         raise ShapeError(f"paged_attention needs head_dim <= 256 and heads % kv_heads == 0 "
                          f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
     n = token_seq.size
-    ctx.device.launch("attention", f"paged_attention_{t}", (n, heads), 128, out.ptr, q.ptr, i64(q_stride), gate.ptr,
-                      i64(gate_stride), i32(gate_head_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
+    splits = splits or attention_splits(ctx, n, heads)
+    mark = ctx.arena.mark()
+    part_acc = ctx.empty((n, heads, splits, head_dim), "f32", "attn-partials")
+    part_ml = ctx.empty((n, heads, splits, 2), "f32", "attn-max-sum")
+    ctx.device.launch("attention", f"paged_attention_{t}", (n, heads, splits), 128, part_acc.ptr, part_ml.ptr, q.ptr,
+                      i64(q_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
                       token_seq.ptr, token_pos.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim),
                       i32(block_size), f32(scale))
+    ctx.device.launch("attention", f"attention_combine_{t}", (n, heads), 128, out.ptr, part_acc.ptr, part_ml.ptr,
+                      i32(splits), gate.ptr, i64(gate_stride), i32(gate_head_stride), i32(n), i32(heads),
+                      i32(head_dim))
+    ctx.arena.release(mark)
 
 
 # ---- Gated DeltaNet ------------------------------------------------------------------------------------------

@@ -256,18 +256,22 @@ class Checker:
         q_only = q_rows.reshape(total, heads, 2, hd)[:, :, 0].reshape(total, heads * hd)
         gate = q_rows.reshape(total, heads, 2, hd)[:, :, 1]
         qd = self.up(q_rows, t)
-        out = self.out((total, heads * hd), t)
-        self.ops.paged_attention(ctx, out, self.up(q_only, t), heads * hd, qd.at(hd), qw, 2 * hd,
-                                 kc, vc, self.up(np.stack(tables), "i32"),
-                                 self.up(np.array(token_seq, np.int32), "i32"),
-                                 self.up(np.array(token_pos, np.int32), "i32"), heads, kvh, hd, bs, scale)
+        qdev, tdev = self.up(q_only, t), self.up(np.stack(tables), "i32")
+        sdev, pdev = self.up(np.array(token_seq, np.int32), "i32"), self.up(np.array(token_pos, np.int32), "i32")
+        outs = {}
+        for splits in (1, 5, None):  # one block per row, uneven key splits, the default split-K
+            outs[splits] = self.out((total, heads * hd), t)
+            self.ops.paged_attention(ctx, outs[splits], qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
+                                     pdev, heads, kvh, hd, bs, scale, splits=splits)
         expect, row = [], 0
         for i, (s, n) in enumerate(seqs):
             qi = q_only[row : row + n].reshape(n, heads, hd)
             gi = gate[row : row + n]
             expect.append(ref.attention(qi, full_k[i], full_v[i], gi, np.arange(s, s + n), scale))
             row += n
-        self.record("paged_attention(GQA, gate, varlen)", t, rel_err(self.get(out), np.concatenate(expect)))
+        for splits, out in outs.items():
+            self.record(f"paged_attention(GQA, gate, varlen, splits={splits or 'auto'})", t,
+                        rel_err(self.get(out), np.concatenate(expect)))
 
     def deltanet(self, t: str) -> None:
         kh, vh, dk, dv, K = 2, 4, 128, 64, 4

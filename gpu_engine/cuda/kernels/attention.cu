@@ -4,11 +4,13 @@
 // position p of a sequence lives in block block_table[p / block_size], row p % block_size.
 //
 // kv_store: writes this step's K and V rows into their cache slots (slot = block * block_size + row).
-// paged_attention: one block of 4 warps per (query token, query head). Query token i of the batch belongs to
-//   sequence token_seq[i] and sits at absolute position token_pos[i]; it attends causally to cache positions
-//   0..token_pos[i] (its own chunk included, so kv_store runs first). GQA: query head h reads kv head
-//   h / (heads / kv_heads). Each warp walks every 4th key with a running (max, sum, acc) online softmax; the
-//   four partial states merge at the end. Output is multiplied by sigmoid(gate) (Qwen3.5 attention gate), read
+// paged_attention: one block of 4 warps per (query token, query head, key split). Query token i of the batch
+//   belongs to sequence token_seq[i] and sits at absolute position token_pos[i]; it attends causally to cache
+//   positions 0..token_pos[i] (its own chunk included, so kv_store runs first), cut into gridDim.z equal key
+//   ranges (split-K, so that a decode step with a handful of queries still fills the GPU). GQA: query head h
+//   reads kv head h / (heads / kv_heads). Each warp walks every 4th key of its range with a running
+//   (max, sum, acc) online softmax; the block writes its merged partial state to a float32 workspace.
+// attention_combine: merges the splits and multiplies by sigmoid(gate) (Qwen3.5's attention output gate), read
 //   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
 // Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
 // Not tiled: prefill cost is one pass over the keys per query row. A tiled flash-style prefill is future work.
@@ -31,17 +33,20 @@ __device__ void kv_store_impl(T* k_cache, T* v_cache, const T* k, long long k_st
 }
 
 template <typename T>
-__device__ void paged_attention_impl(T* out, const T* q, long long q_stride, const T* gate, long long gate_stride,
-                                     int gate_head_stride, const T* k_cache, const T* v_cache, const int* block_tables,
+__device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q, long long q_stride,
+                                     const T* k_cache, const T* v_cache, const int* block_tables,
                                      int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
                                      int heads, int kv_heads, int head_dim, int block_size, float scale) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][MAX_PER_LANE * 32];
-    const int token = blockIdx.x, h = blockIdx.y;
+    const int token = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     if (token >= n || h >= heads) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = h / (heads / kv_heads);
     const int seq = token_seq[token], last = token_pos[token];
+    // this block's share of keys 0..last (split-K: decode has few queries, so the keys are spread over blocks)
+    const int per_split = (last + splits) / splits;
+    const int lo = split * per_split, hi = min(last + 1, lo + per_split);
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
     const long long row_width = (long long)kv_heads * head_dim;
 
@@ -54,7 +59,7 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    for (int p = warp; p <= last; p += ATT_WARPS) {
+    for (int p = lo + warp; p < hi; p += ATT_WARPS) {
         const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
         const long long off = slot * row_width + (long long)kvh * head_dim;
         const T* kr = k_cache + off;
@@ -81,16 +86,49 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
     for (int e = 0; e < MAX_PER_LANE; ++e)
         if (lane + 32 * e < head_dim) s_acc[warp][lane + 32 * e] = acc[e];
     __syncthreads();
+    float m_blk = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; ++w) m_blk = fmaxf(m_blk, s_m[w]);
+    // partial state of this split: (max, sum) and the unnormalised accumulator, all relative to m_blk
+    const long long part = ((long long)token * heads + h) * splits + split;
+    if (threadIdx.x == 0) {
+        float l_blk = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w) l_blk += s_m[w] == NEG_INF ? 0.0f : s_l[w] * expf(s_m[w] - m_blk);
+        part_ml[2 * part] = m_blk;
+        part_ml[2 * part + 1] = l_blk;
+    }
+    float* pa = part_acc + part * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w)
+            if (s_m[w] != NEG_INF) o += s_acc[w][d] * expf(s_m[w] - m_blk);
+        pa[d] = o;
+    }
+}
+
+// Merge the splits of each (token, head) and apply the output gate: out = (sum_s acc_s e^{m_s - M}) /
+// (sum_s l_s e^{m_s - M}) * sigmoid(gate). Splits that saw no key have m = -inf and drop out.
+template <typename T>
+__device__ void attention_combine_impl(T* out, const float* part_acc, const float* part_ml, int splits,
+                                       const T* gate, long long gate_stride, int gate_head_stride, int n, int heads,
+                                       int head_dim) {
+    const int token = blockIdx.x, h = blockIdx.y;
+    if (token >= n || h >= heads) return;
+    const long long base = ((long long)token * heads + h) * splits;
     float m_all = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; ++w) m_all = fmaxf(m_all, s_m[w]);
+    for (int s = 0; s < splits; ++s) m_all = fmaxf(m_all, part_ml[2 * (base + s)]);
     float l_all = 0.0f;
-    for (int w = 0; w < ATT_WARPS; ++w) l_all += s_m[w] == NEG_INF ? 0.0f : s_l[w] * expf(s_m[w] - m_all);
+    for (int s = 0; s < splits; ++s) {
+        const float ms = part_ml[2 * (base + s)];
+        if (ms != NEG_INF) l_all += part_ml[2 * (base + s) + 1] * expf(ms - m_all);
+    }
     const T* gh = gate + token * gate_stride + (long long)h * gate_head_stride;
     T* oh = out + (long long)token * heads * head_dim + (long long)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float o = 0.0f;
-        for (int w = 0; w < ATT_WARPS; ++w)
-            if (s_m[w] != NEG_INF) o += s_acc[w][d] * expf(s_m[w] - m_all);
+        for (int s = 0; s < splits; ++s) {
+            const float ms = part_ml[2 * (base + s)];
+            if (ms != NEG_INF) o += part_acc[(base + s) * head_dim + d] * expf(ms - m_all);
+        }
         oh[d] = from_f<T>(o / l_all * sigmoidf(to_f(gh[d])));
     }
 }
@@ -102,13 +140,18 @@ __device__ void paged_attention_impl(T* out, const T* q, long long q_stride, con
         kv_store_impl<T>(k_cache, v_cache, k, k_stride, v, v_stride, slots, n, kv_heads, head_dim);               \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_##S(                             \
-        T* out, const T* q, long long q_stride, const T* gate, long long gate_stride, int gate_head_stride,       \
-        const T* k_cache,                                                                                        \
-        const T* v_cache, const int* block_tables, int max_blocks_per_seq, const int* token_seq,                 \
-        const int* token_pos, int n, int heads, int kv_heads, int head_dim, int block_size, float scale) {       \
-        paged_attention_impl<T>(out, q, q_stride, gate, gate_stride, gate_head_stride, k_cache, v_cache, block_tables,              \
+        float* part_acc, float* part_ml, const T* q, long long q_stride, const T* k_cache, const T* v_cache,      \
+        const int* block_tables, int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,      \
+        int heads, int kv_heads, int head_dim, int block_size, float scale) {                                    \
+        paged_attention_impl<T>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,                   \
                                 max_blocks_per_seq, token_seq, token_pos, n, heads, kv_heads, head_dim,           \
                                 block_size, scale);                                                              \
+    }                                                                                                            \
+    extern "C" __global__ void attention_combine_##S(T* out, const float* part_acc, const float* part_ml,         \
+                                                     int splits, const T* gate, long long gate_stride,            \
+                                                     int gate_head_stride, int n, int heads, int head_dim) {      \
+        attention_combine_impl<T>(out, part_acc, part_ml, splits, gate, gate_stride, gate_head_stride, n, heads,  \
+                                  head_dim);                                                                     \
     }
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
