@@ -9,8 +9,9 @@
     async for piece in front.astream(messages, params): ...
     front.shutdown()
 
-The Engine itself is never touched outside the loop thread: submit / cancel only queue commands. A request the
-engine rejects (bad prompt / parameters) raises its RequestError from result() / stream() / agenerate().
+Engine state is only touched on the loop thread: submit / cancel queue commands (submit first prepares the prompt
+on the caller's thread). Bad messages / media raise RequestError from submit(); a request the engine then rejects
+(parameters, length) raises its RequestError from result() / stream() / agenerate().
 """
 from __future__ import annotations
 
@@ -117,6 +118,9 @@ class AsyncEngine:
         *,
         listener: Listener | None = None,
     ) -> RequestHandle:
+        """Queue a request. Messages are prepared (chat template, image / video decoding) here, on the caller's
+        thread, so a bad image raises RequestError at once and big media never stall the step loop."""
+        prompt = self.engine.prepare_prompt(prompt)
         handle = RequestHandle(self, request_id or uuid.uuid4().hex, listener)
         with self._submit_lock:
             if self._stopping or self._dead is not None:

@@ -188,7 +188,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use")
-        processed = self._to_prompt(prompt)
+        processed = self.prepare_prompt(prompt)
         self._check_request(processed, params)
         matcher = None
         if is_constrained(params):
@@ -221,7 +221,9 @@ class Engine:
         self._counters["requests_added"] += 1
         return request_id
 
-    def _to_prompt(self, prompt: Prompt) -> ProcessedPrompt:
+    def prepare_prompt(self, prompt: Prompt) -> ProcessedPrompt:
+        """Messages / token ids -> ProcessedPrompt (chat template, media decoding). Touches no engine state, so
+        front ends may call it on their own threads (AsyncEngine does: media decoding never stalls the step loop)."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if isinstance(prompt, np.ndarray) or (
