@@ -53,15 +53,16 @@ def _job_runner(pipeline: Pipeline) -> JobRunner:
     if pipeline.settings.embedded:
         return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
                               pending=lambda: stale_jobs(pipeline, queued_for_s=0.0))
-    try:
-        from workers.enqueue import enqueue_job, ping_broker  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise RuntimeError(
-            "DOCPIPE_BROKER_URL is set but this installation has no broker client (workers.enqueue); "
-            "unset DOCPIPE_BROKER_URL to run jobs inside the API process"
-        ) from exc
-    return BrokerRunner(lambda job_id: enqueue_job(pipeline.settings, job_id),
-                        lambda: ping_broker(pipeline.settings))
+    # With a broker, jobs go to the Celery `gpu` queue (the workers package owns the producer side).
+    from workers.config import WorkerSettings, check_consistency, redis_url
+    from workers.enqueue import enqueue_job
+    from workers.markers import redis_client
+
+    settings, worker_settings = pipeline.settings, WorkerSettings()
+    check_consistency(settings, worker_settings)  # a broker set-up that cannot work fails at start-up, in words
+    url = redis_url(settings)
+    return BrokerRunner(lambda job_id: enqueue_job(job_id, settings=settings, worker_settings=worker_settings),
+                        lambda: redis_client(url).ping())
 
 
 def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = None) -> FastAPI:

@@ -95,7 +95,11 @@ class EmbeddedRunner:
 
 
 class BrokerRunner:
-    """Hands job ids to the Celery broker; this process runs nothing itself."""
+    """Hands job ids to the Celery broker; this process runs nothing itself.
+
+    `enqueue` may fail to publish (broker down): the job stays `queued` in the database and the workers'
+    reconciler publishes it later, so an upload never fails because of the broker.
+    """
 
     mode = "broker"
 

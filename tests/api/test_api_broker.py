@@ -1,0 +1,69 @@
+"""With a broker configured the API only enqueues: jobs go to Redis for the Celery workers, nothing runs here."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+
+import pytest
+
+from apitest_support import live_server, test_settings
+from test_api_http import random_png, upload
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+
+
+CLAIM_KEY = "docpipe:test:claim"  # the same claim the workers' tests use, so suites never share a database
+
+
+def _claim_redis_db():  # type: ignore[no-untyped-def]
+    """A Redis client on a database number nobody else uses now (skip, or fail on CI, without Redis)."""
+    import redis
+
+    try:
+        redis.Redis(host=REDIS_HOST, port=REDIS_PORT, socket_connect_timeout=3).ping()
+    except redis.RedisError as exc:
+        reason = f"Redis at {REDIS_HOST}:{REDIS_PORT} is not reachable: {exc}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + " (CI=true: Redis is required)")
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    token = uuid.uuid4().hex
+    for db in random.sample(range(1, 16), 15):
+        client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=db, socket_timeout=5)
+        if client.set(CLAIM_KEY, token, nx=True, ex=600):
+            if client.dbsize() == 1:
+                return db, client
+            client.delete(CLAIM_KEY)
+    pytest.fail("no free Redis database number (1-15) on 127.0.0.1:6379")
+
+
+def test_with_a_broker_jobs_are_enqueued_not_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+    db, client = _claim_redis_db()
+    settings = test_settings(tmp_path_factory.mktemp("api-broker"), broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}")
+    try:
+        with live_server(settings) as live, live.client() as c:
+            ready = c.get("/readyz").json()
+            assert ready["checks"]["jobs"] == "ok (broker)"
+            up = upload(c, random_png())
+            assert up.status_code == 202, up.text
+            job_id = up.json()["job"]["id"]
+            time.sleep(1.0)
+            assert c.get(f"/v1/jobs/{job_id}").json()["state"] == "queued"  # nobody runs it in this process
+            messages = client.lrange("gpu", 0, -1)
+            assert len(messages) == 1
+            assert json.loads(messages[0])["headers"]["argsrepr"] == f"[{job_id}]"
+    finally:
+        client.flushdb()  # our claimed database: the message, the markers and the claim itself
+
+
+def test_readyz_reports_an_unreachable_broker(tmp_path_factory: pytest.TempPathFactory) -> None:
+    port = random.randrange(20000, 30000)
+    settings = test_settings(tmp_path_factory.mktemp("api-nobroker"), broker_url=f"redis://127.0.0.1:{port}/0")
+    with live_server(settings, ready_timeout=0) as live, live.client() as c:
+        r = c.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["checks"]["jobs"].startswith("broker unreachable")
+        assert r.json()["checks"]["database"] == "ok"
