@@ -88,10 +88,21 @@ def test_batched_equals_one_at_a_time(ckpt, oracle):
     assert [o.token_ids for o in outs] == expected
     st = eng.stats()
     assert st["preemptions"] > 0
+    assert st["prefix_hit_tokens"] > 0  # re-admitted sequences reuse their own cached blocks + state snapshots
     assert st["encoder_encodes"] > 0 and st["kv_blocks_used"] == 0
     longest = max(o.prompt_tokens for o in outs)
     assert longest > cfg.max_batched_tokens  # chunked prefill was needed
     assert all(o.finish_reason in ("stop", "length") for o in outs)
+
+
+def test_preemption_mid_decode_on_the_reference_runner(ckpt, oracle):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in (5, 9, 6, 12)]
+    expected = [oracle.generate(p, max_tokens=24) for p in prompts]
+    eng = Engine.from_pretrained(ckpt, config=EngineConfig(max_num_seqs=4, block_size=4, num_kv_blocks=22))
+    assert [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=24))] == expected
+    st = eng.stats()
+    assert st["preemptions"] > 0 and st["chunked_output_tokens"] > 0
 
 
 def test_prefix_cache_hit_same_tokens_and_logprobs(ckpt):

@@ -69,6 +69,20 @@ def test_batched_equals_solo_with_chunking_mixing_preemption(tok, linear_state):
     assert st["kv_blocks_used"] == 0 and st["running"] == 0 and st["waiting"] == 0
 
 
+def test_preemption_mid_decode_recomputes_generated_tokens(tok):
+    """Decoding sequences outgrow the cache: the newest is preempted with tokens already generated, recomputed
+    later (prompt + its outputs as one prefill), and continues exactly — sampled ones included (own RNG)."""
+    rng = np.random.default_rng(11)
+    prompts = [text_prompt(rng.integers(0, 2000, size=4)) for _ in range(4)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=t, seed=i)
+              for i, t in enumerate((0.0, 1.0, 0.0, 0.8))]
+    expected = solo_outputs(tok, prompts, params)
+    eng = make_engine(tok, max_num_seqs=4, max_batched_tokens=64, block_size=4, num_kv_blocks=20)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected
+    st = eng.stats()
+    assert st["preemptions"] > 0 and st["chunked_output_tokens"] > 0
+
+
 def test_fifo_admission_and_backfill(tok):
     runner = FakeRunner()
     eng = make_engine(tok, runner, max_num_seqs=8, max_batched_tokens=10, block_size=4, enable_prefix_caching=False)
@@ -296,3 +310,61 @@ def test_kv_blocks_sized_from_budget(tok):
     assert runner.spec.num_kv_blocks == (10_000 - 6 * 16) // 32
     assert runner.spec.num_state_slots == 6
     assert eng.max_model_len == runner.spec.num_kv_blocks * 4
+
+
+def _seq(i, ids, bm):
+    s = Sequence(i, str(i), text_prompt(ids), SamplingParams(max_tokens=4), np.random.default_rng(0), frozenset())
+    bm.update_hashes(s)
+    return s
+
+
+def _run_prefill(bm, seq, upto):
+    hit = bm.match_prefix(seq)
+    assert bm.can_admit(seq, hit, upto - hit.num_tokens)
+    bm.admit(seq, hit)
+    bm.allocate(seq, upto - seq.num_computed)
+    seq.num_computed = upto
+    bm.commit(seq)
+    bm.snapshot_state(seq)
+    return hit
+
+
+def test_block_manager_refcounts_and_lru_eviction():
+    copies = []
+    bm = BlockManager(6, 4, 2, 3, True, False, lambda s, d: copies.append((s, d)))
+    ids = list(range(100, 109))  # 2 full blocks + 1 token
+    a = _seq(0, ids, bm)
+    _run_prefill(bm, a, 9)
+    assert bm.num_used_blocks == 3 and bm.num_cached_blocks == 2
+    b = _seq(1, ids, bm)
+    hit = _run_prefill(bm, b, 9)
+    assert hit.num_tokens == 8 and b.block_table[:2] == a.block_table[:2]  # shared, refcount 2
+    bm.free(a)
+    assert bm.num_used_blocks == 3  # b still holds the shared blocks + its own third
+    bm.free(b)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 6 and bm.num_cached_blocks == 2
+    # A different request needing all 6 blocks evicts the cached ones; the prefix is gone afterwards.
+    c = _seq(2, list(range(500, 524)), bm)
+    _run_prefill(bm, c, 23)
+    bm.free(c)
+    assert bm.match_prefix(_seq(3, ids, bm)).num_tokens == 0
+    assert not copies  # no linear state: nothing to snapshot
+
+
+def test_snapshot_slots_are_lru_and_gate_hits():
+    copies = []
+    # 1 sequence slot + 1 snapshot slot.
+    bm = BlockManager(32, 4, 1, 2, True, True, lambda s, d: copies.append((s, d)))
+    p1, p2 = list(range(10, 19)), list(range(50, 59))
+    s1 = _seq(0, p1, bm)
+    _run_prefill(bm, s1, 8)
+    bm.free(s1)
+    assert copies == [(0, 1)]  # state of slot 0 after 8 tokens -> snapshot slot 1
+    assert bm.match_prefix(_seq(1, p1, bm)).num_tokens == 8
+    s2 = _seq(2, p2, bm)
+    _run_prefill(bm, s2, 8)  # takes the only snapshot slot: p1's snapshot is dropped
+    bm.free(s2)
+    assert bm.match_prefix(_seq(3, p1, bm)).num_tokens == 0  # KV still cached, but no state to resume from
+    again = _seq(4, p2, bm)
+    hit = _run_prefill(bm, again, 9)
+    assert hit.num_tokens == 8 and hit.snapshot_slot == 1 and copies[-1] == (1, 0)  # restored into its slot
