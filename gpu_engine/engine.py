@@ -138,6 +138,9 @@ class Engine:
             "sampled_tokens": 0,
         }
         self._step_times = _StepTimes()
+        # What one forward had to hold (the runner's activations scale with these): tokens and vision rows.
+        self._peak_step_tokens = 0
+        self._peak_step_vision_rows = 0
         self._mask_s = 0.0
         self._sample_s = 0.0
         self._forward_s = 0.0
@@ -339,6 +342,9 @@ class Engine:
             scheduled.append(sc)
         self.encoder.release()
         if chunks:
+            self._peak_step_tokens = max(self._peak_step_tokens, sum(c.num_tokens for c in chunks))
+            vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
+            self._peak_step_vision_rows = max(self._peak_step_vision_rows, vision_rows)
             tf = time.perf_counter()
             try:
                 result = self.runner.forward(StepBatch(chunks))
@@ -573,6 +579,8 @@ class Engine:
             "step_time_last_s": st.last_s,
             "step_time_mean_s": st.total_s / st.count if st.count else 0.0,
             "step_time_max_s": st.max_s,
+            "peak_step_tokens": self._peak_step_tokens,
+            "peak_step_vision_rows": self._peak_step_vision_rows,
             "forward_time_s": self._forward_s,
             "mask_time_s": self._mask_s,
             "sample_time_s": self._sample_s,

@@ -158,6 +158,8 @@ def test_long_video_stays_in_encoder_budget(ckpt, oracle):
     one_item = max(e + it.pixel_values.nbytes for e, it in zip(emb_bytes, items))
     assert st["encoder_peak_bytes"] <= budget + one_item
     assert st["encoder_encodes"] >= len(items)
+    # What reached one forward: at most a chunk's worth of tokens, hence of vision rows.
+    assert st["peak_step_tokens"] <= cfg.max_batched_tokens and 0 < st["peak_step_vision_rows"] <= cfg.max_batched_tokens
 
 
 def test_logprobs_match_independent_forward(ckpt, oracle):
