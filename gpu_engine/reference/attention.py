@@ -14,6 +14,8 @@ import numpy as np
 from ..config import TextConfig
 from .ops import apply_rope, linear, rms_norm, sigmoid, softmax
 
+_QUERY_BLOCK = 512  # queries per score block (any value gives the same result)
+
 
 def attention_forward(
     x: np.ndarray,
@@ -47,9 +49,12 @@ def attention_forward(
     group = nh // nkv
     keys = np.repeat(keys, group, axis=1)  # query head h reads kv head h // group
     values = np.repeat(values, group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, keys) * np.float32(hd**-0.5)  # [nh, n, T]
-    future = all_pos[None, :] > new_pos[:, None]
-    scores = np.where(future[None], -np.inf, scores)
-    out = np.einsum("hqk,khd->qhd", softmax(scores, axis=-1), values).reshape(n, nh * hd)
-    out = out * sigmoid(gate)
+    out = np.empty((n, nh, hd), dtype=np.float32)
+    for begin in range(0, n, _QUERY_BLOCK):  # bounds the score matrix to [heads, block, T] for long prompts
+        end = min(begin + _QUERY_BLOCK, n)
+        scores = np.einsum("qhd,khd->hqk", q[begin:end], keys) * np.float32(hd**-0.5)
+        future = all_pos[None, :] > new_pos[begin:end, None]
+        scores = np.where(future[None], -np.inf, scores)
+        out[begin:end] = np.einsum("hqk,khd->qhd", softmax(scores, axis=-1), values)
+    out = out.reshape(n, nh * hd) * sigmoid(gate)
     return linear(out, w["o_proj.weight"], w.get("o_proj.bias"))

@@ -217,3 +217,13 @@ def test_generate_stops_on_stop_tokens_and_samples_reproducibly(pair):
         ours.generate(ids, max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         ours.generate(ids, temperature=-1.0)
+
+
+def test_query_blocking_in_attention_does_not_change_logits(pair, monkeypatch):
+    from gpu_engine.reference import attention
+
+    _, ours = pair
+    ids = text_ids(ours, 40, seed=14)
+    whole = ours.logits(ids)
+    monkeypatch.setattr(attention, "_QUERY_BLOCK", 6)
+    assert rel_err(ours.logits(ids), whole) <= 1e-6
