@@ -5,10 +5,11 @@ Qwen3VLProcessor, Qwen3_5Model.get_rope_index).
 Resampling: Pillow bicubic on uint8 RGB. Images are resized exactly as transformers' PIL image backend
 (Qwen2VLImageProcessorPil, what transformers uses without torchvision). Video frames follow transformers' video
 processor, which uses torch's antialiased uint8 bicubic (width pass, then height pass): we run Pillow's passes in
-that order and agree within two uint8 levels on ~1% of pixels. (transformers' torchvision image backend, used when
-torchvision is installed, resizes images like our video path; for images that grow along one axis and shrink along
-the other it differs from the PIL backend, and from us, by up to ~20 levels.) Everything else — sizes, sampling,
-patch order, tokens, positions, timestamps — is exact.
+that order and agree within two uint8 levels on ~1% of pixels (checked against real torchvision 0.26 too).
+transformers' torchvision image backend (used when torchvision is installed) agrees with our images within two
+levels, except when an image's height shrinks while its width grows: Pillow then runs the height pass first and
+the two can differ by up to ~20 levels. Everything else — sizes, sampling, patch order, tokens, positions,
+timestamps — is exact.
 """
 from __future__ import annotations
 

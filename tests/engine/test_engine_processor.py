@@ -2,7 +2,8 @@
 
 Tolerances (stated once, used below):
 - sizes, grid_thw, token ids, M-RoPE positions, timestamps, frame indices: exact.
-- image patches: |ours - transformers| <= 1e-6 (both resize with Pillow bicubic; only float32 rounding differs).
+- image patches: |ours - transformers' PIL image backend| <= 1e-6 (both resize with Pillow bicubic; only float32
+  rounding differs). The reference is the PIL backend even where torchvision is installed.
 - video patches: transformers resizes video frames with torch's antialiased uint8 bicubic, we with Pillow's two
   passes in torch's order; fixed-point rounding differs by at most two uint8 levels (measured over 400 random
   resizes: max 2, <= 1.1% of pixels), i.e. <= 2/255/std = 4/255 with std 0.5, on at most 2% of values; all other
@@ -123,6 +124,8 @@ def hf_proc(folder: Path) -> Iterator:
         if not transformers.utils.is_torchvision_available():
             _torchvision_stand_in(mp)
         processor = AutoProcessor.from_pretrained(folder)
+        # Images: compare with the PIL backend even where torchvision is installed (module docstring).
+        processor.image_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
         processor.video_processor.cap_pixels_per_frame = False  # silence the v5.22 default-change warning
         yield processor
 
@@ -245,7 +248,7 @@ def test_image_processor_with_other_parameters(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "preprocessor_config.json").read_text())
     cfg.update(patch_size=14)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(cfg))
-    hf_ip = AutoImageProcessor.from_pretrained(tmp_path)
+    hf_ip = AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
     ours = ImageProcessor.from_pretrained(tmp_path)
     rng = np.random.default_rng()
     image = _random_image(rng, int(rng.integers(30, 300)), int(rng.integers(30, 300)))
