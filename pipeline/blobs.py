@@ -1,7 +1,7 @@
 """Content-addressed blob store on disk: a blob's name is the sha256 of its bytes (`blobs/ab/cdef...`).
 
 Writes are atomic (temporary file in the same directory, fsync, rename), so a reader never sees half a file and a
-crash leaves at worst an orphaned temporary file. Writing the same bytes twice is a no-op: storage dedupes itself.
+crash leaves at worst an orphaned temporary file. Originals are always fsynced; derived blobs may skip it. Writing the same bytes twice is a no-op: storage dedupes itself.
 """
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ class BlobStore:
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def put_bytes(self, data: bytes) -> str:
+    def put_bytes(self, data: bytes, *, durable: bool = True) -> str:
+        """Store bytes under their sha256. `durable=False` skips the fsync: for derived data (rendered pages) that
+        can be made again from a durable original, where an fsync per page would cost more than the rendering."""
         key = hashlib.sha256(data).hexdigest()
         if not self.exists(key):
-            self._write(key, [data])
+            self._write(key, [data], durable=durable)
         return key
 
     def put_stream(self, stream: BinaryIO, *, max_bytes: int | None = None) -> tuple[str, int]:
@@ -82,7 +84,7 @@ class BlobStore:
         except FileNotFoundError:
             return False
 
-    def _write(self, key: str, parts: list[bytes]) -> None:
+    def _write(self, key: str, parts: list[bytes], *, durable: bool = True) -> None:
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
@@ -91,7 +93,8 @@ class BlobStore:
                 for part in parts:
                     out.write(part)
                 out.flush()
-                os.fsync(out.fileno())
+                if durable:
+                    os.fsync(out.fileno())
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

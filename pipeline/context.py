@@ -8,6 +8,7 @@ from __future__ import annotations
 from .blobs import BlobStore
 from .db import Database
 from .engine_client import ExtractionClient, model_key, shared_client
+from .image_cache import ImageCache
 from .settings import Settings
 
 
@@ -24,6 +25,7 @@ class Pipeline:
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.db = database or Database(self.settings.resolved_database_url)
         self.blobs = BlobStore(self.settings.blob_dir)
+        self.images = ImageCache(self.settings.image_cache_bytes)
         self._client = client
         self._model_key: str | None = client.model_key if client is not None else None
         if migrate:

@@ -12,6 +12,8 @@ import io
 import json
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -26,6 +28,7 @@ from .extraction import png_bytes
 from .models import Batch, BatchItem, Document, DocumentStatus, Job, Page
 from .schemas import get_schema
 
+_ENCODE_AHEAD = 2
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
 EXCLUDED_DIRS = frozenset({"done", "failed"})
@@ -72,17 +75,37 @@ def _schema_id(p: Pipeline, name: str) -> int:
 
 
 def _render(p: Pipeline, path: Path, name: str, password: str | None) -> _Rendered:
+    """Render every page; PNG encoding and blob writes run on a small thread pool (zlib releases the GIL) so the
+    next page renders meanwhile. At most `_ENCODE_AHEAD` encoded-but-unstored pages are held at once."""
     pages: list[dict[str, Any]] = []
+
+    def store(image: Any) -> str:
+        key = p.blobs.put_bytes(png_bytes(image), durable=False)  # derived: re-renderable from the original
+        p.images.put(key, image)
+        return key
+
+    def finish(row: dict[str, Any], future: Future[str] | None) -> None:
+        if future is not None:
+            row["blob"] = future.result()
+        pages.append(row)
+
     with vision.open_media(path, password=password, limits=p.settings.media_limits(),
-                           options=p.settings.render_options(), name=name) as doc:
+                           options=p.settings.render_options(), name=name) as doc, \
+            ThreadPoolExecutor(max_workers=_ENCODE_AHEAD, thread_name_prefix="docpipe-png") as pool:
+        pending: deque[tuple[dict[str, Any], Future[str] | None]] = deque()
         for page in doc.pages():
             row: dict[str, Any] = {"index": page.index, "kind": page.kind, "timestamp": page.timestamp,
                                    "error": str(page.error) if page.error else None,
                                    "blob": None, "width": None, "height": None, "text": page.text}
+            future = None
             if page.ok and page.image is not None:
-                row["blob"] = p.blobs.put_bytes(png_bytes(page.image))
                 row["width"], row["height"] = page.image.size
-            pages.append(row)
+                future = pool.submit(store, page.image)
+            pending.append((row, future))
+            while len(pending) > _ENCODE_AHEAD:
+                finish(*pending.popleft())
+        while pending:
+            finish(*pending.popleft())
         metadata = json.loads(json.dumps(doc.metadata, default=str))  # plain JSON for the database
         return _Rendered(kind=doc.kind, media_type=doc.media_type, metadata=metadata, pages=pages)
 

@@ -357,10 +357,18 @@ def _unit_input(p: Pipeline, unit: dict[str, Any]) -> UnitInput:
     return UnitInput(
         unit=unit["unit"],
         page_index=unit["page_index"],
-        images=[load_png(p.blobs.get_bytes(pg["blob"])) for pg in pages],
+        images=[_page_image(p, pg["blob"]) for pg in pages],
         timestamps=[pg["timestamp"] for pg in pages],
         anchor_text=pages[0]["text"] if unit["unit"] != "video" else None,
     )
+
+
+def _page_image(p: Pipeline, key: str) -> Any:
+    image = p.images.get(key)
+    if image is None:
+        image = load_png(p.blobs.get_bytes(key))
+        p.images.put(key, image)
+    return image
 
 
 def retry_job(p: Pipeline, job_id: int) -> None:

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
         None, ge=0, description="Tighten every array's maxItems in the decoding grammar (bounds output); "
         "None = the schema's own, or 3 with the bundled tiny model."
     )
+    image_cache_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="Rendered pages kept in memory between intake and extraction (0 = off)."
+    )
     anchor_text_chars: int = Field(4000, ge=0, description="PDF text-layer characters offered to the prompt per page.")
     # --- media limits and rendering (passed to vision) -----------------------------------------------------------
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Largest accepted input file.")
