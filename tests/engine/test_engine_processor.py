@@ -37,6 +37,7 @@ from gpu_engine.processor import (
     smart_resize_video,
 )
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
+from gpu_engine.video_io import VideoError, probe_video, read_video_frames
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -172,6 +173,7 @@ def _close_video(ours_pixels: np.ndarray, hf_pixels: np.ndarray) -> None:
 
 
 def _write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
+    """Any container PyAV picks from the suffix (.mp4, .mkv ...), MPEG-4 video."""
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
@@ -195,6 +197,29 @@ def _video_items(prompt):
 
 def _image_items(prompt):
     return [item for item in prompt.vision_items if item.kind == "image"]
+
+
+# ------------------------------------------------------------------------------------------------- video_io
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])  # .mkv stores no frame count: probe counts packets
+def test_video_io_probe_and_read(tmp_path: Path, suffix: str) -> None:
+    rng = np.random.default_rng()
+    count, fps = int(rng.integers(5, 12)), int(rng.integers(2, 9))
+    frames = [np.full((32, 48, 3), 20 * i, dtype=np.uint8) for i in range(count)]
+    path = tmp_path / f"clip{suffix}"
+    _write_mp4(path, frames, fps)
+    info = probe_video(path)
+    assert (info.total_frames, info.fps, info.width, info.height) == (count, fps, 48, 32)
+    decoded, _ = _decode_all(path)
+    wanted = [count - 1, 0, 2, 2]  # any order, repeats allowed
+    got = read_video_frames(path, wanted)
+    for index, frame in zip(wanted, got):
+        np.testing.assert_array_equal(frame, decoded[index])
+    with pytest.raises(VideoError, match="could not be decoded"):
+        read_video_frames(path, [count + 3])
+    with pytest.raises(VideoError, match="not found"):
+        probe_video(tmp_path / "missing.mp4")
 
 
 # -------------------------------------------------------------------------------------------- loading & sizes
