@@ -73,8 +73,9 @@ class Runner(Protocol):
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""
 
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one KV block costs across all full-attention layers (engine sizes the cache from a budget)."""
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        """Bytes one KV block of `block_size` tokens (default: the allocated one) costs across all full-attention
+        layers; asked before allocation, so the engine can size the cache from a memory budget."""
 
     def state_bytes_per_slot(self) -> int:
         """Bytes one linear-attention state slot costs across all linear-attention layers."""
