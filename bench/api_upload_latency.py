@@ -1,0 +1,207 @@
+"""Upload latency of the REST API over loopback: N distinct uploads from a bounded pool of concurrent clients.
+
+    python3 bench/api_upload_latency.py [--uploads 200] [--concurrency 1,8,32] [--mode broker|embedded]
+                                        [--json bench/results/api_upload_latency.json]
+
+The server runs in its own process (`uvicorn --factory api.app:create_app`, configured through DOCPIPE_*), the
+client is asyncio + httpx with at most `concurrency` requests in flight. Latency is the time from sending a
+request to having its full response. Every upload is a different small PNG (fresh random pixels), so each one is
+stored, sniffed and rendered (no dedupe shortcut).
+
+Modes: `broker` (default when Redis answers on 127.0.0.1:6379): jobs are only enqueued, on a Redis database number
+claimed for the run and flushed afterwards, so the numbers are the API's own upload path. `embedded`: the server
+also runs the extraction jobs in-process with the tiny model, competing for the same CPU cores.
+
+Checks after each round: 0 errors, and the server lists exactly as many new documents as were uploaded.
+Prints a table; writes JSON with the machine, versions and every number.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import io
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-key-" + uuid.uuid4().hex
+CLAIM_KEY = "docpipe:test:claim"  # shared convention with the test suites: one user per Redis database number
+
+
+def png(width: int = 320, height: int = 240) -> bytes:
+    rng = random.Random()
+    img = Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
+    buf = io.BytesIO()
+    img.save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def claim_redis_db() -> tuple[int, object] | None:
+    try:
+        import redis
+
+        redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=2).ping()
+    except Exception:
+        return None
+    token = uuid.uuid4().hex
+    for db in random.sample(range(1, 16), 15):
+        client = redis.Redis(host="127.0.0.1", port=6379, db=db)
+        if client.set(CLAIM_KEY, token, nx=True, ex=1800):
+            if client.dbsize() == 1:
+                return db, client
+            client.delete(CLAIM_KEY)
+    return None
+
+
+def start_server(data_dir: Path, broker_url: str | None) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               DOCPIPE_DATA_DIR=str(data_dir), DOCPIPE_API_KEYS=KEY,
+               DOCPIPE_API_RATE_LIMIT_PER_MINUTE="10000000", DOCPIPE_API_MAX_INFLIGHT_PER_KEY="100000",
+               DOCPIPE_MAX_TOKENS="256", DOCPIPE_GRAMMAR_MAX_STRING_LENGTH="8", DOCPIPE_GRAMMAR_MAX_ARRAY_ITEMS="1")
+    env.pop("DOCPIPE_BROKER_URL", None)
+    if broker_url:
+        env["DOCPIPE_BROKER_URL"] = broker_url
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        cwd=ROOT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("server did not become ready")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))  # nearest-rank percentile
+    return ordered[k]
+
+
+async def round_of_uploads(base: str, bodies: list[bytes], concurrency: int) -> dict[str, object]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, headers={"X-API-Key": KEY}, limits=limits, timeout=120) as client:
+        async def one(i: int, body: bytes) -> None:
+            async with gate:
+                start = time.perf_counter()
+                try:
+                    r = await client.post("/v1/documents", files={"file": (f"u{i}.png", body, "image/png")})
+                    ok = r.status_code == 202
+                    if not ok:
+                        errors.append(f"{r.status_code}: {r.text[:200]}")
+                except httpx.HTTPError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                latencies.append(time.perf_counter() - start)
+
+        wall = time.perf_counter()
+        await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+        wall = time.perf_counter() - wall
+    ms = [x * 1000 for x in latencies]
+    return {
+        "concurrency": concurrency, "uploads": len(bodies), "errors": len(errors), "error_samples": errors[:5],
+        "wall_s": wall, "uploads_per_s": len(bodies) / wall,
+        "p50_ms": pct(ms, 50), "p95_ms": pct(ms, 95), "p99_ms": pct(ms, 99), "max_ms": max(ms),
+        "mean_ms": statistics.fmean(ms),
+    }
+
+
+def count_documents(base: str) -> int:
+    total, cursor = 0, None
+    with httpx.Client(base_url=base, headers={"X-API-Key": KEY}, timeout=60) as c:
+        while True:
+            params: dict[str, object] = {"limit": 200}
+            if cursor:
+                params["cursor"] = cursor
+            page = c.get("/v1/documents", params=params).json()
+            total += len(page["items"])
+            cursor = page["next_cursor"]
+            if not cursor:
+                return total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--uploads", type=int, default=200)
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client pool sizes, one round each")
+    ap.add_argument("--mode", choices=["broker", "embedded"], default=None)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "api_upload_latency.json")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+
+    claimed = claim_redis_db() if args.mode in (None, "broker") else None
+    if args.mode == "broker" and claimed is None:
+        print("broker mode needs Redis on 127.0.0.1:6379 with a free database number", file=sys.stderr)
+        return 2
+    mode = "broker" if claimed else "embedded"
+    broker_url = f"redis://127.0.0.1:6379/{claimed[0]}" if claimed else None
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="docpipe-bench-api-") as tmp:
+        proc, base = start_server(Path(tmp), broker_url)
+        try:
+            asyncio.run(round_of_uploads(base, [png() for _ in range(8)], 4))  # warm-up (imports, pools)
+            for level in levels:
+                before = count_documents(base)
+                bodies = [png() for _ in range(args.uploads)]
+                result = asyncio.run(round_of_uploads(base, bodies, level))
+                result["documents_created"] = count_documents(base) - before
+                rounds.append(result)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            if claimed:
+                claimed[1].flushdb()  # type: ignore[attr-defined]
+
+    print(f"\nAPI upload latency, {args.uploads} uploads of distinct 320x240 PNGs per round, mode={mode}, "
+          f"loopback, {os.cpu_count()} CPU cores")
+    print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for r in rounds:
+        print(f"{r['concurrency']:>8} {r['errors']:>6} {r['documents_created']:>5} {r['uploads_per_s']:>7.1f} "
+              f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f}")
+    report = {
+        "bench": "api_upload_latency", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": mode, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                  "python": platform.python_version()},
+        "goal": "p99 <= 150 ms at 32 concurrent clients, 0 errors, nothing lost", "rounds": rounds,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    bad = [r for r in rounds if r["errors"] or r["documents_created"] != r["uploads"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
