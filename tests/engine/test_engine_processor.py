@@ -376,6 +376,39 @@ def test_frame_list_video_with_fps_matches_transformers(hf_proc, ours: Processor
     assert ours.video_processor.sample_indices(count, fps).tolist() == list(metadata.frames_indices)
 
 
+def test_frame_list_without_fps_defaults_like_transformers(hf_proc, ours: Processor) -> None:
+    """No fps given: both take the list as a 24 fps clip (so 2 fps sampling keeps few frames)."""
+    rng = np.random.default_rng()
+    frames = [_random_image(rng, 30, 30) for _ in range(int(rng.integers(30, 60)))]
+    messages = [{"role": "user", "content": [{"type": "video", "video": frames}]}]
+    text = hf_proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    hf_out = hf_proc(text=[text], videos=[np.stack([np.asarray(f) for f in frames])], return_tensors="np")
+    _assert_same_prompt(ours.prepare(messages), hf_out)
+
+
+def test_per_frame_pixel_cap_matches_transformers(tmp_path: Path) -> None:
+    """cap_pixels_per_frame (qwen-vl-utils budget) read from the config and applied as transformers does."""
+    _write_folder(tmp_path, video_max_pixels=2000 * 16 * 16)
+    cfg = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    cfg.update(cap_pixels_per_frame=True, max_video_tokens=6)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng()
+    frames = np.stack([np.asarray(_random_image(rng, 90, 70)) for _ in range(8)])
+    messages = [{"role": "user", "content": [{"type": "video", "video": list(frames), "fps": 2.0}]}]
+    with pytest.MonkeyPatch.context() as mp:
+        if not transformers.utils.is_torchvision_available():
+            _torchvision_stand_in(mp)
+        hf = AutoProcessor.from_pretrained(tmp_path)
+        assert hf.video_processor.cap_pixels_per_frame is True
+        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        hf_out = hf(text=[text], videos=[frames], return_tensors="np",
+                    videos_kwargs={"video_metadata": [VideoMetadata(total_num_frames=8, fps=2.0)]})
+    prompt = Processor.from_pretrained(tmp_path).prepare(messages)
+    _assert_same_prompt(prompt, hf_out)
+    _, gh, gw = (int(v) for v in hf_out["video_grid_thw"][0])
+    assert gh * gw // MERGE**2 <= 6 < 2000  # the cap, not the total budget, set the size
+
+
 def test_mixed_multi_turn_conversation(hf_proc, ours: Processor) -> None:
     rng = np.random.default_rng()
     frames = [_random_image(rng, 40, 30) for _ in range(6)]
