@@ -110,7 +110,7 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
     runner = CudaRunner(config, weights, dtype="bf16", memory_budget=16 << 30)
     del weights
     bs = 16
-    blocks = (prompt_len + decode_steps + 64) // bs + 1
+    blocks = (prompt_len + 4 * decode_steps + 64) // bs + 1
     runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=bs, num_state_slots=2))
     table = np.arange(blocks, dtype=np.int32)
     cfg = config.text
@@ -130,20 +130,22 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
             p = prompt_len + step
             return StepBatch([SeqChunk(0, np.array([token]), np.full((3, 1), p), p, table, 0)])
 
-        token, eager = int(np.argmax(last)), []
-        for step in range(decode_steps):
-            t0 = time.perf_counter()
-            logits = runner.forward(decode_batch(step, token)).logits
-            eager.append(time.perf_counter() - t0)
-            token = int(np.argmax(logits[-1]))
-        out["decode_eager_ms"] = 1e3 * float(np.median(eager[2:]))
-        captured = runner.capture_step(decode_batch(decode_steps, token), table_width=blocks)
+        token, step = int(np.argmax(last)), 0
+        for graphs in (False, True):  # forward() as the engine calls it: eager launches, then decode graphs
+            runner.use_graphs, times = graphs, []
+            for _ in range(decode_steps):
+                t0 = time.perf_counter()
+                logits = runner.forward(decode_batch(step, token)).logits
+                times.append(time.perf_counter() - t0)
+                token, step = int(np.argmax(logits[-1])), step + 1
+            out["decode_graphs_forward_ms" if graphs else "decode_eager_ms"] = 1e3 * float(np.median(times[3:]))
+        captured = runner.capture_step(decode_batch(step, token), table_width=blocks)
         ctx = runner.ctx
         replay_ms = time_ms(ctx, captured.replay, warmup=3, reps=50)  # same step replayed: device time only
         loop = []
         for step in range(decode_steps):  # the real loop: new metadata, replay, logits back, argmax on host
             t0 = time.perf_counter()
-            captured.update(decode_batch(decode_steps + 1 + step, token))
+            captured.update(decode_batch(decode_steps * 2 + 1 + step, token))
             captured.replay()
             token = int(np.argmax(captured.logits()[-1]))
             loop.append(time.perf_counter() - t0)
@@ -161,9 +163,18 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
     return out
 
 
+def graph_time_us(ctx: GpuContext, fn: Callable[[], None], copies: int = 20) -> float:
+    """Device time of one fn() inside a CUDA graph of `copies` back-to-back launches (no host launch cost,
+    as in the runner's decode graph)."""
+    fn()  # warm: module load, GEMM plan
+    ctx.device.sync()
+    graph = ctx.device.capture(lambda: [fn() for _ in range(copies)])
+    return 1e3 * time_ms(ctx, lambda: ctx.device.launch_graph(graph), warmup=2, reps=10) / copies
+
+
 def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) -> dict:
-    """Each op of one 2B-class decode token on its own (events around one launch; the graph removes launch gaps,
-    so the sum is a prediction of the graph replay time)."""
+    """Each op of one 2B-class decode token, timed inside a CUDA graph (see graph_time_us); microseconds.
+    The sum over one token's ops is the prediction for the decode graph replay."""
     cfg = TEXT_2B
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -177,41 +188,41 @@ def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) ->
     for name, n in gemms.items():
         w = random_bf16(ctx, (n, H), name, rng, 0.02)
         y = ctx.empty((1, n), "bf16", "y")
-        out[f"gemm {name} {n}x{H}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, n, H))
+        out[f"gemm {name} {n}x{H}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, n, H))
     for name, k in (("out_proj", vdim), ("o_proj", nh * hd), ("down", I)):
         w = random_bf16(ctx, (H, k), name, rng, 0.02)
         y = ctx.empty((1, H), "bf16", "y")
-        out[f"gemm {name} {H}x{k}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, H, k))
+        out[f"gemm {name} {H}x{k}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, H, k))
     w = random_bf16(ctx, (V, H), "lm_head", rng, 0.02)
     y = ctx.empty((1, V), "f32", "logits")
-    out[f"gemm lm_head {V}x{H}"] = time_ms(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
+    out[f"gemm lm_head {V}x{H}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
     i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731
     h, r, nw = random_bf16(ctx, (1, H), "h", rng), random_bf16(ctx, (1, H), "r", rng), random_bf16(ctx, (H,), "w", rng)
-    out["add_rmsnorm"] = time_ms(ctx, lambda: ops.add_rmsnorm(ctx, h, r, h, nw, 1e-6, True))
+    out["add_rmsnorm"] = graph_time_us(ctx, lambda: ops.add_rmsnorm(ctx, h, r, h, nw, 1e-6, True))
     gu, act = random_bf16(ctx, (1, 2 * I), "gu", rng), ctx.empty((1, I), "bf16", "act")
-    out["silu_mul"] = time_ms(ctx, lambda: ops.silu_mul(ctx, act, gu))
+    out["silu_mul"] = graph_time_us(ctx, lambda: ops.silu_mul(ctx, act, gu))
     bs = 16
     blocks = context // bs + 1
     kc, vc = random_bf16(ctx, (blocks, bs, kvh, hd), "k", rng), random_bf16(ctx, (blocks, bs, kvh, hd), "v", rng)
     q, att = random_bf16(ctx, (1, 2 * nh * hd), "q", rng), ctx.empty((1, nh * hd), "bf16", "att")
     table, seq, pos = i32([np.arange(blocks)]), i32([0]), i32([context - 1])
     for splits in (1, None):
-        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = time_ms(ctx, lambda: ops.paged_attention(
+        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = graph_time_us(ctx, lambda: ops.paged_attention(
             ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
             hd ** -0.5, splits=splits))
     proj = random_bf16(ctx, (1, conv_dim + vdim + 2 * vh), "proj", rng)
     conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
     conv_out, core = random_bf16(ctx, (1, conv_dim), "co", rng), ctx.empty((1, vdim), "bf16", "core")
     cu, slots, fresh = i32([0, 1]), i32([0]), i32([0])
-    out["conv1d_silu"] = time_ms(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.size, conv_w,
+    out["conv1d_silu"] = graph_time_us(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.size, conv_w,
                                                               conv_state, cu, slots, fresh))
     a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
     state = ctx.to_device((rng.standard_normal((2, vh, dv, dk)) * 0.1).astype(np.float32), "f32", "state")
-    out["gated_delta_rule"] = time_ms(ctx, lambda: ops.gated_delta_rule(
+    out["gated_delta_rule"] = graph_time_us(ctx, lambda: ops.gated_delta_rule(
         ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
         proj.at(conv_dim + vdim + vh), proj.size, a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv))
     normed, gnw = ctx.empty((vh, dv), "bf16", "gn"), random_bf16(ctx, (dv,), "gnw", rng)
-    out["rmsnorm_gated"] = time_ms(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)), proj.at(conv_dim),
+    out["rmsnorm_gated"] = graph_time_us(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)), proj.at(conv_dim),
                                                                   gnw, 1e-6, vh, proj.size))
     ctx.arena.release(mark)
     return out
@@ -260,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         dec = bench_decode(rng, 1024 if not args.quick else 128, 20, copy["memcpy_GBps"])
         results["decode_2b"] = dec
         rows.append(("2B-class prefill 1 x %d tokens (eager)" % dec["prompt_len"], f"{dec['prefill_tok_s']:.0f} tok/s"))
-        for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graph_loop_ms", "CUDA graph + host loop"),
+        for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graphs_forward_ms", "forward(), graphs"),
+                           ("decode_graph_loop_ms", "CUDA graph + host loop"),
                            ("decode_graph_replay_ms", "CUDA graph replay only")):
             ms = dec[key]
             rows.append((f"2B-class decode b=1, {label}",
@@ -270,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(info))
     for name, ms in results.get("decode_ops_2b", {}).items():
-        rows.append((f"  op: {name}", f"{ms * 1e3:.1f} us"))
+        rows.append((f"  op: {name}", f"{ms:.1f} us"))
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0

@@ -4,7 +4,8 @@ Memory: one cuMemAlloc of `memory_budget` bytes at start-up; weights first, then
 per-step activations from what is left (released at the end of every step).
 Step: all sequences of the batch run together (varlen): host-side metadata is packed into one int32 array and
 uploaded once; every layer is a fixed sequence of cuBLASLt GEMMs and kernels on one stream; logits come back
-as float32 for the requested rows only.
+as float32 for the requested rows only. Decode steps (one token per sequence) replay CUDA graphs captured per
+(batch size, block-table width bucket); DOCPIPE_CUDA_GRAPHS=0 or use_graphs=False turns that off.
 Vision: encode_vision runs the numpy reference tower on the CPU (a GPU vision tower is not written yet); its
 float32 embeddings are uploaded and scattered into their placeholder rows.
 """
@@ -55,7 +56,7 @@ class CudaRunner:
     name = "cuda"
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, dtype: str = "bf16",
-                 memory_budget: int | None = None, device_id: int = 0) -> None:
+                 memory_budget: int | None = None, device_id: int = 0, use_graphs: bool | None = None) -> None:
         if dtype not in ("bf16", "f32"):
             raise ShapeError(f"dtype must be 'bf16' or 'f32', got {dtype!r}")
         self.config = model_config
@@ -73,6 +74,11 @@ class CudaRunner:
         self.cache: dict[int, _LayerCache] = {}
         self._after_cache = self._after_weights
         self._vision_tower: Any = None
+        # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
+        # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
+        self.use_graphs = os.environ.get("DOCPIPE_CUDA_GRAPHS", "1") != "0" if use_graphs is None else use_graphs
+        self._graphs: dict[tuple[int, int], CapturedStep] = {}
+        self._warm: set[tuple[int, int]] = set()
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
@@ -95,8 +101,8 @@ class CudaRunner:
             raise RunnerInputError(f"cache spec needs positive sizes, got {spec}")
         cfg, ctx = self.cfg, self.ctx
         ctx.device.sync()
-        ctx.arena.release(self._after_weights)  # a new spec replaces the old cache
-        self.cache = {}
+        ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
+        self.cache, self._graphs, self._warm = {}, {}, set()
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 shape = (spec.num_kv_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -144,6 +150,27 @@ class CudaRunner:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> StepOutput:
+        if self.use_graphs and _is_decode(batch):
+            return self._forward_graphed(batch)
+        return self._forward_eager(batch)
+
+    def _forward_graphed(self, batch: StepBatch) -> StepOutput:
+        width = 1 << (max(len(c.block_table) for c in batch.chunks) - 1).bit_length()
+        key = (len(batch.chunks), width)
+        step = self._graphs.get(key)
+        if step is None:
+            if key not in self._warm:
+                self._warm.add(key)
+                return self._forward_eager(batch)
+            step = self._graphs[key] = self.capture_step(batch, width)  # owns its memory until allocate_cache
+        else:
+            step.update(batch)
+        step.replay()
+        logits = step.logits()
+        hidden = self.ctx.to_host(step.bufs["rows"])[: step.meta.logit_rows].astype(np.float32, copy=False)
+        return StepOutput(logits=logits, row_offsets=_row_offsets(batch), hidden=hidden)
+
+    def _forward_eager(self, batch: StepBatch) -> StepOutput:
         meta = self._prepare(batch)
         ctx = self.ctx
         mark = ctx.arena.mark()
@@ -168,8 +195,8 @@ class CudaRunner:
         The graph keeps the addresses of this step's buffers: `CapturedStep.update(next_batch)` uploads the next
         step's metadata into the same place (same number of sequences and tokens, block tables padded to
         `table_width`), `replay()` launches the graph (capture itself runs nothing), `logits()` reads the result.
-        Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). Release with
-        close(); the runner must not run other steps while a captured step is open.
+        Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). close()
+        releases the graph's memory and everything allocated after it (the arena is a stack).
         """
         if any(c.vision for c in batch.chunks):
             raise RunnerInputError("steps with vision embeddings are not captured")
@@ -178,7 +205,7 @@ class CudaRunner:
         mark = ctx.arena.mark()
         bufs = self._step_buffers(meta)
         packed = self._upload_meta(meta)
-        graph = ctx.device.capture(lambda: self._run(meta, packed, bufs))
+        graph = ctx.device.capture(lambda: self._run(meta, packed, bufs, keep_scratch=True))
         return CapturedStep(self, graph, meta, packed, bufs, mark, table_width)
 
     def _prepare(self, batch: StepBatch, table_width: int | None = None) -> _StepMeta:
@@ -245,8 +272,9 @@ class CudaRunner:
                          logit_rows=int(arrays["logit_rows"].size), vision_rows=arrays["vis_rows"].astype(np.int32),
                          vision_embeds=np.concatenate(vis) if vis else None)
 
-    def _upload_meta(self, meta: _StepMeta) -> dict[str, DArray]:
-        """One upload for all int32 metadata; returns typed views into it."""
+    @staticmethod
+    def _pack_meta(meta: _StepMeta) -> tuple[np.ndarray, dict[str, int]]:
+        """All int32 metadata in one host array (each piece 256-byte aligned) and the element offsets."""
         offsets, total = {}, 0
         for name, arr in meta.arrays.items():
             offsets[name] = total
@@ -254,6 +282,11 @@ class CudaRunner:
         host = np.zeros(total, np.int32)
         for name, arr in meta.arrays.items():
             host[offsets[name] : offsets[name] + arr.size] = arr.reshape(-1)
+        return host, offsets
+
+    def _upload_meta(self, meta: _StepMeta) -> dict[str, DArray]:
+        """One upload for all int32 metadata; returns typed views into it."""
+        host, offsets = self._pack_meta(meta)
         dev = self.ctx.to_device(host, "i32", "step-meta")
         return {name: dev.view(arr.shape if arr.size else (1,), offsets[name]) for name, arr in meta.arrays.items()}
 
@@ -273,8 +306,12 @@ class CudaRunner:
             bufs["vision"] = ctx.to_device(meta.vision_embeds, t, "vision")
         return bufs
 
-    def _run(self, meta: _StepMeta, m: dict[str, DArray], bufs: dict[str, DArray]) -> None:
-        """Decoder over all tokens of the step, then the LM head on the requested rows (enqueue only)."""
+    def _run(self, meta: _StepMeta, m: dict[str, DArray], bufs: dict[str, DArray], keep_scratch: bool = False) -> None:
+        """Decoder over all tokens of the step, then the LM head on the requested rows (enqueue only).
+
+        Per-layer scratch is reused layer after layer (stream order makes that safe); keep_scratch=True gives
+        every layer its own, so that a captured graph owns all the memory it touches.
+        """
         ctx, cfg, t, n = self.ctx, self.cfg, self.dtype, meta.n
         H = cfg.hidden_size
         x, h, d = bufs["x"], bufs["h"], bufs["d"]
@@ -300,7 +337,8 @@ class CudaRunner:
             act = ctx.empty((n, inter), t, "act")
             ops.silu_mul(ctx, act, gu)
             ctx.blas.linear(d.ptr, act.ptr, layer.down.ptr, n, H, inter, dtype=t)
-            ctx.arena.release(scratch)
+            if not keep_scratch:
+                ctx.arena.release(scratch)
         ops.add_rmsnorm(ctx, h, x, d, self.w.final_norm, cfg.rms_norm_eps, True)
         if meta.logit_rows:
             rows, logits = bufs["rows"], bufs["logits"]
@@ -367,9 +405,8 @@ class CapturedStep:
         if meta.n != self.meta.n or shapes != {k: v.shape for k, v in self.meta.arrays.items()}:
             raise RunnerInputError("captured step replayed with a batch of another shape")
         self.meta = meta
-        for name, arr in meta.arrays.items():
-            if arr.size:
-                self.runner.ctx.device.upload(self.packed[name].ptr, arr)
+        host, _ = self.runner._pack_meta(meta)
+        self.runner.ctx.device.upload(self._base, host)
 
     def replay(self) -> None:
         self.runner.ctx.device.launch_graph(self.graph)
@@ -380,6 +417,11 @@ class CapturedStep:
     def close(self) -> None:
         self.runner.ctx.device.sync()
         self.runner.ctx.arena.release(self._mark)
+
+
+def _is_decode(batch: StepBatch) -> bool:
+    """One new token per sequence, last-row logits, no vision: the shape decode graphs are captured for."""
+    return bool(batch.chunks) and all(c.num_tokens == 1 and c.logits == "last" and not c.vision for c in batch.chunks)
 
 
 def _row_offsets(batch: StepBatch) -> list[int]:
