@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import text
 
 from pipeline.db import make_engine
 from pipeline.models import Base
 
+MIGRATION_LOCK_KEY = 0x646F6370  # "docp": an arbitrary constant shared by every docpipe process
 config = context.config
 target_metadata = Base.metadata
 
@@ -24,6 +26,10 @@ def run_migrations_online() -> None:
         # render_as_batch: SQLite cannot ALTER most things in place; batch mode rebuilds tables for it.
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":
+                # Many workers start at once and each upgrades: one at a time, the others then find nothing to do.
+                # (SQLite needs nothing: our connections begin with BEGIN IMMEDIATE, which serialises them.)
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             context.run_migrations()
     engine.dispose()
 

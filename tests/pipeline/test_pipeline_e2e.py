@@ -280,3 +280,22 @@ def test_folder_ingestion_skips_files_being_written(make_pipeline: Any, engine_c
     assert by_name == {"a.png": "new", "growing.png": "unstable"}
     later = {o.name: o.outcome for o in ingest_folder(p, folder, stable_seconds=0.0)}
     assert later == {"a.png": "duplicate", "growing.png": "new"}
+
+
+def test_many_processes_starting_at_once_migrate_once(database_url: str, tmp_path: Path) -> None:
+    """Workers and API servers all build a Pipeline (which migrates) at start-up, often at the same moment."""
+    from pipeline.context import Pipeline
+    from pipeline.settings import Settings
+
+    code = ("import sys; from pipeline.context import Pipeline; from pipeline.settings import Settings; "
+            "Pipeline(Settings(data_dir=sys.argv[1], database_url=sys.argv[2])).close()")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "data"), database_url], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+    p = Pipeline(Settings(data_dir=tmp_path / "data", database_url=database_url))
+    with p.db.read_session() as s:
+        assert s.scalar(select(func.count()).select_from(models.Schema)) == 6
+    p.close()
