@@ -14,8 +14,11 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from sqlalchemy import select
+
 from pipeline.context import Pipeline
 from pipeline.jobs import run_job, stale_jobs
+from pipeline.models import Job, JobState
 from pipeline.settings import Settings
 
 from .auth import AuthMiddleware, KeyRing
@@ -31,6 +34,14 @@ from .routes import batches, documents, health, jobs, schemas
 from .runners import BrokerRunner, EmbeddedRunner, JobRunner
 
 log = logging.getLogger("docpipe.api")
+
+# The UI loads only its own files; page images are shown from blob: URLs (fetched with the key header).
+UI_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' blob:; object-src 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 STATIC_DIR = Path(__file__).parent / "static"
 UPLOAD_PATHS = ("/v1/documents", "/v1/batches")
@@ -51,8 +62,12 @@ def limits_from_settings(settings: Settings) -> ApiLimits:
 
 def _job_runner(pipeline: Pipeline) -> JobRunner:
     if pipeline.settings.embedded:
+        def still_queued(job_id: int) -> bool:
+            with pipeline.db.read_session() as s:
+                return s.scalar(select(Job.state).where(Job.id == job_id)) == JobState.queued.value
+
         return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
-                              pending=lambda: stale_jobs(pipeline, queued_for_s=0.0))
+                              pending=lambda: stale_jobs(pipeline, queued_for_s=0.0), still_queued=still_queued)
     # With a broker, jobs go to the Celery `gpu` queue (the workers package owns the producer side).
     from workers.config import WorkerSettings, check_consistency, redis_url
     from workers.enqueue import enqueue_job
@@ -126,7 +141,7 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+        return FileResponse(STATIC_DIR / "index.html", headers=UI_HEADERS)
 
     def body_limit(method: str, path: str) -> int:
         if method == "POST" and path in UPLOAD_PATHS:

@@ -85,7 +85,7 @@ class AuthMiddleware:
             return
         path: str = scope["path"]
         try:
-            principal = self._authenticate(scope)
+            principal = self._authenticate_limited(scope)
             if principal is not None and not is_open_path(path):
                 self.limiter.check(principal.key_id)
         except ApiError as exc:
@@ -99,6 +99,15 @@ class AuthMiddleware:
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
+
+    def _authenticate_limited(self, scope: Scope) -> Principal | None:
+        """Refused attempts are charged to the client address, so guessing keys is rate limited too."""
+        try:
+            return self._authenticate(scope)
+        except ApiError:
+            client = scope.get("client") or ("local", 0)
+            self.limiter.check(f"addr-{client[0]}")
+            raise
 
     def _authenticate(self, scope: Scope) -> Principal | None:
         headers = dict(scope["headers"])

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from pipeline.errors import NotFoundError
+
 log = logging.getLogger("docpipe.api.jobs")
 
 
@@ -31,16 +33,25 @@ class JobRunner(Protocol):
 
 
 class EmbeddedRunner:
-    """Runs `run_job(job_id)` in `threads` daemon threads. `run_job` must be idempotent (the pipeline's is)."""
+    """Runs `run_job(job_id)` in `threads` daemon threads. `run_job` must be idempotent (the pipeline's is).
+
+    When `run_job` raises (engine failure, database hiccup) the pipeline has put the job back to `queued`, or
+    failed it once its attempts are spent; `still_queued` tells which, and a queued job is tried again after a
+    growing delay. The pipeline's attempt cap ends the loop for a job that keeps failing.
+    """
 
     mode = "embedded"
 
     def __init__(self, run_job: Callable[[int], object], threads: int = 2,
-                 pending: Callable[[], list[int]] | None = None) -> None:
+                 pending: Callable[[], list[int]] | None = None,
+                 still_queued: Callable[[int], bool] | None = None, retry_delay_s: float = 2.0) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._run_job = run_job
         self._pending = pending
+        self._still_queued = still_queued
+        self._retry_delay_s = retry_delay_s
+        self._failures: dict[int, int] = {}
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._loop, name=f"docpipe-job-{i}", daemon=True)
                          for i in range(threads)]
@@ -90,8 +101,22 @@ class EmbeddedRunner:
                 self._queued.discard(job_id)
             try:
                 self._run_job(job_id)
+                self._failures.pop(job_id, None)
+            except NotFoundError:
+                log.info("job %s was deleted before it ran", job_id)
             except Exception:  # the job row holds the reason; the thread must survive for the next job
-                log.exception("job %s raised outside its own error handling", job_id)
+                log.exception("job %s failed; the pipeline recorded the error", job_id)
+                self._retry_later(job_id)
+
+    def _retry_later(self, job_id: int) -> None:
+        if self._still_queued is None or not self._still_queued(job_id):
+            self._failures.pop(job_id, None)
+            return
+        failures = self._failures[job_id] = self._failures.get(job_id, 0) + 1
+        delay = min(60.0, self._retry_delay_s * 2 ** (failures - 1))
+        timer = threading.Timer(delay, self.submit, args=([job_id],))
+        timer.daemon = True
+        timer.start()
 
 
 class BrokerRunner:

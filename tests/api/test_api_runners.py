@@ -1,0 +1,77 @@
+"""The embedded job runner: jobs run on its threads, failures are retried while the job is still queued."""
+from __future__ import annotations
+
+import threading
+import time
+
+from api.runners import EmbeddedRunner
+from pipeline.errors import NotFoundError
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_runs_submitted_and_pending_jobs_once_each() -> None:
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def run(job_id: int) -> None:
+        with lock:
+            ran.append(job_id)
+
+    runner = EmbeddedRunner(run, threads=2, pending=lambda: [7, 8])
+    runner.start()
+    runner.submit([1, 2, 3])
+    assert _wait(lambda: len(ran) == 5)
+    assert runner.problem() is None
+    runner.stop()
+    assert sorted(ran) == [1, 2, 3, 7, 8]
+    assert runner.problem() == "an embedded worker thread has stopped"  # /readyz would say so
+
+
+def test_a_failing_job_is_retried_while_queued_and_dropped_when_not() -> None:
+    calls: dict[int, int] = {}
+    queued = {1: True, 2: False}
+
+    def run(job_id: int) -> None:
+        calls[job_id] = calls.get(job_id, 0) + 1
+        if job_id == 1 and calls[job_id] < 3:
+            raise RuntimeError("engine hiccup")
+        if job_id == 2:
+            raise RuntimeError("failed for good")  # the pipeline marked it failed: not queued any more
+        if job_id == 3:
+            raise NotFoundError("job", 3)
+
+    runner = EmbeddedRunner(run, threads=1, still_queued=lambda j: queued.get(j, False), retry_delay_s=0.02)
+    runner.start()
+    runner.submit([1, 2, 3])
+    assert _wait(lambda: calls.get(1) == 3)
+    time.sleep(0.2)
+    runner.stop()
+    assert calls == {1: 3, 2: 1, 3: 1}
+
+
+def test_duplicate_submissions_of_a_waiting_job_run_it_once() -> None:
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def run(job_id: int) -> None:
+        gate.wait(5)
+        ran.append(job_id)
+
+    runner = EmbeddedRunner(run, threads=1)
+    runner.start()
+    runner.submit([1])  # taken by the thread, blocked on the gate
+    assert _wait(lambda: runner.queue_depth() == 0)
+    runner.submit([2, 2, 2])
+    assert runner.queue_depth() == 1
+    gate.set()
+    assert _wait(lambda: len(ran) == 2)
+    runner.stop()
+    assert ran == [1, 2]
