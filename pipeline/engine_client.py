@@ -22,6 +22,9 @@ from gpu_engine.params import SamplingParams
 from .settings import Settings
 
 
+_GRACE_S = 30.0
+
+
 @dataclass
 class EngineRequest:
     messages: list[dict[str, Any]]
@@ -110,7 +113,9 @@ class EngineClient:
         handles = [self._async.submit(r.messages, r.params) for r in requests]
         for handle in handles:
             try:
-                out = handle.result(self._timeout_s)
+                # The engine ends a request itself at arrival + timeout_s (SamplingParams); this wait is only the
+                # safety net against an engine that stopped answering.
+                out = handle.result(self._timeout_s + _GRACE_S)
             except RequestError as exc:
                 yield EngineReply(text="", finish_reason="error", error=f"the engine refused the request: {exc}",
                                   seconds=time.perf_counter() - started)
@@ -118,7 +123,8 @@ class EngineClient:
             except TimeoutError:
                 handle.cancel()
                 yield EngineReply(text="", finish_reason="abort",
-                                  error=f"no answer within {self._timeout_s:.0f} s (DOCPIPE_REQUEST_TIMEOUT_S)",
+                                  error=f"no answer within {self._timeout_s + _GRACE_S:.0f} s "
+                                  "(DOCPIPE_REQUEST_TIMEOUT_S)",
                                   seconds=time.perf_counter() - started)
                 continue
             logprobs = out.logprobs or []

@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import os
 import secrets
-import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
