@@ -18,6 +18,7 @@ from vision import (
     DecoderCrashedError,
     DecodeTimeoutError,
     LimitExceededError,
+    MediaError,
     MediaLimits,
     NoVideoStreamError,
     RenderOptions,
@@ -218,3 +219,38 @@ def test_worker_runs_without_our_package_on_the_path(tmp_path, rng):
     out = subprocess.run([sys.executable, "-I", str(isolate.WORKER)], input=request.encode(), capture_output=True,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 0 and b'"type": "probe"' in out.stdout
+
+
+def test_probe_child_is_released_on_close_and_on_garbage_collection(tmp_path, rng):
+    import gc
+
+    path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 10), fps=10)
+    doc = open_media(path)
+    assert worker_children()  # kept for the decode
+    doc.close()
+    assert worker_children() == []
+    doc = open_media(path)
+    del doc
+    gc.collect()
+    assert worker_children() == []
+
+
+def test_close_while_streaming_stops_the_decoder_and_refuses_more(tmp_path, rng):
+    path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 60, w=320, h=240), fps=10)
+    doc = open_media(path)
+    it = doc.pages()
+    next(it)
+    doc.close()
+    assert worker_children() == []
+    with pytest.raises(MediaError, match="was closed while its frames were being read"):
+        list(it)
+    with pytest.raises(MediaError, match="was closed; open it again"):
+        next(doc.pages())
+
+
+def test_pages_can_be_iterated_twice(tmp_path, rng):
+    path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 20), fps=10)
+    with open_media(path) as doc:
+        first = [p.frame_index for p in doc.pages()]
+        second = [p.frame_index for p in doc.pages()]
+    assert first == second == [0, 6, 13, 19]

@@ -4,8 +4,9 @@ It is a standalone file (imports only the standard library, numpy and PyAV) so t
 on `sys.path`. A damaged stream may crash FFmpeg's decoders (PyAV issue 2344: SIGSEGV on truncated H.264); here a
 crash only kills this process, and the parent turns it into `DecoderCrashedError`.
 
-Protocol: one JSON request line on stdin. Replies on stdout, each a 4-byte big-endian header length, a JSON header,
-then `nbytes` raw bytes (RGB24 pixels for frames). Headers have "type": probe | frame | done | error.
+Protocol: JSON request lines on stdin (op "probe" or "decode"), served in order until stdin closes. Replies on
+stdout, each a 4-byte big-endian header length, a JSON header, then `nbytes` raw bytes (RGB24 pixels for frames).
+Header "type": probe | error (each ends a request), frame (many) then done (ends a decode).
 """
 
 from __future__ import annotations
@@ -134,21 +135,28 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
     send(out, {"type": "done", "sent": sent, "missing": targets, "failure": failure if targets else ""})
 
 
-def main() -> int:
-    av.logging.set_level(av.logging.PANIC)  # damage is reported through our protocol, not FFmpeg's log
-    out = sys.stdout.buffer
-    request = json.loads(sys.stdin.readline())
+def handle(request: dict[str, Any], out: BinaryIO) -> None:
+    path = request["path"]
     try:
-        with av.open(request["path"], mode="r") as container:
+        with av.open(path, mode="r") as container:
             if request["op"] == "probe":
                 send(out, probe(container))
             else:
                 decode(container, request, out)
     except (av.FFmpegError, ValueError, OSError, StopIteration, IndexError) as exc:
-        message = f"{type(exc).__name__}: {exc}".replace(repr(request["path"]), "the file")
-        send(out, {"type": "error", "kind": "corrupt", "message": message.replace(request["path"], "the file")})
+        # FFmpeg quotes the path; the parent's name for the file is the one a person knows
+        message = f"{type(exc).__name__}: {exc}".replace(repr(path), "the file").replace(path, "the file")
+        send(out, {"type": "error", "kind": "corrupt", "message": message})
     except MemoryError:
         send(out, {"type": "error", "kind": "memory", "message": "decoder ran out of its memory limit"})
+
+
+def main() -> int:
+    av.logging.set_level(av.logging.PANIC)  # damage is reported through our protocol, not FFmpeg's log
+    out = sys.stdout.buffer
+    # One request per line (a probe, later a decode of the same file) until the parent closes stdin.
+    while line := sys.stdin.readline():
+        handle(json.loads(line), out)
     return 0
 
 

@@ -4,6 +4,8 @@
   stream is `NoVideoStreamError`; longer than `MediaLimits.max_video_seconds` is `LimitExceededError`.
 - Sampling: `qwen_frame_indices` with `RenderOptions` (fps 2, min 4, max 768 by default), padded to an even count
   by repeating the last frame (`pad_frames_to`). `page_count` is that planned count.
+- One decoder child (see isolate.py) probes at open and decodes on the first `pages()`; it is stopped when the
+  frames are done, on `close()`, or when the document is garbage-collected.
 - Decoding: only the sampled frames are converted (and only the stretches of stream that contain them are
   decoded: the child seeks when a keyframe lies between two targets). Frames are downscaled to
   `MediaLimits.max_page_pixels` in the child and rotated upright here using the display-matrix rotation.
@@ -24,7 +26,7 @@ from typing import Any, Iterator
 from PIL import Image
 
 from ..document import MediaDocument
-from ..errors import CorruptMediaError, LimitExceededError, NoVideoStreamError
+from ..errors import CorruptMediaError, LimitExceededError, MediaError, NoVideoStreamError
 from ..limits import MediaLimits, RenderOptions
 from ..page import MediaPage
 from . import isolate
@@ -44,11 +46,17 @@ def upright(image: Image.Image, rotation: int) -> Image.Image:
     return image.rotate(degrees, expand=True, fillcolor=(255, 255, 255))
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _release(resources: dict[str, Any]) -> None:
+    """Stop the decoder child and delete our temporary copy (runs on close() or garbage collection)."""
+    child = resources.pop("child", None)
+    if child is not None:
+        child.close()
+    temp = resources.pop("temp", None)
+    if temp is not None:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
 
 
 class VideoDocument(MediaDocument):
@@ -61,14 +69,18 @@ class VideoDocument(MediaDocument):
         self._name = name
         self._limits = limits
         self._options = options
+        # Everything that must be released lives in one dict, so a finalizer can release it without holding self.
+        self._resources: dict[str, Any] = {}
+        self._release = weakref.finalize(self, _release, self._resources)
         if isinstance(source, Path):
             self._path = str(source)
         else:  # the decoder child reads a file; bytes go to a private temporary file removed on close/GC
             fd, self._path = tempfile.mkstemp(prefix="docpipe-video-")
+            self._resources["temp"] = self._path
             with os.fdopen(fd, "wb") as f:
                 f.write(source)
-        self._cleanup = weakref.finalize(self, _remove, self._path) if not isinstance(source, Path) else None
         try:
+            self._resources["child"] = self._new_child()
             info = self._probe()
         except BaseException:
             self.close()
@@ -98,10 +110,13 @@ class VideoDocument(MediaDocument):
             "dedupe_frames": options.dedupe_frames,
         }
 
+    def _new_child(self) -> isolate.DecoderProcess:
+        return isolate.DecoderProcess(timeout_s=self._limits.decode_timeout_s,
+                                      memory_bytes=self._limits.decode_memory_bytes, name=self._name)
+
     def _probe(self) -> dict[str, Any]:
-        request = {"op": "probe", "path": self._path}
-        for header, _ in isolate.run(request, timeout_s=self._limits.decode_timeout_s,
-                                     memory_bytes=self._limits.decode_memory_bytes, name=self._name):
+        info: dict[str, Any] | None = None
+        for header, _ in self._resources["child"].request({"op": "probe", "path": self._path}):
             if header["type"] == "error" and header["kind"] == "no_video":
                 found = ", ".join(f"{s['type']} ({s['codec']})" for s in header["streams"]) or "no streams at all"
                 raise NoVideoStreamError(
@@ -110,8 +125,7 @@ class VideoDocument(MediaDocument):
                 )
             if header["type"] == "probe":
                 info = header
-                break
-        else:
+        if info is None:
             raise CorruptMediaError(f"{self._name}: the video probe returned nothing; the file is damaged.")
         if info["fps"] <= 0 or info["frames"] <= 0:
             raise CorruptMediaError(
@@ -141,17 +155,26 @@ class VideoDocument(MediaDocument):
 
     def _decoded(self) -> Iterator[tuple[int, MediaPage | None]]:
         """(source index, page or None when the stream ended before it) in ascending source order."""
+        if self._release.alive is False:
+            raise MediaError(f"{self._name} was closed; open it again to read its frames.")
+        # The probe's child is reused for the first decode; a second pages() call starts a fresh one.
+        child = self._resources.pop("child", None) or self._new_child()
+        self._resources["child"] = child  # so close() stops it even while we are suspended mid-stream
         request = {"op": "decode", "path": self._path, "indices": sorted(set(self._plan)),
                    "fps": self._info["fps"], "start": self._info["start"],
                    "max_pixels": self._limits.max_page_pixels}
-        for header, payload in isolate.run(request, timeout_s=self._limits.decode_timeout_s,
-                                           memory_bytes=self._limits.decode_memory_bytes, name=self._name):
-            if header["type"] == "frame":
-                yield header["index"], self._frame_page(0, header, payload)
-            elif header["type"] == "done":
-                self._failure = header["failure"]
-                for missing in header["missing"]:
-                    yield missing, None
+        try:
+            for header, payload in child.request(request):
+                if header["type"] == "frame":
+                    yield header["index"], self._frame_page(0, header, payload)
+                elif header["type"] == "done":
+                    self._failure = header["failure"]
+                    for missing in header["missing"]:
+                        yield missing, None
+        finally:
+            child.close()
+            if self._resources.get("child") is child:
+                del self._resources["child"]
 
     def pages(self) -> Iterator[MediaPage]:
         dedupe = NearDuplicateFilter(self._options.dedupe_max_distance) if self._options.dedupe_frames else None
@@ -181,5 +204,4 @@ class VideoDocument(MediaDocument):
             count += 1
 
     def close(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup()
+        self._release()

@@ -4,10 +4,13 @@ Why a process: FFmpeg decoders can crash on damaged streams (PyAV issue 2344: SI
 child, a crash or an out-of-memory kill becomes `DecoderCrashedError`; a stuck decoder is killed after
 `MediaLimits.decode_timeout_s` and becomes `DecodeTimeoutError`. The parent never loads a decoder itself.
 
-Limits: the child's address space is capped with `RLIMIT_AS` (set with `prlimit` before the child receives its
+One child serves one file: the probe at open time and, later, the decode of the sampled frames (starting Python
+and loading FFmpeg costs ~0.25 s, so it is paid once per file). The child exits when its stdin closes.
+
+Limits: the child's address space is capped with `RLIMIT_AS` (set with `prlimit` before the child receives a
 request, so no decoding happens unlimited; `preexec_fn` is avoided because it is unsafe in threaded parents such as
 Celery's thread pool), and its CPU time with `RLIMIT_CPU`. The wall-clock limit counts only the time the parent
-spends waiting for the child, so a slow consumer of frames does not count against the decoder.
+spends waiting for the child during one request, so an idle child or a slow consumer of frames does not count.
 """
 
 from __future__ import annotations
@@ -29,16 +32,15 @@ from typing import Any, Iterator
 from ..errors import CorruptMediaError, DecoderCrashedError, DecodeTimeoutError, MediaError
 
 WORKER = Path(__file__).with_name("_worker.py")
+_LAST = {"probe", "done", "error"}  # header types that end a request
 
 
-class _Child:
-    """One worker process and the reading side of its protocol."""
+class DecoderProcess:
+    """One isolated decoder child and our side of its protocol."""
 
-    def __init__(self, request: dict[str, Any], *, timeout_s: float, memory_bytes: int, name: str,
-                 script: Path = WORKER) -> None:
+    def __init__(self, *, timeout_s: float, memory_bytes: int, name: str, script: Path = WORKER) -> None:
         self.name = name
         self.timeout_s = timeout_s
-        self.waited = 0.0
         self.stderr = tempfile.TemporaryFile()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
@@ -47,39 +49,69 @@ class _Child:
         )
         try:
             resource.prlimit(self.proc.pid, resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-            cpu = math.ceil(timeout_s) + 1
+            cpu = math.ceil(2 * timeout_s) + 1  # a probe and a decode
             resource.prlimit(self.proc.pid, resource.RLIMIT_CPU, (cpu, cpu + 1))
         except (ProcessLookupError, OSError):
-            pass  # the child already died; reading below reports how
+            pass  # the child already died; reading reports how
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        self.waited = 0.0
+        self.closed = False
+
+    def request(self, request: dict[str, Any]) -> Iterator[tuple[dict[str, Any], bytes]]:
+        """Send one request and yield its (header, payload) messages; the last one is probe, done or error.
+        Raises `DecoderCrashedError` / `DecodeTimeoutError`, and `CorruptMediaError` for decode errors the child
+        reports (kind "no_video" is yielded for the caller to map)."""
+        assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.close()
+            self.proc.stdin.flush()
         except BrokenPipeError:
-            pass
-        self.fd = self.proc.stdout.fileno()
+            raise self._died() from None
+        self.waited = 0.0
+        while True:
+            header, payload = self._message()
+            if header["type"] == "error" and header.get("kind") == "memory":
+                raise DecoderCrashedError(
+                    f"the video decoder ran out of its memory limit (MediaLimits.decode_memory_bytes) while reading "
+                    f"{self.name}; raise the limit or reduce the video's resolution."
+                )
+            if header["type"] == "error" and header.get("kind") == "corrupt":
+                raise CorruptMediaError(
+                    f"{self.name} cannot be decoded as video ({header['message']}); it is truncated or damaged — "
+                    f"re-encode or upload it again."
+                )
+            yield header, payload
+            if header["type"] in _LAST:
+                return
 
-    def _read_exact(self, n: int) -> bytes | None:
+    def _message(self) -> tuple[dict[str, Any], bytes]:
+        raw_len = self._read_exact(4)
+        raw = self._read_exact(struct.unpack(">I", raw_len)[0])
+        header = json.loads(raw)
+        return header, self._read_exact(header["nbytes"]) if header["nbytes"] else b""
+
+    def _read_exact(self, n: int) -> bytes:
+        if self.closed:
+            raise MediaError(f"{self.name} was closed while its frames were being read; open it again.")
         chunks: list[bytes] = []
         need = n
         while need:
             remaining = self.timeout_s - self.waited
-            if remaining <= 0:
-                raise self._timed_out()
             t0 = time.monotonic()
-            ready, _, _ = select.select([self.fd], [], [], remaining)
+            ready = select.select([self.fd], [], [], max(remaining, 0))[0] if remaining > 0 else []
             self.waited += time.monotonic() - t0
             if not ready:
                 raise self._timed_out()
             chunk = os.read(self.fd, min(need, 1 << 20))
             if not chunk:
-                return None  # EOF: the child exited or died
+                raise self._died()  # EOF: the child exited or was killed
             chunks.append(chunk)
             need -= len(chunk)
         return b"".join(chunks)
 
     def _timed_out(self) -> MediaError:
-        self.kill()
+        self.close()
         return DecodeTimeoutError(
             f"decoding {self.name} took longer than {self.timeout_s:g} s (MediaLimits.decode_timeout_s); the file "
             f"may be damaged or too long. Shorten the video or raise the limit."
@@ -95,60 +127,33 @@ class _Child:
                 how += " (CPU time limit)"
         else:
             how = f"exited with status {code}"
-        if "MemoryError" in tail or "Cannot allocate" in tail or "std::bad_alloc" in tail:
+        if "MemoryError" in tail or "Cannot allocate" in tail or "failed to map" in tail:
             how += " (out of its memory limit, MediaLimits.decode_memory_bytes)"
         return DecoderCrashedError(
             f"the video decoder {how} while reading {self.name}; the stream is probably damaged or truncated — "
             f"re-encode or upload the video again." + (f" Decoder said: {tail}" if tail else "")
         )
 
-    def messages(self) -> Iterator[tuple[dict[str, Any], bytes]]:
-        """Yield (header, payload) until "done" or "error"; raises on crash or timeout."""
-        while True:
-            raw_len = self._read_exact(4)
-            if raw_len is None:
-                raise self._died()
-            raw = self._read_exact(struct.unpack(">I", raw_len)[0])
-            if raw is None:
-                raise self._died()
-            header = json.loads(raw)
-            payload = self._read_exact(header["nbytes"]) if header["nbytes"] else b""
-            if payload is None:
-                raise self._died()
-            yield header, payload
-            if header["type"] in ("done", "error"):
-                return
-
-    def kill(self) -> None:
+    def close(self) -> None:
+        """Stop the child (if still running) and release pipes; safe to call twice."""
+        self.closed = True
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-    def close(self) -> None:
-        self.kill()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except BrokenPipeError:
+                    pass
         self.stderr.close()
 
 
 def run(request: dict[str, Any], *, timeout_s: float, memory_bytes: int, name: str,
         script: Path = WORKER) -> Iterator[tuple[dict[str, Any], bytes]]:
-    """Start a worker for `request` and yield its messages; the child is always reaped, even if the caller stops
-    early. Worker-reported decode errors become `CorruptMediaError` unless the caller handles them (kind
-    "no_video" is passed through as a message for the caller to map)."""
-    child = _Child(request, timeout_s=timeout_s, memory_bytes=memory_bytes, name=name, script=script)
+    """One request in a fresh child, which is always reaped, even if the caller stops early."""
+    child = DecoderProcess(timeout_s=timeout_s, memory_bytes=memory_bytes, name=name, script=script)
     try:
-        for header, payload in child.messages():
-            if header["type"] == "error" and header.get("kind") == "memory":
-                raise DecoderCrashedError(
-                    f"the video decoder ran out of its memory limit (MediaLimits.decode_memory_bytes) while reading "
-                    f"{name}; raise the limit or reduce the video's resolution."
-                )
-            if header["type"] == "error" and header.get("kind") == "corrupt":
-                raise CorruptMediaError(
-                    f"{name} cannot be decoded as video ({header['message']}); it is truncated or damaged — "
-                    f"re-encode or upload it again."
-                )
-            yield header, payload
+        yield from child.request(request)
     finally:
         child.close()
