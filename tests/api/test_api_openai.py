@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import random
+import time
 
 import httpx
 import jsonschema
@@ -12,7 +13,8 @@ import openai
 import pytest
 from PIL import Image
 
-from apitest_support import KEY, LiveServer, sqlite_server  # noqa: F401 (fixture)
+from api.limits import ApiLimits
+from apitest_support import KEY, OPEN_LIMITS, LiveServer, live_server, test_settings
 from gpu_engine.params import SamplingParams
 
 SCHEMA = {
@@ -29,6 +31,14 @@ def data_url(width: int = 32, height: int = 32, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     img.save(buf, fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def sqlite_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    # Room for long answers (the disconnect test); other tests ask for a few tokens.
+    limits = ApiLimits(**{**OPEN_LIMITS.__dict__, "max_completion_tokens": 4096})
+    with live_server(test_settings(tmp_path_factory.mktemp("api-openai")), limits=limits) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +154,23 @@ def test_refusals(client: openai.OpenAI, model_id: str, sqlite_server: LiveServe
         anon.models.list()
     r = httpx.post(sqlite_server.base + "/v1/chat/completions", json={"model": model_id, "messages": []})
     assert r.status_code == 401
+
+
+def test_client_leaving_a_stream_cancels_the_engine_request(sqlite_server: LiveServer, model_id: str) -> None:
+    engine = sqlite_server.app.state.ctx.engine.async_engine()
+    aborted_before = engine.stats().get("finished_abort", 0)
+    long_answer = {"type": "object", "properties": {"story": {"type": "string", "minLength": 3000}},
+                   "required": ["story"]}
+    body = {"model": model_id, "max_tokens": 4000, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": long_answer}}}
+    with sqlite_server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "chat.completion.chunk"
+    # The connection is closed after one event; the engine must stop generating for it.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and engine.stats().get("finished_abort", 0) == aborted_before:
+        time.sleep(0.05)
+    assert engine.stats().get("finished_abort", 0) == aborted_before + 1
