@@ -114,6 +114,7 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
         # No result backend: job state and results live in the database, which every process reads.
         "result_backend": None,
         "task_ignore_result": True,
+        "result_expires": None,  # nothing to expire; also keeps beat from scheduling celery.backend_cleanup
         "task_serializer": "json",
         "accept_content": ["json"],
         "timezone": "UTC",

@@ -34,13 +34,25 @@ _lock = threading.Lock()
 
 
 def configure_process(settings: Settings | None = None, worker_settings: WorkerSettings | None = None,
-                      *, build_engine: bool = False) -> ProcessConfig:
-    """Fix the settings this process uses (the CLI calls it once; library callers may skip it: env is read)."""
+                      *, build_engine: bool = False, pipeline: Pipeline | None = None) -> ProcessConfig:
+    """Fix the settings this process uses (the CLI calls it once; library callers may skip it: env is read).
+
+    `pipeline` hands over a ready Pipeline, e.g. one built with another ExtractionClient (a remote engine);
+    its settings then win over `settings`."""
     global _config, _pipeline
     with _lock:
+        if pipeline is not None:
+            settings = pipeline.settings
         _config = ProcessConfig(settings or Settings(), worker_settings or WorkerSettings(), build_engine)
-        _pipeline = None
+        _pipeline = pipeline
         return _config
+
+
+def reset_process() -> None:
+    """Forget the configuration and Pipeline of this process (the next use reads the environment again)."""
+    global _config, _pipeline
+    with _lock:
+        _config, _pipeline = None, None
 
 
 def process_config() -> ProcessConfig:
