@@ -6,6 +6,7 @@ any body byte is read; the body limit applies to whatever reaches a route.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         get_engine=engine.async_engine,
         default_max_tokens=min(512, settings.max_tokens),
         request_timeout_s=settings.request_timeout_s,
+        created=int(time.time()),
     )
     app.include_router(chat_router(backend, limits, ctx.engine_slots, ctx.spool_dir))
 

@@ -49,6 +49,8 @@ class ChatEngine(Protocol):
     def astream(self, messages: list[dict[str, Any]], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         ...
 
+    def stats(self) -> dict[str, Any]: ...
+
 
 @dataclass
 class ChatBackend:
@@ -56,10 +58,9 @@ class ChatBackend:
 
     model_id: str
     get_engine: Callable[[], ChatEngine]
-    fingerprint: str | None = None
     default_max_tokens: int = 512
     request_timeout_s: float | None = None
-    created: int = 0
+    created: int = 0  # unix time the model was made available (shown by /v1/models)
 
 
 class UnknownModel(ApiError):
@@ -362,7 +363,7 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
             choices=[Choice(message=AssistantMessage(content=out.text), finish_reason=_finish_reason(out),
                             logprobs=_logprobs(out.logprobs))],
             usage=_usage(out),
-            system_fingerprint=backend.fingerprint,
+            system_fingerprint=engine.stats().get("model_fingerprint"),
         )
         return JSONResponse(completion.model_dump())
 

@@ -60,6 +60,7 @@ def test_text_completion_matches_the_engine(client: openai.OpenAI, model_id: str
     out = client.chat.completions.create(model=model_id, messages=messages, max_tokens=12, temperature=0)
     choice = out.choices[0]
     assert out.object == "chat.completion" and out.model == model_id
+    assert out.system_fingerprint == sqlite_server.app.state.ctx.engine.async_engine().stats()["model_fingerprint"]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens > 0 and 1 <= out.usage.completion_tokens <= 12
