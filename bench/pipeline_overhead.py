@@ -106,7 +106,7 @@ def main() -> None:
         first = process_paths(Pipeline(base, client=recorder), files)
         assert first.ok, [(f.name, f.error) for f in first.files]
         total_pages = sum(f.pages for f in first.files)
-        units = first.pages_processed
+        model_pages = first.pages_processed
 
         # 1. overhead with an instant model
         overhead_runs, render_runs = [], []
@@ -144,7 +144,7 @@ def main() -> None:
         "inputs": [f.name for f in files],
         "documents": len(files),
         "pages": total_pages,
-        "model_requests": units,
+        "pages_read_by_model": model_pages,
         "rounds": args.rounds,
         "overhead_per_page_ms": round(per_page_ms, 2),
         "render_per_page_ms": round(1000 * render_s / total_pages, 2),

@@ -73,12 +73,12 @@ class _RichProgress:
             total = (self.bar.tasks[0].total or 0) + max(outcome.pages, 1)
             self.bar.update(self.task, total=total)
 
-    def unit_done(self, name: str, unit: str, ok: bool) -> None:
+    def unit_done(self, name: str, unit: str, ok: bool, pages: int) -> None:
         import time
 
-        self._done += 1
+        self._done += pages
         rate = self._done / max(time.perf_counter() - self._started, 1e-9)
-        self.bar.update(self.task, advance=1, rate=f"{rate:.2f}")
+        self.bar.update(self.task, advance=pages, rate=f"{rate:.2f}")
 
     def file_done(self, report: Any) -> None:
         colour = {"succeeded": "green", "partial": "yellow"}.get(report.state, "red")
@@ -87,7 +87,7 @@ class _RichProgress:
 
 def _summary_table(report: Any) -> Table:
     table = Table(title=f"batch {report.batch_id}: {len(report.files)} file(s) in {report.seconds:.1f}s, "
-                        f"{report.pages_processed} page(s) run")
+                        f"{report.pages_processed} page(s)/frame(s) read by the model")
     for column in ("file", "doc", "job", "intake", "state", "pages", "seconds", "error"):
         table.add_column(column, overflow="fold")
     for f in report.files:
@@ -97,17 +97,18 @@ def _summary_table(report: Any) -> Table:
     return table
 
 
-def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: Optional[str], source: str) -> None:
+def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: Optional[str], source: str,
+             include: Any = None) -> None:
     from .processing import process_paths
 
     try:
         p = _pipeline()
         if as_json:
-            report = process_paths(p, paths, schema=schema, password=password, source=source)
+            report = process_paths(p, paths, schema=schema, password=password, source=source, include=include)
         else:
             with _RichProgress(err) as progress:
                 report = process_paths(p, paths, schema=schema, password=password, source=source,
-                                       progress=progress)
+                                       progress=progress, include=include)
     except (PipelineError, FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
         return
@@ -178,16 +179,18 @@ def demo(
     The bundled model has random weights: its answers are schema-valid noise. Point DOCPIPE_MODEL_DIR at a real
     Qwen3.5 checkpoint for real answers."""
     folder = samples or Path(__file__).resolve().parent.parent / "samples"
-    files = sample_files(folder) if folder.is_dir() else []
-    if not files:
+    if not folder.is_dir() or not sample_files(folder):
         _fail(f"no sample files in {folder}; pass --samples FOLDER")
-    _process(files, None, False, None, source="demo")
+    _process([folder], None, False, None, source="demo", include=is_sample)
+
+
+def is_sample(path: Path) -> bool:
+    """A samples folder also holds its generator script and README: those are not samples."""
+    return path.suffix.lower() not in {".py", ".md", ".txt"}
 
 
 def sample_files(folder: Path) -> list[Path]:
-    """The media files of a samples folder: its generator script and README are not samples."""
-    return [f for f in sorted(folder.iterdir())
-            if f.is_file() and not f.name.startswith(".") and f.suffix.lower() not in {".py", ".md", ".txt"}]
+    return [f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".") and is_sample(f)]
 
 
 @app.command("schemas")

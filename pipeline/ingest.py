@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Callable, Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -270,8 +270,10 @@ def ingest_folder(
     schema: str | None = None,
     batch_id: int | None = None,
     stable_seconds: float | None = None,
+    include: Callable[[Path], bool] | None = None,
 ) -> list[IngestOutcome]:
-    """Ingest every stable file under `folder` (recursively, hidden files skipped); one outcome per file."""
+    """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths);
+    one outcome per file."""
     root = Path(folder)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
@@ -279,6 +281,9 @@ def ingest_folder(
         _schema_id(p, schema)
     wait = p.settings.stable_seconds if stable_seconds is None else stable_seconds
     stable, unstable = stable_files(root, wait)
+    if include is not None:
+        stable = [f for f in stable if include(f)]
+        unstable = [f for f in unstable if include(f)]
     outcomes = [ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
                 for path in stable]
     outcomes += [IngestOutcome(str(path.relative_to(root)), "unstable") for path in unstable]

@@ -293,13 +293,13 @@ def _release(p: Pipeline, job_id: int, token: int, *, error: str | None, count_a
 
 
 def run_job(
-    p: Pipeline, job_id: int, *, takeover: bool = False, on_unit: Callable[[str, bool], None] | None = None
+    p: Pipeline, job_id: int, *, takeover: bool = False, on_unit: Callable[[str, bool, int], None] | None = None
 ) -> JobRun:
     """Run one job to a final state (or resume it). Safe to call any number of times, from any process.
 
     Returns without work when the job is finished or running elsewhere. An exception from the engine puts the job
     back to `queued` (or `failed` when attempts are spent), records it, and is raised again so a queue can retry.
-    `on_unit(unit, ok)` is called after each unit result is stored (progress display).
+    `on_unit(unit, ok, pages)` is called after each unit result is stored (progress display).
     """
     started = time.perf_counter()
     claim = _claim(p, job_id, takeover)
@@ -337,7 +337,7 @@ def run_job(
                     return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
                 done_now += 1
                 if on_unit is not None:
-                    on_unit(unit["unit"], outcome.ok)
+                    on_unit(unit["unit"], outcome.ok, len(unit["pages"]))
         state = _finish(p, job_id, claim, unit_names, provenance)
         if state is None:
             return JobRun(job_id, "running", ran=False, note="taken over by another attempt")

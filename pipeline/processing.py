@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .context import Pipeline
 from .ingest import IngestOutcome, create_batch, ingest_file, ingest_folder
@@ -36,7 +36,7 @@ class ProcessReport:
     batch_id: int
     files: list[FileReport] = field(default_factory=list)
     seconds: float = 0.0
-    pages_processed: int = 0  # units run through the model by this call (dedupes excluded)
+    pages_processed: int = 0  # pages/frames run through the model by this call (dedupes excluded)
 
     @property
     def failed(self) -> list[FileReport]:
@@ -58,18 +58,19 @@ class Progress:
 
     def file_ingested(self, outcome: IngestOutcome) -> None: ...
 
-    def unit_done(self, name: str, unit: str, ok: bool) -> None: ...
+    def unit_done(self, name: str, unit: str, ok: bool, pages: int) -> None: ...
 
     def file_done(self, report: FileReport) -> None: ...
 
 
 def expand_inputs(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
-                  batch_id: int, password: str | None) -> list[IngestOutcome]:
+                  batch_id: int, password: str | None,
+                  include: Callable[[Path], bool] | None = None) -> list[IngestOutcome]:
     outcomes: list[IngestOutcome] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            outcomes.extend(ingest_folder(p, path, schema=schema, batch_id=batch_id))
+            outcomes.extend(ingest_folder(p, path, schema=schema, batch_id=batch_id, include=include))
         else:
             outcomes.append(ingest_file(p, path, name=str(path), schema=schema, password=password,
                                         batch_id=batch_id))
@@ -84,15 +85,17 @@ def process_paths(
     password: str | None = None,
     source: str = "cli",
     progress: Progress | None = None,
+    include: Callable[[Path], bool] | None = None,
 ) -> ProcessReport:
-    """Ingest every file (folders recursively) as one batch and run the jobs here. Never raises for a bad file."""
+    """Ingest every file (folders recursively; `include` filters files found in folders) as one batch and run
+    the jobs here. Never raises for a bad file."""
     progress = progress or Progress()
     started = time.perf_counter()
     report = ProcessReport(batch_id=create_batch(p, source))
     for raw in paths:  # a missing path is a usage error, not a bad document
         if not Path(raw).exists():
             raise FileNotFoundError(f"{raw}: no such file or folder")
-    outcomes = expand_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password)
+    outcomes = expand_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password, include=include)
     progress.files_found(len(outcomes))
     for outcome in outcomes:
         progress.file_ingested(outcome)
@@ -103,9 +106,9 @@ def process_paths(
         if outcome.outcome == "unstable":
             item.state, item.error = "skipped", "still being written; run again later"
         elif outcome.job_id is not None:
-            def on_unit(unit: str, ok: bool, _name: str = outcome.name) -> None:
-                report.pages_processed += 1
-                progress.unit_done(_name, unit, ok)
+            def on_unit(unit: str, ok: bool, pages: int, _name: str = outcome.name) -> None:
+                report.pages_processed += pages
+                progress.unit_done(_name, unit, ok, pages)
 
             try:
                 run = run_job(p, outcome.job_id, on_unit=on_unit)
