@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from api.limits import ApiLimits
-from apitest_support import KEY, OPEN_LIMITS, LiveServer, live_server, test_settings
+from apitest_support import KEY, OPEN_LIMITS, SAMPLES, LiveServer, live_server, test_settings
 from gpu_engine.params import SamplingParams
 
 SCHEMA = {
@@ -119,15 +119,31 @@ def test_json_schema_response_format_is_constrained(client: openai.OpenAI, model
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_video_frames_part(sqlite_server: LiveServer, model_id: str) -> None:
-    body = {"model": model_id, "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": [
-                {"type": "video", "video": [data_url(), data_url(), data_url(), data_url()], "fps": 2.0},
-                {"type": "text", "text": "What happens?"}]}]}
+def test_video_parts(sqlite_server: LiveServer, model_id: str) -> None:
+    frames = {"type": "video", "video": [data_url(), data_url(), data_url(), data_url()], "fps": 2.0}
+    mp4 = SAMPLES / "pan.mp4"
+    ask = {"type": "text", "text": "What happens?"}
     with sqlite_server.client() as c:
-        r = c.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] > 10
+        r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": [frames, ask]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 10
+        if mp4.is_file():  # a video file, decoded by the engine
+            url = "data:video/mp4;base64," + base64.b64encode(mp4.read_bytes()).decode()
+            part = {"type": "video_url", "video_url": {"url": url}, "fps": 1.0}
+            r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": [part, ask]}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] > 10
+        # Not a video at all, and a damaged one that looks like MP4: both refused with a reason.
+        junk = "data:video/mp4;base64," + base64.b64encode(random.randbytes(300)).decode()
+        r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": junk}}]}]})
+        assert r.status_code == 400 and r.json()["code"] == "invalid_video"
+        damaged = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + random.randbytes(300)).decode()
+        r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": damaged}}]}]})
+        assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
 
 
 def test_refusals(client: openai.OpenAI, model_id: str, sqlite_server: LiveServer) -> None:
