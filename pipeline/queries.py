@@ -56,7 +56,7 @@ def document_dict(doc: Document, *, with_pages: bool = True) -> dict[str, Any]:
 def result_dict(row: Result) -> dict[str, Any]:
     return {
         "unit": row.unit, "page_index": row.page_index, "ok": row.ok, "data": row.data,
-        "confidence": row.confidence, "error": row.error,
+        "confidence": row.confidence, "error": row.error, "raw_text": row.raw_text,
         "provenance": {"model_fingerprint": row.model_fingerprint, "engine_version": row.engine_version,
                        "schema": row.schema_name, "schema_version": row.schema_version, "sampling": row.sampling},
         "prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens,

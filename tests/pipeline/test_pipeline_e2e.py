@@ -299,3 +299,80 @@ def test_many_processes_starting_at_once_migrate_once(database_url: str, tmp_pat
     with p.db.read_session() as s:
         assert s.scalar(select(func.count()).select_from(models.Schema)) == 6
     p.close()
+
+
+class HalfBroken:
+    """Answers page 0 with a valid JSON object and every other page with text that is not JSON. The behaviour
+    under test is the job state machine, not the model."""
+
+    model_key, model_fingerprint, engine_version = "halfbroken" * 6 + "abcd", "fp-test", "0"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, requests: Any) -> Any:
+        from pipeline.engine_client import EngineReply
+
+        for request in requests:
+            self.calls += 1
+            prompt = request.messages[0]["content"][-1]["text"]
+            if "This is page 1." in prompt:
+                text = json.dumps({"colour": "red"})
+                yield EngineReply(text=text, finish_reason="stop", token_texts=[text], token_logprobs=[-0.5])
+            else:
+                yield EngineReply(text="I cannot read this", finish_reason="stop")
+
+
+def test_partial_job_keeps_failed_page_reasons(make_pipeline: Any, tmp_path: Path) -> None:
+    doc = fitz.open()
+    for n in range(3):
+        doc.new_page(width=200, height=200).insert_text((20, 40), f"page {n}")
+    doc.save(tmp_path / "three.pdf")
+    client = HalfBroken()
+    p = make_pipeline(client=client)
+    with p.db.session() as s:
+        register_schema(s, "colour", {"type": "object", "properties": {"colour": {"type": "string"}},
+                                      "required": ["colour"]})
+    intake = ingest_file(p, tmp_path / "three.pdf", schema="colour")
+    # page 2 could not be rendered (as a damaged page would be): it must fail without a model request
+    with p.db.session() as s:
+        page = s.scalars(select(models.Page).where(models.Page.document_id == intake.document_id,
+                                                   models.Page.index == 2)).one()
+        page.image_blob, page.error = None, "page 3 of three.pdf is damaged"
+    run = run_job(p, intake.job_id)
+    assert run.state == "partial" and client.calls == 2
+    res = get_results(p, intake.document_id)["results"][0]
+    assert "page 1: the answer is not JSON" in res["error"] and "page 2: page 3 of three.pdf is damaged" in res["error"]
+    units = {u["unit"]: u for u in res["units"]}
+    assert units["page:0"]["ok"] and not units["page:1"]["ok"] and not units["page:2"]["ok"]
+    assert units["page:1"]["raw_text"] == "I cannot read this"  # kept for diagnosis
+    assert res["document"]["data"] == {"colour": "red"}  # merged from the pages that worked
+    assert res["document"]["provenance"]["model_fingerprint"] == "fp-test"
+    with p.db.read_session() as s:
+        text = s.scalars(select(models.Page.text_layer).where(models.Page.document_id == intake.document_id,
+                                                               models.Page.index == 0)).one()
+    assert "page 0" in text  # the PDF text layer is kept as anchor text
+
+
+def test_anchor_text_reaches_the_prompt() -> None:
+    from PIL import Image
+
+    from pipeline.extraction import UnitInput, build_request, sampling_params
+    from pipeline.settings import Settings
+
+    settings = Settings(anchor_text_chars=12)
+    unit = UnitInput(unit="page:4", page_index=4, images=[Image.new("RGB", (8, 8))], timestamps=[None],
+                     anchor_text="Invoice 123 total 45.00 EUR")
+    params = sampling_params({"type": "object", "properties": {}}, settings)
+    request = build_request(unit, "Read it.", params, settings)
+    [message] = request.messages
+    kinds = [part["type"] for part in message["content"]]
+    assert kinds == ["image", "text"]
+    prompt = message["content"][-1]["text"]
+    assert prompt.startswith("Read it.") and "This is page 5." in prompt
+    assert "Invoice 123 " in prompt and "total" not in prompt  # cut at anchor_text_chars
+    assert request.params.logprobs and request.params.json_schema is not None
+    video = UnitInput(unit="video", page_index=None, images=[Image.new("RGB", (8, 8))] * 4,
+                      timestamps=[0.0, 0.5, 1.0, 1.5])
+    part = build_request(video, "Watch.", params, settings).messages[0]["content"][0]
+    assert part["type"] == "video" and len(part["video"]) == 4 and part["fps"] == pytest.approx(2.0)
