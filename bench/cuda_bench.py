@@ -151,6 +151,11 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
             loop.append(time.perf_counter() - t0)
         captured.close()
         out["decode_graph_replay_ms"] = replay_ms
+        ctx.device.pdl = True  # the same step with programmatic dependent launch between our kernels
+        captured = runner.capture_step(decode_batch(step, token), table_width=blocks)
+        out["decode_graph_replay_pdl_ms"] = time_ms(ctx, captured.replay, warmup=3, reps=50)
+        captured.close()
+        ctx.device.pdl = False
         out["decode_graph_loop_ms"] = 1e3 * float(np.median(loop[2:]))
         # bytes one decode token must move: every weight once (tied embeddings = the LM head read), DeltaNet
         # states read + written, this sequence's KV read
@@ -273,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("2B-class prefill 1 x %d tokens (eager)" % dec["prompt_len"], f"{dec['prefill_tok_s']:.0f} tok/s"))
         for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graphs_forward_ms", "forward(), graphs"),
                            ("decode_graph_loop_ms", "CUDA graph + host loop"),
-                           ("decode_graph_replay_ms", "CUDA graph replay only")):
+                           ("decode_graph_replay_ms", "CUDA graph replay only"),
+                           ("decode_graph_replay_pdl_ms", "CUDA graph replay, PDL")):
             ms = dec[key]
             rows.append((f"2B-class decode b=1, {label}",
                          f"{ms:.3f} ms = {1e3 / ms:.0f} tok/s, {100 * dec['roofline_ms'] / ms:.0f}% of HBM roofline"))

@@ -131,6 +131,8 @@ class CudaDevice:
         self._modules: dict[str, Any] = {}
         self._kernels: dict[tuple[str, str], Any] = {}
         self._allocations: list[int] = []
+        # Launch kernels with programmatic dependent launch (see pdl_entry in kernels/common.cuh); sm_90+ only.
+        self.pdl = False
 
     # ---- compilation -------------------------------------------------------------------------------------
     def module(self, family: str) -> Any:
@@ -167,7 +169,8 @@ class CudaDevice:
     def launch(self, family: str, name: str, grid: Any, block: Any, *args: Any, shmem: int = 0,
                stream: Any = None) -> None:
         core = self._core
-        config = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+        config = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem,
+                                   programmatic_stream_serialization=self.pdl)
         core.launch(stream or self.stream, config, self.kernel(family, name), *args)
 
     # ---- memory ------------------------------------------------------------------------------------------

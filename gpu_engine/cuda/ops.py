@@ -147,6 +147,25 @@ def kv_store(ctx: GpuContext, k_cache: DArray, v_cache: DArray, k: DArray, k_str
                       i32(kv_heads), i32(head_dim))
 
 
+def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache: DArray, proj: DArray,
+                       proj_stride: int, q_norm: DArray, k_norm: DArray, pos: DArray, inv_freq: DArray, axis: DArray,
+                       slots: DArray, heads: int, kv_heads: int, head_dim: int, rot_dim: int, eps: float,
+                       zero_centred: bool = True) -> None:
+    """Per-head RMSNorm of q and k, rotary on both, q -> q_out [n, heads*head_dim], k/v -> cache slots; proj rows
+    are [q_0 gate_0 ... q_{H-1} gate_{H-1} | k | v] as the fused q|k|v projection emits them."""
+    t = _same_float(q_out, k_cache, v_cache, proj, q_norm, k_norm)
+    for arr, name in ((pos, "pos"), (axis, "axis"), (slots, "slots")):
+        _need(arr, "i32", name)
+    _need(inv_freq, "f32", "inv_freq")
+    n = slots.size
+    if head_dim > 256 or rot_dim > head_dim or rot_dim % 2 or pos.shape[-1] != n:
+        raise ShapeError(f"qk_norm_rope_store: head_dim {head_dim} (max 256), rot_dim {rot_dim}, pos {pos.shape}, n {n}")
+    ctx.device.launch("attention", f"qk_norm_rope_store_{t}", (n, heads + kv_heads), 128, q_out.ptr, k_cache.ptr,
+                      v_cache.ptr, proj.ptr, i64(proj_stride), q_norm.ptr, k_norm.ptr, pos.ptr, i32(n), inv_freq.ptr,
+                      axis.ptr, slots.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim), i32(rot_dim), f32(eps),
+                      f32(1.0 if zero_centred else 0.0))
+
+
 def attention_splits(ctx: GpuContext, n_tokens: int, heads: int) -> int:
     """Key splits per (token, head): enough blocks to cover the GPU twice when there are few queries."""
     blocks = n_tokens * heads

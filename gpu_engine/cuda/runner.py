@@ -56,7 +56,8 @@ class CudaRunner:
     name = "cuda"
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, dtype: str = "bf16",
-                 memory_budget: int | None = None, device_id: int = 0, use_graphs: bool | None = None) -> None:
+                 memory_budget: int | None = None, device_id: int = 0, use_graphs: bool | None = None,
+                 use_pdl: bool | None = None) -> None:
         if dtype not in ("bf16", "f32"):
             raise ShapeError(f"dtype must be 'bf16' or 'f32', got {dtype!r}")
         self.config = model_config
@@ -65,6 +66,9 @@ class CudaRunner:
         self.weights_host = weights
         budget = memory_budget or _default_budget(device_id)
         self.ctx = GpuContext(budget, device_id)
+        # Programmatic dependent launch between our kernels (DOCPIPE_CUDA_PDL=1); needs sm_90 or newer.
+        pdl = os.environ.get("DOCPIPE_CUDA_PDL", "0") == "1" if use_pdl is None else use_pdl
+        self.ctx.device.pdl = pdl and int(self.ctx.device.info.arch.removeprefix("sm_")) >= 90
         self.w = upload_text_weights(self.ctx, self.cfg, weights, dtype)
         cfg = self.cfg
         self._rope_inv = self.ctx.to_device(rotary.inv_freq(cfg.rope_theta, cfg.rotary_dim), "f32", "rope.inv_freq")
@@ -353,14 +357,9 @@ class CudaRunner:
         proj = ctx.empty((n, width), t, "qkv")
         ctx.blas.linear(proj.ptr, h.ptr, w.qkv.ptr, n, width, cfg.hidden_size, dtype=t)
         q = ctx.empty((n, nh * hd), t, "q")
-        eps = cfg.rms_norm_eps
-        ops.rmsnorm(ctx, q, proj, w.q_norm, n * nh, hd, eps, True, heads=nh, x_tok_stride=width, x_head_stride=2 * hd)
-        k = proj.at(2 * nh * hd)
-        ops.rmsnorm(ctx, k, k, w.k_norm, n * kvh, hd, eps, True, heads=kvh, x_tok_stride=width, out_tok_stride=width)
-        ops.rope(ctx, q, n, nh, cfg.rotary_dim, nh * hd, hd, m["pos"], self._rope_inv, self._rope_axis)
-        ops.rope(ctx, k, n, kvh, cfg.rotary_dim, width, hd, m["pos"], self._rope_inv, self._rope_axis)
         cache = self.cache[i]
-        ops.kv_store(ctx, cache.k, cache.v, k, width, proj.at((2 * nh + kvh) * hd), width, m["kv_slots"], kvh, hd)
+        ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m["pos"], self._rope_inv,
+                               self._rope_axis, m["kv_slots"], nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
         out = ctx.empty((n, nh * hd), t, "attn")
         ops.paged_attention(ctx, out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m["tables"],
                             m["tok_seq"], m["tok_pos"], nh, kvh, hd, self._spec().block_size, hd ** -0.5)

@@ -273,6 +273,31 @@ class Checker:
             self.record(f"paged_attention(GQA, gate, varlen, splits={splits or 'auto'})", t,
                         rel_err(self.get(out), np.concatenate(expect)))
 
+    def qk_prepare(self, t: str) -> None:
+        """The fused q/k norm + rotary + cache store against the composition of the references."""
+        from gpu_engine.cuda import rotary
+
+        n, heads, kvh, hd, rot, bs, blocks = 13, 4, 2, 256, 64, 16, 8
+        width = (2 * heads + 2 * kvh) * hd
+        proj = self.rand((n, width), t)
+        wq, wk = self.rand((hd,), t, 0.1), self.rand((hd,), t, 0.1)
+        pos = np.stack([self.rng.integers(0, 3000, n), self.rng.integers(0, 60, n), self.rng.integers(0, 60, n)])
+        inv, axis = rotary.inv_freq(1e7, rot), rotary.mrope_axis(rot, (11, 11, 10))
+        slots = self.rng.choice(blocks * bs, n, replace=False).astype(np.int32)
+        kc, vc = self.out((blocks, bs, kvh, hd), t), self.out((blocks, bs, kvh, hd), t)
+        q = self.out((n, heads * hd), t)
+        self.ops.qk_norm_rope_store(self.ctx, q, kc, vc, self.up(proj, t), width, self.up(wq, t), self.up(wk, t),
+                                    self.up(pos.astype(np.int32), "i32"), self.up(inv, "f32"), self.up(axis, "i32"),
+                                    self.up(slots, "i32"), heads, kvh, hd, rot, 1e-6)
+        qn = ref.rmsnorm(proj[:, : 2 * heads * hd].reshape(n, heads, 2, hd)[:, :, 0], wq, 1e-6, True)
+        kn = ref.rmsnorm(proj[:, 2 * heads * hd : (2 * heads + kvh) * hd].reshape(n, kvh, hd), wk, 1e-6, True)
+        self.record("qk_norm_rope_store(q)", t, rel_err(self.get(q), ref.rope(qn, pos, inv, axis, rot).reshape(n, -1)))
+        got_k = self.get(kc).reshape(-1, kvh, hd)[slots]
+        self.record("qk_norm_rope_store(k -> cache)", t, rel_err(got_k, ref.rope(kn, pos, inv, axis, rot)))
+        v = proj[:, (2 * heads + kvh) * hd :].reshape(n, kvh, hd)
+        self.record("qk_norm_rope_store(v -> cache)", "exact", rel_err(self.get(vc).reshape(-1, kvh, hd)[slots], v),
+                    note=t)
+
     def deltanet(self, t: str) -> None:
         kh, vh, dk, dv, K = 2, 4, 128, 64, 4
         conv_dim = 2 * kh * dk + vh * dv
@@ -371,7 +396,7 @@ class Checker:
                 self.record(f"gemm {m}x{n}x{k} -> f32", "f32", rel_err(self.get(y32), expect))
 
     CHECKS = ("rmsnorm", "add_rmsnorm", "rmsnorm_gated", "silu_mul", "add", "rope", "embed", "attention",
-              "deltanet", "sampling", "gemm")
+              "qk_prepare", "deltanet", "sampling", "gemm")
 
 
 def run_all(seed: int | None = None) -> tuple[list[Result], dict]:

@@ -8,8 +8,8 @@
 //   belongs to sequence token_seq[i] and sits at absolute position token_pos[i]; it attends causally to cache
 //   positions 0..token_pos[i] (its own chunk included, so kv_store runs first), cut into gridDim.z equal key
 //   ranges (split-K, so that a decode step with a handful of queries still fills the GPU). GQA: query head h
-//   reads kv head h / (heads / kv_heads). Each warp walks every 4th key of its range with a running
-//   (max, sum, acc) online softmax; the block writes its merged partial state to a float32 workspace.
+//   reads kv head h / (heads / kv_heads). The 4 warps take groups of 4 consecutive keys in turn, each with a
+//   running (max, sum, acc) online softmax; the block writes its merged partial state to a float32 workspace.
 // attention_combine: merges the splits and multiplies by sigmoid(gate) (Qwen3.5's attention output gate), read
 //   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
 // Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
@@ -18,10 +18,12 @@
 
 #define MAX_PER_LANE 8
 #define ATT_WARPS 4
+#define KEY_GROUP 4
 
 template <typename T>
 __device__ void kv_store_impl(T* k_cache, T* v_cache, const T* k, long long k_stride, const T* v, long long v_stride,
                               const int* slots, int n, int kv_heads, int head_dim) {
+    pdl_entry();
     const int token = blockIdx.x;
     if (token >= n) return;
     const long long slot = slots[token];
@@ -37,6 +39,7 @@ __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q
                                      const T* k_cache, const T* v_cache, const int* block_tables,
                                      int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
                                      int heads, int kv_heads, int head_dim, int block_size, float scale) {
+    pdl_entry();
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][MAX_PER_LANE * 32];
     const int token = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -59,23 +62,40 @@ __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    for (int p = lo + warp; p < hi; p += ATT_WARPS) {
-        const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
-        const long long off = slot * row_width + (long long)kvh * head_dim;
-        const T* kr = k_cache + off;
-        float dot = 0.0f;
+    // Each warp takes KEY_GROUP consecutive keys per step: their loads are independent, so they are in flight
+    // together (decode is latency-bound: one key per step left the memory system idle between keys).
+    for (int base = lo + warp * KEY_GROUP; base < hi; base += ATT_WARPS * KEY_GROUP) {
+        float s[KEY_GROUP];
+        long long off[KEY_GROUP];
 #pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; ++e)
-            if (lane + 32 * e < head_dim) dot += qv[e] * to_f(kr[lane + 32 * e]);
-        const float s = warp_sum(dot);
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
-        const float pw = expf(s - m_new);
-        l = l * corr + pw;
-        const T* vr = v_cache + off;
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            const int p = min(base + g, hi - 1);  // clamp: rows past hi are loaded but masked below
+            const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
+            off[g] = slot * row_width + (long long)kvh * head_dim;
+            float dot = 0.0f;
 #pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; ++e)
-            if (lane + 32 * e < head_dim) acc[e] = acc[e] * corr + pw * to_f(vr[lane + 32 * e]);
+            for (int e = 0; e < MAX_PER_LANE; ++e)
+                if (lane + 32 * e < head_dim) dot += qv[e] * to_f(k_cache[off[g] + lane + 32 * e]);
+            s[g] = dot;
+        }
+        float m_new = m;
+#pragma unroll
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            s[g] = base + g < hi ? warp_sum(s[g]) : NEG_INF;
+            m_new = fmaxf(m_new, s[g]);
+        }
+        const float corr = expf(m - m_new);  // 0 on the first group (m = -inf)
+        l *= corr;
+#pragma unroll
+        for (int e = 0; e < MAX_PER_LANE; ++e) acc[e] *= corr;
+#pragma unroll
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            const float pw = expf(s[g] - m_new);  // 0 for masked rows
+            l += pw;
+#pragma unroll
+            for (int e = 0; e < MAX_PER_LANE; ++e)
+                if (lane + 32 * e < head_dim) acc[e] += pw * to_f(v_cache[off[g] + lane + 32 * e]);
+        }
         m = m_new;
     }
     if (lane == 0) {
@@ -111,6 +131,7 @@ template <typename T>
 __device__ void attention_combine_impl(T* out, const float* part_acc, const float* part_ml, int splits,
                                        const T* gate, long long gate_stride, int gate_head_stride, int n, int heads,
                                        int head_dim) {
+    pdl_entry();
     const int token = blockIdx.x, h = blockIdx.y;
     if (token >= n || h >= heads) return;
     const long long base = ((long long)token * heads + h) * splits;
@@ -133,6 +154,55 @@ __device__ void attention_combine_impl(T* out, const float* part_acc, const floa
     }
 }
 
+// qk_norm_rope_store: the whole "prepare q and k" stage of a full-attention layer in one launch (it was five).
+//   proj rows hold [q_0 gate_0 q_1 gate_1 ... | k_0 .. k_{KV-1} | v_0 .. v_{KV-1}] (head_dim each). One block per
+//   (token, head) with heads + kv_heads heads: zero-centred RMSNorm with q_norm / k_norm, rotate-half rotary on
+//   the first rot_dim dims (tables as in rope.cu), then q -> q_out [n, heads*head_dim], k and v -> their cache
+//   slot. The gate stays in proj, read later by attention_combine.
+template <typename T>
+__device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const T* proj, long long proj_stride,
+                                        const T* q_norm_w, const T* k_norm_w, const int* pos, int pos_row_stride,
+                                        const float* inv_freq, const int* axis, const int* slots, int n, int heads,
+                                        int kv_heads, int head_dim, int rot_dim, float eps, float offset) {
+    pdl_entry();
+    __shared__ float xs[MAX_PER_LANE * 32], scratch[32];
+    const int tok = blockIdx.x, hh = blockIdx.y;
+    if (tok >= n) return;
+    const bool is_q = hh < heads;
+    const int kvh = hh - heads;
+    const T* src = proj + tok * proj_stride + (is_q ? (long long)hh * 2 * head_dim
+                                                     : (long long)(2 * heads + kvh) * head_dim);
+    const T* w = is_q ? q_norm_w : k_norm_w;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        const float v = to_f(src[d]);
+        xs[d] = v;
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)head_dim + eps);  // its barriers publish xs
+    const int half = rot_dim / 2;
+    const long long slot = is_q ? 0 : (long long)slots[tok];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        const float x = xs[d] * inv * (offset + to_f(w[d]));
+        float y = x;
+        if (d < rot_dim) {
+            const int j = d < half ? d : d - half;
+            const int partner = d < half ? d + half : d - half;
+            const float xp = xs[partner] * inv * (offset + to_f(w[partner]));
+            float sn, cs;
+            sincosf((float)pos[axis[j] * pos_row_stride + tok] * inv_freq[j], &sn, &cs);
+            y = d < half ? x * cs - xp * sn : x * cs + xp * sn;
+        }
+        if (is_q) {
+            q_out[(long long)tok * heads * head_dim + (long long)hh * head_dim + d] = from_f<T>(y);
+        } else {
+            const long long dst = (slot * kv_heads + kvh) * head_dim + d;
+            k_cache[dst] = from_f<T>(y);
+            v_cache[dst] = src[(long long)kv_heads * head_dim + d];  // v sits kv_heads heads after k
+        }
+    }
+}
+
 #define DEFINE(S, T)                                                                                             \
     extern "C" __global__ void kv_store_##S(T* k_cache, T* v_cache, const T* k, long long k_stride, const T* v,   \
                                             long long v_stride, const int* slots, int n, int kv_heads,            \
@@ -152,6 +222,14 @@ __device__ void attention_combine_impl(T* out, const float* part_acc, const floa
                                                      int gate_head_stride, int n, int heads, int head_dim) {      \
         attention_combine_impl<T>(out, part_acc, part_ml, splits, gate, gate_stride, gate_head_stride, n, heads,  \
                                   head_dim);                                                                     \
+    }                                                                                                            \
+    extern "C" __global__ void qk_norm_rope_store_##S(                                                            \
+        T* q_out, T* k_cache, T* v_cache, const T* proj, long long proj_stride, const T* q_norm_w,               \
+        const T* k_norm_w, const int* pos, int pos_row_stride, const float* inv_freq, const int* axis,           \
+        const int* slots, int n, int heads, int kv_heads, int head_dim, int rot_dim, float eps, float offset) {  \
+        qk_norm_rope_store_impl<T>(q_out, k_cache, v_cache, proj, proj_stride, q_norm_w, k_norm_w, pos,           \
+                                   pos_row_stride, inv_freq, axis, slots, n, heads, kv_heads, head_dim, rot_dim, \
+                                   eps, offset);                                                                 \
     }
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)

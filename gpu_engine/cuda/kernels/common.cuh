@@ -56,3 +56,15 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Programmatic dependent launch (sm_90+). Every kernel calls this first: it lets the next kernel of the stream
+// be scheduled now (its blocks then sit in their own pdl_entry), and waits until the previous kernel has finished
+// and its writes are visible. For launches without the PDL attribute both instructions are no-ops, so kernels
+// stay correct either way; with it, launch latency overlaps the previous kernel's tail.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+

@@ -22,6 +22,7 @@ template <typename T>
 __device__ void conv1d_silu_impl(T* out, long long out_stride, const T* x, long long x_stride, const T* w,
                                  T* conv_state, const int* cu_seqlens, const int* state_slots, const int* fresh,
                                  int conv_dim, int K) {
+    pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
     if (c >= conv_dim) return;
     T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c;
@@ -56,6 +57,7 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
                                       const T* b, long long ab_stride, const float* A_log, const float* dt_bias,
                                       float* state, const int* cu_seqlens, const int* state_slots, const int* fresh,
                                       int k_heads, int v_heads, int dk, int dv) {
+    pdl_entry();
     __shared__ float q_s[MAX_DK_PER_LANE * 32], k_s[MAX_DK_PER_LANE * 32], scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h = blockIdx.y, s = blockIdx.z;

@@ -5,6 +5,7 @@
 
 template <typename T>
 __device__ void silu_mul_impl(T* out, const T* gu, int rows, int inter) {
+    pdl_entry();
     const long long n = (long long)rows * inter;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -16,6 +17,7 @@ __device__ void silu_mul_impl(T* out, const T* gu, int rows, int inter) {
 
 template <typename T>
 __device__ void add_impl(T* out, const T* a, const T* b, long long n) {
+    pdl_entry();
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x)
         out[idx] = from_f<T>(to_f(a[idx]) + to_f(b[idx]));

@@ -5,6 +5,7 @@
 
 template <typename T>
 __device__ void embed_gather_impl(T* out, const T* table, const int* ids, int n, int hidden, int vocab) {
+    pdl_entry();
     const int row = blockIdx.x;
     if (row >= n) return;
     const int id = ids[row];
@@ -19,6 +20,7 @@ __device__ void embed_gather_impl(T* out, const T* table, const int* ids, int n,
 
 template <typename T>
 __device__ void scatter_rows_impl(T* out, const T* src, const int* dst_rows, int n, int hidden) {
+    pdl_entry();
     const int row = blockIdx.x;
     if (row >= n) return;
     T* dst = out + (long long)dst_rows[row] * hidden;

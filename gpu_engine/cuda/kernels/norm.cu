@@ -10,6 +10,7 @@ template <typename T>
 __device__ void rmsnorm_impl(T* out, long long out_tok_stride, int out_head_stride, const T* x,
                              long long x_tok_stride, int x_head_stride, int heads, const T* w, int rows, int dim,
                              float eps, float offset) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
@@ -28,6 +29,7 @@ __device__ void rmsnorm_impl(T* out, long long out_tok_stride, int out_head_stri
 template <typename T>
 __device__ void add_rmsnorm_impl(T* out, T* residual, const T* x, const T* w, int rows, int dim, float eps,
                                  float offset) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
@@ -49,6 +51,7 @@ __device__ void add_rmsnorm_impl(T* out, T* residual, const T* x, const T* w, in
 template <typename T>
 __device__ void rmsnorm_gated_impl(T* out, const T* x, const T* z, int z_stride, const T* w, int rows, int dim,
                                    int heads_per_z_row, float eps) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;

@@ -10,6 +10,7 @@
 template <typename T>
 __device__ void rope_impl(T* x, long long token_stride, int head_stride, const int* pos, int pos_row_stride,
                           const float* inv_freq, const int* axis, int n, int heads, int rot_dim) {
+    pdl_entry();
     const int token = blockIdx.x;
     if (token >= n) return;
     const int half = rot_dim / 2;

@@ -6,6 +6,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void argmax_f32(int* out, const float* logits, int rows, int vocab) {
+    pdl_entry();
     __shared__ float s_val[32];
     __shared__ int s_idx[32];
     const int r = blockIdx.x;
@@ -52,6 +53,7 @@ extern "C" __global__ void argmax_f32(int* out, const float* logits, int rows, i
 }
 
 extern "C" __global__ void log_softmax_f32(float* out, float* lse, const float* logits, int rows, int vocab) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     if (r >= rows) return;
@@ -69,6 +71,7 @@ extern "C" __global__ void log_softmax_f32(float* out, float* lse, const float* 
 
 extern "C" __global__ void apply_bitmask_f32(float* logits, const unsigned int* mask, int rows, int vocab,
                                              int words) {
+    pdl_entry();
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* x = logits + (long long)r * vocab;
