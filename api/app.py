@@ -33,6 +33,7 @@ from .openai_compat import ChatBackend, chat_router
 from .queries import active_job_ids
 from .routes import batches, documents, health, jobs, schemas
 from .runners import BrokerRunner, EmbeddedRunner, JobRunner
+from .uploads import sweep_spool
 
 log = logging.getLogger("docpipe.api")
 
@@ -101,13 +102,14 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         jobs=JobQuota(limits.max_inflight_jobs, still_active),
         engine_slots=EngineSlots(limits.max_inflight_engine),
         metrics=metrics,
-        spool_dir=settings.data_dir / "incoming",
+        spool_dir=settings.data_dir / "uploads",
         engine=engine,
     )
     metrics.watch(pipeline.db, runner.queue_depth, engine.figures)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweep_spool(ctx.spool_dir, older_than_s=3600)
         engine.start()
         runner.start()
         log.info("docpipe API ready (%s mode, %d API key(s))", runner.mode, len(settings.api_keys))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -91,7 +92,7 @@ class _FormBuilder:
         self.part.name = options[b"name"].decode("utf-8", "replace")
         if b"filename" in options:
             if len(self.form.files) >= self.max_files:
-                raise ApiError(400, "too_many_files", f"At most {self.max_files} files per request.")
+                raise ApiError(400, "too_many_files", f"At most {self.max_files} file(s) per request.")
             self.part.filename = options[b"filename"].decode("utf-8", "replace")
             fd, name = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=self.spool_dir)
             self.part.out = os.fdopen(fd, "wb")
@@ -171,3 +172,17 @@ async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int
     finally:
         if not completed:
             builder.abort()
+
+
+def sweep_spool(spool_dir: Path, older_than_s: float) -> int:
+    """Remove partial uploads and chat media left by a crashed process (older than `older_than_s`, so that
+    another API process sharing the data dir keeps its in-flight files). Returns how many were removed."""
+    if not spool_dir.is_dir():
+        return 0
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for path in spool_dir.iterdir():
+        if path.is_file() and path.name.startswith(("upload-", "chat-video-")) and path.stat().st_mtime < cutoff:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed

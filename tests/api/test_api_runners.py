@@ -1,4 +1,4 @@
-"""The embedded job runner: jobs run on its threads, failures are retried while the job is still queued."""
+"""Background pieces: the embedded job runner (retries while queued) and the sweep of stale partial uploads."""
 from __future__ import annotations
 
 import threading
@@ -75,3 +75,18 @@ def test_duplicate_submissions_of_a_waiting_job_run_it_once() -> None:
     assert _wait(lambda: len(ran) == 2)
     runner.stop()
     assert ran == [1, 2]
+
+
+def test_sweep_spool_removes_only_old_leftovers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from api.uploads import sweep_spool
+
+    old, fresh, other = tmp_path / "upload-a.part", tmp_path / "upload-b.part", tmp_path / "keep.txt"
+    for path in (old, fresh, other):
+        path.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    os.utime(other, (time.time() - 7200, time.time() - 7200))
+    assert sweep_spool(tmp_path, older_than_s=3600) == 1
+    assert not old.exists() and fresh.exists() and other.exists()
+    assert sweep_spool(tmp_path / "missing", older_than_s=0) == 0
