@@ -2,19 +2,21 @@
 M-RoPE position ids. Numerically follows transformers 5.17 (Qwen2VLImageProcessor, Qwen3VLVideoProcessor,
 Qwen3VLProcessor, Qwen3_5Model.get_rope_index).
 
-Resampling: Pillow bicubic on uint8 RGB. Images are resized exactly as transformers' PIL image backend
-(Qwen2VLImageProcessorPil, what transformers uses without torchvision). Video frames follow transformers' video
-processor, which uses torch's antialiased uint8 bicubic (width pass, then height pass): we run Pillow's passes in
-that order and agree within two uint8 levels on ~1% of pixels (checked against real torchvision 0.26 too).
-transformers' torchvision image backend (used when torchvision is installed) agrees with our images within two
-levels, except when an image's height shrinks while its width grows: Pillow then runs the height pass first and
-the two can differ by up to ~20 levels. Everything else — sizes, sampling, patch order, tokens, positions,
-timestamps — is exact.
+Resampling, two paths, each exactly as transformers resizes on CPU:
+- images: Pillow bicubic on uint8 RGB, as transformers' PIL image backend (Qwen2VLImageProcessorPil) does; equal
+  to it within float32 rounding of the normalisation (1e-6).
+- video frames: transformers' video processor hands the uint8 frames to torchvision's resize, which on CPU calls
+  torch's native uint8 `interpolate(mode="bicubic", antialias=True, align_corners=False)`: Keys cubic with
+  a = -0.5, support scaled by the downscale factor, normalised weights turned into int16 fixed point, a width pass
+  then a height pass, each rounding to uint8. `resize_like_torch_uint8` is that computation in numpy, integer for
+  integer, so frames equal transformers' bit for bit (tested against torch's kernel).
+Everything else — sizes, sampling, patch order, tokens, positions, timestamps — is exact.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import json
@@ -200,19 +202,93 @@ class _PixelParams:
         return json.dumps(fields, sort_keys=True, default=list).encode()
 
 
-def _resize_rgb(image: Image.Image, height: int, width: int, *, horizontal_first: bool = False) -> Image.Image:
-    """Bicubic resize of a uint8 RGB image.
-
-    Pillow resizes in two separable passes and picks the order itself (smaller intermediate first): that is
-    transformers' PIL image backend exactly. torch's antialiased uint8 kernel (transformers' video processor)
-    always resizes width first; `horizontal_first` reproduces that order, leaving at most two uint8 levels of
-    difference. With the other order the two can differ by ~20 levels when one axis grows and the other shrinks.
-    """
+def _resize_rgb(image: Image.Image, height: int, width: int) -> Image.Image:
+    """Pillow bicubic resize of a uint8 RGB image: transformers' PIL image backend exactly."""
     if image.size == (width, height):
         return image
-    if horizontal_first and image.width != width and image.height != height:
-        image = image.resize((width, image.height), resample=Image.Resampling.BICUBIC)
     return image.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+
+# ------------------------------------------------------------- torch's uint8 antialiased bicubic, in numpy
+#
+# What torch computes for a uint8 tensor in interpolate(mode="bicubic", antialias=True, align_corners=False)
+# (aten UpSampleKernel.cpp: _compute_indices_min_size_weights_aa, _compute_index_ranges_int16_weights, and the
+# separable uint8 loops). The float arithmetic of the weights follows torch's operation order so that the
+# int16 weights come out identical; the convolution itself is integer arithmetic, hence exact.
+
+
+@dataclass(frozen=True)
+class _AxisFilter:
+    """One axis of the resize: output i = clamp((2**(p-1) + sum_k weights[i, k] * in[taps[i, k]]) >> p)."""
+
+    taps: np.ndarray  # int64 [out, K] input indices (clamped into range where the weight is 0)
+    weights: np.ndarray  # int32 [out, K] fixed-point weights, scaled by 2**precision
+    precision: int
+
+
+def _keys_cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic convolution kernel with a = -0.5 (Pillow's and torch's antialiased bicubic), float64."""
+    a = -0.5
+    x = np.abs(x)
+    inner = ((a + 2) * x - (a + 3)) * x * x + 1
+    outer = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, inner, np.where(x < 2.0, outer, 0.0))
+
+
+@functools.lru_cache(maxsize=64)
+def _axis_filter(size_in: int, size_out: int) -> _AxisFilter:
+    scale = size_in / size_out
+    support = 2.0 * scale if scale >= 1.0 else 2.0  # bicubic's radius 2, widened by the downscale factor
+    k_max = int(math.ceil(support)) * 2 + 1
+    inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
+    centers = scale * (np.arange(size_out) + 0.5)
+    starts = np.maximum((centers - support + 0.5).astype(np.int64), 0)  # astype truncates toward zero, like C
+    ends = np.minimum((centers + support + 0.5).astype(np.int64), size_in)
+    sizes = np.clip(ends - starts, 0, k_max)
+    offsets = np.arange(k_max)
+    inside = offsets[None, :] < sizes[:, None]
+    raw = _keys_cubic(((starts[:, None] + offsets[None, :]) - centers[:, None] + 0.5) * inv_scale)
+    raw = np.where(inside, raw, 0.0)
+    totals = np.cumsum(raw, axis=1)[:, -1]  # a running sum, in torch's order (np.sum would pair terms)
+    normalized = np.divide(raw, totals[:, None], out=raw.copy(), where=totals[:, None] != 0.0)
+    w_max = float(np.max(np.where(totals[:, None] != 0.0, normalized, 0.0), initial=0.0))
+    precision = 0  # as many fraction bits as keep 2 * w_max within int16 (at most 22)
+    while precision < 22 and int(0.5 + w_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = normalized * (1 << precision)
+    fixed = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5))  # C's (int)(v +- 0.5)
+    taps = np.minimum(starts[:, None] + offsets[None, :], size_in - 1)
+    return _AxisFilter(taps, fixed.astype(np.int32), precision)
+
+
+def _resample_first_axis(x: np.ndarray, size_out: int) -> np.ndarray:
+    """Resize axis 0 of a uint8 array; rounds to uint8 like torch's uint8 loops (int32 accumulation)."""
+    f = _axis_filter(x.shape[0], size_out)
+    values = np.ascontiguousarray(x, dtype=np.int32)  # row-major, so each tap gathers whole rows
+    acc = np.full((size_out,) + x.shape[1:], 1 << (f.precision - 1), dtype=np.int32)
+    weight_shape = (size_out,) + (1,) * (x.ndim - 1)
+    for k in range(f.weights.shape[1]):  # whole rows per tap: contiguous gathers
+        acc += values[f.taps[:, k]] * f.weights[:, k].reshape(weight_shape)
+    np.right_shift(acc, f.precision, out=acc)  # arithmetic shift: floor, as torch's srai / >>
+    return np.clip(acc, 0, 255).astype(np.uint8)
+
+
+def resize_like_torch_uint8(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, C] -> [height, width, C], equal to torch's uint8 antialiased bicubic interpolate.
+
+    Width first, then height, with a uint8 image in between, as torch does; an axis that keeps its size is not
+    touched.
+    """
+    if frame.dtype != np.uint8 or frame.ndim != 3:
+        raise ProcessorError(f"frames must be uint8 [H, W, C], got {frame.dtype} {frame.shape}")
+    if height < 1 or width < 1:
+        raise ProcessorError(f"cannot resize to {width}x{height}")
+    out = frame
+    if out.shape[1] != width:
+        out = _resample_first_axis(out.transpose(1, 0, 2), width).transpose(1, 0, 2)
+    if out.shape[0] != height:
+        out = _resample_first_axis(out, height)
+    return np.ascontiguousarray(out)
 
 
 def _to_chw(image: Image.Image) -> np.ndarray:
@@ -398,7 +474,7 @@ class VideoProcessor:
         target_h, target_w = self.target_size(len(frames), height, width)
         if target_h % p.factor or target_w % p.factor:
             raise ProcessorError(f"frame size {target_w}x{target_h} is not a multiple of {p.factor} (do_resize is off)")
-        chw = np.stack([_to_chw(_resize_rgb(Image.fromarray(f), target_h, target_w, horizontal_first=True)) for f in frames])
+        chw = np.stack([resize_like_torch_uint8(f, target_h, target_w).transpose(2, 0, 1) for f in frames])
         if pad := -len(chw) % p.temporal_patch_size:  # an odd count is completed with the last frame
             chw = np.concatenate([chw, np.repeat(chw[-1:], pad, axis=0)])
         pixel_values = _patchify(p.to_float(chw), p.patch_size, p.merge_size, p.temporal_patch_size)
