@@ -324,11 +324,13 @@ def run_job(
             group = todo[start : start + window]
             inputs = [_unit_input(p, u) for u in group]
             requests = [build_request(u, claim.prompt, params, p.settings) for u in inputs]
-            t0 = time.perf_counter()
-            previous = 0.0
-            for unit, reply in zip(group, client.run(requests)):
-                waited = time.perf_counter() - t0 - previous
-                previous += waited
+            replies = iter(client.run(requests))
+            for unit in group:
+                t0 = time.perf_counter()  # only the wait for the next reply counts as model time
+                reply = next(replies, None)
+                waited = time.perf_counter() - t0
+                if reply is None:
+                    raise RuntimeError(f"the engine client gave {group.index(unit)} replies for {len(group)} requests")
                 model_seconds += waited
                 outcome = interpret_reply(reply, claim.json_schema, params.max_tokens)
                 if not _write_unit(p, job_id, claim, unit["unit"], unit["page_index"], outcome,
