@@ -68,6 +68,9 @@ class EngineAccess:
                 return f"failed to load: {self._error}"
             if self._loading:
                 return "loading the model"
+            client = self._client
+        if client is not None and not _async_engine_of(client).is_running:
+            return "the engine's step loop has stopped (see the server log); restart the server"
         return None  # loaded, or (broker mode) loaded on the first chat request
 
     def figures(self) -> EngineFigures | None:
