@@ -38,7 +38,13 @@ class ApiLimits:
 
 
 class RateLimiter:
-    """Token bucket per client key: `burst` tokens, refilled at `rate_per_minute / 60` per second."""
+    """Token bucket per client key: `burst` tokens, refilled at `rate_per_minute / 60` per second.
+
+    Buckets are kept per key and per client address (refused logins), so the table is pruned of full buckets
+    (clients that have been quiet long enough) once it grows past `max_tracked` entries.
+    """
+
+    max_tracked = 10_000
 
     def __init__(self, rate_per_minute: int, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._rate = rate_per_minute / 60.0
@@ -62,6 +68,16 @@ class RateLimiter:
                     wait,
                 )
             self._buckets[key] = (tokens - 1.0, now)
+            if len(self._buckets) > self.max_tracked:
+                self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        full_after = self._burst / self._rate  # seconds for an empty bucket to refill completely
+        self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < full_after}
+
+    def tracked(self) -> int:
+        with self._lock:
+            return len(self._buckets)
 
 
 class EngineSlots:

@@ -146,6 +146,17 @@ def test_rate_limiter_token_bucket_with_a_fake_clock() -> None:
         limiter.check("k")
 
 
+def test_rate_limiter_forgets_quiet_clients() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rate_per_minute=60, burst=2, clock=lambda: now[0])  # full again after 2 s
+    limiter.max_tracked = 3
+    for i in range(3):
+        limiter.check(f"old-{i}")
+    now[0] += 5
+    limiter.check("new")  # the table passed its size: the quiet (full) buckets are dropped
+    assert limiter.tracked() == 1
+
+
 def test_engine_slots_and_job_quota() -> None:
     slots = EngineSlots(per_key=2)
     slots.acquire("a")
