@@ -22,7 +22,7 @@ def sample_files() -> list[Path]:
 
 def make_own_inputs(folder: Path) -> list[Path]:
     """Small inputs of every kind, for when samples/ is not there yet."""
-    import fitz
+    import pymupdf as fitz
     from PIL import Image, ImageDraw
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import fitz
+import pymupdf as fitz
 import jsonschema
 import pytest
 from pipeline_test_support import REPO, png_bytes
