@@ -20,6 +20,32 @@ from .params import SamplingParams
 
 _GRAMMAR_CACHE_SIZE = 256
 
+# An exact regex for JSON Schema's "format": "date" (RFC 3339 full-date, Gregorian leap years, year >= 0001).
+# llguidance's own date format accepts e.g. 2729-02-29, which jsonschema's format checker rightly rejects.
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+DATE_PATTERN = rf"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"
+# Keys whose values are JSON data, not subschemas: never rewritten.
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+
+
+def exact_formats(schema: Any) -> Any:
+    """A copy of `schema` for grammar building, with "format": "date" (without a pattern of its own) replaced by
+    DATE_PATTERN, so that every generated date is a real calendar date."""
+    if isinstance(schema, list):
+        return [exact_formats(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYS else exact_formats(v)) for k, v in schema.items()}
+    if out.get("format") == "date" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
+    return out
+
 
 class GrammarError(ValueError):
     """The json_schema / regex / choice of a request cannot be compiled into a grammar."""
@@ -58,7 +84,7 @@ class StructuredOutput:
             key = "json:" + json.dumps(params.json_schema, sort_keys=True)
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    params.json_schema, defaults={"whitespace_flexible": self.whitespace_flexible}
+                    exact_formats(params.json_schema), defaults={"whitespace_flexible": self.whitespace_flexible}
                 )
             except ValueError as exc:
                 raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from exc

@@ -1,12 +1,14 @@
 """Structured output with a random tiny model: every constrained generation must parse and validate.
 
-Schemas are bounded (maxLength, maxItems, numeric ranges, additionalProperties: false) so that a random model can
-always finish within max_tokens; an unbounded schema may legitimately end with finish_reason "length".
+Schemas are bounded (maxLength, maxItems, numeric ranges, multipleOf for decimals, additionalProperties: false) so
+that a random model can always finish within max_tokens. An unbounded schema may legitimately end with
+finish_reason "length": a degenerate model can repeat digits of a plain "number" forever ("980.3996122080808...").
 """
 from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 
 import jsonschema
 import numpy as np
@@ -34,9 +36,9 @@ SCHEMAS = [
             "lines": {"type": "array", "maxItems": 3, "items": {
                 "type": "object",
                 "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 99},
-                               "price": {"type": "number", "minimum": 0, "maximum": 1000}},
+                               "price": {"type": "number", "minimum": 0, "maximum": 1000, "multipleOf": 0.01}},
                 "required": ["qty", "price"], "additionalProperties": False}},
-            "total": {"type": "number", "minimum": 0, "maximum": 100000},
+            "total": {"type": "number", "minimum": 0, "maximum": 100000, "multipleOf": 0.01},
         },
         "required": ["lines", "total"], "additionalProperties": False,
     },
@@ -59,11 +61,62 @@ SCHEMAS = [
         "properties": {
             "page": {"type": "integer", "minimum": 1, "maximum": 500},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.001},
         },
         "required": ["page"], "additionalProperties": False,
     },
 ]
+
+
+def _exact_multiple_of(validator, divisor, instance, schema):
+    # jsonschema checks float multipleOf with float division (0.29 / 0.01 = 28.999...): compare in decimal instead.
+    if validator.is_type(instance, "number") and Decimal(str(instance)) % Decimal(str(divisor)) != 0:
+        yield jsonschema.ValidationError(f"{instance} is not a multiple of {divisor}")
+
+
+ExactValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"multipleOf": _exact_multiple_of})
+
+
+def validate(text: str, schema: dict) -> None:
+    """Parse (decimals kept exact) and validate, formats (date) included."""
+    doc = json.loads(text, parse_float=Decimal)
+    ExactValidator(schema, format_checker=jsonschema.FormatChecker()).validate(doc)
+
+
+def test_exact_validator_is_strict():
+    schema = {"type": "number", "multipleOf": 0.01, "maximum": 1}
+    validate("0.29", schema)
+    for bad in ("0.291", "1.01", '"0.2"'):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        validate('"2024-13-45"', {"type": "string", "format": "date"})
+
+
+def test_date_pattern_is_exact():
+    import datetime
+
+    from gpu_engine.structured import DATE_PATTERN, exact_formats
+
+    rx = re.compile(DATE_PATTERN)
+    rng = np.random.default_rng()
+    years = list(rng.integers(0, 10000, size=300)) + [0, 4, 100, 400, 1900, 2000, 2024, 2100, 2729]
+    for y in years:
+        for m in range(0, 14):
+            for d in (0, 1, 28, 29, 30, 31, 32):
+                s = f"{y:04d}-{m:02d}-{d:02d}"
+                try:
+                    datetime.date.fromisoformat(s)
+                    ok = True
+                except ValueError:
+                    ok = False
+                assert bool(rx.fullmatch(s)) == ok, s
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "format": {"const": {"format": "date"}}}}
+    rewritten = exact_formats(schema)
+    assert rewritten["properties"]["d"] == {"type": "string", "pattern": DATE_PATTERN}
+    assert rewritten["properties"]["format"] == {"const": {"format": "date"}}  # data is left alone
+    assert schema["properties"]["d"]["format"] == "date"  # the caller's schema is not modified
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +137,9 @@ def test_100_json_schema_generations_validate(engine):
                                      seed=int(rng.integers(1 << 30)), logprobs=i % 10 == 0))
     before = engine.stats()
     outs = engine.generate(prompts, params)
-    checker = jsonschema.FormatChecker()
     for out, p in zip(outs, params):
         assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
-        jsonschema.validate(json.loads(out.text), p.json_schema, format_checker=checker)
+        validate(out.text, p.json_schema)
     st = engine.stats()
     # Jump-forward: keys and punctuation were appended without sampling and run as multi-token chunks.
     assert st["forced_tokens"] - before["forced_tokens"] > 0
@@ -106,7 +158,7 @@ def test_jump_forward_off_still_valid(tmp_path):
     outs = eng.generate([[1, 2, 3]] * 4, [SamplingParams(max_tokens=160, json_schema=SCHEMAS[2], temperature=1.0,
                                                          seed=s) for s in range(4)])
     for o in outs:
-        jsonschema.validate(json.loads(o.text), SCHEMAS[2])
+        validate(o.text, SCHEMAS[2])
     assert eng.stats()["forced_tokens"] == 0
 
 
