@@ -236,6 +236,21 @@ def schema_add(
         _fail(str(exc))
 
 
+@app.command("config")
+def config_show(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show every setting: environment variable, effective value (secrets masked) and default."""
+    from .settings import Settings, settings_rows
+
+    rows = settings_rows(Settings())
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table("setting", "env var", "value", "default")
+    for row in rows:
+        table.add_row(row["name"], row["env"], row["value"], row["default"])
+    out.print(table)
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Apply the database migrations (safe to run repeatedly)."""

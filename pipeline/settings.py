@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     )
 
     # --- where things live -------------------------------------------------------------------------------------
-    data_dir: Path = Field(Path(".docpipe"), description="Blobs, the default SQLite database and logs live here.")
+    data_dir: Path = Field(Path(".docpipe"), description="Blobs and the default SQLite database live here.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL; None = SQLite file <data_dir>/docpipe.sqlite. PostgreSQL: "
         "postgresql+psycopg://user@host/db"
@@ -163,6 +163,42 @@ class Settings(BaseSettings):
         from vision.limits import RenderOptions
 
         return RenderOptions(pdf_dpi=self.pdf_dpi, video_fps=self.video_fps, video_max_frames=self.video_max_frames)
+
+
+SECRET_FIELDS = frozenset({"api_keys", "database_url", "broker_url"})
+
+
+def settings_rows(settings: Settings | None = None) -> list[dict[str, str]]:
+    """One row per setting: name, env var, default, description and (given settings) the current value, with
+    secrets masked. Feeds `docpipe config` and the README's table."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        row = {"name": name, "env": f"DOCPIPE_{name.upper()}", "default": _show(default),
+               "description": field.description or ""}
+        if settings is not None:
+            value = getattr(settings, name)
+            row["value"] = _mask(name, value)
+        rows.append(row)
+    return rows
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "(empty)"
+    return str(value)
+
+
+def _mask(name: str, value: Any) -> str:
+    if name == "api_keys":
+        return f"{len(value)} key(s)" if value else "(none)"
+    if name in SECRET_FIELDS and isinstance(value, str) and "@" in value:
+        scheme, _, rest = value.partition("://")
+        creds, _, host = rest.rpartition("@")
+        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else value
+    return _show(value)
 
 
 def get_settings(**overrides: Any) -> Settings:

@@ -119,3 +119,18 @@ def test_plugins_add_commands_and_broken_ones_are_skipped() -> None:
     runner = CliRunner()
     assert runner.invoke(target, ["hello", "docpipe"]).stdout.strip() == "hello docpipe"
     assert runner.invoke(target, ["builtin"]).stdout.strip() == "builtin ran"
+
+
+def test_config_lists_every_setting_with_secrets_masked(env: dict[str, str]) -> None:
+    from pipeline.settings import Settings
+
+    secret_env = {**env, "DOCPIPE_DATABASE_URL": "postgresql://app:hunter2hunter2@db.internal/docs",
+                  "DOCPIPE_API_KEYS": "k" * 32}
+    shown = invoke(secret_env, "config", "--json")
+    assert shown.exit_code == 0
+    rows = {row["name"]: row for row in json.loads(shown.stdout)}
+    assert set(rows) == set(Settings.model_fields)
+    assert rows["max_tokens"]["env"] == "DOCPIPE_MAX_TOKENS" and rows["max_tokens"]["value"] == "256"
+    assert "hunter2" not in shown.stdout and "k" * 32 not in shown.stdout
+    assert rows["api_keys"]["value"] == "1 key(s)"
+    assert rows["database_url"]["value"] == "postgresql://app:***@db.internal/docs"
