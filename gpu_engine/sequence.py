@@ -6,6 +6,7 @@ token, or a run of grammar-forced tokens (jump-forward) — one code path for al
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class Sequence:
         self._tokens[: self.prompt_len] = self.prompt.token_ids
         self.num_tokens = self.prompt_len
         self.logprobs = [] if self.params.logprobs else None
+        self._item_ends = [it.token_end for it in self.prompt.vision_items]  # sorted: items are in prompt order
         self.output_list: list[int] = []  # generated ids as Python ints (cheap copies for every RequestOutput)
         self._bt_source: list[int] | None = None  # the block_table list the cached array was built from
         self._bt_array = np.zeros(0, dtype=np.int32)
@@ -120,9 +122,15 @@ class Sequence:
 
     def vision_items_in(self, start: int, end: int) -> list[VisionItem]:
         """Vision items whose placeholders overlap tokens [start, end)."""
-        if start >= self.prompt_len:
+        if start >= self.prompt_len or not self._item_ends:
             return []
-        return [it for it in self.prompt.vision_items if it.token_start < end and it.token_end > start]
+        items = self.prompt.vision_items
+        out = []
+        for i in range(bisect.bisect_right(self._item_ends, start), len(items)):  # first item ending after start
+            if items[i].token_start >= end:
+                break
+            out.append(items[i])
+        return out
 
     # ---- state ----
     @property

@@ -368,3 +368,17 @@ def test_snapshot_slots_are_lru_and_gate_hits():
     again = _seq(4, p2, bm)
     hit = _run_prefill(bm, again, 9)
     assert hit.num_tokens == 8 and hit.snapshot_slot == 1 and copies[-1] == (1, 0)  # restored into its slot
+
+
+def test_vision_items_in_matches_brute_force():
+    rng = np.random.default_rng()
+    segments = []
+    for i in range(30):
+        segments += [int(rng.integers(0, 4)), ("image", int(rng.integers(1, 6)), f"i{i}")]
+    p = vision_prompt(rng, segments)
+    seq = Sequence(0, "0", p, SamplingParams(), rng, frozenset())
+    for _ in range(300):
+        a = int(rng.integers(0, len(p) + 3))
+        b = a + int(rng.integers(1, 12))
+        want = [it for it in p.vision_items if it.token_start < b and it.token_end > a] if a < len(p) else []
+        assert seq.vision_items_in(a, b) == want
