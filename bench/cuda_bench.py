@@ -68,14 +68,22 @@ def bench_gemm(ctx: GpuContext, rng: np.random.Generator, m: int, n: int, k: int
     return {"m": m, "n": n, "k": k, "ms": ms, "TFLOPs": 2 * m * n * k / ms / 1e9}
 
 
-# A 2B-class Qwen3.5 text shape (our choice; every dimension is a config value): 24 layers = 18 Gated DeltaNet +
-# 6 gated full attention, hidden 2048, 8 query / 2 KV heads of 256 (64 rotary dims), MLP 6144, DeltaNet 16 key /
-# 16 value heads of 128, tied 248320-token embeddings. About 1.9 B parameters.
-TEXT_2B = {
-    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "vocab_size": 248320, "full_attention_interval": 4,
+# Qwen3.5 text shapes (random weights; every dimension is a config value). 9B-class = transformers' Qwen3_5TextConfig
+# defaults. 27B-class per NInfer's notes: 64 layers = 48 DeltaNet + 16 attention, hidden 5120, 24 q / 4 KV heads
+# of 256, MLP 17408; its DeltaNet head counts (16 key / 48 value heads of 128) are our assumption. 2B-class is our
+# own small shape (tied embeddings, as small Qwen models do).
+SHAPES = {
+    "2b": ({"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "vocab_size": 248320,
+            "full_attention_interval": 4}, True),
+    "9b": ({}, False),
+    "27b": ({"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
+             "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+             "linear_key_head_dim": 128, "linear_value_head_dim": 128, "vocab_size": 248320,
+             "full_attention_interval": 4}, False),
 }
+TEXT_2B = SHAPES["2b"][0]
 
 
 def random_bf16_weights(config, rng: np.random.Generator):
@@ -99,36 +107,49 @@ def random_bf16_weights(config, rng: np.random.Generator):
     return ModelWeights(text=text, vision={}, lm_head=text["embed_tokens.weight"])
 
 
-def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, copy_GBps: float) -> dict:
+def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...], decode_steps: int,
+                copy_GBps: float) -> dict:
+    """Prefill (one chunk per prompt length) and batch-1 decode of one shape with random bf16 weights."""
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
-    config = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": TEXT_2B, "vision_config": {},
-                                    "tie_word_embeddings": True})
+    text_cfg, tied = SHAPES[name]
+    config = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {},
+                                    "tie_word_embeddings": tied})
+    t0 = time.perf_counter()
     weights = random_bf16_weights(config, rng)
-    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=16 << 30)
+    weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
+    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (12 << 30))
     del weights
-    bs = 16
-    blocks = (prompt_len + 4 * decode_steps + 64) // bs + 1
-    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=bs, num_state_slots=2))
-    table = np.arange(blocks, dtype=np.int32)
+    out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.w.nbytes,
+                 "setup_s": time.perf_counter() - t0}
+    bs, short = 16, prompt_lens[0]
+    blocks_per_seq = (max(prompt_lens) + 4 * decode_steps + 64) // bs + 1
+    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks_per_seq * 2, block_size=bs, num_state_slots=2))
+    tables = [np.arange(blocks_per_seq, dtype=np.int32), np.arange(blocks_per_seq, 2 * blocks_per_seq, dtype=np.int32)]
     cfg = config.text
-    ids = rng.integers(0, cfg.vocab_size, prompt_len)
-    pos = np.tile(np.arange(prompt_len), (3, 1))
-    out: dict = {"config": TEXT_2B, "weight_bytes": runner.w.nbytes, "prompt_len": prompt_len}
     try:
-        prefill = []
-        for _ in range(3):  # the first one also loads modules and builds GEMM plans
-            t0 = time.perf_counter()
-            last = runner.forward(StepBatch([SeqChunk(0, ids, pos, 0, table, 0)])).logits[-1]
-            prefill.append(time.perf_counter() - t0)
-        out["prefill_s"] = prefill
-        out["prefill_tok_s"] = prompt_len / float(np.median(prefill[1:]))
+        last = None
+        for length in prompt_lens:  # prefill; slot/blocks 0 keep the short prompt for the decode test
+            ids = rng.integers(0, cfg.vocab_size, length)
+            pos = np.tile(np.arange(length), (3, 1))
+            seq = 0 if length == short else 1
+            times = []
+            for _ in range(2 if length == short else 1):
+                if length == short and last is None:  # warm-up: loads modules, builds GEMM plans
+                    runner.forward(StepBatch([SeqChunk(seq, ids, pos, 0, tables[seq], seq)]))
+                runner.ctx.device.sync()
+                t0 = time.perf_counter()
+                logits = runner.forward(StepBatch([SeqChunk(seq, ids, pos, 0, tables[seq], seq)])).logits
+                times.append(time.perf_counter() - t0)
+                if length == short:
+                    last = logits[-1]
+            out[f"prefill_{length}_tok_s"] = length / min(times)
 
         def decode_batch(step: int, token: int) -> StepBatch:
-            p = prompt_len + step
-            return StepBatch([SeqChunk(0, np.array([token]), np.full((3, 1), p), p, table, 0)])
+            p = short + step
+            return StepBatch([SeqChunk(0, np.array([token]), np.full((3, 1), p), p, tables[0], 0)])
 
         token, step = int(np.argmax(last)), 0
         for graphs in (False, True):  # forward() as the engine calls it: eager launches, then decode graphs
@@ -139,29 +160,21 @@ def bench_decode(rng: np.random.Generator, prompt_len: int, decode_steps: int, c
                 times.append(time.perf_counter() - t0)
                 token, step = int(np.argmax(logits[-1])), step + 1
             out["decode_graphs_forward_ms" if graphs else "decode_eager_ms"] = 1e3 * float(np.median(times[3:]))
-        captured = runner.capture_step(decode_batch(step, token), table_width=blocks)
         ctx = runner.ctx
-        replay_ms = time_ms(ctx, captured.replay, warmup=3, reps=50)  # same step replayed: device time only
-        loop = []
-        for step in range(decode_steps):  # the real loop: new metadata, replay, logits back, argmax on host
-            t0 = time.perf_counter()
-            captured.update(decode_batch(decode_steps * 2 + 1 + step, token))
+        for pdl in (False, True):  # the same step replayed (device time only); PDL between our kernels or not
+            ctx.device.pdl = pdl
+            captured = runner.capture_step(decode_batch(step, token), table_width=blocks_per_seq)
             captured.replay()
-            token = int(np.argmax(captured.logits()[-1]))
-            loop.append(time.perf_counter() - t0)
-        captured.close()
-        out["decode_graph_replay_ms"] = replay_ms
-        ctx.device.pdl = True  # the same step with programmatic dependent launch between our kernels
-        captured = runner.capture_step(decode_batch(step, token), table_width=blocks)
-        out["decode_graph_replay_pdl_ms"] = time_ms(ctx, captured.replay, warmup=3, reps=50)
-        captured.close()
+            key = "decode_graph_replay_pdl_ms" if pdl else "decode_graph_replay_ms"
+            out[key] = time_ms(ctx, captured.replay, warmup=3, reps=30)
+            captured.close()
         ctx.device.pdl = False
-        out["decode_graph_loop_ms"] = 1e3 * float(np.median(loop[2:]))
-        # bytes one decode token must move: every weight once (tied embeddings = the LM head read), DeltaNet
-        # states read + written, this sequence's KV read
+        # bytes one decode token must move: every weight once (the embedding table only when it is also the LM
+        # head), DeltaNet states read + written, this sequence's KV read
         state = 2 * runner.state_bytes_per_slot()
-        kv = runner.kv_bytes_per_block(bs) * (prompt_len // bs)
-        out["decode_bytes"] = runner.w.nbytes + state + kv
+        kv = runner.kv_bytes_per_block(bs) * (short // bs)
+        weights_read = runner.w.nbytes - (0 if tied else runner.w.embed.nbytes)
+        out["decode_bytes"] = weights_read + state + kv
         out["roofline_ms"] = out["decode_bytes"] / copy_GBps / 1e6
     finally:
         runner.close()
@@ -237,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    parser.add_argument("--no-model", action="store_true", help="ceilings only, skip the 2B-class model")
+    parser.add_argument("--no-model", action="store_true", help="ceilings only, no model shapes")
+    parser.add_argument("--shapes", default="2b,9b,27b", help="comma-separated subset of " + ",".join(SHAPES))
     args = parser.parse_args(argv)
     rng = np.random.default_rng()
     try:
@@ -272,18 +286,19 @@ def main(argv: list[str] | None = None) -> int:
             results["decode_ops_2b"] = bench_decode_ops(ctx, rng, 1024)
     finally:
         ctx.close()
-    if not args.no_model:
-        dec = bench_decode(rng, 1024 if not args.quick else 128, 20, copy["memcpy_GBps"])
-        results["decode_2b"] = dec
-        rows.append(("2B-class prefill 1 x %d tokens (eager)" % dec["prompt_len"], f"{dec['prefill_tok_s']:.0f} tok/s"))
+    for name in [] if args.no_model else args.shapes.split(","):
+        lens = (1024, 8192) if not args.quick else (128,)
+        dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"])
+        results[f"model_{name}"] = dec
+        for length in lens:
+            rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s"))
         for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graphs_forward_ms", "forward(), graphs"),
-                           ("decode_graph_loop_ms", "CUDA graph + host loop"),
-                           ("decode_graph_replay_ms", "CUDA graph replay only"),
-                           ("decode_graph_replay_pdl_ms", "CUDA graph replay, PDL")):
+                           ("decode_graph_replay_ms", "graph replay"), ("decode_graph_replay_pdl_ms",
+                                                                         "graph replay, PDL")):
             ms = dec[key]
-            rows.append((f"2B-class decode b=1, {label}",
+            rows.append((f"{name}: decode b=1, {label}",
                          f"{ms:.3f} ms = {1e3 / ms:.0f} tok/s, {100 * dec['roofline_ms'] / ms:.0f}% of HBM roofline"))
-        rows.append(("2B-class decode roofline", f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
+        rows.append((f"{name}: decode roofline", f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(info))

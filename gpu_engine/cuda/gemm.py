@@ -22,7 +22,7 @@ from .errors import CudaUnavailable, ShapeError
 CUDA_DTYPES = {"f32": 0, "bf16": 14}
 ITEMSIZE = {"f32": 4, "bf16": 2}
 TUNE_MAX_M = 64  # shapes with at most this many rows get their algorithm chosen by timing
-TUNE_CANDIDATES = 8
+TUNE_CANDIDATES = 16
 
 
 def _lt() -> tuple[Any, Any]:
