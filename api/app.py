@@ -14,7 +14,6 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-
 from sqlalchemy import select
 
 from pipeline.context import Pipeline
