@@ -71,7 +71,7 @@ def _unreadable(out: IngestOutcome) -> ApiError:
 
 
 def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[UploadOut, list[int]]:
-    """Ingest the single uploaded file; returns the response body and the job ids to run."""
+    """Ingest the single uploaded file; returns the response body and the job ids to run (empty: nothing new)."""
     try:
         files = [f for name, f in form.files if name == "file"]
         if len(files) != 1:
@@ -90,7 +90,7 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
     with ctx.pipeline.db.read_session() as s:
         doc = load_document(s, out.document_id)
         job = load_job(s, out.job_id)
-        body = UploadOut(document=document_out(doc), job=job_out(job), duplicate=existed and not new_jobs)
+        body = UploadOut(document=document_out(doc), job=job_out(job), duplicate=existed or out.outcome == "duplicate")
     return body, new_jobs
 
 

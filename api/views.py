@@ -68,7 +68,7 @@ class DocumentPage(BaseModel):
 class UploadOut(BaseModel):
     document: DocumentOut
     job: JobOut | None = Field(description="null when the file could not be read (see document.error)")
-    duplicate: bool = Field(description="true when these bytes were uploaded before: the existing document")
+    duplicate: bool = Field(description="true when these bytes were uploaded before (the existing document)")
 
 
 class UnitOut(BaseModel):

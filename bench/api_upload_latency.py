@@ -168,6 +168,7 @@ def main() -> int:
     mode = "broker" if claimed else "embedded"
     broker_url = f"redis://127.0.0.1:6379/{claimed[0]}" if claimed else None
     rounds = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="docpipe-bench-api-") as tmp:
         proc, base = start_server(Path(tmp), broker_url)
         try:
@@ -177,6 +178,7 @@ def main() -> int:
                 bodies = [png() for _ in range(args.uploads)]
                 result = asyncio.run(round_of_uploads(base, bodies, level))
                 result["documents_created"] = count_documents(base) - before
+                result["loadavg_1m_after"] = os.getloadavg()[0]
                 rounds.append(result)
         finally:
             proc.terminate()
@@ -185,15 +187,18 @@ def main() -> int:
                 claimed[1].flushdb()  # type: ignore[attr-defined]
 
     print(f"\nAPI upload latency, {args.uploads} uploads of distinct 320x240 PNGs per round, mode={mode}, "
-          f"loopback, {os.cpu_count()} CPU cores")
-    print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+          f"loopback, {os.cpu_count()} CPU cores, load average before {load_before[0]:.1f} "
+          "(other work on the machine inflates the tail)")
+    print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+          f"{'max ms':>8} {'load':>5}")
     for r in rounds:
         print(f"{r['concurrency']:>8} {r['errors']:>6} {r['documents_created']:>5} {r['uploads_per_s']:>7.1f} "
-              f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f}")
+              f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} "
+              f"{r['loadavg_1m_after']:>5.1f}")
     report = {
         "bench": "api_upload_latency", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mode": mode, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                  "python": platform.python_version()},
+                                  "python": platform.python_version(), "loadavg_before": load_before},
         "goal": "p99 <= 150 ms at 32 concurrent clients, 0 errors, nothing lost", "rounds": rounds,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

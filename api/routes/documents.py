@@ -21,22 +21,23 @@ from ..views import DeletedOut, DocumentDetail, DocumentPage, ResultOut, UploadO
 router = APIRouter(tags=["documents"])
 
 @router.post("/v1/documents", response_model=UploadOut, status_code=status.HTTP_202_ACCEPTED,
-             responses={200: {"model": UploadOut, "description": "Duplicate: these bytes were uploaded before"},
+             responses={200: {"model": UploadOut, "description": "Nothing new: these bytes were already read with "
+                                                                 "this schema (the existing document and job)"},
                         413: {"description": "File larger than the limit"}},
              openapi_extra=UPLOAD_FORM_DOC(multiple=False))
 async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
                            who: Principal = Depends(get_principal)) -> JSONResponse:
     """Upload one file (form field `file`) with an optional `schema` and PDF `password`.
 
-    The body is streamed to disk and counted as it arrives. 202 with the new document and its job;
-    200 with the existing document when the same bytes were uploaded before.
+    The body is streamed to disk and counted as it arrives. 202 when a job was queued (new bytes, or known
+    bytes with another schema); 200 with the existing document and job when nothing new was needed.
     """
     await run_in_threadpool(ctx.jobs.check, who.key_id)
     form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1)
     out, new_job_ids = await run_in_threadpool(accept_upload, ctx, form, who.key_id)
     ctx.runner.submit(new_job_ids)
     return JSONResponse(out.model_dump(mode="json", by_alias=True),
-                        status_code=status.HTTP_200_OK if out.duplicate else status.HTTP_202_ACCEPTED)
+                        status_code=status.HTTP_202_ACCEPTED if new_job_ids else status.HTTP_200_OK)
 
 
 @router.get("/v1/documents", response_model=DocumentPage)

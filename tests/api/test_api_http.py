@@ -92,7 +92,7 @@ def test_duplicate_upload_returns_the_existing_document(server: LiveServer) -> N
         assert body["job"]["id"] == first.json()["job"]["id"]
         # Same bytes with another schema: same document, a new job.
         other = upload(c, data, "a.png", schema="receipt")
-        assert other.status_code == 202
+        assert other.status_code == 202 and other.json()["duplicate"] is True
         assert other.json()["document"]["id"] == first.json()["document"]["id"]
         assert other.json()["job"]["id"] != first.json()["job"]["id"]
         sha = first.json()["document"]["sha256"]
