@@ -388,12 +388,8 @@ class Engine:
             self._counters["decode_tokens"] += 1
             return
         in_prompt = max(0, min(sc.end, seq.prompt_len) - sc.start)
-        rest = sc.num_tokens - in_prompt
         self._counters["prompt_tokens_computed"] += in_prompt
-        if sc.num_tokens == 1 and in_prompt == 0:
-            self._counters["decode_tokens"] += 1
-        else:
-            self._counters["chunked_output_tokens"] += rest
+        self._counters["chunked_output_tokens"] += sc.num_tokens - in_prompt
 
     def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
         """`logits` may be the runner's own array: it is copied before anything is written into it."""
@@ -402,18 +398,20 @@ class Engine:
         if constrained or rows.has_penalties:
             logits = np.array(logits, dtype=np.float32, copy=True)
             apply_penalties(logits, rows, [s.token_ids for s in seqs], [s.output_ids for s in seqs])
+        dead: list[Sequence] = []
         if constrained:
             tm = time.perf_counter()
-            bitmask = self.structured.bitmask(constrained, len(seqs))
+            # One bitmask for all constrained rows of the step (llguidance fills them together).
+            bitmask = self.structured.bitmask([(m, j) for j, (m, _) in enumerate(constrained)], len(constrained))
             cidx = [i for _, i in constrained]
-            allowed = bitmask_to_bool(bitmask[cidx], logits.shape[1])
+            allowed = bitmask_to_bool(bitmask, logits.shape[1])
             sub = logits[cidx]
             apply_allowed_mask(sub, allowed)
+            for j in np.nonzero(~allowed.any(axis=1))[0]:
+                dead.append(seqs[cidx[j]])
+                sub[j] = 0.0  # keeps the sampler free of all -inf rows; this row's token is discarded
             logits[cidx] = sub
             self._mask_s += time.perf_counter() - tm
-            dead = [seqs[i] for i, row in zip(cidx, allowed) if not row.any()]
-        else:
-            dead = []
         ts = time.perf_counter()
         result = sample(logits, rows, [s.rng for s in seqs])
         self._sample_s += time.perf_counter() - ts

@@ -77,31 +77,41 @@ class StructuredOutput:
         # (and warm) it again.
         self._templates: OrderedDict[str, Any] = OrderedDict()
 
-    def _grammar_source(self, params: SamplingParams) -> tuple[str, str]:
+    @staticmethod
+    def _key(params: SamplingParams) -> str:
+        """What identifies a request's grammar (cheap: no compilation)."""
         if params.json_schema is not None:
             if not isinstance(params.json_schema, dict):
                 raise GrammarError(f"json_schema must be a dict, got {type(params.json_schema).__name__}")
-            key = "json:" + json.dumps(params.json_schema, sort_keys=True)
             try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                return "json:" + json.dumps(params.json_schema, sort_keys=True)
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"json_schema is not JSON-serialisable: {exc}") from exc
+        if params.regex is not None:
+            return "regex:" + params.regex
+        if not params.choice or not all(isinstance(c, str) and c for c in params.choice):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        return "choice:" + json.dumps(params.choice)
+
+    def _grammar(self, params: SamplingParams) -> str:
+        if params.json_schema is not None:
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(
                     exact_formats(params.json_schema), defaults={"whitespace_flexible": self.whitespace_flexible}
                 )
             except ValueError as exc:
                 raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from exc
-            return key, grammar
         if params.regex is not None:
-            return "regex:" + params.regex, llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
         assert params.choice is not None
-        if not params.choice or not all(isinstance(c, str) and c for c in params.choice):
-            raise GrammarError("choice must be a non-empty list of non-empty strings")
         # Lark string literals take JSON-style escapes, so json.dumps quotes any choice safely.
-        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
-        return "choice:" + json.dumps(params.choice), llguidance.LLMatcher.grammar_from_lark(lark)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
 
     def new_matcher(self, params: SamplingParams) -> Any:
-        key, grammar = self._grammar_source(params)
+        key = self._key(params)
         template = self._templates.get(key)
         if template is None:
+            grammar = self._grammar(params)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
             if is_error:
                 raise GrammarError(f"cannot build the output grammar: {'; '.join(messages)}")
