@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from .extraction import png_bytes
 from .models import Batch, BatchItem, Document, DocumentStatus, Job, Page
 from .schemas import get_schema
 
+log = logging.getLogger(__name__)
 _ENCODE_AHEAD = 2
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
@@ -214,6 +216,7 @@ def ingest_file(
         except vision.MediaError as exc:
             error = exc
         except Exception as exc:  # a reader bug must not lose the file: it is stored and marked failed
+            log.exception("reading %s failed unexpectedly", label)
             error = RuntimeError(f"internal error while reading {label}: {type(exc).__name__}: {exc}")
         document_id = _store_document(p, sha, size, label, rendered, error)
         if rendered is None:

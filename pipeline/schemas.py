@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .builtin_schemas import BUILTIN_SCHEMAS, SchemaSpec
-from .errors import InvalidSchemaError, UnknownSchemaError
+from .errors import InvalidSchemaError, PipelineError, UnknownSchemaError
 from .merge import MERGE_RULES
 from .models import Schema
 
@@ -64,10 +64,20 @@ def _same(row: Schema, spec: SchemaSpec) -> bool:
 
 
 def ensure_builtin_schemas(session: Session) -> None:
-    """Insert the built-in schemas that are missing (safe to call from many processes at once)."""
-    have = {(n, v) for n, v in session.execute(select(Schema.name, Schema.version).where(Schema.builtin))}
+    """Insert the built-in schemas that are missing (safe to call from many processes at once).
+
+    A stored built-in whose content differs from this release's under the same version is refused: results
+    would name a schema version that no longer describes how they were made. Changing a built-in means bumping
+    its `version` in builtin_schemas.py."""
+    have = {(r.name, r.version): r for r in session.scalars(select(Schema).where(Schema.builtin))}
     for spec in BUILTIN_SCHEMAS.values():
-        if (spec.name, spec.version) in have:
+        stored = have.get((spec.name, spec.version))
+        if stored is not None:
+            if not _same(stored, spec):
+                raise PipelineError(
+                    f"built-in schema {spec.name!r} version {spec.version} in the database differs from this "
+                    "release's definition; bump its version in pipeline/builtin_schemas.py"
+                )
             continue
         try:
             with session.begin_nested():

@@ -274,3 +274,20 @@ def test_good_answer_has_data_and_confidence() -> None:
     outcome = interpret_reply(reply, SMALL, max_tokens=16)
     assert outcome.ok and outcome.data == {"n": 42}
     assert outcome.confidence.fields["/n"] == pytest.approx(math.exp(-0.25), rel=REL)
+
+
+def test_changed_builtin_without_version_bump_is_refused(make_pipeline) -> None:
+    from sqlalchemy import select
+
+    from pipeline.errors import PipelineError
+    from pipeline.models import Schema
+    from pipeline.schemas import ensure_builtin_schemas
+
+    p = make_pipeline()
+    with p.db.session() as s:
+        ensure_builtin_schemas(s)  # unchanged: nothing to do
+        row = s.scalars(select(Schema).where(Schema.name == "receipt", Schema.builtin)).one()
+        row.prompt = "a prompt from another release"
+    with pytest.raises(PipelineError, match="bump its version"):
+        with p.db.session() as s:
+            ensure_builtin_schemas(s)
