@@ -87,24 +87,28 @@ TEXT_2B = SHAPES["2b"][0]
 
 
 def random_bf16_weights(config, rng: np.random.Generator):
-    """Random weights as bf16 bit patterns, built by tiling one random block (fast, no float32 model copy).
-    Values ~N(0, 0.02); norms and the DeltaNet decay parameters get their usual ranges."""
+    """Random weights as bf16 bit patterns, built by tiling one random block on all host cores (fast, and no
+    float32 copy of a multi-GB model). Values ~N(0, 0.02); the DeltaNet decay parameters get their usual ranges."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from gpu_engine.cuda.bf16 import f32_to_bf16_bits
     from gpu_engine.loader import ModelWeights, expected_shapes
 
     block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
-    text = {}
-    for key, shape in expected_shapes(config).items():
-        group, name = key.split("/", 1)
-        if group != "text":
-            continue
+    shapes = {k.split("/", 1)[1]: v for k, v in expected_shapes(config).items() if k.startswith(("text/", "lm_head/"))}
+
+    def make(item: tuple[str, tuple[int, ...]]) -> np.ndarray:
+        name, shape = item
         if name.endswith("A_log"):
-            text[name] = np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-        elif name.endswith("dt_bias"):
-            text[name] = np.ones(shape, np.float32)
-        else:
-            text[name] = np.resize(block, shape)
-    return ModelWeights(text=text, vision={}, lm_head=text["embed_tokens.weight"])
+            return np.log(np.random.default_rng().uniform(1.0, 16.0, shape)).astype(np.float32)
+        if name.endswith("dt_bias"):
+            return np.ones(shape, np.float32)
+        return np.resize(block, shape)  # numpy copies release the GIL: the threads run in parallel
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        made = dict(zip(shapes, pool.map(make, shapes.items())))
+    lm_head = made.pop("weight", None)  # "lm_head/weight" when untied
+    return ModelWeights(text=made, vision={}, lm_head=made["embed_tokens.weight"] if lm_head is None else lm_head)
 
 
 def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...], decode_steps: int,
@@ -290,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         lens = (1024, 8192) if not args.quick else (128,)
         dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"])
         results[f"model_{name}"] = dec
+        if args.json:  # keep what is done if a later shape runs out of time
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        print(f"{name}: " + json.dumps({k: v for k, v in dec.items() if k != "text_config"}), flush=True)
         for length in lens:
             rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s"))
         for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graphs_forward_ms", "forward(), graphs"),
