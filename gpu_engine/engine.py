@@ -74,9 +74,11 @@ class Engine:
         prepare: Callable[[list[dict[str, Any]]], ProcessedPrompt] | None = None,
         model_fingerprint: str = "",
         eos_token_ids: SequenceABC[int] | None = None,
+        model_max_len: int | None = None,
     ) -> None:
         """`tokenizer`: gpu_engine.tokenizer.Tokenizer (decode + tokenizer.json for grammars); `prepare`: messages ->
-        ProcessedPrompt (the processor; None = token-id / ProcessedPrompt prompts only)."""
+        ProcessedPrompt (the processor; None = token-id / ProcessedPrompt prompts only); `model_max_len`: the
+        model's own context limit (max_position_embeddings), a cap on top of EngineConfig.max_model_len."""
         self.config = config or EngineConfig()
         self.runner = runner
         self.tokenizer = tokenizer
@@ -89,11 +91,15 @@ class Engine:
         self._kv_bytes_per_block = _kv_bytes_per_block(runner, cfg.block_size)
         state_bytes = int(runner.state_bytes_per_slot())
         num_slots = cfg.state_slots
+        limits = [x for x in (cfg.max_model_len, model_max_len) if x is not None]
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
+        elif self._kv_bytes_per_block == 0:
+            # No full-attention layers: blocks cost nothing, only bookkeeping; enough for every sequence at full length.
+            num_blocks = cfg.max_num_seqs * -(-min(limits, default=32768) // cfg.block_size)
         else:
             left = cfg.cache_budget_bytes - num_slots * state_bytes
-            per_block = max(self._kv_bytes_per_block, 1)
+            per_block = self._kv_bytes_per_block
             if left < per_block:
                 raise EngineConfigError(
                     f"kv_cache_bytes={cfg.cache_budget_bytes} is too small: {num_slots} state slots take "
@@ -103,7 +109,7 @@ class Engine:
         self.cache_bytes = num_blocks * self._kv_bytes_per_block + num_slots * state_bytes
         runner.allocate_cache(CacheSpec(num_kv_blocks=num_blocks, block_size=cfg.block_size, num_state_slots=num_slots))
         capacity = num_blocks * cfg.block_size
-        self.max_model_len = min(cfg.max_model_len or capacity, capacity)
+        self.max_model_len = min([capacity, *limits])
 
         self.blocks = BlockManager(
             num_blocks=num_blocks,
@@ -169,6 +175,7 @@ class Engine:
             prepare=loaded.prepare,
             model_fingerprint=loaded.fingerprint,
             eos_token_ids=eos,
+            model_max_len=loaded.config.text.max_position_embeddings,
         )
 
     @property

@@ -386,3 +386,19 @@ def test_vision_items_in_matches_brute_force():
         b = a + int(rng.integers(1, 12))
         want = [it for it in p.vision_items if it.token_start < b and it.token_end > a] if a < len(p) else []
         assert seq.vision_items_in(a, b) == want
+
+
+def test_model_len_limits_and_stateless_kv(tok):
+    class NoAttention(FakeRunner):
+        def kv_bytes_per_block(self, block_size=None):
+            return 0  # only linear-attention layers: KV blocks are bookkeeping only
+
+    eng = Engine(NoAttention(), tok, vocab_size=2074, model_max_len=100,
+                 config=EngineConfig(max_num_seqs=2, block_size=4, max_model_len=64))
+    assert eng.max_model_len == 64 and eng.blocks.num_blocks == 2 * 16
+    with pytest.raises(RequestError, match="exceeds"):
+        eng.add_request([1] * 60, SamplingParams(max_tokens=5))
+    out = eng.generate([[1] * 50], SamplingParams(max_tokens=14, ignore_eos=True))[0]
+    assert len(out.token_ids) == 14
+    eng2 = Engine(FakeRunner(), tok, vocab_size=2074, model_max_len=40, config=EngineConfig(num_kv_blocks=100))
+    assert eng2.max_model_len == 40
