@@ -291,3 +291,26 @@ def test_changed_builtin_without_version_bump_is_refused(make_pipeline) -> None:
     with pytest.raises(PipelineError, match="bump its version"):
         with p.db.session() as s:
             ensure_builtin_schemas(s)
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(make_pipeline) -> None:
+    from sqlalchemy import func, select, text
+
+    from pipeline.ingest import ingest_file
+    from pipeline.models import Document, Job, Page
+
+    p = make_pipeline()
+    with p.db.session() as s:
+        assert s.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert s.execute(text("PRAGMA foreign_keys")).scalar() == 1
+    from pipeline_test_support import png_bytes
+
+    intake = ingest_file(p, png_bytes(), name="x.png")
+    with p.db.session() as s:
+        s.delete(s.get(Document, intake.document_id))
+    with p.db.read_session() as s:  # pages and jobs went with their document
+        assert s.scalar(select(func.count()).select_from(Page)) == 0
+        assert s.scalar(select(func.count()).select_from(Job)) == 0
+    with pytest.raises(Exception, match="FOREIGN KEY"):
+        with p.db.session() as s:
+            s.execute(text("INSERT INTO pages (document_id, \"index\", kind) VALUES (999, 0, 'page')"))
