@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 from typing import Any, BinaryIO
@@ -93,6 +94,8 @@ def keyframe_times(stream: Any) -> list[float]:
 def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"
+    # Frame threads each hold decoded frames: a small fixed count keeps memory predictable on many-core hosts.
+    stream.codec_context.thread_count = min(4, os.cpu_count() or 1)
     fps, start = request["fps"], request["start"]
     targets: list[int] = sorted(set(request["indices"]))
     keys = keyframe_times(stream)
