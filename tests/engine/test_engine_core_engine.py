@@ -229,3 +229,15 @@ def test_cli_generate_with_schema(ckpt, tmp_path):
     bad = subprocess.run(cmd[:-5] + ["--json-schema", str(tmp_path / "missing.json")], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "cannot read the JSON schema" in bad.stderr
+
+
+def test_cli_bench_writes_json(ckpt, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "gpu_engine", "bench", "--model", str(ckpt), "--num-requests", "3", "--prompt-len", "8",
+           "--max-tokens", "4", "--max-num-seqs", "2", "--max-batched-tokens", "16", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["requests"] == 3 and result["generated_tokens_per_s"] > 0
+    assert result["ttft_p50_s"] <= result["latency_p50_s"]
