@@ -21,10 +21,6 @@ from .sequence import Sequence
 _ROOT = b"docpipe-prefix-v1"
 
 
-class CacheCapacityError(RuntimeError):
-    """A request can never fit the configured cache (it would preempt itself forever)."""
-
-
 def block_hash(parent: bytes, seq: Sequence, block_index: int, block_size: int) -> bytes:
     start = block_index * block_size
     end = start + block_size
