@@ -38,7 +38,13 @@ class EngineAccess:
         if self._preload:
             with self._lock:
                 self._loading = True
-            threading.Thread(target=self._load, name="docpipe-engine-load", daemon=True).start()
+            threading.Thread(target=self._preload, name="docpipe-engine-load", daemon=True).start()
+
+    def _preload(self) -> None:
+        try:
+            self._load()
+        except EngineUnavailable:
+            pass  # logged by _load; /readyz and chat requests report it
 
     def _load(self) -> Any:
         try:
@@ -54,8 +60,13 @@ class EngineAccess:
         return client
 
     def async_engine(self) -> Any:
-        """The shared `gpu_engine.AsyncEngine` (loads it on first use). 503 if it cannot be loaded."""
-        return _async_engine_of(self._client or self._load())
+        """The shared `gpu_engine.AsyncEngine`. While the start-up load runs: 503 with Retry-After. Not loaded
+        yet (broker mode): loads it here, blocking, so call it from a worker thread. 503 if it cannot load."""
+        with self._lock:
+            client, loading = self._client, self._loading
+        if client is None and loading:
+            raise EngineUnavailable("the model is still loading; retry shortly")
+        return _async_engine_of(client or self._load())
 
     @property
     def model_id(self) -> str:

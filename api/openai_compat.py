@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import jsonschema
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from gpu_engine.async_engine import EngineStoppedError
@@ -326,7 +327,7 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
         try:
-            engine = backend.get_engine()
+            engine = await run_in_threadpool(backend.get_engine)  # may load the model: not on the event loop
         except BaseException:
             release()
             raise

@@ -90,3 +90,57 @@ def test_sweep_spool_removes_only_old_leftovers(tmp_path) -> None:  # type: igno
     assert sweep_spool(tmp_path, older_than_s=3600) == 1
     assert not old.exists() and fresh.exists() and other.exists()
     assert sweep_spool(tmp_path / "missing", older_than_s=0) == 0
+
+
+class _FakePipeline:
+    """Stands in for pipeline.Pipeline: `client` blocks until released, then returns or raises."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.release = threading.Event()
+        self.fail = fail
+
+    @property
+    def client(self):  # type: ignore[no-untyped-def]
+        self.release.wait(10)
+        if self.fail:
+            raise FileNotFoundError("no config.json in /models/x")
+
+        class _Engine:
+            is_running = True
+
+            def stats(self) -> dict:  # type: ignore[type-arg]
+                return {"running": 3, "waiting": 1, "kv_usage": 0.25}
+
+        class _Client:
+            async_engine = _Engine()
+
+        return _Client()
+
+
+def test_engine_access_reports_loading_then_ready() -> None:
+    import pytest
+
+    from api.engine_access import EngineAccess, EngineUnavailable
+
+    fake = _FakePipeline()
+    access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]
+    access.start()
+    assert access.status() == "loading the model" and access.figures() is None
+    with pytest.raises(EngineUnavailable) as err:
+        access.async_engine()
+    assert err.value.status == 503 and err.value.headers["Retry-After"]
+    fake.release.set()
+    assert _wait(lambda: access.status() is None)
+    figures = access.figures()
+    assert figures is not None and (figures.running, figures.waiting, figures.kv_cache_usage) == (3, 1, 0.25)
+
+
+def test_engine_access_reports_a_failed_load() -> None:
+    from api.engine_access import EngineAccess
+
+    fake = _FakePipeline(fail=True)
+    fake.release.set()
+    access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]
+    access.start()
+    assert _wait(lambda: access.status() is not None and access.status().startswith("failed to load"))
+    assert "config.json" in (access.status() or "")
