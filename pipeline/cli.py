@@ -97,8 +97,32 @@ def _summary_table(report: Any) -> Table:
     return table
 
 
+def _results_table(p: Any, report: Any) -> Table:
+    """The merged result of each document, one line each (what `docpipe results ID` shows in full)."""
+    from .queries import get_results
+
+    table = Table(title="results (the bundled model has random weights: schema-valid noise is expected)"
+                  if p.settings.model_dir is None else "results")
+    for column in ("doc", "schema", "state", "confidence", "result"):
+        table.add_column(column, overflow="fold")
+    for f in report.files:
+        if f.document_id is None or f.job_id is None:
+            continue
+        jobs = get_results(p, f.document_id)["results"]
+        job = next((j for j in jobs if j["job_id"] == f.job_id), None)
+        if job is None:
+            continue
+        merged = job["document"]
+        overall = (merged or {}).get("confidence") or {}
+        text = json.dumps(merged["data"], ensure_ascii=False) if merged else (job["error"] or "")
+        table.add_row(str(f.document_id), job["schema"], job["state"],
+                      f"{overall['overall']:.3f}" if overall.get("overall") is not None else "-",
+                      text[:160] + ("…" if len(text) > 160 else ""))
+    return table
+
+
 def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: Optional[str], source: str,
-             include: Any = None) -> None:
+             include: Any = None, show_results: bool = False) -> None:
     from .processing import process_paths
 
     try:
@@ -116,6 +140,8 @@ def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: 
         typer.echo(json.dumps(report.as_json(), indent=2, ensure_ascii=False))
     else:
         out.print(_summary_table(report))
+        if show_results:
+            out.print(_results_table(p, report))
     if not report.ok:
         err.print(f"[bold red]{len(report.failed)} of {len(report.files)} file(s) failed or were only partly read[/]",
                   soft_wrap=True)
@@ -181,7 +207,7 @@ def demo(
     folder = samples or Path(__file__).resolve().parent.parent / "samples"
     if not folder.is_dir() or not sample_files(folder):
         _fail(f"no sample files in {folder}; pass --samples FOLDER")
-    _process([folder], None, False, None, source="demo", include=is_sample)
+    _process([folder], None, False, None, source="demo", include=is_sample, show_results=True)
 
 
 def is_sample(path: Path) -> bool:

@@ -89,6 +89,7 @@ def test_demo_processes_a_samples_folder(env: dict[str, str], tmp_path: Path, in
     result = invoke(env, "demo", "--samples", str(folder))
     assert result.exit_code == 0, result.output
     assert "photo.jpg" in result.stdout and "make_samples.py" not in result.stdout
+    assert "random weights" in result.stdout and "document_type" in result.stdout  # the results table
 
 
 class FakeEntryPoint:
