@@ -18,7 +18,7 @@ Public API (stable; the pipeline codes against these names):
             page.error                    # MediaError for this page only, or None
 
 Accepted (by content): PDF; JPEG, PNG (APNG: first frame), TIFF (all frames are pages), WebP, BMP, GIF (first
-frame only); MP4, MOV, MKV, WebM video. HEIC/AVIF are refused with a hint to convert.
+frame only), HEIC (pillow-heif); MP4, MOV, MKV, WebM video. AVIF and everything else are refused, naming the type.
 
 Errors (all subclasses of `MediaError`, each message says what was found and what to do):
 `UnsupportedMediaError` (`AmbiguousMediaError` for polyglots, `NoVideoStreamError`), `EncryptedDocumentError`

@@ -1,4 +1,4 @@
-"""Raster images through Pillow: JPEG, PNG, TIFF, WebP, BMP, GIF.
+"""Raster images through Pillow: JPEG, PNG, TIFF, WebP, BMP, GIF, and HEIC (through the pillow-heif plugin).
 
 - Only the decoder of the sniffed format is allowed to open the bytes (`Image.open(formats=...)`).
 - A file claiming more than `MediaLimits.max_image_pixels` pixels (checked from the header, before decoding) is a
@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .colour import to_rgb
@@ -36,7 +37,11 @@ PILLOW_FORMAT = {
     "image/webp": "WEBP",
     "image/bmp": "BMP",
     "image/gif": "GIF",
+    "image/heic": "HEIF",
 }
+# Makes the "HEIF" format known to Pillow (process-wide, harmless to other users). libheif applies the file's own
+# rotation ('irot') and resets the EXIF orientation, so exif_transpose below does not rotate twice.
+pillow_heif.register_heif_opener()
 _PAGED_FORMATS = {"TIFF"}  # formats whose frames are pages; others contribute their first frame only
 _EXIF_ORIENTATION = 0x0112
 

@@ -31,6 +31,7 @@ ACCEPTED: dict[str, MediaKind] = {
     "image/webp": "image",
     "image/bmp": "image",
     "image/gif": "image",
+    "image/heic": "image",
     "video/mp4": "video",
     "video/x-m4v": "video",
     "video/quicktime": "video",
@@ -39,7 +40,6 @@ ACCEPTED: dict[str, MediaKind] = {
 }
 
 _REFUSAL_HINTS = {
-    "image/heic": "HEIC/HEIF photos are not supported yet; export the photo as JPEG (most phones: 'Most compatible').",
     "image/avif": "AVIF is not supported; convert the image to PNG or JPEG.",
     "application/zip": "archives are not unpacked; upload the files inside it one by one.",
 }
@@ -70,7 +70,7 @@ def sniff(head: bytes, *, name: str = "input") -> Sniffed:
     if found is None:
         raise UnsupportedMediaError(
             f"{name} is not an accepted media type: found {_describe_unknown(head)}. "
-            f"Accepted: PDF, JPEG, PNG, TIFF, WebP, BMP, GIF, MP4, MOV, MKV, WebM."
+            f"Accepted: PDF, JPEG, PNG, TIFF, WebP, BMP, GIF, HEIC, MP4, MOV, MKV, WebM."
         )
     mime = found.mime
     if mime not in ACCEPTED:

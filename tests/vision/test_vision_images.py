@@ -58,6 +58,32 @@ def test_gif_first_frame_only(rng):
     np.testing.assert_array_equal(np.asarray(page.image), np.asarray(frames[0].convert("RGB")))
 
 
+def test_apng_first_frame_only(rng):
+    frames = [random_rgb(rng, 12, 9) for _ in range(3)]
+    data = png_bytes(frames[0], save_all=True, append_images=frames[1:], duration=100)
+    doc, page = only_page(data)
+    assert doc.media_type == "image/apng" and doc.metadata["frames_in_file"] == 3
+    np.testing.assert_array_equal(np.asarray(page.image), np.asarray(frames[0]))
+
+
+def test_heic(rng):
+    img = smooth_rgb(rng, 64, 48)
+    doc, page = only_page(encoded(img, "HEIF", quality=95))
+    assert doc.media_type == "image/heic" and doc.metadata["format"] == "HEIF"
+    diff = np.abs(np.asarray(page.image, dtype=np.int16) - np.asarray(img, dtype=np.int16))
+    assert diff.mean() < 6  # lossy HEVC on smooth content
+
+
+def test_heic_orientation_applied_once(rng):
+    img = smooth_rgb(rng, 64, 48)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _, page = only_page(encoded(img, "HEIF", quality=95, exif=exif.tobytes()))
+    assert page.image.size == (48, 64)  # rotated once (a second rotation would give 64 x 48 back)
+    expected = np.rot90(np.asarray(img, dtype=np.int16), k=-1)
+    assert np.abs(np.asarray(page.image, dtype=np.int16) - expected).mean() < 6
+
+
 def test_multi_frame_tiff_is_pages(rng):
     frames = [random_rgb(rng, 20 + i, 10) for i in range(3)]
     data = encoded(frames[0], "TIFF", save_all=True, append_images=frames[1:])
