@@ -38,9 +38,9 @@ class EngineAccess:
         if self._preload:
             with self._lock:
                 self._loading = True
-            threading.Thread(target=self._preload, name="docpipe-engine-load", daemon=True).start()
+            threading.Thread(target=self._load_quietly, name="docpipe-engine-load", daemon=True).start()
 
-    def _preload(self) -> None:
+    def _load_quietly(self) -> None:
         try:
             self._load()
         except EngineUnavailable:
