@@ -204,6 +204,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     for state in ("queued", "running", "succeeded", "partial", "failed"):
         jobs.add_row(state, str(st.jobs_by_state.get(state, 0)))
     console.print(jobs)
+    if st.documents_unreadable:
+        console.print(f"{st.documents_unreadable} file(s) could not be read at intake (see their document rows)")
 
 
 def register(app: typer.Typer) -> None:

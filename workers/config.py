@@ -84,6 +84,12 @@ def check_consistency(settings: Settings, ws: WorkerSettings) -> None:
             f"DOCPIPE_VISIBILITY_TIMEOUT_S ({ws.visibility_timeout_s}) must exceed DOCPIPE_JOB_LEASE_S "
             f"({settings.job_lease_s}): Redis would otherwise hand a running job's message to a second worker"
         )
+    if settings.job_lease_s <= settings.request_timeout_s:
+        raise WorkerConfigError(
+            f"DOCPIPE_JOB_LEASE_S ({settings.job_lease_s}) must exceed DOCPIPE_REQUEST_TIMEOUT_S "
+            f"({settings.request_timeout_s}): a run renews its lease after each page, and one page may take up to "
+            "the request timeout; a shorter lease lets the reconciler hand a healthy job to a second worker"
+        )
     if ws.visibility_timeout_s <= ws.retry_backoff_max_s:
         raise WorkerConfigError(
             "DOCPIPE_VISIBILITY_TIMEOUT_S must exceed DOCPIPE_RETRY_BACKOFF_MAX_S (a delayed retry is an "

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 
 from pipeline.context import Pipeline
-from pipeline.models import Job
+from pipeline.models import Document, DocumentStatus, Job
 
 from .beat import BEAT_LOCK_KEY
 from .config import QUEUES
@@ -35,6 +35,7 @@ class QueueStatus:
 class Status:
     queues: QueueStatus
     jobs_by_state: dict[str, int]
+    documents_unreadable: int  # files that failed at intake (no job; the reason is on the document row)
 
 
 def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
@@ -61,5 +62,11 @@ def jobs_by_state(p: Pipeline) -> dict[str, int]:
         return {state: int(n) for state, n in s.execute(select(Job.state, func.count()).group_by(Job.state))}
 
 
+def documents_unreadable(p: Pipeline) -> int:
+    with p.db.read_session() as s:
+        return int(s.scalar(select(func.count()).select_from(Document)
+                            .where(Document.status == DocumentStatus.failed.value)) or 0)
+
+
 def collect(p: Pipeline, client: redis.Redis) -> Status:
-    return Status(queue_status(client, list(p.settings.watch_folders)), jobs_by_state(p))
+    return Status(queue_status(client, list(p.settings.watch_folders)), jobs_by_state(p), documents_unreadable(p))

@@ -62,12 +62,16 @@ def test_configuration_refuses_missing_or_non_redis_broker_and_inconsistent_time
     with pytest.raises(WorkerConfigError, match="must exceed DOCPIPE_JOB_LEASE_S"):
         check_consistency(Settings(data_dir=tmp_path, broker_url="redis://x", job_lease_s=900),
                           WorkerSettings(visibility_timeout_s=600))
+    with pytest.raises(WorkerConfigError, match="must exceed DOCPIPE_REQUEST_TIMEOUT_S"):
+        check_consistency(Settings(data_dir=tmp_path, broker_url="redis://x", job_lease_s=60, request_timeout_s=60),
+                          ws)
     with pytest.raises(ValueError, match="must exceed retry_backoff_max_s"):
         WorkerSettings(retry_backoff_max_s=60, requeue_queued_after_s=30)
 
 
 def test_celery_config_has_the_reliability_settings(tmp_path):
-    conf = celery_config(Settings(data_dir=tmp_path, broker_url="redis://127.0.0.1:6379/3", job_lease_s=100),
+    conf = celery_config(Settings(data_dir=tmp_path, broker_url="redis://127.0.0.1:6379/3", job_lease_s=100,
+                                  request_timeout_s=50),
                          WorkerSettings(visibility_timeout_s=500))
     assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
     assert conf["worker_prefetch_multiplier"] == 1
@@ -262,3 +266,47 @@ def test_cli_refuses_unknown_queue_missing_broker_and_unknown_schema(redis_url, 
     assert not (tmp_path / "data" / "incoming").exists() or not any((tmp_path / "data" / "incoming").iterdir())
     result = runner.invoke(_cli(), ["submit", str(tmp_path / "missing.png")])
     assert result.exit_code == 2 and "neither a file nor a folder" in result.output
+
+
+# --- retention -------------------------------------------------------------------------------------------------
+def test_retention_purges_old_finished_documents_and_only_blobs_no_one_else_uses(tmp_path):
+    import io
+
+    from PIL import Image, PngImagePlugin
+    from pipeline.context import Pipeline
+    from pipeline.ingest import ingest_file
+    from pipeline.models import Document, Job, Page, Result, utcnow
+    from sqlalchemy import func, select
+    from workers.retention import purge_older_than
+
+    p = Pipeline(Settings(data_dir=tmp_path / "data"))
+    image = Image.open(io.BytesIO(png(seed=11)))
+    tagged = io.BytesIO()
+    info = PngImagePlugin.PngInfo()
+    info.add_text("scanner", "another file, the same pixels")
+    image.save(tagged, "PNG", pnginfo=info)
+    old = ingest_file(p, png(seed=11), name="old.png")  # purged
+    twin = ingest_file(p, tagged.getvalue(), name="twin.png")  # recent, renders to the same page blob as old.png
+    busy = ingest_file(p, png(seed=12), name="busy.png")  # old, but its job is still queued: kept
+    with p.db.session() as s:
+        for doc_id in (old.document_id, busy.document_id):
+            s.get(Document, doc_id).created_at = utcnow() - timedelta(days=40)
+        s.get(Job, old.job_id).state = "succeeded"
+        s.add(Result(job_id=old.job_id, document_id=old.document_id, unit="document", ok=True, data={},
+                     schema_name="generic", schema_version=1))
+        old_sha = s.get(Document, old.document_id).sha256
+        [page_blob] = s.scalars(select(Page.image_blob).where(Page.document_id == old.document_id))
+        [twin_blob] = s.scalars(select(Page.image_blob).where(Page.document_id == twin.document_id))
+    assert page_blob == twin_blob  # the shared-blob case is really exercised
+
+    report = purge_older_than(p, 30)
+    assert report.documents == 1 and report.blobs == 1  # the original file only; the page blob is shared
+    assert not p.blobs.exists(old_sha) and p.blobs.exists(page_blob)
+    with p.db.read_session() as s:
+        names = sorted(s.scalars(select(Document.original_name)))
+        assert names == ["busy.png", "twin.png"]
+        assert s.scalar(select(func.count()).select_from(Result)) == 0  # cascaded with its job
+    assert purge_older_than(p, 30).documents == 0  # idempotent
+    with pytest.raises(ValueError, match="at least 1 day"):
+        purge_older_than(p, 0)
+    p.close()

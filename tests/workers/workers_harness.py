@@ -125,6 +125,7 @@ class Cluster:
             "DOCPIPE_MAX_TOKENS": "48",
             "DOCPIPE_ENGINE_MAX_NUM_SEQS": "4",
             "DOCPIPE_JOB_LEASE_S": "20",
+            "DOCPIPE_REQUEST_TIMEOUT_S": "15",
             "DOCPIPE_VISIBILITY_TIMEOUT_S": "120",
             "DOCPIPE_RETRY_BACKOFF_S": "0.2",
             "DOCPIPE_RETRY_BACKOFF_MAX_S": "1",
