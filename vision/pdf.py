@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +30,10 @@ from .document import MediaDocument
 from .errors import CorruptMediaError, EncryptedDocumentError, LimitExceededError, MediaError, WrongPasswordError
 from .limits import MediaLimits, RenderOptions
 from .page import MediaPage
+
+# PyMuPDF is not thread-safe (one global MuPDF context, one warning store), so every call into it from this module
+# holds this lock: threaded callers (a web server's thread pool) are safe, processes still render in parallel.
+_MUPDF = threading.RLock()
 
 # MuPDF prints every repair warning to stderr; we report damage through metadata, page warnings and page errors.
 pymupdf.TOOLS.mupdf_display_errors(False)
@@ -57,7 +62,8 @@ def _page_text(doc: pymupdf.Document, number: int) -> str:
     # Bound to the MuPDF document, not to PdfDocument: a page whose text is still unread keeps the MuPDF document
     # alive after PdfDocument.close(), so `page.text` works whenever it is read.
     # MuPDF's content-stream order; sort=True (geometric order) costs ~10x more on text-heavy pages
-    return doc.load_page(number).get_text("text")
+    with _MUPDF:
+        return doc.load_page(number).get_text("text")
 
 
 def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int) -> float:
@@ -85,6 +91,11 @@ class PdfDocument(MediaDocument):
         self._name = name
         self._limits = limits
         self._options = options
+        with _MUPDF:
+            self._open(source, password)
+
+    def _open(self, source: bytes | Path, password: str | None) -> None:
+        name, limits, options = self._name, self._limits, self._options
         _take_warnings()
         doc = _open(source, name)
         open_warnings = _take_warnings()
@@ -132,6 +143,10 @@ class PdfDocument(MediaDocument):
 
     def render_page(self, number: int) -> MediaPage:
         """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
+        with _MUPDF:
+            return self._render(number)
+
+    def _render(self, number: int) -> MediaPage:
         _take_warnings()
         try:
             page = self._doc.load_page(number)

@@ -223,3 +223,17 @@ def test_formats_pillow_reads_but_we_do_not_accept(rng, fmt):
         data = encoded(random_rgb(rng, 16, 16), fmt)
     with pytest.raises(UnsupportedMediaError, match="which is not accepted"):
         open_media(data)
+
+
+def test_32_bit_integer_tiff_in_16_bit_range_is_scaled(rng):
+    values = rng.integers(0, 65536, (4, 6)).astype(np.int32)
+    _, page = only_page(encoded(Image.fromarray(values, "I"), "TIFF"))
+    expected = (values >> 8).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(page.image)[..., 0], expected)
+
+
+def test_float_tiff_is_stretched_to_full_range(rng):
+    values = rng.normal(0.3, 0.1, (4, 6)).astype(np.float32)
+    _, page = only_page(encoded(Image.fromarray(values, "F"), "TIFF"))
+    expected = np.round((values - values.min()) * 255.0 / (values.max() - values.min()))
+    np.testing.assert_allclose(np.asarray(page.image)[..., 0], expected, atol=1)

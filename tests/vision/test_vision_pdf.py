@@ -180,3 +180,19 @@ def test_pages_are_lazy(rng):
     assert first.index == 0  # nothing else needs rendering to get here
     it.close()
     doc.close()
+
+
+def test_pages_render_correctly_from_several_threads(rng):
+    # PyMuPDF is not thread-safe; vision serialises its calls, so threaded callers get correct pages.
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [random_words(rng) for _ in range(6)]
+    data = pdf_bytes(texts)
+
+    def read_all(_: int) -> list[str]:
+        with open_media(data, options=RenderOptions(pdf_dpi=72)) as doc:
+            return [p.text.strip() for p in doc.pages() if p.ok]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(read_all, range(8)))
+    assert all(r == texts for r in results)

@@ -142,10 +142,10 @@ class VideoDocument(MediaDocument):
     def page_count(self) -> int:
         return len(self._plan)
 
-    def _frame_page(self, index: int, header: dict[str, Any], payload: bytes) -> MediaPage:
+    def _frame_page(self, header: dict[str, Any], payload: bytes) -> MediaPage:
         image = Image.frombytes("RGB", (header["width"], header["height"]), payload)
         return MediaPage(
-            index=index,
+            index=0,  # set by pages(), which knows the output position
             kind="frame",
             image=upright(image, header["rotation"]),
             source_size=self._display_size,
@@ -166,7 +166,7 @@ class VideoDocument(MediaDocument):
         try:
             for header, payload in child.request(request):
                 if header["type"] == "frame":
-                    yield header["index"], self._frame_page(0, header, payload)
+                    yield header["index"], self._frame_page(header, payload)
                 elif header["type"] == "done":
                     self._failure = header["failure"]
                     for missing in header["missing"]:
