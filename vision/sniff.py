@@ -12,6 +12,7 @@ documents, so we refuse it instead of guessing.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 
 import filetype
@@ -53,7 +54,8 @@ class Sniffed:
 
 def _describe_unknown(head: bytes) -> str:
     try:
-        text = head[:512].decode("utf-8")
+        # incremental: a multi-byte character cut at byte 512 is not a reason to call text binary
+        text = codecs.getincrementaldecoder("utf-8")().decode(head[:512], final=False)
     except UnicodeDecodeError:
         return f"unrecognised binary data starting with {head[:8].hex(' ')}"
     if text and all(c.isprintable() or c in "\r\n\t" for c in text):

@@ -113,3 +113,9 @@ def test_missing_path_is_an_os_error(tmp_path):
 def test_limits_validate_fields():
     with pytest.raises(ValueError, match="max_pages must be > 0"):
         MediaLimits(max_pages=0)
+
+
+def test_text_with_a_multibyte_character_at_the_cut_is_still_text():
+    text = ("a" * 511 + "é" + " more").encode()  # "é" is two bytes: byte 512 splits it
+    with pytest.raises(UnsupportedMediaError, match="found plain text"):
+        sniff(text, name="notes.pdf")
