@@ -140,7 +140,8 @@ def main() -> None:
     result = {
         "benchmark": "pipeline_overhead",
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_1m_at_end": round(os.getloadavg()[0], 2)},  # the machine is shared: context
         "inputs": [f.name for f in files],
         "documents": len(files),
         "pages": total_pages,
