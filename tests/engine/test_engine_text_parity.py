@@ -1,12 +1,12 @@
 """Reference runner (numpy) vs transformers' Qwen3_5ForConditionalGeneration on text, plus chunking invariances.
 
 Tolerances vs transformers (engine_hf_models.assert_logit_parity): relative L2 error of the logits over all
-positions <= 1e-4, and at EVERY position either <= 1e-4, or ours is at least as close to a float64 transformers run
-(model.double(), float32 casts kept at float64) as transformers-float32 is, plus 1e-5 — i.e. the remaining
-distance at that position is transformers' own float32 rounding. Why the second branch: random models have rare
-ill-conditioned positions (e.g. a DeltaNet head whose output is nearly zero before its gated RMSNorm) where two
-correct float32 implementations with different op order can be > 1e-4 apart. Greedy generations are
-token-identical. Chunked vs whole prefill: <= 1e-5 over all logits and <= 1e-4 per position (same code; float32
+positions <= 1e-4, and at EVERY position either <= 1e-4, or rel-L2(ours, hf_f64) <= 2 * rel-L2(hf_f32, hf_f64) +
+1e-5 against a float64 transformers run (model.double(), its float32 casts kept at float64) — i.e. the remaining
+distance at that position is float32 rounding of the size transformers itself has there. Why the second branch:
+random models have rare ill-conditioned positions (e.g. a DeltaNet head whose output nearly cancels before its
+gated RMSNorm) where two correct float32 implementations with different op order can be > 1e-4 apart (measured
+numbers in engine_hf_models.LogitParity.accepted). Greedy generations are token-identical. Chunked vs whole prefill: <= 1e-5 over all logits and <= 1e-4 per position (same code; float32
 matmuls of other batch shapes round differently).
 """
 from __future__ import annotations
@@ -266,18 +266,23 @@ def test_float64_reference_runs_entirely_in_float64(pair, hf64):
 
 
 def test_logit_parity_criterion_rejects_a_real_error():
-    """The per-position rule accepts float32-rounding-sized residuals only where transformers-f32 has them too."""
+    """The per-position rule accepts a > 1e-4 residual only where transformers-f32 is itself that far from f64."""
     rng = np.random.default_rng()
-    f64 = rng.standard_normal((40, 50))
-    f32 = (f64 * (1 + 1e-6 * rng.standard_normal(f64.shape))).astype(np.float32)
-    ours = f32.copy()
-    assert_logit_parity(ours, f32, f64)
-    noisy = f64.copy()  # transformers-f32 at position 2: 3e-4 off float64; ours exact there -> accepted
-    noisy[2] += 3e-4 * np.linalg.norm(f64[2]) * rng.standard_normal(50) / np.sqrt(50)
-    assert_logit_parity(f64.astype(np.float32), noisy.astype(np.float32), f64)
-    wrong = ours.copy()  # ours 3e-4 off at position 4 where transformers-f32 is not -> rejected
-    wrong[4] += 3e-4 * np.linalg.norm(f32[4]) * rng.standard_normal(50).astype(np.float32) / np.sqrt(50)
-    with pytest.raises(AssertionError, match="positions failing parity.*4:"):
-        assert_logit_parity(wrong, f32, f64)
+    f64 = rng.standard_normal((100, 50))
+
+    def off(rows: np.ndarray, pos: int, rel: float) -> np.ndarray:
+        out = rows.copy()  # move one position by `rel` (relative L2) in a random direction
+        step = rng.standard_normal(rows.shape[1])
+        out[pos] += rel * np.linalg.norm(rows[pos]) * step / np.linalg.norm(step)
+        return out
+
+    f32 = off(f64, 2, 3e-4).astype(np.float32)  # transformers-f32 3e-4 from float64 at position 2
+    assert_logit_parity(f64.astype(np.float32), f32, f64)  # ours exact there: accepted
+    parity = assert_logit_parity(off(f64, 2, 5e-4).astype(np.float32), f32, f64)  # noise of the same size
+    assert parity.ours_vs_f32[2] > 1e-4  # ... accepted through the float64 branch
+    with pytest.raises(AssertionError, match="positions failing parity.*2:"):
+        assert_logit_parity(off(f64, 2, 8e-4).astype(np.float32), f32, f64)  # well beyond transformers' noise
+    with pytest.raises(AssertionError, match="positions failing parity.*7:"):
+        assert_logit_parity(off(f64, 7, 3e-4).astype(np.float32), f32, f64)  # where transformers-f32 is exact
     with pytest.raises(AssertionError, match="whole-sequence"):
-        assert_logit_parity(ours * 1.001, f32, f64)
+        assert_logit_parity(f64.astype(np.float32) * np.float32(1.001), f32, f64)
