@@ -191,3 +191,16 @@ def test_client_leaving_a_stream_cancels_the_engine_request(sqlite_server: LiveS
     while time.monotonic() < deadline and engine.stats().get("finished_abort", 0) == aborted_before:
         time.sleep(0.05)
     assert engine.stats().get("finished_abort", 0) == aborted_before + 1
+
+
+def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, model_id: str) -> None:
+    out = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Say something."}],
+                                         max_tokens=6, temperature=0, logprobs=True)
+    tokens = out.choices[0].logprobs.content
+    assert len(tokens) == out.usage.completion_tokens
+    assert all(t.logprob <= 0.0 for t in tokens)
+    assert "".join(t.token for t in tokens) == out.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=3)
+    assert err.value.body["code"] == "unsupported_parameter"
