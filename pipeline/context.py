@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .blobs import BlobStore
 from .db import Database
-from .engine_client import ExtractionClient, model_key, shared_client
+from .engine_client import ExtractionClient, model_key, model_key_for_id, shared_client
+from .errors import ModelNotAvailableError
 from .image_cache import ImageCache
 from .settings import Settings
 
@@ -46,7 +47,17 @@ class Pipeline:
     def model_key(self) -> str:
         """Identity of the configured model, known without loading it (jobs are deduped on it)."""
         if self._model_key is None:
-            self._model_key = model_key(self.settings.resolved_model_dir())
+            if self.settings.model_id:
+                self._model_key = model_key_for_id(self.settings.model_id)
+            else:
+                folder = self.settings.resolved_model_dir()
+                try:
+                    self._model_key = model_key(folder)
+                except OSError as exc:
+                    raise ModelNotAvailableError(
+                        f"the model folder {folder} cannot be read on this host ({exc}); point DOCPIPE_MODEL_DIR at "
+                        "the checkpoint, or on hosts without the weights name the model with DOCPIPE_MODEL_ID"
+                    ) from exc
         return self._model_key
 
     def close(self) -> None:

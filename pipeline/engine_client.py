@@ -6,7 +6,8 @@ them together) and receive the replies one by one, in request order. `EngineClie
 
 `model_key(model_dir)` is a cheap identity of a checkpoint folder, used to dedupe jobs without loading weights:
 sha256 over config.json's bytes and every file's name and size, plus the SHA256SUMS file when the folder has one.
-The full weight digest (the engine's `model_fingerprint`) is recorded on every result.
+Hosts without the weights name the model instead (DOCPIPE_MODEL_ID -> `model_key_for_id`). The full weight
+digest (the engine's `model_fingerprint`) is recorded on every result, whatever the key.
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def model_key(model_dir: Path) -> str:
     if sums.is_file():
         digest.update(sums.read_bytes())
     return digest.hexdigest()
+
+
+def model_key_for_id(model_id: str) -> str:
+    """The model key when the model is named by DOCPIPE_MODEL_ID instead of read from its folder."""
+    return hashlib.sha256(f"model-id:{model_id}".encode()).hexdigest()
 
 
 class EngineClient:

@@ -5,7 +5,7 @@
     ├── InvalidSchemaError      a user schema that is not a usable JSON Schema
     ├── NotFoundError           a document / job / batch id that does not exist
     ├── JobStateError           an operation not allowed in the job's current state
-    └── ExtractionError         the engine's answer could not be turned into a valid result (per page)
+    └── ModelNotAvailableError  the configured model folder cannot be read on this host
 """
 from __future__ import annotations
 
@@ -35,5 +35,5 @@ class JobStateError(PipelineError):
     """The job is not in a state that allows the requested operation."""
 
 
-class ExtractionError(PipelineError):
-    """One engine answer could not be turned into a schema-valid result."""
+class ModelNotAvailableError(PipelineError):
+    """The model folder is missing or unreadable here (and no DOCPIPE_MODEL_ID names the model instead)."""

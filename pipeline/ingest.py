@@ -179,10 +179,12 @@ def ingest_file(
     password: str | None = None,
     batch_id: int | None = None,
 ) -> IngestOutcome:
-    """Store, sniff and render one file, then get or create its job. Raises only for an unknown schema."""
+    """Store, sniff and render one file, then get or create its job. Raises only for bad arguments (unknown
+    schema) or configuration (model not available), before any work; a bad file is an outcome, not an error."""
     started = time.perf_counter()
     if schema is not None:
         _schema_id(p, schema)  # fail fast on a bad name, before any work
+    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
     label = name or (Path(source).name if isinstance(source, (str, os.PathLike)) else "upload")
     limit = p.settings.max_file_bytes
     try:

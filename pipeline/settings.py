@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     )
     # --- model and engine ----------------------------------------------------------------------------------------
     model_dir: Path | None = Field(None, description="HF-format Qwen3.5 checkpoint folder; None = bundled tiny model.")
+    model_id: str | None = Field(
+        None, description="Name of the model for job dedupe on hosts without the weights (e.g. an API in broker "
+        "mode); None = derived from model_dir. Set it on every host or on none."
+    )
     runner: Runner = Field("reference", description="Engine runner: reference (numpy, CPU) or cuda.")
     engine_max_num_seqs: int = Field(16, ge=1, description="Sequences the engine batches together.")
     engine_max_batched_tokens: int = Field(2048, ge=16, description="Token budget of one engine step (prefill chunk).")

@@ -314,3 +314,22 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(make_pipeline) -> None:
     with pytest.raises(Exception, match="FOREIGN KEY"):
         with p.db.session() as s:
             s.execute(text("INSERT INTO pages (document_id, \"index\", kind) VALUES (999, 0, 'page')"))
+
+
+def test_model_key_without_the_weights(make_pipeline, tmp_path: Path) -> None:
+    from sqlalchemy import func, select
+
+    from pipeline.errors import ModelNotAvailableError
+    from pipeline.ingest import ingest_file
+    from pipeline.models import Document
+    from pipeline_test_support import png_bytes
+
+    missing = make_pipeline(model_dir=tmp_path / "no-such-model")
+    with pytest.raises(ModelNotAvailableError, match="DOCPIPE_MODEL_ID"):
+        ingest_file(missing, png_bytes())
+    with missing.db.read_session() as s:  # refused before any work: nothing stored
+        assert s.scalar(select(func.count()).select_from(Document)) == 0
+    named = make_pipeline(model_dir=tmp_path / "no-such-model", model_id="qwen3.5-9b@2026-01")
+    intake = ingest_file(named, png_bytes())  # an API host in broker mode: no weights, jobs still keyed
+    assert intake.outcome == "new" and len(named.model_key) == 64
+    assert named.model_key != make_pipeline().model_key
