@@ -250,6 +250,42 @@ def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) ->
     return out
 
 
+def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict:
+    """The sequence-mixing ops of one 2B-class layer over an n-token prefill chunk (ms, events, median)."""
+    cfg = TEXT_2B
+    nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                      cfg["linear_value_head_dim"])
+    conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
+    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731
+    out: dict[str, float] = {}
+    mark = ctx.arena.mark()
+    bs = 16
+    blocks = n // bs + 1
+    kc, vc = random_bf16(ctx, (blocks, bs, kvh, hd), "k", rng), random_bf16(ctx, (blocks, bs, kvh, hd), "v", rng)
+    q, att = random_bf16(ctx, (n, 2 * nh * hd), "q", rng), ctx.empty((n, nh * hd), "bf16", "att")
+    table, seq, pos = i32([np.arange(blocks)]), i32(np.zeros(n)), i32(np.arange(n))
+    out[f"paged_attention n={n}"] = time_ms(ctx, lambda: ops.paged_attention(
+        ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
+        hd ** -0.5), warmup=1, reps=3)
+    proj = random_bf16(ctx, (n, conv_dim + vdim + 2 * vh), "proj", rng)
+    conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
+    conv_out, core = random_bf16(ctx, (n, conv_dim), "co", rng), ctx.empty((n, vdim), "bf16", "core")
+    cu, slots, fresh = i32([0, n]), i32([0]), i32([1])
+    out[f"conv1d_silu n={n}"] = time_ms(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.shape[1],
+                                                                      conv_w, conv_state, cu, slots, fresh), warmup=1,
+                                        reps=3)
+    a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
+    state = ctx.to_device(np.zeros((2, vh, dv, dk), np.float32), "f32", "state")
+    for method in ("one_pass", "two_pass"):
+        out[f"gated_delta_rule {method} n={n}"] = time_ms(ctx, lambda: ops.gated_delta_rule(
+            ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
+            proj.at(conv_dim + vdim + vh), proj.shape[1], a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv,
+            method=method), warmup=1, reps=3)
+    ctx.arena.release(mark)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results here")
@@ -288,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"GEMM m={m} n={g['n']} k={g['k']}", f"{g['ms'] * 1e3:.1f} us, weights {gbps:.0f} GB/s"))
         if not args.no_model:
             results["decode_ops_2b"] = bench_decode_ops(ctx, rng, 1024)
+            results["prefill_ops_2b"] = bench_prefill_ops(ctx, rng, 8192 if not args.quick else 512)
     finally:
         ctx.close()
     for name in [] if args.no_model else args.shapes.split(","):
@@ -309,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(info))
-    for name, ms in results.get("decode_ops_2b", {}).items():
-        rows.append((f"  op: {name}", f"{ms:.1f} us"))
+    for name, us in results.get("decode_ops_2b", {}).items():
+        rows.append((f"  decode op: {name}", f"{us:.1f} us"))
+    for name, ms in results.get("prefill_ops_2b", {}).items():
+        rows.append((f"  prefill op: {name}", f"{ms:.2f} ms"))
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0

@@ -219,10 +219,18 @@ def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stri
                       i32(conv_dim), i32(K))
 
 
+GDN_TWO_PASS_MIN_TOKENS = 16  # below this (decode steps) one launch beats two
+
+
 def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int, a: DArray,
                      b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray, cu_seqlens: DArray,
-                     state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int, dk: int, dv: int) -> None:
-    """Gated delta rule over a varlen batch; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv]."""
+                     state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int, dk: int, dv: int,
+                     method: str = "auto") -> None:
+    """Gated delta rule over a varlen batch; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv].
+
+    method: "one_pass" (normalisation and gates inside the sequential kernel: one launch, for decode),
+    "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill), or "auto".
+    """
     t = _same_float(out, q, k, v, a, b)
     _need(state, "f32", "state")
     _need(A_log, "f32", "A_log")
@@ -232,10 +240,26 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
                          f"(dk={dk}, k_heads={k_heads}, v_heads={v_heads})")
     if state.shape[1:] != (v_heads, dv, dk):
         raise ShapeError(f"state {state.shape}, expected [*, {v_heads}, {dv}, {dk}]")
-    seqs = state_slots.size
-    ctx.device.launch("deltanet", f"gated_delta_rule_{t}", ((dv + 7) // 8, v_heads, seqs), 256, out.ptr, q.ptr,
-                      k.ptr, v.ptr, i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr, dt_bias.ptr, state.ptr,
-                      cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads), i32(dk), i32(dv))
+    if method not in ("auto", "one_pass", "two_pass"):
+        raise ShapeError(f"method must be auto, one_pass or two_pass, got {method!r}")
+    seqs, n = state_slots.size, out.shape[0]
+    grid = ((dv + 7) // 8, v_heads, seqs)
+    if method == "one_pass" or (method == "auto" and n < GDN_TWO_PASS_MIN_TOKENS):
+        ctx.device.launch("deltanet", f"gated_delta_rule_{t}", grid, 256, out.ptr, q.ptr, k.ptr, v.ptr, i64(qkv_stride),
+                          a.ptr, b.ptr, i64(ab_stride), A_log.ptr, dt_bias.ptr, state.ptr, cu_seqlens.ptr,
+                          state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads), i32(dk), i32(dv))
+        return
+    mark = ctx.arena.mark()
+    qn = ctx.empty((n, k_heads, dk), "f32", "gdn-qn")
+    kn = ctx.empty((n, k_heads, dk), "f32", "gdn-kn")
+    db = ctx.empty((n, v_heads, 2), "f32", "gdn-decay-beta")
+    ctx.device.launch("deltanet", f"gdn_prepare_{t}", (n, k_heads), min(256, max(32, (dk + 31) // 32 * 32)), qn.ptr,
+                      kn.ptr, db.ptr, q.ptr, k.ptr, i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr,
+                      dt_bias.ptr, i32(n), i32(k_heads), i32(v_heads), i32(dk))
+    ctx.device.launch("deltanet", f"gdn_recurrent_{t}", grid, 256, out.ptr, qn.ptr, kn.ptr, v.ptr, i64(qkv_stride),
+                      db.ptr, state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads),
+                      i32(dk), i32(dv))
+    ctx.arena.release(mark)
 
 
 # ---- sampling helpers ----------------------------------------------------------------------------------------

@@ -334,14 +334,16 @@ class Checker:
         A_log = np.log(self.rng.uniform(0.5, 8.0, vh)).astype(np.float32)
         dt_bias = self.rand((vh,), "f32", 0.5)
         state = (self.rng.standard_normal((num_slots, vh, dv, dk)) * 0.3).astype(np.float32)
-        sd = self.up(state, "f32")
         qkvd, abd = self.up(qkv, t), self.up(ab, t)
-        o = self.out((total, vh * dv), t)
-        self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.at(kh * dk),
-                                  qkvd.at(2 * kh * dk), qkv_w, abd,
-                                  abd.at(vh), 2 * vh + 8, self.up(A_log, "f32"),
-                                  self.up(dt_bias, "f32"), sd, self.up(cu, "i32"), self.up(slots, "i32"),
-                                  self.up(fresh, "i32"), kh, vh, dk, dv)
+        results = {}
+        for method in ("one_pass", "two_pass"):
+            sd = self.up(state, "f32")
+            o = self.out((total, vh * dv), t)
+            self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.at(kh * dk), qkvd.at(2 * kh * dk), qkv_w, abd, abd.at(vh),
+                                      2 * vh + 8, self.up(A_log, "f32"), self.up(dt_bias, "f32"), sd,
+                                      self.up(cu, "i32"), self.up(slots, "i32"), self.up(fresh, "i32"), kh, vh, dk, dv,
+                                      method=method)
+            results[method] = (o, sd)
         exp_o, exp_s = [], state.astype(np.float64).copy()
         for i, (f, n) in enumerate(seqs):
             r = slice(cu[i], cu[i + 1])
@@ -352,9 +354,10 @@ class Checker:
                                           ab[r, :vh], ab[r, vh : 2 * vh], A_log, dt_bias, S0)
             exp_o.append(oi)
             exp_s[slots[i]] = Si.transpose(0, 2, 1)
-        self.record("gated_delta_rule(out)", t, rel_err(self.get(o), np.concatenate(exp_o)))
-        # the state is fp32 on both paths; bf16 inputs only perturb what flows into it
-        self.record("gated_delta_rule(state)", t, rel_err(self.get(sd), exp_s))
+        for method, (o, sd) in results.items():
+            self.record(f"gated_delta_rule {method} (out)", t, rel_err(self.get(o), np.concatenate(exp_o)))
+            # the state is fp32 on both paths; bf16 inputs only perturb what flows into it
+            self.record(f"gated_delta_rule {method} (state)", t, rel_err(self.get(sd), exp_s))
 
     def sampling(self, t: str) -> None:
         rows, vocab = 5, 151_007

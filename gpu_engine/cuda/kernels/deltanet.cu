@@ -114,6 +114,108 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
     }
 }
 
+
+// Prefill form of the gated delta rule, in two passes (the recurrent pass is the sequential part, so it must do
+// as little as possible per token):
+// gdn_prepare: fully parallel over tokens. Block (t, kh): L2-normalised k and q (q also scaled by 1/sqrt(dk)) in
+//   fp32 -> qn, kn [tokens, k_heads, dk]; block (t, 0) also writes decay = exp(g) and beta for every value head
+//   -> db [tokens, v_heads, 2].
+// gdn_recurrent: same grid and state layout as gated_delta_rule, but per token a warp only loads its lanes' qn/kn
+//   values and two scalars (no block reductions, no barriers); the next token's loads are issued before this
+//   token's arithmetic.
+template <typename T>
+__device__ void gdn_prepare_impl(float* qn, float* kn, float* db, const T* q, const T* k, long long qkv_stride,
+                                 const T* a, const T* b, long long ab_stride, const float* A_log,
+                                 const float* dt_bias, int n, int k_heads, int v_heads, int dk) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int t = blockIdx.x, kh = blockIdx.y;
+    if (t >= n) return;
+    const T* qt = q + t * qkv_stride + (long long)kh * dk;
+    const T* kt = k + t * qkv_stride + (long long)kh * dk;
+    float qss = 0.0f, kss = 0.0f;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        const float qi = to_f(qt[i]), ki = to_f(kt[i]);
+        qss += qi * qi;
+        kss += ki * ki;
+    }
+    const float q_inv = rsqrtf(block_sum(qss, scratch) + 1e-6f) * rsqrtf((float)dk);
+    const float k_inv = rsqrtf(block_sum(kss, scratch) + 1e-6f);
+    float* qo = qn + ((long long)t * k_heads + kh) * dk;
+    float* ko = kn + ((long long)t * k_heads + kh) * dk;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        qo[i] = to_f(qt[i]) * q_inv;
+        ko[i] = to_f(kt[i]) * k_inv;
+    }
+    if (kh == 0)
+        for (int h = threadIdx.x; h < v_heads; h += blockDim.x) {
+            db[((long long)t * v_heads + h) * 2] = expf(-expf(A_log[h]) * softplusf(to_f(a[t * ab_stride + h]) + dt_bias[h]));
+            db[((long long)t * v_heads + h) * 2 + 1] = sigmoidf(to_f(b[t * ab_stride + h]));
+        }
+}
+
+template <typename T>
+__device__ void gdn_recurrent_impl(T* out, const float* qn, const float* kn, const T* v, long long v_stride,
+                                   const float* db, float* state, const int* cu_seqlens, const int* state_slots,
+                                   const int* fresh, int k_heads, int v_heads, int dk, int dv) {
+    pdl_entry();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int j = blockIdx.x * GDN_WARPS + warp;
+    if (j >= dv) return;  // no barriers below: idle warps may leave
+    const int kh = h / (v_heads / k_heads);
+    float* S = state + (((long long)state_slots[s] * v_heads + h) * dv + j) * dk;
+    float Sr[MAX_DK_PER_LANE], qr[MAX_DK_PER_LANE], kr[MAX_DK_PER_LANE];
+#pragma unroll
+    for (int e = 0; e < MAX_DK_PER_LANE; ++e) Sr[e] = (lane + 32 * e < dk && !fresh[s]) ? S[lane + 32 * e] : 0.0f;
+    const int t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+    // registers for token t (loaded one token ahead)
+    float vt = 0.0f, decay = 1.0f, beta = 0.0f;
+    auto load = [&](int t) {
+        const float* qp = qn + ((long long)t * k_heads + kh) * dk;
+        const float* kp = kn + ((long long)t * k_heads + kh) * dk;
+#pragma unroll
+        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+            const bool ok = lane + 32 * e < dk;
+            qr[e] = ok ? qp[lane + 32 * e] : 0.0f;
+            kr[e] = ok ? kp[lane + 32 * e] : 0.0f;
+        }
+        vt = to_f(v[t * v_stride + (long long)h * dv + j]);
+        decay = db[((long long)t * v_heads + h) * 2];
+        beta = db[((long long)t * v_heads + h) * 2 + 1];
+    };
+    if (t0 < t1) load(t0);
+    for (int t = t0; t < t1; ++t) {
+        float q_cur[MAX_DK_PER_LANE], k_cur[MAX_DK_PER_LANE];
+#pragma unroll
+        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+            q_cur[e] = qr[e];
+            k_cur[e] = kr[e];
+        }
+        const float v_cur = vt, decay_cur = decay, beta_cur = beta;
+        if (t + 1 < t1) load(t + 1);  // in flight while this token computes
+        float kv = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+            Sr[e] *= decay_cur;
+            kv += Sr[e] * k_cur[e];
+        }
+        kv = warp_sum(kv);
+        const float delta = (v_cur - kv) * beta_cur;
+        float o = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+            Sr[e] += k_cur[e] * delta;
+            o += Sr[e] * q_cur[e];
+        }
+        o = warp_sum(o);
+        if (lane == 0) out[(long long)t * v_heads * dv + (long long)h * dv + j] = from_f<T>(o);
+    }
+#pragma unroll
+    for (int e = 0; e < MAX_DK_PER_LANE; ++e)
+        if (lane + 32 * e < dk) S[lane + 32 * e] = Sr[e];
+}
+
 #define DEFINE(S, T)                                                                                              \
     extern "C" __global__ void conv1d_silu_##S(T* out, long long out_stride, const T* x, long long x_stride,      \
                                                const T* w, T* conv_state, const int* cu_seqlens,                  \
@@ -127,6 +229,20 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
         const int* state_slots, const int* fresh, int k_heads, int v_heads, int dk, int dv) {                     \
         gated_delta_rule_impl<T>(out, q, k, v, qkv_stride, a, b, ab_stride, A_log, dt_bias, state, cu_seqlens,    \
                                  state_slots, fresh, k_heads, v_heads, dk, dv);                                   \
+    }                                                                                                             \
+    extern "C" __global__ void gdn_prepare_##S(float* qn, float* kn, float* db, const T* q, const T* k,            \
+                                               long long qkv_stride, const T* a, const T* b, long long ab_stride, \
+                                               const float* A_log, const float* dt_bias, int n, int k_heads,      \
+                                               int v_heads, int dk) {                                             \
+        gdn_prepare_impl<T>(qn, kn, db, q, k, qkv_stride, a, b, ab_stride, A_log, dt_bias, n, k_heads, v_heads,   \
+                            dk);                                                                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent_##S(                                \
+        T* out, const float* qn, const float* kn, const T* v, long long v_stride, const float* db, float* state,  \
+        const int* cu_seqlens, const int* state_slots, const int* fresh, int k_heads, int v_heads, int dk,        \
+        int dv) {                                                                                                 \
+        gdn_recurrent_impl<T>(out, qn, kn, v, v_stride, db, state, cu_seqlens, state_slots, fresh, k_heads,       \
+                              v_heads, dk, dv);                                                                   \
     }
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
