@@ -149,7 +149,13 @@ def _raw_request(base: str, head_lines: list[str], chunks: list[bytes]) -> tuple
 
 
 def _doc_count(c) -> int:  # type: ignore[no-untyped-def]
-    return len(c.get("/v1/documents", params={"limit": 200}).json()["items"])
+    total, cursor = 0, None
+    while True:
+        page = c.get("/v1/documents", params={"limit": 200, **({"cursor": cursor} if cursor else {})}).json()
+        total += len(page["items"])
+        cursor = page["next_cursor"]
+        if not cursor:
+            return total
 
 
 def test_oversize_upload_with_honest_length_is_413(server: LiveServer) -> None:
@@ -375,3 +381,28 @@ def test_readyz_and_metrics(server: LiveServer) -> None:
         succeeded = float(next(line.split()[-1] for line in text.splitlines()
                                if line.startswith('docpipe_jobs{state="succeeded"}')))
         assert succeeded >= 1
+
+
+def test_concurrent_uploads_lose_nothing_and_agree_on_duplicates(server: LiveServer) -> None:
+    """16 distinct files, half of them sent twice at the same time: every request succeeds, one document each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    distinct = [random_png(24, 24) for _ in range(16)]
+    sends = distinct + distinct[:8]
+    random.shuffle(sends)
+    with server.client() as c:
+        before = _doc_count(c)
+
+        def send(data: bytes) -> tuple[int, int, str]:
+            r = upload(c, data, "c.png")
+            return r.status_code, r.json().get("document", {}).get("id", -1), r.text
+
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(pool.map(send, sends))
+        assert all(code in (200, 202) for code, _, _ in results), [t for code, _, t in results if code >= 300][:2]
+        ids: dict[bytes, set[int]] = {}
+        for data, (_, doc_id, _) in zip(sends, results):
+            ids.setdefault(data, set()).add(doc_id)
+        assert all(len(v) == 1 for v in ids.values())  # the same bytes always name the same document
+        assert len({next(iter(v)) for v in ids.values()}) == 16
+        assert _doc_count(c) == before + 16
