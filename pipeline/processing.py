@@ -6,7 +6,9 @@ embedded path and the distributed path cannot drift apart.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -99,19 +101,23 @@ def process_paths(
     progress.files_found(len(outcomes))
     for outcome in outcomes:
         progress.file_ingested(outcome)
-    for outcome in outcomes:
+    lock = threading.Lock()  # progress callbacks and the page counter are shared by the job threads
+
+    def on_unit(name: str, unit: str, ok: bool, pages: int) -> None:
+        with lock:
+            report.pages_processed += pages
+            progress.unit_done(name, unit, ok, pages)
+
+    def one(outcome: IngestOutcome) -> FileReport:
         t0 = time.perf_counter()
         item = FileReport(name=outcome.name, outcome=outcome.outcome, state="failed", document_id=outcome.document_id,
                           job_id=outcome.job_id, pages=outcome.pages, error=outcome.error)
         if outcome.outcome == "unstable":
             item.state, item.error = "skipped", "still being written; run again later"
         elif outcome.job_id is not None:
-            def on_unit(unit: str, ok: bool, pages: int, _name: str = outcome.name) -> None:
-                report.pages_processed += pages
-                progress.unit_done(_name, unit, ok, pages)
-
             try:
-                run = run_job(p, outcome.job_id, on_unit=on_unit)
+                run = run_job(p, outcome.job_id,
+                              on_unit=lambda unit, ok, pages: on_unit(outcome.name, unit, ok, pages))
                 job = get_job(p, outcome.job_id)
                 item.state, item.error = job["state"], job["error"]
                 if run.note and job["state"] in ("queued", "running"):
@@ -119,8 +125,14 @@ def process_paths(
             except Exception as exc:  # recorded on the job by run_job; keep going with the other files
                 item.state, item.error = "failed", f"{type(exc).__name__}: {exc}"
         item.seconds = outcome.seconds + time.perf_counter() - t0
-        report.files.append(item)
-        progress.file_done(item)
+        with lock:
+            progress.file_done(item)
+        return item
+
+    # Several jobs at once, so the engine batches pages of different documents together (one document's pages
+    # alone rarely fill a batch).
+    with ThreadPoolExecutor(max_workers=p.settings.embedded_jobs, thread_name_prefix="docpipe-job") as pool:
+        report.files = list(pool.map(one, outcomes))
     report.seconds = time.perf_counter() - started
     return report
 

@@ -84,6 +84,8 @@ class Settings(BaseSettings):
     video_fps: float = Field(2.0, gt=0, description="Video frames sampled per second (Qwen's rule).")
     video_max_frames: int = Field(64, ge=4, description="Most frames sampled from one video.")
     # --- jobs and queue ------------------------------------------------------------------------------------------
+    embedded_jobs: int = Field(4, ge=1, description="Jobs `docpipe process` runs at once (the engine batches "
+                               "their pages together).")
     broker_url: str | None = Field(None, description="Celery broker (redis://...); None = embedded in-process runs.")
     job_lease_s: float = Field(900.0, gt=0, description="A running job whose lease passed may be taken over.")
     job_max_attempts: int = Field(3, ge=1, description="Attempts before a job is failed for good (poison cap).")
