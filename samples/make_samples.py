@@ -9,7 +9,6 @@ Only PyMuPDF, Pillow, numpy and PyAV are used; fonts are PDF base-14 (PDF) and P
 
 from __future__ import annotations
 
-import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
