@@ -144,6 +144,8 @@ class Engine:
             "sampled_tokens": 0,
         }
         self._step_times = _StepTimes()
+        # (time to first token, end-to-end latency) of the most recent finished requests, for p50 / p95.
+        self._latencies: deque[tuple[float, float]] = deque(maxlen=1000)
         # What one forward had to hold (the runner's activations scale with these): tokens and vision rows.
         self._peak_step_tokens = 0
         self._peak_step_vision_rows = 0
@@ -527,6 +529,8 @@ class Engine:
         seq.finish_reason = reason
         seq.error = error
         seq.finish_time = time.monotonic()
+        if seq.first_token_time is not None and reason in ("stop", "length"):
+            self._latencies.append((seq.first_token_time - seq.arrival_time, seq.finish_time - seq.arrival_time))
         self._live.pop(seq.request_id, None)
         self._with_deadline.pop(seq.request_id, None)
         self._counters["requests_finished"] += 1
@@ -570,6 +574,15 @@ class Engine:
         return [final[r] for r in ids]
 
     # ------------------------------------------------------------------------------------------ metrics
+    def _latency_stats(self) -> dict[str, float | None]:
+        """p50 / p95 of time to first token and latency over the last (up to 1000) completed requests."""
+        if not self._latencies:
+            return {"ttft_p50_s": None, "ttft_p95_s": None, "latency_p50_s": None, "latency_p95_s": None}
+        arr = np.array(self._latencies)
+        p = np.percentile(arr, [50, 95], axis=0)
+        return {"ttft_p50_s": float(p[0, 0]), "ttft_p95_s": float(p[1, 0]),
+                "latency_p50_s": float(p[0, 1]), "latency_p95_s": float(p[1, 1])}
+
     def stats(self) -> dict[str, Any]:
         st = self._step_times
         out: dict[str, Any] = dict(self._counters)
@@ -584,6 +597,7 @@ class Engine:
             "step_time_last_s": st.last_s,
             "step_time_mean_s": st.total_s / st.count if st.count else 0.0,
             "step_time_max_s": st.max_s,
+            **self._latency_stats(),
             "peak_step_tokens": self._peak_step_tokens,
             "peak_step_vision_rows": self._peak_step_vision_rows,
             "forward_time_s": self._forward_s,

@@ -402,3 +402,12 @@ def test_model_len_limits_and_stateless_kv(tok):
     assert len(out.token_ids) == 14
     eng2 = Engine(FakeRunner(), tok, vocab_size=2074, model_max_len=40, config=EngineConfig(num_kv_blocks=100))
     assert eng2.max_model_len == 40
+
+
+def test_stats_report_latency_percentiles(tok):
+    eng = make_engine(tok)
+    assert eng.stats()["ttft_p50_s"] is None
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+    st = eng.stats()
+    assert 0 < st["ttft_p50_s"] <= st["latency_p50_s"] and st["latency_p50_s"] <= st["latency_p95_s"]
+    assert st["requests_finished"] == 2 and st["finished_length"] == 2 and st["sampled_tokens"] == 6
