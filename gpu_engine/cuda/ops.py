@@ -166,6 +166,39 @@ def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache:
                       f32(1.0 if zero_centred else 0.0))
 
 
+FLASH_HEAD_DIMS = (64, 128, 256)  # instantiated in kernels/flash_prefill.cu
+FLASH_TILE = 32  # query rows per tile
+
+
+def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
+    """Query tiles for flash_prefill: int32 [tiles, 2] = (first token in the batch, rows), never crossing chunks."""
+    tiles, base = [], 0
+    for n in chunk_lengths:
+        tiles.extend((base + s, min(FLASH_TILE, n - s)) for s in range(0, n, FLASH_TILE))
+        base += n
+    return np.array(tiles, np.int32).reshape(-1, 2)
+
+
+def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
+                  gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
+                  token_pos: DArray, tiles: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  scale: float) -> None:
+    """Same function as paged_attention for bf16 prefill chunks, on the tensor cores (see flash_prefill.cu).
+    tiles: i32 [T, 2] from flash_tiles(); each tile's tokens belong to one sequence, in position order."""
+    for arr in (out, q, gate, k_cache, v_cache):
+        _need(arr, "bf16", "flash_prefill operand")
+    for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos"),
+                      (tiles, "tiles")):
+        _need(arr, "i32", name)
+    if head_dim not in FLASH_HEAD_DIMS or heads % kv_heads or q_stride % 2:
+        raise ShapeError(f"flash_prefill supports head_dim {FLASH_HEAD_DIMS} with heads % kv_heads == 0 and an even "
+                         f"q stride (got {head_dim}, {heads}/{kv_heads}, {q_stride})")
+    ctx.device.launch("flash_prefill", f"flash_prefill_bf16_hd{head_dim}", (tiles.shape[0], heads), 128, out.ptr,
+                      q.ptr, i64(q_stride), gate.ptr, i64(gate_stride), i32(gate_head_stride), k_cache.ptr,
+                      v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr,
+                      tiles.ptr, i32(heads), i32(kv_heads), i32(block_size), f32(scale))
+
+
 def attention_splits(ctx: GpuContext, n_tokens: int, heads: int) -> int:
     """Key splits per (token, head): enough blocks to cover the GPU twice when there are few queries."""
     blocks = n_tokens * heads

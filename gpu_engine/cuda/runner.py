@@ -27,6 +27,7 @@ from .errors import CudaBackendError, ShapeError
 from .weights import AttentionWeights, DeltaNetWeights, upload_text_weights
 
 _ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
+FLASH_MIN_CHUNK = 32  # steps whose longest chunk has this many tokens use the tensor-core prefill attention
 
 
 class RunnerInputError(CudaBackendError, ValueError):
@@ -46,6 +47,7 @@ class _StepMeta:
     """Host-side description of one step (everything the kernels index with)."""
 
     n: int
+    longest_chunk: int
     arrays: dict[str, np.ndarray]  # int32 arrays, packed and uploaded together
     logit_rows: int
     vision_rows: np.ndarray
@@ -78,6 +80,7 @@ class CudaRunner:
         self.cache: dict[int, _LayerCache] = {}
         self._after_cache = self._after_weights
         self._vision_tower: Any = None
+        self._longest = 0  # longest chunk of the step being enqueued (picks the attention kernel)
         # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
         # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
         self.use_graphs = os.environ.get("DOCPIPE_CUDA_GRAPHS", "1") != "0" if use_graphs is None else use_graphs
@@ -271,8 +274,10 @@ class CudaRunner:
             "ids": cat(ids), "pos": np.concatenate(pos, axis=1), "cu": np.array(cu), "slots": np.array(slots),
             "fresh": np.array(fresh), "tok_seq": cat(tok_seq), "tok_pos": cat(tok_pos), "kv_slots": cat(kv_slots),
             "tables": block_tables, "logit_rows": cat(logit_rows), "vis_rows": cat(vis_rows),
+            "tiles": ops.flash_tiles([c.num_tokens for c in batch.chunks]),
         }
-        return _StepMeta(n=base, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
+        longest = max(c.num_tokens for c in batch.chunks)
+        return _StepMeta(n=base, longest_chunk=longest, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
                          logit_rows=int(arrays["logit_rows"].size), vision_rows=arrays["vis_rows"].astype(np.int32),
                          vision_embeds=np.concatenate(vis) if vis else None)
 
@@ -318,6 +323,7 @@ class CudaRunner:
         """
         ctx, cfg, t, n = self.ctx, self.cfg, self.dtype, meta.n
         H = cfg.hidden_size
+        self._longest = meta.longest_chunk
         x, h, d = bufs["x"], bufs["h"], bufs["d"]
         ops.embed_gather(ctx, x, self.w.embed, m["ids"])
         if "vision" in bufs:
@@ -361,8 +367,11 @@ class CudaRunner:
         ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m["pos"], self._rope_inv,
                                self._rope_axis, m["kv_slots"], nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
         out = ctx.empty((n, nh * hd), t, "attn")
-        ops.paged_attention(ctx, out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m["tables"],
-                            m["tok_seq"], m["tok_pos"], nh, kvh, hd, self._spec().block_size, hd ** -0.5)
+        args = (out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m["tables"], m["tok_seq"], m["tok_pos"])
+        if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and self._longest >= FLASH_MIN_CHUNK:
+            ops.flash_prefill(ctx, *args, m["tiles"], nh, kvh, hd, self._spec().block_size, hd ** -0.5)
+        else:  # decode steps, short chunks, fp32 runs
+            ops.paged_attention(ctx, *args, nh, kvh, hd, self._spec().block_size, hd ** -0.5)
         ctx.blas.linear(d.ptr, out.ptr, w.o_proj.ptr, n, cfg.hidden_size, nh * hd, dtype=t)
 
     def _deltanet(self, i: int, w: DeltaNetWeights, h: DArray, d: DArray, m: dict[str, DArray], n: int) -> None:

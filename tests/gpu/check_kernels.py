@@ -269,8 +269,54 @@ class Checker:
             gi = gate[row : row + n]
             expect.append(ref.attention(qi, full_k[i], full_v[i], gi, np.arange(s, s + n), scale))
             row += n
+        if t == "bf16":  # the tensor-core prefill kernel on the same cache and queries
+            tiles = self.ops.flash_tiles([n for _, n in seqs])
+            outs["flash"] = self.out((total, heads * hd), t)
+            self.ops.flash_prefill(ctx, outs["flash"], qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
+                                   pdev, self.up(tiles, "i32"), heads, kvh, hd, bs, scale)
         for splits, out in outs.items():
-            self.record(f"paged_attention(GQA, gate, varlen, splits={splits or 'auto'})", t,
+            label = "flash_prefill(GQA, gate, varlen)" if splits == "flash" else \
+                f"paged_attention(GQA, gate, varlen, splits={splits or 'auto'})"
+            self.record(label, t,
+                        rel_err(self.get(out), np.concatenate(expect)))
+
+    def flash_long(self, t: str) -> None:
+        """flash_prefill on longer chunks (many key tiles, partial last tiles), GQA 6:1 and 4:1, two head sizes."""
+        if t != "bf16":
+            return  # bf16-only kernel
+        for heads, kvh, hd, seqs in ((12, 2, 128, [(70, 200)]), (8, 2, 256, [(0, 97), (33, 64)])):
+            bs, scale = 16, hd ** -0.5
+            need = [(s + n + bs - 1) // bs for s, n in seqs]
+            num_blocks = sum(need) + 3
+            perm = self.rng.permutation(num_blocks).astype(np.int32)
+            cache_k = self.rand((num_blocks, bs, kvh, hd), t)
+            cache_v = self.rand((num_blocks, bs, kvh, hd), t)
+            tables = np.zeros((len(seqs), max(need)), np.int32)
+            used, full_k, full_v, token_seq, token_pos = 0, [], [], [], []
+            for i, (s, n) in enumerate(seqs):
+                tables[i, : need[i]] = perm[used : used + need[i]]
+                used += need[i]
+                token_seq += [i] * n
+                token_pos += list(range(s, s + n))
+                full_k.append(cache_k[tables[i, np.arange(s + n) // bs], np.arange(s + n) % bs])
+                full_v.append(cache_v[tables[i, np.arange(s + n) // bs], np.arange(s + n) % bs])
+            total = sum(n for _, n in seqs)
+            qg = self.rand((total, heads, 2, hd), t)
+            q_only = qg[:, :, 0].reshape(total, heads * hd)
+            qgd = self.up(qg.reshape(total, -1), t)
+            out = self.out((total, heads * hd), t)
+            self.ops.flash_prefill(self.ctx, out, self.up(q_only, t), heads * hd, qgd.at(hd), 2 * heads * hd, 2 * hd,
+                                   self.up(cache_k, t), self.up(cache_v, t), self.up(tables, "i32"),
+                                   self.up(np.array(token_seq, np.int32), "i32"),
+                                   self.up(np.array(token_pos, np.int32), "i32"),
+                                   self.up(self.ops.flash_tiles([n for _, n in seqs]), "i32"), heads, kvh, hd, bs,
+                                   scale)
+            expect, row = [], 0
+            for i, (s, n) in enumerate(seqs):
+                expect.append(ref.attention(q_only[row : row + n].reshape(n, heads, hd), full_k[i], full_v[i],
+                                            qg[row : row + n, :, 1], np.arange(s, s + n), scale))
+                row += n
+            self.record(f"flash_prefill(hd {hd}, {heads}/{kvh} heads, chunks {[n for _, n in seqs]})", t,
                         rel_err(self.get(out), np.concatenate(expect)))
 
     def qk_prepare(self, t: str) -> None:
@@ -399,7 +445,7 @@ class Checker:
                 self.record(f"gemm {m}x{n}x{k} -> f32", "f32", rel_err(self.get(y32), expect))
 
     CHECKS = ("rmsnorm", "add_rmsnorm", "rmsnorm_gated", "silu_mul", "add", "rope", "embed", "attention",
-              "qk_prepare", "deltanet", "sampling", "gemm")
+              "flash_long", "qk_prepare", "deltanet", "sampling", "gemm")
 
 
 def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
