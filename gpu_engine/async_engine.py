@@ -10,8 +10,8 @@
     front.shutdown()
 
 Engine state is only touched on the loop thread: submit / cancel queue commands (submit first prepares the prompt
-on the caller's thread). Bad messages / media raise RequestError from submit(); a request the engine then rejects
-(parameters, length) raises its RequestError from result() / stream() / agenerate().
+on the caller's thread). A request the engine refuses (bad messages or media, parameters, too long) raises its
+RequestError from result() / stream() / agenerate() / astream(); submit() itself raises only EngineStoppedError.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from .engine import Engine, Prompt
+from .engine import Engine, Prompt, RequestError
 from .params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,17 @@ class AsyncEngine:
         listener: Listener | None = None,
     ) -> RequestHandle:
         """Queue a request. Messages are prepared (chat template, image / video decoding) here, on the caller's
-        thread, so a bad image raises RequestError at once and big media never stall the step loop."""
-        prompt = self.engine.prepare_prompt(prompt)
+        thread, so big media never stall the step loop. A request-level problem (bad media, bad parameters) is
+        raised by the handle's result() / stream(), like every other outcome of the request; only a stopped engine
+        raises here."""
         handle = RequestHandle(self, request_id or uuid.uuid4().hex, listener)
+        try:
+            prompt = self.engine.prepare_prompt(prompt)
+        except RequestError as exc:
+            if self._stopping or self._dead is not None:
+                raise EngineStoppedError("the engine is shut down") from exc
+            handle._deliver(exc)
+            return handle
         with self._submit_lock:
             if self._stopping or self._dead is not None:
                 raise EngineStoppedError(

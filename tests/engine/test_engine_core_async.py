@@ -70,9 +70,10 @@ def test_stream_deltas_add_up(front):
 
 def test_cancel_and_rejection(front):
     long = front.submit([1, 2, 3], SamplingParams(max_tokens=5000, ignore_eos=True))
+    empty = front.submit([], SamplingParams(max_tokens=3))  # refused while preparing, on the caller's thread
     with pytest.raises(RequestError, match="prompt must be"):
-        front.submit([], SamplingParams(max_tokens=3))  # refused on the caller's thread
-    bad = front.submit([1, 2], SamplingParams(max_tokens=3, top_logprobs=99, logprobs=True))
+        empty.result(timeout=1)
+    bad = front.submit([1, 2], SamplingParams(max_tokens=3, top_logprobs=99, logprobs=True))  # refused by the engine
     ok = front.submit([4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RequestError):
         bad.result(timeout=30)
