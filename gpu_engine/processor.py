@@ -9,7 +9,9 @@ Resampling, two paths, each exactly as transformers resizes on CPU:
   torch's native uint8 `interpolate(mode="bicubic", antialias=True, align_corners=False)`: Keys cubic with
   a = -0.5, support scaled by the downscale factor, normalised weights turned into int16 fixed point, a width pass
   then a height pass, each rounding to uint8. `resize_like_torch_uint8` is that computation in numpy, integer for
-  integer, so frames equal transformers' bit for bit (tested against torch's kernel).
+  integer, so frames equal transformers' bit for bit (tested against torch's kernel here; against torchvision
+  0.26 and transformers' Qwen3VLVideoProcessor on the GPU host: no value differed). transformers run with
+  device="cuda" would resize in float32 on the GPU instead; that path is not modelled.
 Everything else — sizes, sampling, patch order, tokens, positions, timestamps — is exact.
 """
 from __future__ import annotations
@@ -267,7 +269,7 @@ def _resample_first_axis(x: np.ndarray, size_out: int) -> np.ndarray:
     values = np.ascontiguousarray(x, dtype=np.int32)  # row-major, so each tap gathers whole rows
     acc = np.full((size_out,) + x.shape[1:], 1 << (f.precision - 1), dtype=np.int32)
     weight_shape = (size_out,) + (1,) * (x.ndim - 1)
-    for k in range(f.weights.shape[1]):  # whole rows per tap: contiguous gathers
+    for k in range(f.weights.shape[1]):
         acc += values[f.taps[:, k]] * f.weights[:, k].reshape(weight_shape)
     np.right_shift(acc, f.precision, out=acc)  # arithmetic shift: floor, as torch's srai / >>
     return np.clip(acc, 0, 255).astype(np.uint8)
