@@ -16,6 +16,8 @@ Public API (stable; the pipeline codes against these names):
             page.source_size, page.dpi    # source size (PDF points / pixels) and render DPI
             page.text                     # PDF text layer (lazy), None for rasters/frames
             page.error                    # MediaError for this page only, or None
+            page.warnings                 # what the decoder worked around (e.g. a repaired PDF page)
+        doc.frames_at([0.0, 1.5])         # video only: decode just the frames shown at these times
 
 Accepted (by content): PDF; JPEG, PNG (APNG: first frame), TIFF (all frames are pages), WebP, BMP, GIF (first
 frame only), HEIC (pillow-heif); MP4, MOV, MKV, WebM video. AVIF and everything else are refused, naming the type.

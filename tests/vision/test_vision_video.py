@@ -254,3 +254,18 @@ def test_pages_can_be_iterated_twice(tmp_path, rng):
         first = [p.frame_index for p in doc.pages()]
         second = [p.frame_index for p in doc.pages()]
     assert first == second == [0, 6, 13, 19]
+
+
+def test_frames_at_requested_timestamps(tmp_path, rng):
+    import av
+
+    path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 40), fps=10, gop=8)
+    with av.open(str(path)) as container:  # independent reference: every frame, decoded in order
+        reference = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    with open_media(path) as doc:
+        pages = list(doc.frames_at([2.5, 0.0, 1.04, 99.0, -1.0]))
+    assert [p.frame_index for p in pages] == [0, 10, 25, 39]  # sorted, distinct, clamped to the clip
+    assert [p.index for p in pages] == [0, 1, 2, 3]
+    for page in pages:
+        np.testing.assert_array_equal(np.asarray(page.image), reference[page.frame_index])
+        assert page.timestamp == pytest.approx(page.frame_index / 10)

@@ -9,6 +9,8 @@
 - Decoding: only the sampled frames are converted (and only the stretches of stream that contain them are
   decoded: the child seeks when a keyframe lies between two targets). Frames are downscaled to
   `MediaLimits.max_page_pixels` in the child and rotated upright here using the display-matrix rotation.
+- `frames_at(timestamps)` decodes arbitrary frames (no sampling, dedupe or padding) for callers that choose their
+  own.
 - Frame index -> time assumes a constant frame rate (`timestamp = index / fps`), which is also how Qwen's processor
   computes frame timestamps; for variable-rate files the frame nearest that time is used.
 - If the stream ends before a planned frame (a truncated file whose header promised more), that frame comes out as
@@ -21,7 +23,7 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from PIL import Image
 
@@ -153,14 +155,14 @@ class VideoDocument(MediaDocument):
             frame_index=header["index"],
         )
 
-    def _decoded(self) -> Iterator[tuple[int, MediaPage | None]]:
+    def _decoded(self, indices: list[int]) -> Iterator[tuple[int, MediaPage | None]]:
         """(source index, page or None when the stream ended before it) in ascending source order."""
         if self._release.alive is False:
             raise MediaError(f"{self._name} was closed; open it again to read its frames.")
         # The probe's child is reused for the first decode; a second pages() call starts a fresh one.
         child = self._resources.pop("child", None) or self._new_child()
         self._resources["child"] = child  # so close() stops it even while we are suspended mid-stream
-        request = {"op": "decode", "path": self._path, "indices": sorted(set(self._plan)),
+        request = {"op": "decode", "path": self._path, "indices": sorted(set(indices)),
                    "fps": self._info["fps"], "start": self._info["start"],
                    "max_pixels": self._limits.max_page_pixels}
         try:
@@ -176,20 +178,34 @@ class VideoDocument(MediaDocument):
             if self._resources.get("child") is child:
                 del self._resources["child"]
 
+    def _missing(self, source_index: int) -> MediaPage:
+        return MediaPage(
+            index=0, kind="frame", image=None, source_size=self._display_size,
+            timestamp=source_index / self._info["fps"], frame_index=source_index,
+            error=CorruptMediaError(
+                f"frame {source_index} of {self._name} cannot be decoded ({self._failure}); the file is "
+                f"truncated or damaged from here on — the earlier frames are fine. Upload it again."
+            ),
+        )
+
+    def frames_at(self, timestamps: Sequence[float]) -> Iterator[MediaPage]:
+        """Decode only the frames shown at `timestamps` (seconds from the start; frame = round(t * fps), clamped
+        to the clip). Yields one page per distinct frame, in time order, without sampling, dedupe or padding —
+        for callers (e.g. an engine processor) that choose their own frames."""
+        fps, last = self._info["fps"], self._info["frames"] - 1
+        indices = sorted({min(max(round(t * fps), 0), last) for t in timestamps})
+        for position, (source_index, page) in enumerate(self._decoded(indices)):
+            page = page if page is not None else self._missing(source_index)
+            page.index = position
+            yield page
+
     def pages(self) -> Iterator[MediaPage]:
         dedupe = NearDuplicateFilter(self._options.dedupe_max_distance) if self._options.dedupe_frames else None
         count = 0
         last: MediaPage | None = None
-        for source_index, page in self._decoded():
+        for source_index, page in self._decoded(self._plan):
             if page is None:
-                page = MediaPage(
-                    index=0, kind="frame", image=None, source_size=self._display_size,
-                    timestamp=source_index / self._info["fps"], frame_index=source_index,
-                    error=CorruptMediaError(
-                        f"frame {source_index} of {self._name} cannot be decoded ({self._failure}); the file is "
-                        f"truncated or damaged from here on — the earlier frames are fine. Upload it again."
-                    ),
-                )
+                page = self._missing(source_index)
             elif dedupe is not None and not dedupe.keep(page.image):
                 continue
             page.index = count
