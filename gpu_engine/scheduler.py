@@ -158,10 +158,12 @@ class Scheduler:
         return n
 
     def _snapshot_boundaries(self, seq: Sequence) -> list[int]:
-        """Block boundaries worth a state snapshot: after the last vision item (same document, other question)
-        and the end of the prompt's last full block (same prompt again)."""
+        """Block boundaries worth a state snapshot: before the first vision item (same instructions, another
+        document), after the last one (same document, another question) and the end of the prompt's last full
+        block (the same prompt again)."""
         bs = self.config.block_size
         points = {(seq.prompt_len - 1) // bs * bs}
         if seq.prompt.vision_items:
+            points.add(seq.prompt.vision_items[0].token_start // bs * bs)
             points.add(seq.prompt.vision_items[-1].token_end // bs * bs)
         return sorted(p for p in points if p > 0)
