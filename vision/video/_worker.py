@@ -11,6 +11,7 @@ Header "type": probe | error (each ends a request), frame (many) then done (ends
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -38,6 +39,11 @@ def fit(width: int, height: int, max_pixels: int) -> tuple[int, int]:
     scale = math.sqrt(max_pixels / (width * height))
     # even sizes keep swscale's chroma handling exact
     return max(2, int(width * scale) // 2 * 2), max(2, int(height * scale) // 2 * 2)
+
+
+def rotation_of(frame: Any) -> int:
+    """Display-matrix rotation in degrees counter-clockwise (PyAV >= 14 exposes it; older PyAV: none)."""
+    return int(round(getattr(frame, "rotation", 0) or 0))
 
 
 def stream_fps(stream: Any) -> float:
@@ -73,7 +79,7 @@ def probe(container: Any) -> dict[str, Any]:
         "frames_from_header": bool(stream.frames),
         "duration": duration,
         "start": start,
-        "rotation": int(first.rotation or 0),
+        "rotation": rotation_of(first),
         "streams": streams,
     }
 
@@ -88,7 +94,7 @@ def keyframe_times(stream: Any) -> list[float]:
     if not entries or stream.start_time is None:
         return []
     delay = float((stream.start_time - entries[0].timestamp) * stream.time_base)
-    return [float(e.timestamp * stream.time_base) + max(delay, 0.0) for e in entries if e.is_keyframe]
+    return sorted(float(e.timestamp * stream.time_base) + max(delay, 0.0) for e in entries if e.is_keyframe)
 
 
 def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
@@ -108,7 +114,8 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
         target = targets[0]
         target_time = start + target / fps
         # Seek only when a keyframe lies between where we are and the target; otherwise decode forward.
-        last_key = max((k for k in keys if k <= target_time + 1e-6), default=None)
+        at = bisect.bisect_right(keys, target_time + 1e-6)
+        last_key = keys[at - 1] if at else None
         current_time = start + position / fps
         ahead = (target != sought_for and last_key is not None and last_key > current_time + 1e-6
                  and target_time - current_time > SEEK_MIN_GAP_S)
@@ -133,7 +140,7 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
         while targets and targets[0] <= position:
             index = targets.pop(0)
             send(out, {"type": "frame", "index": index, "time": frame.time, "width": width, "height": height,
-                       "rotation": int(frame.rotation or 0)}, rgb.tobytes())
+                       "rotation": rotation_of(frame)}, rgb.tobytes())
             sent += 1
     send(out, {"type": "done", "sent": sent, "missing": targets, "failure": failure if targets else ""})
 
