@@ -84,8 +84,19 @@ def test_batched_equals_one_at_a_time(ckpt, oracle):
     blocks = -(-(max(lengths) + max(max_tokens)) // 8) + 2
     cfg = EngineConfig(max_num_seqs=6, max_batched_tokens=24, block_size=8, num_kv_blocks=blocks)
     eng = Engine.from_pretrained(ckpt, config=cfg)
+    steps: list[list[tuple[int, int, int]]] = []  # per forward: (sequence, start, tokens)
+    forward = eng.runner.forward
+
+    def recording_forward(batch):
+        steps.append([(c.seq_id, c.start, c.num_tokens) for c in batch.chunks])
+        return forward(batch)
+
+    eng.runner.forward = recording_forward  # type: ignore[method-assign]
     outs = eng.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
     assert [o.token_ids for o in outs] == expected
+    assert all(sum(n for _, _, n in step) <= cfg.max_batched_tokens and len(step) <= 6 for step in steps)
+    # Mixing: some forward carried decode tokens of some requests and prefill chunks of others.
+    assert any(any(s >= lengths[i] for i, s, n in step) and any(s < lengths[i] for i, s, n in step) for step in steps)
     st = eng.stats()
     assert st["preemptions"] > 0
     assert st["prefix_hit_tokens"] > 0  # re-admitted sequences reuse their own cached blocks + state snapshots
