@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pymupdf
 import pytest
-from vision_media_factory import pdf_bytes, pdf_with_broken_page, random_words
+from vision_media_factory import pdf_bytes, pdf_with_broken_page, pdf_with_undecodable_content, random_words
 
 from vision import (
     CorruptMediaError,
@@ -131,6 +131,16 @@ def test_one_broken_page_becomes_a_page_error(rng):
     assert pages[1].image is None and isinstance(pages[1].error, CorruptMediaError)
     assert "page 2 of the input cannot be rendered" in str(pages[1].error)
     assert pages[0].text.strip() == texts[0] and pages[2].text.strip() == texts[2]
+
+
+def test_page_rendered_with_complaints_carries_warnings(rng):
+    texts = [random_words(rng) for _ in range(3)]
+    with open_media(pdf_with_undecodable_content(texts, page=1)) as doc:
+        pages = list(doc.pages())
+    assert all(p.ok for p in pages)  # MuPDF renders what it can (here: a blank page)...
+    assert pages[0].warnings == () and pages[2].warnings == ()
+    assert any("zlib" in w for w in pages[1].warnings)  # ...and says why it may be incomplete
+    assert pages[1].text == "" and pages[2].text.strip() == texts[2]
 
 
 def test_truncated_pdf_header_is_corrupt(rng):

@@ -45,6 +45,17 @@ def pdf_with_broken_page(texts: list[str], broken: int) -> bytes:
     return data
 
 
+def pdf_with_undecodable_content(texts: list[str], page: int) -> bytes:
+    """Page `page`'s content stream claims Flate compression but holds garbage: MuPDF renders it blank, warning."""
+    doc = pymupdf.open(stream=pdf_bytes(texts), filetype="pdf")
+    xref = doc[page].get_contents()[0]
+    doc.update_stream(xref, b"\x00garbage" * 10, compress=False)
+    doc.xref_set_key(xref, "Filter", "/FlateDecode")
+    data = doc.tobytes()
+    doc.close()
+    return data
+
+
 def png_bytes(img: Image.Image, **save: object) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG", **save)
