@@ -208,9 +208,10 @@ def test_transformers_loads_the_tiny_tokenizer(hf) -> None:
 
 def test_incremental_detokenizer_never_emits_half_characters(ours: Tokenizer) -> None:
     rng = random.Random()
-    split_seen = False
+    split_seen = long_seen = False
     for _ in range(40):
-        text = _random_text(rng, ours)
+        text = _random_text(rng, ours) * rng.randint(1, 4)
+        long_seen |= len(ours.encode(text)) > 3 * IncrementalDetokenizer._WINDOW  # the decode window moves
         ids = ours.encode(text)
         detok = IncrementalDetokenizer(ours, skip_special_tokens=False)
         pieces = []
@@ -223,6 +224,7 @@ def test_incremental_detokenizer_never_emits_half_characters(ours: Tokenizer) ->
         # did some token boundary fall inside a multi-byte character?
         split_seen |= any(ours.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
     assert split_seen, "no input split a character across tokens: the test would prove nothing"
+    assert long_seen, "no input was long enough to move the decode window"
 
 
 def _byte_symbol(byte: int) -> str:
