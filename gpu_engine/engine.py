@@ -10,7 +10,6 @@ Not thread-safe: one thread drives it (see AsyncEngine for many callers).
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import time
 import uuid
@@ -55,14 +54,6 @@ class _StepTimes:
         self.max_s = max(self.max_s, seconds)
 
 
-def _kv_bytes_per_block(runner: Runner, block_size: int) -> int:
-    """The contract's kv_bytes_per_block() takes no argument, but the block size is only known to the runner after
-    allocate_cache; runners that accept `block_size` (the reference runner does) are asked for our size."""
-    if "block_size" in inspect.signature(runner.kv_bytes_per_block).parameters:
-        return int(runner.kv_bytes_per_block(block_size=block_size))  # type: ignore[call-arg]
-    return int(runner.kv_bytes_per_block())
-
-
 class Engine:
     def __init__(
         self,
@@ -88,7 +79,7 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids))
 
         cfg = self.config
-        self._kv_bytes_per_block = _kv_bytes_per_block(runner, cfg.block_size)
+        self._kv_bytes_per_block = int(runner.kv_bytes_per_block(block_size=cfg.block_size))
         state_bytes = int(runner.state_bytes_per_slot())
         num_slots = cfg.state_slots
         limits = [x for x in (cfg.max_model_len, model_max_len) if x is not None]
