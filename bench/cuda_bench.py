@@ -268,13 +268,18 @@ def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict
     out[f"paged_attention n={n}"] = time_ms(ctx, lambda: ops.paged_attention(
         ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
         hd ** -0.5), warmup=1, reps=3)
+    tiles = ctx.to_device(ops.flash_tiles([n]), "i32", "tiles")
+    out[f"flash_prefill n={n}"] = time_ms(ctx, lambda: ops.flash_prefill(
+        ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, tiles, nh, kvh, hd, bs,
+        hd ** -0.5), warmup=1, reps=3)
     proj = random_bf16(ctx, (n, conv_dim + vdim + 2 * vh), "proj", rng)
     conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
     conv_out, core = random_bf16(ctx, (n, conv_dim), "co", rng), ctx.empty((n, vdim), "bf16", "core")
     cu, slots, fresh = i32([0, n]), i32([0]), i32([1])
-    out[f"conv1d_silu n={n}"] = time_ms(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.shape[1],
-                                                                      conv_w, conv_state, cu, slots, fresh), warmup=1,
-                                        reps=3)
+    for method in ("sequential", "tokens"):
+        out[f"conv1d_silu {method} n={n}"] = time_ms(ctx, lambda: ops.conv1d_silu(
+            ctx, conv_out, conv_dim, proj, proj.shape[1], conv_w, conv_state, cu, slots, fresh, token_seq=seq,
+            method=method), warmup=1, reps=3)
     a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
     state = ctx.to_device(np.zeros((2, vh, dv, dk), np.float32), "f32", "state")
     for method in ("one_pass", "two_pass"):

@@ -237,19 +237,36 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
 
 # ---- Gated DeltaNet ------------------------------------------------------------------------------------------
 def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stride: int, w: DArray,
-                conv_state: DArray, cu_seqlens: DArray, state_slots: DArray, fresh: DArray) -> None:
+                conv_state: DArray, cu_seqlens: DArray, state_slots: DArray, fresh: DArray,
+                token_seq: DArray | None = None, method: str = "auto") -> None:
     """Causal depthwise conv (kernel K) + silu over a varlen batch, reading and updating per-slot conv state.
 
     w [conv_dim, K]; conv_state [slots, K-1, conv_dim]; cu_seqlens i32 [seqs+1]; state_slots, fresh i32 [seqs].
+    method: "sequential" (one thread walks a channel of a sequence: decode), "tokens" (one thread per token and
+    channel, then a state update: prefill; needs token_seq i32 [tokens]), or "auto".
     """
     t = _same_float(out, x, w, conv_state)
     conv_dim, K = w.shape
     if K > 8 or conv_state.shape[1:] != (K - 1, conv_dim):
         raise ShapeError(f"conv1d: K={K} (max 8), conv_state {conv_state.shape}, expected [*, {K - 1}, {conv_dim}]")
-    seqs = state_slots.size
-    ctx.device.launch("deltanet", f"conv1d_silu_{t}", ((conv_dim + 127) // 128, seqs), 128, out.ptr, i64(out_stride),
-                      x.ptr, i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr,
+    if method not in ("auto", "sequential", "tokens"):
+        raise ShapeError(f"method must be auto, sequential or tokens, got {method!r}")
+    n, seqs = out.shape[0], state_slots.size
+    parallel = method == "tokens" or (method == "auto" and token_seq is not None and n >= GDN_TWO_PASS_MIN_TOKENS)
+    if parallel and (token_seq is None or n > 65535):
+        raise ShapeError("conv1d method 'tokens' needs token_seq and at most 65535 tokens")
+    blocks = (conv_dim + 127) // 128
+    if not parallel:
+        ctx.device.launch("deltanet", f"conv1d_silu_{t}", (blocks, seqs), 128, out.ptr, i64(out_stride), x.ptr,
+                          i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr,
+                          i32(conv_dim), i32(K))
+        return
+    _need(token_seq, "i32", "token_seq")
+    ctx.device.launch("deltanet", f"conv1d_silu_tokens_{t}", (blocks, n), 128, out.ptr, i64(out_stride), x.ptr,
+                      i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, token_seq.ptr, state_slots.ptr, fresh.ptr,
                       i32(conv_dim), i32(K))
+    ctx.device.launch("deltanet", f"conv1d_state_update_{t}", (blocks, seqs), 128, x.ptr, i64(x_stride),
+                      conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(conv_dim), i32(K))
 
 
 GDN_TWO_PASS_MIN_TOKENS = 16  # below this (decode steps) one launch beats two

@@ -384,7 +384,8 @@ class CudaRunner:
         ctx.blas.linear(proj.ptr, h.ptr, w.in_proj.ptr, n, width, cfg.hidden_size, dtype=t)
         cache = self.cache[i]
         conv_out = ctx.empty((n, conv_dim), t, "conv_out")
-        ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m["cu"], m["slots"], m["fresh"])
+        ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m["cu"], m["slots"], m["fresh"],
+                        token_seq=m["tok_seq"])
         core = ctx.empty((n, vdim), t, "core")
         ops.gated_delta_rule(ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
                              proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,

@@ -360,19 +360,21 @@ class Checker:
         x = self.rand((total, xw), t)
         w = self.rand((conv_dim, K), t, 0.5)
         conv_state = self.rand((num_slots, K - 1, conv_dim), t)
-        cs = self.up(conv_state, t)
-        conv_out = self.out((total, conv_dim), t)
-        self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs, self.up(cu, "i32"),
-                             self.up(slots, "i32"), self.up(fresh, "i32"))
         exp_out, exp_state = [], conv_state.astype(np.float64).copy()
         for i, (f, n) in enumerate(seqs):
             st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
             o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
             exp_out.append(o)
             exp_state[slots[i]] = new
-        got_out = self.get(conv_out)
-        self.record("conv1d_silu(out)", t, rel_err(got_out, np.concatenate(exp_out)))
-        self.record("conv1d_silu(state)", t, rel_err(self.get(cs), exp_state))
+        token_seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs]).astype(np.int32)
+        for method in ("sequential", "tokens"):
+            cs = self.up(conv_state, t)
+            conv_out = self.out((total, conv_dim), t)
+            self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs, self.up(cu, "i32"),
+                                 self.up(slots, "i32"), self.up(fresh, "i32"), token_seq=self.up(token_seq, "i32"),
+                                 method=method)
+            self.record(f"conv1d_silu {method} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
+            self.record(f"conv1d_silu {method} (state)", t, rel_err(self.get(cs), exp_state))
         # gated delta rule on independent random q/k/v (so this check does not inherit conv errors)
         qkv_w = conv_dim + 32
         qkv = self.rand((total, qkv_w), t)

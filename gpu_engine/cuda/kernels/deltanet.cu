@@ -216,6 +216,52 @@ __device__ void gdn_recurrent_impl(T* out, const float* qn, const float* kn, con
         if (lane + 32 * e < dk) S[lane + 32 * e] = Sr[e];
 }
 
+
+// Prefill form of the conv, parallel over tokens (the sequential conv1d_silu walks each sequence token by token):
+// conv1d_silu_tokens: one thread per (token, channel); inputs before the chunk come from the old state.
+// conv1d_state_update: afterwards, each sequence's last K-1 inputs become its state (one thread per channel reads
+//   everything it needs before writing, so old and new state never race).
+template <typename T>
+__device__ void conv1d_silu_tokens_impl(T* out, long long out_stride, const T* x, long long x_stride, const T* w,
+                                        const T* conv_state, const int* cu_seqlens, const int* token_seq,
+                                        const int* state_slots, const int* fresh, int conv_dim, int K) {
+    pdl_entry();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (c >= conv_dim) return;
+    const int s = token_seq[t], start = cu_seqlens[s];
+    const T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        const int src = t - (K - 1) + k;  // batch row of this tap's input
+        float xv;
+        if (src >= start) xv = to_f(x[src * x_stride + c]);
+        else xv = fresh[s] ? 0.0f : to_f(st[(long long)(K - 1 - (start - src)) * conv_dim]);
+        acc += to_f(w[(long long)c * K + k]) * xv;
+    }
+    out[t * out_stride + c] = from_f<T>(silu(acc));
+}
+
+template <typename T>
+__device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv_state, const int* cu_seqlens,
+                                         const int* state_slots, const int* fresh, int conv_dim, int K) {
+    pdl_entry();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (c >= conv_dim) return;
+    const int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c;
+    float win[MAX_CONV];
+#pragma unroll
+    for (int k = 0; k < MAX_CONV - 1; ++k) {
+        if (k >= K - 1) break;
+        const int rel = len - (K - 1) + k;  // position in the chunk of the input that becomes state[k]
+        win[k] = rel >= 0 ? to_f(x[(start + rel) * x_stride + c])
+                          : (fresh[s] ? 0.0f : to_f(st[(long long)(K - 1 + rel) * conv_dim]));
+    }
+#pragma unroll
+    for (int k = 0; k < MAX_CONV - 1; ++k)
+        if (k < K - 1) st[(long long)k * conv_dim] = from_f<T>(win[k]);
+}
+
 #define DEFINE(S, T)                                                                                              \
     extern "C" __global__ void conv1d_silu_##S(T* out, long long out_stride, const T* x, long long x_stride,      \
                                                const T* w, T* conv_state, const int* cu_seqlens,                  \
@@ -243,6 +289,18 @@ __device__ void gdn_recurrent_impl(T* out, const float* qn, const float* kn, con
         int dv) {                                                                                                 \
         gdn_recurrent_impl<T>(out, qn, kn, v, v_stride, db, state, cu_seqlens, state_slots, fresh, k_heads,       \
                               v_heads, dk, dv);                                                                   \
+    }                                                                                                             \
+    extern "C" __global__ void conv1d_silu_tokens_##S(T* out, long long out_stride, const T* x, long long x_stride,\
+                                                      const T* w, const T* conv_state, const int* cu_seqlens,     \
+                                                      const int* token_seq, const int* state_slots,               \
+                                                      const int* fresh, int conv_dim, int K) {                    \
+        conv1d_silu_tokens_impl<T>(out, out_stride, x, x_stride, w, conv_state, cu_seqlens, token_seq,            \
+                                   state_slots, fresh, conv_dim, K);                                              \
+    }                                                                                                             \
+    extern "C" __global__ void conv1d_state_update_##S(const T* x, long long x_stride, T* conv_state,              \
+                                                       const int* cu_seqlens, const int* state_slots,             \
+                                                       const int* fresh, int conv_dim, int K) {                   \
+        conv1d_state_update_impl<T>(x, x_stride, conv_state, cu_seqlens, state_slots, fresh, conv_dim, K);        \
     }
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
