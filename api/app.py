@@ -1,7 +1,7 @@
 """The FastAPI application factory: `create_app(settings)` wires pipeline, limits, auth, routes and the web UI.
 
-Middleware order (outermost first): metrics -> auth + rate limit -> body size limit -> routes. Auth runs before
-any body byte is read; the body limit applies to whatever reaches a route.
+Middleware order (outermost first): metrics -> auth + rate limit -> body size limit -> unexpected-error catcher ->
+routes. Auth runs before any body byte is read; the body limit applies to whatever reaches a route.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .auth import AuthMiddleware, KeyRing
 from .bodylimit import BodyLimitMiddleware
 from .context import ApiContext
 from .engine_access import EngineAccess
-from .errors import install_error_handlers
+from .errors import UnexpectedErrorMiddleware, install_error_handlers
 from .limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
 from .metrics import Metrics, MetricsMiddleware
 from .openai_compat import ChatBackend, chat_router
@@ -153,7 +153,9 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
             return limits.max_upload_bytes + MULTIPART_OVERHEAD
         return limits.max_json_bytes
 
-    # add_middleware puts each new one outside the previous: this order gives metrics -> auth -> body limit.
+    # add_middleware puts each new one outside the previous: this order gives
+    # metrics -> auth -> body limit -> unexpected-error catcher -> routes.
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
     app.add_middleware(AuthMiddleware, keys=KeyRing(settings.api_keys),
                        limiter=RateLimiter(limits.rate_per_minute, limits.burst))

@@ -5,6 +5,9 @@ store keeps its own content-addressed copy.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import select
@@ -21,6 +24,38 @@ from .uploads import ReceivedForm, SpooledFile
 from .views import JobOut, UploadOut, document_out, job_out
 
 MAX_NAME = 255
+
+
+class ContentLocks:
+    """One lock per content hash being ingested: the same bytes arriving twice at once (a double-clicked upload)
+    are taken one after the other, so the second finds the first's document instead of racing it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}  # sha256 -> (lock, holders + waiters)
+
+    @contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
+_CONTENT_LOCKS = ContentLocks()
 
 
 def UPLOAD_FORM_DOC(multiple: bool) -> dict[str, Any]:  # noqa: N802 - reads like the constant it builds
@@ -78,8 +113,10 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
             raise ApiError(400, "file_missing", "Send exactly one file in the form field 'file'.")
         upload = files[0]
         schema, password = _options(form)
-        existed = _known_document(ctx, upload.sha256)
-        out = ingest_file(ctx.pipeline, upload.path, name=_display_name(upload), schema=schema, password=password)
+        with _CONTENT_LOCKS.hold(upload.sha256):
+            existed = _known_document(ctx, upload.sha256)
+            out = ingest_file(ctx.pipeline, upload.path, name=_display_name(upload), schema=schema,
+                              password=password)
     finally:
         form.discard()
     if out.outcome == "failed" or out.document_id is None or out.job_id is None:
@@ -106,8 +143,11 @@ def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int,
             with ctx.pipeline.db.read_session() as s:
                 get_schema(s, schema)
         batch_id = create_batch(ctx.pipeline, "upload")
-        outcomes = [ingest_file(ctx.pipeline, f.path, name=_display_name(f), schema=schema, password=password,
-                                batch_id=batch_id) for f in files]
+        outcomes = []
+        for f in files:
+            with _CONTENT_LOCKS.hold(f.sha256):
+                outcomes.append(ingest_file(ctx.pipeline, f.path, name=_display_name(f), schema=schema,
+                                            password=password, batch_id=batch_id))
     finally:
         form.discard()
     new_jobs = [o.job_id for o in outcomes if o.outcome == "new" and o.job_id is not None]

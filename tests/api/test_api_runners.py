@@ -144,3 +144,49 @@ def test_engine_access_reports_a_failed_load() -> None:
     access.start()
     assert _wait(lambda: access.status() is not None and access.status().startswith("failed to load"))
     assert "config.json" in (access.status() or "")
+
+
+def test_content_locks_serialise_equal_keys_only() -> None:
+    from api.intake import ContentLocks
+
+    locks = ContentLocks()
+    inside: list[str] = []
+    overlap = []
+
+    def work(key: str) -> None:
+        with locks.hold(key):
+            overlap.append(sum(1 for k in inside if k == key))
+            inside.append(key)
+            time.sleep(0.05)
+            inside.remove(key)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in ["a", "a", "a", "b", "b"]]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlap == [0] * 5  # never two holders of one key at once
+    assert time.monotonic() - start < 0.05 * 5  # different keys did run side by side
+    assert len(locks) == 0  # nothing kept once released
+
+
+def test_unexpected_errors_become_problem_documents() -> None:
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from api.errors import UnexpectedErrorMiddleware
+
+    def boom(request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("secret internal detail")
+
+    # Placed as in create_app: inside Starlette's last-resort handler, which would answer and then re-raise.
+    app = Starlette(routes=[Route("/boom", boom)], middleware=[Middleware(UnexpectedErrorMiddleware)])
+    with TestClient(app) as c:  # raises server exceptions by default: passing means none escaped
+        r = c.get("/boom")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
+    body = r.json()
+    assert body["code"] == "internal_error" and len(body["incident"]) == 12
+    assert "secret" not in r.text and "Traceback" not in r.text
