@@ -52,6 +52,7 @@ class _RichProgress:
                             transient=True)
         self.task: Any = None
         self._done = 0
+        self._files = 0
         self._started = 0.0
 
     def __enter__(self) -> "_RichProgress":
@@ -65,10 +66,9 @@ class _RichProgress:
     def __exit__(self, *exc: object) -> None:
         self.bar.stop()
 
-    def files_found(self, count: int) -> None:
-        self.bar.update(self.task, description=f"{count} file(s)")
-
     def file_ingested(self, outcome: Any) -> None:
+        self._files += 1
+        self.bar.update(self.task, description=f"{self._files} file(s) read")
         if outcome.outcome == "new":
             total = (self.bar.tasks[0].total or 0) + max(outcome.pages, 1)
             self.bar.update(self.task, total=total)

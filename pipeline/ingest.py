@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Literal
+from typing import Any, BinaryIO, Callable, Iterator, Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -279,6 +279,21 @@ def ingest_folder(
 ) -> list[IngestOutcome]:
     """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths);
     one outcome per file."""
+    return list(iter_folder(p, folder, schema=schema, batch_id=batch_id, stable_seconds=stable_seconds,
+                            include=include))
+
+
+def iter_folder(
+    p: Pipeline,
+    folder: str | os.PathLike[str],
+    *,
+    schema: str | None = None,
+    batch_id: int | None = None,
+    stable_seconds: float | None = None,
+    include: Callable[[Path], bool] | None = None,
+) -> Iterator[IngestOutcome]:
+    """`ingest_folder`, one outcome at a time (callers can start a file's job while the next file is read).
+    Argument errors (not a folder, unknown schema) are raised before the first outcome."""
     root = Path(folder)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
@@ -289,8 +304,11 @@ def ingest_folder(
     if include is not None:
         stable = [f for f in stable if include(f)]
         unstable = [f for f in unstable if include(f)]
-    outcomes = [ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
-                for path in stable]
-    outcomes += [IngestOutcome(str(path.relative_to(root)), "unstable") for path in unstable]
-    return outcomes
 
+    def outcomes() -> Iterator[IngestOutcome]:
+        for path in stable:
+            yield ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
+        for path in unstable:
+            yield IngestOutcome(str(path.relative_to(root)), "unstable")
+
+    return outcomes()

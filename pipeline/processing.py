@@ -1,7 +1,9 @@
 """Embedded processing: ingest files and folders, then run their jobs in this process (CLI `process`, `demo`).
 
-The same library functions a queue worker calls (`ingest_file`, `run_job`) run here one after another, so the
-embedded path and the distributed path cannot drift apart.
+The same library functions a queue worker calls (`ingest_file`, `run_job`) run here, so the embedded path and the
+distributed path cannot drift apart. Files are read one by one on the calling thread; each file's job starts as
+soon as the file is in, on a small pool of job threads, so reading, rendering and the model overlap and the
+engine batches pages of several documents together.
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .context import Pipeline
-from .ingest import IngestOutcome, create_batch, ingest_file, ingest_folder
+from .ingest import IngestOutcome, create_batch, ingest_file, iter_folder
 from .jobs import run_job
 from .queries import get_job
+from .schemas import get_schema
 
 FAILED_STATES = frozenset({"failed", "partial"})
 
@@ -56,8 +59,6 @@ class ProcessReport:
 class Progress:
     """Callbacks for a progress display; the default does nothing."""
 
-    def files_found(self, count: int) -> None: ...
-
     def file_ingested(self, outcome: IngestOutcome) -> None: ...
 
     def unit_done(self, name: str, unit: str, ok: bool, pages: int) -> None: ...
@@ -65,18 +66,16 @@ class Progress:
     def file_done(self, report: FileReport) -> None: ...
 
 
-def expand_inputs(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
-                  batch_id: int, password: str | None,
-                  include: Callable[[Path], bool] | None = None) -> list[IngestOutcome]:
-    outcomes: list[IngestOutcome] = []
+def iter_inputs(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
+                batch_id: int, password: str | None,
+                include: Callable[[Path], bool] | None = None) -> Iterator[IngestOutcome]:
+    """Ingest files and folders one file at a time. `password` applies to the files named directly."""
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            outcomes.extend(ingest_folder(p, path, schema=schema, batch_id=batch_id, include=include))
+            yield from iter_folder(p, path, schema=schema, batch_id=batch_id, include=include)
         else:
-            outcomes.append(ingest_file(p, path, name=str(path), schema=schema, password=password,
-                                        batch_id=batch_id))
-    return outcomes
+            yield ingest_file(p, path, name=str(path), schema=schema, password=password, batch_id=batch_id)
 
 
 def process_paths(
@@ -93,14 +92,13 @@ def process_paths(
     the jobs here. Never raises for a bad file."""
     progress = progress or Progress()
     started = time.perf_counter()
-    report = ProcessReport(batch_id=create_batch(p, source))
     for raw in paths:  # a missing path is a usage error, not a bad document
         if not Path(raw).exists():
             raise FileNotFoundError(f"{raw}: no such file or folder")
-    outcomes = expand_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password, include=include)
-    progress.files_found(len(outcomes))
-    for outcome in outcomes:
-        progress.file_ingested(outcome)
+    if schema is not None:
+        with p.db.read_session() as session:
+            get_schema(session, schema)  # a bad name is refused before any file is read
+    report = ProcessReport(batch_id=create_batch(p, source))
     lock = threading.Lock()  # progress callbacks and the page counter are shared by the job threads
 
     def on_unit(name: str, unit: str, ok: bool, pages: int) -> None:
@@ -132,7 +130,13 @@ def process_paths(
     # Several jobs at once, so the engine batches pages of different documents together (one document's pages
     # alone rarely fill a batch).
     with ThreadPoolExecutor(max_workers=p.settings.embedded_jobs, thread_name_prefix="docpipe-job") as pool:
-        report.files = list(pool.map(one, outcomes))
+        futures = []
+        for outcome in iter_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password,
+                                   include=include):
+            with lock:
+                progress.file_ingested(outcome)
+            futures.append(pool.submit(one, outcome))
+        report.files = [f.result() for f in futures]
     report.seconds = time.perf_counter() - started
     return report
 
