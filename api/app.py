@@ -104,7 +104,7 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         spool_dir=settings.data_dir / "uploads",
         engine=engine,
     )
-    metrics.watch(pipeline.db, runner.queue_depth, engine.figures)
+    metrics.watch(pipeline.db, runner.queue_depth, engine.stats)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

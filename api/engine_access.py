@@ -14,7 +14,6 @@ from typing import Any
 from pipeline.context import Pipeline
 
 from .errors import ApiError
-from .metrics import EngineFigures
 
 log = logging.getLogger("docpipe.api.engine")
 
@@ -84,13 +83,10 @@ class EngineAccess:
             return "the engine's step loop has stopped (see the server log); restart the server"
         return None  # loaded, or (broker mode) loaded on the first chat request
 
-    def figures(self) -> EngineFigures | None:
+    def stats(self) -> dict[str, Any] | None:
+        """The engine's counters (for /metrics), or None when no engine runs in this process."""
         client = self._client
-        if client is None:
-            return None
-        stats = _async_engine_of(client).stats()
-        return EngineFigures(running=stats.get("running"), waiting=stats.get("waiting"),
-                             kv_cache_usage=stats.get("kv_usage"))
+        return None if client is None else _async_engine_of(client).stats()
 
 
 def _async_engine_of(client: Any) -> Any:

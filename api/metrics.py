@@ -2,7 +2,8 @@
 
 Job states, queue depth, pages/s and tokens/s are computed from the database when Prometheus scrapes, so they are
 true for the whole deployment (embedded thread or any number of Celery workers), not just for this process.
-Engine figures (batch size, cache use) exist only where an engine runs in this process.
+Engine figures (batch size, cache use, TTFT and latency percentiles, prefill/decode token counters) exist only
+where an engine runs in this process.
 """
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,20 +47,49 @@ def pipeline_snapshot(db: Database, window_s: float = RATE_WINDOW_S) -> Pipeline
     )
 
 
-@dataclass
-class EngineFigures:
-    """What an in-process engine reports; any field may be absent (None) if the engine does not track it."""
+# Engine figures exported when an engine runs in this process: stats() key -> (metric name, help).
+ENGINE_GAUGES = {
+    "running": ("docpipe_engine_batch_size", "Sequences in the engine's running batch"),
+    "waiting": ("docpipe_engine_waiting", "Requests waiting for the engine"),
+    "kv_usage": ("docpipe_engine_kv_cache_usage", "Fraction of KV cache blocks in use"),
+    "ttft_p50_s": ("docpipe_engine_ttft_p50_seconds", "Time to first token, median of recent requests"),
+    "ttft_p95_s": ("docpipe_engine_ttft_p95_seconds", "Time to first token, 95th percentile of recent requests"),
+    "latency_p50_s": ("docpipe_engine_latency_p50_seconds", "Request latency, median of recent requests"),
+    "latency_p95_s": ("docpipe_engine_latency_p95_seconds", "Request latency, 95th percentile of recent requests"),
+}
+# Monotonic counts: Prometheus' rate() of these gives prefill and decode tokens/s separately.
+ENGINE_COUNTERS = {
+    "prompt_tokens_computed": ("docpipe_engine_prefill_tokens",
+                               "Prompt tokens run through the model (prefix-cache hits excluded)"),
+    "decode_tokens": ("docpipe_engine_decode_tokens", "Tokens generated in single-token decode steps"),
+    "prefix_hit_tokens": ("docpipe_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "preemptions": ("docpipe_engine_preemptions", "Sequences preempted for lack of cache"),
+}
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
-    running: int | None = None
-    waiting: int | None = None
-    kv_cache_usage: float | None = None  # fraction of KV blocks in use
+
+def engine_metrics(stats: dict[str, Any]) -> Iterable[Metric]:
+    """Prometheus families for an engine `stats()` dict; keys the engine does not report are left out."""
+    for key, (name, doc) in ENGINE_GAUGES.items():
+        if stats.get(key) is not None:
+            yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+    for key, (name, doc) in ENGINE_COUNTERS.items():
+        if stats.get(key) is not None:
+            yield CounterMetricFamily(name, doc, value=float(stats[key]))
+    finished = CounterMetricFamily("docpipe_engine_requests_finished", "Engine requests finished, by reason",
+                                   labels=["reason"])
+    for reason in FINISH_REASONS:
+        if stats.get(f"finished_{reason}") is not None:
+            finished.add_metric([reason], float(stats[f"finished_{reason}"]))
+    yield finished
 
 
 class _ScrapeCollector(Collector):
-    def __init__(self, db: Database, local_queue: Callable[[], int], engine: Callable[[], EngineFigures | None]):
+    def __init__(self, db: Database, local_queue: Callable[[], int],
+                 engine_stats: Callable[[], dict[str, Any] | None]):
         self.db = db
         self.local_queue = local_queue
-        self.engine = engine
+        self.engine_stats = engine_stats
 
     def collect(self) -> Iterable[Metric]:
         snap = pipeline_snapshot(self.db)
@@ -77,17 +108,9 @@ class _ScrapeCollector(Collector):
         yield GaugeMetricFamily("docpipe_tokens_per_second",
                                 f"Generated tokens per second in extraction over the last {RATE_WINDOW_S:.0f} s",
                                 value=snap.tokens_per_s)
-        figures = self.engine()
-        if figures is None:
-            return
-        if figures.running is not None:
-            yield GaugeMetricFamily("docpipe_engine_batch_size", "Sequences in the engine's running batch",
-                                    value=figures.running)
-        if figures.waiting is not None:
-            yield GaugeMetricFamily("docpipe_engine_waiting", "Requests waiting for the engine", value=figures.waiting)
-        if figures.kv_cache_usage is not None:
-            yield GaugeMetricFamily("docpipe_engine_kv_cache_usage", "Fraction of KV cache blocks in use",
-                                    value=figures.kv_cache_usage)
+        stats = self.engine_stats()
+        if stats is not None:
+            yield from engine_metrics(stats)
 
 
 @dataclass
@@ -102,8 +125,8 @@ class Metrics:
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
     def watch(self, db: Database, local_queue: Callable[[], int],
-              engine: Callable[[], EngineFigures | None]) -> None:
-        self.registry.register(_ScrapeCollector(db, local_queue, engine))
+              engine_stats: Callable[[], dict[str, Any] | None]) -> None:
+        self.registry.register(_ScrapeCollector(db, local_queue, engine_stats))
 
 
 class MetricsMiddleware:

@@ -376,7 +376,9 @@ def test_readyz_and_metrics(server: LiveServer) -> None:
         assert ready["checks"]["database"] == "ok" and ready["checks"]["jobs"].startswith("ok")
         text = c.get("/metrics").text
         for name in ("docpipe_jobs{state=\"succeeded\"}", "docpipe_queue_depth", "docpipe_pages_per_second",
-                     "docpipe_tokens_per_second", "docpipe_http_requests_total"):
+                     "docpipe_tokens_per_second", "docpipe_http_requests_total", "docpipe_engine_batch_size",
+                     "docpipe_engine_kv_cache_usage", "docpipe_engine_prefill_tokens_total",
+                     "docpipe_engine_decode_tokens_total", "docpipe_engine_requests_finished_total{reason=\"stop\"}"):
             assert name in text, name
         succeeded = float(next(line.split()[-1] for line in text.splitlines()
                                if line.startswith('docpipe_jobs{state="succeeded"}')))

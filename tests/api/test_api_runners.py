@@ -125,14 +125,13 @@ def test_engine_access_reports_loading_then_ready() -> None:
     fake = _FakePipeline()
     access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]
     access.start()
-    assert access.status() == "loading the model" and access.figures() is None
+    assert access.status() == "loading the model" and access.stats() is None
     with pytest.raises(EngineUnavailable) as err:
         access.async_engine()
     assert err.value.status == 503 and err.value.headers["Retry-After"]
     fake.release.set()
     assert _wait(lambda: access.status() is None)
-    figures = access.figures()
-    assert figures is not None and (figures.running, figures.waiting, figures.kv_cache_usage) == (3, 1, 0.25)
+    assert access.stats() == {"running": 3, "waiting": 1, "kv_usage": 0.25}
 
 
 def test_engine_access_reports_a_failed_load() -> None:
