@@ -6,9 +6,11 @@
    rendering by `vision`, PNG encoding, rows), job claim, PNG decoding, prompt building, answer parsing,
    jsonschema validation, confidences, result rows, merge, final transition. Rendering itself is `vision`'s
    work; it is timed on its own (open_media + pages on the same files) and reported separately, so the figure
-   "pipeline overhead per page excluding model time and rendering" is what this package adds.
+   "pipeline overhead per page excluding model time and rendering" is what this package adds. Reported as wall
+   time (what a user waits; reading the next file overlaps the previous job) and as this process's CPU time
+   (no overlap can hide cost there; the goal is checked on it). One job at a time.
 2. Embedded demo throughput: `process_paths` over the samples with the real engine (warm: engine loaded before
-   timing), fresh database each round: documents/s and pages/s.
+   timing), default job concurrency, fresh database each round: documents/s and pages/s.
 
     python bench/pipeline_overhead.py [--rounds 3] [--out bench/results/pipeline_overhead.json]
 """
@@ -71,21 +73,21 @@ class Replay:
             yield reply
 
 
-def settings_for(folder: Path) -> Settings:
-    return Settings(data_dir=folder, stable_seconds=0.0, max_tokens=256, video_max_frames=16)
+def settings_for(folder: Path, jobs: int = 1) -> Settings:
+    """Overhead is measured one job at a time (no overlap hides cost); the demo uses the default concurrency."""
+    return Settings(data_dir=folder, stable_seconds=0.0, max_tokens=256, video_max_frames=16, embedded_jobs=jobs)
 
 
-def render_seconds(files: list[Path], settings: Settings) -> tuple[float, int]:
-    """Time `vision` alone takes to open and render every page (the part of intake that is not ours)."""
-    pages = 0
-    start = time.perf_counter()
+def render_seconds(files: list[Path], settings: Settings) -> tuple[float, float]:
+    """(wall, CPU) seconds `vision` alone takes to open and render every page (the part of intake that is not
+    ours). CPU is this process's: the isolated video decoder child is not in it (nor in the pipeline's)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for f in files:
         with vision.open_media(f, limits=settings.media_limits(), options=settings.render_options()) as doc:
             for page in doc.pages():
-                pages += 1
                 if page.image is not None:
                     page.image.load()
-    return time.perf_counter() - start, pages
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -109,34 +111,41 @@ def main() -> None:
         model_pages = first.pages_processed
 
         # 1. overhead with an instant model
-        overhead_runs, render_runs = [], []
+        overhead_runs, overhead_cpu_runs, render_runs, render_cpu_runs = [], [], [], []
         for r in range(args.rounds):
             s = settings_for(Path(tmp) / f"replay{r}")
             p = Pipeline(s, client=Replay(recorder))  # migrations run here, outside the timing
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             report = process_paths(p, files)
             overhead_runs.append(time.perf_counter() - start)
+            overhead_cpu_runs.append(time.process_time() - cpu)
             assert report.ok, [(f.name, f.error) for f in report.files]
             p.close()
-            render_runs.append(render_seconds(files, s)[0])
+            wall, cpu_s = render_seconds(files, s)
+            render_runs.append(wall)
+            render_cpu_runs.append(cpu_s)
         overhead_s = statistics.median(overhead_runs)
+        overhead_cpu_s = statistics.median(overhead_cpu_runs)
         render_s = statistics.median(render_runs)
+        render_cpu_s = statistics.median(render_cpu_runs)
 
         # 2. embedded demo throughput with the real (warm) engine
         demo_runs = []
         for r in range(args.rounds):
-            s = settings_for(Path(tmp) / f"demo{r}")
+            s = settings_for(Path(tmp) / f"demo{r}", jobs=Settings.model_fields["embedded_jobs"].default)
             p = Pipeline(s, client=client)
             start = time.perf_counter()
             report = process_paths(p, files)
             demo_runs.append(time.perf_counter() - start)
-            assert report.ok
+            assert report.ok, [(f.name, f.state, f.error) for f in report.files]
             p.close()
         demo_s = statistics.median(demo_runs)
         client.close()
 
     per_page_ms = 1000 * overhead_s / total_pages
-    per_page_excl_render_ms = 1000 * (overhead_s - render_s) / total_pages
+    per_page_cpu_ms = 1000 * overhead_cpu_s / total_pages
+    # CPU, not wall: reading the next file overlaps the previous file's job, which would hide cost in wall time
+    per_page_excl_render_ms = 1000 * (overhead_cpu_s - render_cpu_s) / total_pages
     result = {
         "benchmark": "pipeline_overhead",
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -147,22 +156,26 @@ def main() -> None:
         "pages": total_pages,
         "pages_read_by_model": model_pages,
         "rounds": args.rounds,
-        "overhead_per_page_ms": round(per_page_ms, 2),
-        "render_per_page_ms": round(1000 * render_s / total_pages, 2),
-        "overhead_per_page_excluding_render_ms": round(per_page_excl_render_ms, 2),
+        "overhead_per_page_wall_ms": round(per_page_ms, 2),
+        "overhead_per_page_cpu_ms": round(per_page_cpu_ms, 2),
+        "render_per_page_wall_ms": round(1000 * render_s / total_pages, 2),
+        "render_per_page_cpu_ms": round(1000 * render_cpu_s / total_pages, 2),
+        "overhead_per_page_excluding_render_cpu_ms": round(per_page_excl_render_ms, 2),
         "goal_ms": GOAL_MS,
         "goal_met_excluding_render": per_page_excl_render_ms <= GOAL_MS,
         "embedded_demo_documents_per_s": round(len(files) / demo_s, 3),
         "embedded_demo_pages_per_s": round(total_pages / demo_s, 3),
         "embedded_demo_seconds": round(demo_s, 3),
         "engine_load_s": round(engine_load_s, 3),
-        "raw_seconds": {"overhead_runs": overhead_runs, "render_runs": render_runs, "demo_runs": demo_runs},
+        "raw_seconds": {"overhead_runs": overhead_runs, "overhead_cpu_runs": overhead_cpu_runs,
+                        "render_runs": render_runs, "render_cpu_runs": render_cpu_runs, "demo_runs": demo_runs},
     }
     print(f"{'documents':<44}{len(files)}")
     print(f"{'pages (video frames count as pages)':<44}{total_pages}")
-    print(f"{'pipeline overhead per page (no model)':<44}{per_page_ms:8.2f} ms")
-    print(f"{'  of which vision rendering':<44}{1000 * render_s / total_pages:8.2f} ms")
-    print(f"{'  pipeline alone (goal <= 30 ms)':<44}{per_page_excl_render_ms:8.2f} ms")
+    print(f"{'pipeline overhead per page, no model (wall)':<44}{per_page_ms:8.2f} ms")
+    print(f"{'pipeline overhead per page, no model (CPU)':<44}{per_page_cpu_ms:8.2f} ms")
+    print(f"{'  of which vision rendering (CPU)':<44}{1000 * render_cpu_s / total_pages:8.2f} ms")
+    print(f"{'  pipeline alone, CPU (goal <= 30 ms)':<44}{per_page_excl_render_ms:8.2f} ms")
     print(f"{'embedded demo, tiny model (warm)':<44}{len(files) / demo_s:8.3f} documents/s, "
           f"{total_pages / demo_s:.2f} pages/s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
