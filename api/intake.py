@@ -58,7 +58,7 @@ class ContentLocks:
 _CONTENT_LOCKS = ContentLocks()
 
 
-def UPLOAD_FORM_DOC(multiple: bool) -> dict[str, Any]:  # noqa: N802 - reads like the constant it builds
+def upload_form_openapi(multiple: bool) -> dict[str, Any]:
     """OpenAPI description of the multipart body (the route reads the stream itself, so FastAPI cannot infer it)."""
     file_schema = {"type": "string", "format": "binary"}
     files = {"files": {"type": "array", "items": file_schema, "minItems": 1}} if multiple else {"file": file_schema}

@@ -6,7 +6,7 @@ import binascii
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, exists, or_, select
+from sqlalchemy import ColumnElement, and_, exists, or_, select
 from sqlalchemy.orm import Session, aliased, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
@@ -42,11 +42,9 @@ class DocumentFilter:
     created_before: datetime | None = None
 
 
-def _job_of_schema(schema: str | None):  # type: ignore[no-untyped-def]
-    cond = Job.document_id == Document.id
-    if schema is not None:
-        cond = and_(cond, Job.schema_id.in_(select(Schema.id).where(Schema.name == schema)))
-    return cond
+def _job_of_schema(schema: str) -> ColumnElement[bool]:
+    """Condition: a job of the outer query's document, read with the named schema (any version)."""
+    return and_(Job.document_id == Document.id, Job.schema_id.in_(select(Schema.id).where(Schema.name == schema)))
 
 
 def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | None) -> tuple[list[Document], str | None]:

@@ -164,8 +164,11 @@ def job_out(job: Job) -> JobOut:
 
 
 def document_status(doc: Document) -> Status:
-    if doc.status == DocumentStatus.failed.value or not doc.jobs:
-        return "failed" if doc.status == DocumentStatus.failed.value else "queued"
+    """failed when the file could not be read; otherwise the state of its latest job."""
+    if doc.status == DocumentStatus.failed.value:
+        return "failed"
+    if not doc.jobs:
+        return "queued"  # a job is created right after intake
     return doc.jobs[-1].state  # type: ignore[return-value]
 
 

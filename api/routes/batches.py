@@ -7,7 +7,7 @@ from starlette.concurrency import run_in_threadpool
 from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
-from ..intake import UPLOAD_FORM_DOC, accept_batch
+from ..intake import accept_batch, upload_form_openapi
 from ..queries import batch_job_states, load_batch
 from ..uploads import receive_form
 from ..views import BatchItemOut, BatchOut, utc
@@ -16,7 +16,7 @@ router = APIRouter(tags=["batches"])
 
 
 @router.post("/v1/batches", response_model=BatchOut, status_code=status.HTTP_202_ACCEPTED,
-             openapi_extra=UPLOAD_FORM_DOC(multiple=True))
+             openapi_extra=upload_form_openapi(multiple=True))
 async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
                          who: Principal = Depends(get_principal)) -> BatchOut:
     """Upload several files (form field `files`, repeated) read with one schema; they form one batch."""

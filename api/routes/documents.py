@@ -12,7 +12,7 @@ from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..errors import ApiError
-from ..intake import UPLOAD_FORM_DOC, accept_upload
+from ..intake import accept_upload, upload_form_openapi
 from ..queries import DocumentFilter, delete_document, list_documents, load_document, page_blob, result_job
 from ..uploads import receive_form
 from ..views import DeletedOut, DocumentDetail, DocumentPage, ResultOut, UploadOut, document_detail, \
@@ -24,7 +24,7 @@ router = APIRouter(tags=["documents"])
              responses={200: {"model": UploadOut, "description": "Nothing new: these bytes were already read with "
                                                                  "this schema (the existing document and job)"},
                         413: {"description": "File larger than the limit"}},
-             openapi_extra=UPLOAD_FORM_DOC(multiple=False))
+             openapi_extra=upload_form_openapi(multiple=False))
 async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
                            who: Principal = Depends(get_principal)) -> JSONResponse:
     """Upload one file (form field `file`) with an optional `schema` and PDF `password`.
