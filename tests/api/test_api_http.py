@@ -142,6 +142,14 @@ def _raw_request(base: str, head_lines: list[str], chunks: list[bytes]) -> tuple
                 if not more:
                     break
                 data += more
+            head_end = data.find(b"\r\n\r\n") + 4
+            length = next((int(line.split(b":", 1)[1]) for line in data[:head_end].split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(data) < head_end + length:
+                more = sock.recv(65536)
+                if not more:
+                    break
+                data += more
         except ConnectionResetError:
             pass
     assert data.startswith(b"HTTP/1.1 "), data[:200]
@@ -187,10 +195,26 @@ def test_oversize_streamed_body_is_cut_at_the_limit(server: LiveServer, lie: str
     with server.client() as c:
         before = _doc_count(c)
         status, raw = _raw_request(server.base, head, chunks)
-        assert status == 413, raw[:300]
+        assert status == 413 and b"payload_too_large" in raw, raw[:300]
         assert _doc_count(c) == before
     time.sleep(0.2)
     assert _spool_files(server) == []  # the partial upload was removed
+
+
+def test_understated_content_length_is_refused(server: LiveServer) -> None:
+    """Content-Length claims 2000 bytes, the body is far larger: only the claimed bytes are read, the form is
+    incomplete, nothing is stored."""
+    limit = server.app.state.ctx.limits.max_upload_bytes
+    payload = _multipart(limit + 100_000)
+    head = ["POST /v1/documents HTTP/1.1", f"Host: {urlparse(server.base).netloc}", f"X-API-Key: {KEY}",
+            "Content-Type: multipart/form-data; boundary=XbOuNdArY", "Content-Length: 2000"]
+    with server.client() as c:
+        before = _doc_count(c)
+        status, raw = _raw_request(server.base, head, [payload[i:i + 65536] for i in range(0, len(payload), 65536)])
+        assert status == 400 and b"malformed_multipart" in raw, raw[:300]
+        assert _doc_count(c) == before
+    time.sleep(0.2)
+    assert _spool_files(server) == []
 
 
 def test_truncated_body_is_not_stored(server: LiveServer) -> None:
