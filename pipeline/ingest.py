@@ -114,14 +114,24 @@ def _render(p: Pipeline, path: Path, name: str, password: str | None) -> _Render
 
 def _store_document(p: Pipeline, sha: str, size: int, name: str, rendered: _Rendered | None,
                     error: Exception | None) -> int:
-    """Insert (or, for a previously failed file, refresh) the document row and its pages; returns its id."""
+    """Insert (or, for a previously failed file, refresh) the document row and its pages; returns its id.
+
+    Two intakes of the same bytes may race: the unique sha256 decides, the loser keeps the winner's row."""
     with p.db.session() as s:
-        doc = s.scalars(select(Document).where(Document.sha256 == sha)).first()
-        if doc is not None and doc.status != DocumentStatus.failed.value:
-            return doc.id  # a concurrent intake of the same bytes won
+        by_sha = select(Document).where(Document.sha256 == sha).with_for_update()
+        doc = s.scalars(by_sha).first()
         if doc is None:
-            doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size)
-            s.add(doc)
+            try:
+                with s.begin_nested():
+                    doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size)
+                    s.add(doc)
+                    s.flush()
+            except IntegrityError:  # the other intake committed first (PostgreSQL; SQLite serialises writers)
+                doc = s.scalars(by_sha).one()
+                if doc.status != DocumentStatus.failed.value:
+                    return doc.id
+        elif doc.status != DocumentStatus.failed.value:
+            return doc.id  # a concurrent intake of the same bytes won
         for old in list(doc.pages):
             s.delete(old)
         s.flush()

@@ -109,20 +109,26 @@ def register_schema(
     validate_schema_definition(name, json_schema, merge_rules)
     spec = SchemaSpec(name=name, json_schema=json_schema, prompt=prompt or DEFAULT_USER_PROMPT,
                       merge_rules=dict(merge_rules or {}))
-    latest = _latest(session, name)
-    if latest is not None and _same(latest, spec):
-        return latest
-    row = Schema(
-        name=name,
-        version=(latest.version + 1) if latest else 1,
-        json_schema=spec.json_schema,
-        prompt=spec.prompt,
-        merge_rules=spec.merge_rules,
-        builtin=False,
-    )
-    session.add(row)
-    session.flush()
-    return row
+    for _ in range(5):  # concurrent registrations of one name: each retry sees the version the other one took
+        latest = _latest(session, name)
+        if latest is not None and _same(latest, spec):
+            return latest
+        row = Schema(
+            name=name,
+            version=(latest.version + 1) if latest else 1,
+            json_schema=spec.json_schema,
+            prompt=spec.prompt,
+            merge_rules=spec.merge_rules,
+            builtin=False,
+        )
+        try:
+            with session.begin_nested():
+                session.add(row)
+                session.flush()
+            return row
+        except IntegrityError:
+            continue
+    raise InvalidSchemaError(f"schema {name!r} is being registered by others right now; try again")
 
 
 def _latest(session: Session, name: str) -> Schema | None:

@@ -376,3 +376,53 @@ def test_anchor_text_reaches_the_prompt() -> None:
                       timestamps=[0.0, 0.5, 1.0, 1.5])
     part = build_request(video, "Watch.", params, settings).messages[0]["content"][0]
     assert part["type"] == "video" and len(part["video"]) == 4 and part["fps"] == pytest.approx(2.0)
+
+
+def test_same_bytes_ingested_at_once_make_one_document(database_url: str, make_pipeline: Any,
+                                                       engine_client: Any) -> None:
+    p = make_pipeline(database_url, client=engine_client)
+    data = png_bytes(300, 200)
+    barrier = threading.Barrier(4)
+    outcomes: list[Any] = []
+    errors: list[BaseException] = []
+
+    def intake() -> None:
+        barrier.wait()
+        try:
+            outcomes.append(ingest_file(p, data, name="same.png"))
+        except BaseException as exc:  # collected and reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=intake) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len({o.document_id for o in outcomes}) == 1 and len({o.job_id for o in outcomes}) == 1
+    assert sorted(o.outcome for o in outcomes) == ["duplicate"] * 3 + ["new"]
+    counts = row_counts(p)
+    assert (counts["documents"], counts["pages"], counts["jobs"]) == (1, 1, 1)
+
+
+def test_schemas_registered_at_once_get_distinct_versions(database_url: str, make_pipeline: Any) -> None:
+    p = make_pipeline(database_url)
+    barrier = threading.Barrier(4)
+    versions: list[int] = []
+    errors: list[BaseException] = []
+
+    def register(n: int) -> None:
+        definition = {"type": "object", "properties": {f"field{n}": {"type": "string", "maxLength": 8}}}
+        barrier.wait()
+        try:
+            with p.db.session() as s:
+                versions.append(register_schema(s, "race", definition).version)
+        except BaseException as exc:  # collected and reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=register, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and sorted(versions) == [1, 2, 3, 4]
