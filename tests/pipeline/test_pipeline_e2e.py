@@ -175,8 +175,8 @@ def test_crash_between_pages_then_rerun_leaves_one_result_set(make_pipeline: Any
     assert len(results_of(p, intake.job_id)) == intake.pages + 1
 
 
-def test_concurrent_runs_of_one_job_write_once(make_pipeline: Any, engine_client: Any) -> None:
-    p = make_pipeline(client=engine_client)
+def test_concurrent_runs_of_one_job_write_once(database_url: str, make_pipeline: Any, engine_client: Any) -> None:
+    p = make_pipeline(database_url, client=engine_client)
     intake = ingest_file(p, png_bytes(), name="twice.png")
     runs: list[Any] = []
     threads = [threading.Thread(target=lambda: runs.append(run_job(p, intake.job_id, takeover=True)))
