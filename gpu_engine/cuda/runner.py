@@ -86,6 +86,10 @@ class CudaRunner:
         self.use_graphs = os.environ.get("DOCPIPE_CUDA_GRAPHS", "1") != "0" if use_graphs is None else use_graphs
         self._graphs: dict[tuple[int, int], CapturedStep] = {}
         self._warm: set[tuple[int, int]] = set()
+        # Each graph owns its activations for as long as the cache lives; past this many bytes new decode shapes
+        # run eagerly instead (DOCPIPE_CUDA_GRAPH_MEMORY, bytes).
+        self.graph_memory_cap = int(os.environ.get("DOCPIPE_CUDA_GRAPH_MEMORY", str(2 << 30)))
+        self._graph_bytes = 0
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
@@ -109,7 +113,7 @@ class CudaRunner:
         cfg, ctx = self.cfg, self.ctx
         ctx.device.sync()
         ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
-        self.cache, self._graphs, self._warm = {}, {}, set()
+        self.cache, self._graphs, self._warm, self._graph_bytes = {}, {}, set(), 0
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 shape = (spec.num_kv_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -166,10 +170,12 @@ class CudaRunner:
         key = (len(batch.chunks), width)
         step = self._graphs.get(key)
         if step is None:
-            if key not in self._warm:
+            if key not in self._warm or self._graph_bytes >= self.graph_memory_cap:
                 self._warm.add(key)
                 return self._forward_eager(batch)
+            before = self.ctx.arena.used
             step = self._graphs[key] = self.capture_step(batch, width)  # owns its memory until allocate_cache
+            self._graph_bytes += self.ctx.arena.used - before
         else:
             step.update(batch)
         step.replay()
@@ -204,6 +210,10 @@ class CudaRunner:
         `table_width`), `replay()` launches the graph (capture itself runs nothing), `logits()` reads the result.
         Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). close()
         releases the graph's memory and everything allocated after it (the arena is a stack).
+        Memory note: the graph keeps its buffers and per-layer scratch; short-lived op workspaces (attention
+        partials, DeltaNet prepare) are released during capture, so later allocations may overlap them. That is
+        safe because replays run one at a time on one stream and every step rewrites all it reads before reading
+        (update() re-uploads the metadata, the decoder rewrites the activations, logits are read right away).
         """
         if any(c.vision for c in batch.chunks):
             raise RunnerInputError("steps with vision embeddings are not captured")
