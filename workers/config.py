@@ -49,9 +49,6 @@ class WorkerSettings(BaseSettings):
     requeue_queued_after_s: float = Field(
         300.0, gt=0, description="A queued job untouched this long, with no message waiting for it, is sent again."
     )
-    enqueue_marker_ttl_s: float = Field(
-        86400.0, gt=0, description="Safety expiry of the 'a message for this job is waiting' marker in Redis."
-    )
     # --- beat ----------------------------------------------------------------------------------------------------
     watch_interval_s: float = Field(10.0, gt=0, description="How often beat scans the watch folders.")
     retention_interval_s: float = Field(3600.0, gt=0, description="How often beat runs the retention purge.")
@@ -107,7 +104,7 @@ def redis_url(settings: Settings) -> str:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise WorkerConfigError(
             f"DOCPIPE_BROKER_URL={url!r} is not a Redis URL; docpipe's workers need Redis (redis://host:6379/0): "
-            "the single-beat lock and the reconciler's markers live there"
+            "the single-beat lock lives there and the reconciler reads the queues"
         )
     return url
 

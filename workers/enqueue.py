@@ -24,7 +24,7 @@ from pipeline.settings import Settings
 
 from . import staging
 from .config import TASK_EXTRACT, TASK_INGEST, QUEUE_GPU, QUEUE_INGEST, WorkerSettings, celery_config
-from .markers import clear_marker, ingest_marker, job_marker, redis_client, set_marker
+from .markers import ingest_task_id, job_task_id
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +61,20 @@ def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_setting
     sends it later; the job stays `queued`)."""
     settings, ws = _settings(settings, worker_settings)
     app = producer(settings, ws)
-    if _publish(app, job_marker(job_id), ws, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, countdown):
+    if _publish(app, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, job_task_id(job_id), countdown):
         return True
     log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "
                 "once the broker answers", job_id)
     return False
 
 
-def _publish(app: Celery, marker: str, ws: WorkerSettings, task: str, args: list[object], queue: str,
+def _publish(app: Celery, task: str, args: list[object], queue: str, task_id: str,
              countdown: float | None = None) -> bool:
-    client = redis_client(app.conf.broker_url)
     try:
-        # The marker goes first so a worker that receives the message at once always finds one to clear.
-        set_marker(client, marker, ws.enqueue_marker_ttl_s)
-        app.send_task(task, args=args, queue=queue, countdown=countdown)
+        app.send_task(task, args=args, queue=queue, countdown=countdown, task_id=task_id)
         return True
     except BROKER_ERRORS as exc:
         log.debug("publishing %s%s failed: %s", task, args, exc)
-        try:
-            clear_marker(client, marker)  # no message waits: do not hide it from the reconciler
-        except BROKER_ERRORS:
-            pass  # Redis is down; a marker that survives it expires after enqueue_marker_ttl_s
         return False
 
 
@@ -110,7 +103,7 @@ def publish_ingest(stage_id: str, *, settings: Settings | None = None,
                    worker_settings: WorkerSettings | None = None) -> bool:
     settings, ws = _settings(settings, worker_settings)
     app = producer(settings, ws)
-    if _publish(app, ingest_marker(stage_id), ws, TASK_INGEST, [stage_id], QUEUE_INGEST):
+    if _publish(app, TASK_INGEST, [stage_id], QUEUE_INGEST, ingest_task_id(stage_id)):
         return True
     log.warning("staged intake %s waits for the reconciler; the broker is unreachable", stage_id)
     return False

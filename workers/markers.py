@@ -1,14 +1,20 @@
-"""Redis keys the queue keeps next to Celery's own, all under the `docpipe:` prefix of the broker's database.
+"""Which jobs and staged intakes have a message waiting in the queue, read from the broker itself.
 
-Enqueue markers: `docpipe:enq:job:<id>` (and `docpipe:enq:ingest:<stage id>`) exist from the moment a message is
-published until a worker receives it. The reconciler reads them to tell "a message for this job is waiting in the
-queue" (leave it alone) from "no message exists" (the broker lost it, or the worker holding it died): only the
-second case is sent again. A broker that loses its contents loses the markers with them, which is exactly right.
+Every message docpipe publishes carries a task id that names what it is for: `job-<job id>-<random>` on the `gpu`
+queue, `stage-<stage id>-<random>` on the `ingest` queue (a retry keeps its id). The reconciler reads the
+queue lists (kombu's Redis transport keeps one list per queue) and sends again only what has no message
+waiting there. That holds whatever happened to the missing message: the broker restarted without persistence,
+or a worker took it and died before running it (it then sits in Redis's unacked set until the visibility
+timeout, which is hours). Reading a list of N waiting messages costs one pass over N short JSON strings,
+done once per reconciler tick and only when some job looks stale.
+
+Also here: one Redis client per URL per process, for the queue's own keys (locks, watch-folder state).
 """
 from __future__ import annotations
 
+import re
 import threading
-import time
+import uuid
 
 import redis
 
@@ -16,6 +22,11 @@ _clients: dict[str, redis.Redis] = {}
 _clients_lock = threading.Lock()
 
 PREFIX = "docpipe:"
+# kombu's Redis transport: one list per queue, plus "<queue>\x06\x16<priority>" lists when priorities are used.
+_PRIORITY_SEP = "\x06\x16"
+# The message's own task id (`"id"` in the headers; `"root_id"` / `"parent_id"` do not match this pattern).
+_TASK_ID = re.compile(rb'"id": ?"(job|stage)-([0-9a-f]+)-')
+_CHUNK = 1000
 
 
 def redis_client(url: str) -> redis.Redis:
@@ -29,26 +40,30 @@ def redis_client(url: str) -> redis.Redis:
         return client
 
 
-def job_marker(job_id: int) -> str:
-    return f"{PREFIX}enq:job:{job_id}"
+def job_task_id(job_id: int) -> str:
+    return f"job-{int(job_id)}-{uuid.uuid4().hex[:12]}"
 
 
-def ingest_marker(stage_id: str) -> str:
-    return f"{PREFIX}enq:ingest:{stage_id}"
+def ingest_task_id(stage_id: str) -> str:
+    return f"stage-{stage_id}-{uuid.uuid4().hex[:12]}"
 
 
-def set_marker(client: redis.Redis, key: str, ttl_s: float) -> None:
-    client.set(key, f"{time.time():.3f}", px=int(ttl_s * 1000))
+def queue_keys(client: redis.Redis, queue: str) -> list[str]:
+    return [queue] + sorted(k.decode() for k in client.scan_iter(match=f"{queue}{_PRIORITY_SEP}*", count=100))
 
 
-def clear_marker(client: redis.Redis, key: str) -> None:
-    client.delete(key)
-
-
-def markers_present(client: redis.Redis, keys: list[str]) -> list[bool]:
-    if not keys:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.exists(key)
-    return [bool(n) for n in pipe.execute()]
+def waiting(client: redis.Redis, queue: str) -> dict[str, set[str]]:
+    """{"job": {job ids}, "stage": {stage ids}} of the messages waiting in `queue` right now."""
+    found: dict[str, set[str]] = {"job": set(), "stage": set()}
+    for key in queue_keys(client, queue):
+        start = 0
+        while True:
+            chunk = client.lrange(key, start, start + _CHUNK - 1)
+            for raw in chunk:
+                match = _TASK_ID.search(raw)
+                if match:
+                    found[match.group(1).decode()].add(match.group(2).decode())
+            if len(chunk) < _CHUNK:
+                break
+            start += _CHUNK
+    return found

@@ -3,11 +3,11 @@
 On every beat tick (`requeue_interval_s`) it sends again:
   * jobs `running` past their lease, or whose owner process is gone from its host (the worker died mid-job);
   * jobs `queued` and untouched for `requeue_queued_after_s` (their message was lost: a broker restarted without
-    persistence, or a worker died holding it);
+    persistence, or a worker took it and died before running it);
   * staged intakes older than `requeue_queued_after_s` (submitted files whose ingest message was lost);
-unless an enqueue marker shows a message for it is still waiting in the queue (see workers.markers). Sending
-twice is harmless (`run_job` is idempotent and claims with compare-and-set; ingestion dedupes by content), so the
-reconciler errs on the side of sending.
+unless a message for it is waiting in its queue right now (read from the broker, see workers.markers). Sending
+twice is harmless (`run_job` is idempotent and claims with compare-and-set; ingestion dedupes by content), so
+the reconciler errs on the side of sending.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pipeline.context import Pipeline
 from pipeline.jobs import stale_jobs
 
 from . import staging
-from .config import WorkerSettings
+from .config import QUEUE_GPU, QUEUE_INGEST, WorkerSettings
 from .enqueue import enqueue_job, publish_ingest
-from .markers import ingest_marker, job_marker, markers_present
+from .markers import waiting
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +30,25 @@ log = logging.getLogger(__name__)
 @dataclass
 class ReconcileReport:
     jobs_sent: list[int] = field(default_factory=list)
-    jobs_waiting: int = 0  # stale by the database, but a message for them is in the queue
+    jobs_waiting: int = 0  # stale by the database, but a message for them waits in the queue
     stages_sent: list[str] = field(default_factory=list)
 
 
 def reconcile(p: Pipeline, ws: WorkerSettings, client: redis.Redis) -> ReconcileReport:
     report = ReconcileReport()
     stale = stale_jobs(p, queued_for_s=ws.requeue_queued_after_s)
-    for job_id, waiting in zip(stale, markers_present(client, [job_marker(j) for j in stale])):
-        if waiting:
+    stages = staging.pending(p.settings.data_dir, ws.requeue_queued_after_s)
+    # Read the queues after the database: a message published in between is seen, not sent twice.
+    waiting_jobs = waiting(client, QUEUE_GPU)["job"] if stale else set()
+    waiting_stages = waiting(client, QUEUE_INGEST)["stage"] if stages else set()
+    for job_id in stale:
+        if str(job_id) in waiting_jobs:
             report.jobs_waiting += 1
         elif enqueue_job(job_id, settings=p.settings, worker_settings=ws):
             report.jobs_sent.append(job_id)
-    stages = staging.pending(p.settings.data_dir, ws.requeue_queued_after_s)
-    for staged, waiting in zip(stages, markers_present(client, [ingest_marker(s.stage_id) for s in stages])):
-        if not waiting and publish_ingest(staged.stage_id, settings=p.settings, worker_settings=ws):
+    for staged in stages:
+        if staged.stage_id not in waiting_stages and publish_ingest(staged.stage_id, settings=p.settings,
+                                                                     worker_settings=ws):
             report.stages_sent.append(staged.stage_id)
     if report.jobs_sent or report.stages_sent:
         log.warning("reconciler sent again %d job(s) %s and %d staged intake(s) whose messages were lost or "

@@ -14,11 +14,10 @@ from pipeline.models import Document, DocumentStatus, Job
 
 from .beat import BEAT_LOCK_KEY
 from .config import QUEUES
+from .markers import queue_keys
 from .watch import stats_key
 
-# kombu's Redis transport keeps one list per queue and priority level: "<queue>" plus "<queue>\x06\x16<n>".
-_PRIORITY_SEP = "\x06\x16"
-_UNACKED = "unacked"
+_UNACKED = "unacked"  # kombu's Redis transport: messages delivered to a worker and not yet acknowledged
 
 
 @dataclass
@@ -42,8 +41,7 @@ def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
     try:
         depths = {}
         for queue in QUEUES:
-            keys = [queue] + [k.decode() for k in client.scan_iter(match=f"{queue}{_PRIORITY_SEP}*", count=100)]
-            depths[queue] = sum(int(client.llen(k)) for k in keys)
+            depths[queue] = sum(int(client.llen(k)) for k in queue_keys(client, queue))
         holder = client.get(BEAT_LOCK_KEY)
         watch = {}
         for folder in watch_folders:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Task, signals
-from celery.exceptions import Reject, Retry
+from celery import Task
+from celery.exceptions import Retry
 
 from pipeline.errors import NotFoundError
 from pipeline.ingest import ingest_file
@@ -24,7 +24,7 @@ from .app import app
 from .config import TASK_EXTRACT, TASK_INGEST, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
 from .enqueue import enqueue_job
 from .failures import backoff_seconds, fail_queued_job, is_permanent, job_state
-from .markers import clear_marker, ingest_marker, job_marker, redis_client, set_marker
+from .markers import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -33,31 +33,12 @@ def _redis() -> Any:
     return redis_client(runtime.process_config().settings.broker_url or "")
 
 
-@signals.task_received.connect
-def _clear_enqueue_marker(request: Any = None, **_: Any) -> None:
-    """The message left the queue: from now on a lost job is the reconciler's to find (see workers.markers)."""
-    try:
-        if request.name == TASK_EXTRACT:
-            clear_marker(_redis(), job_marker(int(request.args[0])))
-        elif request.name == TASK_INGEST:
-            clear_marker(_redis(), ingest_marker(str(request.args[0])))
-    except Exception as exc:  # a marker left behind only delays the reconciler; never refuse the message for it
-        log.warning("could not clear the enqueue marker of %s: %s", getattr(request, "name", "?"), exc)
-
-
-def _retry(task: Task, exc: BaseException, delay: float, marker: str) -> Retry:
-    """Publish the delayed retry (raises Retry on success). The cap is the job's attempt count in the database,
-    not Celery's retry counter, which a crash or a lost message would reset."""
-    ws = runtime.process_config().worker_settings
-    try:
-        set_marker(_redis(), marker, ws.enqueue_marker_ttl_s)
-        return task.retry(exc=exc, countdown=delay)
-    except Reject:  # the retry could not be published: the row stays queued, the reconciler sends it later
-        try:
-            clear_marker(_redis(), marker)
-        except Exception:
-            pass
-        raise
+def _retry(task: Task, exc: BaseException, delay: float) -> Retry:
+    """Publish the delayed retry (raises Retry). The message keeps its task id, so the reconciler still sees
+    which job it is for. The cap is the job's attempt count in the database, not Celery's retry counter, which
+    a crash or a lost message would reset. If the retry cannot be published (broker down), Celery rejects the
+    message; the job row stays `queued` and the reconciler sends it once the broker is back."""
+    return task.retry(exc=exc, countdown=delay)
 
 
 @app.task(name=TASK_EXTRACT, bind=True, max_retries=None)
@@ -79,7 +60,7 @@ def extract(self: Task, job_id: int) -> dict[str, Any]:
                           "job again once the database answers", job_id, self.request.retries, reason)
                 return {"job_id": job_id, "state": "unknown", "error": reason}
             delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
-            raise _retry(self, exc, delay, job_marker(job_id)) from None
+            raise _retry(self, exc, delay) from None
         state, attempts = found if found else ("missing", 0)
         if state == JobState.queued.value and is_permanent(exc):
             # Bad input fails the same way every time: no retry.
@@ -89,7 +70,7 @@ def extract(self: Task, job_id: int) -> dict[str, Any]:
         if state == JobState.queued.value:
             delay = backoff_seconds(max(1, attempts), ws.retry_backoff_s, ws.retry_backoff_max_s)
             log.warning("job %s attempt %d failed (%s); retry in %.1f s", job_id, attempts, reason, delay)
-            raise _retry(self, exc, delay, job_marker(job_id)) from None
+            raise _retry(self, exc, delay) from None
         # failed: run_job spent the attempt cap and recorded the reason; running: another run owns it now.
         log.warning("job %s is %s after: %s", job_id, state, reason)
         return {"job_id": job_id, "state": state, "error": reason}
@@ -121,7 +102,7 @@ def ingest(self: Task, stage_id: str) -> dict[str, Any]:
             log.error("staged intake %s: giving up on this message (%s); the reconciler sends it again", stage_id, exc)
             return {"stage_id": stage_id, "outcome": "retry-later", "error": str(exc)}
         delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
-        raise _retry(self, exc, delay, ingest_marker(stage_id)) from None
+        raise _retry(self, exc, delay) from None
     staging.remove(data_dir, stage_id)  # only now: until here the staged copy is the record of the submission
     return {"stage_id": stage_id, "outcome": out.outcome, "document_id": out.document_id, "job_id": out.job_id,
             "error": out.error}

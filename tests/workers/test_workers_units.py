@@ -140,16 +140,16 @@ def test_reconciler_sends_lost_and_abandoned_jobs_only(redis_url, client, tmp_pa
     from pipeline.ingest import ingest_file
     from pipeline.models import Job, utcnow
     from workers import staging
-    from workers.markers import job_marker
+    from workers.enqueue import enqueue_job, publish_ingest
     from workers.reconciler import reconcile
 
     p = _pipeline(tmp_path, redis_url)
     ws = WorkerSettings(requeue_queued_after_s=5, retry_backoff_s=0.5, retry_backoff_max_s=1)
-    ids = [ingest_file(p, png(seed=i), name=f"{i}.png", schema="flag").job_id for i in range(6)]
-    lost, waiting, fresh, abandoned, alive, done = ids
+    ids = [ingest_file(p, png(seed=i), name=f"{i}.png", schema="flag").job_id for i in range(7)]
+    lost, waiting, taken, fresh, abandoned, alive, done = ids
     now = utcnow()
     with p.db.session() as s:
-        for job_id in (lost, waiting):
+        for job_id in (lost, waiting, taken):
             s.get(Job, job_id).updated_at = now - timedelta(seconds=60)
         s.get(Job, fresh).updated_at = now
         job = s.get(Job, abandoned)  # its worker died: lease over
@@ -157,20 +157,26 @@ def test_reconciler_sends_lost_and_abandoned_jobs_only(redis_url, client, tmp_pa
         job = s.get(Job, alive)
         job.state, job.owner, job.lease_until = "running", "elsewhere:2", now + timedelta(seconds=60)
         s.get(Job, done).state = "succeeded"
-    client.set(job_marker(waiting), "1")  # its message is still in the queue
+    assert enqueue_job(taken, settings=p.settings, worker_settings=ws)
+    assert enqueue_job(waiting, settings=p.settings, worker_settings=ws)  # its message still waits in the queue
+    assert client.rpop("gpu") is not None  # a worker took the oldest (`taken`'s) and died before running it
     old_stage = staging.stage(p.settings.data_dir, b"bytes", name="old.png", schema=None, batch_id=None)
     meta = staging.incoming_dir(p.settings.data_dir) / old_stage.stage_id / staging.META
     meta.write_text(meta.read_text().replace(str(old_stage.created), str(old_stage.created - 60)))
-    staging.stage(p.settings.data_dir, b"other", name="new.png", schema=None, batch_id=None)
+    waiting_stage = staging.stage(p.settings.data_dir, b"other", name="queued.png", schema=None, batch_id=None)
+    meta = staging.incoming_dir(p.settings.data_dir) / waiting_stage.stage_id / staging.META
+    meta.write_text(meta.read_text().replace(str(waiting_stage.created), str(waiting_stage.created - 60)))
+    assert publish_ingest(waiting_stage.stage_id, settings=p.settings, worker_settings=ws)
+    staging.stage(p.settings.data_dir, b"new", name="new.png", schema=None, batch_id=None)  # too recent to judge
 
     report = reconcile(p, ws, client)
-    assert sorted(report.jobs_sent) == sorted([lost, abandoned])
+    assert sorted(report.jobs_sent) == sorted([lost, taken, abandoned])
     assert report.jobs_waiting == 1
     assert report.stages_sent == [old_stage.stage_id]
-    assert client.llen("gpu") == 2 and client.llen("ingest") == 1
-    # Sent once, they now have markers: the next tick sends nothing more.
+    assert client.llen("gpu") == 4 and client.llen("ingest") == 2
+    # Everything stale now has a message waiting: the next tick sends nothing more.
     again = reconcile(p, ws, client)
-    assert again.jobs_sent == [] and again.stages_sent == [] and again.jobs_waiting == 3
+    assert again.jobs_sent == [] and again.stages_sent == [] and again.jobs_waiting == 4
     p.close()
 
 
