@@ -120,8 +120,8 @@ def list_documents(
             stmt = stmt.where(Document.id.in_(
                 select(Job.document_id).join(Schema, Schema.id == Job.schema_id).where(Schema.name == schema)))
         if status is not None:
-            latest = select(func.max(Job.id)).where(Job.document_id == Document.id).scalar_subquery()
-            latest_state = select(Job.state).where(Job.id == latest).scalar_subquery()
+            latest_state = (select(Job.state).where(Job.document_id == Document.id).order_by(Job.id.desc())
+                            .limit(1).correlate(Document).scalar_subquery())
             word = case((Document.status == DocumentStatus.failed.value, "failed"),
                         else_=func.coalesce(latest_state, Document.status))
             stmt = stmt.where(word == status)

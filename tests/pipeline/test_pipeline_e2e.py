@@ -426,3 +426,29 @@ def test_schemas_registered_at_once_get_distinct_versions(database_url: str, mak
     for t in threads:
         t.join()
     assert errors == [] and sorted(versions) == [1, 2, 3, 4]
+
+
+def test_queries_filter_and_paginate(database_url: str, make_pipeline: Any, engine_client: Any) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from pipeline.queries import get_document, jobs_by_state, list_documents
+
+    p = make_pipeline(database_url, client=engine_client)
+    done = [ingest_file(p, png_bytes(), name=f"d{i}.png") for i in range(3)]
+    for o in done[:2]:
+        run_job(p, o.job_id)
+    broken = ingest_file(p, b"%PDF-1.7 nothing else", name="broken.pdf")
+    invoice = ingest_file(p, png_bytes(), name="inv.png", schema="invoice")
+
+    by_status = {s: [d["name"] for d in list_documents(p, status=s)] for s in ("succeeded", "queued", "failed")}
+    assert by_status == {"succeeded": ["d0.png", "d1.png"], "queued": ["d2.png", "inv.png"],
+                         "failed": ["broken.pdf"]}
+    assert [d["name"] for d in list_documents(p, schema="invoice")] == ["inv.png"]
+    first = list_documents(p, limit=2)
+    rest = list_documents(p, after_id=first[-1]["id"])
+    assert [d["id"] for d in first + rest] == sorted({o.document_id for o in done + [broken, invoice]})
+    soon = datetime.now(timezone.utc) + timedelta(minutes=1)
+    assert list_documents(p, created_after=soon) == [] and len(list_documents(p, created_before=soon)) == 5
+    assert jobs_by_state(p) == {"queued": 2, "running": 0, "succeeded": 2, "partial": 0, "failed": 0}
+    doc = get_document(p, broken.document_id)
+    assert doc["status"] == "failed" and doc["error_type"] and doc["jobs"] == [] and doc["pages"] == []
