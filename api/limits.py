@@ -30,6 +30,7 @@ class ApiLimits:
     max_image_bytes: int = 20 * 1024 * 1024  # one decoded data: URL image or video
     max_images_per_request: int = 16  # image/video parts in one chat request
     max_completion_tokens: int = 4096  # largest max_tokens a chat request may ask for (bounds engine time)
+    upload_idle_timeout_s: int = 60  # an upload that sends nothing for this long is cut off (408)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

@@ -6,10 +6,12 @@ Content-Length claims), and an aborted upload leaves no file behind.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -137,8 +139,24 @@ class _FormBuilder:
         self.form.discard()
 
 
-async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int, max_files: int) -> ReceivedForm:
-    """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/413/415) on bad input."""
+async def _chunks(request: Request, idle_timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks; a client that sends nothing for `idle_timeout_s` seconds is cut off (408), so a stalled
+    or deliberately slow upload cannot hold a connection and a spool file forever."""
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), idle_timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(408, "upload_stalled", f"No upload data arrived for {idle_timeout_s:.0f} s; the upload "
+                           "was abandoned. Send it again.", headers={"Connection": "close"}) from None
+        yield chunk
+
+
+async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int, max_files: int,
+                       idle_timeout_s: float = 60.0) -> ReceivedForm:
+    """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/408/413/415) on bad input."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data":
         raise ApiError(415, "unsupported_media_type", "Send the upload as multipart/form-data.")
@@ -155,7 +173,7 @@ async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int
     parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
     completed = False
     try:
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, idle_timeout_s):
             if chunk:
                 parser.write(chunk)
         parser.finalize()

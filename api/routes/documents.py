@@ -33,7 +33,8 @@ async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
     bytes with another schema); 200 with the existing document and job when nothing new was needed.
     """
     await run_in_threadpool(ctx.jobs.check, who.key_id)
-    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1)
+    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1,
+                              idle_timeout_s=ctx.limits.upload_idle_timeout_s)
     out, new_job_ids = await run_in_threadpool(accept_upload, ctx, form, who.key_id)
     ctx.runner.submit(new_job_ids)
     return JSONResponse(out.model_dump(mode="json", by_alias=True),

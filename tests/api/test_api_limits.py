@@ -4,7 +4,9 @@ from __future__ import annotations
 import base64
 import io
 import random
+import socket
 import time
+from urllib.parse import urlparse
 from pathlib import Path
 
 import httpx
@@ -27,7 +29,7 @@ from apitest_support import KEY, OTHER_KEY, live_server, test_settings
 @pytest.fixture(scope="module")
 def tight_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     limits = ApiLimits(rate_per_minute=60, burst=5, max_inflight_jobs=2, max_inflight_engine=1,
-                       max_upload_bytes=1024 * 1024, max_completion_tokens=64)
+                       max_upload_bytes=1024 * 1024, max_completion_tokens=64, upload_idle_timeout_s=1)
     # max_tokens=4: every extraction is cut short, so jobs end `failed` (used by the retry test).
     settings = test_settings(tmp_path_factory.mktemp("api-tight"), max_tokens=4)
     with live_server(settings, limits=limits) as live:
@@ -101,6 +103,25 @@ def test_engine_requests_are_capped_per_key(tight_server) -> None:  # type: igno
         time.sleep(1.5)
         again = c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
         assert again.status_code == 200, again.text  # the slot was given back when the stream ended
+
+
+def test_a_stalled_upload_is_cut_off(tight_server) -> None:  # type: ignore[no-untyped-def]
+    """Headers and part of the body, then silence: 408 after the idle timeout, no file left behind."""
+    time.sleep(2)  # request budget
+    url = urlparse(tight_server.base)
+    head = (f"POST /v1/documents HTTP/1.1\r\nHost: {url.netloc}\r\nX-API-Key: {KEY}\r\n"
+            "Content-Type: multipart/form-data; boundary=B\r\nContent-Length: 100000\r\n\r\n"
+            "--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"s.png\"\r\n\r\n").encode()
+    with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+        sock.sendall(head + random.randbytes(1000))
+        started = time.monotonic()
+        reply = sock.recv(65536)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"upload_stalled" in reply or b"problem+json" in reply
+    assert 0.5 < waited < 10
+    spool = tight_server.app.state.ctx.spool_dir
+    assert not spool.exists() or list(spool.iterdir()) == []
 
 
 # --- the pieces -------------------------------------------------------------------------------------------------
