@@ -452,3 +452,39 @@ def test_queries_filter_and_paginate(database_url: str, make_pipeline: Any, engi
     assert jobs_by_state(p) == {"queued": 2, "running": 0, "succeeded": 2, "partial": 0, "failed": 0}
     doc = get_document(p, broken.document_id)
     assert doc["status"] == "failed" and doc["error_type"] and doc["jobs"] == [] and doc["pages"] == []
+
+
+def test_retry_and_stale_jobs(make_pipeline: Any, engine_client: Any) -> None:
+    from datetime import timedelta
+
+    from pipeline.errors import JobStateError, NotFoundError
+    from pipeline.jobs import retry_job, stale_jobs
+    from pipeline.models import utcnow
+
+    p = make_pipeline(client=engine_client)
+    ok = ingest_file(p, png_bytes(), name="ok.png")
+    assert run_job(p, ok.job_id).state == "succeeded"
+    with pytest.raises(JobStateError, match="only failed or partial"):
+        retry_job(p, ok.job_id)
+    with pytest.raises(NotFoundError):
+        retry_job(p, 987654)
+
+    with p.db.session() as s:  # make it look failed, as a poison job would end
+        s.get(models.Job, ok.job_id).state = "failed"
+    retry_job(p, ok.job_id)
+    with p.db.read_session() as s:
+        job = s.get(models.Job, ok.job_id)
+        assert (job.state, job.attempts, job.error) == ("queued", 0, None)
+    assert results_of(p, ok.job_id) == []
+    assert run_job(p, ok.job_id).state == "succeeded" and len(results_of(p, ok.job_id)) == 2
+
+    queued = ingest_file(p, png_bytes(), name="queued.png")
+    lost = ingest_file(p, png_bytes(), name="lost.png")
+    assert stale_jobs(p, queued_for_s=3600) == []  # fresh queued jobs are not stale yet
+    assert sorted(stale_jobs(p, queued_for_s=0)) == sorted([queued.job_id, lost.job_id])
+    with p.db.session() as s:  # a worker on another machine took it, then vanished: its lease ran out
+        job = s.get(models.Job, lost.job_id)
+        job.state, job.owner, job.attempts = "running", "other-host:1234", 1
+        job.lease_until = utcnow() - timedelta(seconds=1)
+    assert stale_jobs(p, queued_for_s=3600) == [lost.job_id]
+    assert run_job(p, lost.job_id).state == "succeeded"  # the lease passed: taken over without asking
