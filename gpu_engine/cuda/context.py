@@ -12,7 +12,7 @@ import numpy as np
 from .arena import Arena
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from .device import CudaDevice
-from .errors import ShapeError
+from .errors import ArenaExhausted, ShapeError
 from .gemm import CublasLt
 
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "u32": 4}
@@ -59,7 +59,8 @@ class GpuContext:
         self.device = CudaDevice(device_id)
         free, _ = self.device.mem_info()
         if budget_bytes > free:
-            raise ShapeError(f"GPU memory budget {budget_bytes} bytes exceeds the {free} bytes free on the device")
+            raise ArenaExhausted(f"GPU memory budget {budget_bytes} bytes exceeds the {free} bytes free on the device; "
+                                 f"lower the budget (DOCPIPE_CUDA_MEMORY_FRACTION or memory_budget=)")
         self.arena = Arena(self.device.malloc(budget_bytes), budget_bytes)
         self.blas = CublasLt(self.device, self.arena.alloc(WORKSPACE_BYTES, "cublaslt-workspace"), WORKSPACE_BYTES)
 
