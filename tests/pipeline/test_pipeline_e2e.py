@@ -488,3 +488,17 @@ def test_retry_and_stale_jobs(make_pipeline: Any, engine_client: Any) -> None:
         job.lease_until = utcnow() - timedelta(seconds=1)
     assert stale_jobs(p, queued_for_s=3600) == [lost.job_id]
     assert run_job(p, lost.job_id).state == "succeeded"  # the lease passed: taken over without asking
+
+
+def test_files_over_the_size_limit_fail_with_the_setting_named(make_pipeline: Any, tmp_path: Path) -> None:
+    import io
+
+    p = make_pipeline(max_file_bytes=2000)
+    big = png_bytes(400, 400) + os.urandom(4000)  # trailing bytes keep it over the limit whatever PNG compresses to
+    (tmp_path / "big.png").write_bytes(big)
+    for source in (tmp_path / "big.png", big, io.BytesIO(big)):
+        out = ingest_file(p, source, name="big.png")
+        assert out.outcome == "failed" and out.error_type == "LimitExceededError"
+        assert "DOCPIPE_MAX_FILE_BYTES" in out.error and out.document_id is None
+    assert row_counts(p)["documents"] == 0
+    assert not any(f.is_file() for f in p.blobs.root.rglob("*"))  # nothing of the refused files was kept
