@@ -29,7 +29,8 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer (API reads while jobs write)
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")  # wait for the writer lock instead of failing at once
-    cursor.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commits, never data
+    # With WAL, NORMAL stays consistent: a process crash loses nothing, a power loss at most the last commits.
+    cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
 
 
