@@ -6,8 +6,10 @@ Step: all sequences of the batch run together (varlen): host-side metadata is pa
 uploaded once; every layer is a fixed sequence of cuBLASLt GEMMs and kernels on one stream; logits come back
 as float32 for the requested rows only. Decode steps (one token per sequence) replay CUDA graphs captured per
 (batch size, block-table width bucket); DOCPIPE_CUDA_GRAPHS=0 or use_graphs=False turns that off.
-Vision: encode_vision runs the numpy reference tower on the CPU (a GPU vision tower is not written yet); its
-float32 embeddings are uploaded and scattered into their placeholder rows.
+Vision: encode_vision runs the tower on the GPU (vision.py) into a block of the encoder-cache region (a fixed
+part of the arena, DOCPIPE_CUDA_ENCODER_MEMORY bytes, default 256 MiB) and returns DeviceEmbeddings; the prefill
+steps copy their rows into the residual stream on the device. When that region is full the embeddings come back
+as a host float32 array instead (uploaded by the step that uses them, like any host embeddings).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from ..loader import ModelWeights
 from ..runner_api import CacheSpec, StepBatch, StepOutput
 from . import ops, rotary
 from .context import ITEMSIZE, DArray, GpuContext
+from .embeddings import BlockPool, DeviceEmbeddings
 from .errors import CudaBackendError, ShapeError
+from .vision import GpuVisionTower
 from .weights import AttentionWeights, DeltaNetWeights, upload_text_weights
 
 _ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
@@ -52,6 +56,8 @@ class _StepMeta:
     logit_rows: int
     vision_rows: np.ndarray
     vision_embeds: np.ndarray | None
+    # (first row in the step, source address, rows, the embeddings object: kept alive until the step is done)
+    device_vision: list[tuple[int, int, int, DeviceEmbeddings]]
 
 
 class CudaRunner:
@@ -59,7 +65,7 @@ class CudaRunner:
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, dtype: str = "bf16",
                  memory_budget: int | None = None, device_id: int = 0, use_graphs: bool | None = None,
-                 use_pdl: bool | None = None) -> None:
+                 use_pdl: bool | None = None, encoder_memory: int | None = None) -> None:
         if dtype not in ("bf16", "f32"):
             raise ShapeError(f"dtype must be 'bf16' or 'f32', got {dtype!r}")
         self.config = model_config
@@ -75,11 +81,21 @@ class CudaRunner:
         cfg = self.cfg
         self._rope_inv = self.ctx.to_device(rotary.inv_freq(cfg.rope_theta, cfg.rotary_dim), "f32", "rope.inv_freq")
         self._rope_axis = self.ctx.to_device(rotary.mrope_axis(cfg.rotary_dim, cfg.mrope_section), "i32", "rope.axis")
+        # The vision tower and its encoder-cache region come before the cache mark: they outlive cache changes.
+        self.vision: GpuVisionTower | None = None
+        self._encoded: BlockPool | None = None
+        if weights.vision:
+            if model_config.vision.out_hidden_size != cfg.hidden_size:
+                raise ShapeError(f"vision out_hidden_size {model_config.vision.out_hidden_size} != text hidden_size "
+                                 f"{cfg.hidden_size}")
+            self.vision = GpuVisionTower(self.ctx, model_config.vision, weights.vision, dtype)
+            pool = encoder_memory if encoder_memory is not None else int(
+                os.environ.get("DOCPIPE_CUDA_ENCODER_MEMORY", str(256 << 20)))
+            self._encoded = BlockPool(self.ctx.arena.alloc(pool, "encoder-cache"), pool)
         self._after_weights = self.ctx.arena.mark()
         self.spec: CacheSpec | None = None
         self.cache: dict[int, _LayerCache] = {}
         self._after_cache = self._after_weights
-        self._vision_tower: Any = None
         self._longest = 0  # longest chunk of the step being enqueued (picks the attention kernel)
         # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
         # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
@@ -104,7 +120,7 @@ class CudaRunner:
         return len(cfg.linear_attention_layers) * (conv + state)
 
     def embedding_nbytes(self, item: VisionItem) -> int:
-        return item.num_tokens * self.cfg.hidden_size * 4  # host float32 (the tower runs on the CPU for now)
+        return item.num_tokens * self.cfg.hidden_size * ITEMSIZE[self.dtype]
 
     # ---- cache -----------------------------------------------------------------------------------------------
     def allocate_cache(self, spec: CacheSpec) -> None:
@@ -149,15 +165,29 @@ class CudaRunner:
         return self.spec
 
     # ---- vision ----------------------------------------------------------------------------------------------
-    def encode_vision(self, item: VisionItem) -> np.ndarray:
-        if self._vision_tower is None:
-            from ..reference.vision_tower import VisionTower
+    def encode_vision(self, item: VisionItem) -> DeviceEmbeddings | np.ndarray:
+        """The item's embeddings [num_tokens, hidden], encoded on the GPU. DeviceEmbeddings in the encoder-cache
+        region; a host float32 array when that region has no room left (the caller's cache then holds it)."""
+        if self.vision is None or self._encoded is None:
+            raise RunnerInputError("this runner was built without vision weights, so it cannot encode images")
+        if self.vision.num_tokens(item.grid_thw) != item.num_tokens:
+            raise RunnerInputError(f"item with grid {item.grid_thw} has {item.num_tokens} placeholders, the tower "
+                                   f"makes {self.vision.num_tokens(item.grid_thw)}")
+        shape = (item.num_tokens, self.cfg.hidden_size)
+        emb = DeviceEmbeddings.allocate(self._encoded, shape, self.dtype, ITEMSIZE[self.dtype], self._download)
+        if emb is not None:
+            self.vision.encode(item.pixel_values, item.grid_thw, DArray(emb.ptr, shape, self.dtype))
+            return emb
+        mark = self.ctx.arena.mark()
+        try:
+            out = self.ctx.empty(shape, self.dtype, "vision-out")
+            return self.ctx.to_host(self.vision.encode(item.pixel_values, item.grid_thw, out))
+        finally:
+            self.ctx.arena.release(mark)
 
-            self._vision_tower = VisionTower(self.config.vision, self.weights_host.vision)
-        out = np.asarray(self._vision_tower.encode(item.pixel_values, item.grid_thw), dtype=np.float32)
-        if out.shape != (item.num_tokens, self.cfg.hidden_size):
-            raise RunnerInputError(f"vision tower gave {out.shape}, expected ({item.num_tokens}, {self.cfg.hidden_size})")
-        return out
+    def _download(self, emb: DeviceEmbeddings) -> np.ndarray:
+        self.ctx.device.sync()
+        return self.ctx.to_host(DArray(emb.ptr, emb.shape, emb.dtype)).astype(np.float32, copy=False)
 
     # ---- the step --------------------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> StepOutput:
@@ -230,6 +260,7 @@ class CudaRunner:
         if not batch.chunks:
             raise RunnerInputError("empty step batch")
         ids, pos, cu, slots, fresh, tok_seq, tok_pos, kv_slots, logit_rows, vis_rows, vis = ([] for _ in range(11))
+        device_vision: list[tuple[int, int, int, DeviceEmbeddings]] = []
         tables = []
         base = 0
         for s, chunk in enumerate(batch.chunks):
@@ -265,6 +296,15 @@ class CudaRunner:
             elif chunk.logits == "last":
                 logit_rows.append(np.array([base + n - 1]))
             for piece in chunk.vision:
+                if isinstance(piece.embeddings, DeviceEmbeddings):
+                    dev = piece.embeddings
+                    rows = dev.shape[0]
+                    if dev.dtype != self.dtype or dev.shape[1] != cfg.hidden_size or not 0 <= piece.chunk_offset <= n - rows:
+                        raise RunnerInputError(f"{where}: device vision embeddings {dev.shape} {dev.dtype} at row "
+                                               f"{piece.chunk_offset} do not fit a chunk of {n} x {cfg.hidden_size} "
+                                               f"{self.dtype}")
+                    device_vision.append((base + piece.chunk_offset, dev.ptr, rows, dev))
+                    continue
                 emb = np.asarray(piece.embeddings, np.float32)
                 if emb.ndim != 2 or emb.shape[1] != cfg.hidden_size or not 0 <= piece.chunk_offset <= n - emb.shape[0]:
                     raise RunnerInputError(f"{where}: vision embeddings {emb.shape} at row {piece.chunk_offset} "
@@ -289,7 +329,7 @@ class CudaRunner:
         longest = max(c.num_tokens for c in batch.chunks)
         return _StepMeta(n=base, longest_chunk=longest, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
                          logit_rows=int(arrays["logit_rows"].size), vision_rows=arrays["vis_rows"].astype(np.int32),
-                         vision_embeds=np.concatenate(vis) if vis else None)
+                         vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)
 
     @staticmethod
     def _pack_meta(meta: _StepMeta) -> tuple[np.ndarray, dict[str, int]]:
@@ -338,6 +378,9 @@ class CudaRunner:
         ops.embed_gather(ctx, x, self.w.embed, m["ids"])
         if "vision" in bufs:
             ops.scatter_rows(ctx, x, bufs["vision"], m["vis_rows"])
+        row_bytes = H * ITEMSIZE[t]
+        for row, src, rows, _ in meta.device_vision:  # placeholder rows of one item are consecutive
+            ctx.device.copy(x.ptr + row * row_bytes, src, rows * row_bytes)
         first = True
         for i, layer in enumerate(self.w.layers):
             if first:

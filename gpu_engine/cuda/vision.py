@@ -1,0 +1,187 @@
+"""The Qwen3.5 vision tower on the GPU: the same function as gpu_engine/reference/vision_tower.py.
+
+Per item (an image, or one video frame group; a video item with grid t > 1 also works: its frame groups are
+attention segments of h*w rows each):
+
+    pixels [n, C*T*P*P] --GEMM--> x [n, hidden] --patch_pos--> + bias + resampled position table
+    depth x: LayerNorm -> qkv GEMM (+bias) -> 2-D rotary on q and k -> segment attention -> proj GEMM (+bias, +x)
+             LayerNorm -> fc1 GEMM (+bias, GELU) -> fc2 GEMM (+bias, +x)
+    merger:  LayerNorm -> rows viewed as [n / merge^2, merge^2 * hidden] (the processors emit each merge window's
+             patches consecutively, so the window gather is a reshape) -> fc1 (+bias, exact GELU) -> fc2 (+bias)
+
+Geometry that depends only on the grid (bilinear taps and weights of the position table, (row, col) of each
+patch for the rotary) is computed on the host in float64 and uploaded with the pixels; the arithmetic runs on
+the device in the runner's dtype with fp32 accumulation. Activations are per-call scratch from the arena.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import ops, rotary
+from .context import DArray, GpuContext
+from .errors import CudaBackendError, ShapeError
+from .weights import _Uploader
+
+LAYER_NORM_EPS = 1e-6  # fixed in the model code, as in the reference tower
+_BLOCK_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+
+
+class VisionEncodeError(CudaBackendError, ValueError):
+    """pixel values / grid that the tower cannot encode (the message says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    norm1_w: DArray
+    norm1_b: DArray
+    qkv_w: DArray
+    qkv_b: DArray
+    proj_w: DArray
+    proj_b: DArray
+    norm2_w: DArray
+    norm2_b: DArray
+    fc1_w: DArray
+    fc1_b: DArray
+    fc2_w: DArray
+    fc2_b: DArray
+
+
+@dataclass(frozen=True)
+class FrameGeometry:
+    """Host-side tables of one h x w frame, rows in the processors' merge-window order."""
+
+    taps: np.ndarray  # int32 [h*w, 4]: rows of the (side*side, hidden) position table
+    weights: np.ndarray  # float32 [h*w, 4]: bilinear weights of those rows
+    rowcol: np.ndarray  # int32 [2, h*w]: (row, col) of each patch, the 2-D rotary positions
+
+
+def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """align_corners=True resampling of `side` table points onto `size` grid points: low tap, high tap, weight."""
+    src = index.astype(np.float64) * (side - 1) / max(size - 1, 1)
+    lo = np.floor(src).astype(np.int64)
+    return lo, np.minimum(lo + 1, side - 1), src - lo
+
+
+def frame_geometry(h: int, w: int, merge: int, side: int) -> FrameGeometry:
+    """Position-table taps/weights and rotary positions of an h x w frame (h, w multiples of `merge`)."""
+    raster = np.arange(h * w).reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
+    row, col = raster // w, raster % w
+    r0, r1, fr = _axis_taps(row, h, side)
+    c0, c1, fc = _axis_taps(col, w, side)
+    taps = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
+    weights = np.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], axis=1)
+    return FrameGeometry(taps.astype(np.int32), weights.astype(np.float32), np.stack([row, col]).astype(np.int32))
+
+
+class GpuVisionTower:
+    """Vision weights uploaded once (runner dtype; biases and norms too), encode() per item."""
+
+    def __init__(self, ctx: GpuContext, vision_config: Any, weights: dict[str, np.ndarray], dtype: str) -> None:
+        from ..reference.vision_tower import VisionDims, _check_weights, vision_weight_shapes
+
+        self.ctx, self.dtype = ctx, dtype
+        self.dims = d = VisionDims.from_config(vision_config)
+        _check_weights(vision_weight_shapes(vision_config), weights)
+        if d.head_dim > 256:
+            raise ShapeError(f"vision head_dim {d.head_dim} > 256 is not supported by the attention kernel")
+        self.act = _BLOCK_ACTS[d.hidden_act]
+        up = _Uploader(ctx, dtype)
+        put = lambda name: up.put("visual." + name, np.asarray(weights[name]))  # noqa: E731
+        self.patch_w = up.put("visual.patch_embed", np.asarray(weights["patch_embed.proj.weight"]).reshape(
+            d.hidden_size, d.patch_dim))
+        self.patch_b = put("patch_embed.proj.bias")
+        side = d.pos_grid_side
+        self.pos_table = up.put("visual.pos_embed", np.asarray(weights["pos_embed.weight"])[: side * side])
+        names = ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                 "attn.proj.bias", "norm2.weight", "norm2.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+        self.blocks = [_Block(*(put(f"blocks.{i}.{n}") for n in names)) for i in range(d.depth)]
+        self.merger = [put("merger." + n) for n in ("norm.weight", "norm.bias", "linear_fc1.weight",
+                                                     "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")]
+        self.nbytes = up.nbytes
+        inv, axis = rotary.vision_tables(d.head_dim, d.rope_theta)
+        self.rope_inv = ctx.to_device(inv, "f32", "visual.rope_inv")
+        self.rope_axis = ctx.to_device(axis, "i32", "visual.rope_axis")
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.dims.merge_unit
+
+    def _check(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], out: DArray) -> None:
+        d = self.dims
+        if len(grid_thw) != 3 or min(grid_thw) < 1:
+            raise VisionEncodeError(f"grid_thw must be three positive integers, got {grid_thw!r}")
+        t, h, w = grid_thw
+        if h % d.spatial_merge_size or w % d.spatial_merge_size:
+            raise VisionEncodeError(f"grid {grid_thw}: h and w must be multiples of spatial_merge_size "
+                                    f"{d.spatial_merge_size}")
+        if pixel_values.ndim != 2 or pixel_values.shape != (t * h * w, d.patch_dim):
+            raise VisionEncodeError(f"pixel_values must be [{t * h * w}, {d.patch_dim}] for grid {grid_thw}, got "
+                                    f"{pixel_values.shape}")
+        want = (self.num_tokens(grid_thw), d.out_hidden_size)
+        if out.shape != want or out.dtype != self.dtype:
+            raise VisionEncodeError(f"output buffer {out.shape} {out.dtype}, expected {want} {self.dtype}")
+
+    def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], out: DArray) -> DArray:
+        """Encode one item into `out` [t*h*w / merge^2, out_hidden] (enqueued on the context's stream)."""
+        pixel_values = np.asarray(pixel_values, np.float32)
+        grid_thw = tuple(int(g) for g in grid_thw)
+        self._check(pixel_values, grid_thw, out)
+        ctx, d, t_ = self.ctx, self.dims, self.dtype
+        t, h, w = grid_thw
+        n, H, seg = t * h * w, d.hidden_size, h * w
+        geo = frame_geometry(h, w, d.spatial_merge_size, d.pos_grid_side)
+        mark = ctx.arena.mark()
+        try:
+            pixels = ctx.to_device(pixel_values, t_, "visual.pixels")
+            taps = ctx.to_device(np.tile(geo.taps, (t, 1)), "i32", "visual.taps")
+            tap_w = ctx.to_device(np.tile(geo.weights, (t, 1)), "f32", "visual.tap_weights")
+            rowcol = ctx.to_device(np.tile(geo.rowcol, (1, t)), "i32", "visual.rowcol")
+            x = ctx.empty((n, H), t_, "visual.x")
+            normed = ctx.empty((n, H), t_, "visual.normed")
+            qkv = ctx.empty((n, 3 * H), t_, "visual.qkv")
+            attn = ctx.empty((n, H), t_, "visual.attn")
+            tmp = ctx.empty((n, H), t_, "visual.tmp")
+            mlp = ctx.empty((n, d.intermediate_size), t_, "visual.mlp")
+            ctx.blas.linear(x.ptr, pixels.ptr, self.patch_w.ptr, n, H, d.patch_dim, dtype=t_)
+            ops.patch_pos(ctx, x, self.patch_b, self.pos_table, taps, tap_w)
+            for b in self.blocks:
+                ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, LAYER_NORM_EPS)
+                ctx.blas.linear(qkv.ptr, normed.ptr, b.qkv_w.ptr, n, 3 * H, H, dtype=t_)
+                ops.bias_act(ctx, qkv, qkv, b.qkv_b)
+                for part in (0, H):  # q, then k: rotary over the whole head, (row, col) angles
+                    ops.rope(ctx, qkv.at(part), n, d.num_heads, d.head_dim, 3 * H, d.head_dim, rowcol,
+                             self.rope_inv, self.rope_axis)
+                ops.vision_attention(ctx, attn, qkv, d.num_heads, d.head_dim, seg, d.head_dim ** -0.5)
+                ctx.blas.linear(tmp.ptr, attn.ptr, b.proj_w.ptr, n, H, H, dtype=t_)
+                ops.bias_residual(ctx, x, tmp, b.proj_b)
+                ops.layernorm(ctx, normed, x, b.norm2_w, b.norm2_b, LAYER_NORM_EPS)
+                ctx.blas.linear(mlp.ptr, normed.ptr, b.fc1_w.ptr, n, d.intermediate_size, H, dtype=t_)
+                ops.bias_act(ctx, mlp, mlp, b.fc1_b, self.act)
+                ctx.blas.linear(tmp.ptr, mlp.ptr, b.fc2_w.ptr, n, H, d.intermediate_size, dtype=t_)
+                ops.bias_residual(ctx, x, tmp, b.fc2_b)
+            norm_w, norm_b, fc1_w, fc1_b, fc2_w, fc2_b = self.merger
+            ops.layernorm(ctx, normed, x, norm_w, norm_b, LAYER_NORM_EPS)
+            rows, M = n // d.merge_unit, d.merged_size
+            windows = normed.view((rows, M))  # each merge window's patches are consecutive rows
+            hidden = ctx.empty((rows, M), t_, "visual.merger_hidden")
+            ctx.blas.linear(hidden.ptr, windows.ptr, fc1_w.ptr, rows, M, M, dtype=t_)
+            ops.bias_act(ctx, hidden, hidden, fc1_b, "gelu")
+            ctx.blas.linear(out.ptr, hidden.ptr, fc2_w.ptr, rows, d.out_hidden_size, M, dtype=t_)
+            ops.bias_act(ctx, out, out, fc2_b)
+        finally:
+            ctx.device.sync()  # scratch is released below; nothing may still be reading it
+            ctx.arena.release(mark)
+        return out
+
+    def flops(self, grid_thw: tuple[int, int, int]) -> float:
+        """Multiply-adds x 2 of one item (GEMMs and attention), for rates in the benchmark."""
+        d = self.dims
+        t, h, w = grid_thw
+        n, H, M = t * h * w, d.hidden_size, d.merged_size
+        per_block = 2 * n * H * (3 * H + H + 2 * d.intermediate_size) + 4 * n * h * w * H
+        return float(2 * n * H * d.patch_dim + d.depth * per_block + 2 * (n // d.merge_unit) * M * (
+            M + d.out_hidden_size))
