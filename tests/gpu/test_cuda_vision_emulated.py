@@ -1,0 +1,188 @@
+"""GpuVisionTower's orchestration (buffers, strides, views, op order, geometry upload) checked without a GPU.
+
+The device is emulated: memory is one numpy byte buffer addressed by integers, and each vision kernel / the
+cuBLASLt linear is a few lines of numpy with the semantics documented in kernels/vision.cu, rope.cu and gemm.py
+(bf16 storage is emulated by rounding every stored value). What this cannot see is the CUDA code itself — the
+GPU check (tests/gpu/check_vision.py) covers that — but every address the tower computes is exercised here, on
+non-square grids and a two-frame-group item, against the numpy reference tower.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gpu_engine.cuda.arena import Arena
+from gpu_engine.cuda.bf16 import round_to_bf16
+from gpu_engine.cuda.context import GpuContext
+from gpu_engine.cuda.vision import GpuVisionTower
+from gpu_engine.reference.vision_tower import VisionTower
+from tests.gpu.check_vision import CONFIGS, random_vision_weights
+
+BASE = 1 << 32
+
+
+class FakeDevice:
+    info = SimpleNamespace(sm_count=4)
+
+    def __init__(self, nbytes: int) -> None:
+        self.mem = np.zeros(nbytes, np.uint8)
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def _bytes(self, ptr: int, nbytes: int) -> np.ndarray:
+        off = ptr - BASE
+        assert 0 <= off and off + nbytes <= self.mem.size, "access outside the emulated device memory"
+        return self.mem[off : off + nbytes]
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        data = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+        self._bytes(dst, data.size)[:] = data
+
+    def download(self, host: np.ndarray, src: int) -> np.ndarray:
+        host.view(np.uint8).reshape(-1)[:] = self._bytes(src, host.nbytes)
+        return host
+
+    def memset(self, dst: int, byte: int, nbytes: int) -> None:
+        self._bytes(dst, nbytes)[:] = byte
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self._bytes(dst, nbytes)[:] = self._bytes(src, nbytes).copy()
+
+    def sync(self) -> None:
+        pass
+
+    def read(self, ptr: int, count: int, dtype: str) -> np.ndarray:
+        if dtype == "bf16":
+            bits = self._bytes(ptr, 2 * count).view(np.uint16)
+            return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return self._bytes(ptr, 4 * count).view({"f32": np.float32, "i32": np.int32}[dtype]).astype(
+            np.float64 if dtype == "f32" else np.int64)
+
+    def write(self, ptr: int, values: np.ndarray, dtype: str) -> None:
+        v = np.asarray(values, np.float32).reshape(-1)
+        if dtype == "bf16":
+            from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+
+            self._bytes(ptr, 2 * v.size)[:] = f32_to_bf16_bits(v).view(np.uint8)
+        else:
+            self._bytes(ptr, 4 * v.size)[:] = v.view(np.uint8)
+
+    # -- kernels -----------------------------------------------------------------------------------------------
+    def launch(self, family: str, name: str, grid, block, *args) -> None:  # noqa: ANN001
+        kernel, t = name.rsplit("_", 1)
+        a = [int(x) if isinstance(x, (int, np.integer)) else float(x) for x in args]
+        getattr(self, "k_" + kernel)(t, *a)
+
+    def k_layernorm(self, t, out, x, w, b, rows, dim, eps):  # noqa: ANN001
+        xv = self.read(x, rows * dim, t).reshape(rows, dim)
+        mean = xv.mean(1, keepdims=True)
+        var = ((xv - mean) ** 2).mean(1, keepdims=True)
+        self.write(out, (xv - mean) / np.sqrt(var + eps) * self.read(w, dim, t) + self.read(b, dim, t), t)
+
+    def k_bias_act(self, t, out, x, bias, rows, cols, act):  # noqa: ANN001
+        from gpu_engine.reference.vision_tower import gelu_exact, gelu_tanh
+
+        v = self.read(x, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t)
+        v = {0: lambda z: z, 1: gelu_tanh, 2: gelu_exact}[act](v)
+        self.write(out, v, t)
+
+    def k_bias_residual(self, t, x, y, bias, rows, cols):  # noqa: ANN001
+        v = self.read(x, rows * cols, t).reshape(rows, cols)
+        self.write(x, v + self.read(y, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t), t)
+
+    def k_patch_pos(self, t, x, bias, table, taps, weights, rows, cols):  # noqa: ANN001
+        tp = self.read(taps, rows * 4, "i32").reshape(rows, 4)
+        wt = self.read(weights, rows * 4, "f32").reshape(rows, 4)
+        tab = self.read(table, (tp.max() + 1) * cols, t).reshape(-1, cols)
+        pos = (wt[:, :, None] * tab[tp]).sum(1)
+        self.write(x, self.read(x, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t) + pos, t)
+
+    def k_rope(self, t, x, tok_stride, head_stride, pos, pos_row_stride, inv, axis, n, heads, rot):  # noqa: ANN001
+        half = rot // 2
+        inv_v = self.read(inv, half, "f32").astype(np.float32)
+        ax = self.read(axis, half, "i32")
+        pv = self.read(pos, int(ax.max() + 1) * pos_row_stride, "i32").reshape(-1, pos_row_stride)
+        item = 2 if t == "bf16" else 4
+        for tok in range(n):
+            ang = (pv[ax, tok].astype(np.float32) * inv_v).astype(np.float64)
+            for h in range(heads):
+                ptr = x + (tok * tok_stride + h * head_stride) * item
+                v = self.read(ptr, rot, t)
+                x1, x2 = v[:half], v[half:]
+                self.write(ptr, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                                                x2 * np.cos(ang) + x1 * np.sin(ang)]), t)
+
+    def k_vision_attention(self, t, out, qkv, n, heads, hd, seg, scale):  # noqa: ANN001
+        W = heads * hd
+        v = self.read(qkv, n * 3 * W, t).reshape(n, 3, heads, hd)
+        res = np.empty((n, heads, hd))
+        for s in range(0, n, seg):
+            for h in range(heads):
+                q, k, vv = v[s:s + seg, 0, h], v[s:s + seg, 1, h], v[s:s + seg, 2, h]
+                sc = q @ k.T * scale
+                p = np.exp(sc - sc.max(1, keepdims=True))
+                res[s:s + seg, h] = (p / p.sum(1, keepdims=True)) @ vv
+        self.write(out, res, t)
+
+
+class FakeBlas:
+    def __init__(self, dev: FakeDevice) -> None:
+        self.dev = dev
+
+    def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, accumulate=False):  # noqa: ANN001
+        assert not accumulate and y_ld in (None, n)
+        x_ld = x_ld or k
+        xv = self.dev.read(x, (m - 1) * x_ld + k, dtype)
+        xm = np.stack([xv[r * x_ld : r * x_ld + k] for r in range(m)])
+        wm = self.dev.read(w, n * k, dtype).reshape(n, k)
+        self.dev.write(y, xm @ wm.T, y_dtype or dtype)
+
+
+def fake_context(nbytes: int = 32 << 20) -> GpuContext:
+    ctx = GpuContext.__new__(GpuContext)
+    ctx.device = FakeDevice(nbytes)
+    ctx.arena = Arena(BASE, nbytes)
+    ctx.blas = FakeBlas(ctx.device)
+    return ctx
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 1e-5), ("bf16", 1e-2)])
+def test_emulated_tower_matches_reference(dtype: str, tol: float) -> None:
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS["tiny hd16 gelu-tanh"])
+    weights = random_vision_weights(cfg, rng)
+    ref_w = weights if dtype == "f32" else {k: round_to_bf16(v) for k, v in weights.items()}
+    ref_tower = VisionTower(cfg, ref_w)
+    ctx = fake_context()
+    tower = GpuVisionTower(ctx, cfg, weights, dtype)
+    for grid in [(1, 4, 6), (2, 6, 4)]:  # non-square; two frame groups = two attention segments
+        t, h, w = grid
+        pixels = rng.standard_normal((t * h * w, ref_tower.dims.patch_dim)).astype(np.float32)
+        ref = ref_tower.encode(pixels if dtype == "f32" else round_to_bf16(pixels), grid)
+        mark = ctx.arena.mark()
+        out = ctx.empty(ref.shape, dtype, "out")
+        ctx.poison(out)
+        tower.encode(pixels, grid, out)
+        got = ctx.to_host(out)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert np.all(np.isfinite(got)) and err <= tol, (grid, err)
+        ctx.arena.release(mark)
+        assert ctx.arena.mark() == mark  # encode released its scratch
+
+
+def test_encode_refuses_bad_inputs() -> None:
+    from gpu_engine.cuda.vision import VisionEncodeError
+
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS["tiny hd16 gelu-tanh"])
+    ctx = fake_context()
+    tower = GpuVisionTower(ctx, cfg, random_vision_weights(cfg, rng), "f32")
+    out = ctx.empty((6, cfg.out_hidden_size), "f32", "out")
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    with pytest.raises(VisionEncodeError, match="multiples of spatial_merge_size"):
+        tower.encode(np.zeros((15, patch_dim), np.float32), (1, 3, 5), out)
+    with pytest.raises(VisionEncodeError, match="pixel_values must be"):
+        tower.encode(np.zeros((24, patch_dim + 1), np.float32), (1, 4, 6), out)
+    with pytest.raises(VisionEncodeError, match="output buffer"):
+        tower.encode(np.zeros((48, patch_dim), np.float32), (2, 4, 6), out)
