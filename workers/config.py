@@ -161,6 +161,11 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
         "task_time_limit": None,
         "task_soft_time_limit": None,
         "worker_max_tasks_per_child": ws.ingest_max_tasks_per_child,
+        # No remote control: it listens on a Redis pub/sub connection, and when Redis restarts, redis-py silently
+        # reconnects that connection and then blocks the worker's event loop reading a subscription the new
+        # server never had (observed: a worker that stopped consuming until killed). docpipe workers are
+        # controlled by signals and observed through `docpipe status`, so `celery inspect/control` is not used.
+        "worker_enable_remote_control": False,
         "worker_send_task_events": False,
         "worker_hijack_root_logger": False,
         "broker_channel_error_retry": True,
