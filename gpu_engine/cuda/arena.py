@@ -25,6 +25,7 @@ class Arena:
     base: int
     capacity: int
     used: int = 0
+    peak: int = 0  # high-water mark of `used` (what the budget must at least hold)
     regions: list[Region] = field(default_factory=list)
 
     def alloc(self, nbytes: int, name: str) -> int:
@@ -40,6 +41,7 @@ class Arena:
                 f"max_num_seqs / KV blocks / max_batched_tokens"
             )
         self.used = end
+        self.peak = max(self.peak, end)
         region = Region(name, self.base + start, nbytes)
         self.regions.append(region)
         return region.ptr

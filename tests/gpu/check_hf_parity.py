@@ -365,6 +365,18 @@ def check_1b(rng: np.random.Generator, seed: int, positions: int = 256, prefill:
     return [result]
 
 
+def _guarded(case: str, run) -> list[ParityResult]:
+    """Run one part; an exception becomes a failed result with its traceback (the other part still runs)."""
+    import traceback
+
+    try:
+        return run()
+    except Exception:  # noqa: BLE001 - reported as a failure, never swallowed
+        text = traceback.format_exc()
+        print(text, flush=True)
+        return [ParityResult(case, "raised", float("nan"), "no exception", False, {"traceback": text[-3000:]})]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
@@ -387,12 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False  # (the patch embedding is a Conv3d)
     seed = int(np.random.SeedSequence().entropy % 2**31)
     rng = np.random.default_rng(seed)
-    results = check_tiny(rng, seed % 1000)
+    results = _guarded("tiny f32", lambda: check_tiny(rng, seed % 1000))
     if not args.skip_1b:
         small = {**BIG_TEXT, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
                  "head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
                  "linear_num_value_heads": 4}
-        results += check_1b(rng, seed, text=small if args.cpu_harness else None)
+        results += _guarded("~1B bf16", lambda: check_1b(rng, seed, text=small if args.cpu_harness else None))
     print(f"seed {seed}: {sum(r.ok for r in results)}/{len(results)} passed")
     if args.json:
         info = {"seed": seed, "torch": torch.__version__, "mode": "cpu-harness" if args.cpu_harness else "gpu",

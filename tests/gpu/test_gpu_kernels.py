@@ -27,3 +27,14 @@ def test_cuda_runner_matches_reference_runner() -> None:
     except CudaUnavailable as exc:
         pytest.skip(f"no GPU for the CUDA runner check: {exc}")
     assert all(r.ok for r in results), "\n" + format_table(results)
+
+
+def test_gpu_vision_tower_matches_reference_tower() -> None:
+    from gpu_engine.cuda.errors import CudaUnavailable
+    from tests.gpu.check_vision import format_table, run_all
+
+    try:
+        results, _ = run_all()
+    except CudaUnavailable as exc:
+        pytest.skip(f"no GPU for the vision tower check: {exc}")
+    assert results and all(r.ok for r in results), "\n" + format_table(results)

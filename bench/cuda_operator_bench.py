@@ -1,0 +1,232 @@
+"""Operator-side numbers for the CUDA runner, next to transformers 5.17 on the same card and config.
+
+    python3 bench/cuda_operator_bench.py [--json out.json] [--shape 2b] [--long 32768] [--no-hf]
+
+Ours (random bf16 weights, the 2B-class shape of bench/cuda_bench.py unless --shape):
+- time to first token of a 1024-token prompt (wall clock: prefill of one chunk + the logits on the host), median
+  of 5 after a warm-up;
+- batch-1 decode tok/s at 1k context and at a long context (--long tokens, prefilled in 8192-token chunks), through
+  forward() as the engine calls it (decode graphs on), median over 32 steps after warm-up;
+- peak arena use (every byte the runner touched) and the arena budget;
+- vision encode of one 1024x1024 image (grid 64 x 64 patches of 16) on a Qwen3.5-shaped tower (27 blocks of 1152,
+  16 heads, MLP 4304), images/s, median of 3 after a warm-up.
+transformers (--no-hf to skip), in a child process so the two never share the card's memory: the same text config
+as Qwen3_5ForCausalLM in bf16 (its default init; its torch fallbacks for the DeltaNet and conv kernels are what a
+user without extra packages gets), time to first token of the same prompt length and decode tok/s at batch 1
+(generate() with a fixed number of new tokens, timed for 1 and for 1 + N tokens), peak torch memory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_bench import SHAPES, random_bf16_weights  # noqa: E402
+
+PROMPT = 1024
+DECODE_STEPS = 32
+CHUNK = 8192
+VISION_2B = {"depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "patch_size": 16,
+             "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "out_hidden_size": 2048,
+             "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh", "rope_theta": 10000.0}
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1e3 * float(np.median(samples))
+
+
+def bench_ours(shape: str, long_ctx: int, rng: np.random.Generator) -> dict:
+    from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.runner import CudaRunner
+    from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
+
+    text_cfg, tied = SHAPES[shape]
+    config = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {},
+                                    "tie_word_embeddings": tied})
+    weights = random_bf16_weights(config, rng)
+    weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
+    budget = weight_bytes + (24 << 30)
+    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=budget)
+    del weights
+    cfg, bs = config.text, 16
+    blocks = (long_ctx + PROMPT + 4 * DECODE_STEPS) // bs + 2
+    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=bs, num_state_slots=2))
+    table = np.arange(blocks, dtype=np.int32)
+    out: dict = {"shape": shape, "budget_bytes": budget, "weight_bytes": runner.w.nbytes}
+
+    def step(ids: np.ndarray, start: int, logits: str = "last") -> np.ndarray:
+        pos = np.tile(np.arange(start, start + len(ids)), (3, 1))
+        return runner.forward(StepBatch([SeqChunk(0, ids, pos, start, table, 0, logits=logits)])).logits
+
+    try:
+        prompt = rng.integers(0, cfg.vocab_size, PROMPT)
+        step(prompt, 0)  # warm-up: modules, GEMM plans
+        ttft = []
+        for _ in range(5):
+            runner.ctx.device.sync()
+            t0 = time.perf_counter()
+            token = int(np.argmax(step(prompt, 0)[-1]))
+            ttft.append(time.perf_counter() - t0)
+        out["ttft_1k_ms"] = _median_ms(ttft)
+
+        def decode(start: int, token: int) -> list[float]:
+            times = []
+            for i in range(DECODE_STEPS + 4):
+                t0 = time.perf_counter()
+                token = int(np.argmax(step(np.array([token]), start + i)[-1]))
+                times.append(time.perf_counter() - t0)
+            return times[4:]  # the first steps run eagerly, then the decode graph is captured
+
+        out["decode_1k_ms"] = _median_ms(decode(PROMPT, token))
+        # long context: a fresh sequence prefilled in chunks, then decoded
+        ids = rng.integers(0, cfg.vocab_size, long_ctx)
+        runner.ctx.device.sync()
+        t0 = time.perf_counter()
+        for start in range(0, long_ctx, CHUNK):
+            logits = step(ids[start:start + CHUNK], start)
+        out[f"prefill_{long_ctx}_s"] = time.perf_counter() - t0
+        out[f"decode_{long_ctx}_ms"] = _median_ms(decode(long_ctx, int(np.argmax(logits[-1]))))
+        out["arena_peak_bytes"] = runner.ctx.arena.peak
+    finally:
+        runner.close()
+    return out
+
+
+def bench_vision(rng: np.random.Generator, side_px: int = 1024) -> dict:
+    from types import SimpleNamespace
+
+    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+    from gpu_engine.cuda.context import GpuContext
+    from gpu_engine.cuda.vision import GpuVisionTower
+    from gpu_engine.reference.vision_tower import vision_weight_shapes
+
+    cfg = SimpleNamespace(**VISION_2B)
+    block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
+    weights = {k: np.resize(block, s) for k, s in vision_weight_shapes(cfg).items()}
+    ctx = GpuContext(8 << 30)
+    try:
+        tower = GpuVisionTower(ctx, cfg, weights, "bf16")
+        side = side_px // cfg.patch_size
+        grid = (1, side, side)
+        pixels = rng.standard_normal((side * side, tower.dims.patch_dim)).astype(np.float32)
+        out = ctx.empty((tower.num_tokens(grid), cfg.out_hidden_size), "bf16", "bench-vision-out")
+        tower.encode(pixels, grid, out)  # warm-up
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            tower.encode(pixels, grid, out)  # returns after a device sync
+            times.append(time.perf_counter() - t0)
+        sec = float(np.median(times))
+        return {"image_px": side_px, "grid": grid, "encode_ms": 1e3 * sec, "images_per_s": 1 / sec,
+                "tflops": tower.flops(grid) / sec / 1e12, "weight_bytes": tower.nbytes}
+    finally:
+        ctx.close()
+
+
+HF_CHILD = r"""
+import json, sys, time, torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+cfg = Qwen3_5TextConfig(**json.loads(sys.argv[1]))
+prompt, steps = int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+ids = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
+def run(n):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize(); return time.perf_counter() - t0
+run(2)  # warm-up
+first = sorted(run(1) for _ in range(3))[1]
+full = sorted(run(1 + steps) for _ in range(2))[0]
+print(json.dumps({"ttft_1k_ms": 1e3 * first, "decode_ms": 1e3 * (full - first) / steps,
+                  "peak_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
+                  "transformers": __import__("transformers").__version__}))
+"""
+
+
+def bench_hf(shape: str, steps: int = 16) -> dict:
+    text_cfg, tied = SHAPES[shape]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-c", HF_CHILD, json.dumps({**text_cfg, "tie_word_embeddings": tied}), str(PROMPT),
+            str(steps)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--shape", default="2b", choices=sorted(SHAPES))
+    parser.add_argument("--long", type=int, default=32768, help="long-context length (tokens)")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-vision", action="store_true")
+    args = parser.parse_args(argv)
+    from gpu_engine.cuda.device import CudaDevice
+    from gpu_engine.cuda.errors import CudaUnavailable
+
+    try:
+        info_dev = CudaDevice().info
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return 0
+    rng = np.random.default_rng()
+    results: dict = {"info": {"device": info_dev.name, "arch": info_dev.arch,
+                              "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+                              "command": " ".join([os.path.basename(sys.executable), *sys.argv])}}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
+    results["ours"] = ours = bench_ours(args.shape, args.long, rng)
+    save()
+    print("ours:", json.dumps(ours), flush=True)
+    if not args.no_vision:
+        results["vision"] = bench_vision(rng)
+        save()
+        print("vision:", json.dumps(results["vision"]), flush=True)
+    if not args.no_hf:
+        results["transformers"] = bench_hf(args.shape)
+        save()
+        print("transformers:", json.dumps(results["transformers"])[:2000], flush=True)
+    hf = results.get("transformers", {})
+    rows = [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
+            (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s"),
+            (f"{args.shape}: prefill {args.long} tokens (chunks of {CHUNK})", f"{ours[f'prefill_{args.long}_s']:.2f} s"),
+            (f"{args.shape}: decode b=1 at {args.long}", f"{ours[f'decode_{args.long}_ms']:.2f} ms = "
+                                                          f"{1e3 / ours[f'decode_{args.long}_ms']:.0f} tok/s"),
+            (f"{args.shape}: arena peak / budget", f"{ours['arena_peak_bytes'] / 2**30:.2f} / "
+                                                   f"{ours['budget_bytes'] / 2**30:.2f} GiB")]
+    if "vision" in results:
+        v = results["vision"]
+        rows.append(("vision 1024x1024 (27x1152 tower)", f"{v['encode_ms']:.1f} ms = {v['images_per_s']:.2f} images/s, "
+                                                        f"{v['tflops']:.0f} TFLOP/s"))
+    if "decode_ms" in hf:
+        rows += [("transformers: time to first token, 1k", f"{hf['ttft_1k_ms']:.1f} ms"),
+                 ("transformers: decode b=1 at 1k", f"{hf['decode_ms']:.2f} ms = {1e3 / hf['decode_ms']:.1f} tok/s"),
+                 ("transformers: peak torch memory", f"{hf['peak_bytes'] / 2**30:.2f} GiB"),
+                 ("decode speed-up over transformers", f"{hf['decode_ms'] / ours['decode_1k_ms']:.1f}x")]
+    elif "error" in hf:
+        rows.append(("transformers", "failed: " + hf["error"].strip().splitlines()[-1][:200]))
+    save()
+    width = max(len(r[0]) for r in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
