@@ -2,6 +2,7 @@
 `docpipe.commands` (pyproject: `workers = "workers.cli:register"`); `python -m workers ...` runs them alone.
 
     docpipe worker --queues gpu [--gpu 0]     one process per GPU; pool: threads, concurrency = engine batch size
+    docpipe worker --queues gpu --gpus all    the same, one supervised child process per GPU
     docpipe worker --queues ingest            CPU work (prefork, one process per core)
     docpipe beat                              the schedule (several may run: one sends, see workers.beat)
     docpipe submit PATH... [--schema S]       stage files and enqueue them (instead of running in-process)
@@ -58,11 +59,16 @@ def worker(
         help="Tasks at once. Default: gpu -> the engine batch size (DOCPIPE_ENGINE_MAX_NUM_SEQS); ingest -> CPUs."),
     gpu: Optional[str] = typer.Option(
         None, "--gpu", help="GPU index for this process (sets CUDA_VISIBLE_DEVICES). Run one worker per GPU."),
+    gpus: Optional[str] = typer.Option(
+        None, "--gpus", help="0,1,... or all: start and watch one gpu worker process per GPU (restarted if it dies)."),
     hostname: Optional[str] = typer.Option(None, "--hostname", "-n", help="Celery node name (unique per process)."),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
 ) -> None:
     """Run a queue worker (Redis broker from DOCPIPE_BROKER_URL)."""
     names = _parse_queues(queues)
+    if gpus is not None:
+        _supervise(names, gpus, gpu, hostname, concurrency, loglevel)
+        return
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before anything can initialise CUDA in this process
     uses_engine = QUEUE_GPU in names
@@ -84,7 +90,7 @@ def worker(
     else:
         pool = "prefork"  # rendering is CPU-bound Python: one process per core
         slots = concurrency or cfg.worker_settings.ingest_concurrency or os.cpu_count() or 1
-    role = "+".join(names) + (f"-gpu{gpu}" if gpu is not None else "")
+    role = "+".join(names) if gpu is None else "+".join(n if n != QUEUE_GPU else f"gpu{gpu}" for n in names)
     node = hostname or f"{role}-{os.getpid()}@{socket.gethostname()}"
     app = get_app()
     w = app.Worker(
@@ -94,6 +100,22 @@ def worker(
     )
     w.start()
     raise typer.Exit(w.exitcode or 0)
+
+
+def _supervise(names: list[str], gpus: str, gpu: str | None, hostname: str | None, concurrency: int | None,
+               loglevel: str) -> None:
+    from .supervise import GpuListError, GpuSupervisor, parse_gpus
+
+    if names != [QUEUE_GPU] or gpu is not None or hostname is not None:
+        _fail("--gpus runs gpu-queue workers only: use it with --queues gpu, without --gpu or --hostname")
+    _configure()  # refuse a configuration that cannot work before starting any child
+    try:
+        devices = parse_gpus(gpus)
+    except GpuListError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=loglevel.upper(), format=_LOG_FORMAT)
+    args = ["--loglevel", loglevel] + (["--concurrency", str(concurrency)] if concurrency else [])
+    raise typer.Exit(GpuSupervisor(devices, args).run())
 
 
 def beat(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:

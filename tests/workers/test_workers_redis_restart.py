@@ -26,7 +26,7 @@ def test_broker_restart_mid_run_worker_reconnects_and_every_job_finishes(tmp_pat
 
         cluster.wait_for("a few jobs done", lambda: cluster.job_states().get("succeeded", 0) >= 3, timeout=60,
                          poll=0.05)
-        server.send_signal(signal.SIGKILL)  # a crash: queued messages, unacked messages, markers, beat lock: gone
+        server.send_signal(signal.SIGKILL)  # a crash: queued and unacked messages and the beat lock: gone
         server.wait(timeout=10)
         assert cluster.job_states().get("succeeded", 0) < DOCS, "the broker went down too late to test anything"
         server = start_redis_server(tmp_path / "redis", port)
