@@ -82,12 +82,14 @@ class CudaRunner:
         self._rope_inv = self.ctx.to_device(rotary.inv_freq(cfg.rope_theta, cfg.rotary_dim), "f32", "rope.inv_freq")
         self._rope_axis = self.ctx.to_device(rotary.mrope_axis(cfg.rotary_dim, cfg.mrope_section), "i32", "rope.axis")
         # The vision tower and its encoder-cache region come before the cache mark: they outlive cache changes.
+        # A checkpoint whose tower cannot feed its decoder still runs text; encode_vision then says why.
         self.vision: GpuVisionTower | None = None
         self._encoded: BlockPool | None = None
-        if weights.vision:
-            if model_config.vision.out_hidden_size != cfg.hidden_size:
-                raise ShapeError(f"vision out_hidden_size {model_config.vision.out_hidden_size} != text hidden_size "
-                                 f"{cfg.hidden_size}")
+        self._no_vision = "this runner was built without vision weights, so it cannot encode images"
+        if weights.vision and model_config.vision.out_hidden_size != cfg.hidden_size:
+            self._no_vision = (f"the vision tower's out_hidden_size {model_config.vision.out_hidden_size} differs from "
+                               f"the text hidden_size {cfg.hidden_size}: this checkpoint cannot encode images")
+        elif weights.vision:
             self.vision = GpuVisionTower(self.ctx, model_config.vision, weights.vision, dtype)
             pool = encoder_memory if encoder_memory is not None else int(
                 os.environ.get("DOCPIPE_CUDA_ENCODER_MEMORY", str(256 << 20)))
@@ -169,7 +171,7 @@ class CudaRunner:
         """The item's embeddings [num_tokens, hidden], encoded on the GPU. DeviceEmbeddings in the encoder-cache
         region; a host float32 array when that region has no room left (the caller's cache then holds it)."""
         if self.vision is None or self._encoded is None:
-            raise RunnerInputError("this runner was built without vision weights, so it cannot encode images")
+            raise RunnerInputError(self._no_vision)
         if self.vision.num_tokens(item.grid_thw) != item.num_tokens:
             raise RunnerInputError(f"item with grid {item.grid_thw} has {item.num_tokens} placeholders, the tower "
                                    f"makes {self.vision.num_tokens(item.grid_thw)}")
