@@ -194,7 +194,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     from .markers import redis_client
     from .status import collect
 
-    p = Pipeline(cfg.settings, migrate=False)
+    p = Pipeline(cfg.settings)
     try:
         st = collect(p, redis_client(cfg.settings.broker_url))
     finally:
