@@ -17,16 +17,25 @@ timeout "$T" python3 -m tests.gpu.check_runner --json "$OUT/cuda_runner.json" >"
 p2=$!
 timeout "$T" python3 -m tests.gpu.check_hf_parity --json "$OUT/cuda_hf_parity.json" >"$OUT/hf.log" 2>&1 &
 p3=$!
+timeout "$T" python3 -m tests.gpu.check_kernels --json "$OUT/cuda_check.json" >"$OUT/kernels.log" 2>&1 &
+p4=$!
 wait $p1; r1=$?
 wait $p2; r2=$?
 wait $p3; r3=$?
-echo "exit codes: check_vision=$r1 check_runner=$r2 check_hf_parity=$r3"
+wait $p4; r4=$?
+echo "exit codes: check_vision=$r1 check_runner=$r2 check_hf_parity=$r3 check_kernels=$r4"
 date -u +%FT%TZ
 timeout "${BENCH_TIMEOUT:-150}" python3 bench/cuda_operator_bench.py --json "$OUT/cuda_operator.json" \
     >"$OUT/bench.log" 2>&1
 echo "exit code: cuda_operator_bench=$?"
 date -u +%FT%TZ
-for f in vision runner hf bench; do
-    echo "===== $f.log (tail)"
-    grep -v "falling back to its reference" "$OUT/$f.log" | tail -n 28
+for f in vision runner hf kernels bench; do
+    echo "===== $f.log: $(grep -c PASS "$OUT/$f.log") PASS, $(grep -c -E 'FAIL|Traceback' "$OUT/$f.log") FAIL/Traceback"
+    grep -E "FAIL|Traceback|Error" "$OUT/$f.log" | head -n 8
+    grep -v -E "falling back to its reference|Writing model shards" "$OUT/$f.log" | tail -n "${TAIL:-12}"
 done
+# at most 8 files come back: one combined log next to the JSON files
+for f in vision runner hf kernels bench; do
+    echo "################ $f.log"
+    cat "$OUT/$f.log"
+done >"$OUT/all.log" 2>&1 && rm -f "$OUT"/{vision,runner,hf,kernels,bench}.log

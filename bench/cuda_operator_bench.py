@@ -9,7 +9,8 @@ Ours (random bf16 weights, the 2B-class shape of bench/cuda_bench.py unless --sh
   forward() as the engine calls it (decode graphs on), median over 32 steps after warm-up;
 - peak arena use (every byte the runner touched) and the arena budget;
 - vision encode of one 1024x1024 image (grid 64 x 64 patches of 16) on a Qwen3.5-shaped tower (27 blocks of 1152,
-  16 heads, MLP 4304), images/s, median of 3 after a warm-up.
+  16 heads, MLP 4304), images/s, median of 3 after a warm-up, with the GEMM attention path (what "auto" picks at
+  this size) and with the attention kernel.
 transformers (--no-hf to skip), in a child process so the two never share the card's memory: the same text config
 as Qwen3_5ForCausalLM in bf16 (its default init; its torch fallbacks for the DeltaNet and conv kernels are what a
 user without extra packages gets), time to first token of the same prompt length and decode tok/s at batch 1
@@ -102,7 +103,7 @@ def bench_ours(shape: str, long_ctx: int, rng: np.random.Generator) -> dict:
     return out
 
 
-def bench_vision(rng: np.random.Generator, side_px: int = 1024) -> dict:
+def bench_vision(rng: np.random.Generator, side_px: int = 1024, attention: str = "auto") -> dict:
     from types import SimpleNamespace
 
     from gpu_engine.cuda.bf16 import f32_to_bf16_bits
@@ -115,7 +116,7 @@ def bench_vision(rng: np.random.Generator, side_px: int = 1024) -> dict:
     weights = {k: np.resize(block, s) for k, s in vision_weight_shapes(cfg).items()}
     ctx = GpuContext(8 << 30)
     try:
-        tower = GpuVisionTower(ctx, cfg, weights, "bf16")
+        tower = GpuVisionTower(ctx, cfg, weights, "bf16", attention=attention)
         side = side_px // cfg.patch_size
         grid = (1, side, side)
         pixels = rng.standard_normal((side * side, tower.dims.patch_dim)).astype(np.float32)
@@ -127,7 +128,7 @@ def bench_vision(rng: np.random.Generator, side_px: int = 1024) -> dict:
             tower.encode(pixels, grid, out)  # returns after a device sync
             times.append(time.perf_counter() - t0)
         sec = float(np.median(times))
-        return {"image_px": side_px, "grid": grid, "encode_ms": 1e3 * sec, "images_per_s": 1 / sec,
+        return {"attention": attention, "image_px": side_px, "grid": grid, "encode_ms": 1e3 * sec, "images_per_s": 1 / sec,
                 "tflops": tower.flops(grid) / sec / 1e12, "weight_bytes": tower.nbytes}
     finally:
         ctx.close()
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", type=int, default=32768, help="long-context length (tokens)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-vision", action="store_true")
+    parser.add_argument("--only-vision", action="store_true", help="skip the text model and transformers")
     args = parser.parse_args(argv)
     from gpu_engine.cuda.device import CudaDevice
     from gpu_engine.cuda.errors import CudaUnavailable
@@ -192,29 +194,35 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
 
-    results["ours"] = ours = bench_ours(args.shape, args.long, rng)
-    save()
-    print("ours:", json.dumps(ours), flush=True)
-    if not args.no_vision:
-        results["vision"] = bench_vision(rng)
+    if args.only_vision:
+        args.no_hf = True
+    else:
+        results["ours"] = bench_ours(args.shape, args.long, rng)
         save()
-        print("vision:", json.dumps(results["vision"]), flush=True)
+        print("ours:", json.dumps(results["ours"]), flush=True)
+    ours = results.get("ours")
+    if not args.no_vision:
+        for mode in ("auto", "kernel"):
+            results[f"vision_{mode}"] = bench_vision(rng, attention=mode)
+            save()
+            print(f"vision ({mode}):", json.dumps(results[f"vision_{mode}"]), flush=True)
     if not args.no_hf:
         results["transformers"] = bench_hf(args.shape)
         save()
         print("transformers:", json.dumps(results["transformers"])[:2000], flush=True)
     hf = results.get("transformers", {})
-    rows = [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
+    rows = [] if ours is None else [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
             (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s"),
             (f"{args.shape}: prefill {args.long} tokens (chunks of {CHUNK})", f"{ours[f'prefill_{args.long}_s']:.2f} s"),
             (f"{args.shape}: decode b=1 at {args.long}", f"{ours[f'decode_{args.long}_ms']:.2f} ms = "
                                                           f"{1e3 / ours[f'decode_{args.long}_ms']:.0f} tok/s"),
             (f"{args.shape}: arena peak / budget", f"{ours['arena_peak_bytes'] / 2**30:.2f} / "
                                                    f"{ours['budget_bytes'] / 2**30:.2f} GiB")]
-    if "vision" in results:
-        v = results["vision"]
-        rows.append(("vision 1024x1024 (27x1152 tower)", f"{v['encode_ms']:.1f} ms = {v['images_per_s']:.2f} images/s, "
-                                                        f"{v['tflops']:.0f} TFLOP/s"))
+    for mode in ("auto", "kernel"):
+        if f"vision_{mode}" in results:
+            v = results[f"vision_{mode}"]
+            rows.append((f"vision 1024x1024 (27x1152 tower), {mode} attention",
+                         f"{v['encode_ms']:.1f} ms = {v['images_per_s']:.2f} images/s, {v['tflops']:.0f} TFLOP/s"))
     if "decode_ms" in hf:
         rows += [("transformers: time to first token, 1k", f"{hf['ttft_1k_ms']:.1f} ms"),
                  ("transformers: decode b=1 at 1k", f"{hf['decode_ms']:.2f} ms = {1e3 / hf['decode_ms']:.1f} tok/s"),

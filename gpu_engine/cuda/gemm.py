@@ -1,7 +1,9 @@
 """GEMMs through cuBLASLt (nvmath-python's low-level bindings) on raw device addresses.
 
 One call shape covers every projection of the model: Y[m, n] = X[m, k] @ W[n, k]^T (+ beta * Y), with W stored
-row-major like a torch Linear weight. cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
+row-major like a torch Linear weight (w_layout="nk"); w_layout="kn" takes W stored as [k, n] (Y = X @ W, e.g.
+probabilities times the value rows of an attention head). Operands may be column slices of wider buffers (row
+strides x_ld / w_ld / y_ld); cuBLASLt is told the real alignment of the addresses, since it assumes 256 bytes. cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
 A = W (transposed), B = X: the layout Hopper's FP8 kernels also require, so FP8 weights can follow by adding a
 weight dtype and its scale pointer to the plan (not done yet: only bf16 and fp32 are accepted today).
 
@@ -43,6 +45,9 @@ class GemmKey:
     y_dtype: str
     x_ld: int
     y_ld: int
+    w_ld: int = 0  # 0: packed (k for "nk", n for "kn")
+    w_layout: str = "nk"
+    align: int = 256  # bytes: the largest power of two (<= 256) dividing every operand address
 
 
 @dataclass
@@ -76,11 +81,12 @@ class CublasLt:
 
     def linear(self, y: int, x: int, w: int, m: int, n: int, k: int, *, dtype: str = "bf16",
                y_dtype: str | None = None, x_ld: int | None = None, y_ld: int | None = None,
-               accumulate: bool = False, stream: Any = None) -> None:
-        """Y[m, n] (+)= X[m, k] @ W[n, k]^T. X and W in `dtype`; Y in `y_dtype` (default `dtype`); fp32 accumulate.
+               w_ld: int | None = None, w_layout: str = "nk", accumulate: bool = False, stream: Any = None) -> None:
+        """Y[m, n] (+)= X[m, k] @ W[n, k]^T ("nk") or X[m, k] @ W[k, n] ("kn"). X and W in `dtype`; Y in `y_dtype`
+        (default `dtype`); fp32 accumulate.
 
-        x_ld / y_ld: row strides in elements (default k / n) so that a projection can read or write a slice of a
-        wider buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream.
+        x_ld / y_ld / w_ld: row strides in elements (default packed) so that an operand can be a slice of a wider
+        buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream.
         """
         y_dtype = y_dtype or dtype
         for name, dt in (("dtype", dtype), ("y_dtype", y_dtype)):
@@ -88,9 +94,17 @@ class CublasLt:
                 raise ShapeError(f"{name}={dt!r} not supported (have {sorted(CUDA_DTYPES)}); FP8 is not done yet")
         if min(m, n, k) <= 0:
             raise ShapeError(f"GEMM sizes must be positive, got m={m} n={n} k={k}")
-        key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n)
-        if key.x_ld < k or key.y_ld < n:
-            raise ShapeError(f"row strides too small: x_ld={key.x_ld} < k={k} or y_ld={key.y_ld} < n={n}")
+        if w_layout not in ("nk", "kn"):
+            raise ShapeError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
+        packed_w = k if w_layout == "nk" else n
+        align = 256
+        for ptr in (x, w, y):
+            if ptr:
+                align = min(align, ptr & -ptr)  # lowest set bit of the address
+        key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n, w_ld or packed_w, w_layout, align)
+        if key.x_ld < k or key.y_ld < n or key.w_ld < packed_w:
+            raise ShapeError(f"row strides too small: x_ld={key.x_ld} (k={k}), y_ld={key.y_ld} (n={n}), "
+                             f"w_ld={key.w_ld} ({packed_w})")
         plan = self._plans.get(key) or self._make_plan(key, y, x, w, tune=not accumulate)
         self._matmul(plan, plan.algo_ptr, y, x, w, accumulate, stream)
 
@@ -115,15 +129,22 @@ class CublasLt:
         scale_type = CUDA_DTYPES["f32"]
         desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, scale_type)
         mda = lt.MatmulDescAttribute
-        self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSA, 1)  # OP_T
+        trans_a = 1 if key.w_layout == "nk" else 0  # OP_T / OP_N
+        self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSA, trans_a)
         self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSB, 0)  # OP_N
-        # column-major views: A = W^T storage [k, n] ld k; B = X^T storage [k, m] ld x_ld; D = Y^T [n, m] ld y_ld
-        a_layout = lt.matrix_layout_create(CUDA_DTYPES[key.w_dtype], key.k, key.n, key.k)
+        # column-major views: A = W^T storage [k, n] ld w_ld ("nk": op T) or W^T = [n, k] ld w_ld ("kn": op N);
+        # B = X^T storage [k, m] ld x_ld; D = Y^T [n, m] ld y_ld
+        a_rows, a_cols = (key.k, key.n) if key.w_layout == "nk" else (key.n, key.k)
+        a_layout = lt.matrix_layout_create(CUDA_DTYPES[key.w_dtype], a_rows, a_cols, key.w_ld)
         b_layout = lt.matrix_layout_create(CUDA_DTYPES[key.x_dtype], key.k, key.m, key.x_ld)
         d_layout = lt.matrix_layout_create(CUDA_DTYPES[key.y_dtype], key.n, key.m, key.y_ld)
         pref = lt.matmul_preference_create()
         self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
                   lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, self.workspace_bytes)
+        if key.align < 256:  # MIN_ALIGNMENT_{A,B,C,D}_BYTES (enum values 5..8): cuBLASLt's default promise is 256
+            for value in (5, 6, 7, 8):
+                self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
+                          lt.MatmulPreferenceAttribute(value), key.align)
         wanted = TUNE_CANDIDATES if tune and key.m <= TUNE_MAX_M else 1
         heuristics = lt.MatmulHeuristicResult(wanted)
         count = np.zeros(1, np.int32)

@@ -407,3 +407,14 @@ def vision_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int, head
                          f"(max 256), seg_len {seg_len} must divide {n}")
     ctx.device.launch("vision", f"vision_attention_{t}", (n, heads), 128, out.ptr, qkv.ptr, i32(n), i32(heads),
                       i32(head_dim), i32(seg_len), f32(scale))
+
+
+def softmax_rows(ctx: GpuContext, out: DArray, scores: DArray, scale: float) -> None:
+    """out[r] = softmax(scale * scores[r]) (scale > 0); scores f32 [rows, cols], out [rows, cols] bf16 or f32."""
+    t = _same_float(out)
+    _need(scores, "f32", "scores")
+    rows, cols = scores.shape
+    if out.shape != scores.shape or scale <= 0:
+        raise ShapeError(f"softmax_rows: scores {scores.shape}, out {out.shape}, scale {scale} (must be > 0)")
+    ctx.device.launch("vision", f"softmax_rows_{t}", rows, _threads(cols), out.ptr, scores.ptr, i32(rows), i32(cols),
+                      f32(scale))

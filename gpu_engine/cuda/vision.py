@@ -9,6 +9,11 @@ attention segments of h*w rows each):
     merger:  LayerNorm -> rows viewed as [n / merge^2, merge^2 * hidden] (the processors emit each merge window's
              patches consecutively, so the window gather is a reshape) -> fc1 (+bias, exact GELU) -> fc2 (+bias)
 
+Attention, per segment: for short segments one kernel (kernels/vision.cu, vision_attention); from
+GEMM_ATTENTION_MIN rows on, per head and block of query rows on the tensor cores: S = Q K^T (cuBLASLt, fp32 out),
+P = softmax(scale * S) (one kernel, P in the storage type), O = P V (cuBLASLt); Q, K, V and O are column slices of
+the fused qkv and the output buffers, read in place. S takes at most SCORES_BYTES per block of query rows.
+
 Geometry that depends only on the grid (bilinear taps and weights of the position table, (row, col) of each
 patch for the rotary) is computed on the host in float64 and uploaded with the pixels; the arithmetic runs on
 the device in the runner's dtype with fp32 accumulation. Activations are per-call scratch from the arena.
@@ -26,6 +31,9 @@ from .errors import CudaBackendError, ShapeError
 from .weights import _Uploader
 
 LAYER_NORM_EPS = 1e-6  # fixed in the model code, as in the reference tower
+GEMM_ATTENTION_MIN = 256  # segment rows from which attention runs as GEMMs (the kernel is CUDA-core and O(n^2))
+SCORES_BYTES = 128 << 20  # fp32 score block of the GEMM attention
+ATTENTION_MODES = ("auto", "kernel", "gemm")
 _BLOCK_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -79,10 +87,13 @@ def frame_geometry(h: int, w: int, merge: int, side: int) -> FrameGeometry:
 class GpuVisionTower:
     """Vision weights uploaded once (runner dtype; biases and norms too), encode() per item."""
 
-    def __init__(self, ctx: GpuContext, vision_config: Any, weights: dict[str, np.ndarray], dtype: str) -> None:
+    def __init__(self, ctx: GpuContext, vision_config: Any, weights: dict[str, np.ndarray], dtype: str,
+                 attention: str = "auto") -> None:
         from ..reference.vision_tower import VisionDims, _check_weights, vision_weight_shapes
 
-        self.ctx, self.dtype = ctx, dtype
+        if attention not in ATTENTION_MODES:
+            raise ShapeError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        self.ctx, self.dtype, self.attention = ctx, dtype, attention
         self.dims = d = VisionDims.from_config(vision_config)
         _check_weights(vision_weight_shapes(vision_config), weights)
         if d.head_dim > 256:
@@ -155,7 +166,7 @@ class GpuVisionTower:
                 for part in (0, H):  # q, then k: rotary over the whole head, (row, col) angles
                     ops.rope(ctx, qkv.at(part), n, d.num_heads, d.head_dim, 3 * H, d.head_dim, rowcol,
                              self.rope_inv, self.rope_axis)
-                ops.vision_attention(ctx, attn, qkv, d.num_heads, d.head_dim, seg, d.head_dim ** -0.5)
+                self._attend(attn, qkv, n, seg)
                 ctx.blas.linear(tmp.ptr, attn.ptr, b.proj_w.ptr, n, H, H, dtype=t_)
                 ops.bias_residual(ctx, x, tmp, b.proj_b)
                 ops.layernorm(ctx, normed, x, b.norm2_w, b.norm2_b, LAYER_NORM_EPS)
@@ -176,6 +187,34 @@ class GpuVisionTower:
             ctx.device.sync()  # scratch is released below; nothing may still be reading it
             ctx.arena.release(mark)
         return out
+
+    def _attend(self, out: DArray, qkv: DArray, n: int, seg: int) -> None:
+        """Bidirectional attention within each segment of `seg` rows: out [n, H] from qkv [n, 3H]."""
+        ctx, d, t = self.ctx, self.dims, self.dtype
+        H, hd, scale = d.hidden_size, d.head_dim, d.head_dim ** -0.5
+        use_gemm = self.attention == "gemm" or (self.attention == "auto" and seg >= GEMM_ATTENTION_MIN)
+        if not use_gemm:
+            ops.vision_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
+            return
+        item = qkv.itemsize
+        q_rows = max(1, min(seg, SCORES_BYTES // (4 * seg)))
+        mark = ctx.arena.mark()
+        scores = ctx.empty((q_rows, seg), "f32", "visual.scores")
+        probs = ctx.empty((q_rows, seg), t, "visual.probs")
+        for start in range(0, n, seg):  # one frame group
+            for h in range(d.num_heads):
+                k_ptr = qkv.ptr + (start * 3 * H + H + h * hd) * item
+                v_ptr = qkv.ptr + (start * 3 * H + 2 * H + h * hd) * item
+                for q0 in range(0, seg, q_rows):
+                    rows = min(q_rows, seg - q0)
+                    q_ptr = qkv.ptr + ((start + q0) * 3 * H + h * hd) * item
+                    o_ptr = out.ptr + ((start + q0) * H + h * hd) * item
+                    s, p = scores.view((rows, seg)), probs.view((rows, seg))
+                    ctx.blas.linear(s.ptr, q_ptr, k_ptr, rows, seg, hd, dtype=t, y_dtype="f32", x_ld=3 * H,
+                                    w_ld=3 * H)
+                    ops.softmax_rows(ctx, p, s, scale)
+                    ctx.blas.linear(o_ptr, p.ptr, v_ptr, rows, hd, seg, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn")
+        ctx.arena.release(mark)  # stream order: later allocations are written only after these reads
 
     def flops(self, grid_thw: tuple[int, int, int]) -> float:
         """Multiply-adds x 2 of one item (GEMMs and attention), for rates in the benchmark."""

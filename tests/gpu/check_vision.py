@@ -4,7 +4,9 @@
 
 Fresh random weights (natural scales: matrices / sqrt(fan_in), norm weights 1 + 0.2 N, biases 0.1 N, position
 table N(0, 1)) and pixels N(0, 1) every run; non-square grids, a two-frame-group item (attention segments), and a
-Qwen3.5-shaped head (head_dim 72, exact-GELU MLP). The output buffer is poisoned (NaN) before each encode.
+Qwen3.5-shaped head (head_dim 72, exact-GELU MLP). Both attention paths are checked on every grid: the kernel and
+the cuBLASLt GEMM path (column-slice operands, so unaligned addresses too); one 3072-patch grid, where "auto"
+picks the GEMM path. The output buffer is poisoned (NaN) before each encode.
 Pass: rel-L2 <= 1e-4 in fp32; <= 1e-2 in bf16 against the reference run on the same bf16-rounded weights and pixels.
 Then through CudaRunner (tiny checkpoint, fp32): encode_vision returns DeviceEmbeddings equal to the reference,
 and a prefill chunk that scatters a slice of them on the device gives the same logits as the same slice passed
@@ -34,6 +36,7 @@ CONFIGS = {
                           num_position_embeddings=100, hidden_act="gelu_pytorch_tanh", rope_theta=10000.0),
 }
 GRIDS = [(1, 4, 6), (1, 10, 6), (2, 6, 8), (1, 16, 24)]
+BIG_GRID = (1, 48, 64)  # checked on the Qwen3.5-shaped head only (the numpy reference is slow there)
 
 
 @dataclass
@@ -84,17 +87,21 @@ def check_towers(rng: np.random.Generator) -> list[VisionResult]:
                 ref_w = weights if dtype == "f32" else {k: round_to_bf16(v) for k, v in weights.items()}
                 ref_tower = VisionTower(cfg, ref_w)
                 mark = ctx.arena.mark()
-                tower = GpuVisionTower(ctx, cfg, weights, dtype)
-                for grid in GRIDS:
+                towers = {mode: GpuVisionTower(ctx, cfg, weights, dtype, attention=mode)
+                          for mode in ("kernel", "gemm", "auto")}
+                grids = GRIDS + ([BIG_GRID] if name.startswith("hd72") else [])
+                for grid in grids:
                     t, h, w = grid
                     pixels = rng.standard_normal((t * h * w, ref_tower.dims.patch_dim)).astype(np.float32)
                     ref = ref_tower.encode(pixels if dtype == "f32" else round_to_bf16(pixels), grid)
-                    out = ctx.empty(ref.shape, dtype, "check-out")
-                    ctx.poison(out)
-                    tower.encode(pixels, grid, out)
-                    err = _rel(ctx.to_host(out), ref)
-                    results.append(VisionResult(name, dtype, grid, err, bool(err <= TOL[dtype])))
-                    print(f"{name:<22} {dtype:<5} grid {grid}: rel. err {err:.2e}", flush=True)
+                    for mode in ("auto",) if grid == BIG_GRID else ("kernel", "gemm"):
+                        out = ctx.empty(ref.shape, dtype, "check-out")
+                        ctx.poison(out)
+                        towers[mode].encode(pixels, grid, out)
+                        err = _rel(ctx.to_host(out), ref)
+                        label = f"{name} [{mode}]"
+                        results.append(VisionResult(label, dtype, grid, err, bool(err <= TOL[dtype])))
+                        print(f"{label:<30} {dtype:<5} grid {grid}: rel. err {err:.2e}", flush=True)
                 ctx.device.sync()
                 ctx.arena.release(mark)
     finally:

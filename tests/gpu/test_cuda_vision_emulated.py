@@ -113,6 +113,11 @@ class FakeDevice:
                 self.write(ptr, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
                                                 x2 * np.cos(ang) + x1 * np.sin(ang)]), t)
 
+    def k_softmax_rows(self, t, out, scores, rows, cols, scale):  # noqa: ANN001
+        z = self.read(scores, rows * cols, "f32").reshape(rows, cols) * scale
+        e = np.exp(z - z.max(1, keepdims=True))
+        self.write(out, e / e.sum(1, keepdims=True), t)
+
     def k_vision_attention(self, t, out, qkv, n, heads, hd, seg, scale):  # noqa: ANN001
         W = heads * hd
         v = self.read(qkv, n * 3 * W, t).reshape(n, 3, heads, hd)
@@ -130,13 +135,22 @@ class FakeBlas:
     def __init__(self, dev: FakeDevice) -> None:
         self.dev = dev
 
-    def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, accumulate=False):  # noqa: ANN001
-        assert not accumulate and y_ld in (None, n)
-        x_ld = x_ld or k
-        xv = self.dev.read(x, (m - 1) * x_ld + k, dtype)
-        xm = np.stack([xv[r * x_ld : r * x_ld + k] for r in range(m)])
-        wm = self.dev.read(w, n * k, dtype).reshape(n, k)
-        self.dev.write(y, xm @ wm.T, y_dtype or dtype)
+    def _rows(self, ptr, rows, cols, ld, dtype):  # noqa: ANN001
+        flat = self.dev.read(ptr, (rows - 1) * ld + cols, dtype)
+        return np.stack([flat[r * ld : r * ld + cols] for r in range(rows)])
+
+    def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, w_ld=None,  # noqa: ANN001
+               w_layout="nk", accumulate=False):
+        assert not accumulate
+        xm = self._rows(x, m, k, x_ld or k, dtype)
+        if w_layout == "nk":
+            wt = self._rows(w, n, k, w_ld or k, dtype).T
+        else:
+            wt = self._rows(w, k, n, w_ld or n, dtype)
+        result, y_dtype, y_ld = xm @ wt, y_dtype or dtype, y_ld or n
+        size = 4 if y_dtype == "f32" else 2
+        for r in range(m):
+            self.dev.write(y + r * y_ld * size, result[r], y_dtype)
 
 
 def fake_context(nbytes: int = 32 << 20) -> GpuContext:
@@ -147,15 +161,16 @@ def fake_context(nbytes: int = 32 << 20) -> GpuContext:
     return ctx
 
 
+@pytest.mark.parametrize("attention", ["kernel", "gemm"])
 @pytest.mark.parametrize("dtype,tol", [("f32", 1e-5), ("bf16", 1e-2)])
-def test_emulated_tower_matches_reference(dtype: str, tol: float) -> None:
+def test_emulated_tower_matches_reference(dtype: str, tol: float, attention: str) -> None:
     rng = np.random.default_rng()
     cfg = SimpleNamespace(**CONFIGS["tiny hd16 gelu-tanh"])
     weights = random_vision_weights(cfg, rng)
     ref_w = weights if dtype == "f32" else {k: round_to_bf16(v) for k, v in weights.items()}
     ref_tower = VisionTower(cfg, ref_w)
     ctx = fake_context()
-    tower = GpuVisionTower(ctx, cfg, weights, dtype)
+    tower = GpuVisionTower(ctx, cfg, weights, dtype, attention=attention)
     for grid in [(1, 4, 6), (2, 6, 4)]:  # non-square; two frame groups = two attention segments
         t, h, w = grid
         pixels = rng.standard_normal((t * h * w, ref_tower.dims.patch_dim)).astype(np.float32)
@@ -186,3 +201,21 @@ def test_encode_refuses_bad_inputs() -> None:
         tower.encode(np.zeros((24, patch_dim + 1), np.float32), (1, 4, 6), out)
     with pytest.raises(VisionEncodeError, match="output buffer"):
         tower.encode(np.zeros((48, patch_dim), np.float32), (2, 4, 6), out)
+
+
+def test_emulated_gemm_attention_in_query_blocks(monkeypatch) -> None:
+    """A score budget smaller than one segment: the GEMM attention walks blocks of query rows (5, 5, 5, 5, 4)."""
+    import gpu_engine.cuda.vision as vision
+
+    monkeypatch.setattr(vision, "SCORES_BYTES", 4 * 24 * 5)
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS["hd72 exact-gelu"])
+    weights = random_vision_weights(cfg, rng)
+    ctx = fake_context(64 << 20)
+    tower = GpuVisionTower(ctx, cfg, weights, "f32", attention="gemm")
+    pixels = rng.standard_normal((48, tower.dims.patch_dim)).astype(np.float32)
+    ref = VisionTower(cfg, weights).encode(pixels, (2, 4, 6))
+    out = ctx.empty(ref.shape, "f32", "out")
+    ctx.poison(out)
+    got = ctx.to_host(tower.encode(pixels, (2, 4, 6), out))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-5

@@ -9,6 +9,8 @@
 //                                                                     patch-embed bias + the learned position table
 //                                                                     bilinearly resampled (4 taps per patch; taps
 //                                                                     and weights come from the host)
+//   softmax_rows:     out[r, :] = softmax(scale * s[r, :])              s fp32 (scores from a cuBLASLt GEMM), out in the
+//                                                                     storage type (the probabilities of the P @ V GEMM)
 //   vision_attention: bidirectional attention inside equal segments of `seg_len` rows (one frame group each);
 //                     q, k, v read in place from the fused qkv projection [n, 3 * heads * hd]; out [n, heads*hd].
 //                     One block of 4 warps per (query, head); the warps take keys in turn with a running online
@@ -81,6 +83,23 @@ __device__ void patch_pos_impl(T* x, const T* bias, const T* table, const int* t
         for (int k = 0; k < 4; ++k) pos += weights[r * 4 + k] * to_f(table[(long long)taps[r * 4 + k] * cols + c]);
         x[idx] = from_f<T>(to_f(x[idx]) + to_f(bias[c]) + pos);
     }
+}
+
+template <typename T>
+__device__ void softmax_rows_impl(T* out, const float* s, int rows, int cols, float scale) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const float* sr = s + (long long)row * cols;
+    T* pr = out + (long long)row * cols;
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, sr[i]);
+    m = block_max(m, scratch) * scale;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) sum += expf(sr[i] * scale - m);
+    const float inv = 1.0f / block_sum(sum, scratch);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) pr[i] = from_f<T>(expf(sr[i] * scale - m) * inv);
 }
 
 template <typename T>
@@ -160,6 +179,9 @@ __device__ void vision_attention_impl(T* out, const T* qkv, int n, int heads, in
     extern "C" __global__ void patch_pos_##S(T* x, const T* bias, const T* table, const int* taps,             \
                                              const float* weights, int rows, int cols) {                      \
         patch_pos_impl<T>(x, bias, table, taps, weights, rows, cols);                                          \
+    }                                                                                                         \
+    extern "C" __global__ void softmax_rows_##S(T* out, const float* s, int rows, int cols, float scale) {      \
+        softmax_rows_impl<T>(out, s, rows, cols, scale);                                                       \
     }                                                                                                         \
     extern "C" __global__ void vision_attention_##S(T* out, const T* qkv, int n, int heads, int head_dim,      \
                                                     int seg_len, float scale) {                               \
