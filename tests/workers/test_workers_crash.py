@@ -1,5 +1,5 @@
 """Crash test: the GPU worker is SIGKILLed three times while jobs run and restarted each time; every document
-ends `succeeded` exactly once (no lost job, no duplicate result rows).
+ends `succeeded` exactly once (no lost job, no duplicate result rows). On SQLite and on PostgreSQL.
 
 What recovers the killed jobs: their messages stay unacknowledged in Redis (acks_late), the jobs stay `running`
 with a dead owner in the database, and beat's reconciler sends them again; `run_job` resumes them.
@@ -13,11 +13,12 @@ from workers_harness import note_schema, png
 DOCS = 16
 
 
-def test_sigkill_the_worker_three_times_every_document_succeeds_exactly_once(redis_url, make_cluster):
+def test_sigkill_the_worker_three_times_every_document_succeeds_exactly_once(redis_url, make_cluster, database_url):
     # Each kill can interrupt the same job again; the cap must exceed the number of kills for this test
     # (the cap itself is checked by the poison test).
+    db = {"DOCPIPE_DATABASE_URL": database_url} if database_url else {}
     cluster = make_cluster(redis_url, DOCPIPE_JOB_MAX_ATTEMPTS="6", DOCPIPE_MAX_TOKENS="160",
-                           DOCPIPE_ENGINE_MAX_NUM_SEQS="2")
+                           DOCPIPE_ENGINE_MAX_NUM_SEQS="2", **db)
     cluster.register_schema("note", note_schema(240))  # ~100 tokens per job: long enough to be killed mid-run
     job_ids = [cluster.ingest(png(size=20), f"crash{i}.png", "note") for i in range(DOCS)]
 
