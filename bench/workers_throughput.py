@@ -1,14 +1,15 @@
 """Documents/s through Celery (Redis, an ingest worker and a GPU worker as real processes) versus the in-process
 path (`pipeline.processing.process_paths`, what `docpipe process` runs) on the same files, same model, same settings.
 
-    python bench/workers_throughput.py [--docs 40] [--redis redis://127.0.0.1:6379] [--out bench/results/...]
+    python bench/workers_throughput.py [--docs 100] [--rounds 2] [--redis redis://127.0.0.1:6379] [--out ...]
 
 Both paths start warm (engine built, one warm-up document done) and each uses its own fresh data dir, so no
 document is deduplicated against the other run. Timing: from the first submission to the last job finished
 (Celery: polled in the database every 20 ms). Reported: docs/s per path and the overhead ratio
-in-process docs/s / Celery docs/s (>1: the queue costs throughput; <1: the GPU worker's batching of concurrent
-jobs wins more than the queue costs). The tiny bundled model on the reference runner makes the model time small,
-so this measures the queue's overhead near its worst case.
+in-process docs/s / Celery docs/s (>1: the queue costs throughput; <1: what the queue adds is won back, by the
+GPU worker batching concurrent jobs, and in the enqueue variants by the caller ingesting while the worker extracts:
+two processes on two cores). The tiny bundled model on the reference runner makes the model time small, so this
+measures the queue's overhead near its worst case.
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def run_celery(files: list[Path], warmup: Path, work: Path, args: argparse.Names
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--docs", type=int, default=40)
+    ap.add_argument("--docs", type=int, default=100)
     ap.add_argument("--size", type=int, default=28, help="image side in pixels")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4, help="engine batch size = GPU worker thread count")
