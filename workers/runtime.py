@@ -73,14 +73,26 @@ def pipeline() -> Pipeline:
         return _pipeline
 
 
+EXIT_CANNOT_START = 3
+
+
 @signals.worker_process_init.connect
 def _on_process_init(**_: object) -> None:
     cfg = process_config()
-    p = pipeline()
-    if cfg.build_engine:
-        client = p.client  # loads the weights and starts the engine's step loop, once per process
-        log.info("engine ready in pid %d: model %s (%s runner), CUDA_VISIBLE_DEVICES=%s", os.getpid(),
-                 client.model_fingerprint[:16], cfg.settings.runner, os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+    try:
+        p = pipeline()
+        if cfg.build_engine:
+            client = p.client  # loads the weights and starts the engine's step loop, once per process
+            log.info("engine ready in pid %d: model %s (%s runner), CUDA_VISIBLE_DEVICES=%s", os.getpid(),
+                     client.model_fingerprint[:16], cfg.settings.runner,
+                     os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+    except Exception as exc:
+        # Celery logs and ignores exceptions from signal handlers. A worker without its database or engine
+        # would take jobs and fail every one of them (burning their attempts), so it stops here instead,
+        # before it consumes any message.
+        log.critical("worker process %d cannot start: %s: %s", os.getpid(), type(exc).__name__, exc, exc_info=True)
+        logging.shutdown()
+        os._exit(EXIT_CANNOT_START)
 
 
 @signals.worker_process_shutdown.connect

@@ -316,3 +316,20 @@ def test_retention_purges_old_finished_documents_and_only_blobs_no_one_else_uses
     with pytest.raises(ValueError, match="at least 1 day"):
         purge_older_than(p, 0)
     p.close()
+
+
+def test_a_gpu_worker_whose_engine_cannot_be_built_exits_before_taking_jobs(redis_url, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from workers.runtime import EXIT_CANNOT_START
+    from workers_harness import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCPIPE_")}
+    env.update(PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path / "data"), DOCPIPE_BROKER_URL=redis_url,
+               DOCPIPE_MODEL_DIR=str(tmp_path / "no-such-model"))
+    done = subprocess.run([sys.executable, "-m", "workers", "worker", "--queues", "gpu"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_CANNOT_START, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "cannot start" in done.stderr and "no-such-model" in done.stderr
