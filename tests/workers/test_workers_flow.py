@@ -1,7 +1,8 @@
 """End to end through the queue: `submit` -> ingest worker -> gpu worker (reference runner, bundled tiny model).
 
 Acceptance: 50 documents all succeed with exactly one result set each; a poison document (its stored page is
-damaged, so extraction raises on every attempt) ends `failed` after the attempt cap and does not block others.
+damaged, so extraction raises on every attempt) ends `failed` after the attempt cap and does not block others;
+an unreadable file submitted alongside is recorded as failed at intake with its reason.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
     inbox.mkdir()
     for i in range(50):
         (inbox / f"doc{i:02d}.png").write_bytes(png(size=20))
+    (inbox / "broken.pdf").write_bytes(b"%PDF-1.7\n1 0 obj\n<< truncated")  # unreadable: failed at intake, no job
 
     gpu = cluster.start_worker("gpu")
     ingest = cluster.start_worker("ingest", "--concurrency", "1")
@@ -28,7 +30,7 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
                                cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stderr
     report = json.loads(submitted.stdout)
-    assert len(report["files"]) == 50 and all(f["published"] for f in report["files"])
+    assert len(report["files"]) == 51 and all(f["published"] for f in report["files"])
 
     # The poison document goes in alongside: its rendered page is overwritten with junk after ingestion.
     from pipeline.models import Page
@@ -57,6 +59,11 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
         assert sorted(units[job_id]) == ["document", "page:0"], (job_id, units.get(job_id))
     assert all(j.attempts == 1 for j in jobs.values())  # nothing crashed: every job ran exactly once
     assert not any((cluster.data_dir / "incoming").iterdir())  # every staged file was ingested and removed
+    from pipeline.models import BatchItem
+
+    with cluster.pipeline.db.read_session() as s:
+        items = {i.name: i for i in s.query(BatchItem).filter(BatchItem.batch_id == report["batch_id"])}
+    assert len(items) == 51 and items["inbox/broken.pdf"].outcome == "failed" and items["inbox/broken.pdf"].error
 
     status = subprocess.run([sys.executable, "-m", "workers", "status", "--json"], cwd=REPO, env=cluster.env,
                             capture_output=True, text=True, timeout=60)
@@ -65,3 +72,4 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
     assert st["jobs_by_state"] == {"succeeded": 50, "failed": 1}
     assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
     assert st["queues"]["beat_holder"] is not None
+    assert st["documents_unreadable"] == 1
