@@ -25,7 +25,7 @@ wait $p3; r3=$?
 wait $p4; r4=$?
 echo "exit codes: check_vision=$r1 check_runner=$r2 check_hf_parity=$r3 check_kernels=$r4"
 date -u +%FT%TZ
-timeout "${BENCH_TIMEOUT:-150}" python3 bench/cuda_operator_bench.py --json "$OUT/cuda_operator.json" \
+timeout "${BENCH_TIMEOUT:-150}" python3 bench/cuda_operator_bench.py --json "$OUT/cuda_operator.json" ${BENCH_ARGS:-} \
     >"$OUT/bench.log" 2>&1
 echo "exit code: cuda_operator_bench=$?"
 date -u +%FT%TZ

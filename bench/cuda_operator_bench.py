@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-vision", action="store_true")
     parser.add_argument("--only-vision", action="store_true", help="skip the text model and transformers")
+    parser.add_argument("--vision-modes", default="auto,kernel", help="attention paths to time (auto, kernel, gemm)")
     args = parser.parse_args(argv)
     from gpu_engine.cuda.device import CudaDevice
     from gpu_engine.cuda.errors import CudaUnavailable
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ours:", json.dumps(results["ours"]), flush=True)
     ours = results.get("ours")
     if not args.no_vision:
-        for mode in ("auto", "kernel"):
+        for mode in args.vision_modes.split(","):
             results[f"vision_{mode}"] = bench_vision(rng, attention=mode)
             save()
             print(f"vision ({mode}):", json.dumps(results[f"vision_{mode}"]), flush=True)
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           f"{1e3 / ours[f'decode_{args.long}_ms']:.0f} tok/s"),
             (f"{args.shape}: arena peak / budget", f"{ours['arena_peak_bytes'] / 2**30:.2f} / "
                                                    f"{ours['budget_bytes'] / 2**30:.2f} GiB")]
-    for mode in ("auto", "kernel"):
+    for mode in args.vision_modes.split(","):
         if f"vision_{mode}" in results:
             v = results[f"vision_{mode}"]
             rows.append((f"vision 1024x1024 (27x1152 tower), {mode} attention",

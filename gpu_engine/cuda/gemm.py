@@ -3,7 +3,9 @@
 One call shape covers every projection of the model: Y[m, n] = X[m, k] @ W[n, k]^T (+ beta * Y), with W stored
 row-major like a torch Linear weight (w_layout="nk"); w_layout="kn" takes W stored as [k, n] (Y = X @ W, e.g.
 probabilities times the value rows of an attention head). Operands may be column slices of wider buffers (row
-strides x_ld / w_ld / y_ld); cuBLASLt is told the real alignment of the addresses, since it assumes 256 bytes. cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
+strides x_ld / w_ld / y_ld); cuBLASLt is told the real alignment of the addresses, since it assumes 256 bytes.
+batch > 1 runs that many products in one call, operand i at its base + i * its batch stride (e.g. the heads of an
+attention layer). cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
 A = W (transposed), B = X: the layout Hopper's FP8 kernels also require, so FP8 weights can follow by adding a
 weight dtype and its scale pointer to the plan (not done yet: only bf16 and fp32 are accepted today).
 
@@ -47,7 +49,11 @@ class GemmKey:
     y_ld: int
     w_ld: int = 0  # 0: packed (k for "nk", n for "kn")
     w_layout: str = "nk"
-    align: int = 256  # bytes: the largest power of two (<= 256) dividing every operand address
+    align: int = 256  # bytes: the largest power of two (<= 256) dividing every operand address (and batch stride)
+    batch: int = 1
+    x_stride: int = 0  # batch strides in elements
+    w_stride: int = 0
+    y_stride: int = 0
 
 
 @dataclass
@@ -81,12 +87,14 @@ class CublasLt:
 
     def linear(self, y: int, x: int, w: int, m: int, n: int, k: int, *, dtype: str = "bf16",
                y_dtype: str | None = None, x_ld: int | None = None, y_ld: int | None = None,
-               w_ld: int | None = None, w_layout: str = "nk", accumulate: bool = False, stream: Any = None) -> None:
+               w_ld: int | None = None, w_layout: str = "nk", accumulate: bool = False, stream: Any = None,
+               batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T ("nk") or X[m, k] @ W[k, n] ("kn"). X and W in `dtype`; Y in `y_dtype`
         (default `dtype`); fp32 accumulate.
 
         x_ld / y_ld / w_ld: row strides in elements (default packed) so that an operand can be a slice of a wider
-        buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream.
+        buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream. batch / strides: `batch` products,
+        the i-th reading X, W and writing Y at i * (x, w, y) stride elements from the given addresses.
         """
         y_dtype = y_dtype or dtype
         for name, dt in (("dtype", dtype), ("y_dtype", y_dtype)):
@@ -97,11 +105,16 @@ class CublasLt:
         if w_layout not in ("nk", "kn"):
             raise ShapeError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
         packed_w = k if w_layout == "nk" else n
+        if batch < 1 or (batch > 1 and min(strides) < 1):
+            raise ShapeError(f"batch {batch} needs positive batch strides, got {strides}")
+        in_size, out_size = ITEMSIZE[dtype], ITEMSIZE[y_dtype]
         align = 256
-        for ptr in (x, w, y):
-            if ptr:
-                align = min(align, ptr & -ptr)  # lowest set bit of the address
-        key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n, w_ld or packed_w, w_layout, align)
+        offsets = (x, w, y) + ((strides[0] * in_size, strides[1] * in_size, strides[2] * out_size) if batch > 1 else ())
+        for value in offsets:
+            if value:
+                align = min(align, value & -value)  # lowest set bit of the address / stride in bytes
+        key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n, w_ld or packed_w, w_layout, align,
+                      batch, *(strides if batch > 1 else (0, 0, 0)))
         if key.x_ld < k or key.y_ld < n or key.w_ld < packed_w:
             raise ShapeError(f"row strides too small: x_ld={key.x_ld} (k={k}), y_ld={key.y_ld} (n={n}), "
                              f"w_ld={key.w_ld} ({packed_w})")
@@ -138,6 +151,12 @@ class CublasLt:
         a_layout = lt.matrix_layout_create(CUDA_DTYPES[key.w_dtype], a_rows, a_cols, key.w_ld)
         b_layout = lt.matrix_layout_create(CUDA_DTYPES[key.x_dtype], key.k, key.m, key.x_ld)
         d_layout = lt.matrix_layout_create(CUDA_DTYPES[key.y_dtype], key.n, key.m, key.y_ld)
+        if key.batch > 1:  # MatrixLayoutAttribute BATCH_COUNT = 5, STRIDED_BATCH_OFFSET = 6
+            for layout, stride in ((a_layout, key.w_stride), (b_layout, key.x_stride), (d_layout, key.y_stride)):
+                self._set(lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype, layout,
+                          lt.MatrixLayoutAttribute(5), key.batch)
+                self._set(lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype, layout,
+                          lt.MatrixLayoutAttribute(6), stride)
         pref = lt.matmul_preference_create()
         self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
                   lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, self.workspace_bytes)

@@ -10,9 +10,10 @@ attention segments of h*w rows each):
              patches consecutively, so the window gather is a reshape) -> fc1 (+bias, exact GELU) -> fc2 (+bias)
 
 Attention, per segment: for short segments one kernel (kernels/vision.cu, vision_attention); from
-GEMM_ATTENTION_MIN rows on, per head and block of query rows on the tensor cores: S = Q K^T (cuBLASLt, fp32 out),
-P = softmax(scale * S) (one kernel, P in the storage type), O = P V (cuBLASLt); Q, K, V and O are column slices of
-the fused qkv and the output buffers, read in place. S takes at most SCORES_BYTES per block of query rows.
+GEMM_ATTENTION_MIN rows on, per block of query rows on the tensor cores, all heads in each launch: S = Q K^T
+(cuBLASLt strided-batched over the heads, fp32 out), P = softmax(scale * S) (one kernel, P in the storage type),
+O = P V (batched again); Q, K, V and O are column slices of the fused qkv and the output buffers, read in place.
+S takes at most SCORES_BYTES per block of query rows.
 
 Geometry that depends only on the grid (bilinear taps and weights of the position table, (row, col) of each
 patch for the rotary) is computed on the host in float64 and uploaded with the pixels; the arithmetic runs on
@@ -32,7 +33,7 @@ from .weights import _Uploader
 
 LAYER_NORM_EPS = 1e-6  # fixed in the model code, as in the reference tower
 GEMM_ATTENTION_MIN = 256  # segment rows from which attention runs as GEMMs (the kernel is CUDA-core and O(n^2))
-SCORES_BYTES = 128 << 20  # fp32 score block of the GEMM attention
+SCORES_BYTES = 256 << 20  # fp32 score block of the GEMM attention (all heads)
 ATTENTION_MODES = ("auto", "kernel", "gemm")
 _BLOCK_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -196,24 +197,25 @@ class GpuVisionTower:
         if not use_gemm:
             ops.vision_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
             return
-        item = qkv.itemsize
-        q_rows = max(1, min(seg, SCORES_BYTES // (4 * seg)))
+        item, heads = qkv.itemsize, d.num_heads
+        q_rows = max(1, min(seg, SCORES_BYTES // (4 * seg * heads)))
         mark = ctx.arena.mark()
-        scores = ctx.empty((q_rows, seg), "f32", "visual.scores")
-        probs = ctx.empty((q_rows, seg), t, "visual.probs")
+        scores = ctx.empty((heads * q_rows, seg), "f32", "visual.scores")  # [head, query row, key]
+        probs = ctx.empty((heads * q_rows, seg), t, "visual.probs")
         for start in range(0, n, seg):  # one frame group
-            for h in range(d.num_heads):
-                k_ptr = qkv.ptr + (start * 3 * H + H + h * hd) * item
-                v_ptr = qkv.ptr + (start * 3 * H + 2 * H + h * hd) * item
-                for q0 in range(0, seg, q_rows):
-                    rows = min(q_rows, seg - q0)
-                    q_ptr = qkv.ptr + ((start + q0) * 3 * H + h * hd) * item
-                    o_ptr = out.ptr + ((start + q0) * H + h * hd) * item
-                    s, p = scores.view((rows, seg)), probs.view((rows, seg))
-                    ctx.blas.linear(s.ptr, q_ptr, k_ptr, rows, seg, hd, dtype=t, y_dtype="f32", x_ld=3 * H,
-                                    w_ld=3 * H)
-                    ops.softmax_rows(ctx, p, s, scale)
-                    ctx.blas.linear(o_ptr, p.ptr, v_ptr, rows, hd, seg, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn")
+            k_ptr = qkv.ptr + (start * 3 * H + H) * item
+            v_ptr = qkv.ptr + (start * 3 * H + 2 * H) * item
+            for q0 in range(0, seg, q_rows):
+                rows = min(q_rows, seg - q0)
+                q_ptr = qkv.ptr + (start + q0) * 3 * H * item
+                o_ptr = out.ptr + (start + q0) * H * item
+                # head h: Q/K/V/O start hd elements after head h-1; its scores rows * seg after
+                ctx.blas.linear(scores.ptr, q_ptr, k_ptr, rows, seg, hd, dtype=t, y_dtype="f32", x_ld=3 * H,
+                                w_ld=3 * H, batch=heads, strides=(hd, hd, rows * seg))
+                s, p = scores.view((heads * rows, seg)), probs.view((heads * rows, seg))
+                ops.softmax_rows(ctx, p, s, scale)
+                ctx.blas.linear(o_ptr, p.ptr, v_ptr, rows, hd, seg, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn",
+                                batch=heads, strides=(rows * seg, hd, hd))
         ctx.arena.release(mark)  # stream order: later allocations are written only after these reads
 
     def flops(self, grid_thw: tuple[int, int, int]) -> float:

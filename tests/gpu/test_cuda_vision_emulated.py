@@ -140,8 +140,14 @@ class FakeBlas:
         return np.stack([flat[r * ld : r * ld + cols] for r in range(rows)])
 
     def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, w_ld=None,  # noqa: ANN001
-               w_layout="nk", accumulate=False):
+               w_layout="nk", accumulate=False, batch=1, strides=(0, 0, 0)):
         assert not accumulate
+        if batch > 1:  # batch i: every operand advanced by its stride (elements)
+            isz, osz = (4 if dtype == "f32" else 2), (4 if (y_dtype or dtype) == "f32" else 2)
+            for i in range(batch):
+                self.linear(y + i * strides[2] * osz, x + i * strides[0] * isz, w + i * strides[1] * isz, m, n, k,
+                            dtype=dtype, y_dtype=y_dtype, x_ld=x_ld, y_ld=y_ld, w_ld=w_ld, w_layout=w_layout)
+            return
         xm = self._rows(x, m, k, x_ld or k, dtype)
         if w_layout == "nk":
             wt = self._rows(w, n, k, w_ld or k, dtype).T
@@ -207,7 +213,7 @@ def test_emulated_gemm_attention_in_query_blocks(monkeypatch) -> None:
     """A score budget smaller than one segment: the GEMM attention walks blocks of query rows (5, 5, 5, 5, 4)."""
     import gpu_engine.cuda.vision as vision
 
-    monkeypatch.setattr(vision, "SCORES_BYTES", 4 * 24 * 5)
+    monkeypatch.setattr(vision, "SCORES_BYTES", 4 * 24 * 5 * 2)  # 2 heads
     rng = np.random.default_rng()
     cfg = SimpleNamespace(**CONFIGS["hd72 exact-gelu"])
     weights = random_vision_weights(cfg, rng)
