@@ -134,6 +134,74 @@ def bench_vision(rng: np.random.Generator, side_px: int = 1024, attention: str =
         ctx.close()
 
 
+def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
+    """Device time (CUDA events, median) of each op of one vision block at side x side patches, Qwen3.5 shapes;
+    microseconds. Includes the GEMM attention's pieces for one block of query rows, and the same two GEMMs on
+    packed, 256-byte-aligned copies of Q, K, V (does the column-slice layout cost cuBLASLt speed?)."""
+    from types import SimpleNamespace
+
+    from cuda_bench import time_ms
+
+    from gpu_engine.cuda import ops, vision
+    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+    from gpu_engine.cuda.context import GpuContext
+    from gpu_engine.cuda.vision import GpuVisionTower
+    from gpu_engine.reference.vision_tower import vision_weight_shapes
+
+    cfg = SimpleNamespace(**{**VISION_2B, "depth": 1})
+    block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.05)
+    weights = {k: np.resize(block, s) for k, s in vision_weight_shapes(cfg).items()}
+    ctx = GpuContext(8 << 30)
+    out: dict = {}
+    try:
+        tw = GpuVisionTower(ctx, cfg, weights, "bf16")
+        b, d = tw.blocks[0], tw.dims
+        n, H, hd, heads, inter = side * side, d.hidden_size, d.head_dim, d.num_heads, d.intermediate_size
+        rnd = lambda shape, name: ctx.to_device(rng.standard_normal(shape).astype(np.float32), "bf16", name)  # noqa: E731
+        x, normed, qkv = rnd((n, H), "x"), rnd((n, H), "normed"), rnd((n, 3 * H), "qkv")
+        attn, tmp, mlp = rnd((n, H), "attn"), rnd((n, H), "tmp"), rnd((n, inter), "mlp")
+        rowcol = ctx.to_device(np.stack([np.arange(n) // side, np.arange(n) % side]).astype(np.int32), "i32", "rc")
+        rows = max(1, min(n, vision.SCORES_BYTES // (4 * n * heads)))
+        scores = ctx.empty((heads * rows, n), "f32", "scores")
+        probs = rnd((heads * rows, n), "probs")
+        packed = {name: rnd((heads, n, hd), name) for name in ("q", "k", "v", "o")}
+        t = "bf16"
+        bl = ctx.blas.linear
+        cases = {
+            "layernorm": lambda: ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, 1e-6),
+            "qkv GEMM": lambda: bl(qkv.ptr, normed.ptr, b.qkv_w.ptr, n, 3 * H, H, dtype=t),
+            "qkv bias": lambda: ops.bias_act(ctx, qkv, qkv, b.qkv_b),
+            "rope q": lambda: ops.rope(ctx, qkv, n, heads, hd, 3 * H, hd, rowcol, tw.rope_inv, tw.rope_axis),
+            "attention kernel path": lambda: ops.vision_attention(ctx, attn, qkv, heads, hd, n, hd ** -0.5),
+            "attention GEMM path (all blocks)": lambda: tw._attend(attn, qkv, n, n),
+            f"  S=QK^T, {rows} rows x {heads} heads, slices": lambda: bl(
+                scores.ptr, qkv.ptr, qkv.ptr + H * 2, rows, n, hd, dtype=t, y_dtype="f32", x_ld=3 * H, w_ld=3 * H,
+                batch=heads, strides=(hd, hd, rows * n)),
+            f"  S=QK^T, {rows} rows x {heads} heads, packed": lambda: bl(
+                scores.ptr, packed["q"].ptr, packed["k"].ptr, rows, n, hd, dtype=t, y_dtype="f32",
+                batch=heads, strides=(n * hd, n * hd, rows * n)),
+            "  softmax rows (three passes)": lambda: ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "loop"),
+            "  softmax rows (register-cached)": lambda: ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "cached"),
+            f"  O=PV, {rows} rows x {heads} heads, slices": lambda: bl(
+                attn.ptr, probs.ptr, qkv.ptr + 2 * H * 2, rows, hd, n, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn",
+                batch=heads, strides=(rows * n, hd, hd)),
+            f"  O=PV, {rows} rows x {heads} heads, packed": lambda: bl(
+                packed["o"].ptr, probs.ptr, packed["v"].ptr, rows, hd, n, dtype=t, w_layout="kn",
+                batch=heads, strides=(rows * n, n * hd, n * hd)),
+            "proj GEMM": lambda: bl(tmp.ptr, attn.ptr, b.proj_w.ptr, n, H, H, dtype=t),
+            "bias + residual": lambda: ops.bias_residual(ctx, x, tmp, b.proj_b),
+            "fc1 GEMM": lambda: bl(mlp.ptr, normed.ptr, b.fc1_w.ptr, n, inter, H, dtype=t),
+            "fc1 bias + GELU": lambda: ops.bias_act(ctx, mlp, mlp, b.fc1_b, "gelu_tanh"),
+            "fc2 GEMM": lambda: bl(tmp.ptr, mlp.ptr, b.fc2_w.ptr, n, H, inter, dtype=t),
+        }
+        for name, fn in cases.items():
+            out[name] = 1e3 * time_ms(ctx, fn, warmup=2, reps=10)
+            print(f"vision op {name:<45} {out[name]:9.1f} us", flush=True)
+    finally:
+        ctx.close()
+    return out
+
+
 HF_CHILD = r"""
 import json, sys, time, torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -176,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-vision", action="store_true")
     parser.add_argument("--only-vision", action="store_true", help="skip the text model and transformers")
+    parser.add_argument("--vision-ops", action="store_true", help="time each op of one vision block")
     parser.add_argument("--vision-modes", default="auto,kernel", help="attention paths to time (auto, kernel, gemm)")
     args = parser.parse_args(argv)
     from gpu_engine.cuda.device import CudaDevice
@@ -207,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             results[f"vision_{mode}"] = bench_vision(rng, attention=mode)
             save()
             print(f"vision ({mode}):", json.dumps(results[f"vision_{mode}"]), flush=True)
+    if args.vision_ops:
+        results["vision_ops_us"] = bench_vision_ops(rng)
+        save()
     if not args.no_hf:
         results["transformers"] = bench_hf(args.shape)
         save()

@@ -409,12 +409,28 @@ def vision_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int, head
                       i32(head_dim), i32(seg_len), f32(scale))
 
 
-def softmax_rows(ctx: GpuContext, out: DArray, scores: DArray, scale: float) -> None:
-    """out[r] = softmax(scale * scores[r]) (scale > 0); scores f32 [rows, cols], out [rows, cols] bf16 or f32."""
+SOFTMAX_CACHED_MAX = 8 * 1024  # row length the register-cached softmax handles (8 values x 1024 threads)
+
+
+def softmax_rows(ctx: GpuContext, out: DArray, scores: DArray, scale: float, method: str = "auto") -> None:
+    """out[r] = softmax(scale * scores[r]) (scale > 0); scores f32 [rows, cols], out [rows, cols] bf16 or f32.
+    method: "cached" (row read once into registers; cols <= SOFTMAX_CACHED_MAX), "loop" (three passes, any
+    length) or "auto" (cached where it fits)."""
     t = _same_float(out)
     _need(scores, "f32", "scores")
     rows, cols = scores.shape
-    if out.shape != scores.shape or scale <= 0:
-        raise ShapeError(f"softmax_rows: scores {scores.shape}, out {out.shape}, scale {scale} (must be > 0)")
+    if out.shape != scores.shape or scale <= 0 or method not in ("auto", "cached", "loop"):
+        raise ShapeError(f"softmax_rows: scores {scores.shape}, out {out.shape}, scale {scale} (must be > 0), "
+                         f"method {method!r}")
+    if method == "auto":
+        method = "cached" if cols <= SOFTMAX_CACHED_MAX else "loop"
+    if method == "cached":
+        if cols > SOFTMAX_CACHED_MAX:
+            raise ShapeError(f"softmax_rows cached handles rows of at most {SOFTMAX_CACHED_MAX}, got {cols}")
+        per_thread = -(-cols // 8)  # ceil: threads * 8 must cover the row
+        threads = min(1024, max(32, (per_thread + 31) // 32 * 32))
+        ctx.device.launch("vision", f"softmax_rows_cached_{t}", rows, threads, out.ptr, scores.ptr, i32(rows),
+                          i32(cols), f32(scale))
+        return
     ctx.device.launch("vision", f"softmax_rows_{t}", rows, _threads(cols), out.ptr, scores.ptr, i32(rows), i32(cols),
                       f32(scale))

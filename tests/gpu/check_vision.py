@@ -118,6 +118,35 @@ def check_towers(rng: np.random.Generator) -> list[VisionResult]:
     return results
 
 
+def check_softmax(rng: np.random.Generator) -> list[VisionResult]:
+    """Both softmax kernels of the GEMM attention vs numpy float64, rows shorter and longer than one pass."""
+    from gpu_engine.cuda import ops
+    from gpu_engine.cuda.context import GpuContext
+
+    results = []
+    ctx = GpuContext(1 << 30)
+    try:
+        for rows, cols in ((37, 24), (64, 4096), (5, 8192), (3, 9000)):
+            s = (3.0 * rng.standard_normal((rows, cols))).astype(np.float32)
+            z = s.astype(np.float64) * 0.3
+            ref = np.exp(z - z.max(1, keepdims=True))
+            ref /= ref.sum(1, keepdims=True)
+            scores = ctx.to_device(s, "f32", "scores")
+            for dtype in ("f32", "bf16"):
+                for method in ("cached", "loop") if cols <= ops.SOFTMAX_CACHED_MAX else ("loop",):
+                    out = ctx.empty((rows, cols), dtype, "probs")
+                    ctx.poison(out)
+                    ops.softmax_rows(ctx, out, scores, 0.3, method)
+                    err = _rel(ctx.to_host(out), ref)
+                    results.append(VisionResult(f"softmax_rows {method} {rows}x{cols}", dtype, (0, rows, cols), err,
+                                                bool(err <= TOL[dtype])))
+    finally:
+        ctx.close()
+    for r in results:
+        print(f"{r.config:<32} {r.dtype:<5} rel. err {r.rel_err:.2e}  {'PASS' if r.ok else 'FAIL'}", flush=True)
+    return results
+
+
 def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
     """CudaRunner.encode_vision -> DeviceEmbeddings; device scatter == host scatter in a prefill step."""
     from gpu_engine.config import ModelConfig
@@ -178,7 +207,7 @@ def run_all() -> tuple[list[VisionResult], dict]:
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     results = []
-    for part in (check_towers, check_runner_path):  # one part raising still lets the other run
+    for part in (check_softmax, check_towers, check_runner_path):  # one part raising still lets the other run
         try:
             results += part(rng)
         except Exception:  # noqa: BLE001 - reported as a failed result with its traceback

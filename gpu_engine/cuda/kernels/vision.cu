@@ -10,7 +10,10 @@
 //                                                                     bilinearly resampled (4 taps per patch; taps
 //                                                                     and weights come from the host)
 //   softmax_rows:     out[r, :] = softmax(scale * s[r, :])              s fp32 (scores from a cuBLASLt GEMM), out in the
-//                                                                     storage type (the probabilities of the P @ V GEMM)
+//                                                                     storage type (the probabilities of the P @ V GEMM);
+//                                                                     three passes over s, any row length (scale > 0)
+//   softmax_rows_cached: the same for rows of at most 8 * blockDim.x: the row is read once into registers
+//                                                                     (one pass over s instead of three)
 //   vision_attention: bidirectional attention inside equal segments of `seg_len` rows (one frame group each);
 //                     q, k, v read in place from the fused qkv projection [n, 3 * heads * hd]; out [n, heads*hd].
 //                     One block of 4 warps per (query, head); the warps take keys in turn with a running online
@@ -102,6 +105,39 @@ __device__ void softmax_rows_impl(T* out, const float* s, int rows, int cols, fl
     for (int i = threadIdx.x; i < cols; i += blockDim.x) pr[i] = from_f<T>(expf(sr[i] * scale - m) * inv);
 }
 
+#define SOFTMAX_PER_THREAD 8
+
+template <typename T>
+__device__ void softmax_rows_cached_impl(T* out, const float* s, int rows, int cols, float scale) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const float* sr = s + (long long)row * cols;
+    T* pr = out + (long long)row * cols;
+    float v[SOFTMAX_PER_THREAD];
+    float m = NEG_INF;
+#pragma unroll
+    for (int e = 0; e < SOFTMAX_PER_THREAD; ++e) {
+        const int i = threadIdx.x + e * blockDim.x;
+        v[e] = i < cols ? sr[i] * scale : NEG_INF;
+        m = fmaxf(m, v[e]);
+    }
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+#pragma unroll
+    for (int e = 0; e < SOFTMAX_PER_THREAD; ++e) {
+        v[e] = expf(v[e] - m);  // padding: exp(-inf) = 0
+        sum += v[e];
+    }
+    const float inv = 1.0f / block_sum(sum, scratch);
+#pragma unroll
+    for (int e = 0; e < SOFTMAX_PER_THREAD; ++e) {
+        const int i = threadIdx.x + e * blockDim.x;
+        if (i < cols) pr[i] = from_f<T>(v[e] * inv);
+    }
+}
+
 template <typename T>
 __device__ void vision_attention_impl(T* out, const T* qkv, int n, int heads, int head_dim, int seg_len,
                                       float scale) {
@@ -182,6 +218,9 @@ __device__ void vision_attention_impl(T* out, const T* qkv, int n, int heads, in
     }                                                                                                         \
     extern "C" __global__ void softmax_rows_##S(T* out, const float* s, int rows, int cols, float scale) {      \
         softmax_rows_impl<T>(out, s, rows, cols, scale);                                                       \
+    }                                                                                                         \
+    extern "C" __global__ void softmax_rows_cached_##S(T* out, const float* s, int rows, int cols, float scale) {\
+        softmax_rows_cached_impl<T>(out, s, rows, cols, scale);                                                \
     }                                                                                                         \
     extern "C" __global__ void vision_attention_##S(T* out, const T* qkv, int n, int heads, int head_dim,      \
                                                     int seg_len, float scale) {                               \
