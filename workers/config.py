@@ -49,6 +49,9 @@ class WorkerSettings(BaseSettings):
     requeue_queued_after_s: float = Field(
         300.0, gt=0, description="A queued job untouched this long, with no message waiting for it, is sent again."
     )
+    heartbeat_interval_s: float = Field(
+        10.0, gt=0, description="Workers refresh their liveness key this often; dead after 3 missed beats."
+    )
     # --- beat ----------------------------------------------------------------------------------------------------
     watch_interval_s: float = Field(10.0, gt=0, description="How often beat scans the watch folders.")
     retention_interval_s: float = Field(3600.0, gt=0, description="How often beat runs the retention purge.")

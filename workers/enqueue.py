@@ -56,12 +56,14 @@ def _settings(settings: Settings | None, ws: WorkerSettings | None) -> tuple[Set
 
 
 def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_settings: WorkerSettings | None = None,
-                countdown: float | None = None) -> bool:
+                countdown: float | None = None, takeover_from: str | None = None) -> bool:
     """Publish the extraction of one job to the `gpu` queue. False when the broker is unreachable (the reconciler
-    sends it later; the job stays `queued`)."""
+    sends it later; the job stays `queued`). `takeover_from` (the reconciler's) names the dead worker whose
+    running job this message may take over."""
     settings, ws = _settings(settings, worker_settings)
     app = producer(settings, ws)
-    if _publish(app, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, job_task_id(job_id), countdown):
+    kwargs = {"takeover_from": takeover_from} if takeover_from else {}
+    if _publish(app, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, job_task_id(job_id), countdown, kwargs):
         return True
     log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "
                 "once the broker answers", job_id)
@@ -69,9 +71,9 @@ def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_setting
 
 
 def _publish(app: Celery, task: str, args: list[object], queue: str, task_id: str,
-             countdown: float | None = None) -> bool:
+             countdown: float | None = None, kwargs: dict[str, object] | None = None) -> bool:
     try:
-        app.send_task(task, args=args, queue=queue, countdown=countdown, task_id=task_id)
+        app.send_task(task, args=args, kwargs=kwargs or {}, queue=queue, countdown=countdown, task_id=task_id)
         return True
     except BROKER_ERRORS as exc:
         log.debug("publishing %s%s failed: %s", task, args, exc)

@@ -2,6 +2,7 @@
 
 On every beat tick (`requeue_interval_s`) it sends again:
   * jobs `running` past their lease, or whose owner process is gone from its host (the worker died mid-job);
+  * jobs `running` under a worker whose heartbeat expired (its machine died; see workers.liveness), as takeovers;
   * jobs `queued` and untouched for `requeue_queued_after_s` (their message was lost: a broker restarted without
     persistence, or a worker took it and died before running it);
   * staged intakes older than `requeue_queued_after_s` (submitted files whose ingest message was lost);
@@ -16,12 +17,16 @@ from dataclasses import dataclass, field
 
 import redis
 
+from sqlalchemy import select
+
 from pipeline.context import Pipeline
 from pipeline.jobs import stale_jobs
+from pipeline.models import Job, JobState
 
 from . import staging
 from .config import QUEUE_GPU, QUEUE_INGEST, WorkerSettings
 from .enqueue import enqueue_job, publish_ingest
+from .liveness import dead_owners, forget, registered
 from .markers import waiting
 
 log = logging.getLogger(__name__)
@@ -32,20 +37,34 @@ class ReconcileReport:
     jobs_sent: list[int] = field(default_factory=list)
     jobs_waiting: int = 0  # stale by the database, but a message for them waits in the queue
     stages_sent: list[str] = field(default_factory=list)
+    takeovers: dict[int, str] = field(default_factory=dict)  # job id -> the dead worker it was taken from
+
+
+def _running_owners(p: Pipeline) -> dict[int, str]:
+    with p.db.read_session() as s:
+        rows = s.execute(select(Job.id, Job.owner).where(Job.state == JobState.running.value)).all()
+    return {job_id: owner for job_id, owner in rows if owner}
 
 
 def reconcile(p: Pipeline, ws: WorkerSettings, client: redis.Redis) -> ReconcileReport:
     report = ReconcileReport()
     stale = stale_jobs(p, queued_for_s=ws.requeue_queued_after_s)
+    running = _running_owners(p)
+    dead = dead_owners(client, registered(client))
+    takeovers = {job_id: owner for job_id, owner in running.items() if owner in dead and job_id not in stale}
     stages = staging.pending(p.settings.data_dir, ws.requeue_queued_after_s)
     # Read the queues after the database: a message published in between is seen, not sent twice.
-    waiting_jobs = waiting(client, QUEUE_GPU)["job"] if stale else set()
+    waiting_jobs = waiting(client, QUEUE_GPU)["job"] if stale or takeovers else set()
     waiting_stages = waiting(client, QUEUE_INGEST)["stage"] if stages else set()
-    for job_id in stale:
+    for job_id in [*stale, *takeovers]:
+        owner = takeovers.get(job_id)
         if str(job_id) in waiting_jobs:
             report.jobs_waiting += 1
-        elif enqueue_job(job_id, settings=p.settings, worker_settings=ws):
+        elif enqueue_job(job_id, settings=p.settings, worker_settings=ws, takeover_from=owner):
             report.jobs_sent.append(job_id)
+            if owner:
+                report.takeovers[job_id] = owner
+    forget(client, dead - set(running.values()))  # dead workers that hold no job any more
     for staged in stages:
         if staged.stage_id not in waiting_stages and publish_ingest(staged.stage_id, settings=p.settings,
                                                                      worker_settings=ws):

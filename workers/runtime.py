@@ -17,6 +17,8 @@ from pipeline.context import Pipeline
 from pipeline.settings import Settings
 
 from .config import WorkerSettings
+from .liveness import Heartbeat
+from .markers import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class ProcessConfig:
 
 _config: ProcessConfig | None = None
 _pipeline: Pipeline | None = None
+_heartbeat: Heartbeat | None = None
 _lock = threading.Lock()
 
 
@@ -78,9 +81,13 @@ EXIT_CANNOT_START = 3
 
 @signals.worker_process_init.connect
 def _on_process_init(**_: object) -> None:
+    global _heartbeat
     cfg = process_config()
     try:
         p = pipeline()
+        if cfg.settings.broker_url and _heartbeat is None:
+            client = redis_client(cfg.settings.broker_url)
+            _heartbeat = Heartbeat(client, cfg.worker_settings.heartbeat_interval_s).start()
         if cfg.build_engine:
             client = p.client  # loads the weights and starts the engine's step loop, once per process
             log.info("engine ready in pid %d: model %s (%s runner), CUDA_VISIBLE_DEVICES=%s", os.getpid(),
@@ -97,8 +104,11 @@ def _on_process_init(**_: object) -> None:
 
 @signals.worker_process_shutdown.connect
 def _on_process_shutdown(**_: object) -> None:
-    global _pipeline
+    global _pipeline, _heartbeat
     with _lock:
         p, _pipeline = _pipeline, None
+        beat, _heartbeat = _heartbeat, None
+    if beat is not None:
+        beat.stop()
     if p is not None:
         p.close()  # the engine's step loop is a daemon thread: it ends with the process

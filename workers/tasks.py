@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Retry
+from sqlalchemy import select
 
 from pipeline.errors import NotFoundError
 from pipeline.ingest import ingest_file
@@ -24,6 +25,7 @@ from .app import app
 from .config import TASK_EXTRACT, TASK_INGEST, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
 from .enqueue import enqueue_job
 from .failures import backoff_seconds, fail_queued_job, is_permanent, job_state
+from .liveness import dead_owners
 from .markers import redis_client
 
 log = logging.getLogger(__name__)
@@ -41,12 +43,25 @@ def _retry(task: Task, exc: BaseException, delay: float) -> Retry:
     return task.retry(exc=exc, countdown=delay)
 
 
+def _owner_still_dead(p: Any, job_id: int, owner: str) -> bool:
+    """A takeover message is honoured only if the job still runs under that owner and its heartbeat is still
+    gone (it may have come back, or another worker may have claimed the job since the reconciler looked)."""
+    from pipeline.models import Job
+
+    with p.db.read_session() as s:
+        row = s.execute(select(Job.state, Job.owner).where(Job.id == job_id)).first()
+    if row is None or row.state != JobState.running.value or row.owner != owner:
+        return False
+    return owner in dead_owners(_redis(), {owner})
+
+
 @app.task(name=TASK_EXTRACT, bind=True, max_retries=None)
-def extract(self: Task, job_id: int) -> dict[str, Any]:
+def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[str, Any]:
     p = runtime.pipeline()
     ws = runtime.process_config().worker_settings
     try:
-        run = run_job(p, job_id)
+        takeover = bool(takeover_from) and _owner_still_dead(p, job_id, takeover_from or "")
+        run = run_job(p, job_id, takeover=takeover)
     except NotFoundError:
         log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
         return {"job_id": job_id, "state": "missing"}

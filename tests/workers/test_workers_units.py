@@ -333,3 +333,55 @@ def test_a_gpu_worker_whose_engine_cannot_be_built_exits_before_taking_jobs(redi
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_CANNOT_START, done.stdout[-2000:] + done.stderr[-2000:]
     assert "cannot start" in done.stderr and "no-such-model" in done.stderr
+
+
+# --- heartbeats: jobs of a worker on a dead machine are taken over before their lease ends ------------------------
+def test_heartbeat_registers_refreshes_and_leaves_on_a_clean_stop(client):
+    from workers.liveness import WORKERS_KEY, Heartbeat, alive_key, dead_owners
+
+    beat = Heartbeat(client, interval_s=0.1, owner="hostA:1").start()
+    time.sleep(0.15)
+    assert client.exists(alive_key("hostA:1")) and client.sismember(WORKERS_KEY, "hostA:1")
+    assert 0 < client.pttl(alive_key("hostA:1")) <= 300
+    assert dead_owners(client, {"hostA:1"}) == set()
+    beat.stop()
+    assert not client.exists(alive_key("hostA:1")) and not client.sismember(WORKERS_KEY, "hostA:1")
+
+
+def test_reconciler_takes_over_jobs_of_dead_workers_only_and_the_task_honours_it(redis_url, client, tmp_path):
+    from pipeline.ingest import ingest_file
+    from pipeline.models import Job, utcnow
+    from workers import tasks
+    from workers.liveness import WORKERS_KEY, alive_key, beat_once
+    from workers.reconciler import reconcile
+    from workers.runtime import configure_process
+
+    p = _pipeline(tmp_path, redis_url)
+    ws = WorkerSettings()
+    configure_process(pipeline=p, worker_settings=ws)
+    dead_machine, live_machine, cli_run = (ingest_file(p, png(seed=20 + i), name=f"{i}.png", schema="flag").job_id
+                                           for i in range(3))
+    owners = {dead_machine: "gone-host:77", live_machine: "busy-host:78", cli_run: "laptop:79"}
+    with p.db.session() as s:
+        for job_id, owner in owners.items():
+            job = s.get(Job, job_id)
+            job.state, job.owner, job.attempts = "running", owner, 1
+            job.lease_until = utcnow() + timedelta(minutes=10)  # leases far from over
+    beat_once(client, "gone-host:77", ttl_s=0.05)  # a registered worker whose heartbeat then expired
+    beat_once(client, "busy-host:78", ttl_s=60)  # alive
+    beat_once(client, "old-host:1", ttl_s=0.05)  # dead and holding nothing: forgotten
+    time.sleep(0.1)  # laptop:79 never registered (an in-process run): left to its lease
+
+    report = reconcile(p, ws, client)
+    assert report.jobs_sent == [dead_machine] and report.takeovers == {dead_machine: "gone-host:77"}
+    assert client.smembers(WORKERS_KEY) == {b"gone-host:77", b"busy-host:78"}
+
+    # The message's task runs the job, taking it over (the owner is still dead); it succeeds on this machine.
+    assert tasks.extract(dead_machine, takeover_from="gone-host:77")["state"] == "succeeded"
+    # A takeover message naming a live owner does not steal the job.
+    out = tasks.extract(live_machine, takeover_from="busy-host:78")
+    assert out["ran"] is False and out["state"] == "running"
+    assert not client.exists(alive_key("laptop:79"))
+    with p.db.read_session() as s:
+        assert s.get(Job, dead_machine).attempts == 2 and s.get(Job, live_machine).attempts == 1
+    p.close()
