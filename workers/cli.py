@@ -218,6 +218,10 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         table.add_row("(delivered, not acked)", str(q.unacked))
         console.print(table)
         console.print(f"beat lock holder: {q.beat_holder or 'none (no beat running)'}")
+        alive = [owner for owner, ok in q.workers.items() if ok]
+        dead = [owner for owner, ok in q.workers.items() if not ok]
+        console.print(f"worker processes alive: {len(alive)}" + (f" {', '.join(alive)}" if alive else "")
+                      + (f"; silent (jobs being taken over): {', '.join(dead)}" if dead else ""))
         for folder, stats in q.watch.items():
             console.print(f"watch {folder}: {stats or 'not scanned yet'}")
     jobs = Table(title="jobs")

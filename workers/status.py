@@ -14,6 +14,7 @@ from pipeline.models import Document, DocumentStatus, Job
 
 from .beat import BEAT_LOCK_KEY
 from .config import QUEUES
+from .liveness import dead_owners, registered
 from .markers import queue_keys
 from .watch import stats_key
 
@@ -28,6 +29,7 @@ class QueueStatus:
     unacked: int = 0  # delivered to a worker, not yet acknowledged (running, or held for a delayed retry)
     beat_holder: str | None = None
     watch: dict[str, dict[str, str]] = field(default_factory=dict)
+    workers: dict[str, bool] = field(default_factory=dict)  # registered worker process (host:pid) -> heartbeat alive
 
 
 @dataclass
@@ -50,7 +52,10 @@ def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
             if "last_scan" in stats:
                 stats["last_scan_ago_s"] = f"{time.time() - float(stats['last_scan']):.0f}"
             watch[str(folder)] = stats
-        return QueueStatus(True, None, depths, int(client.hlen(_UNACKED)), holder.decode() if holder else None, watch)
+        owners = registered(client)
+        dead = dead_owners(client, owners)
+        return QueueStatus(True, None, depths, int(client.hlen(_UNACKED)), holder.decode() if holder else None, watch,
+                           {owner: owner not in dead for owner in sorted(owners)})
     except RedisError as exc:
         return QueueStatus(False, f"{type(exc).__name__}: {exc}")
 

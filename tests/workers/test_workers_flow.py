@@ -73,3 +73,4 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
     assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
     assert st["queues"]["beat_holder"] is not None
     assert st["documents_unreadable"] == 1
+    assert len(st["queues"]["workers"]) >= 2 and all(st["queues"]["workers"].values())  # gpu + ingest child(ren)
