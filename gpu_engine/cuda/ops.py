@@ -434,3 +434,12 @@ def softmax_rows(ctx: GpuContext, out: DArray, scores: DArray, scale: float, met
         return
     ctx.device.launch("vision", f"softmax_rows_{t}", rows, _threads(cols), out.ptr, scores.ptr, i32(rows), i32(cols),
                       f32(scale))
+
+
+def cast_from_f32(ctx: GpuContext, out: DArray, x: DArray) -> None:
+    """out = x rounded to out's dtype (round to nearest even, as the host's f32_to_bf16_bits); same element count."""
+    t = _same_float(out)
+    _need(x, "f32", "x")
+    if out.size != x.size:
+        raise ShapeError(f"cast_from_f32: {x.shape} -> {out.shape} changes the element count")
+    ctx.device.launch("vision", f"cast_from_f32_{t}", _grid_1d(ctx, x.size), 256, out.ptr, x.ptr, i64(x.size))

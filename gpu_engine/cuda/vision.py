@@ -148,7 +148,11 @@ class GpuVisionTower:
         geo = frame_geometry(h, w, d.spatial_merge_size, d.pos_grid_side)
         mark = ctx.arena.mark()
         try:
-            pixels = ctx.to_device(pixel_values, t_, "visual.pixels")
+            pixels = ctx.to_device(pixel_values, "f32", "visual.pixels")
+            if t_ != "f32":  # round on the device: numpy's bf16 rounding costs tens of ms for one large image
+                rounded = ctx.empty(pixels.shape, t_, "visual.pixels_" + t_)
+                ops.cast_from_f32(ctx, rounded, pixels)
+                pixels = rounded
             taps = ctx.to_device(np.tile(geo.taps, (t, 1)), "i32", "visual.taps")
             tap_w = ctx.to_device(np.tile(geo.weights, (t, 1)), "f32", "visual.tap_weights")
             rowcol = ctx.to_device(np.tile(geo.rowcol, (1, t)), "i32", "visual.rowcol")

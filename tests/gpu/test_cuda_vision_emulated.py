@@ -118,6 +118,9 @@ class FakeDevice:
         e = np.exp(z - z.max(1, keepdims=True))
         self.write(out, e / e.sum(1, keepdims=True), t)
 
+    def k_cast_from_f32(self, t, out, x, n):  # noqa: ANN001
+        self.write(out, self.read(x, n, "f32"), t)
+
     k_softmax_rows_cached = k_softmax_rows  # same function; the GPU check compares the two kernels
 
     def k_vision_attention(self, t, out, qkv, n, heads, hd, seg, scale):  # noqa: ANN001
