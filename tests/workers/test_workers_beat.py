@@ -1,5 +1,5 @@
 """Beat + watch folder: a file dropped into a watch folder is processed once, even though beat keeps ticking
-(every 0.3 s) while its job runs and the file stays in the folder (watch_action=leave)."""
+(every 0.2 s) while its job runs and the file stays in the folder (watch_action=leave)."""
 from __future__ import annotations
 
 import os
@@ -15,12 +15,13 @@ def test_a_dropped_file_is_processed_once_while_beat_ticks_during_its_job(redis_
     from pipeline.models import BatchItem, Document
     from workers.watch import seen_key, stats_key
 
-    cluster = make_cluster(redis_url, DOCPIPE_MAX_TOKENS="300", DOCPIPE_WATCH_ACTION="leave",
-                           DOCPIPE_DEFAULT_SCHEMA="note", DOCPIPE_ENGINE_MAX_NUM_SEQS="2")
+    cluster = make_cluster(redis_url, DOCPIPE_MAX_TOKENS="3600", DOCPIPE_WATCH_ACTION="leave",
+                           DOCPIPE_DEFAULT_SCHEMA="note", DOCPIPE_ENGINE_MAX_NUM_SEQS="2",
+                           DOCPIPE_WATCH_INTERVAL_S="0.2")
     folder = cluster.root / "watched"
     folder.mkdir()
     cluster.overrides["DOCPIPE_WATCH_FOLDERS"] = str(folder)
-    cluster.register_schema("note", note_schema(480))  # ~200 tokens: the job outlasts several beat ticks
+    cluster.register_schema("note", note_schema(8000))  # ~3000 tokens: the job outlasts several beat ticks
     client = redis.Redis.from_url(redis_url)
     stats = stats_key(folder.resolve())
 
@@ -34,14 +35,14 @@ def test_a_dropped_file_is_processed_once_while_beat_ticks_during_its_job(redis_
     tmp.write_bytes(png(size=20))
     os.replace(tmp, folder / "scan.png")
 
-    cluster.wait_for("the job to start", lambda: cluster.job_states().get("running", 0) == 1
-                     or cluster.job_states().get("succeeded", 0) == 1, timeout=60, poll=0.02)
+    cluster.wait_for("the job to start", lambda: cluster.job_states().get("running", 0) == 1, timeout=60,
+                     poll=0.01)
     ticks_at_start = int(client.hget(stats, "ticks") or 0)
     client.delete(seen_key(folder.resolve()))  # Redis forgets what it saw: the database's dedupe must still hold
-    cluster.wait_for("the job to finish", lambda: cluster.job_states() == {"succeeded": 1}, timeout=60)
-    time.sleep(1.0)  # a few more ticks after the job finished
+    cluster.wait_for("the job to finish", lambda: cluster.job_states() == {"succeeded": 1}, timeout=60, poll=0.01)
     ticks_during = int(client.hget(stats, "ticks") or 0) - ticks_at_start
     assert ticks_during >= 3, f"beat ticked only {ticks_during} times while the job ran"
+    time.sleep(0.5)  # and a few more ticks after it finished
 
     [job] = cluster.jobs()
     assert job.attempts == 1 and job.state == "succeeded"
