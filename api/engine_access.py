@@ -90,10 +90,5 @@ class EngineAccess:
 
 
 def _async_engine_of(client: Any) -> Any:
-    """The AsyncEngine inside the pipeline's EngineClient.
-
-    `EngineClient` keeps it in `_async`; a public `async_engine` attribute has been requested from the pipeline
-    owner. Until it exists we read the private one, in this one place only.
-    """
-    engine = getattr(client, "async_engine", None)
-    return engine if engine is not None else client._async
+    """The AsyncEngine inside the pipeline's EngineClient (its public `async_engine` property)."""
+    return client.async_engine

@@ -81,11 +81,17 @@ class EngineClient:
     def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float) -> None:
         import gpu_engine
 
-        self._async = async_engine
+        self._async_engine = async_engine
         self.model_key = model_key(model_dir)
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
         self._timeout_s = timeout_s
+
+    @property
+    def async_engine(self) -> Any:
+        """The `gpu_engine.AsyncEngine` behind this client, for callers that talk to the engine directly (the
+        API's chat endpoint, /metrics). Shared: do not shut it down, use `close()`."""
+        return self._async_engine
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "EngineClient":
@@ -116,7 +122,7 @@ class EngineClient:
         from gpu_engine.engine import RequestError
 
         started = time.perf_counter()
-        handles = [self._async.submit(r.messages, r.params) for r in requests]
+        handles = [self._async_engine.submit(r.messages, r.params) for r in requests]
         for handle in handles:
             try:
                 # The engine ends a request itself at arrival + timeout_s (SamplingParams); this wait is only the
@@ -146,7 +152,7 @@ class EngineClient:
             )
 
     def close(self) -> None:
-        self._async.shutdown()
+        self._async_engine.shutdown()
 
 
 _shared: dict[tuple[str, str], EngineClient] = {}

@@ -390,6 +390,21 @@ def retry_job(p: Pipeline, job_id: int) -> None:
         job.updated_at = utcnow()
 
 
+def fail_job(p: Pipeline, job_id: int, reason: str) -> bool:
+    """Fail a `queued` job for good with `reason`: a permanent error that would fail every run the same way (a
+    queue worker's verdict on bad input), or a document that turned out unreadable. Compare-and-set on `queued`:
+    a job another process claimed meanwhile is left to it. True when this call failed the job."""
+    now = utcnow()
+    with p.db.session() as s:
+        changed = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.queued.value)
+            .values(state=JobState.failed.value, error=reason[:2000], finished_at=now, updated_at=now,
+                    owner=None, lease_until=None)
+        ).rowcount
+    return bool(changed)
+
+
 def stale_jobs(p: Pipeline, *, queued_for_s: float) -> list[int]:
     """Jobs a reconciler should enqueue again: running past their lease (or with a dead local owner), or queued
     without progress for `queued_for_s` seconds (their broker message may be lost)."""

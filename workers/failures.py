@@ -10,13 +10,11 @@ and ends `failed` with the last error once `job_max_attempts` runs were spent.
 from __future__ import annotations
 
 import random
-from datetime import timezone
-
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from pipeline.context import Pipeline
 from pipeline.errors import PipelineError
-from pipeline.models import Job, JobState, utcnow
+from pipeline.models import Job
 
 from .staging import StagingError
 
@@ -48,17 +46,3 @@ def job_state(p: Pipeline, job_id: int) -> tuple[str, int] | None:
     with p.db.read_session() as s:
         row = s.execute(select(Job.state, Job.attempts).where(Job.id == job_id)).first()
     return (row.state, row.attempts) if row else None
-
-
-def fail_queued_job(p: Pipeline, job_id: int, reason: str) -> bool:
-    """Fail a job that `run_job` put back to `queued` after a permanent error (it would fail again on every run).
-    Compare-and-set on `queued`: a job another worker already claimed is left to that worker."""
-    now = utcnow().astimezone(timezone.utc)
-    with p.db.session() as s:
-        changed = s.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.state == JobState.queued.value)
-            .values(state=JobState.failed.value, error=reason[:2000], finished_at=now, updated_at=now,
-                    owner=None, lease_until=None)
-        ).rowcount
-    return bool(changed)

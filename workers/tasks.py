@@ -17,14 +17,14 @@ from sqlalchemy import select
 
 from pipeline.errors import NotFoundError
 from pipeline.ingest import ingest_file
-from pipeline.jobs import run_job
+from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
 
 from . import runtime, staging
 from .app import app
 from .config import TASK_EXTRACT, TASK_INGEST, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
 from .enqueue import enqueue_job
-from .failures import backoff_seconds, fail_queued_job, is_permanent, job_state
+from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
 from .markers import redis_client
 
@@ -79,7 +79,7 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
         state, attempts = found if found else ("missing", 0)
         if state == JobState.queued.value and is_permanent(exc):
             # Bad input fails the same way every time: no retry.
-            fail_queued_job(p, job_id, f"not retried (the input cannot be processed): {reason}")
+            fail_job(p, job_id, f"not retried (the input cannot be processed): {reason}")
             log.warning("job %s failed without retry: %s", job_id, reason)
             return {"job_id": job_id, "state": JobState.failed.value, "error": reason}
         if state == JobState.queued.value:
@@ -149,7 +149,7 @@ def requeue_stuck() -> dict[str, Any]:
 
 @app.task(name=TASK_PURGE)
 def purge_retention() -> dict[str, Any]:
-    from .retention import purge_older_than
+    from pipeline.retention import purge_older_than
 
     p = runtime.pipeline()
     days = p.settings.retention_days

@@ -283,7 +283,7 @@ def test_retention_purges_old_finished_documents_and_only_blobs_no_one_else_uses
     from pipeline.ingest import ingest_file
     from pipeline.models import Document, Job, Page, Result, utcnow
     from sqlalchemy import func, select
-    from workers.retention import purge_older_than
+    from pipeline.retention import purge_older_than
 
     p = Pipeline(Settings(data_dir=tmp_path / "data"))
     image = Image.open(io.BytesIO(png(seed=11)))

@@ -4,6 +4,8 @@ cascades), and every blob no remaining row refers to (the original file and rend
 Documents with a job still queued or running are kept until it finishes. Blobs are content-addressed and may be
 shared (the same page rendered for two documents), so a blob is deleted only when no document or page still
 names it. The purge runs in small batches so it never holds the database's write lock for long.
+
+A storage operation of the pipeline; the workers' beat task (`docpipe.purge_retention`) calls it on a schedule.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from datetime import timedelta
 
 from sqlalchemy import exists, select
 
-from pipeline.context import Pipeline
-from pipeline.models import Document, Job, JobState, Page, utcnow
+from .context import Pipeline
+from .models import Document, Job, JobState, Page, utcnow
 
 
 @dataclass
