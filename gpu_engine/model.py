@@ -123,7 +123,7 @@ class LoadedModel:
         if step < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self._ensure_cache(total)
-        embeddings: dict[int, np.ndarray] = {}  # vision item index -> embeddings, encoded when first needed
+        embeddings: dict[int, Any] = {}  # vision item index -> runner-native embeddings, encoded when first needed
         rows = []
         for begin in range(0, total, step):
             end = min(begin + step, total)
@@ -191,16 +191,23 @@ class LoadedModel:
         return self.runner.forward(StepBatch(chunks=[chunk])).logits
 
     def _vision_slices(
-        self, items: list[VisionItem], begin: int, end: int, cache: dict[int, np.ndarray]
+        self, items: list[VisionItem], begin: int, end: int, cache: dict[int, Any]
     ) -> list[VisionSlice]:
-        """Embeddings of the vision items overlapping chunk [begin, end), encoding each item when first touched."""
+        """Embeddings of the vision items overlapping chunk [begin, end), encoding each item when first touched.
+
+        The runner's own embeddings object is passed through (VisionSlice.embeddings is runner-native): a GPU
+        runner's stay on the device, where converting them with np.asarray would copy them to the host and back."""
         slices = []
         for index, item in enumerate(items):
             lo, hi = max(begin, item.token_start), min(end, item.token_end)
             if lo >= hi:
                 continue
             if index not in cache:
-                cache[index] = np.asarray(self.runner.encode_vision(item))
+                emb = self.runner.encode_vision(item)
+                if emb.shape[0] != item.num_tokens:
+                    raise ValueError(f"vision encoder returned {emb.shape[0]} embeddings for an item with "
+                                     f"{item.num_tokens} placeholders")
+                cache[index] = emb
             slices.append(VisionSlice(chunk_offset=lo - begin, embeddings=cache[index][lo - item.token_start:hi - item.token_start]))
         return slices
 
