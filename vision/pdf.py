@@ -10,6 +10,8 @@
   `metadata["warnings"]`); a page MuPDF renders with complaints carries them in `MediaPage.warnings`; a page that
   fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
   process-wide: concurrent renders in threads of one process may see each other's warnings.)
+- Pages are drawn by MuPDF straight into the memory of the PIL image they become (`_render_rgb`): no
+  intermediate pixmap, no unpacking copy.
 - The page's text layer (`MediaPage.text`) is read on first access, in content-stream order (lazily, because text
   extraction costs a third of a simple page's render time and many callers never use it). It stays readable after
   `close()`: an unread page keeps the MuPDF document alive until the page is dropped.
@@ -73,6 +75,31 @@ def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int)
     if pixels > max_pixels:
         scale *= math.sqrt(max_pixels / pixels)
     return scale
+
+
+def _render_rgb(page: pymupdf.Page, scale: float) -> Image.Image:
+    """`page` drawn at `scale` pixels per point as a PIL RGB image, with the size and pixels of
+    `page.get_pixmap(matrix=Matrix(scale, scale))` (a few pixels of blended content may differ by one level).
+
+    Why not get_pixmap + Image.frombytes: PIL keeps RGB as 4 bytes per pixel (R, G, B, pad), so building the image
+    from MuPDF's 3-byte samples costs a second full-page buffer and an unpacking pass, as much again as drawing a
+    vector page. Here MuPDF draws an opaque RGBA pixmap (alpha 255 is the pad byte PIL expects) into a buffer we own,
+    and PIL adopts that buffer without copying (`frombuffer` maps it, `fromarrow` re-types RGBX as RGB; both keep
+    the buffer alive). Caller holds `_MUPDF`."""
+    mu = pymupdf.mupdf
+    matrix = mu.FzMatrix(scale, 0, 0, scale, 0, 0)
+    # the same pixel box get_pixmap uses: the page's bounds (after /Rotate), transformed, rounded outwards
+    box = mu.fz_round_rect(mu.fz_transform_rect(mu.fz_bound_page(page.this), matrix))
+    size = (box.x1 - box.x0, box.y1 - box.y0)
+    buffer = bytearray(size[0] * size[1] * 4)
+    pixmap = mu.fz_new_pixmap_with_bbox_and_data(mu.fz_device_rgb(), box, mu.FzSeparations(), 1,
+                                                 mu.python_mutable_buffer_data(buffer))
+    mu.fz_clear_pixmap_with_value(pixmap, 0xFF)  # white, alpha 255
+    device = mu.fz_new_draw_device(matrix, pixmap)
+    mu.fz_run_page(page.this, device, mu.FzMatrix(), mu.FzCookie())  # page contents, annotations, widgets
+    mu.fz_close_device(device)
+    rgbx = Image.frombuffer("RGBX", size, buffer, "raw", "RGBX", 0, 1)
+    return Image.fromarrow(rgbx, "RGB", size)
 
 
 class PdfDocument(MediaDocument):
@@ -152,8 +179,7 @@ class PdfDocument(MediaDocument):
             page = self._doc.load_page(number)
             rect = page.rect
             scale = render_scale(rect.width, rect.height, self._options.pdf_dpi, self._limits.max_page_pixels)
-            pix = page.get_pixmap(matrix=pymupdf.Matrix(scale, scale), colorspace=pymupdf.csRGB, alpha=False)
-            image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples_mv)
+            image = _render_rgb(page, scale)
         except Exception as exc:
             size = (0.0, 0.0)
             error = CorruptMediaError(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pymupdf
 import pytest
-from vision_media_factory import pdf_bytes, pdf_with_broken_page, pdf_with_undecodable_content, random_words
+from PIL import ImageDraw
+from vision_media_factory import (
+    pdf_bytes,
+    pdf_with_broken_page,
+    pdf_with_transparency,
+    pdf_with_undecodable_content,
+    random_words,
+)
 
 from vision import (
     CorruptMediaError,
@@ -76,6 +83,34 @@ def test_pixel_cap_lowers_the_dpi(rng):
     assert page.image.width * page.image.height <= 200 * 300
     assert page.dpi < 72
     assert page.image.width == pytest.approx(200 * page.dpi / 72, abs=1)
+
+
+@pytest.mark.parametrize("rotation", [0, 90, 270])
+def test_render_matches_pymupdf_get_pixmap(rng, rotation):
+    # open_media draws into the PIL image's own memory (vision.pdf._render_rgb); the independent reference is
+    # PyMuPDF's get_pixmap at the same scale. Blended pixels may round differently: at most one level, rarely.
+    data = pdf_with_transparency(rng, rotate=rotation)
+    dpi = float(rng.uniform(50, 160))
+    with open_media(data, options=RenderOptions(pdf_dpi=dpi)) as doc:
+        page = next(doc.pages())
+    with pymupdf.open(stream=data, filetype="pdf") as ref:
+        pix = ref[0].get_pixmap(matrix=pymupdf.Matrix(dpi / 72, dpi / 72), alpha=False)
+    expected = np.frombuffer(pix.samples, dtype=np.uint8).reshape(pix.height, pix.width, 3)
+    assert page.image.mode == "RGB" and page.image.size == (pix.width, pix.height)
+    diff = np.abs(np.asarray(page.image, dtype=np.int16) - expected)
+    assert diff.max() <= 1
+    assert (diff > 0).mean() < 0.01
+
+
+def test_rendered_image_is_an_ordinary_pil_image(rng):
+    with open_media(pdf_bytes([random_words(rng)]), options=RenderOptions(pdf_dpi=72)) as doc:
+        page = next(doc.pages())
+    image = page.image
+    del page
+    assert image.getpixel((5, 5)) == (0, 0, 0) and image.getpixel((150, 250)) == (255, 255, 255)
+    ImageDraw.Draw(image).rectangle((100, 200, 120, 220), fill=(10, 200, 30))  # drawing on it works
+    assert image.getpixel((110, 210)) == (10, 200, 30)
+    assert image.copy().tobytes() == image.tobytes() and image.convert("L").getpixel((5, 5)) == 0
 
 
 def test_render_scale_reference():

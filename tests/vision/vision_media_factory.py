@@ -56,6 +56,29 @@ def pdf_with_undecodable_content(texts: list[str], page: int) -> bytes:
     return data
 
 
+def pdf_with_transparency(rng: np.random.Generator, rotate: int = 0) -> bytes:
+    """One page that exercises blending: translucent fills, an RGBA image (soft mask), a CMYK JPEG, a Multiply
+    highlight annotation and a translucent free-text annotation, an offset crop box, and `rotate` as /Rotate."""
+    doc = pymupdf.open()
+    page = doc.new_page(width=int(rng.integers(200, 320)), height=int(rng.integers(200, 320)))
+    page.insert_text((20, 40), random_words(rng), fontsize=11)
+    page.draw_rect(pymupdf.Rect(10, 50, 150, 150), color=(1, 0, 0), fill=tuple(rng.random(3)), fill_opacity=0.4)
+    page.draw_circle((120, 120), 50, fill=tuple(rng.random(3)), fill_opacity=0.6)
+    rgba = Image.fromarray(rng.integers(0, 256, (30, 40, 4), dtype=np.uint8), "RGBA")
+    page.insert_image(pymupdf.Rect(20, 150, 120, 190), stream=png_bytes(rgba))
+    cmyk = Image.fromarray(rng.integers(0, 256, (20, 20, 4), dtype=np.uint8), "CMYK")
+    page.insert_image(pymupdf.Rect(130, 150, 180, 190), stream=encoded(cmyk, "JPEG"))
+    highlight = page.add_highlight_annot(pymupdf.Rect(15, 25, 150, 45))
+    highlight.set_blendmode(pymupdf.PDF_BM_Multiply)
+    highlight.update()
+    page.add_freetext_annot(pymupdf.Rect(100, 10, 190, 40), "note", fill_color=(1, 1, 0), opacity=0.5)
+    page.set_cropbox(pymupdf.Rect(3.3, 5.7, page.rect.width - 7.1, page.rect.height - 2.9))
+    page.set_rotation(rotate)
+    data = doc.tobytes()
+    doc.close()
+    return data
+
+
 def png_bytes(img: Image.Image, **save: object) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG", **save)
