@@ -22,7 +22,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, StepBatch, StepOutput
+from ..runner_api import CacheSpec, StepBatch, StepOutput, chunk_problem
 from . import ops, rotary
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings
@@ -266,24 +266,15 @@ class CudaRunner:
         tables = []
         base = 0
         for s, chunk in enumerate(batch.chunks):
+            problem = chunk_problem(chunk, spec, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                    paged_kv=bool(cfg.full_attention_layers))
+            if problem:
+                raise RunnerInputError(problem)
             n = chunk.num_tokens
             where = f"sequence {chunk.seq_id}"
-            if n < 1:
-                raise RunnerInputError(f"{where}: a chunk needs at least one token")
-            if chunk.token_ids.min() < 0 or chunk.token_ids.max() >= cfg.vocab_size:
-                raise RunnerInputError(f"{where}: token ids must be in [0, {cfg.vocab_size})")
-            if chunk.positions.shape != (3, n):
-                raise RunnerInputError(f"{where}: positions must have shape (3, {n}), got {chunk.positions.shape}")
-            if not 0 <= chunk.state_slot < spec.num_state_slots:
-                raise RunnerInputError(f"{where}: state slot {chunk.state_slot} out of range")
-            if chunk.logits not in ("none", "last", "all"):
-                raise RunnerInputError(f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}")
             p = np.arange(chunk.start, chunk.start + n)
             table = np.asarray(chunk.block_table, np.int64)
             if cfg.full_attention_layers:
-                needed = -(-(chunk.start + n) // spec.block_size)
-                if table.shape[0] < needed or table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
-                    raise RunnerInputError(f"{where}: block table needs {needed} valid block ids < {spec.num_kv_blocks}")
                 kv_slots.append(table[p // spec.block_size] * spec.block_size + p % spec.block_size)
             tables.append(table)
             ids.append(chunk.token_ids)
@@ -301,16 +292,12 @@ class CudaRunner:
                 if isinstance(piece.embeddings, DeviceEmbeddings):
                     dev = piece.embeddings
                     rows = dev.shape[0]
-                    if dev.dtype != self.dtype or dev.shape[1] != cfg.hidden_size or not 0 <= piece.chunk_offset <= n - rows:
-                        raise RunnerInputError(f"{where}: device vision embeddings {dev.shape} {dev.dtype} at row "
-                                               f"{piece.chunk_offset} do not fit a chunk of {n} x {cfg.hidden_size} "
-                                               f"{self.dtype}")
+                    if dev.dtype != self.dtype:  # shape and rows: chunk_problem
+                        raise RunnerInputError(f"{where}: device vision embeddings are {dev.dtype}, the runner "
+                                               f"computes in {self.dtype}")
                     device_vision.append((base + piece.chunk_offset, dev.ptr, rows, dev))
                     continue
                 emb = np.asarray(piece.embeddings, np.float32)
-                if emb.ndim != 2 or emb.shape[1] != cfg.hidden_size or not 0 <= piece.chunk_offset <= n - emb.shape[0]:
-                    raise RunnerInputError(f"{where}: vision embeddings {emb.shape} at row {piece.chunk_offset} "
-                                           f"do not fit a chunk of {n} x {cfg.hidden_size}")
                 vis_rows.append(base + piece.chunk_offset + np.arange(emb.shape[0]))
                 vis.append(emb)
             base += n

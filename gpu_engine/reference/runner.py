@@ -16,7 +16,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput
+from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, chunk_problem
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes
@@ -128,36 +128,11 @@ class ReferenceRunner:
         return self.text.forward(embeds, chunk.positions, cache, recurrent=self.deltanet_recurrent)
 
     def _check(self, chunk: SeqChunk, spec: CacheSpec) -> None:
-        n = chunk.num_tokens
         cfg = self.config.text
-        where = f"sequence {chunk.seq_id}"
-        if n < 1:
-            raise RunnerInputError(f"{where}: a chunk needs at least one token")
-        if chunk.token_ids.min() < 0 or chunk.token_ids.max() >= cfg.vocab_size:
-            raise RunnerInputError(f"{where}: token ids must be in [0, {cfg.vocab_size})")
-        if chunk.positions.shape != (3, n):
-            raise RunnerInputError(f"{where}: positions must have shape (3, {n}), got {chunk.positions.shape}")
-        if chunk.start < 0:
-            raise RunnerInputError(f"{where}: start must be >= 0, got {chunk.start}")
-        if cfg.full_attention_layers:
-            needed = -(-(chunk.start + n) // spec.block_size)
-            table = np.asarray(chunk.block_table)
-            if table.shape[0] < needed:
-                raise RunnerInputError(f"{where}: block table has {table.shape[0]} blocks, needs {needed}")
-            if table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
-                raise RunnerInputError(f"{where}: block ids must be in [0, {spec.num_kv_blocks})")
-        if not 0 <= chunk.state_slot < spec.num_state_slots:
-            raise RunnerInputError(f"{where}: state slot {chunk.state_slot} out of range [0, {spec.num_state_slots})")
-        if chunk.logits not in ("none", "last", "all"):
-            raise RunnerInputError(f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}")
-        for piece in chunk.vision:
-            shape = np.shape(piece.embeddings)
-            if len(shape) != 2 or shape[1] != cfg.hidden_size:
-                raise RunnerInputError(f"{where}: vision embeddings must be [n, {cfg.hidden_size}], got {shape}")
-            if piece.chunk_offset < 0 or piece.chunk_offset + shape[0] > n:
-                raise RunnerInputError(
-                    f"{where}: vision rows [{piece.chunk_offset}, {piece.chunk_offset + shape[0]}) fall outside the chunk of {n}"
-                )
+        problem = chunk_problem(chunk, spec, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                paged_kv=bool(cfg.full_attention_layers))
+        if problem:
+            raise RunnerInputError(problem)
 
     # ------------------------------------------------------------------------------------------------ vision
 
