@@ -106,6 +106,66 @@ def build_hf_checkpoint(name: str, folder: Path, seed: int = 0) -> Any:
     return model
 
 
+def build_hf_vlm_checkpoint(name: str, folder: Path, seed: int) -> tuple[Any, Any]:
+    """A complete tiny VLM checkpoint in `folder`: config `name` sized to the tiny BPE tokenizer (its special ids),
+    tokenizer and processor configs, randomized weights. Returns transformers' float32 model and its PIL image
+    processor (the torchvision one is not installed here)."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
+
+    vocab = write_tokenizer_files(folder)
+    spec = copy.deepcopy(HF_CONFIGS[name])
+    spec["text_config"]["vocab_size"] = vocab.vocab_size
+    vision = spec["vision_config"]
+    write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+                            merge_size=vision["spatial_merge_size"])
+    config = Qwen3_5Config(**spec, image_token_id=vocab.image_token_id, video_token_id=vocab.video_token_id,
+                           vision_start_token_id=vocab.vision_start_token_id,
+                           vision_end_token_id=vocab.vision_end_token_id)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return model, Qwen2VLImageProcessorPil.from_pretrained(folder)
+
+
+def hf_vlm_inputs(image_processor: Any, prompt: Any, config: Any, images: Any = ()) -> dict[str, Any]:
+    """transformers' model inputs (CPU tensors) for `prompt`, a prompt our processor prepared (`config`: ours).
+
+    Token ids are ours (chat template + placeholder expansion: the processor's own tests compare those). Images:
+    pixel values of transformers' own image processor, whose grids must equal ours. Videos: our frame patches,
+    because transformers' video processor needs torchvision (they equal its output within 1e-6:
+    test_engine_processor); the callers pass one video per conversation, so its frame groups in order are it."""
+    import torch
+
+    ids = torch.from_numpy(prompt.token_ids)[None]
+    kinds = torch.zeros_like(ids)
+    kinds[ids == config.image_token_id] = 1
+    kinds[ids == config.video_token_id] = 2
+    inputs = {"input_ids": ids, "mm_token_type_ids": kinds}
+    if images:
+        processed = image_processor(images=list(images), return_tensors="pt")
+        ours_grids = [item.grid_thw for item in prompt.vision_items if item.kind == "image"]
+        assert processed["image_grid_thw"].tolist() == [list(g) for g in ours_grids]
+        inputs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    video_items = [item for item in prompt.vision_items if item.kind == "video"]
+    if video_items:
+        _, h, w = video_items[0].grid_thw
+        pixels = np.concatenate([item.pixel_values for item in video_items])
+        inputs.update(pixel_values_videos=torch.from_numpy(pixels),
+                      video_grid_thw=torch.tensor([[len(video_items), h, w]]))
+    return inputs
+
+
+def random_frames(rng: np.random.Generator, count: int, height: int, width: int) -> list[np.ndarray]:
+    """A drifting random picture: consecutive frames differ but are related, like video frames."""
+    base = rng.integers(0, 256, (height, width, 3)).astype(np.int16)
+    return [np.clip(base + 8 * i + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8) for i in range(count)]
+
+
 # ------------------------------------------------------------------------------ a float64 transformers run
 
 
@@ -189,6 +249,12 @@ class LogitParity:
         return (self.ours_vs_f32 <= LOGIT_TOL) | (self.ours_vs_f64 <= noise_bound)
 
 
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """Relative L2 error of `a` against `b` over all elements, in float64."""
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a64 - b64) / np.linalg.norm(b64))
+
+
 def _rows_rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return np.linalg.norm(a64 - b64, axis=-1) / np.linalg.norm(b64, axis=-1)
@@ -196,9 +262,7 @@ def _rows_rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def logit_parity(ours: np.ndarray, hf_f32: np.ndarray, hf_f64: np.ndarray) -> LogitParity:
     assert ours.shape == hf_f32.shape == hf_f64.shape, (ours.shape, hf_f32.shape, hf_f64.shape)
-    ours64, f32 = ours.astype(np.float64), hf_f32.astype(np.float64)
-    whole = float(np.linalg.norm(ours64 - f32) / np.linalg.norm(f32))
-    return LogitParity(whole, _rows_rel(ours, hf_f32), _rows_rel(ours, hf_f64), _rows_rel(hf_f32, hf_f64))
+    return LogitParity(rel_err(ours, hf_f32), _rows_rel(ours, hf_f32), _rows_rel(ours, hf_f64), _rows_rel(hf_f32, hf_f64))
 
 
 def assert_logit_parity(ours: np.ndarray, hf_f32: np.ndarray, hf_f64: np.ndarray) -> LogitParity:

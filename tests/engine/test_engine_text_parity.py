@@ -24,15 +24,12 @@ from engine_hf_models import (  # noqa: E402
     build_hf_checkpoint,
     float64_copy,
     float64_logits,
+    rel_err,
 )
 from gpu_engine.reference.runner import ReferenceRunner, RunnerInputError  # noqa: E402
 from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def per_position_rel_err(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,8 +14,6 @@ transformers-float32's own distance from it (+1e-5). Greedy 24-token generations
 """
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
@@ -28,40 +26,23 @@ import gpu_engine  # noqa: E402
 from engine_hf_models import (  # noqa: E402
     HF_CONFIGS,
     assert_logit_parity,
+    build_hf_vlm_checkpoint,
     float64_copy,
     float64_logits,
-    randomize,
+    hf_vlm_inputs,
+    random_frames,
+    rel_err,
 )
-from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def pair(request, tmp_path_factory):
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     folder = tmp_path_factory.mktemp("vlm-" + request.param)
-    vocab = write_tokenizer_files(folder)
-    spec = copy.deepcopy(HF_CONFIGS[request.param])
-    spec["text_config"]["vocab_size"] = vocab.vocab_size
-    vision = spec["vision_config"]
-    write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
-                            merge_size=vision["spatial_merge_size"])
-    config = Qwen3_5Config(
-        **spec, image_token_id=vocab.image_token_id, video_token_id=vocab.video_token_id,
-        vision_start_token_id=vocab.vision_start_token_id, vision_end_token_id=vocab.vision_end_token_id,
-    )
-    torch.manual_seed(0)
-    hf = Qwen3_5ForConditionalGeneration(config).eval()
-    randomize(hf, seed=sorted(HF_CONFIGS).index(request.param) + 10)
-    hf.save_pretrained(folder)
-    return hf, Qwen2VLImageProcessorPil.from_pretrained(folder), gpu_engine.load(folder)
+    seed = sorted(HF_CONFIGS).index(request.param) + 10
+    hf, image_processor = build_hf_vlm_checkpoint(request.param, folder, seed)
+    return hf, image_processor, gpu_engine.load(folder)
 
 
 @pytest.fixture(scope="module")
@@ -73,32 +54,10 @@ def random_image(rng: np.random.Generator, height: int, width: int) -> Image.Ima
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def random_frames(rng: np.random.Generator, count: int, height: int, width: int) -> list[np.ndarray]:
-    base = rng.integers(0, 256, (height, width, 3)).astype(np.int16)
-    # a drifting picture, so consecutive frames differ but are related like video frames
-    return [np.clip(base + 8 * i + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8) for i in range(count)]
-
-
 def hf_logits(hf, image_processor, ours, messages, images=()):
     """transformers' logits for the prompt our processor builds (see the module docstring for what is fed)."""
     prompt = ours.prepare(messages)
-    cfg = ours.config
-    ids = torch.from_numpy(prompt.token_ids)[None]
-    kinds = torch.zeros_like(ids)
-    kinds[ids == cfg.image_token_id] = 1
-    kinds[ids == cfg.video_token_id] = 2
-    kwargs = {"input_ids": ids, "mm_token_type_ids": kinds}
-    if images:
-        processed = image_processor(images=list(images), return_tensors="pt")
-        ours_grids = [item.grid_thw for item in prompt.vision_items if item.kind == "image"]
-        assert processed["image_grid_thw"].tolist() == [list(g) for g in ours_grids]
-        kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
-    video_items = [item for item in prompt.vision_items if item.kind == "video"]
-    if video_items:
-        # one video per conversation in these tests: its frame groups in order make up the whole video
-        _, h, w = video_items[0].grid_thw
-        pixels = np.concatenate([item.pixel_values for item in video_items])
-        kwargs.update(pixel_values_videos=torch.from_numpy(pixels), video_grid_thw=torch.tensor([[len(video_items), h, w]]))
+    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
     with torch.no_grad():
         return prompt, kwargs, hf(**kwargs).logits[0].numpy()
 

@@ -20,19 +20,20 @@ Skips (exit 0) without a GPU, torch with CUDA, or transformers.
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers may look for hub kernels; the GPU machine is offline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engine_hf_models (tiny HF configs)
+
+from engine_hf_models import build_hf_vlm_checkpoint, hf_vlm_inputs, random_frames  # noqa: E402
+from tests.gpu.harness import fresh_seed, rel_err, write_json  # noqa: E402
 
 LOGIT_TOL = 1e-4
 _MODE = {"device": "cuda", "reference": False}  # --cpu-harness: "cpu" and the numpy ReferenceRunner
@@ -65,13 +66,6 @@ def _close(runner) -> None:
         runner.close()
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a64 - b64) / np.linalg.norm(b64))
-
-
 def _require() -> None:
     from gpu_engine.cuda.device import require_gpu
     from gpu_engine.cuda.errors import CudaUnavailable
@@ -90,67 +84,30 @@ def _require() -> None:
 
 
 def _tiny_pair(folder: Path, seed: int):
-    import torch
-    from engine_hf_models import HF_CONFIGS, randomize
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     from gpu_engine.config import ModelConfig
     from gpu_engine.loader import load_weights
     from gpu_engine.model import LoadedModel
-    from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 
-    vocab = write_tokenizer_files(folder)
-    spec = copy.deepcopy(HF_CONFIGS["gqa2-half-rotary"])
-    spec["text_config"]["vocab_size"] = vocab.vocab_size
-    vision = spec["vision_config"]
-    write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
-                            merge_size=vision["spatial_merge_size"])
-    config = Qwen3_5Config(**spec, image_token_id=vocab.image_token_id, video_token_id=vocab.video_token_id,
-                           vision_start_token_id=vocab.vision_start_token_id,
-                           vision_end_token_id=vocab.vision_end_token_id)
-    torch.manual_seed(seed)
-    hf = Qwen3_5ForConditionalGeneration(config).eval()
-    randomize(hf, seed)
-    hf.save_pretrained(folder)
+    hf, image_processor = build_hf_vlm_checkpoint("gqa2-half-rotary", folder, seed)
     hf = hf.to(_MODE["device"])
     ours_config = ModelConfig.from_pretrained(folder)
     weights, fingerprint = load_weights(folder, ours_config)
     runner = _make_runner(ours_config, weights, "f32", 2 << 30)
     ours = LoadedModel(config=ours_config, fingerprint=fingerprint, path=folder, runner=runner)
-    return hf, Qwen2VLImageProcessorPil.from_pretrained(folder), ours
+    return hf, image_processor, ours
 
 
 def _hf_inputs(image_processor, ours, messages, images):
-    """transformers' inputs for the prompt our processor builds (its own image processor for images; our frame
-    patches for videos, which match its video processor's: test_engine_processor)."""
-    import torch
-
     prompt = ours.prepare(messages)
-    cfg = ours.config
-    ids = torch.from_numpy(prompt.token_ids)[None]
-    kinds = torch.zeros_like(ids)
-    kinds[ids == cfg.image_token_id] = 1
-    kinds[ids == cfg.video_token_id] = 2
-    kwargs = {"input_ids": ids, "mm_token_type_ids": kinds}
-    if images:
-        processed = image_processor(images=list(images), return_tensors="pt")
-        kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
-    video_items = [item for item in prompt.vision_items if item.kind == "video"]
-    if video_items:
-        _, h, w = video_items[0].grid_thw
-        pixels = np.concatenate([item.pixel_values for item in video_items])
-        kwargs.update(pixel_values_videos=torch.from_numpy(pixels),
-                      video_grid_thw=torch.tensor([[len(video_items), h, w]]))
-    return prompt, {k: v.to(_MODE["device"]) for k, v in kwargs.items()}
+    inputs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
+    return prompt, {k: v.to(_MODE["device"]) for k, v in inputs.items()}
 
 
 def _tiny_cases(rng: np.random.Generator):
     from PIL import Image
 
     image = Image.fromarray(rng.integers(0, 256, (45, 77, 3), dtype=np.uint8))
-    base = rng.integers(0, 256, (40, 56, 3)).astype(np.int16)
-    frames = [np.clip(base + 8 * i + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8) for i in range(16)]
+    frames = random_frames(rng, 16, 40, 56)
     return {
         "text": ([{"role": "user", "content": "Read the total of the invoice, please."}], []),
         "image": ([{"role": "user", "content": [{"type": "image", "image": image},
@@ -173,7 +130,7 @@ def check_tiny(rng: np.random.Generator, seed: int) -> list[ParityResult]:
                     expected = hf(**kwargs).logits[0].float().cpu().numpy()
                 for chunk in (None, 7):
                     got = ours.logits_for_messages(messages, chunk_size=chunk)
-                    err = _rel(got, expected)
+                    err = rel_err(got, expected)
                     label = "one chunk" if chunk is None else f"chunks of {chunk}"
                     results.append(ParityResult(f"tiny f32 {name}", f"logits rel-L2 ({label})", err,
                                                 f"<= {LOGIT_TOL}", bool(err <= LOGIT_TOL),
@@ -232,7 +189,7 @@ def _batched_decode(hf, ours, rng: np.random.Generator, steps: int = 12) -> list
             ref = hf(input_ids=full).logits[0].float().cpu().numpy()
         n = len(prompts[s])
         # decode step j saw token j at position n + j and predicts the next one: transformers' row n + j
-        errs = [_rel(step_logits[s][j], ref[n + j]) for j in range(steps)]
+        errs = [rel_err(step_logits[s][j], ref[n + j]) for j in range(steps)]
         worst = max(errs)
         results.append(ParityResult(f"tiny f32 batched decode seq {s}", f"{steps} greedy tokens identical",
                                     float(tokens[s] == want), "== 1", tokens[s] == want,
@@ -356,8 +313,8 @@ def check_1b(rng: np.random.Generator, seed: int, positions: int = 256, prefill:
     vs_f32 = float(np.mean(ours.argmax(-1) == hf_f32.argmax(-1)))
     detail = {"params": int(params), "positions": positions, "prefill": prefill,
               "top1_hf_bf16_vs_hf_f32": floor, "top1_ours_vs_hf_f32": vs_f32,
-              "logits_rel_l2_vs_hf_bf16": _rel(ours, hf_bf16), "logits_rel_l2_vs_hf_f32": _rel(ours, hf_f32),
-              "hf_bf16_rel_l2_vs_hf_f32": _rel(hf_bf16, hf_f32), "seconds": time.perf_counter() - t0}
+              "logits_rel_l2_vs_hf_bf16": rel_err(ours, hf_bf16), "logits_rel_l2_vs_hf_f32": rel_err(ours, hf_f32),
+              "hf_bf16_rel_l2_vs_hf_f32": rel_err(hf_bf16, hf_f32), "seconds": time.perf_counter() - t0}
     result = ParityResult(f"~{params / 1e9:.2f}B bf16 (prefill {prefill} + {positions - prefill} decode)",
                           "top-1 agreement vs transformers bf16", agree, f">= {TOP1_MIN}", agree >= TOP1_MIN, detail)
     print(f"{result.case:<40} {result.metric:<34} {agree:.4f}  {'PASS' if result.ok else 'FAIL'}  {detail}",
@@ -397,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
     torch.backends.cudnn.allow_tf32 = False  # (the patch embedding is a Conv3d)
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed(bits=31)
     rng = np.random.default_rng(seed)
     results = _guarded("tiny f32", lambda: check_tiny(rng, seed % 1000))
     if not args.skip_1b:
@@ -412,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         info["transformers"] = transformers.__version__
-        with open(args.json, "w") as fh:
-            json.dump({"info": info, "results": [asdict(r) for r in results]}, fh, indent=1)
+        write_json(args.json, info, results)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -10,17 +10,16 @@ Tolerances: fp32 paths 1e-4, bf16 paths 1e-2; index outputs must match exactly.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from tests.gpu import references as ref
+from tests.gpu.harness import check_main, fresh_seed, rel_err
 
 TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
 
@@ -33,17 +32,6 @@ class Result:
     tol: float
     ok: bool
     note: str = ""
-
-
-def rel_err(out: np.ndarray, expect: np.ndarray) -> float:
-    out = np.asarray(out, np.float64)
-    expect = np.asarray(expect, np.float64)
-    if out.shape != expect.shape:
-        raise AssertionError(f"shape {out.shape} != reference {expect.shape}")
-    if not np.all(np.isfinite(out)):
-        return float("nan")
-    denom = np.linalg.norm(expect)
-    return float(np.linalg.norm(out - expect) / (denom if denom > 0 else 1.0))
 
 
 class Checker:
@@ -454,7 +442,7 @@ def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
     """Run every check; raises CudaUnavailable when there is no GPU / cuda-python."""
     from gpu_engine.cuda.context import GpuContext
 
-    seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
+    seed = fresh_seed(seed)
     ctx = GpuContext(budget_bytes=1 << 30)
     info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch,
             "cublaslt_version": ctx.blas.version}
@@ -482,23 +470,7 @@ def format_table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results here")
-    parser.add_argument("--seed", type=int)
-    args = parser.parse_args(argv)
-    from gpu_engine.cuda.errors import CudaUnavailable
-
-    try:
-        results, info = run_all(args.seed)
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
-        return 0
-    print(json.dumps(info))
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"info": info, "results": [asdict(r) for r in results]}, fh, indent=1)
-    return 0 if all(r.ok for r in results) else 1
+    return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
 
 
 if __name__ == "__main__":

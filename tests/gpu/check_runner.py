@@ -1,6 +1,6 @@
 """Whole-model check on the GPU: CudaRunner vs the numpy ReferenceRunner on tiny random Qwen3.5 checkpoints.
 
-    python3 -m tests.gpu.check_runner [--json out.json]
+    python3 -m tests.gpu.check_runner [--json out.json] [--seed N]
 
 Scenario per config (fresh random block tables, prompts and M-RoPE positions each run): sequence A is prefilled
 in two chunks (the second continues the first through the KV cache and DeltaNet state), sequence B is prefilled
@@ -14,15 +14,14 @@ Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch, VisionSlice
+from tests.gpu.harness import check_main, fresh_seed, rel_err
 
 CONFIGS = {
     "tiny (hd 32, dk 16)": {},
@@ -49,12 +48,6 @@ class RunnerResult:
     top1_agreement: float
     greedy_identical: bool
     ok: bool
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
 
 
 def _drive(runner, config, rng_seed: int, forced: list[list[int]] | None = None
@@ -117,7 +110,7 @@ def _rounded(weights):
     return ModelWeights(text=text, vision=weights.vision, lm_head=round_to_bf16(weights.lm_head), mtp=weights.mtp)
 
 
-def run_all() -> tuple[list[RunnerResult], dict]:
+def run_all(seed: int | None = None) -> tuple[list[RunnerResult], dict]:
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.device import require_gpu
     from gpu_engine.cuda.runner import CudaRunner
@@ -126,7 +119,7 @@ def run_all() -> tuple[list[RunnerResult], dict]:
     from gpu_engine.tiny import make_tiny_checkpoint
 
     require_gpu()  # before any CPU work: skip fast where there is no GPU
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = fresh_seed(seed)
     results = []
     for name, text_cfg in CONFIGS.items():
         with tempfile.TemporaryDirectory() as folder:
@@ -145,7 +138,7 @@ def run_all() -> tuple[list[RunnerResult], dict]:
                 steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
             finally:
                 runner.close()
-            errs = [_rel(a, b) for a, b in zip(steps, ref_steps)]
+            errs = [rel_err(a, b) for a, b in zip(steps, ref_steps)]
             label = dtype + ("+pdl" if pdl else "")
             print(f"{name} {label}: per-step logits rel. err " + " ".join(f"{e:.1e}" for e in errs))
             agree = np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)]))
@@ -165,22 +158,7 @@ def format_table(results: list[RunnerResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    from gpu_engine.cuda.errors import CudaUnavailable
-
-    try:
-        results, info = run_all()
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
-        return 0
-    print(json.dumps(info))
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"info": info, "results": [asdict(r) for r in results]}, fh, indent=1)
-    return 0 if all(r.ok for r in results) else 1
+    return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GPU vision tower check: GpuVisionTower vs the numpy reference tower (gpu_engine/reference/vision_tower.py).
 
-    python3 -m tests.gpu.check_vision [--json out.json]
+    python3 -m tests.gpu.check_vision [--json out.json] [--seed N]
 
 Fresh random weights (natural scales: matrices / sqrt(fan_in), norm weights 1 + 0.2 N, biases 0.1 N, position
 table N(0, 1)) and pixels N(0, 1) every run; non-square grids, a two-frame-group item (attention segments), and a
@@ -14,14 +14,14 @@ as a host array. Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
+
+from tests.gpu.harness import check_main, fresh_seed, rel_err
 
 TOL = {"f32": 1e-4, "bf16": 1e-2}
 CONFIGS = {
@@ -65,12 +65,6 @@ def random_vision_weights(cfg: SimpleNamespace, rng: np.random.Generator) -> dic
     return out
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
-
-
 def check_towers(rng: np.random.Generator) -> list[VisionResult]:
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.context import GpuContext
@@ -107,7 +101,7 @@ def check_towers(rng: np.random.Generator) -> list[VisionResult]:
                                 vision.SCORES_BYTES = saved
                         else:
                             towers[mode].encode(pixels, grid, out)
-                        err = _rel(ctx.to_host(out), ref)
+                        err = rel_err(ctx.to_host(out), ref)
                         label = f"{name} [{mode}]"
                         results.append(VisionResult(label, dtype, grid, err, bool(err <= TOL[dtype])))
                         print(f"{label:<30} {dtype:<5} grid {grid}: rel. err {err:.2e}", flush=True)
@@ -137,7 +131,7 @@ def check_softmax(rng: np.random.Generator) -> list[VisionResult]:
                     out = ctx.empty((rows, cols), dtype, "probs")
                     ctx.poison(out)
                     ops.softmax_rows(ctx, out, scores, 0.3, method)
-                    err = _rel(ctx.to_host(out), ref)
+                    err = rel_err(ctx.to_host(out), ref)
                     results.append(VisionResult(f"softmax_rows {method} {rows}x{cols}", dtype, (0, rows, cols), err,
                                                 bool(err <= TOL[dtype])))
     finally:
@@ -174,7 +168,7 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
     try:
         emb = runner.encode_vision(item)
         assert isinstance(emb, DeviceEmbeddings), type(emb)
-        err = _rel(np.asarray(emb), ref)
+        err = rel_err(np.asarray(emb), ref)
         results.append(VisionResult("runner encode_vision", "f32", grid, err, bool(err <= TOL["f32"])))
         runner.allocate_cache(CacheSpec(num_kv_blocks=8, block_size=16, num_state_slots=2))
         ids = rng.integers(0, config.text.vocab_size, 12)
@@ -184,7 +178,7 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
             chunk = SeqChunk(0, ids, pos, 0, np.arange(1, dtype=np.int32), 0,
                              vision=[VisionSlice(2, emb_piece)], logits="all")
             logits.append(runner.forward(StepBatch([chunk])).logits)
-        err = _rel(logits[0], logits[1])
+        err = rel_err(logits[0], logits[1])
         results.append(VisionResult("runner device vs host scatter", "f32", grid, err, bool(err <= 1e-6)))
         free_before = runner._encoded.free_bytes
         del emb, emb_piece
@@ -200,11 +194,11 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
     return results
 
 
-def run_all() -> tuple[list[VisionResult], dict]:
+def run_all(seed: int | None = None) -> tuple[list[VisionResult], dict]:
     from gpu_engine.cuda.device import require_gpu
 
     require_gpu()
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = fresh_seed(seed)
     rng = np.random.default_rng(seed)
     results = []
     for part in (check_softmax, check_towers, check_runner_path):  # one part raising still lets the other run
@@ -226,22 +220,7 @@ def format_table(results: list[VisionResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    from gpu_engine.cuda.errors import CudaUnavailable
-
-    try:
-        results, info = run_all()
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
-        return 0
-    print(json.dumps(info))
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"info": info, "results": [asdict(r) for r in results]}, fh, indent=1)
-    return 0 if all(r.ok for r in results) else 1
+    return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
 
 
 if __name__ == "__main__":

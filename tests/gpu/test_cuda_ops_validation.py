@@ -6,27 +6,14 @@ from types import SimpleNamespace
 import pytest
 
 from gpu_engine.cuda import ops
-from gpu_engine.cuda.arena import Arena
 from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import ShapeError
-
-
-class _NoLaunch:
-    """Stands in for CudaDevice: any launch means validation let a bad call through."""
-
-    info = SimpleNamespace(sm_count=132)
-
-    def launch(self, *args, **kwargs):  # noqa: ANN002, ANN003
-        raise AssertionError(f"launch reached with bad arguments: {args[:2]}")
+from tests.gpu.no_launch import arr, no_launch_ctx
 
 
 @pytest.fixture()
 def ctx() -> SimpleNamespace:
-    return SimpleNamespace(device=_NoLaunch(), arena=Arena(base=1 << 30, capacity=1 << 30))
-
-
-def arr(shape: tuple[int, ...], dtype: str = "bf16") -> DArray:
-    return DArray(1 << 20, shape, dtype)
+    return no_launch_ctx()
 
 
 def test_mixed_float_dtypes_are_refused(ctx) -> None:

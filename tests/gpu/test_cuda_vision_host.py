@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from gpu_engine.cuda import ops, rotary
-from gpu_engine.cuda.arena import ALIGN, Arena
-from gpu_engine.cuda.context import DArray
+from gpu_engine.cuda.arena import ALIGN
 from gpu_engine.cuda.embeddings import BlockPool, DeviceEmbeddings
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.vision import frame_geometry
 from gpu_engine.reference.vision_tower import VisionTower, vision_weight_shapes
+from tests.gpu.no_launch import arr, no_launch_ctx
 
 
 def _tower(rng: np.random.Generator, hidden: int = 16, heads: int = 2, side: int = 5) -> VisionTower:
@@ -96,20 +96,9 @@ def test_device_embeddings_slices_share_the_block_and_free_it_last() -> None:
     assert DeviceEmbeddings.allocate(pool, (1000, 1000), "f32", 4, lambda e: None) is None  # too big: caller falls back
 
 
-class _NoLaunch:
-    info = SimpleNamespace(sm_count=132)
-
-    def launch(self, *args, **kwargs):  # noqa: ANN002, ANN003
-        raise AssertionError(f"launch reached with bad arguments: {args[:2]}")
-
-
 @pytest.fixture()
 def ctx() -> SimpleNamespace:
-    return SimpleNamespace(device=_NoLaunch(), arena=Arena(base=1 << 30, capacity=1 << 30))
-
-
-def arr(shape: tuple[int, ...], dtype: str = "bf16") -> DArray:
-    return DArray(1 << 20, shape, dtype)
+    return no_launch_ctx()
 
 
 def test_vision_launchers_refuse_bad_shapes(ctx) -> None:
