@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,49 +27,22 @@ sys.path.insert(0, str(ROOT))
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
-from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput  # noqa: E402
-from gpu_engine.tiny_assets import write_tokenizer_files  # noqa: E402
 from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
+from _instant_runner import InstantRunner, tiny_tokenizer  # noqa: E402  (bench/ is this script's folder)
 
-class InstantRunner:
-    """Runner contract with no compute: fixed logits rows (distinct per row so argmax is not trivially 0)."""
 
-    name = "instant"
-
-    def __init__(self, vocab_size: int, max_rows: int, text_vocab: int) -> None:
-        rng = np.random.default_rng(0)
-        self.logits = np.full((max_rows, vocab_size), -10.0, np.float32)
-        # Only real text tokens get mass, so the detokeniser sees ordinary tokens.
-        self.logits[:, :text_vocab] = rng.standard_normal((max_rows, text_vocab)).astype(np.float32)
-
-    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
-        return 1
-
-    def state_bytes_per_slot(self) -> int:
-        return 1
-
-    def embedding_nbytes(self, item) -> int:
-        return 0
-
-    def allocate_cache(self, spec: CacheSpec) -> None:
-        pass
-
-    def copy_state_slot(self, src: int, dst: int) -> None:
-        pass
-
-    def encode_vision(self, item):
-        raise NotImplementedError
-
-    def forward(self, batch: StepBatch) -> StepOutput:
-        offsets = [0]
-        for c in batch.chunks:
-            offsets.append(offsets[-1] + (c.logits != "none"))
-        return StepOutput(logits=self.logits[: offsets[-1]], row_offsets=offsets)
+def fixed_logits(vocab_size: int, max_rows: int, text_vocab: int) -> np.ndarray:
+    """Fixed rows, distinct per row so argmax is not trivially 0; only real text tokens get mass, so the
+    detokeniser sees ordinary tokens."""
+    rng = np.random.default_rng(0)
+    logits = np.full((max_rows, vocab_size), -10.0, np.float32)
+    logits[:, :text_vocab] = rng.standard_normal((max_rows, text_vocab)).astype(np.float32)
+    return logits
 
 
 def measure(tokenizer: Tokenizer, vocab: int, num_seqs: int, steps: int, params: SamplingParams) -> dict:
-    runner = InstantRunner(vocab, num_seqs, 2000)
+    runner = InstantRunner(fixed_logits(vocab, num_seqs, 2000))
     cfg = EngineConfig(max_num_seqs=num_seqs, max_batched_tokens=max(2048, num_seqs), num_kv_blocks=num_seqs * 64 + 64,
                        block_size=16)
     eng = Engine(runner, tokenizer, vocab_size=vocab, config=cfg)
@@ -106,9 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=str(ROOT / "bench/results/engine_host_overhead.json"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        write_tokenizer_files(tmp)
-        tokenizer = Tokenizer.from_pretrained(tmp)
+    tokenizer = tiny_tokenizer()
     rows = []
     params = SamplingParams(max_tokens=900, ignore_eos=True)
     for vocab in (2074, 248320):

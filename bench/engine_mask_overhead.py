@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
-from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput  # noqa: E402
-from gpu_engine.tiny_assets import write_tokenizer_files  # noqa: E402
 from gpu_engine.tokenizer import Tokenizer  # noqa: E402
+
+from _instant_runner import InstantRunner, tiny_tokenizer  # noqa: E402  (bench/ is this script's folder)
 
 SCHEMA = {
     "type": "object",
@@ -52,42 +51,11 @@ SCHEMA = {
 }
 
 
-class RandomLogitsRunner:
-    name = "random-logits"
-
-    def __init__(self, vocab_size: int, max_rows: int) -> None:
-        self.rng = np.random.default_rng(0)
-        self.pool = self.rng.standard_normal((max_rows * 8, vocab_size)).astype(np.float32)
-
-    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
-        return 1
-
-    def state_bytes_per_slot(self) -> int:
-        return 1
-
-    def embedding_nbytes(self, item) -> int:
-        return 0
-
-    def allocate_cache(self, spec: CacheSpec) -> None:
-        pass
-
-    def copy_state_slot(self, src: int, dst: int) -> None:
-        pass
-
-    def encode_vision(self, item):
-        raise NotImplementedError
-
-    def forward(self, batch: StepBatch) -> StepOutput:
-        offsets = [0]
-        for c in batch.chunks:
-            offsets.append(offsets[-1] + (c.logits != "none"))
-        start = int(self.rng.integers(0, self.pool.shape[0] - offsets[-1] + 1))
-        return StepOutput(logits=self.pool[start : start + offsets[-1]], row_offsets=offsets)
-
-
 def measure(tokenizer: Tokenizer, num_seqs: int, steps: int) -> dict:
     vocab = tokenizer.vocab_size
-    eng = Engine(RandomLogitsRunner(vocab, num_seqs), tokenizer, vocab_size=vocab,
+    rng = np.random.default_rng(0)
+    runner = InstantRunner(rng.standard_normal((num_seqs * 8, vocab)).astype(np.float32), rng)  # random windows
+    eng = Engine(runner, tokenizer, vocab_size=vocab,
                  config=EngineConfig(max_num_seqs=num_seqs, max_batched_tokens=4096, num_kv_blocks=num_seqs * 64))
     rng = np.random.default_rng(1)
 
@@ -136,9 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default=str(ROOT / "bench/results/engine_mask_overhead.json"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        write_tokenizer_files(tmp)
-        tokenizer = Tokenizer.from_pretrained(tmp)
+    tokenizer = tiny_tokenizer()
     rows = [measure(tokenizer, n, args.steps) for n in (1, 8, 32, 128)]
     print(f"{'seqs':>5} {'mask µs p50':>12} {'mean':>8} {'µs/seq':>8} {'step µs p50':>12} {'step cpu µs p50':>16} {'sampled':>8} "
           f"{'forced':>7} {'finished':>9} {'valid':>6}")

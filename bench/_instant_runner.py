@@ -1,0 +1,59 @@
+"""A runner with no compute, for benchmarks of the engine's host work (bench/engine_*_overhead.py).
+
+It implements the runner contract (gpu_engine/runner_api.py) with no cache and no model: `forward` hands back
+rows of a preallocated logits pool at once, so every microsecond a benchmark measures is engine host work.
+Also `tiny_tokenizer()`: the bundled test tokenizer the benchmarks drive the engine with.
+"""
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+
+from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput
+from gpu_engine.tokenizer import Tokenizer
+from gpu_engine.tiny_assets import write_tokenizer_files
+
+
+class InstantRunner:
+    """Logit rows come from `pool` [rows, vocab]: its first rows every step, or, given `rng`, a random window of
+    it each step (so sampling sees varied distributions). The pool needs at least as many rows as a step asks."""
+
+    name = "instant"
+
+    def __init__(self, pool: np.ndarray, rng: np.random.Generator | None = None) -> None:
+        self.pool = pool
+        self._rng = rng
+
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        return 1
+
+    def state_bytes_per_slot(self) -> int:
+        return 1
+
+    def embedding_nbytes(self, item) -> int:
+        return 0
+
+    def allocate_cache(self, spec: CacheSpec) -> None:
+        pass
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        pass
+
+    def encode_vision(self, item):
+        raise NotImplementedError("the instant runner has no vision tower: benchmark text requests only")
+
+    def forward(self, batch: StepBatch) -> StepOutput:
+        offsets = [0]
+        for c in batch.chunks:
+            offsets.append(offsets[-1] + (c.logits != "none"))
+        rows = offsets[-1]
+        start = 0 if self._rng is None else int(self._rng.integers(0, self.pool.shape[0] - rows + 1))
+        return StepOutput(logits=self.pool[start : start + rows], row_offsets=offsets)
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """The bundled tiny BPE tokenizer (gpu_engine.tiny_assets), loaded as the engine loads a checkpoint's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(tmp)
+        return Tokenizer.from_pretrained(tmp)
