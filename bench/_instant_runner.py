@@ -2,11 +2,19 @@
 
 It implements the runner contract (gpu_engine/runner_api.py) with no cache and no model: `forward` hands back
 rows of a preallocated logits pool at once, so every microsecond a benchmark measures is engine host work.
-Also `tiny_tokenizer()`: the bundled test tokenizer the benchmarks drive the engine with.
+Also what those benchmarks share around it: `tiny_tokenizer()` (the bundled test tokenizer they drive the engine
+with) and `write_result` (their JSON, with the command, date and machine).
 """
 from __future__ import annotations
 
+import datetime as dt
+import json
+import os
+import platform
+import sys
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,3 +65,19 @@ def tiny_tokenizer() -> Tokenizer:
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(tmp)
         return Tokenizer.from_pretrained(tmp)
+
+
+def write_result(path: str, benchmark: str, fields: dict[str, Any]) -> None:
+    """`fields` as bench JSON at `path`, after what every run records: name, command, date, machine."""
+    result = {
+        "benchmark": benchmark,
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"python": platform.python_version(), "numpy": np.__version__,
+                    "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "load_average_1m_at_end": os.getloadavg()[0]},
+        **fields,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")

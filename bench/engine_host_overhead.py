@@ -11,10 +11,6 @@ that reduction on the device).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,7 +25,7 @@ from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
 from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
-from _instant_runner import InstantRunner, tiny_tokenizer  # noqa: E402  (bench/ is this script's folder)
+from _instant_runner import InstantRunner, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
 
 
 def fixed_logits(vocab_size: int, max_rows: int, text_vocab: int) -> np.ndarray:
@@ -100,22 +96,13 @@ def main() -> None:
         print(f"{r['vocab']:>7} {r['num_seqs']:>5} {str(r['detokenizer']):>6} {r['cpu_us_p50']:>11.0f} {r['step_us_p50']:>12.0f} "
               f"{r['step_us_mean']:>8.0f} {r['step_us_p95']:>8.0f} {r['sampling_us_mean']:>12.0f} "
               f"{r['host_us_without_sampling']:>21.0f} {r['cpu_us_p50'] / r['num_seqs']:>13.1f}")
-    result = {
-        "benchmark": "engine_host_overhead",
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "numpy": np.__version__,
-                    "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "load_average_1m_at_end": os.getloadavg()[0]},
+    write_result(args.out, "engine_host_overhead", {
         "note": "cpu_us_p50 (process CPU time per step, median) is the figure to read: this machine is shared, so "
                 "wall-clock mean / p95 include waiting for the CPU behind other processes",
         "sampling": "greedy, no penalties, no logprobs",
         "goal": "<= 1000 µs per step at 128 sequences",
         "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    })
 
 
 if __name__ == "__main__":

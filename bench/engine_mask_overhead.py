@@ -11,10 +11,7 @@ jump-forward appended without sampling.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,7 +26,7 @@ from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
 from gpu_engine.tokenizer import Tokenizer  # noqa: E402
 
-from _instant_runner import InstantRunner, tiny_tokenizer  # noqa: E402  (bench/ is this script's folder)
+from _instant_runner import InstantRunner, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
 
 SCHEMA = {
     "type": "object",
@@ -112,22 +109,14 @@ def main() -> None:
         print(f"{r['num_seqs']:>5} {r['mask_us_p50']:>12.0f} {r['mask_us_mean']:>8.0f} {r['mask_us_p50_per_sequence']:>8.1f} "
               f"{r['step_us_p50']:>12.0f} {r['step_cpu_us_p50']:>16.0f} {r['sampled_tokens']:>8} {r['forced_tokens']:>7} {r['finished']:>9} "
               f"{r['finished_valid_json']:>6}")
-    result = {
-        "benchmark": "engine_mask_overhead",
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
-                    "load_average_1m_at_end": os.getloadavg()[0]},
+    write_result(args.out, "engine_mask_overhead", {
         "tokenizer": f"tiny test BPE, vocab {rows[0]['vocab']} (no real Qwen tokenizer offline; llguidance mask "
                      "cost grows with the vocabulary)",
         "llguidance_threads": 1,
         "note": "mask times are wall-clock (llguidance works on its own thread); the machine is shared, read p50",
         "schema": SCHEMA,
         "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    })
 
 
 if __name__ == "__main__":
