@@ -11,11 +11,6 @@ from vision_media_factory import encoded, png_bytes, png_header_only, random_rgb
 from vision import CorruptMediaError, LimitExceededError, MediaLimits, UnsupportedMediaError, open_media
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 def only_page(data: bytes, **kw):
     with open_media(data, **kw) as doc:
         pages = list(doc.pages())

@@ -27,11 +27,6 @@ from vision import (
 from vision.pdf import render_scale
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 def dark_fraction(img, box) -> float:
     a = np.asarray(img.convert("L").crop(box), dtype=np.float64)
     return float((a < 64).mean())

@@ -20,11 +20,6 @@ from vision import (
 from vision.sniff import sniff
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 def test_zero_byte_file_and_bytes(tmp_path):
     empty = tmp_path / "scan.pdf"
     empty.write_bytes(b"")

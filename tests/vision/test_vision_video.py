@@ -31,11 +31,6 @@ HERE = Path(__file__).resolve().parent
 MISBEHAVING = HERE / "vision_misbehaving_worker.py"
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 def hf_frames(path: Path, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768):
     """transformers' own PyAV loader with Qwen3-VL's sampler: the reference frames and indices."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor

@@ -35,25 +35,28 @@ def pdf_bytes(texts: list[str], *, rotate: dict[int, int] | None = None, size: t
     return data
 
 
-def pdf_with_broken_page(texts: list[str], broken: int) -> bytes:
-    """Page `broken` gets a content stream MuPDF refuses to render (graphics states nested beyond its limit)."""
+def _with_page_content(texts: list[str], page: int, content: bytes, *, compress: bool,
+                       flate_filter: bool = False) -> bytes:
+    """`pdf_bytes(texts)` with page `page`'s content stream replaced by `content` (declared Flate-compressed if
+    `flate_filter`, whatever it holds)."""
     doc = pymupdf.open(stream=pdf_bytes(texts), filetype="pdf")
-    xref = doc[broken].get_contents()[0]
-    doc.update_stream(xref, b"q " * 100_000, compress=True)
+    xref = doc[page].get_contents()[0]
+    doc.update_stream(xref, content, compress=compress)
+    if flate_filter:
+        doc.xref_set_key(xref, "Filter", "/FlateDecode")
     data = doc.tobytes()
     doc.close()
     return data
+
+
+def pdf_with_broken_page(texts: list[str], broken: int) -> bytes:
+    """Page `broken` gets a content stream MuPDF refuses to render (graphics states nested beyond its limit)."""
+    return _with_page_content(texts, broken, b"q " * 100_000, compress=True)
 
 
 def pdf_with_undecodable_content(texts: list[str], page: int) -> bytes:
     """Page `page`'s content stream claims Flate compression but holds garbage: MuPDF renders it blank, warning."""
-    doc = pymupdf.open(stream=pdf_bytes(texts), filetype="pdf")
-    xref = doc[page].get_contents()[0]
-    doc.update_stream(xref, b"\x00garbage" * 10, compress=False)
-    doc.xref_set_key(xref, "Filter", "/FlateDecode")
-    data = doc.tobytes()
-    doc.close()
-    return data
+    return _with_page_content(texts, page, b"\x00garbage" * 10, compress=False, flate_filter=True)
 
 
 def pdf_with_transparency(rng: np.random.Generator, rotate: int = 0) -> bytes:
