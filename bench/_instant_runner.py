@@ -3,10 +3,12 @@
 It implements the runner contract (gpu_engine/runner_api.py) with no cache and no model: `forward` hands back
 rows of a preallocated logits pool at once, so every microsecond a benchmark measures is engine host work.
 Also what those benchmarks share around it: `tiny_tokenizer()` (the bundled test tokenizer they drive the engine
-with) and `write_result` (their JSON, with the command, date and machine).
+with), `parse_args` (their command line) and `write_result` (their JSON, with the command, date and
+machine).
 """
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -65,6 +67,14 @@ def tiny_tokenizer() -> Tokenizer:
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(tmp)
         return Tokenizer.from_pretrained(tmp)
+
+
+def parse_args(benchmark: str, steps: int) -> argparse.Namespace:
+    """--steps (measured engine steps per row, default `steps`) and --out (default bench/results/<benchmark>.json)."""
+    parser = argparse.ArgumentParser(description=f"bench/{benchmark}.py")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / f"{benchmark}.json"))
+    return parser.parse_args()
 
 
 def write_result(path: str, benchmark: str, fields: dict[str, Any]) -> None:

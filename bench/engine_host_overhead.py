@@ -10,7 +10,6 @@ that reduction on the device).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
 from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
-from _instant_runner import InstantRunner, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
+from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
 
 
 def fixed_logits(vocab_size: int, max_rows: int, text_vocab: int) -> np.ndarray:
@@ -70,10 +69,7 @@ def measure(tokenizer: Tokenizer, vocab: int, num_seqs: int, steps: int, params:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/engine_host_overhead.json"))
-    args = parser.parse_args()
+    args = parse_args("engine_host_overhead", steps=200)
     tokenizer = tiny_tokenizer()
     rows = []
     params = SamplingParams(max_tokens=900, ignore_eos=True)

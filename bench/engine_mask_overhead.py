@@ -10,7 +10,6 @@ jump-forward appended without sampling.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,7 +25,7 @@ from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import SamplingParams  # noqa: E402
 from gpu_engine.tokenizer import Tokenizer  # noqa: E402
 
-from _instant_runner import InstantRunner, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
+from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
 
 SCHEMA = {
     "type": "object",
@@ -97,10 +96,7 @@ def measure(tokenizer: Tokenizer, num_seqs: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/engine_mask_overhead.json"))
-    args = parser.parse_args()
+    args = parse_args("engine_mask_overhead", steps=100)
     tokenizer = tiny_tokenizer()
     rows = [measure(tokenizer, n, args.steps) for n in (1, 8, 32, 128)]
     print(f"{'seqs':>5} {'mask µs p50':>12} {'mean':>8} {'µs/seq':>8} {'step µs p50':>12} {'step cpu µs p50':>16} {'sampled':>8} "
