@@ -7,7 +7,9 @@ of each is kept, measured in process CPU time (the machine is shared; CPU time i
 baseline does only `page.get_pixmap(dpi=150)`; open_media additionally produces a PIL RGB image per page, applies
 the pixel cap and collects MuPDF warnings. A second baseline, get_pixmap + `Image.frombytes`, is the obvious way to
 get a PIL image (PIL keeps RGB as 4 bytes per pixel, so it costs a second page buffer and an unpacking pass);
-open_media avoids that cost by letting MuPDF draw into the PIL image's own memory (vision/pdf.py `_render_rgb`). Two inputs: the vector invoice (samples/invoice.pdf, pages repeated) and a "scanned"
+open_media avoids that cost on vector pages by letting MuPDF draw into the PIL image's own memory (vision/pdf.py
+`_render_rgb`); scanned pages keep get_pixmap + frombytes, because MuPDF paints images into that RGBA memory more
+slowly than the copy costs. Two inputs: the vector invoice (samples/invoice.pdf, pages repeated) and a "scanned"
 PDF (each page one embedded JPEG, like scanner output).
 
 Video: frames/s delivered by open_media (probe + isolated decode of the Qwen-sampled frames, subprocess start

@@ -10,8 +10,9 @@
   `metadata["warnings"]`); a page MuPDF renders with complaints carries them in `MediaPage.warnings`; a page that
   fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
   process-wide: concurrent renders in threads of one process may see each other's warnings.)
-- Pages are drawn by MuPDF straight into the memory of the PIL image they become (`_render_rgb`): no
-  intermediate pixmap, no unpacking copy.
+- Vector pages are drawn by MuPDF straight into the memory of the PIL image they become (`_render_rgb`): no
+  intermediate pixmap, no unpacking copy. Pages that are mostly one image (scans) take get_pixmap + frombytes,
+  which is faster for them.
 - The page's text layer (`MediaPage.text`) is read on first access, in content-stream order (lazily, because text
   extraction costs a third of a simple page's render time and many callers never use it). It stays readable after
   `close()`: an unread page keeps the MuPDF document alive until the page is dropped.
@@ -77,6 +78,13 @@ def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int)
     return scale
 
 
+def _mostly_raster(page: pymupdf.Page, pixels: int) -> bool:
+    """Whether the images the page lists hold at least a quarter as many pixels as its render: a scan, not a
+    vector page with a logo. (Images inside form XObjects or inline may be missed: then the page is treated as
+    vector, which is only slower, never different.)"""
+    return 4 * sum(width * height for _, _, width, height, *_ in page.get_images()) >= pixels
+
+
 def _render_rgb(page: pymupdf.Page, scale: float) -> Image.Image:
     """`page` drawn at `scale` pixels per point as a PIL RGB image, with the size and pixels of
     `page.get_pixmap(matrix=Matrix(scale, scale))` (a few pixels of blended content may differ by one level).
@@ -91,6 +99,11 @@ def _render_rgb(page: pymupdf.Page, scale: float) -> Image.Image:
     # the same pixel box get_pixmap uses: the page's bounds (after /Rotate), transformed, rounded outwards
     box = mu.fz_round_rect(mu.fz_transform_rect(mu.fz_bound_page(page.this), matrix))
     size = (box.x1 - box.x0, box.y1 - box.y0)
+    if _mostly_raster(page, size[0] * size[1]):
+        # MuPDF paints images into an alpha pixmap more slowly (~2 ms per A4 page at 150 dpi) than the unpacking
+        # copy below costs (~1 ms), so scans keep the plain route.
+        pix = page.get_pixmap(matrix=pymupdf.Matrix(scale, scale), colorspace=pymupdf.csRGB, alpha=False)
+        return Image.frombytes("RGB", size, pix.samples_mv)
     buffer = bytearray(size[0] * size[1] * 4)
     pixmap = mu.fz_new_pixmap_with_bbox_and_data(mu.fz_device_rgb(), box, mu.FzSeparations(), 1,
                                                  mu.python_mutable_buffer_data(buffer))

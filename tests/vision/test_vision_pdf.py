@@ -8,6 +8,7 @@ import pytest
 from PIL import ImageDraw
 from vision_media_factory import (
     pdf_bytes,
+    pdf_scan_like,
     pdf_with_broken_page,
     pdf_with_transparency,
     pdf_with_undecodable_content,
@@ -80,21 +81,35 @@ def test_pixel_cap_lowers_the_dpi(rng):
     assert page.image.width == pytest.approx(200 * page.dpi / 72, abs=1)
 
 
+def get_pixmap_rgb(data: bytes, dpi: float) -> np.ndarray:
+    with pymupdf.open(stream=data, filetype="pdf") as ref:
+        pix = ref[0].get_pixmap(matrix=pymupdf.Matrix(dpi / 72, dpi / 72), alpha=False)
+        return np.frombuffer(pix.samples, dtype=np.uint8).reshape(pix.height, pix.width, 3)
+
+
 @pytest.mark.parametrize("rotation", [0, 90, 270])
 def test_render_matches_pymupdf_get_pixmap(rng, rotation):
-    # open_media draws into the PIL image's own memory (vision.pdf._render_rgb); the independent reference is
+    # Vector pages are drawn into the PIL image's own memory (vision.pdf._render_rgb); the independent reference is
     # PyMuPDF's get_pixmap at the same scale. Blended pixels may round differently: at most one level, rarely.
     data = pdf_with_transparency(rng, rotate=rotation)
     dpi = float(rng.uniform(50, 160))
     with open_media(data, options=RenderOptions(pdf_dpi=dpi)) as doc:
         page = next(doc.pages())
-    with pymupdf.open(stream=data, filetype="pdf") as ref:
-        pix = ref[0].get_pixmap(matrix=pymupdf.Matrix(dpi / 72, dpi / 72), alpha=False)
-    expected = np.frombuffer(pix.samples, dtype=np.uint8).reshape(pix.height, pix.width, 3)
-    assert page.image.mode == "RGB" and page.image.size == (pix.width, pix.height)
+    expected = get_pixmap_rgb(data, dpi)
+    assert page.image.mode == "RGB" and page.image.size == (expected.shape[1], expected.shape[0])
     diff = np.abs(np.asarray(page.image, dtype=np.int16) - expected)
     assert diff.max() <= 1
     assert (diff > 0).mean() < 0.01
+
+
+def test_scanned_page_render_matches_pymupdf_get_pixmap(rng):
+    # Pages that are mostly one image take get_pixmap's own route (faster for images): equal to the reference.
+    data = pdf_scan_like(rng)
+    dpi = float(rng.uniform(50, 160))
+    with open_media(data, options=RenderOptions(pdf_dpi=dpi)) as doc:
+        page = next(doc.pages())
+    assert page.image.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(page.image), get_pixmap_rgb(data, dpi))
 
 
 def test_rendered_image_is_an_ordinary_pil_image(rng):

@@ -82,6 +82,18 @@ def pdf_with_transparency(rng: np.random.Generator, rotate: int = 0) -> bytes:
     return data
 
 
+def pdf_scan_like(rng: np.random.Generator) -> bytes:
+    """One page that is one full-page JPEG, as scanners write them (plus a line of text over it)."""
+    doc = pymupdf.open()
+    page = doc.new_page(width=200, height=280)
+    scan = smooth_rgb(rng, 300, 420)
+    page.insert_image(page.rect, stream=encoded(scan, "JPEG", quality=80))
+    page.insert_text((20, 40), random_words(rng), fontsize=9)
+    data = doc.tobytes()
+    doc.close()
+    return data
+
+
 def png_bytes(img: Image.Image, **save: object) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG", **save)
