@@ -69,15 +69,16 @@ def _job_runner(pipeline: Pipeline) -> JobRunner:
 
         return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
                               pending=lambda: stale_jobs(pipeline, queued_for_s=0.0), still_queued=still_queued)
-    # With a broker, jobs go to the Celery `gpu` queue (the workers package owns the producer side).
+    # With a broker, jobs go to the Celery `ingest` queue, which renders an uploaded document's pages and then
+    # hands the job to the `gpu` queue (the workers package owns the producer side).
     from workers.config import WorkerSettings, check_consistency, redis_url
-    from workers.enqueue import enqueue_job
+    from workers.enqueue import enqueue_prepare
     from workers.markers import redis_client
 
     settings, worker_settings = pipeline.settings, WorkerSettings()
     check_consistency(settings, worker_settings)  # a broker set-up that cannot work fails at start-up, in words
     url = redis_url(settings)
-    return BrokerRunner(lambda job_id: enqueue_job(job_id, settings=settings, worker_settings=worker_settings),
+    return BrokerRunner(lambda job_id: enqueue_prepare(job_id, settings=settings, worker_settings=worker_settings),
                         lambda: redis_client(url).ping())
 
 

@@ -1,7 +1,16 @@
-"""Uploaded files -> the pipeline's intake (`pipeline.ingest.ingest_file`): documents, jobs, batches.
+"""Uploaded files -> the pipeline's intake: documents, jobs, batches.
 
-Runs in a worker thread (blocking DB and file work). The spooled upload is always removed afterwards: the blob
-store keeps its own content-addressed copy.
+An upload only *receives* the file (`pipeline.ingest.receive_file`): the spooled bytes move into the blob store,
+the type is sniffed from the magic bytes (an unsupported type is refused at once: 422 `unreadable_file`), and the
+document (`received`) and its `queued` job are written. Rendering the pages costs 16-32 ms of CPU per page, so it
+happens in the job (the in-process worker thread, or the broker's `ingest` queue), never inside the request. A
+file that turns out unreadable then ends `failed` with the reason, on the document and on the job.
+
+One exception: an upload with a PDF `password` is rendered during the request (`ingest_file`), because the
+password is used once and never stored or queued.
+
+Runs in a worker thread (blocking DB and file work). The spooled upload is always gone afterwards: moved into the
+blob store, or removed.
 """
 from __future__ import annotations
 
@@ -10,11 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import select
-
-from pipeline.ingest import IngestOutcome, create_batch, ingest_file
+from pipeline.ingest import HashedFile, IngestOutcome, create_batch, ingest_file, receive_file
 from pipeline.jobs import retry_job as pipeline_retry_job
-from pipeline.models import Document
 from pipeline.schemas import get_schema
 
 from .context import ApiContext
@@ -95,9 +101,13 @@ def _display_name(f: SpooledFile) -> str:
     return name[:MAX_NAME]
 
 
-def _known_document(ctx: ApiContext, sha256: str) -> bool:
-    with ctx.pipeline.db.read_session() as s:
-        return s.scalars(select(Document.id).where(Document.sha256 == sha256)).first() is not None
+def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str | None,
+             batch_id: int | None = None) -> IngestOutcome:
+    spooled = HashedFile(path=f.path, sha256=f.sha256, size=f.size)
+    if password is not None:  # rendered now: the password is never stored or queued
+        return ingest_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, password=password,
+                           batch_id=batch_id)
+    return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id)
 
 
 def _unreadable(out: IngestOutcome) -> ApiError:
@@ -106,7 +116,9 @@ def _unreadable(out: IngestOutcome) -> ApiError:
 
 
 def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[UploadOut, list[int]]:
-    """Ingest the single uploaded file; returns the response body and the job ids to run (empty: nothing new)."""
+    """Take in the single uploaded file (the route checked the key's job quota before reading the body) and
+    hand a new job to the runner. Returns the response body and the job ids handed on (empty: nothing new). All blocking work of an
+    upload is here, so the route needs one hop to a worker thread."""
     try:
         files = [f for name, f in form.files if name == "file"]
         if len(files) != 1:
@@ -114,9 +126,7 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
         upload = files[0]
         schema, password = _options(form)
         with _CONTENT_LOCKS.hold(upload.sha256):
-            existed = _known_document(ctx, upload.sha256)
-            out = ingest_file(ctx.pipeline, upload.path, name=_display_name(upload), schema=schema,
-                              password=password)
+            out = _take_in(ctx, upload, schema, password)
     finally:
         form.discard()
     if out.outcome == "failed" or out.document_id is None or out.job_id is None:
@@ -124,10 +134,12 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
     new_jobs = [out.job_id] if out.outcome == "new" else []
     if new_jobs:
         ctx.jobs.record(key_id, new_jobs)
+        ctx.runner.submit(new_jobs)  # may publish to the broker: blocking I/O, kept off the event loop
     with ctx.pipeline.db.read_session() as s:
-        doc = load_document(s, out.document_id)
-        job = load_job(s, out.job_id)
-        body = UploadOut(document=document_out(doc), job=job_out(job), duplicate=existed or out.outcome == "duplicate")
+        doc = load_document(s, out.document_id)  # with its jobs and their schemas
+        job = next(j for j in doc.jobs if j.id == out.job_id)
+        body = UploadOut(document=document_out(doc), job=job_out(job),
+                         duplicate=out.known or out.outcome == "duplicate")
     return body, new_jobs
 
 
@@ -146,8 +158,7 @@ def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int,
         outcomes = []
         for f in files:
             with _CONTENT_LOCKS.hold(f.sha256):
-                outcomes.append(ingest_file(ctx.pipeline, f.path, name=_display_name(f), schema=schema,
-                                            password=password, batch_id=batch_id))
+                outcomes.append(_take_in(ctx, f, schema, password, batch_id))
     finally:
         form.discard()
     new_jobs = [o.job_id for o in outcomes if o.outcome == "new" and o.job_id is not None]

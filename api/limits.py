@@ -127,7 +127,8 @@ class JobQuota:
 
     The server remembers which key submitted which job; `still_active` (a DB lookup supplied by the app) says
     which of those are not finished yet, so jobs finished by any process (embedded thread or Celery worker) free
-    their slot.
+    their slot. The lookup is only made when the remembered jobs could reach the cap, so a key well under it
+    costs an upload no query.
     """
 
     def __init__(self, per_key: int, still_active: Callable[[Iterable[str]], set[str]]) -> None:
@@ -139,7 +140,9 @@ class JobQuota:
     def check(self, key: str, adding: int = 1) -> None:
         """Raise RateLimited when `key` cannot add `adding` more jobs now."""
         with self._lock:
-            mine = self._jobs.get(key, set())
+            mine = set(self._jobs.get(key, set()))
+        if len(mine) + adding <= self._per_key:
+            return  # even if every remembered job were still active, this fits: no need to ask the database
         active = self._still_active(mine) if mine else set()
         with self._lock:
             # Jobs recorded since the lookup stay counted; finished ones are forgotten.

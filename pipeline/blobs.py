@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import BinaryIO
@@ -66,6 +67,32 @@ class BlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def adopt(self, path: Path, key: str) -> None:
+        """Move a finished file whose sha256 (`key`) the caller computed while writing it into the store: no copy,
+        no second hashing pass (an upload spooled next to the store). The file is fsynced first, as every
+        original is. Falls back to a copy when `path` is on another file system; `path` is gone afterwards."""
+        target = self.path(key)
+        if target.is_file():
+            Path(path).unlink(missing_ok=True)  # same bytes already stored
+            return
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(path, target)
+        except OSError:  # another file system: copy atomically, then drop the spooled file
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                    shutil.copyfileobj(src, out, _CHUNK)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            Path(path).unlink(missing_ok=True)
 
     def put_file(self, path: Path) -> tuple[str, int]:
         with open(path, "rb") as f:

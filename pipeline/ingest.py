@@ -1,36 +1,44 @@
-"""Intake: a file becomes a stored Document with rendered pages, and a queued Job for a schema.
+"""Intake: a file becomes a stored Document and a queued Job for a schema.
 
-`ingest_file` is what an upload, the CLI and the ingest queue call; `ingest_folder` walks a folder (the CLI now,
-scheduled watch folders later). Both record each file's outcome — `new`, `duplicate` (same content, schema and
-model already had a job: its results are reused), `failed` (the file cannot be read; the reason is stored on the
-document row), or `unstable` (folder walks only: still being written, taken on a later walk) — and never raise
-for a bad file. Bad arguments (an unknown schema) do raise.
+Two ways in, one set of rows:
+
+* `receive_file` — the fast half only (what an HTTP upload does): store the bytes, sniff the type from its magic
+  bytes, write the document as `received` and its job as `queued`. Pages are rendered later, in the job's own
+  time (`pipeline.rendering`): by the `ingest` queue in broker mode, by `run_job` itself otherwise.
+* `ingest_file` — store, sniff *and render* now (the CLI, folder ingestion, the ingest queue's staged files, and
+  uploads that carry a PDF password, which is never stored): the document is `ingested` or `failed` on return.
+
+`ingest_folder` walks a folder (the CLI now, scheduled watch folders later). Each file's outcome is recorded —
+`new` (its job was queued by this intake), `duplicate` (same content, schema and model already had a job: its
+results are reused), `failed` (the file cannot be read; the reason is stored on the document row), or
+`unstable` (folder walks only: still being written, taken on a later walk) — and a bad file never raises. Bad
+arguments (an unknown schema) do raise.
+
+A file refused at intake (not an accepted type, too large, unreadable now) gets a `failed` document and no job.
+A `received` file that turns out unreadable while rendering gets a `failed` document and its jobs fail with the
+same reason. The same bytes sent again after a failure are read again (and their failed jobs queued again).
 """
 from __future__ import annotations
 
 import io
-import json
-import logging
 import os
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 import vision
+from vision.sniff import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
-from .extraction import png_bytes
-from .models import Batch, BatchItem, Document, DocumentStatus, Job, Page
+from .models import Batch, BatchItem, Document, DocumentStatus, Job
+from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .schemas import get_schema
 
-log = logging.getLogger(__name__)
-_ENCODE_AHEAD = 2
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
 EXCLUDED_DIRS = frozenset({"done", "failed"})
@@ -46,14 +54,21 @@ class IngestOutcome:
     error_type: str | None = None
     pages: int = 0
     seconds: float = 0.0
+    rendered: bool = False  # pages exist now (False: `received`, rendered when the job runs)
+    known: bool = False  # these bytes were already a document before this intake
 
 
-@dataclass
-class _Rendered:
-    kind: str | None
-    media_type: str | None
-    metadata: dict[str, Any]
-    pages: list[dict[str, Any]]
+@dataclass(frozen=True)
+class HashedFile:
+    """A file already on disk whose sha256 and size the caller computed while writing it (an upload spooled by
+    the API). Intake moves it into the blob store instead of copying and hashing it again."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
+Source = str | os.PathLike[str] | bytes | BinaryIO | HashedFile
 
 
 def create_batch(p: Pipeline, source: str) -> int:
@@ -76,50 +91,61 @@ def _schema_id(p: Pipeline, name: str) -> int:
         return get_schema(s, name).id
 
 
-def _render(p: Pipeline, path: Path, name: str, password: str | None) -> _Rendered:
-    """Render every page; PNG encoding and blob writes run on a small thread pool (zlib releases the GIL) so the
-    next page renders meanwhile. At most `_ENCODE_AHEAD` encoded-but-unstored pages are held at once."""
-    pages: list[dict[str, Any]] = []
-
-    def store(image: Any) -> str:
-        key = p.blobs.put_bytes(png_bytes(image), durable=False)  # derived: re-renderable from the original
-        p.images.put(key, image)
-        return key
-
-    def finish(row: dict[str, Any], future: Future[str] | None) -> None:
-        if future is not None:
-            row["blob"] = future.result()
-        pages.append(row)
-
-    with vision.open_media(path, password=password, limits=p.settings.media_limits(),
-                           options=p.settings.render_options(), name=name) as doc, \
-            ThreadPoolExecutor(max_workers=_ENCODE_AHEAD, thread_name_prefix="docpipe-png") as pool:
-        pending: deque[tuple[dict[str, Any], Future[str] | None]] = deque()
-        for page in doc.pages():
-            row: dict[str, Any] = {"index": page.index, "kind": page.kind, "timestamp": page.timestamp,
-                                   "error": str(page.error) if page.error else None,
-                                   "blob": None, "width": None, "height": None, "text": page.text}
-            future = None
-            if page.ok and page.image is not None:
-                row["width"], row["height"] = page.image.size
-                future = pool.submit(store, page.image)
-            pending.append((row, future))
-            while len(pending) > _ENCODE_AHEAD:
-                finish(*pending.popleft())
-        while pending:
-            finish(*pending.popleft())
-        metadata = json.loads(json.dumps(doc.metadata, default=str))  # plain JSON for the database
-        return _Rendered(kind=doc.kind, media_type=doc.media_type, metadata=metadata, pages=pages)
+def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
+    """Put the original into the blob store; (sha256, size). Raises OSError or vision.LimitExceededError."""
+    limit = p.settings.max_file_bytes
+    if isinstance(source, HashedFile):
+        if source.size > limit:
+            raise vision.LimitExceededError(
+                f"{label} is {source.size} bytes, more than the limit of {limit} (DOCPIPE_MAX_FILE_BYTES)")
+        p.blobs.adopt(source.path, source.sha256)
+        return source.sha256, source.size
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.stat().st_size > limit:
+            raise vision.LimitExceededError(
+                f"{label} is {path.stat().st_size} bytes, more than the limit of {limit} (DOCPIPE_MAX_FILE_BYTES)")
+        return p.blobs.put_file(path)
+    stream = source if hasattr(source, "read") else io.BytesIO(source)  # type: ignore[arg-type]
+    try:
+        return p.blobs.put_stream(stream, max_bytes=limit)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise vision.LimitExceededError(f"{label}: {exc} (DOCPIPE_MAX_FILE_BYTES)") from None
 
 
-def _store_document(p: Pipeline, sha: str, size: int, name: str, rendered: _Rendered | None,
-                    error: Exception | None) -> int:
-    """Insert (or, for a previously failed file, refresh) the document row and its pages; returns its id.
+def _label(source: Source, name: str | None) -> str:
+    if name:
+        return name
+    if isinstance(source, HashedFile):
+        return source.path.name
+    return Path(source).name if isinstance(source, (str, os.PathLike)) else "upload"
+
+
+def _existing(p: Pipeline, sha: str) -> Any:
+    with p.db.read_session() as s:
+        return s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
+                         .where(Document.sha256 == sha)).first()
+
+
+def _sniff_blob(p: Pipeline, sha: str, label: str) -> Sniffed:
+    """The type from the stored bytes' magic bytes (raises an UnsupportedMediaError/EmptyMediaError subclass)."""
+    with open(p.blobs.path(sha), "rb") as f:
+        return sniff(f.read(SNIFF_BYTES), name=label)
+
+
+def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sniffed | None = None,
+                    rendered: Rendered | None = None, error: Exception | None = None,
+                    schema_id: int | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
+    """Insert (or, for a previously failed file, refresh) the document row: `received` when only `sniffed`,
+    else the render's outcome (`ingested` with pages, or `failed` with `error`). With `schema_id`, the job is got
+    or created in the same transaction (one commit per upload instead of two). Returns (document id, ids of the
+    jobs a refresh put back to `queued`, (job id, created) or None).
 
     Two intakes of the same bytes may race: the unique sha256 decides, the loser keeps the winner's row."""
     with p.db.session() as s:
         by_sha = select(Document).where(Document.sha256 == sha).with_for_update()
         doc = s.scalars(by_sha).first()
+        fresh = doc is None
         if doc is None:
             try:
                 with s.begin_nested():
@@ -127,49 +153,54 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, rendered: _Rend
                     s.add(doc)
                     s.flush()
             except IntegrityError:  # the other intake committed first (PostgreSQL; SQLite serialises writers)
+                fresh = False
                 doc = s.scalars(by_sha).one()
-                if doc.status != DocumentStatus.failed.value:
-                    return doc.id
-        elif doc.status != DocumentStatus.failed.value:
-            return doc.id  # a concurrent intake of the same bytes won
-        for old in list(doc.pages):
-            s.delete(old)
-        s.flush()
-        if rendered is None:
-            doc.status, doc.page_count = DocumentStatus.failed.value, 0
-            doc.error = str(error) or type(error).__name__
-            doc.error_type = type(error).__name__
-            doc.media_metadata = {}
+        if doc.status != DocumentStatus.failed.value and not fresh:  # a concurrent intake of the same bytes won
+            return doc.id, [], _job_in(s, p, doc.id, schema_id, fresh=False) if schema_id is not None else None
+        was_failed = not fresh and doc.status == DocumentStatus.failed.value
+        if sniffed is not None:
+            for old in [] if fresh else list(doc.pages):
+                s.delete(old)
+            doc.status, doc.error, doc.error_type = DocumentStatus.received.value, None, None
+            doc.kind, doc.media_type, doc.media_metadata, doc.page_count = sniffed.kind, sniffed.media_type, {}, 0
         else:
-            doc.status, doc.error, doc.error_type = DocumentStatus.ingested.value, None, None
-            doc.kind, doc.media_type, doc.media_metadata = rendered.kind, rendered.media_type, rendered.metadata
-            doc.page_count = len(rendered.pages)
-            for pg in rendered.pages:
-                s.add(Page(document=doc, index=pg["index"], kind=pg["kind"], width=pg["width"], height=pg["height"],
-                           timestamp=pg["timestamp"], image_blob=pg["blob"], text_layer=pg["text"], error=pg["error"]))
+            write_render(s, doc, rendered, error)
         s.flush()
-        return doc.id
+        requeued = requeue_document_jobs(s, doc.id) if was_failed and doc.status != DocumentStatus.failed.value \
+            else []
+        job = None
+        if schema_id is not None and doc.status != DocumentStatus.failed.value:
+            job = _job_in(s, p, doc.id, schema_id, fresh=fresh)
+        return doc.id, requeued, job
+
+
+def _job_in(s: Session, p: Pipeline, document_id: int, schema_id: int, *, fresh: bool) -> tuple[int, bool]:
+    """Get or create the job inside an open write session: (job id, created). A document inserted by this
+    session (`fresh`) has no job yet, so the lookup is skipped."""
+    key = p.model_key
+    same = (Job.document_id == document_id, Job.schema_id == schema_id, Job.model_key == key)
+    if fresh:
+        job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
+        s.add(job)
+        s.flush()
+        return job.id, True
+    found = s.scalars(select(Job.id).where(*same)).first()
+    if found is not None:
+        return found, False
+    try:
+        with s.begin_nested():
+            job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
+            s.add(job)
+            s.flush()
+            return job.id, True
+    except IntegrityError:  # a concurrent intake created it (PostgreSQL): the unique key agrees on one job
+        return s.scalars(select(Job.id).where(*same)).one(), False
 
 
 def _get_or_create_job(p: Pipeline, document_id: int, schema_id: int) -> tuple[int, bool]:
     """(job id, created). The unique (document, schema, model) key makes concurrent intakes agree on one job."""
-    key = p.model_key
     with p.db.session() as s:
-        found = s.scalars(select(Job.id).where(Job.document_id == document_id, Job.schema_id == schema_id,
-                                               Job.model_key == key)).first()
-        if found is not None:
-            return found, False
-        try:
-            with s.begin_nested():
-                job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
-                s.add(job)
-                s.flush()
-                return job.id, True
-        except IntegrityError:
-            pass
-    with p.db.read_session() as s:
-        return s.scalars(select(Job.id).where(Job.document_id == document_id, Job.schema_id == schema_id,
-                                              Job.model_key == key)).one(), False
+        return _job_in(s, p, document_id, schema_id, fresh=False)
 
 
 def _record(p: Pipeline, batch_id: int | None, out: IngestOutcome) -> IngestOutcome:
@@ -180,9 +211,85 @@ def _record(p: Pipeline, batch_id: int | None, out: IngestOutcome) -> IngestOutc
     return out
 
 
+def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, started: float,
+            document_id: int | None = None) -> IngestOutcome:
+    out = IngestOutcome(label, "failed", document_id=document_id, error=str(error) or type(error).__name__,
+                        error_type=type(error).__name__, seconds=time.perf_counter() - started)
+    return _record(p, batch_id, out)
+
+
+def _check_arguments(p: Pipeline, schema: str | None) -> None:
+    if schema is not None:
+        _schema_id(p, schema)  # fail fast on a bad name, before any work
+    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
+
+
+def _with_job(p: Pipeline, batch_id: int | None, label: str, started: float, document_id: int, kind: str | None,
+              schema: str | None, pages: int, rendered: bool) -> IngestOutcome:
+    """The outcome for bytes that are already a usable document: its job for this schema, got or created."""
+    schema_id = _schema_id(p, resolve_schema_name(p, schema, kind))
+    job_id, created = _get_or_create_job(p, document_id, schema_id)
+    out = IngestOutcome(label, "new" if created else "duplicate", document_id=document_id, job_id=job_id,
+                        pages=pages, seconds=time.perf_counter() - started, rendered=rendered, known=True)
+    return _record(p, batch_id, out)
+
+
+def receive_file(
+    p: Pipeline,
+    source: Source,
+    *,
+    name: str | None = None,
+    schema: str | None = None,
+    batch_id: int | None = None,
+) -> IngestOutcome:
+    """Store and sniff one file, then get or create its job, without rendering: the document is `received` (or
+    known already) and the job `queued`. A file whose magic bytes are not an accepted type is refused here
+    (`failed`, no job). Raises only for bad arguments or configuration, before any work.
+
+    This is an HTTP upload's whole cost, so it is kept to one read and one write transaction."""
+    started = time.perf_counter()
+    if schema is not None:
+        _schema_id(p, schema)  # fail fast on a bad name, before any work
+    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
+    label = _label(source, name)
+    try:
+        sha, size = _store_original(p, source, label)
+    except (OSError, vision.MediaError) as exc:  # unreadable source, or larger than the limit: nothing stored
+        return _failed(p, batch_id, label, exc, started)
+    sniffed: Sniffed | None = None
+    refusal: vision.MediaError | None = None
+    try:
+        sniffed = _sniff_blob(p, sha, label)
+    except vision.MediaError as exc:
+        refusal = exc
+    with p.db.read_session() as s:
+        existing = s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
+                             .where(Document.sha256 == sha)).first()
+        usable = existing is not None and existing.status != DocumentStatus.failed.value
+        kind = existing.kind if usable else sniffed.kind if sniffed else None
+        schema_id = get_schema(s, resolve_schema_name(p, schema, kind)).id if usable or sniffed else None
+    if usable:
+        assert schema_id is not None
+        job_id, created = _get_or_create_job(p, existing.id, schema_id)
+        out = IngestOutcome(label, "new" if created else "duplicate", document_id=existing.id, job_id=job_id,
+                            pages=existing.page_count, rendered=existing.status == DocumentStatus.ingested.value,
+                            known=True)
+    elif sniffed is None:
+        assert refusal is not None
+        document_id, _, _ = _store_document(p, sha, size, label, error=refusal)
+        return _failed(p, batch_id, label, refusal, started, document_id)
+    else:
+        document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id)
+        assert job is not None
+        out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
+                            job_id=job[0], known=existing is not None)
+    out.seconds = time.perf_counter() - started
+    return _record(p, batch_id, out)
+
+
 def ingest_file(
     p: Pipeline,
-    source: str | os.PathLike[str] | bytes | BinaryIO,
+    source: Source,
     *,
     name: str | None = None,
     schema: str | None = None,
@@ -190,57 +297,29 @@ def ingest_file(
     batch_id: int | None = None,
 ) -> IngestOutcome:
     """Store, sniff and render one file, then get or create its job. Raises only for bad arguments (unknown
-    schema) or configuration (model not available), before any work; a bad file is an outcome, not an error."""
+    schema) or configuration (model not available), before any work; a bad file is an outcome, not an error.
+    A document already known (rendered, or `received` and rendered by its job) is not rendered again."""
     started = time.perf_counter()
-    if schema is not None:
-        _schema_id(p, schema)  # fail fast on a bad name, before any work
-    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
-    label = name or (Path(source).name if isinstance(source, (str, os.PathLike)) else "upload")
-    limit = p.settings.max_file_bytes
+    _check_arguments(p, schema)
+    label = _label(source, name)
     try:
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            if path.stat().st_size > limit:
-                raise vision.LimitExceededError(
-                    f"{label} is {path.stat().st_size} bytes, more than the limit of {limit} (DOCPIPE_MAX_FILE_BYTES)")
-            sha, size = p.blobs.put_file(path)
-        else:
-            stream = source if hasattr(source, "read") else io.BytesIO(source)  # type: ignore[arg-type]
-            try:
-                sha, size = p.blobs.put_stream(stream, max_bytes=limit)  # type: ignore[arg-type]
-            except ValueError as exc:
-                raise vision.LimitExceededError(f"{label}: {exc} (DOCPIPE_MAX_FILE_BYTES)") from None
+        sha, size = _store_original(p, source, label)
     except (OSError, vision.MediaError) as exc:
-        out = IngestOutcome(label, "failed", error=str(exc), error_type=type(exc).__name__)
-        out.seconds = time.perf_counter() - started
-        return _record(p, batch_id, out)
-
-    with p.db.read_session() as s:
-        existing = s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
-                             .where(Document.sha256 == sha)).first()
+        return _failed(p, batch_id, label, exc, started)
+    existing = _existing(p, sha)
     if existing is not None and existing.status != DocumentStatus.failed.value:
-        document_id, kind, pages = existing.id, existing.kind, existing.page_count
-    else:
-        rendered: _Rendered | None = None
-        error: Exception | None = None
-        try:
-            rendered = _render(p, p.blobs.path(sha), label, password)
-        except vision.MediaError as exc:
-            error = exc
-        except Exception as exc:  # a reader bug must not lose the file: it is stored and marked failed
-            log.exception("reading %s failed unexpectedly", label)
-            error = RuntimeError(f"internal error while reading {label}: {type(exc).__name__}: {exc}")
-        document_id = _store_document(p, sha, size, label, rendered, error)
-        if rendered is None:
-            out = IngestOutcome(label, "failed", document_id=document_id, error=str(error),
-                                error_type=type(error).__name__, seconds=time.perf_counter() - started)
-            return _record(p, batch_id, out)
-        kind, pages = rendered.kind, len(rendered.pages)
-
-    schema_id = _schema_id(p, resolve_schema_name(p, schema, kind))
-    job_id, created = _get_or_create_job(p, document_id, schema_id)
-    out = IngestOutcome(label, "new" if created else "duplicate", document_id=document_id, job_id=job_id,
-                        pages=pages, seconds=time.perf_counter() - started)
+        return _with_job(p, batch_id, label, started, existing.id, existing.kind, schema,
+                         existing.page_count, existing.status == DocumentStatus.ingested.value)
+    rendered, error = try_render(p, p.blobs.path(sha), label, password)
+    schema_id = _schema_id(p, resolve_schema_name(p, schema, rendered.kind)) if rendered is not None else None
+    document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
+                                                 schema_id=schema_id)
+    if rendered is None or job is None:
+        assert error is not None
+        return _failed(p, batch_id, label, error, started, document_id)
+    out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
+                        job_id=job[0], pages=len(rendered.pages), seconds=time.perf_counter() - started,
+                        rendered=True, known=existing is not None)
     return _record(p, batch_id, out)
 
 

@@ -1,7 +1,10 @@
 """The job state machine and `run_job`, the one function that turns a queued job into results.
 
 States: queued -> running -> succeeded | partial | failed. Every transition is one database transaction that
-checks the state it expects (compare-and-set), so concurrent or repeated deliveries cannot both act.
+checks the state it expects (compare-and-set), so concurrent or repeated deliveries cannot both act. A job's
+document may still be `received` (stored, not rendered: see pipeline.rendering); `run_job` renders it before
+claiming the job, and a document that turns out unreadable fails its queued jobs with its reason
+(queued -> failed, without a run).
 
 Idempotence. A job's results are unique per (job, unit) in the database. `run_job` writes each page result in its
 own transaction as soon as it arrives, skips units that already have a result (a re-run after a crash resumes
@@ -39,7 +42,8 @@ from .extraction import (
     sampling_record,
 )
 from .merge import UnitData, merge_units
-from .models import Job, JobState, Page, Result, utcnow
+from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
+from .rendering import render_for_job
 
 DOCUMENT_UNIT = "document"
 
@@ -115,6 +119,14 @@ def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
         state = JobState(job.state)
         if state.finished:
             return JobRun(job_id, job.state, ran=False, note="already finished")
+        document_status = job.document.status
+        if document_status == DocumentStatus.failed.value:  # unreadable: this job can never run
+            job.state, job.error = JobState.failed.value, job.document.error
+            job.finished_at = job.updated_at = now
+            job.owner, job.lease_until = None, None
+            return JobRun(job_id, job.state, ran=False, note="the document could not be read")
+        if document_status == DocumentStatus.received.value:  # read again since our render (a retry)
+            return JobRun(job_id, job.state, ran=False, note="the document is not rendered yet")
         if state is JobState.running:
             lease = aware(job.lease_until)
             expired = lease is None or lease <= now
@@ -302,6 +314,7 @@ def run_job(
     `on_unit(unit, ok, pages)` is called after each unit result is stored (progress display).
     """
     started = time.perf_counter()
+    render_for_job(p, job_id)  # a `received` document is rendered first; unreadable -> its queued jobs fail
     claim = _claim(p, job_id, takeover)
     if isinstance(claim, JobRun):
         return claim
@@ -383,6 +396,8 @@ def retry_job(p: Pipeline, job_id: int) -> None:
             raise JobStateError(f"job {job_id} is {job.state}; only failed or partial jobs can be retried")
         for row in list(job.results):
             s.delete(row)
+        if job.document.status == DocumentStatus.failed.value:  # read the file again (e.g. a decoder timeout)
+            job.document.status, job.document.error, job.document.error_type = DocumentStatus.received.value, None, None
         job.state, job.error, job.attempts = JobState.queued.value, None, 0
         job.owner = job.lease_until = job.finished_at = None
         job.prompt_tokens = job.completion_tokens = 0

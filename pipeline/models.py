@@ -36,7 +36,10 @@ class JobState(str, enum.Enum):
 
 
 class DocumentStatus(str, enum.Enum):
-    ingested = "ingested"  # stored and rendered; no job finished yet
+    """received -> ingested | failed (see pipeline.rendering for the transitions)."""
+
+    received = "received"  # original stored, type sniffed from its bytes; pages not rendered yet
+    ingested = "ingested"  # stored and rendered
     failed = "failed"  # could not be read at all (bad file); `error` says why
 
 

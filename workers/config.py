@@ -21,6 +21,7 @@ QUEUES = (QUEUE_INGEST, QUEUE_GPU)
 
 TASK_EXTRACT = "docpipe.extract"
 TASK_INGEST = "docpipe.ingest"
+TASK_PREPARE = "docpipe.prepare"
 TASK_WATCH = "docpipe.watch_folders"
 TASK_REQUEUE = "docpipe.requeue_stuck"
 TASK_PURGE = "docpipe.purge_retention"

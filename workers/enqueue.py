@@ -1,7 +1,9 @@
 """Sending work to the queue: what the CLI, the API and the tasks themselves call.
 
-    from workers.enqueue import enqueue_job, enqueue_ingest
-    enqueue_job(job_id)                                # a job row that is `queued` in the database
+    from workers.enqueue import enqueue_job, enqueue_prepare, enqueue_ingest
+    enqueue_prepare(job_id)                            # a queued job whose document may still need rendering:
+                                                       # the ingest queue renders it, then sends it to `gpu`
+    enqueue_job(job_id)                                # a queued job whose document is rendered -> `gpu`
     enqueue_ingest(path_or_bytes, name="scan.pdf")     # a file not yet ingested (rendered on an ingest worker)
 
 Both use the broker from `Settings.broker_url`. Publishing is best effort by design: the database row (or the
@@ -23,7 +25,7 @@ from redis.exceptions import RedisError
 from pipeline.settings import Settings
 
 from . import staging
-from .config import TASK_EXTRACT, TASK_INGEST, QUEUE_GPU, QUEUE_INGEST, WorkerSettings, celery_config
+from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, QUEUE_GPU, QUEUE_INGEST, WorkerSettings, celery_config
 from .markers import ingest_task_id, job_task_id
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,19 @@ def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_setting
     app = producer(settings, ws)
     kwargs = {"takeover_from": takeover_from} if takeover_from else {}
     if _publish(app, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, job_task_id(job_id), countdown, kwargs):
+        return True
+    log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "
+                "once the broker answers", job_id)
+    return False
+
+
+def enqueue_prepare(job_id: int, *, settings: Settings | None = None,
+                    worker_settings: WorkerSettings | None = None) -> bool:
+    """Publish the preparation of one queued job to the `ingest` queue: render its document if it is still
+    `received` (stored by an upload, not rendered), then send the job to `gpu`. False when the broker is
+    unreachable (the job stays `queued`; the reconciler sends it later)."""
+    settings, ws = _settings(settings, worker_settings)
+    if _publish(producer(settings, ws), TASK_PREPARE, [int(job_id)], QUEUE_INGEST, job_task_id(job_id)):
         return True
     log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "
                 "once the broker answers", job_id)

@@ -6,7 +6,9 @@ On every beat tick (`requeue_interval_s`) it sends again:
   * jobs `queued` and untouched for `requeue_queued_after_s` (their message was lost: a broker restarted without
     persistence, or a worker took it and died before running it);
   * staged intakes older than `requeue_queued_after_s` (submitted files whose ingest message was lost);
-unless a message for it is waiting in its queue right now (read from the broker, see workers.markers). Sending
+unless a message for it is waiting in its queue right now (read from the broker, see workers.markers). A queued
+job whose document is still `received` (an upload not rendered yet) goes to the `ingest` queue to be prepared,
+every other job to `gpu`. Sending
 twice is harmless (`run_job` is idempotent and claims with compare-and-set; ingestion dedupes by content), so
 the reconciler errs on the side of sending.
 """
@@ -22,10 +24,11 @@ from sqlalchemy import select
 from pipeline.context import Pipeline
 from pipeline.jobs import stale_jobs
 from pipeline.models import Job, JobState
+from pipeline.rendering import jobs_awaiting_render
 
 from . import staging
 from .config import QUEUE_GPU, QUEUE_INGEST, WorkerSettings
-from .enqueue import enqueue_job, publish_ingest
+from .enqueue import enqueue_job, enqueue_prepare, publish_ingest
 from .liveness import dead_owners, forget, registered
 from .markers import waiting
 
@@ -53,13 +56,19 @@ def reconcile(p: Pipeline, ws: WorkerSettings, client: redis.Redis) -> Reconcile
     dead = dead_owners(client, registered(client))
     takeovers = {job_id: owner for job_id, owner in running.items() if owner in dead and job_id not in stale}
     stages = staging.pending(p.settings.data_dir, ws.requeue_queued_after_s)
+    unrendered = jobs_awaiting_render(p, stale)
     # Read the queues after the database: a message published in between is seen, not sent twice.
     waiting_jobs = waiting(client, QUEUE_GPU)["job"] if stale or takeovers else set()
-    waiting_stages = waiting(client, QUEUE_INGEST)["stage"] if stages else set()
+    on_ingest = waiting(client, QUEUE_INGEST) if stages or unrendered else {"job": set(), "stage": set()}
+    waiting_jobs |= on_ingest["job"]  # `prepare` messages name their job too
+    waiting_stages = on_ingest["stage"]
     for job_id in [*stale, *takeovers]:
         owner = takeovers.get(job_id)
         if str(job_id) in waiting_jobs:
             report.jobs_waiting += 1
+        elif job_id in unrendered and not owner:
+            if enqueue_prepare(job_id, settings=p.settings, worker_settings=ws):
+                report.jobs_sent.append(job_id)
         elif enqueue_job(job_id, settings=p.settings, worker_settings=ws, takeover_from=owner):
             report.jobs_sent.append(job_id)
             if owner:

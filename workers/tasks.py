@@ -1,6 +1,8 @@
 """The Celery tasks. Each is a thin shell around a pipeline function; the shell's job is failure handling.
 
     docpipe.extract(job_id)      gpu queue      run_job; retries transient errors with backoff until the cap
+    docpipe.prepare(job_id)      ingest queue   render the job's `received` document (an upload), then enqueue
+                                                the job on gpu; an unreadable file fails the job, no retry
     docpipe.ingest(stage_id)     ingest queue   a staged file -> document + job, then enqueues the job
     docpipe.watch_folders()      ingest queue   beat: scan every watch folder
     docpipe.requeue_stuck()      ingest queue   beat: the reconciler
@@ -19,10 +21,11 @@ from pipeline.errors import NotFoundError
 from pipeline.ingest import ingest_file
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
+from pipeline.rendering import render_for_job
 
 from . import runtime, staging
 from .app import app
-from .config import TASK_EXTRACT, TASK_INGEST, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
+from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
 from .enqueue import enqueue_job
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
@@ -90,6 +93,32 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
         log.warning("job %s is %s after: %s", job_id, state, reason)
         return {"job_id": job_id, "state": state, "error": reason}
     return {"job_id": job_id, "state": run.state, "ran": run.ran, "note": run.note}
+
+
+@app.task(name=TASK_PREPARE, bind=True, max_retries=None)
+def prepare(self: Task, job_id: int) -> dict[str, Any]:
+    """Rendering on the CPU queue, so GPU workers only extract. A bad file is not an exception here: rendering
+    records it (document `failed`, its queued jobs `failed` with the reason). Only infrastructure errors (the
+    database is unreachable) raise, and are retried with backoff."""
+    p = runtime.pipeline()
+    ws = runtime.process_config().worker_settings
+    try:
+        document_status = render_for_job(p, job_id)
+        found = job_state(p, job_id)
+    except NotFoundError:
+        log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
+        return {"job_id": job_id, "state": "missing"}
+    except Exception as exc:
+        if self.request.retries >= ws.transient_max_retries:
+            log.error("job %s: giving up on preparing it in this message (%s); the reconciler sends it again",
+                      job_id, exc)
+            return {"job_id": job_id, "state": "unknown", "error": f"{type(exc).__name__}: {exc}"}
+        delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+        raise _retry(self, exc, delay) from None
+    state = found[0] if found else "missing"
+    if state == JobState.queued.value:
+        enqueue_job(job_id, settings=p.settings, worker_settings=ws)
+    return {"job_id": job_id, "document": document_status, "state": state}
 
 
 @app.task(name=TASK_INGEST, bind=True, max_retries=None)

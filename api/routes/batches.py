@@ -24,7 +24,7 @@ async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
     form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes,
                               max_files=ctx.limits.max_batch_files, idle_timeout_s=ctx.limits.upload_idle_timeout_s)
     batch_id, job_ids = await run_in_threadpool(accept_batch, ctx, form, who.key_id)
-    ctx.runner.submit(job_ids)
+    await run_in_threadpool(ctx.runner.submit, job_ids)  # may publish to the broker: off the event loop
     return await run_in_threadpool(batch_view, ctx, batch_id)
 
 

@@ -29,14 +29,15 @@ async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
                            who: Principal = Depends(get_principal)) -> JSONResponse:
     """Upload one file (form field `file`) with an optional `schema` and PDF `password`.
 
-    The body is streamed to disk and counted as it arrives. 202 when a job was queued (new bytes, or known
-    bytes with another schema); 200 with the existing document and job when nothing new was needed.
+    The body is streamed to disk and counted as it arrives; the type is sniffed from its magic bytes (422
+    `unreadable_file` for an unsupported type). 202 when a job was queued (new bytes, or known bytes with another
+    schema): pages are rendered by the job, so `page_count` is 0 until then. 200 with the existing document and
+    job when nothing new was needed.
     """
-    await run_in_threadpool(ctx.jobs.check, who.key_id)
+    await run_in_threadpool(ctx.jobs.check, who.key_id)  # refuse before reading a body we would not take
     form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1,
                               idle_timeout_s=ctx.limits.upload_idle_timeout_s)
     out, new_job_ids = await run_in_threadpool(accept_upload, ctx, form, who.key_id)
-    ctx.runner.submit(new_job_ids)
     return JSONResponse(out.model_dump(mode="json", by_alias=True),
                         status_code=status.HTTP_202_ACCEPTED if new_job_ids else status.HTTP_200_OK)
 

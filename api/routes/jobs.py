@@ -28,5 +28,5 @@ async def jobs_retry(job_id: RowId, ctx: ApiContext = Depends(get_ctx),
     await run_in_threadpool(ctx.jobs.check, who.key_id)
     job = await run_in_threadpool(retry_job, ctx, job_id)
     ctx.jobs.record(who.key_id, [job.id])
-    ctx.runner.submit([job.id])
+    await run_in_threadpool(ctx.runner.submit, [job.id])  # may publish to the broker: off the event loop
     return job

@@ -1,4 +1,5 @@
-"""With a broker configured the API only enqueues: jobs go to Redis for the Celery workers, nothing runs here."""
+"""With a broker configured the API only enqueues: jobs go to Redis (the `ingest` queue renders, then `gpu`
+extracts), nothing runs here."""
 from __future__ import annotations
 
 import json
@@ -50,11 +51,15 @@ def test_with_a_broker_jobs_are_enqueued_not_run(tmp_path_factory: pytest.TempPa
             up = upload(c, random_png())
             assert up.status_code == 202, up.text
             job_id = up.json()["job"]["id"]
+            # Received, not rendered: pages are the ingest queue's work, not the request's.
+            assert up.json()["document"]["kind"] == "image" and up.json()["document"]["page_count"] == 0
             time.sleep(1.0)
             assert c.get(f"/v1/jobs/{job_id}").json()["state"] == "queued"  # nobody runs it in this process
-            messages = client.lrange("gpu", 0, -1)
-            assert len(messages) == 1
-            assert json.loads(messages[0])["headers"]["argsrepr"] == f"[{job_id}]"
+            assert c.get(f"/v1/documents/{up.json()['document']['id']}").json()["pages"] == []
+            messages = client.lrange("ingest", 0, -1)
+            assert len(messages) == 1 and client.llen("gpu") == 0
+            headers = json.loads(messages[0])["headers"]
+            assert headers["task"] == "docpipe.prepare" and headers["argsrepr"] == f"[{job_id}]"
     finally:
         client.flushdb()  # our claimed database: the message, the markers and the claim itself
 

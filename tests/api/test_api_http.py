@@ -372,21 +372,27 @@ def test_job_lookup_and_retry_of_a_finished_job(server: LiveServer) -> None:
 
 def test_batch_upload_and_progress(server: LiveServer) -> None:
     good = [("b1.png", random_png()), ("b2.png", random_png())]
-    bad = ("broken.pdf", b"%PDF-1.7\n" + random.randbytes(500))
+    broken = ("broken.pdf", b"%PDF-1.7\n" + random.randbytes(500))  # a PDF by its magic bytes, unreadable inside
+    junk = ("junk.bin", b"\x00junk" + random.randbytes(500))  # not an accepted type: refused at intake
     with server.client() as c:
-        files = [("files", (n, d, "application/octet-stream")) for n, d in [*good, bad]]
+        files = [("files", (n, d, "application/octet-stream")) for n, d in [*good, broken, junk]]
         r = c.post("/v1/batches", files=files, data={"schema": "generic"})
         assert r.status_code == 202, r.text
         batch = r.json()
-        assert batch["total"] == 3
-        assert [i["outcome"] for i in batch["items"]] == ["new", "new", "failed"]
-        assert batch["items"][2]["error"]
+        assert batch["total"] == 4
+        # The broken PDF is only found out when its pages are rendered, in its job (not in the request).
+        assert [i["outcome"] for i in batch["items"]] == ["new", "new", "new", "failed"]
+        assert "junk.bin" in batch["items"][3]["error"]
         deadline = time.monotonic() + 120
         while not batch["done"] and time.monotonic() < deadline:
             time.sleep(0.3)
             batch = c.get(f"/v1/batches/{batch['id']}").json()
         assert batch["done"], batch
-        assert batch["counts"]["succeeded"] == 2 and batch["counts"]["intake_failed"] == 1
+        counts = batch["counts"]
+        assert counts["succeeded"] == 2 and counts["failed"] == 1 and counts["intake_failed"] == 1, counts
+        doc = c.get(f"/v1/documents/{batch['items'][2]['document_id']}").json()
+        assert doc["status"] == "failed" and "broken.pdf" in doc["error"] and doc["error_type"]
+        assert doc["jobs"][0]["state"] == "failed" and doc["jobs"][0]["error"] == doc["error"]
         assert_problem(c.post("/v1/batches", files=[("nope", ("a.png", random_png()))]), 400, "file_missing")
 
 

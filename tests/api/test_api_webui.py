@@ -103,11 +103,26 @@ def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_s
     print(f"web UI screenshot: {shot}")
     assert shot.stat().st_size > 10_000
 
-    # A file that cannot be read: the reason is shown in words, through the file picker this time.
+    # A file that is not a document at all is refused at upload: the reason is shown in words, through the
+    # file picker this time.
     junk = tmp_path / "not-a-document.pdf"
-    junk.write_bytes(b"%PDF-1.4\n" + os.urandom(400))
+    junk.write_bytes(b"just some notes, not a PDF " + os.urandom(8).hex().encode())
     driver.find_element(By.ID, "file-input").send_keys(str(junk))
     entry = wait.until(lambda d: next((li for li in d.find_elements(By.CSS_SELECTOR, "#upload-log li")
                                        if li.text.startswith("not-a-document.pdf:") and "uploading" not in li.text),
                                       None))
     assert "could not be read" in entry.text and "error" in entry.get_attribute("class")
+
+    # A PDF by its magic bytes that cannot be rendered is accepted, and fails in its job: the list says
+    # failed and the detail view gives the reason in words.
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(b"%PDF-1.4\n" + os.urandom(400))
+    driver.find_element(By.ID, "file-input").send_keys(str(broken))
+    entry = wait.until(lambda d: next((li for li in d.find_elements(By.CSS_SELECTOR, "#upload-log li")
+                                       if li.text.startswith("broken.pdf:") and "uploading" not in li.text), None))
+    broken_id = entry.text.rsplit(" ", 1)[-1]
+    status = f'#doc-list tr[data-doc-id="{broken_id}"] .status'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, status) and
+               d.find_element(By.CSS_SELECTOR, status).text == "failed")
+    driver.find_element(By.CSS_SELECTOR, f'#doc-list tr[data-doc-id="{broken_id}"]').click()
+    wait.until(lambda d: "broken.pdf" in d.find_element(By.ID, "detail-error").text)
