@@ -5,3 +5,7 @@
 
 Imports `pipeline` for everything document-shaped; only `api.openai_compat` touches `gpu_engine` directly.
 """
+from pipeline.threads import cap_blas_threads
+
+# Before anything here imports numpy (uvicorn / celery import this package first): see pipeline.threads.
+cap_blas_threads()

@@ -308,6 +308,9 @@ _plugins_loaded = False
 
 def main(argv: list[str] | None = None) -> None:
     global _plugins_loaded
+    from .threads import cap_blas_threads
+
+    cap_blas_threads()  # before any command imports numpy: see pipeline.threads (the user's OMP_NUM_THREADS wins)
     if not _plugins_loaded:
         load_plugins(app)
         _plugins_loaded = True

@@ -7,6 +7,13 @@ list or a comma-separated string: `DOCPIPE_API_KEYS=key1,key2`.
 The data directory defaults to `./.docpipe` (next to where docpipe runs, like a git checkout's `.git`), so a demo
 or a test never writes into the user's home and two projects never share a database by accident. Set
 `DOCPIPE_DATA_DIR` (for example to `~/.local/share/docpipe`) for a per-user installation.
+
+BLAS threads are not a `Settings` field: the BLAS library reads its thread count from the environment once, when
+numpy loads, before any settings exist. Every docpipe entry point (`docpipe ...`, `api.app`, the Celery app) sets
+`OMP_NUM_THREADS`, `OPENBLAS_NUM_THREADS`, `MKL_NUM_THREADS`, ... to half the usable CPUs (at least 1, at most 4)
+unless you set them yourself: `OMP_NUM_THREADS=8 docpipe process ...` wins. Without a cap, BLAS threads fought the
+engine's and the jobs' own threads; on a busy 2-core machine the in-process path ran about 7x slower
+(see pipeline.threads).
 """
 from __future__ import annotations
 
