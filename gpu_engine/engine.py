@@ -133,6 +133,12 @@ class Engine:
             "decode_tokens": 0,  # tokens run as single decode steps
             "forced_tokens": 0,  # jump-forward tokens appended without sampling
             "sampled_tokens": 0,
+            # Request isolation: forwards that raised, the re-runs that located the failing requests, requests
+            # ended by the runner's error, and survivors preempted to rebuild linear-attention state.
+            "forward_failures": 0,
+            "isolation_forwards": 0,
+            "requests_failed_by_runner": 0,
+            "preempted_after_failure": 0,
         }
         self._step_times = _StepTimes()
         # (time to first token, end-to-end latency) of the most recent finished requests, for p50 / p95.
@@ -348,17 +354,75 @@ class Engine:
             tf = time.perf_counter()
             try:
                 result = self.runner.forward(StepBatch(chunks))
+                logits, offsets = result.logits, result.row_offsets
             except Exception as exc:
-                # The runner failed the whole batch: those requests end with the reason; the engine keeps serving.
-                for sc in scheduled:
-                    outputs.append(self._finish(sc.seq, "error", f"runner failed: {type(exc).__name__}: {exc}"))
-                scheduled = []
+                scheduled, logits, offsets = self._isolate_failure(chunks, scheduled, exc, outputs)
             self._forward_s += time.perf_counter() - tf
             if scheduled:
-                outputs.extend(self._after_forward(scheduled, result.logits, result.row_offsets))
+                outputs.extend(self._after_forward(scheduled, logits, offsets))
         self._counters["steps"] += 1
         self._step_times.add(time.perf_counter() - t0)
         return outputs
+
+    def _isolate_failure(
+        self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
+    ) -> tuple[list[ScheduledChunk], np.ndarray, list[int]]:
+        """The forward of the whole step raised. Find the request(s) that make it fail by re-running the chunks in
+        halves (bisection), end only those with the error, and return what the others may keep: the chunks whose
+        retried rows are valid, their logits and row offsets (for _after_forward).
+
+        What a failed forward may have half-written: KV of positions >= each chunk's start (never part of a
+        committed or shared block, and rewritten by the retry: harmless) and the linear-attention state slots of
+        the batch, which are updated in place — a retry would apply the chunk twice. So on hybrid models every
+        surviving chunk that continues a sequence (start > 0) is preempted instead: its cache is dropped and it is
+        recomputed from its tokens, exactly as after a cache-pressure preemption. A chunk with start == 0 restarts
+        its state anyway (the runner zeroes the slot), so its retried rows are kept."""
+        self._counters["forward_failures"] += 1
+        rows: dict[int, np.ndarray] = {}
+        failed: dict[int, Exception] = {}
+        self._bisect(chunks, list(range(len(chunks))), error, rows, failed)
+        stateful = self.blocks.has_linear_state
+        kept: list[ScheduledChunk] = []
+        kept_rows: list[np.ndarray] = []
+        offsets = [0]
+        tainted: list[Sequence] = []
+        for i, sc in enumerate(scheduled):
+            if i in failed:
+                exc = failed[i]
+                self._counters["requests_failed_by_runner"] += 1
+                outputs.append(self._finish(sc.seq, "error", f"runner failed: {type(exc).__name__}: {exc}"))
+            elif stateful and sc.start > 0:
+                tainted.append(sc.seq)
+            else:
+                kept.append(sc)
+                kept_rows.append(rows[i])
+                offsets.append(offsets[-1] + rows[i].shape[0])
+        for seq in reversed(tainted):  # reversed: the oldest ends up first in the waiting queue
+            self.scheduler.preempt(seq)
+        self._counters["preempted_after_failure"] += len(tainted)
+        logits = np.concatenate(kept_rows) if kept_rows else np.zeros((0, self.vocab_size), np.float32)
+        return kept, logits, offsets
+
+    def _bisect(
+        self, chunks: list[SeqChunk], group: list[int], error: Exception, rows: dict[int, np.ndarray],
+        failed: dict[int, Exception],
+    ) -> None:
+        """`group` (indices into `chunks`) failed with `error`: a single chunk is a culprit; a larger group is split
+        and each half re-run. Fills `rows` (chunk index -> its logit rows) for chunks that ran, `failed` for culprits.
+        A group that fails for one poisoned request costs about 2 log2(batch) extra forwards."""
+        if len(group) == 1:
+            failed[group[0]] = error
+            return
+        mid = len(group) // 2
+        for half in (group[:mid], group[mid:]):
+            self._counters["isolation_forwards"] += 1
+            try:
+                result = self.runner.forward(StepBatch([chunks[i] for i in half]))
+            except Exception as exc:
+                self._bisect(chunks, half, exc, rows, failed)
+                continue
+            for k, i in enumerate(half):
+                rows[i] = result.logits[result.row_offsets[k] : result.row_offsets[k + 1]]
 
     def _after_forward(self, scheduled: list[ScheduledChunk], logits: np.ndarray, offsets: list[int]) -> list[RequestOutput]:
         to_sample: list[tuple[Sequence, int]] = []

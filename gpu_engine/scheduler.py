@@ -72,6 +72,12 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
+    def preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's cache and queue it first for recompute (e.g. its state may be corrupt after a
+        failed forward)."""
+        if seq.status is SeqStatus.RUNNING:
+            self._preempt(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

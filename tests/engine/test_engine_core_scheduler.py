@@ -219,23 +219,6 @@ def test_request_error_does_not_stop_others(tok):
     assert eng.stats()["kv_blocks_used"] == 0
 
 
-def test_runner_failure_fails_batch_not_engine(tok):
-    class Flaky(FakeRunner):
-        calls = 0
-
-        def forward(self, batch):
-            Flaky.calls += 1
-            if Flaky.calls == 2:
-                raise RuntimeError("device lost")
-            return super().forward(batch)
-
-    eng = make_engine(tok, Flaky())
-    outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert [o.finish_reason for o in outs] == ["error", "error"] and "device lost" in outs[0].error
-    later = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    assert later.finish_reason == "length" and len(later.token_ids) == 4
-
-
 def test_abort_running_and_waiting(tok):
     eng = make_engine(tok, max_num_seqs=1)
     a = eng.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
