@@ -2,7 +2,9 @@
 
 Acceptance: 50 documents all succeed with exactly one result set each; a poison document (its stored page is
 damaged, so extraction raises on every attempt) ends `failed` after the attempt cap and does not block others;
-an unreadable file submitted alongside is recorded as failed at intake with its reason.
+an unreadable file submitted alongside is recorded as failed at intake with its reason. Uploads taken in as the
+API takes them (received, not rendered) are rendered by the ingest queue's `prepare` task and then extracted; an
+unreadable one fails there, its job with the document's reason, without a run.
 """
 from __future__ import annotations
 
@@ -40,14 +42,25 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
         blob = s.query(Page).join(Page.document).filter(Page.document.has(original_name="poison.png")).one().image_blob
     cluster.pipeline.blobs.path(blob).write_bytes(b"this is not a PNG any more")
     cluster.enqueue(poison_job)
+    uploads = [cluster.receive(png(size=20), f"upload{i}.png", "flag") for i in range(2)]
+    broken_upload = cluster.receive(b"%PDF-1.7\n% an upload cut short", "broken-upload.pdf", "flag")
 
-    cluster.wait_for("51 finished jobs",
+    cluster.wait_for("54 finished jobs",
                      lambda: sum(n for st, n in cluster.job_states().items() if st != "queued" and st != "running")
-                     == 51, timeout=150)
+                     == 54, timeout=150)
     assert gpu.alive() and ingest.alive() and beat.alive(), cluster.logs_text()
 
     jobs = {j.id: j for j in cluster.jobs()}
-    assert len(jobs) == 51
+    assert len(jobs) == 54
+    broken = jobs.pop(broken_upload)
+    assert broken.state == "failed" and broken.attempts == 0, (broken.state, broken.attempts)  # never ran
+    from pipeline.models import Document
+
+    with cluster.pipeline.db.read_session() as s:
+        broken_doc = s.get(Document, broken.document_id)
+        assert broken_doc.status == "failed" and "broken-upload.pdf" in broken_doc.error
+        assert broken.error == broken_doc.error
+        assert all(s.get(Document, jobs[j].document_id).page_count == 1 for j in uploads)  # rendered by `prepare`
     poison = jobs.pop(poison_job)
     assert poison.state == "failed", (poison.state, poison.error)
     assert poison.attempts == 3 and poison.error.startswith("gave up after 3 attempts"), poison.error
@@ -69,8 +82,8 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     st = json.loads(status.stdout)
-    assert st["jobs_by_state"] == {"succeeded": 50, "failed": 1}
+    assert st["jobs_by_state"] == {"succeeded": 52, "failed": 2}
     assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
     assert st["queues"]["beat_holder"] is not None
-    assert st["documents_unreadable"] == 1
+    assert st["documents_unreadable"] == 2
     assert len(st["queues"]["workers"]) >= 2 and all(st["queues"]["workers"].values())  # gpu + ingest child(ren)

@@ -180,6 +180,31 @@ def test_reconciler_sends_lost_and_abandoned_jobs_only(redis_url, client, tmp_pa
     p.close()
 
 
+def test_reconciler_sends_a_lost_job_of_an_unrendered_upload_to_be_prepared(redis_url, client, tmp_path):
+    import json
+
+    from pipeline.ingest import receive_file
+    from pipeline.models import Job, utcnow
+    from workers.enqueue import enqueue_prepare
+    from workers.reconciler import reconcile
+
+    p = _pipeline(tmp_path, redis_url)
+    ws = WorkerSettings(requeue_queued_after_s=5, retry_backoff_s=0.5, retry_backoff_max_s=1)
+    lost, waiting = (receive_file(p, png(seed=40 + i), name=f"up{i}.png", schema="flag").job_id for i in range(2))
+    with p.db.session() as s:
+        for job_id in (lost, waiting):
+            s.get(Job, job_id).updated_at = utcnow() - timedelta(seconds=60)
+    assert enqueue_prepare(waiting, settings=p.settings, worker_settings=ws)  # still waits on the ingest queue
+
+    report = reconcile(p, ws, client)
+    assert report.jobs_sent == [lost] and report.jobs_waiting == 1
+    assert client.llen("gpu") == 0 and client.llen("ingest") == 2  # rendering first: the ingest queue
+    tasks = sorted(json.loads(m)["headers"]["argsrepr"] for m in client.lrange("ingest", 0, -1))
+    assert tasks == sorted([f"[{lost}]", f"[{waiting}]"])
+    assert reconcile(p, ws, client).jobs_sent == []
+    p.close()
+
+
 # --- watch folders ---------------------------------------------------------------------------------------------
 def test_watch_scan_moves_good_files_to_done_and_unreadable_ones_to_failed(redis_url, client, tmp_path):
     from workers.locks import RedisLock

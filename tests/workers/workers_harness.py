@@ -215,8 +215,19 @@ class Cluster:
         return "\n".join(f"--- {p.name} ({p.log.name}, alive={p.alive()})\n{p.tail()}" for p in self.procs)
 
     # --- database views --------------------------------------------------------------------------------------
+    def receive(self, data: bytes, name: str, schema: str) -> int:
+        """Receive in this process and publish the job's preparation (what the API does with an upload): the
+        ingest queue renders the pages, then sends the job to the gpu queue. Returns the job id."""
+        from pipeline.ingest import receive_file
+        from workers.enqueue import enqueue_prepare
+
+        out = receive_file(self.pipeline, data, name=name, schema=schema)
+        assert out.job_id is not None and not out.rendered, out
+        assert enqueue_prepare(out.job_id, settings=self.settings(), worker_settings=self.worker_settings())
+        return out.job_id
+
     def ingest(self, data: bytes, name: str, schema: str, *, enqueue: bool = True) -> int:
-        """Ingest in this process and enqueue the job (what the API does); returns the job id."""
+        """Ingest (and render) in this process and enqueue the job on the gpu queue; returns the job id."""
         from pipeline.ingest import ingest_file
 
         out = ingest_file(self.pipeline, data, name=name, schema=schema)
