@@ -31,7 +31,7 @@ from .sampling import SamplingRows, apply_allowed_mask, apply_penalties, bitmask
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
 from .structured import GrammarError, StructuredOutput, is_constrained
-from .tokenizer import IncrementalDetokenizer
+from .tokenizer import IncrementalDetokenizer, byte_level_token_bytes
 
 Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
 
@@ -114,6 +114,8 @@ class Engine:
         self.encoder = EncoderCache(cfg.encoder_cache_bytes, runner.encode_vision, runner.embedding_nbytes)
         self.scheduler = Scheduler(cfg, self.blocks, self.encoder)
         self._structured: StructuredOutput | None = None
+        self._token_bytes: list[bytes] | None = None  # for the detokenizer's byte path (ByteLevel tokenizers)
+        self._token_bytes_checked = False
 
         self._live: dict[str, Sequence] = {}
         self._with_deadline: dict[str, Sequence] = {}  # live requests with a timeout_s
@@ -188,6 +190,15 @@ class Engine:
             )
         return self._structured
 
+    @property
+    def token_bytes(self) -> list[bytes] | None:
+        """Every token's bytes (None: the tokenizer is not plain byte-level), built on first use: lets the
+        detokenizer skip a tokenizer call per generated token."""
+        if not self._token_bytes_checked:
+            self._token_bytes = byte_level_token_bytes(self.tokenizer, self.vocab_size, skip_special_tokens=True)
+            self._token_bytes_checked = True
+        return self._token_bytes
+
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; bad input raises RequestError here (nothing is queued)."""
@@ -216,7 +227,7 @@ class Engine:
         )
         seq.deadline = seq.arrival_time + params.timeout_s if params.timeout_s is not None else None
         seq.matcher = matcher
-        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, token_bytes=self.token_bytes)
         if matcher is not None and self.config.enable_jump_forward:
             # The grammar may force the first tokens (e.g. '{"name":"'): they are prefilled with the prompt.
             # Capped one short of max_tokens so that the request still has a token to sample.

@@ -8,6 +8,7 @@ byte-for-byte what transformers produces.
 """
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -241,23 +242,73 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template refused the messages: {exc}") from exc
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level (GPT-2 style) vocabularies: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters U+0100.. in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def byte_level_token_bytes(tokenizer: Any, vocab_size: int, *, skip_special_tokens: bool) -> list[bytes] | None:
+    """The raw bytes of every token id in [0, vocab_size) when the tokenizer's decoder is plain ByteLevel (Qwen,
+    GPT-2 style): decoding is then "concatenate the tokens' bytes, UTF-8 with replacement", which
+    IncrementalDetokenizer can do one token at a time instead of re-decoding a window. Each token is checked
+    against the tokenizer's own decode; None (use the window decoder) for any other decoder or any mismatch.
+    Ids the tokenizer does not know decode to nothing, as in tokenizers."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return None
+    alphabet = _byte_level_alphabet()
+    special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+    table: list[bytes] = []
+    for i in range(vocab_size):
+        token = backend.id_to_token(i)
+        if token is None or (skip_special_tokens and i in special):
+            table.append(b"")
+        elif all(c in alphabet for c in token):
+            table.append(bytes(alphabet[c] for c in token))
+        else:  # added tokens written in plain text (tokenizers falls back to their UTF-8 bytes too)
+            table.append(token.encode("utf-8"))
+    expected = backend.decode_batch([[i] for i in range(vocab_size)], skip_special_tokens=skip_special_tokens)
+    if any(b.decode("utf-8", "replace") != e for b, e in zip(table, expected)):
+        return None
+    return table
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text pieces, never emitting half a UTF-8 character.
 
     Byte-level tokens can end in the middle of a multi-byte character; decoding such a prefix yields U+FFFD.
-    We decode a small window of recent tokens and hold the text back while it ends in U+FFFD, so each piece
-    is final. The window (prefix_offset..) keeps enough context for decoders that look at neighbouring tokens.
+    The text is held back while the decoded text so far ends in U+FFFD, so each piece is final.
+
+    Two ways to get there, with the same pieces:
+    - `token_bytes` given (byte_level_token_bytes: ByteLevel decoders): each token's bytes go through an
+      incremental UTF-8 decoder; held back while it buffers an incomplete character or the pending text ends in
+      U+FFFD. No tokenizer call per token (this runs for every sequence of every decode step).
+    - otherwise: decode a small window of recent tokens (prefix_offset..) with the tokenizer; the window keeps
+      enough context for decoders that look at neighbouring tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, token_bytes: Sequence[bytes] | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
+        self._bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = ""  # byte path: decoded text not emitted yet (it ends in U+FFFD)
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # tokens before this index have been emitted
         # Text of ids[prefix_offset:read_offset]. The window start only moves every _WINDOW tokens, so after an
         # emission the cached text is simply the window just decoded: one decode per token on the hot path
-        # (runs once per generated token for every sequence in a batch) instead of two.
+        # instead of two.
         self._emitted = ""
 
     _WINDOW = 16  # tokens of context kept before the window start moves forward
@@ -267,7 +318,15 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly "")."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if self._bytes is not None:
+            text = self._pending + self._utf8.decode(self._bytes[token_id])
+            if not text or text[-1] == "\ufffd" or self._utf8.getstate()[0]:
+                self._pending = text  # an incomplete character (buffered bytes) or a replacement at the end
+                return ""
+            self._pending = ""
+            return text
         current = self._window()
         if len(current) <= len(self._emitted) or current.endswith("\ufffd"):
             return ""
@@ -283,6 +342,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back at the end of generation (an incomplete character decodes as U+FFFD)."""
+        if self._bytes is not None:
+            piece = self._pending + self._utf8.decode(b"", final=True)
+            self._pending = ""
+            self._utf8.reset()
+            return piece
         current = self._window()
         piece = current[len(self._emitted):]
         self._prefix_offset = self._read_offset = len(self._ids)

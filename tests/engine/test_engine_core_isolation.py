@@ -11,7 +11,7 @@ from gpu_engine.params import SamplingParams
 from gpu_engine.runner_api import StepBatch, StepOutput
 from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer, vision_prompt
 
-POISON = 2050  # a token id the poisoned runner cannot process; clean prompts draw from [0, 2000) (+ image 2060)
+POISON = 2064  # a token id the poisoned runner cannot process; clean prompts draw from [0, 2000) (+ image 2060)
 
 
 @pytest.fixture(scope="module")
