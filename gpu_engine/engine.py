@@ -347,7 +347,7 @@ class Engine:
             seq = sc.seq
             chunks.append(SeqChunk(
                 seq_id=seq.seq_id,
-                token_ids=seq.token_ids[sc.start:sc.end],
+                token_ids=seq.token_slice(sc.start, sc.end),
                 positions=decode_pos[:, k : k + 1] if sc.num_tokens == 1 and sc.start >= seq.prompt_len
                 else seq.positions(sc.start, sc.num_tokens),
                 start=sc.start,
@@ -359,9 +359,10 @@ class Engine:
             scheduled.append(sc)
         self.encoder.release()
         if chunks:
-            self._peak_step_tokens = max(self._peak_step_tokens, sum(c.num_tokens for c in chunks))
-            vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
-            self._peak_step_vision_rows = max(self._peak_step_vision_rows, vision_rows)
+            self._peak_step_tokens = max(self._peak_step_tokens, sum(sc.num_tokens for sc in scheduled))
+            if any(c.vision for c in chunks):
+                vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
+                self._peak_step_vision_rows = max(self._peak_step_vision_rows, vision_rows)
             tf = time.perf_counter()
             try:
                 result = self.runner.forward(StepBatch(chunks))
@@ -468,7 +469,7 @@ class Engine:
 
     def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
         """`logits` may be the runner's own array: it is copied before anything is written into it."""
-        rows = SamplingRows.from_params([s.params for s in seqs])
+        rows = SamplingRows.from_rows([s.sampling_row for s in seqs])
         constrained = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained or rows.has_penalties:
             logits = np.array(logits, dtype=np.float32, copy=True)
@@ -492,13 +493,15 @@ class Engine:
         self._sample_s += time.perf_counter() - ts
 
         outputs = []
+        self._counters["sampled_tokens"] += len(seqs) - len(dead)
+        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
         for i, seq in enumerate(seqs):
-            if seq in dead:
+            if dead and seq in dead:
                 err = seq.matcher.get_error() or "the grammar allows no further token"
                 outputs.append(self._finish(seq, "error", f"structured output failed: {err}"))
                 continue
             try:
-                out = self._accept(seq, int(result.token_ids[i]), float(result.logprobs[i]), result.top[i])
+                out = self._accept(seq, tokens[i], logprobs[i], result.top[i])
             except Exception as exc:  # a request-level failure (grammar, detokenizer) ends that request only
                 out = self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             outputs.append(out)
@@ -506,7 +509,6 @@ class Engine:
 
     def _accept(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]]) -> RequestOutput:
         """Append a sampled token (+ any grammar-forced run after it) and decide whether the request is done."""
-        self._counters["sampled_tokens"] += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         reason = self._append(seq, token, logprob=logprob, top=top)
@@ -548,7 +550,7 @@ class Engine:
             if seq.params.stop and self._cut_stop_string(seq, len(piece)):
                 seq.stopped_by_string = True
                 return "stop"
-        if seq.remaining_tokens <= 0:
+        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens:  # == remaining_tokens <= 0, without 2 calls
             return "length"
         return None
 
@@ -571,7 +573,7 @@ class Engine:
         return seq.text[: max(seq.emitted_chars, len(seq.text) - hold)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._visible_text(seq)
+        text = self._visible_text(seq) if seq.params.stop else seq.text
         delta = text[seq.emitted_chars:]
         seq.emitted_chars = len(text)
         return RequestOutput(

@@ -18,6 +18,13 @@ import numpy as np
 from .params import SamplingParams
 
 
+def sampling_row(p: SamplingParams) -> tuple[float, ...]:
+    """One row of SamplingRows' table: temperature, top_k, top_p, min_p, repetition and presence penalty,
+    num_logprobs."""
+    return (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.top_logprobs if p.logprobs else -1)
+
+
 @dataclass
 class SamplingRows:
     """Per-row sampling parameters of one step, as arrays."""
@@ -32,11 +39,12 @@ class SamplingRows:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingRows:
-        table = np.array([
-            (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-             p.top_logprobs if p.logprobs else -1)
-            for p in params
-        ], dtype=np.float64).reshape(len(params), 7)
+        return cls.from_rows([sampling_row(p) for p in params])
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[float, ...]]) -> SamplingRows:
+        """From sampling_row() tuples (the engine keeps one per sequence instead of rebuilding it every step)."""
+        table = np.array(rows, dtype=np.float64).reshape(len(rows), 7)
         return cls(
             temperature=table[:, 0].astype(np.float32),
             top_k=table[:, 1].astype(np.int64),

@@ -16,6 +16,7 @@ import numpy as np
 
 from .inputs import ProcessedPrompt, VisionItem
 from .params import FinishReason, SamplingParams, TokenLogprob
+from .sampling import sampling_row
 
 
 class SeqStatus(enum.Enum):
@@ -67,11 +68,16 @@ class Sequence:
         self.output_list: list[int] = []  # generated ids as Python ints (cheap copies for every RequestOutput)
         self._bt_source: list[int] | None = None  # the block_table list the cached array was built from
         self._bt_array = np.zeros(0, dtype=np.int32)
+        self.sampling_row = sampling_row(self.params)  # the params as SamplingRows wants them, built once
 
     # ---- tokens ----
     @property
     def token_ids(self) -> np.ndarray:
         return self._tokens[: self.num_tokens]
+
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """token_ids[start:end] as one view (the hot path builds one per sequence per step)."""
+        return self._tokens[start:min(end, self.num_tokens)]
 
     @property
     def output_ids(self) -> np.ndarray:
