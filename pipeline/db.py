@@ -5,7 +5,8 @@ migrations shipped inside the package (the same as `docpipe db upgrade`).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,11 +67,16 @@ class Database:
             self.engine.execution_options(docpipe_write=False), expire_on_commit=False
         )
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        # SQLite has one writer at a time. Threads of this process that wait for it queue on this lock (woken the
+        # moment the writer commits) instead of inside SQLite's busy handler, which sleeps in growing steps of up
+        # to 100 ms between retries: with many concurrent uploads that sleep, not the work, made the latency tail.
+        # Other processes still wait through busy_timeout. Reentrant: a nested write session behaves as before.
+        self._write_lock = threading.RLock() if self.is_sqlite else None
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A session whose transaction commits on success and rolls back on any exception."""
-        with self.session_factory() as session, session.begin():
+        with self._write_lock or nullcontext(), self.session_factory() as session, session.begin():
             yield session
 
     @contextmanager
