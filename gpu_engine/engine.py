@@ -434,7 +434,8 @@ class Engine:
                 self._bisect(chunks, half, exc, rows, failed)
                 continue
             for k, i in enumerate(half):
-                rows[i] = result.logits[result.row_offsets[k] : result.row_offsets[k + 1]]
+                # Copied: a runner may hand back the same host buffer from its next forward.
+                rows[i] = np.array(result.logits[result.row_offsets[k] : result.row_offsets[k + 1]], copy=True)
 
     def _after_forward(self, scheduled: list[ScheduledChunk], logits: np.ndarray, offsets: list[int]) -> list[RequestOutput]:
         to_sample: list[tuple[Sequence, int]] = []

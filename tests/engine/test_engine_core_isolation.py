@@ -30,6 +30,7 @@ class ChunkwiseRunner(FakeRunner):
         # out-of-memory); the smaller re-runs succeed.
         self.big_failures_left = fail_big_batches
         self.failures = 0
+        self._out = np.zeros((64, self.vocab_size), np.float32)
 
     def forward(self, batch: StepBatch) -> StepOutput:
         rows, offsets = [], [0]
@@ -46,7 +47,9 @@ class ChunkwiseRunner(FakeRunner):
             out.logits[:, POISON] = -1e9  # never generated, so only the prompts chosen here carry it
             rows.append(out.logits)
             offsets.append(offsets[-1] + out.logits.shape[0])
-        return StepOutput(logits=np.concatenate(rows), row_offsets=offsets)
+        # Like a GPU runner's host output buffer: every forward returns a view of the same array.
+        self._out[: offsets[-1]] = np.concatenate(rows)
+        return StepOutput(logits=self._out[: offsets[-1]], row_offsets=offsets)
 
 
 def fresh_rng() -> np.random.Generator:
