@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from anyio import CapacityLimiter
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
@@ -48,6 +49,14 @@ STATIC_DIR = Path(__file__).parent / "static"
 UPLOAD_PATHS = ("/v1/documents", "/v1/batches")
 MULTIPART_OVERHEAD = 64 * 1024  # form headers and text fields around the file bytes
 EMBEDDED_THREADS = 2  # jobs run at once in embedded mode; each hands its pages to the engine's batcher together
+
+
+def intake_threads(pipeline: Pipeline) -> int:
+    """Worker threads that take uploads in at once. Few on purpose: intake is mostly Python (GIL-bound) and, on
+    SQLite, one writer at a time; 32 threads contending for both made the latency tail 2-3x longer than 2 threads
+    overlapping one's file I/O with the other's work (bench/api_upload_latency.py). PostgreSQL overlaps network
+    round trips, so more threads pay off there."""
+    return 2 if pipeline.db.is_sqlite else 8
 
 
 def limits_from_settings(settings: Settings) -> ApiLimits:
@@ -104,6 +113,7 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         metrics=metrics,
         spool_dir=settings.data_dir / "uploads",
         engine=engine,
+        intake=CapacityLimiter(intake_threads(pipeline)),
     )
     metrics.watch(pipeline.db, runner.queue_depth, engine.stats)
 

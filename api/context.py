@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from anyio import CapacityLimiter
 from fastapi import Request
 
 from pipeline.context import Pipeline
@@ -25,6 +26,7 @@ class ApiContext:
     metrics: Metrics
     spool_dir: Path  # partial uploads, inside the data dir
     engine: EngineAccess
+    intake: CapacityLimiter  # worker threads that take uploads in (see api.app.intake_threads)
 
 
 def get_ctx(request: Request) -> ApiContext:

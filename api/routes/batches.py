@@ -1,6 +1,7 @@
 """POST /v1/batches (several files in one request) and GET /v1/batches/{id} (progress counts)."""
 from __future__ import annotations
 
+from anyio import to_thread
 from fastapi import APIRouter, Depends, Request, status
 from starlette.concurrency import run_in_threadpool
 
@@ -23,7 +24,7 @@ async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
     await run_in_threadpool(ctx.jobs.check, who.key_id)
     form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes,
                               max_files=ctx.limits.max_batch_files, idle_timeout_s=ctx.limits.upload_idle_timeout_s)
-    batch_id, job_ids = await run_in_threadpool(accept_batch, ctx, form, who.key_id)
+    batch_id, job_ids = await to_thread.run_sync(accept_batch, ctx, form, who.key_id, limiter=ctx.intake)
     await run_in_threadpool(ctx.runner.submit, job_ids)  # may publish to the broker: off the event loop
     return await run_in_threadpool(batch_view, ctx, batch_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
+from anyio import to_thread
 from fastapi import APIRouter, Depends, Path, Query, Request, status
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -37,7 +38,7 @@ async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
     await run_in_threadpool(ctx.jobs.check, who.key_id)  # refuse before reading a body we would not take
     form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1,
                               idle_timeout_s=ctx.limits.upload_idle_timeout_s)
-    out, new_job_ids = await run_in_threadpool(accept_upload, ctx, form, who.key_id)
+    out, new_job_ids = await to_thread.run_sync(accept_upload, ctx, form, who.key_id, limiter=ctx.intake)
     return JSONResponse(out.model_dump(mode="json", by_alias=True),
                         status_code=status.HTTP_202_ACCEPTED if new_job_ids else status.HTTP_200_OK)
 
