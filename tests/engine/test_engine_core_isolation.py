@@ -107,7 +107,8 @@ def test_poisoned_requests_fail_alone(tok, linear_state):
     assert [o.token_ids for i, o in enumerate(outs) if i not in bad_at] == expected
     assert all(o.finish_reason == "length" for i, o in enumerate(outs) if i not in bad_at)
     st = eng.stats()
-    assert runner.failures >= 2 and st["forward_failures"] >= 2 and st["requests_failed_by_runner"] == 2
+    # Both poisoned requests may fail in the same step (one failed forward, two culprits).
+    assert runner.failures >= 2 and st["forward_failures"] >= 1 and st["requests_failed_by_runner"] == 2
     if linear_state:
         assert st["preempted_after_failure"] > 0, "survivors continuing a sequence must rebuild their state"
     else:
