@@ -133,6 +133,11 @@ def _sniff_blob(p: Pipeline, sha: str, label: str) -> Sniffed:
         return sniff(f.read(SNIFF_BYTES), name=label)
 
 
+def _received_fields(sniffed: Sniffed) -> dict[str, Any]:
+    return {"status": DocumentStatus.received.value, "error": None, "error_type": None, "kind": sniffed.kind,
+            "media_type": sniffed.media_type, "media_metadata": {}, "page_count": 0}
+
+
 def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sniffed | None = None,
                     rendered: Rendered | None = None, error: Exception | None = None,
                     schema_id: int | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
@@ -147,9 +152,11 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
         doc = s.scalars(by_sha).first()
         fresh = doc is None
         if doc is None:
+            # A received document is complete at its INSERT (no UPDATE after); a rendered one gets its fields below.
+            received = _received_fields(sniffed) if sniffed is not None else {}
             try:
                 with s.begin_nested():
-                    doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size)
+                    doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size, **received)
                     s.add(doc)
                     s.flush()
             except IntegrityError:  # the other intake committed first (PostgreSQL; SQLite serialises writers)
@@ -158,14 +165,15 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
         if doc.status != DocumentStatus.failed.value and not fresh:  # a concurrent intake of the same bytes won
             return doc.id, [], _job_in(s, p, doc.id, schema_id, fresh=False) if schema_id is not None else None
         was_failed = not fresh and doc.status == DocumentStatus.failed.value
-        if sniffed is not None:
-            for old in [] if fresh else list(doc.pages):
+        if sniffed is not None and not fresh:  # a failed document read again: back to received
+            for old in list(doc.pages):
                 s.delete(old)
-            doc.status, doc.error, doc.error_type = DocumentStatus.received.value, None, None
-            doc.kind, doc.media_type, doc.media_metadata, doc.page_count = sniffed.kind, sniffed.media_type, {}, 0
-        else:
+            for field, value in _received_fields(sniffed).items():
+                setattr(doc, field, value)
+            s.flush()
+        elif sniffed is None:
             write_render(s, doc, rendered, error)
-        s.flush()
+            s.flush()
         requeued = requeue_document_jobs(s, doc.id) if was_failed and doc.status != DocumentStatus.failed.value \
             else []
         job = None
