@@ -302,7 +302,7 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._undecoded = b""  # byte path: the start of an incomplete UTF-8 character
         self._pending = ""  # byte path: decoded text not emitted yet (it ends in U+FFFD)
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # tokens before this index have been emitted
@@ -321,9 +321,14 @@ class IncrementalDetokenizer:
         token_id = int(token_id)
         self._ids.append(token_id)
         if self._bytes is not None:
-            text = self._pending + self._utf8.decode(self._bytes[token_id])
-            if not text or text[-1] == "\ufffd" or self._utf8.getstate()[0]:
-                self._pending = text  # an incomplete character (buffered bytes) or a replacement at the end
+            # codecs.utf_8_decode(final=False) decodes what it can and reports how many bytes it used; the rest
+            # is an incomplete character (the incremental decoder's buffer, without its per-call wrapper).
+            data = self._undecoded + self._bytes[token_id]
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._undecoded = data[used:]
+            text = self._pending + text
+            if not text or text[-1] == "\ufffd" or self._undecoded:
+                self._pending = text  # an incomplete character or a replacement at the end: hold back
                 return ""
             self._pending = ""
             return text
@@ -343,9 +348,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Text still held back at the end of generation (an incomplete character decodes as U+FFFD)."""
         if self._bytes is not None:
-            piece = self._pending + self._utf8.decode(b"", final=True)
-            self._pending = ""
-            self._utf8.reset()
+            piece = self._pending + codecs.utf_8_decode(self._undecoded, "replace", True)[0]
+            self._pending, self._undecoded = "", b""
             return piece
         current = self._window()
         piece = current[len(self._emitted):]
