@@ -150,3 +150,42 @@ def test_runner_that_always_fails_fails_every_request_then_recovers(tok):
     later = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert later.finish_reason == "length" and len(later.token_ids) == 4
     assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_poisoned_request_on_the_reference_runner(tmp_path):
+    """The same with the real numpy runner of a tiny hybrid model (linear-attention layers + full attention): the
+    batch runs chunk by chunk through it and stops at the poisoned chunk, leaving real half-written DeltaNet state
+    and KV behind. The survivors' greedy tokens must equal those of the one-request-at-a-time model helper."""
+    import gpu_engine
+    from gpu_engine.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3)
+    oracle = gpu_engine.load(ckpt)
+    assert "linear_attention" in oracle.config.text.layer_types
+    rng = fresh_rng()
+    prompts = [rng.integers(0, 2000, size=int(rng.integers(3, 30))).tolist() for _ in range(6)]
+    max_tokens = [int(rng.integers(3, 9)) for _ in prompts]
+    expected = [oracle.generate(p, max_tokens=n, stop_token_ids=[]) for p, n in zip(prompts, max_tokens)]
+    poisoned = rng.integers(0, 2000, size=26).tolist()
+    poisoned[20] = POISON
+
+    eng = Engine.from_pretrained(ckpt, config=EngineConfig(max_num_seqs=4, max_batched_tokens=12, block_size=4))
+    forward = eng.runner.forward
+
+    def chunkwise_forward(batch: StepBatch) -> StepOutput:
+        rows, offsets = [], [0]
+        for c in batch.chunks:
+            if POISON in c.token_ids:
+                raise FloatingPointError("non-finite activations")
+            out = forward(StepBatch([c]))
+            rows.append(out.logits)
+            offsets.append(offsets[-1] + out.logits.shape[0])
+        return StepOutput(logits=np.concatenate(rows), row_offsets=offsets)
+
+    eng.runner.forward = chunkwise_forward  # type: ignore[method-assign]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = eng.generate(prompts[:2] + [poisoned] + prompts[2:], params[:2] + [params[0]] + params[2:])
+    assert outs[2].finish_reason == "error" and "FloatingPointError" in outs[2].error
+    assert [o.token_ids for o in outs[:2] + outs[3:]] == expected
+    st = eng.stats()
+    assert st["requests_failed_by_runner"] == 1 and st["preempted_after_failure"] > 0
