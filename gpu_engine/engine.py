@@ -7,6 +7,10 @@
             print(out.request_id, out.delta, out.finish_reason)
 
 Not thread-safe: one thread drives it (see AsyncEngine for many callers).
+
+Failures stay with their request: a bad image, a grammar dead end or a timeout ends that request with
+finish_reason "error"; a forward that raises is re-run in halves to find the request(s) that make it fail
+(Engine._isolate_failure), and only those end with the runner's error.
 """
 from __future__ import annotations
 
