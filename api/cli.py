@@ -46,6 +46,7 @@ def serve(
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback address without API keys.")]
     = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    workers: Annotated[int, typer.Option(min=1, help="API processes sharing the port (broker mode only).")] = 1,
 ) -> None:
     """Serve the REST API, the web UI (at /) and the OpenAI-compatible endpoint."""
     import uvicorn
@@ -62,14 +63,24 @@ def serve(
     except BindRefused as exc:
         typer.echo(f"docpipe serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    if workers > 1 and settings.embedded:
+        typer.echo("docpipe serve: --workers needs a broker (DOCPIPE_BROKER_URL): in embedded mode the jobs and the "
+                   "model run inside the server process, so there is exactly one", err=True)
+        raise typer.Exit(2)
     if insecure and not settings.api_keys and not is_loopback(bind_host):
         typer.echo(f"docpipe serve: WARNING: serving {bind_host} without API keys (--insecure)", err=True)
-    app = create_app(settings)
     mode = "embedded (jobs run in this process)" if settings.embedded else "broker (jobs go to Celery workers)"
     typer.echo(f"docpipe serve: http://{bind_host}:{bind_port}/  mode: {mode}  "
-               f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}")
-    uvicorn.run(app, host=bind_host, port=bind_port, log_level=log_level, server_header=False,
-                proxy_headers=False)
+               f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}"
+               + (f"  processes: {workers}" if workers > 1 else ""))
+    options = {"host": bind_host, "port": bind_port, "log_level": log_level, "server_header": False,
+               "proxy_headers": False}
+    if workers > 1:
+        # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
+        # (one core per process); rate limits, job quotas and this process's /metrics counters are per process.
+        uvicorn.run("api.app:create_app", factory=True, workers=workers, **options)  # type: ignore[arg-type]
+    else:
+        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
 
 
 def register(app: typer.Typer) -> None:

@@ -72,3 +72,43 @@ def test_readyz_reports_an_unreachable_broker(tmp_path_factory: pytest.TempPathF
         assert r.status_code == 503
         assert r.json()["checks"]["jobs"].startswith("broker unreachable")
         assert r.json()["checks"]["database"] == "ok"
+
+
+def test_serve_with_two_processes_in_broker_mode_takes_uploads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from apitest_support import REPO, free_port
+    from test_api_serve import LAUNCH
+
+    db, client = _claim_redis_db()
+    key = "serve-key-" + uuid.uuid4().hex
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path), DOCPIPE_API_KEYS=key,
+               DOCPIPE_BROKER_URL=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--port", str(port), "--workers", "2",
+                             "--log-level", "warning"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=30) as c:
+            ids = [upload(c, random_png()).json()["job"]["id"] for _ in range(6)]
+        assert len(set(ids)) == 6  # one database behind both processes: distinct jobs, nothing lost
+        assert client.llen("ingest") == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        client.flushdb()
+    assert "processes: 2" in out.decode()

@@ -63,3 +63,11 @@ def test_serve_runs_on_loopback_with_keys(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
     text = out.decode()
     assert f"http://127.0.0.1:{port}/" in text and "auth: API keys" in text
+
+
+def test_serve_refuses_several_processes_in_embedded_mode(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env.pop("DOCPIPE_BROKER_URL", None)
+    done = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--port", str(free_port()), "--workers", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--workers needs a broker" in done.stderr, done.stderr
