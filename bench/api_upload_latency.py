@@ -3,7 +3,7 @@
     python3 bench/api_upload_latency.py [--uploads 200] [--concurrency 1,8,32] [--mode broker|embedded]
                                         [--server-processes 1] [--json bench/results/api_upload_latency.json]
 
-The server runs in its own process (`uvicorn --factory api.app:create_app`, configured through DOCPIPE_*), the
+The server runs in its own process (`docpipe serve`, configured through DOCPIPE_*), the
 client is asyncio + httpx with at most `concurrency` requests in flight. Latency is the time from sending a
 request to having its full response. Every upload is a different small PNG (fresh random pixels), so each one is
 stored, sniffed and rendered (no dedupe shortcut).
@@ -11,7 +11,7 @@ stored, sniffed and rendered (no dedupe shortcut).
 Modes: `broker` (default when Redis answers on 127.0.0.1:6379): jobs are only enqueued, on a Redis database number
 claimed for the run and flushed afterwards, so the numbers are the API's own upload path. `embedded`: the server
 also runs the extraction jobs in-process with the tiny model, competing for the same CPU cores.
-`--server-processes N` (broker mode) runs N uvicorn processes on the port, as `docpipe serve --workers N` does.
+`--server-processes N` (broker mode) runs `docpipe serve --workers N`: N server processes on the port.
 
 Each round also reads the server's own `docpipe_http_request_seconds` histogram (from /metrics, before and after)
 for POST /v1/documents: the time from the request reaching the app to its response starting. Client latency minus
@@ -56,6 +56,12 @@ def png(width: int = 320, height: int = 240) -> bytes:
     return buf.getvalue()
 
 
+# `docpipe serve`, with its command handed to the CLI explicitly (works from a checkout that was never installed).
+SERVE = ("import sys; from importlib import metadata; from pipeline import cli; "
+         "cli.load_plugins(cli.app, [metadata.EntryPoint(name='serve', value='api.cli:register', "
+         "group='docpipe.commands')]); cli.app(args=sys.argv[1:], prog_name='docpipe')")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,8 +95,8 @@ def start_server(data_dir: Path, broker_url: str | None, processes: int = 1) -> 
     if broker_url:
         env["DOCPIPE_BROKER_URL"] = broker_url
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(processes)],
+        [sys.executable, "-c", SERVE, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         "--workers", str(processes)],
         cwd=ROOT, env=env,
     )
     base = f"http://127.0.0.1:{port}"
@@ -191,7 +197,7 @@ def main() -> int:
     ap.add_argument("--uploads", type=int, default=200)
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client pool sizes, one round each")
     ap.add_argument("--mode", choices=["broker", "embedded"], default=None)
-    ap.add_argument("--server-processes", type=int, default=1, help="uvicorn processes (broker mode only)")
+    ap.add_argument("--server-processes", type=int, default=1, help="server processes (docpipe serve --workers; broker mode only)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "api_upload_latency.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
