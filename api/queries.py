@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import ColumnElement, and_, exists, or_, select
-from sqlalchemy.orm import Session, aliased, selectinload
+from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
 
@@ -77,10 +77,12 @@ def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | No
 
 
 def load_document(s: Session, doc_id: int, *, pages: bool = False) -> Document:
-    opts = [selectinload(Document.jobs).selectinload(Job.schema)]
+    # One statement for the document, its jobs and their schemas (joined: a document has few jobs); pages, which
+    # can be thousands, in a second one rather than multiplying the joined rows.
+    opts = [joinedload(Document.jobs).joinedload(Job.schema)]
     if pages:
         opts.append(selectinload(Document.pages))
-    doc = s.scalars(select(Document).where(Document.id == doc_id).options(*opts)).first()
+    doc = s.scalars(select(Document).where(Document.id == doc_id).options(*opts)).unique().first()
     if doc is None:
         raise NotFound("document", doc_id)
     return doc
