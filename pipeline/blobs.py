@@ -78,9 +78,12 @@ class BlobStore:
             return
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.replace(path, target)
+            try:
+                os.replace(path, target)
+            except FileNotFoundError:  # the first blob of this prefix: make its folder (once, not per file)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
         except OSError:  # another file system: copy atomically, then drop the spooled file
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
             try:

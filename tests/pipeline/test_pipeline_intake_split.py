@@ -131,3 +131,24 @@ def test_fail_job_only_fails_a_queued_job(make_pipeline: Any) -> None:
     job = _job(p, queued.job_id)
     assert (job.state, job.error) == ("failed", "not retried: the grammar is unusable") and job.finished_at
     assert _job(p, running.job_id).state == "running"
+
+
+def test_blob_store_adopts_a_hashed_file_by_moving_it(tmp_path: Path) -> None:
+    import hashlib
+    import os
+
+    from pipeline.blobs import BlobStore
+
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(5000)
+    key = hashlib.sha256(data).hexdigest()
+    spooled = tmp_path / "upload-1.part"
+    spooled.write_bytes(data)
+    inode = spooled.stat().st_ino
+    store.adopt(spooled, key)  # the prefix folder does not exist yet
+    assert not spooled.exists() and store.get_bytes(key) == data
+    assert store.path(key).stat().st_ino == inode  # moved, not copied
+    again = tmp_path / "upload-2.part"
+    again.write_bytes(data)
+    store.adopt(again, key)  # the same bytes again: the stored blob stays, the spooled copy goes
+    assert not again.exists() and store.path(key).stat().st_ino == inode
