@@ -152,3 +152,32 @@ def test_blob_store_adopts_a_hashed_file_by_moving_it(tmp_path: Path) -> None:
     again.write_bytes(data)
     store.adopt(again, key)  # the same bytes again: the stored blob stays, the spooled copy goes
     assert not again.exists() and store.path(key).stat().st_ino == inode
+
+
+def test_same_bytes_received_at_once_make_one_document_and_one_job(database_url: str, make_pipeline: Any) -> None:
+    import threading
+
+    p = make_pipeline(database_url)
+    data = png_bytes(120, 90)
+    barrier = threading.Barrier(4)
+    outcomes: list[Any] = []
+    errors: list[BaseException] = []
+
+    def intake() -> None:
+        barrier.wait()
+        try:
+            outcomes.append(receive_file(p, data, name="same.png"))
+        except BaseException as exc:  # collected and reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=intake) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len({o.document_id for o in outcomes}) == 1 and len({o.job_id for o in outcomes}) == 1
+    assert sorted(o.outcome for o in outcomes) == ["duplicate"] * 3 + ["new"]
+    with p.db.read_session() as s:
+        assert s.scalar(select(func.count()).select_from(Document)) == 1
+        assert s.scalar(select(func.count()).select_from(Job)) == 1
