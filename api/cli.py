@@ -93,7 +93,8 @@ def serve(
         # (one core per process); rate limits, job quotas and this process's /metrics counters are per process.
         from uvicorn.supervisors import Multiprocess
 
-        config = uvicorn.Config("api.app:create_app", factory=True, workers=workers, **options)  # type: ignore[arg-type]
+        config = uvicorn.Config("api.app:create_app", factory=True, workers=workers,
+                                **options)  # type: ignore[arg-type]
         try:
             Multiprocess(config, sockets=[listening_socket(bind_host, bind_port)]).run()
         except KeyboardInterrupt:

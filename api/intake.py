@@ -117,8 +117,8 @@ def _unreadable(out: IngestOutcome) -> ApiError:
 
 def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[UploadOut, list[int]]:
     """Take in the single uploaded file (the route checked the key's job quota before reading the body) and
-    hand a new job to the runner. Returns the response body and the job ids handed on (empty: nothing new). All blocking work of an
-    upload is here, so the route needs one hop to a worker thread."""
+    hand a new job to the runner. Returns the response body and the job ids handed on (empty: nothing new).
+    All blocking work of an upload is here, so the route needs one hop to a worker thread."""
     try:
         files = [f for name, f in form.files if name == "file"]
         if len(files) != 1:

@@ -197,7 +197,8 @@ def main() -> int:
     ap.add_argument("--uploads", type=int, default=200)
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client pool sizes, one round each")
     ap.add_argument("--mode", choices=["broker", "embedded"], default=None)
-    ap.add_argument("--server-processes", type=int, default=1, help="server processes (docpipe serve --workers; broker mode only)")
+    ap.add_argument("--server-processes", type=int, default=1,
+                    help="server processes (docpipe serve --workers; broker mode only)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "api_upload_latency.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -251,9 +252,9 @@ def main() -> int:
     report = {
         "bench": "api_upload_latency", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python3", "bench/api_upload_latency.py", *sys.argv[1:]]),
-        "mode": mode, "server_processes": args.server_processes, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                  "python": platform.python_version(), "loadavg_before": load_before,
-                                  "loadavg_after": os.getloadavg()},
+        "mode": mode, "server_processes": args.server_processes,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "goal": "p99 <= 150 ms at 32 concurrent clients, 0 errors, nothing lost", "rounds": rounds,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
