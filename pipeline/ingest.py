@@ -32,7 +32,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 import vision
-from vision.sniff import SNIFF_BYTES, Sniffed, sniff
+from vision import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job

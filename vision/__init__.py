@@ -47,6 +47,7 @@ from .limits import MediaLimits, RenderOptions
 from .opener import open_media
 from .page import MediaPage
 from .sniff import ACCEPTED as ACCEPTED_MEDIA_TYPES
+from .sniff import SNIFF_BYTES, Sniffed, sniff
 from .video.sampling import pad_indices, qwen_frame_indices
 
 __all__ = [
@@ -64,9 +65,12 @@ __all__ = [
     "MediaPage",
     "NoVideoStreamError",
     "RenderOptions",
+    "SNIFF_BYTES",
+    "Sniffed",
     "UnsupportedMediaError",
     "WrongPasswordError",
     "open_media",
     "pad_indices",
     "qwen_frame_indices",
+    "sniff",
 ]

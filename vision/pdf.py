@@ -55,8 +55,10 @@ def _open(source: bytes | Path, name: str) -> pymupdf.Document:
             return pymupdf.open(source, filetype="pdf")
         return pymupdf.open(stream=source, filetype="pdf")
     except Exception as exc:  # MuPDF raises several types (FileDataError, RuntimeError, ValueError)
+        # MuPDF's message names the file it was given: a server-side storage path that must not reach clients.
+        reason = str(exc).replace(str(source), name) if isinstance(source, Path) else str(exc)
         raise CorruptMediaError(
-            f"{name} looks like a PDF but cannot be opened ({exc}); it is probably truncated or damaged — "
+            f"{name} looks like a PDF but cannot be opened ({reason}); it is probably truncated or damaged — "
             f"download or export it again."
         ) from exc
 

@@ -194,6 +194,16 @@ def test_truncated_pdf_header_is_corrupt(rng):
         open_media(data[:40])
 
 
+def test_unopenable_pdf_error_names_the_user_file_not_the_storage_path(rng, tmp_path):
+    stored = tmp_path / "blobs" / "ab" / "cdef0123"  # how a server stores uploads: a path clients must never see
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(pdf_bytes([random_words(rng)])[:40])
+    with pytest.raises(CorruptMediaError) as info:
+        open_media(stored, name="invoice.pdf")
+    assert "invoice.pdf" in str(info.value)
+    assert str(tmp_path) not in str(info.value) and "cdef0123" not in str(info.value)
+
+
 def test_truncated_pdf_missing_trailer_is_repaired(rng):
     texts = [random_words(rng) for _ in range(2)]
     data = pdf_bytes(texts)
