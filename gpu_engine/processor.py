@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import io
 import json
@@ -33,13 +32,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .frame_resize import resize_like_torch_uint8
 from .inputs import ProcessedPrompt, VisionItem
+from .processing_errors import ProcessorError
+from .rope_index import find_vision_spans, rope_index
 from .tokenizer import Tokenizer
 from .video_io import VideoError, probe_video, read_video_frames
 
-
-class ProcessorError(ValueError):
-    """Bad media or messages, or processor configs that cannot work; the message says which input and why."""
 
 
 # transformers' default when a frame list arrives without its sampling rate (Qwen3VLVideoProcessor.sample_frames).
@@ -209,88 +208,6 @@ def _resize_rgb(image: Image.Image, height: int, width: int) -> Image.Image:
     if image.size == (width, height):
         return image
     return image.resize((width, height), resample=Image.Resampling.BICUBIC)
-
-
-# ------------------------------------------------------------- torch's uint8 antialiased bicubic, in numpy
-#
-# What torch computes for a uint8 tensor in interpolate(mode="bicubic", antialias=True, align_corners=False)
-# (aten UpSampleKernel.cpp: _compute_indices_min_size_weights_aa, _compute_index_ranges_int16_weights, and the
-# separable uint8 loops). The float arithmetic of the weights follows torch's operation order so that the
-# int16 weights come out identical; the convolution itself is integer arithmetic, hence exact.
-
-
-@dataclass(frozen=True)
-class _AxisFilter:
-    """One axis of the resize: output i = clamp((2**(p-1) + sum_k weights[i, k] * in[taps[i, k]]) >> p)."""
-
-    taps: np.ndarray  # int64 [out, K] input indices (clamped into range where the weight is 0)
-    weights: np.ndarray  # int32 [out, K] fixed-point weights, scaled by 2**precision
-    precision: int
-
-
-def _keys_cubic(x: np.ndarray) -> np.ndarray:
-    """Keys' cubic convolution kernel with a = -0.5 (Pillow's and torch's antialiased bicubic), float64."""
-    a = -0.5
-    x = np.abs(x)
-    inner = ((a + 2) * x - (a + 3)) * x * x + 1
-    outer = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1.0, inner, np.where(x < 2.0, outer, 0.0))
-
-
-@functools.lru_cache(maxsize=64)
-def _axis_filter(size_in: int, size_out: int) -> _AxisFilter:
-    scale = size_in / size_out
-    support = 2.0 * scale if scale >= 1.0 else 2.0  # bicubic's radius 2, widened by the downscale factor
-    k_max = int(math.ceil(support)) * 2 + 1
-    inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
-    centers = scale * (np.arange(size_out) + 0.5)
-    starts = np.maximum((centers - support + 0.5).astype(np.int64), 0)  # astype truncates toward zero, like C
-    ends = np.minimum((centers + support + 0.5).astype(np.int64), size_in)
-    sizes = np.clip(ends - starts, 0, k_max)
-    offsets = np.arange(k_max)
-    inside = offsets[None, :] < sizes[:, None]
-    raw = _keys_cubic(((starts[:, None] + offsets[None, :]) - centers[:, None] + 0.5) * inv_scale)
-    raw = np.where(inside, raw, 0.0)
-    totals = np.cumsum(raw, axis=1)[:, -1]  # a running sum, in torch's order (np.sum would pair terms)
-    normalized = np.divide(raw, totals[:, None], out=raw.copy(), where=totals[:, None] != 0.0)
-    w_max = float(np.max(np.where(totals[:, None] != 0.0, normalized, 0.0), initial=0.0))
-    precision = 0  # as many fraction bits as keep 2 * w_max within int16 (at most 22)
-    while precision < 22 and int(0.5 + w_max * (1 << (precision + 1))) < (1 << 15):
-        precision += 1
-    scaled = normalized * (1 << precision)
-    fixed = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5))  # C's (int)(v +- 0.5)
-    taps = np.minimum(starts[:, None] + offsets[None, :], size_in - 1)
-    return _AxisFilter(taps, fixed.astype(np.int32), precision)
-
-
-def _resample_first_axis(x: np.ndarray, size_out: int) -> np.ndarray:
-    """Resize axis 0 of a uint8 array; rounds to uint8 like torch's uint8 loops (int32 accumulation)."""
-    f = _axis_filter(x.shape[0], size_out)
-    values = np.ascontiguousarray(x, dtype=np.int32)  # row-major, so each tap gathers whole rows
-    acc = np.full((size_out,) + x.shape[1:], 1 << (f.precision - 1), dtype=np.int32)
-    weight_shape = (size_out,) + (1,) * (x.ndim - 1)
-    for k in range(f.weights.shape[1]):
-        acc += values[f.taps[:, k]] * f.weights[:, k].reshape(weight_shape)
-    np.right_shift(acc, f.precision, out=acc)  # arithmetic shift: floor, as torch's srai / >>
-    return np.clip(acc, 0, 255).astype(np.uint8)
-
-
-def resize_like_torch_uint8(frame: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [H, W, C] -> [height, width, C], equal to torch's uint8 antialiased bicubic interpolate.
-
-    Width first, then height, with a uint8 image in between, as torch does; an axis that keeps its size is not
-    touched.
-    """
-    if frame.dtype != np.uint8 or frame.ndim != 3:
-        raise ProcessorError(f"frames must be uint8 [H, W, C], got {frame.dtype} {frame.shape}")
-    if height < 1 or width < 1:
-        raise ProcessorError(f"cannot resize to {width}x{height}")
-    out = frame
-    if out.shape[1] != width:
-        out = _resample_first_axis(out.transpose(1, 0, 2), width).transpose(1, 0, 2)
-    if out.shape[0] != height:
-        out = _resample_first_axis(out, height)
-    return np.ascontiguousarray(out)
 
 
 def _to_chw(image: Image.Image) -> np.ndarray:
@@ -490,90 +407,6 @@ class VideoProcessor:
             grid = (1, gh, gw)
             groups.append(FrameGroup(rows, grid, seconds, _hash(rows, grid, fingerprint)))
         return ProcessedVideo(groups, [int(i) for i in frame_indices], float(video_fps))
-
-
-# --------------------------------------------------------------------------------------------------- M-RoPE
-
-
-@dataclass(frozen=True)
-class VisionSpan:
-    """A run of placeholder tokens that one image or one video frame group fills."""
-
-    kind: str  # "image" | "video"
-    start: int
-    length: int
-
-
-def find_vision_spans(token_ids: np.ndarray, image_token_id: int, video_token_id: int) -> list[VisionSpan]:
-    """Maximal runs of image or video placeholder tokens, in order."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    kind = np.where(ids == image_token_id, 1, np.where(ids == video_token_id, 2, 0))
-    change = np.flatnonzero(np.diff(kind)) + 1
-    starts = np.concatenate([[0], change])
-    ends = np.concatenate([change, [len(ids)]])
-    return [
-        VisionSpan("image" if kind[s] == 1 else "video", int(s), int(e - s))
-        for s, e in zip(starts, ends) if len(ids) and kind[s] != 0
-    ]
-
-
-def rope_index(
-    token_ids: Sequence[int] | np.ndarray,
-    *,
-    image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None,
-    video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None,
-    image_token_id: int,
-    video_token_id: int,
-    spatial_merge_size: int,
-) -> tuple[np.ndarray, int]:
-    """M-RoPE position ids [3, T] (temporal, height, width) and the rope delta, as Qwen3.5's get_rope_index.
-
-    Text advances all three axes together. A vision run (one image, or one video frame group: videos are split
-    per temporal patch because timestamps separate them) takes t = start, h = start + row, w = start + col over its
-    merged grid, then text resumes at start + max(rows, cols). Generated token i (0-based over the whole sequence)
-    sits at position i + delta.
-    """
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if ids.ndim != 1 or len(ids) == 0:
-        raise ProcessorError("rope_index needs a non-empty 1-D token sequence")
-    grids = {
-        "image": [tuple(int(v) for v in g) for g in (image_grid_thw if image_grid_thw is not None else [])],
-        "video": [(1, int(g[1]), int(g[2])) for g in (video_grid_thw if video_grid_thw is not None else [])
-                  for _ in range(int(g[0]))],
-    }
-    spans = find_vision_spans(ids, image_token_id, video_token_id)
-    for kind in ("image", "video"):
-        runs = sum(1 for s in spans if s.kind == kind)
-        if runs != len(grids[kind]):
-            raise ProcessorError(
-                f"{runs} {kind} placeholder runs in the tokens but {len(grids[kind])} {kind} grids "
-                "(video grids count once per frame group)"
-            )
-    positions = np.empty((3, len(ids)), dtype=np.int64)
-    next_grid = {"image": iter(grids["image"]), "video": iter(grids["video"])}
-    pos = 0  # next text position
-    cursor = 0  # next token index
-    for span in spans:
-        text_len = span.start - cursor
-        positions[:, cursor:span.start] = pos + np.arange(text_len)
-        pos += text_len
-        t, h, w = next(next_grid[span.kind])
-        lh, lw = h // spatial_merge_size, w // spatial_merge_size
-        if t * lh * lw != span.length:
-            raise ProcessorError(
-                f"{span.kind} run at token {span.start} has {span.length} placeholders but its grid "
-                f"{(t, h, w)} needs {t * lh * lw}"
-            )
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
-        end = span.start + span.length
-        positions[0, span.start:end] = tt.reshape(-1) + pos
-        positions[1, span.start:end] = hh.reshape(-1) + pos
-        positions[2, span.start:end] = ww.reshape(-1) + pos
-        pos += max(h, w) // spatial_merge_size
-        cursor = end
-    positions[:, cursor:] = pos + np.arange(len(ids) - cursor)
-    delta = int(positions.max()) + 1 - len(ids)
-    return positions, delta
 
 
 # --------------------------------------------------------------------------------------------- media loading

@@ -35,10 +35,10 @@ from gpu_engine.processor import (
     ImageProcessor,
     Processor,
     ProcessorError,
-    resize_like_torch_uint8,
     smart_resize_image,
     smart_resize_video,
 )
+from gpu_engine.frame_resize import resize_like_torch_uint8
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 from gpu_engine.video_io import VideoError, probe_video, read_video_frames
 

@@ -7,7 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from gpu_engine.processor import ProcessorError, find_vision_spans, rope_index
+from gpu_engine.processing_errors import ProcessorError
+from gpu_engine.rope_index import find_vision_spans, rope_index
 
 torch = pytest.importorskip("torch")
 modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

@@ -265,7 +265,9 @@ def test_float64_reference_runs_entirely_in_float64(pair, hf64):
 def test_logit_parity_criterion_rejects_a_real_error():
     """The per-position rule accepts a > 1e-4 residual only where transformers-f32 is itself that far from f64."""
     rng = np.random.default_rng()
-    f64 = rng.standard_normal((100, 50))
+    # 400 positions: one position moved by <= 8e-4 then changes the whole-sequence error by < 1e-4 for any draw
+    # (that position holds ~5% of the norm), so only the per-position rule decides the cases below.
+    f64 = rng.standard_normal((400, 50))
 
     def off(rows: np.ndarray, pos: int, rel: float) -> np.ndarray:
         out = rows.copy()  # move one position by `rel` (relative L2) in a random direction
