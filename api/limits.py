@@ -137,6 +137,12 @@ class JobQuota:
         self._jobs: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
+    def fits_without_lookup(self, key: str, adding: int = 1) -> bool:
+        """True when `key` can add `adding` jobs even if every remembered job were still active: the answer of
+        `check` without a database query, cheap enough for the event loop (only `check` may block)."""
+        with self._lock:
+            return len(self._jobs.get(key, ())) + adding <= self._per_key
+
     def check(self, key: str, adding: int = 1) -> None:
         """Raise RateLimited when `key` cannot add `adding` more jobs now."""
         with self._lock:

@@ -191,7 +191,10 @@ def test_engine_slots_and_job_quota() -> None:
 
     active = {1, 2}
     quota = JobQuota(per_key=2, still_active=lambda ids: {i for i in ids if i in active})
+    assert quota.fits_without_lookup("k", adding=2)
     quota.record("k", [1, 2])
+    assert not quota.fits_without_lookup("k")  # could be full: only `check` (with the lookup) can say
+    assert quota.fits_without_lookup("other", adding=2)
     with pytest.raises(RateLimited) as err:
         quota.check("k")
     assert err.value.code == "too_many_jobs"
