@@ -86,8 +86,10 @@ def serve(
     typer.echo(f"docpipe serve: http://{bind_host}:{bind_port}/  mode: {mode}  "
                f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}"
                + (f"  processes: {workers}" if workers > 1 else ""))
+    # h11 pinned: httptools (picked by "auto" where installed) answers some malformed framings itself, with
+    # plain text, before the app can send its problem document. The loop stays "auto": uvloop where installed.
     options = {"host": bind_host, "port": bind_port, "log_level": log_level, "server_header": False,
-               "proxy_headers": False}
+               "proxy_headers": False, "http": "h11"}
     if workers > 1:
         # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
         # (one core per process); rate limits, job quotas and this process's /metrics counters are per process.

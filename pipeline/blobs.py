@@ -77,7 +77,9 @@ class BlobStore:
             Path(path).unlink(missing_ok=True)  # same bytes already stored
             return
         with open(path, "rb+") as f:
-            os.fsync(f.fileno())
+            # fdatasync: the data and the size that reads need are on disk before the caller answers; timestamps
+            # may follow (fsync would also journal them, for nothing an upload's durability depends on).
+            os.fdatasync(f.fileno())
         try:
             try:
                 os.replace(path, target)

@@ -70,7 +70,7 @@ def live_server(settings: Settings, limits: ApiLimits | None = OPEN_LIMITS,
                 ready_timeout: float = 60.0) -> Iterator[LiveServer]:
     app = create_app(settings, limits=limits)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="h11"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
