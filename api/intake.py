@@ -25,9 +25,9 @@ from pipeline.schemas import get_schema
 
 from .context import ApiContext
 from .errors import ApiError
-from .queries import load_document, load_job
+from .queries import document_summary, load_job
 from .uploads import ReceivedForm, SpooledFile
-from .views import JobOut, UploadOut, document_out, job_out
+from .views import JobOut, UploadOut, job_out, summary_out
 
 MAX_NAME = 255
 
@@ -136,11 +136,9 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
         ctx.jobs.record(key_id, new_jobs)
         ctx.runner.submit(new_jobs)  # may publish to the broker: blocking I/O, kept off the event loop
     with ctx.pipeline.db.read_session() as s:
-        doc = load_document(s, out.document_id)  # with its jobs and their schemas
-        job = next(j for j in doc.jobs if j.id == out.job_id)
-        body = UploadOut(document=document_out(doc), job=job_out(job),
-                         duplicate=out.known or out.outcome == "duplicate")
-    return body, new_jobs
+        document = summary_out(document_summary(s, out.document_id))  # with its jobs and their schemas
+    job = next(j for j in document.jobs if j.id == out.job_id)
+    return UploadOut(document=document, job=job, duplicate=out.known or out.outcome == "duplicate"), new_jobs
 
 
 def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int, list[int]]:

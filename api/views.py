@@ -11,6 +11,8 @@ from pydantic import BaseModel, Field
 
 from pipeline.models import Document, DocumentStatus, Job, Page, Result, Schema
 
+from .queries import DocumentSummary
+
 Status = Literal["queued", "running", "succeeded", "partial", "failed"]
 
 
@@ -177,6 +179,21 @@ def document_out(doc: Document) -> DocumentOut:
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
         size_bytes=doc.size_bytes, page_count=doc.page_count, status=document_status(doc), error=doc.error,
         error_type=doc.error_type, created_at=utc(doc.created_at), jobs=[job_out(j) for j in doc.jobs],
+    )
+
+
+def summary_out(summary: DocumentSummary) -> DocumentOut:
+    """The same as `document_out`, from rows (`queries.document_summary`) instead of ORM objects."""
+    doc = summary.document
+    jobs = [JobOut(id=j.id, document_id=j.document_id, schema_name=j.schema_name, schema_version=j.schema_version,
+                   state=j.state, attempts=j.attempts, error=j.error, created_at=utc(j.created_at),
+                   started_at=utc(j.started_at), finished_at=utc(j.finished_at), model_seconds=j.model_seconds,
+                   prompt_tokens=j.prompt_tokens, completion_tokens=j.completion_tokens) for j in summary.jobs]
+    status = "failed" if doc.status == DocumentStatus.failed.value else jobs[-1].state if jobs else "queued"
+    return DocumentOut(
+        id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
+        size_bytes=doc.size_bytes, page_count=doc.page_count, status=status, error=doc.error,
+        error_type=doc.error_type, created_at=utc(doc.created_at), jobs=jobs,
     )
 
 

@@ -28,6 +28,10 @@ def upload(client, data: bytes, name: str = "x.png", **form):  # type: ignore[no
     return client.post("/v1/documents", files={"file": (name, data, "application/octet-stream")}, data=form)
 
 
+def answer_id(response) -> int:  # type: ignore[no-untyped-def]
+    return int(response.json()["document"]["id"])
+
+
 def assert_problem(response, status: int, code: str) -> dict:  # type: ignore[no-untyped-def]
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
@@ -95,6 +99,15 @@ def test_duplicate_upload_returns_the_existing_document(server: LiveServer) -> N
         assert other.status_code == 202 and other.json()["duplicate"] is True
         assert other.json()["document"]["id"] == first.json()["document"]["id"]
         assert other.json()["job"]["id"] != first.json()["job"]["id"]
+        # The upload's answer (read as rows) shows what the detail route (ORM objects) shows, jobs in order.
+        answer, detail = other.json()["document"], c.get(f"/v1/documents/{answer_id(other)}").json()
+        steady = ("id", "name", "sha256", "media_type", "kind", "size_bytes", "created_at")
+        assert {k: answer[k] for k in steady} == {k: detail[k] for k in steady}
+        job_keys = ("id", "document_id", "schema", "schema_version", "created_at")
+        assert [{k: j[k] for k in job_keys} for j in answer["jobs"]] == \
+            [{k: j[k] for k in job_keys} for j in detail["jobs"]]
+        assert [j["schema"] for j in answer["jobs"]] == [first.json()["job"]["schema"], "receipt"]
+        assert answer["jobs"][-1]["id"] == other.json()["job"]["id"]
         sha = first.json()["document"]["sha256"]
         listed = [d for d in c.get("/v1/documents", params={"limit": 200}).json()["items"] if d["sha256"] == sha]
         assert len(listed) == 1
