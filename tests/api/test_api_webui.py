@@ -88,10 +88,14 @@ def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_s
     wait.until(lambda d: d.find_element(By.ID, "detail-title").get_attribute("data-status") == "succeeded")
     wait.until(lambda d: d.find_element(By.ID, "fields").get_attribute("data-state") == "succeeded")
     wait.until(lambda d: d.execute_script("return document.getElementById('page-image').naturalWidth") > 0)
-    rows = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#field-rows tr.field-row"))
-    names = [r.find_element(By.CSS_SELECTOR, ".field-name").text for r in rows]
+
+    def read_fields(d):  # type: ignore[no-untyped-def]  # (names, confidences), read in one go from the current DOM
+        rows = d.find_elements(By.CSS_SELECTOR, "#field-rows tr.field-row")
+        return rows and ([r.find_element(By.CSS_SELECTOR, ".field-name").text for r in rows],
+                         [r.find_element(By.CSS_SELECTOR, ".conf").text for r in rows])
+
+    names, confidences = wait.until(read_fields)
     assert "total" in names and any(n.startswith("merchant/") for n in names)
-    confidences = [r.find_element(By.CSS_SELECTOR, ".conf").text for r in rows]
     assert any(c and 0.0 < float(c) <= 1.0 for c in confidences)
     image = driver.find_element(By.ID, "page-image").rect
     fields = driver.find_element(By.ID, "fields").rect
@@ -124,5 +128,5 @@ def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_s
     status = f'#doc-list tr[data-doc-id="{broken_id}"] .status'
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, status) and
                d.find_element(By.CSS_SELECTOR, status).text == "failed")
-    driver.find_element(By.CSS_SELECTOR, f'#doc-list tr[data-doc-id="{broken_id}"]').click()
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, f'#doc-list tr[data-doc-id="{broken_id}"]').click() or True)
     wait.until(lambda d: "broken.pdf" in d.find_element(By.ID, "detail-error").text)
