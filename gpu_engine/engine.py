@@ -30,6 +30,7 @@ from .encoder_cache import EncoderCache
 from .engine_config import EngineConfig, EngineConfigError
 from .inputs import ProcessedPrompt
 from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from .rope_index import text_positions
 from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch
 from .sampling import SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample
 from .scheduler import ScheduledChunk, Scheduler
@@ -258,7 +259,7 @@ class Engine:
             if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
                 raise RequestError(f"token-id prompts must be a 1-D list of ints, got shape {ids.shape} {ids.dtype}")
             ids = ids.astype(np.int64)
-            positions = np.broadcast_to(np.arange(ids.size, dtype=np.int64), (3, ids.size)).copy()
+            positions = text_positions(ids.size)
             return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self._prepare is None:

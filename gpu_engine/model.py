@@ -22,6 +22,7 @@ import numpy as np
 from .config import ModelConfig
 from .inputs import ProcessedPrompt, VisionItem
 from .loader import ModelWeights, load_weights
+from .rope_index import text_positions
 from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch, VisionSlice
 
 RUNNERS = ("reference", "cuda")
@@ -86,7 +87,7 @@ class LoadedModel:
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("input_ids is empty")
-        positions = np.broadcast_to(np.arange(ids.size, dtype=np.int64), (3, ids.size)).copy()
+        positions = text_positions(ids.size)
         return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
 
     def prepare(

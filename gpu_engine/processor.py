@@ -35,7 +35,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .frame_resize import resize_like_torch_uint8
 from .inputs import ProcessedPrompt, VisionItem
 from .processing_errors import ProcessorError
-from .rope_index import find_vision_spans, rope_index
+from .rope_index import find_vision_spans, rope_index, text_positions
 from .tokenizer import Tokenizer
 from .video_io import VideoError, probe_video, read_video_frames
 
@@ -719,7 +719,7 @@ class Processor:
             )
         if token_ids.min() < 0:
             raise ProcessorError("token ids must be non-negative")
-        positions = np.broadcast_to(np.arange(len(token_ids), dtype=np.int64), (3, len(token_ids))).copy()
+        positions = text_positions(len(token_ids))
         return ProcessedPrompt(token_ids=token_ids.copy(), positions=positions, rope_delta=0)
 
 

@@ -32,6 +32,11 @@ def find_vision_spans(token_ids: np.ndarray, image_token_id: int, video_token_id
     ]
 
 
+def text_positions(n: int) -> np.ndarray:
+    """M-RoPE position ids [3, n] of a text-only prompt: all three axes advance together, 0..n-1."""
+    return np.broadcast_to(np.arange(n, dtype=np.int64), (3, n)).copy()
+
+
 def rope_index(
     token_ids: Sequence[int] | np.ndarray,
     *,
