@@ -256,9 +256,7 @@ def receive_file(
 
     This is an HTTP upload's whole cost, so it is kept to one read and one write transaction."""
     started = time.perf_counter()
-    if schema is not None:
-        _schema_id(p, schema)  # fail fast on a bad name, before any work
-    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
+    _check_arguments(p, schema)
     label = _label(source, name)
     try:
         sha, size = _store_original(p, source, label)
