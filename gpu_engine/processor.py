@@ -643,10 +643,15 @@ class Processor:
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                enable_thinking: bool = False) -> str:
         """The chat-template string before placeholder expansion (what processor.apply_chat_template returns)."""
-        normalized, _ = _normalize_messages(messages)
-        return self.tokenizer.apply_chat_template(
+        return self._render(messages, add_generation_prompt, enable_thinking)[0]
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                enable_thinking: bool) -> tuple[str, list[_Media]]:
+        normalized, media = _normalize_messages(messages)
+        text = self.tokenizer.apply_chat_template(
             normalized, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
         )
+        return text, media
 
     def prepare(
         self,
@@ -658,10 +663,7 @@ class Processor:
         """Build the engine's input. Token ids are taken as a finished text-only prompt."""
         if _is_token_ids(messages_or_token_ids):
             return self._prepare_token_ids(np.asarray(messages_or_token_ids, dtype=np.int64))
-        normalized, media = _normalize_messages(messages_or_token_ids)  # type: ignore[arg-type]
-        text = self.tokenizer.apply_chat_template(
-            normalized, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
-        )
+        text, media = self._render(messages_or_token_ids, add_generation_prompt, enable_thinking)  # type: ignore[arg-type]
         processed: list[ProcessedImage | ProcessedVideo] = [
             self.process_image(m.source, m.what) if m.kind == "image" else self.process_video(m.source, m.fps, m.what)
             for m in media
