@@ -164,16 +164,17 @@ class PdfDocument(MediaDocument):
             raise
         self._doc = doc
         self._count = count
+        info = doc.metadata or {}  # PyMuPDF leaves it None until the document is decrypted
         self.metadata: dict[str, Any] = {
             "page_count": count,
             "repaired": bool(doc.is_repaired),
             # is_encrypted turns False once authenticated and is False for owner-password-only files
-            "encrypted": bool(encrypted or (doc.metadata or {}).get("encryption")),
-            "encryption": (doc.metadata or {}).get("encryption") or "",
-            "format": (doc.metadata or {}).get("format", ""),
-            "title": (doc.metadata or {}).get("title", ""),
-            "author": (doc.metadata or {}).get("author", ""),
-            "producer": (doc.metadata or {}).get("producer", ""),
+            "encrypted": bool(encrypted or info.get("encryption")),
+            "encryption": info.get("encryption") or "",
+            "format": info.get("format", ""),
+            "title": info.get("title", ""),
+            "author": info.get("author", ""),
+            "producer": info.get("producer", ""),
             "dpi": options.pdf_dpi,
             "warnings": list(open_warnings),
         }
@@ -181,7 +182,6 @@ class PdfDocument(MediaDocument):
     @property
     def page_count(self) -> int:
         return self._count
-
 
     def render_page(self, number: int) -> MediaPage:
         """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
