@@ -339,8 +339,7 @@ class Engine:
         scheduled: list[ScheduledChunk] = []
         # Decode positions for the whole step in one array (one numpy call instead of one per sequence).
         decode_pos = np.array(
-            [sc.start + sc.seq.prompt.rope_delta if sc.num_tokens == 1 and sc.start >= sc.seq.prompt_len else 0
-             for sc in sched.chunks], dtype=np.int64,
+            [sc.start + sc.seq.prompt.rope_delta if sc.is_decode else 0 for sc in sched.chunks], dtype=np.int64
         )
         decode_pos = np.broadcast_to(decode_pos, (3, decode_pos.shape[0])).copy()
         for k, sc in enumerate(sched.chunks):
@@ -353,7 +352,7 @@ class Engine:
             chunks.append(SeqChunk(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_slice(sc.start, sc.end),
-                positions=decode_pos[:, k : k + 1] if sc.num_tokens == 1 and sc.start >= seq.prompt_len
+                positions=decode_pos[:, k : k + 1] if sc.is_decode
                 else seq.positions(sc.start, sc.num_tokens),
                 start=sc.start,
                 block_table=seq.block_table_array(),
@@ -466,7 +465,7 @@ class Engine:
 
     def _count_computed(self, sc: ScheduledChunk) -> None:
         seq = sc.seq
-        if sc.num_tokens == 1 and sc.start >= seq.prompt_len:
+        if sc.is_decode:
             self._counters["decode_tokens"] += 1
             return
         in_prompt = max(0, min(sc.end, seq.prompt_len) - sc.start)

@@ -26,7 +26,7 @@ from .sequence import Sequence, SeqStatus
 class ScheduledChunk:
     """One sequence's tokens [start, end) for this step (plain slots class: built for every sequence, every step)."""
 
-    __slots__ = ("seq", "start", "num_tokens", "end", "vision_items", "wants_logits")
+    __slots__ = ("seq", "start", "num_tokens", "end", "vision_items", "wants_logits", "is_decode")
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int, vision_items: list[VisionItem]) -> None:
         self.seq = seq
@@ -36,6 +36,8 @@ class ScheduledChunk:
         self.vision_items = vision_items
         # Only a chunk that reaches the sequence's last token produces a token to sample.
         self.wants_logits = self.end == seq.num_tokens
+        # One generated token past the prompt: its positions are start + rope_delta on all three axes.
+        self.is_decode = num_tokens == 1 and start >= seq.prompt_len
 
 
 @dataclass
