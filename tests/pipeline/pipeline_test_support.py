@@ -4,7 +4,10 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
@@ -63,3 +66,28 @@ def png_bytes(width: int = 64, height: int = 48, colour: tuple[int, int, int] | 
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), colour).save(buffer, "PNG")
     return buffer.getvalue()
+
+
+T = TypeVar("T")
+
+
+def run_at_once(calls: list[Callable[[], T]]) -> tuple[list[T], list[BaseException]]:
+    """Run every call on its own thread, all released together by a barrier (to provoke races); their results
+    and whatever they raised, collected so that the test asserts on them in the main thread."""
+    barrier = threading.Barrier(len(calls))
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def one(call: Callable[[], T]) -> None:
+        barrier.wait()
+        try:
+            results.append(call())
+        except BaseException as exc:  # collected and reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(call,)) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors

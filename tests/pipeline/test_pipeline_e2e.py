@@ -15,7 +15,7 @@ from typing import Any
 import pymupdf as fitz
 import jsonschema
 import pytest
-from pipeline_test_support import REPO, png_bytes
+from pipeline_test_support import REPO, png_bytes, run_at_once
 from sqlalchemy import func, select
 
 from pipeline import models
@@ -382,22 +382,7 @@ def test_same_bytes_ingested_at_once_make_one_document(database_url: str, make_p
                                                        engine_client: Any) -> None:
     p = make_pipeline(database_url, client=engine_client)
     data = png_bytes(300, 200)
-    barrier = threading.Barrier(4)
-    outcomes: list[Any] = []
-    errors: list[BaseException] = []
-
-    def intake() -> None:
-        barrier.wait()
-        try:
-            outcomes.append(ingest_file(p, data, name="same.png"))
-        except BaseException as exc:  # collected and reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=intake) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes, errors = run_at_once([lambda: ingest_file(p, data, name="same.png")] * 4)
     assert errors == []
     assert len({o.document_id for o in outcomes}) == 1 and len({o.job_id for o in outcomes}) == 1
     assert sorted(o.outcome for o in outcomes) == ["duplicate"] * 3 + ["new"]
@@ -407,24 +392,13 @@ def test_same_bytes_ingested_at_once_make_one_document(database_url: str, make_p
 
 def test_schemas_registered_at_once_get_distinct_versions(database_url: str, make_pipeline: Any) -> None:
     p = make_pipeline(database_url)
-    barrier = threading.Barrier(4)
-    versions: list[int] = []
-    errors: list[BaseException] = []
 
-    def register(n: int) -> None:
+    def register(n: int) -> int:
         definition = {"type": "object", "properties": {f"field{n}": {"type": "string", "maxLength": 8}}}
-        barrier.wait()
-        try:
-            with p.db.session() as s:
-                versions.append(register_schema(s, "race", definition).version)
-        except BaseException as exc:  # collected and reported below
-            errors.append(exc)
+        with p.db.session() as s:
+            return register_schema(s, "race", definition).version
 
-    threads = [threading.Thread(target=register, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    versions, errors = run_at_once([lambda n=n: register(n) for n in range(4)])
     assert errors == [] and sorted(versions) == [1, 2, 3, 4]
 
 

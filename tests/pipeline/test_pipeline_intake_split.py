@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pymupdf as fitz
-from pipeline_test_support import png_bytes
+from pipeline_test_support import png_bytes, run_at_once
 from sqlalchemy import func, select
 
 from pipeline.context import Pipeline
@@ -155,26 +155,9 @@ def test_blob_store_adopts_a_hashed_file_by_moving_it(tmp_path: Path) -> None:
 
 
 def test_same_bytes_received_at_once_make_one_document_and_one_job(database_url: str, make_pipeline: Any) -> None:
-    import threading
-
     p = make_pipeline(database_url)
     data = png_bytes(120, 90)
-    barrier = threading.Barrier(4)
-    outcomes: list[Any] = []
-    errors: list[BaseException] = []
-
-    def intake() -> None:
-        barrier.wait()
-        try:
-            outcomes.append(receive_file(p, data, name="same.png"))
-        except BaseException as exc:  # collected and reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=intake) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes, errors = run_at_once([lambda: receive_file(p, data, name="same.png")] * 4)
     assert errors == []
     assert len({o.document_id for o in outcomes}) == 1 and len({o.job_id for o in outcomes}) == 1
     assert sorted(o.outcome for o in outcomes) == ["duplicate"] * 3 + ["new"]
