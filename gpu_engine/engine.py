@@ -578,7 +578,7 @@ class Engine:
         return seq.text[: max(seq.emitted_chars, len(seq.text) - hold)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._visible_text(seq) if seq.params.stop else seq.text
+        text = self._visible_text(seq)
         delta = text[seq.emitted_chars:]
         seq.emitted_chars = len(text)
         return RequestOutput(
