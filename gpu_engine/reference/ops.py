@@ -1,4 +1,4 @@
-"""Small numpy float32 building blocks shared by the reference text layers."""
+"""Small numpy float32 building blocks shared by the reference layers (text and vision)."""
 from __future__ import annotations
 
 import numpy as np
@@ -69,11 +69,15 @@ def mrope_cos_sin(
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """[a, b] -> [-b, a] over the last axis, split in halves."""
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate the first rotary_dim dims of x [n, heads, head_dim] (rotate_half convention); the rest passes."""
     d = cos.shape[-1]
     rot, rest = x[..., :d], x[..., d:]
-    half = d // 2
-    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    out = rot * cos[:, None, :] + rotate_half(rot) * sin[:, None, :]
     return np.concatenate([out, rest], axis=-1)

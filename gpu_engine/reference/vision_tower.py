@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .ops import linear, rotate_half, softmax
+
 GridTHW = tuple[int, int, int]
 
 _LAYER_NORM_EPS = 1e-6  # fixed in the model code (blocks and merger), not read from config.json
@@ -285,21 +287,6 @@ def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarr
     return ((x - mean) / np.sqrt(var + _LAYER_NORM_EPS) * weight + bias).astype(np.float32)
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    return x @ weight.T + bias
-
-
-def _rotate_half(x: np.ndarray) -> np.ndarray:
-    half = x.shape[-1] // 2
-    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 @dataclass(frozen=True)
 class _Block:
     norm1_w: np.ndarray
@@ -385,28 +372,28 @@ class VisionTower:
         """Bidirectional multi-head attention inside each [start, end) segment (one frame group of one item)."""
         d = self.dims
         n = x.shape[0]
-        qkv = _linear(x, blk.qkv_w, blk.qkv_b).reshape(n, 3, d.num_heads, d.head_dim)
+        qkv = linear(x, blk.qkv_w, blk.qkv_b).reshape(n, 3, d.num_heads, d.head_dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [n, heads, head_dim]
-        q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-        k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         scale = np.float32(d.head_dim ** -0.5)
         out = np.empty_like(q)
         for start, end in segments:
             for head in range(d.num_heads):  # one head at a time keeps the score matrix at seg x seg
                 qh, kh, vh = q[start:end, head], k[start:end, head], v[start:end, head]
-                out[start:end, head] = _softmax((qh @ kh.T) * scale) @ vh
-        return _linear(out.reshape(n, d.hidden_size), blk.proj_w, blk.proj_b)
+                out[start:end, head] = softmax((qh @ kh.T) * scale) @ vh
+        return linear(out.reshape(n, d.hidden_size), blk.proj_w, blk.proj_b)
 
     def _block(self, blk: _Block, x: np.ndarray, segments: list[tuple[int, int]],
                cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         x = x + self._attention(blk, _layer_norm(x, blk.norm1_w, blk.norm1_b), segments, cos, sin)
-        hidden = self.act(_linear(_layer_norm(x, blk.norm2_w, blk.norm2_b), blk.fc1_w, blk.fc1_b))
-        return x + _linear(hidden, blk.fc2_w, blk.fc2_b)
+        hidden = self.act(linear(_layer_norm(x, blk.norm2_w, blk.norm2_b), blk.fc1_w, blk.fc1_b))
+        return x + linear(hidden, blk.fc2_w, blk.fc2_b)
 
     def _merge(self, x: np.ndarray) -> np.ndarray:
         x = _layer_norm(x, self.merger_norm_w, self.merger_norm_b).reshape(-1, self.dims.merged_size)
-        x = gelu_exact(_linear(x, self.merger_fc1_w, self.merger_fc1_b))
-        return _linear(x, self.merger_fc2_w, self.merger_fc2_b).astype(np.float32)
+        x = gelu_exact(linear(x, self.merger_fc1_w, self.merger_fc1_b))
+        return linear(x, self.merger_fc2_w, self.merger_fc2_b).astype(np.float32)
 
     # -- entry point -------------------------------------------------------------------------------------------
 
@@ -449,7 +436,7 @@ class VisionTower:
                 start += h * w
         cos_all, sin_all = np.concatenate(cos), np.concatenate(sin)
 
-        x = _linear(pixel_values.astype(np.float32), self.patch_w, self.patch_b) + np.concatenate(pos)
+        x = linear(pixel_values.astype(np.float32), self.patch_w, self.patch_b) + np.concatenate(pos)
         for blk in self.blocks:
             x = self._block(blk, x, segments, cos_all, sin_all)
         return self._merge(x)
