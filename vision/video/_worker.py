@@ -136,11 +136,13 @@ def decode(container: Any, request: dict[str, Any], out: BinaryIO) -> None:
         if position < target:
             continue
         width, height = fit(frame.width, frame.height, request["max_pixels"])
-        rgb = frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
+        # one conversion even when this frame stands for several targets (frames skipped in a variable-rate file)
+        pixels = frame.reformat(width=width, height=height, format="rgb24").to_ndarray().tobytes()
+        rotation = rotation_of(frame)
         while targets and targets[0] <= position:
             index = targets.pop(0)
             send(out, {"type": "frame", "index": index, "time": frame.time, "width": width, "height": height,
-                       "rotation": rotation_of(frame)}, rgb.tobytes())
+                       "rotation": rotation}, pixels)
             sent += 1
     send(out, {"type": "done", "sent": sent, "missing": targets, "failure": failure if targets else ""})
 
