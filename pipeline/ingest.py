@@ -121,10 +121,15 @@ def _label(source: Source, name: str | None) -> str:
     return Path(source).name if isinstance(source, (str, os.PathLike)) else "upload"
 
 
+def _existing_in(s: Session, sha: str) -> Any:
+    """The known document with these bytes (id, status, kind, page_count), or None."""
+    return s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
+                     .where(Document.sha256 == sha)).first()
+
+
 def _existing(p: Pipeline, sha: str) -> Any:
     with p.db.read_session() as s:
-        return s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
-                         .where(Document.sha256 == sha)).first()
+        return _existing_in(s, sha)
 
 
 def _sniff_blob(p: Pipeline, sha: str, label: str) -> Sniffed:
@@ -269,8 +274,7 @@ def receive_file(
     except vision.MediaError as exc:
         refusal = exc
     with p.db.read_session() as s:
-        existing = s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
-                             .where(Document.sha256 == sha)).first()
+        existing = _existing_in(s, sha)
         usable = existing is not None and existing.status != DocumentStatus.failed.value
         kind = existing.kind if usable else sniffed.kind if sniffed else None
         schema_id = get_schema(s, resolve_schema_name(p, schema, kind)).id if usable or sniffed else None
