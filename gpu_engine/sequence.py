@@ -114,15 +114,11 @@ class Sequence:
 
     def positions(self, start: int, n: int) -> np.ndarray:
         """M-RoPE positions [3, n] of tokens [start, start + n): the processor's for the prompt, then i + rope_delta."""
-        if start >= self.prompt_len:  # generated tokens: the same position on all three axes
-            if n == 1:
-                return np.full((3, 1), start + self.prompt.rope_delta, dtype=np.int64)
-            return np.tile(np.arange(start, start + n, dtype=np.int64) + self.prompt.rope_delta, (3, 1))
         out = np.empty((3, n), dtype=np.int64)
         in_prompt = max(0, min(n, self.prompt_len - start))
         if in_prompt:
             out[:, :in_prompt] = self.prompt.positions[:, start : start + in_prompt]
-        if in_prompt < n:
+        if in_prompt < n:  # generated tokens: the same position on all three axes
             out[:, in_prompt:] = np.arange(start + in_prompt, start + n, dtype=np.int64) + self.prompt.rope_delta
         return out
 
