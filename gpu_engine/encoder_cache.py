@@ -17,6 +17,30 @@ from .inputs import VisionItem
 from .runner_api import VisionSlice
 
 
+def check_embeddings(item: VisionItem, emb: Any) -> None:
+    """An encoder must return one embedding row per placeholder token of the item."""
+    if emb.shape[0] != item.num_tokens:
+        raise ValueError(
+            f"vision encoder returned {emb.shape[0]} embeddings for an item with {item.num_tokens} placeholders"
+        )
+
+
+def chunk_slices(
+    items: list[VisionItem], start: int, end: int, embeddings: Callable[[VisionItem], Any]
+) -> list[VisionSlice]:
+    """The slices of `embeddings(item)` that fall in the chunk of tokens [start, end); items outside are skipped
+    (and not encoded)."""
+    out = []
+    for item in items:
+        lo = max(start, item.token_start)
+        hi = min(end, item.token_end)
+        if lo >= hi:
+            continue
+        emb = embeddings(item)
+        out.append(VisionSlice(chunk_offset=lo - start, embeddings=emb[lo - item.token_start : hi - item.token_start]))
+    return out
+
+
 class EncoderCache:
     def __init__(
         self,
@@ -71,10 +95,7 @@ class EncoderCache:
         self._evict_until(size)
         self.peak_bytes = max(self.peak_bytes, self.bytes_cached + int(item.pixel_values.nbytes) + size)
         emb = self._encode(item)
-        if emb.shape[0] != item.num_tokens:
-            raise ValueError(
-                f"vision encoder returned {emb.shape[0]} embeddings for an item with {item.num_tokens} placeholders"
-            )
+        check_embeddings(item, emb)
         self.encodes += 1
         self._entries[key] = (emb, size)
         self.bytes_cached += size
@@ -98,15 +119,7 @@ class EncoderCache:
 
     def slices(self, items: list[VisionItem], start: int, end: int) -> list[VisionSlice]:
         """Embedding slices for the chunk covering tokens [start, end) (items already reserved)."""
-        out = []
-        for item in items:
-            lo = max(start, item.token_start)
-            hi = min(end, item.token_end)
-            if lo >= hi:
-                continue
-            emb = self.get(item)
-            out.append(VisionSlice(chunk_offset=lo - start, embeddings=emb[lo - item.token_start : hi - item.token_start]))
-        return out
+        return chunk_slices(items, start, end, self.get)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
+from .encoder_cache import check_embeddings, chunk_slices
 from .inputs import ProcessedPrompt, VisionItem
 from .loader import ModelWeights, load_weights
 from .rope_index import text_positions
@@ -124,7 +125,7 @@ class LoadedModel:
         if step < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self._ensure_cache(total)
-        embeddings: dict[int, Any] = {}  # vision item index -> runner-native embeddings, encoded when first needed
+        embeddings: dict[str, Any] = {}  # content hash -> runner-native embeddings, encoded when first needed
         rows = []
         for begin in range(0, total, step):
             end = min(begin + step, total)
@@ -192,25 +193,21 @@ class LoadedModel:
         return self.runner.forward(StepBatch(chunks=[chunk])).logits
 
     def _vision_slices(
-        self, items: list[VisionItem], begin: int, end: int, cache: dict[int, Any]
+        self, items: list[VisionItem], begin: int, end: int, cache: dict[str, Any]
     ) -> list[VisionSlice]:
         """Embeddings of the vision items overlapping chunk [begin, end), encoding each item when first touched.
 
         The runner's own embeddings object is passed through (VisionSlice.embeddings is runner-native): a GPU
         runner's stay on the device, where converting them with np.asarray would copy them to the host and back."""
-        slices = []
-        for index, item in enumerate(items):
-            lo, hi = max(begin, item.token_start), min(end, item.token_end)
-            if lo >= hi:
-                continue
-            if index not in cache:
+
+        def embeddings(item: VisionItem) -> Any:
+            if item.content_hash not in cache:
                 emb = self.runner.encode_vision(item)
-                if emb.shape[0] != item.num_tokens:
-                    raise ValueError(f"vision encoder returned {emb.shape[0]} embeddings for an item with "
-                                     f"{item.num_tokens} placeholders")
-                cache[index] = emb
-            slices.append(VisionSlice(chunk_offset=lo - begin, embeddings=cache[index][lo - item.token_start:hi - item.token_start]))
-        return slices
+                check_embeddings(item, emb)
+                cache[item.content_hash] = emb
+            return cache[item.content_hash]
+
+        return chunk_slices(items, begin, end, embeddings)
 
 
 def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
