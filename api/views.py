@@ -4,11 +4,13 @@ The public shape is defined here, not by the tables: renaming a column must not 
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+# SQLite returns datetimes without a zone; everything is stored in UTC, so the API says so (`utc`).
+from pipeline.jobs import aware as utc
 from pipeline.models import Document, DocumentStatus, Job, Page, Result, Schema
 
 from .queries import DocumentSummary
@@ -149,13 +151,6 @@ class DeletedOut(BaseModel):
 # --- conversions ------------------------------------------------------------------------------------------------
 
 
-def utc(moment: datetime | None) -> datetime | None:
-    """SQLite returns datetimes without a zone; everything is stored in UTC, so say so in the API."""
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment
-
-
 def job_out(job: Job) -> JobOut:
     return JobOut(
         id=job.id, document_id=job.document_id, schema_name=job.schema.name, schema_version=job.schema.version,
@@ -165,13 +160,17 @@ def job_out(job: Job) -> JobOut:
     )
 
 
-def document_status(doc: Document) -> Status:
+def _status(doc_status: str, latest_job_state: str | None) -> Status:
     """failed when the file could not be read; otherwise the state of its latest job."""
-    if doc.status == DocumentStatus.failed.value:
+    if doc_status == DocumentStatus.failed.value:
         return "failed"
-    if not doc.jobs:
+    if latest_job_state is None:
         return "queued"  # a job is created right after intake
-    return doc.jobs[-1].state  # type: ignore[return-value]
+    return latest_job_state  # type: ignore[return-value]
+
+
+def document_status(doc: Document) -> Status:
+    return _status(doc.status, doc.jobs[-1].state if doc.jobs else None)
 
 
 def document_out(doc: Document) -> DocumentOut:
@@ -189,7 +188,7 @@ def summary_out(summary: DocumentSummary) -> DocumentOut:
                    state=j.state, attempts=j.attempts, error=j.error, created_at=utc(j.created_at),
                    started_at=utc(j.started_at), finished_at=utc(j.finished_at), model_seconds=j.model_seconds,
                    prompt_tokens=j.prompt_tokens, completion_tokens=j.completion_tokens) for j in summary.jobs]
-    status = "failed" if doc.status == DocumentStatus.failed.value else jobs[-1].state if jobs else "queued"
+    status = _status(doc.status, jobs[-1].state if jobs else None)
     return DocumentOut(
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
         size_bytes=doc.size_bytes, page_count=doc.page_count, status=status, error=doc.error,
