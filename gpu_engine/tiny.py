@@ -8,7 +8,6 @@ serves our tests, the demo and benchmarks. Same arguments -> byte-identical file
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import struct
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
-from .loader import INDEX_FILE, SINGLE_FILE, SUMS_FILE, checkpoint_name, expected_shapes
+from .loader import INDEX_FILE, SINGLE_FILE, SUMS_FILE, checkpoint_name, expected_shapes, sha256_file
 from .tiny_assets import write_processor_configs, write_tokenizer_files
 
 # Qwen3.5-like proportions at toy size: 3 DeltaNet layers then 1 gated full-attention layer, GQA 4:2,
@@ -204,7 +203,7 @@ def write_sums(folder: Path) -> None:
     """SHA256SUMS (`<hex>  <name>`, sha256sum format) over every other file of the folder."""
     lines = []
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != SUMS_FILE):
-        lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n")
+        lines.append(f"{sha256_file(path)}  {path.name}\n")
     (folder / SUMS_FILE).write_text("".join(lines))
 
 
