@@ -27,6 +27,7 @@ class MediaPage:
     - `frame_index`: the source frame number (video) or page/frame number in the file (PDF, TIFF).
     - `text`: the embedded text layer of a PDF page ("" when the page has none), None for rasters and frames.
       Read lazily on first access (callers that do not need it do not pay for it); still readable after close().
+      A damaged PDF whose text cannot be read raises `CorruptMediaError` here.
     - `error`: a `MediaError` for this page only, or None.
     - `warnings`: problems the decoder worked around on this page (e.g. MuPDF's "cannot load content" on a
       repaired PDF): the image exists but may be incomplete. Empty when the page decoded cleanly.

@@ -63,12 +63,18 @@ def _open(source: bytes | Path, name: str) -> pymupdf.Document:
         ) from exc
 
 
-def _page_text(doc: pymupdf.Document, number: int) -> str:
+def _page_text(doc: pymupdf.Document, number: int, name: str) -> str:
     # Bound to the MuPDF document, not to PdfDocument: a page whose text is still unread keeps the MuPDF document
     # alive after PdfDocument.close(), so `page.text` works whenever it is read.
     # MuPDF's content-stream order; sort=True (geometric order) costs ~10x more on text-heavy pages
     with _MUPDF:
-        return doc.load_page(number).get_text("text")
+        try:
+            return doc.load_page(number).get_text("text")
+        except Exception as exc:  # MuPDF raises several types (RuntimeError, ValueError) on a damaged page tree
+            raise CorruptMediaError(
+                f"the text of page {number + 1} of {name} cannot be read ({exc}); the file is damaged — export it "
+                f"again."
+            ) from exc
 
 
 def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int) -> float:
@@ -151,7 +157,12 @@ class PdfDocument(MediaDocument):
                     )
                 if not doc.authenticate(password):
                     raise WrongPasswordError(f"the password given for {name} is not accepted; check it and retry.")
-            count = doc.page_count
+            try:
+                count = doc.page_count
+            except RuntimeError as exc:  # a damaged page tree: MuPDF cannot count the pages
+                raise CorruptMediaError(
+                    f"{name} is a PDF whose page list cannot be read ({exc}); it is damaged — export it again."
+                ) from exc
             if count == 0:
                 raise CorruptMediaError(f"{name} is a PDF without any readable page; it is damaged or empty.")
             if count > limits.max_pages:
@@ -211,7 +222,7 @@ class PdfDocument(MediaDocument):
             dpi=scale * 72.0,
             frame_index=number,
             warnings=_take_warnings(),
-            _text_loader=functools.partial(_page_text, self._doc, number),
+            _text_loader=functools.partial(_page_text, self._doc, number, self._name),
         )
 
     def pages(self) -> Iterator[MediaPage]:
