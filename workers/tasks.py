@@ -25,7 +25,7 @@ from pipeline.rendering import render_for_job
 
 from . import runtime, staging
 from .app import app
-from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_WATCH
+from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_WATCH, WorkerSettings
 from .enqueue import enqueue_job
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
@@ -44,6 +44,11 @@ def _retry(task: Task, exc: BaseException, delay: float) -> Retry:
     a crash or a lost message would reset. If the retry cannot be published (broker down), Celery rejects the
     message; the job row stays `queued` and the reconciler sends it once the broker is back."""
     return task.retry(exc=exc, countdown=delay)
+
+
+def _next_backoff(task: Task, ws: WorkerSettings) -> float:
+    """The delay before this message's next retry after an infrastructure error (counted per message)."""
+    return backoff_seconds(task.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
 
 
 def _owner_still_dead(p: Any, job_id: int, owner: str) -> bool:
@@ -77,7 +82,7 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
                 log.error("job %s: giving up on this message after %d retries (%s); the reconciler will send the "
                           "job again once the database answers", job_id, self.request.retries, reason)
                 return {"job_id": job_id, "state": "unknown", "error": reason}
-            delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+            delay = _next_backoff(self, ws)
             raise _retry(self, exc, delay) from None
         state, attempts = found if found else ("missing", 0)
         if state == JobState.queued.value and is_permanent(exc):
@@ -113,7 +118,7 @@ def prepare(self: Task, job_id: int) -> dict[str, Any]:
             log.error("job %s: giving up on preparing it in this message (%s); the reconciler sends it again",
                       job_id, exc)
             return {"job_id": job_id, "state": "unknown", "error": f"{type(exc).__name__}: {exc}"}
-        delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+        delay = _next_backoff(self, ws)
         raise _retry(self, exc, delay) from None
     state = found[0] if found else "missing"
     if state == JobState.queued.value:
@@ -145,7 +150,7 @@ def ingest(self: Task, stage_id: str) -> dict[str, Any]:
         if self.request.retries >= ws.transient_max_retries:
             log.error("staged intake %s: giving up on this message (%s); the reconciler sends it again", stage_id, exc)
             return {"stage_id": stage_id, "outcome": "retry-later", "error": str(exc)}
-        delay = backoff_seconds(self.request.retries + 1, ws.retry_backoff_s, ws.retry_backoff_max_s)
+        delay = _next_backoff(self, ws)
         raise _retry(self, exc, delay) from None
     staging.remove(data_dir, stage_id)  # only now: until here the staged copy is the record of the submission
     return {"stage_id": stage_id, "outcome": out.outcome, "document_id": out.document_id, "job_id": out.job_id,
