@@ -172,6 +172,7 @@ class Engine:
 
         loaded = load(folder, runner=runner, expected_digests=expected_digests)
         tokenizer = Tokenizer.from_pretrained(folder)
+        loaded.use_tokenizer(tokenizer)
         eos = list(loaded.config.eos_token_ids) if getattr(loaded.config, "eos_token_ids", None) else None
         return cls(
             loaded.runner,

@@ -80,6 +80,11 @@ class LoadedModel:
     runner: Runner
     _capacity_tokens: int = field(default=0, repr=False)
     _processor: Any = field(default=None, repr=False)
+    _tokenizer: Any = field(default=None, repr=False)  # set by use_tokenizer(): shared with the processor
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Share a tokenizer the caller already loaded from this folder with the prompt processor."""
+        self._tokenizer = tokenizer
 
     # ------------------------------------------------------------------------------------------------ prompts
 
@@ -103,7 +108,7 @@ class LoadedModel:
         if self._processor is None:
             from .processor import Processor
 
-            self._processor = Processor.from_pretrained(self.path, self.config)
+            self._processor = Processor.from_pretrained(self.path, self.config, tokenizer=self._tokenizer)
         return self._processor.prepare(
             messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
         )

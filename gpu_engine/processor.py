@@ -578,14 +578,15 @@ class Processor:
         tokenizer.token_to_id(self.vision_end_token)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, model_config: Any = None) -> Processor:
+    def from_pretrained(cls, folder: str | Path, model_config: Any = None, tokenizer: Tokenizer | None = None) -> Processor:
         """Load tokenizer + processor configs from a checkpoint folder.
 
         `model_config` (gpu_engine.config.ModelConfig, optional) supplies the placeholder ids and the vision
-        merge size the model uses; they must agree with the tokenizer and processor configs.
+        merge size the model uses; they must agree with the tokenizer and processor configs. `tokenizer`: the
+        folder's tokenizer if the caller already loaded it (loading a 248k-token vocabulary takes a while).
         """
         folder = Path(folder)
-        tokenizer = Tokenizer.from_pretrained(folder)
+        tokenizer = tokenizer or Tokenizer.from_pretrained(folder)
         image_processor = ImageProcessor.from_pretrained(folder)
         video_processor = VideoProcessor.from_pretrained(folder)
         image_id = tokenizer.token_to_id(tokenizer.special_tokens.get("image_token", "<|image_pad|>"))

@@ -254,3 +254,11 @@ def test_cli_bench_writes_json(ckpt, tmp_path):
     result = json.loads(out.read_text())
     assert result["requests"] == 3 and result["generated_tokens_per_s"] > 0
     assert result["ttft_p50_s"] <= result["latency_p50_s"]
+
+
+def test_engine_and_prompt_processor_share_one_tokenizer(ckpt):
+    """The tokenizer (a 248k vocabulary for real checkpoints) is loaded once, not again by the processor."""
+    eng = Engine.from_pretrained(ckpt)
+    eng.prepare_prompt([{"role": "user", "content": "hello"}])
+    loaded = eng._prepare.__self__  # the LoadedModel whose processor served the prompt
+    assert loaded._processor.tokenizer is eng.tokenizer
