@@ -19,12 +19,15 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .engine import Engine, Prompt, RequestError
 from .params import RequestOutput, SamplingParams
+
+STATS_PERIOD_S = 0.1  # how stale AsyncEngine.stats() may be while the engine is busy
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class AsyncEngine:
         self._stats_lock = threading.Lock()
         self._submit_lock = threading.Lock()  # no request can slip in after the stop command
         self._stats: dict[str, Any] = engine.stats()
+        self._stats_at = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="gpu-engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -176,7 +180,8 @@ class AsyncEngine:
                 handle.cancel()
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters as of the last step (a copy; safe from any thread)."""
+        """Engine counters as of a recent step (at most STATS_PERIOD_S old while busy, exact once the engine is
+        idle; a copy; safe from any thread)."""
         with self._stats_lock:
             return dict(self._stats)
 
@@ -200,6 +205,11 @@ class AsyncEngine:
         self._wake.set()
 
     # ---------------------------------------------------------------- loop thread
+    def _refresh_stats(self, now: float) -> None:
+        snapshot = self.engine.stats()
+        with self._stats_lock:
+            self._stats, self._stats_at = snapshot, now
+
     def _loop(self) -> None:
         try:
             while True:
@@ -207,8 +217,11 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
-                    with self._stats_lock:
-                        self._stats = self.engine.stats()
+                    # stats() sorts latency windows: refresh the snapshot at most every STATS_PERIOD_S while busy
+                    # (a decode step can take ~2 ms) and always once the engine runs dry.
+                    now = time.monotonic()
+                    if now - self._stats_at >= STATS_PERIOD_S or not self.engine.has_unfinished():
+                        self._refresh_stats(now)
                 else:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

@@ -124,3 +124,16 @@ def test_failing_listener_does_not_stop_the_loop(front):
     assert h.result(timeout=30).finish_reason == "length"
     assert front.submit([3, 4], SamplingParams(max_tokens=3, ignore_eos=True)).result(timeout=30).finished
     assert front.is_running
+
+
+def test_stats_snapshot_is_exact_once_the_engine_runs_dry(front):
+    """stats() is refreshed at most every STATS_PERIOD_S while busy, but always once the work is done."""
+    handles = [front.submit(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts(12, seed=3)]
+    for h in handles:
+        h.result(timeout=30)
+    deadline = time.time() + 5
+    while front.stats()["running"] and time.time() < deadline:
+        time.sleep(0.005)
+    st = front.stats()
+    assert (st["running"], st["waiting"]) == (0, 0)
+    assert st["sampled_tokens"] == 12 * 5
