@@ -28,17 +28,8 @@ from .document import MediaDocument
 from .errors import CorruptMediaError, LimitExceededError, MediaError, UnsupportedMediaError
 from .limits import MediaLimits
 from .page import MediaPage
+from .sniff import IMAGE_FORMATS
 
-PILLOW_FORMAT = {
-    "image/jpeg": "JPEG",
-    "image/png": "PNG",
-    "image/apng": "PNG",
-    "image/tiff": "TIFF",
-    "image/webp": "WEBP",
-    "image/bmp": "BMP",
-    "image/gif": "GIF",
-    "image/heic": "HEIF",
-}
 # Makes the "HEIF" format known to Pillow (process-wide, harmless to other users). libheif applies the file's own
 # rotation ('irot') and resets the EXIF orientation, so exif_transpose below does not rotate twice.
 pillow_heif.register_heif_opener()
@@ -85,7 +76,7 @@ class ImageDocument(MediaDocument):
         self.media_type = media_type
         self._name = name
         self._limits = limits
-        fmt = PILLOW_FORMAT.get(media_type)
+        fmt = IMAGE_FORMATS.get(media_type)
         if fmt is None:
             raise UnsupportedMediaError(f"{name} is {media_type}, which is not an accepted image format.")
         fp = source if isinstance(source, Path) else io.BytesIO(source)

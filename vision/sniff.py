@@ -23,16 +23,21 @@ from .errors import AmbiguousMediaError, EmptyMediaError, UnsupportedMediaError
 SNIFF_BYTES = 8192  # filetype never looks further than this
 _PDF_HEADER_WINDOW = 1024  # PDF readers accept "%PDF-" anywhere in the first 1 KiB
 
+# Accepted image types and the Pillow format that must decode each one (raster.py checks the decoder agrees).
+IMAGE_FORMATS: dict[str, str] = {
+    "image/jpeg": "JPEG",
+    "image/png": "PNG",
+    "image/apng": "PNG",
+    "image/tiff": "TIFF",
+    "image/webp": "WEBP",
+    "image/bmp": "BMP",
+    "image/gif": "GIF",
+    "image/heic": "HEIF",
+}
+
 ACCEPTED: dict[str, MediaKind] = {
     "application/pdf": "pdf",
-    "image/jpeg": "image",
-    "image/png": "image",
-    "image/apng": "image",
-    "image/tiff": "image",
-    "image/webp": "image",
-    "image/bmp": "image",
-    "image/gif": "image",
-    "image/heic": "image",
+    **{media_type: "image" for media_type in IMAGE_FORMATS},
     "video/mp4": "video",
     "video/x-m4v": "video",
     "video/quicktime": "video",
