@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules (hf_reference_bench)
 
 from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
@@ -112,8 +113,10 @@ def random_bf16_weights(config, rng: np.random.Generator):
 
 
 def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...], decode_steps: int,
-                copy_GBps: float) -> dict:
-    """Prefill (one chunk per prompt length) and batch-1 decode of one shape with random bf16 weights."""
+                copy_GBps: float, batches: tuple[int, ...] = (1, 8, 32)) -> dict:
+    """Prefill (one chunk per prompt length), batch-1 decode (eager, graphs, replay) and decode at each batch
+    size of `batches` (forward() with graphs, every sequence at ~prompt_lens[0] tokens of context) of one shape
+    with random bf16 weights."""
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
@@ -124,14 +127,20 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     t0 = time.perf_counter()
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
-    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (12 << 30))
+    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (24 << 30))
     del weights
     out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.w.nbytes,
                  "setup_s": time.perf_counter() - t0}
     bs, short = 16, prompt_lens[0]
     blocks_per_seq = (max(prompt_lens) + 4 * decode_steps + 64) // bs + 1
-    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks_per_seq * 2, block_size=bs, num_state_slots=2))
+    # the batched-decode sequences (2 .. 1 + max batch) hold a short prompt and every batch's decode steps
+    blocks_short = (short + len(batches) * (decode_steps + 1) + 64) // bs + 1
+    pool = max(batches, default=0)
+    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks_per_seq * 2 + blocks_short * pool, block_size=bs,
+                                    num_state_slots=2 + pool))
     tables = [np.arange(blocks_per_seq, dtype=np.int32), np.arange(blocks_per_seq, 2 * blocks_per_seq, dtype=np.int32)]
+    tables += [np.arange(2 * blocks_per_seq + i * blocks_short, 2 * blocks_per_seq + (i + 1) * blocks_short,
+                         dtype=np.int32) for i in range(pool)]
     cfg = config.text
     try:
         last = None
@@ -173,6 +182,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
             out[key] = time_ms(ctx, captured.replay, warmup=3, reps=30)
             captured.close()
         ctx.device.pdl = False
+        out.update(_batched_decode(runner, rng, tables, short, batches, decode_steps))
         # bytes one decode token must move: every weight once (the embedding table only when it is also the LM
         # head), DeltaNet states read + written, this sequence's KV read
         state = 2 * runner.state_bytes_per_slot()
@@ -180,9 +190,61 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
         weights_read = runner.w.nbytes - (0 if tied else runner.w.embed.nbytes)
         out["decode_bytes"] = weights_read + state + kv
         out["roofline_ms"] = out["decode_bytes"] / copy_GBps / 1e6
+        for b in batches:  # one step of b sequences: weights once, every sequence's state and KV
+            out[f"decode_b{b}_bytes"] = weights_read + b * (state + kv)
+            out[f"decode_b{b}_roofline_ms"] = out[f"decode_b{b}_bytes"] / copy_GBps / 1e6
     finally:
         runner.close()
     return out
+
+
+def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], context: int,
+                    batches: tuple[int, ...], steps: int) -> dict:
+    """Decode steps of b sequences at once (forward() with graphs, as the engine calls it), for each b.
+    Sequences 2 .. 1 + max(batches) (slots and tables of the same index) are first prefilled with `context`
+    random tokens each, in steps of at most 8192 tokens; each batch size then continues the first b of them.
+    Median step time over the steps after the first 3 (the eager runs before the decode graph is captured)."""
+    from gpu_engine.runner_api import SeqChunk, StepBatch
+
+    out: dict = {}
+    pool = max(batches, default=0)
+    if pool == 0:
+        return out
+    vocab = runner.cfg.vocab_size
+    seqs = list(range(2, 2 + pool))
+    per_step = max(1, 8192 // context)
+    tokens: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for first in range(0, pool, per_step):
+        group = seqs[first:first + per_step]
+        chunks = [SeqChunk(s, rng.integers(0, vocab, context), np.tile(np.arange(context), (3, 1)), 0, tables[s], s)
+                  for s in group]
+        logits = runner.forward(StepBatch(chunks)).logits
+        tokens.update({s: int(np.argmax(logits[i])) for i, s in enumerate(group)})
+    _sync(runner)
+    out["decode_batch_prefill_s"] = time.perf_counter() - t0
+    length = {s: context for s in seqs}
+    for b in batches:
+        times = []
+        for _ in range(steps):
+            chunks = [SeqChunk(s, np.array([tokens[s]]), np.full((3, 1), length[s]), length[s], tables[s], s)
+                      for s in seqs[:b]]
+            t0 = time.perf_counter()
+            logits = runner.forward(StepBatch(chunks)).logits  # returns with the logits on the host
+            times.append(time.perf_counter() - t0)
+            for i, s in enumerate(seqs[:b]):
+                tokens[s] = int(np.argmax(logits[i]))
+                length[s] += 1
+        ms = 1e3 * float(np.median(times[3:]))
+        out[f"decode_b{b}_forward_ms"] = ms
+        out[f"decode_b{b}_tok_s"] = 1e3 * b / ms
+    return out
+
+
+def _sync(runner) -> None:
+    ctx = getattr(runner, "ctx", None)  # the CPU reference runner (tests) has no device to wait for
+    if ctx is not None:
+        ctx.device.sync()
 
 
 def graph_time_us(ctx: GpuContext, fn: Callable[[], None], copies: int = 20) -> float:
@@ -291,13 +353,45 @@ def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict
     return out
 
 
+def _hf_rows(name: str, hf: dict, ours: dict | None) -> list[tuple[str, str]]:
+    """Table rows for one transformers shape, with our speed-up where we measured the same thing."""
+    if "error" in hf:
+        return [(f"transformers {name}", "failed: " + (hf["error"].strip().splitlines() or ["?"])[-1][:200])]
+    rows = []
+    for key in sorted(k for k in hf if k.startswith("prefill_") and k.endswith("_tok_s")):
+        length = key.split("_")[1]
+        ratio = f", ours {ours[key] / hf[key]:.1f}x" if ours and key in ours else ""
+        rows.append((f"transformers {name}: prefill 1 x {length} tokens", f"{hf[key]:.0f} tok/s{ratio}"))
+    for key in sorted((k for k in hf if k.startswith("decode_b") and k.endswith("_tok_s")),
+                      key=lambda k: int(k[len("decode_b"):-len("_tok_s")])):
+        b = key[len("decode_b"):-len("_tok_s")]
+        ratio = f", ours {ours[key] / hf[key]:.1f}x" if ours and key in ours else ""
+        rows.append((f"transformers {name}: decode b={b} (generate)", f"{hf[f'decode_b{b}_ms']:.1f} ms/step = "
+                                                                        f"{hf[key]:.1f} tok/s{ratio}"))
+    if "peak_bytes" in hf:
+        rows.append((f"transformers {name}: peak torch memory", f"{hf['peak_bytes'] / 2**30:.1f} GiB"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--no-model", action="store_true", help="ceilings only, no model shapes")
-    parser.add_argument("--shapes", default="2b,9b,27b", help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--shapes", default="2b,9b,27b", help="our runner: comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (ours and transformers)")
+    parser.add_argument("--hf-shapes", default="9b,27b",
+                        help="transformers on the same card and configs, one child process per shape ('' = none)")
+    parser.add_argument("--hf-prefill", default="1024,8192", help="transformers batch-1 prefill lengths")
+    parser.add_argument("--hf-steps", type=int, default=6, help="transformers decode steps timed per batch size")
     args = parser.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(",") if b)
+    hf_shapes = [s for s in args.hf_shapes.split(",") if s]
+    for name in [*args.shapes.split(","), *hf_shapes]:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    if not batches or min(batches) < 1 or args.hf_steps < 2:
+        parser.error("--batches needs positive sizes and --hf-steps must be >= 2")
     rng = np.random.default_rng()
     try:
         ctx = GpuContext(budget_bytes=(8 << 30) if not args.quick else (1 << 30))
@@ -334,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.close()
     for name in [] if args.no_model else args.shapes.split(","):
         lens = (1024, 8192) if not args.quick else (128,)
-        dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"])
+        dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"], batches if not args.quick else (1, 4))
         results[f"model_{name}"] = dec
         if args.json:  # keep what is done if a later shape runs out of time
             Path(args.json).write_text(json.dumps(results, indent=1))
@@ -348,6 +442,22 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{name}: decode b=1, {label}",
                          f"{ms:.3f} ms = {1e3 / ms:.0f} tok/s, {100 * dec['roofline_ms'] / ms:.0f}% of HBM roofline"))
         rows.append((f"{name}: decode roofline", f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
+        for b in (batches if not args.quick else (1, 4)):
+            ms = dec[f"decode_b{b}_forward_ms"]
+            rows.append((f"{name}: decode b={b}, forward(), graphs",
+                         f"{ms:.3f} ms/step = {dec[f'decode_b{b}_tok_s']:.0f} tok/s, "
+                         f"{100 * dec[f'decode_b{b}_roofline_ms'] / ms:.0f}% of HBM roofline"))
+    for name in hf_shapes:
+        from hf_reference_bench import run_child
+
+        text_cfg, tied = SHAPES[name]
+        hf = run_child(text_cfg, tied, prefill=[int(x) for x in args.hf_prefill.split(",") if x], batches=list(batches),
+                       context=1024, steps=args.hf_steps)
+        results[f"transformers_{name}"] = hf
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        print(f"transformers {name}: " + json.dumps(hf)[:3000], flush=True)
+        rows += _hf_rows(name, hf, results.get(f"model_{name}"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(info))

@@ -1,0 +1,114 @@
+"""A model folder the engine loads like a real checkpoint, at real size, with random bf16 weights, written fast.
+
+    write_random_model_dir(folder, text_config, vision_config, tied=True)
+
+What goes in: config.json, generation_config.json, the bundled byte-level tokenizer + chat template
+(gpu_engine.tiny_assets: ~2.1k ids), the image/video processor configs with the given pixel budgets, and one
+model.safetensors in BF16. The embedding keeps the config's vocab_size (e.g. 248320) even though the tokenizer
+uses only its first ids: the engine sizes everything by config.json and decodes ids the tokenizer does not know
+to nothing, so decode cost (LM head, sampling) is that of the real vocabulary.
+Weights: every tensor is written straight from one tiled block of random bf16 bit patterns (values ~N(0, 0.02),
+as bench/cuda_bench.random_bf16_weights), with no float32 copy of the model; plain-scale norms (the DeltaNet gated
+norm, the vision LayerNorms) are 1, DeltaNet A_log = log U(1, 16) and dt_bias = 1 as in real checkpoints.
+No SHA256SUMS unless asked (the loader then hashes the files once, for the fingerprint).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpu_engine.config import ModelConfig
+from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+from gpu_engine.loader import SINGLE_FILE, checkpoint_name, expected_shapes
+from gpu_engine.tiny import write_sums
+from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
+
+BF16_ONE = 0x3F80
+_BLOCK_ELEMS = 1_000_003  # odd length: tiled rows of a matrix do not repeat column-aligned
+
+
+def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], vision_config: dict[str, Any], *,
+                           tied: bool, seed: int = 0, image_min_pixels: int = 64 * 32 * 32,
+                           image_max_pixels: int = 1024 * 1024, sums: bool = False) -> Path:
+    """Write the folder (created if needed) and return it. text_config / vision_config: Qwen3.5 config keys."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer_files(folder)
+    text = {"model_type": "qwen3_5_text", "eos_token_id": vocab.eos_token_id, "pad_token_id": vocab.pad_token_id,
+            **text_config}
+    text.setdefault("vocab_size", vocab.vocab_size)
+    if text["vocab_size"] < vocab.vocab_size:
+        raise ValueError(f"vocab_size {text['vocab_size']} is smaller than the bundled tokenizer's "
+                         f"{vocab.vocab_size} ids")
+    vision = {"model_type": "qwen3_5_vision", **vision_config}
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "dtype": "bfloat16",
+        "text_config": text, "vision_config": vision, "tie_word_embeddings": tied,
+        "image_token_id": vocab.image_token_id, "video_token_id": vocab.video_token_id,
+        "vision_start_token_id": vocab.vision_start_token_id, "vision_end_token_id": vocab.vision_end_token_id,
+    }
+    _write_json(folder / "config.json", config)
+    _write_json(folder / "generation_config.json", {"eos_token_id": [vocab.eos_token_id, vocab.endoftext_token_id],
+                                                    "pad_token_id": vocab.pad_token_id})
+    write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+                            merge_size=vision["spatial_merge_size"], image_min_pixels=image_min_pixels,
+                            image_max_pixels=image_max_pixels)
+    shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(ModelConfig.from_pretrained(folder)).items()}
+    write_bf16_safetensors(folder / SINGLE_FILE, shapes, random_bf16_tensors(shapes, seed))
+    if sums:
+        write_sums(folder)
+    return folder
+
+
+def random_bf16_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, uint16 bf16 bit patterns) in sorted name order, one tensor at a time."""
+    rng = np.random.default_rng(seed)
+    block = f32_to_bf16_bits(rng.standard_normal(_BLOCK_ELEMS).astype(np.float32) * 0.02)
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("A_log"):
+            yield name, f32_to_bf16_bits(np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32))
+        elif name.endswith("dt_bias") or _is_plain_scale_norm(name):
+            yield name, np.full(shape, BF16_ONE, np.uint16)
+        else:
+            offset = int(rng.integers(_BLOCK_ELEMS))  # tensors of the same shape differ
+            yield name, np.resize(np.roll(block, offset), shape)
+
+
+def _is_plain_scale_norm(name: str) -> bool:
+    """Norm weights used as a plain scale (1 = identity). The decoder's RMSNorms are zero-centred (weight + 1),
+    so their random ~0.02 values are already near identity."""
+    if name.endswith("linear_attn.norm.weight"):
+        return True
+    return name.startswith("model.visual.") and name.endswith(("norm1.weight", "norm2.weight", "norm.weight"))
+
+
+def write_bf16_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
+                           tensors: Iterator[tuple[str, np.ndarray]]) -> None:
+    """A safetensors file of BF16 tensors (sorted names), the header written first from the shapes, the data
+    streamed after it: at most one tensor is in memory at a time."""
+    names = sorted(shapes)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        nbytes = 2 * int(np.prod(shapes[name], dtype=np.int64))
+        header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for expected, (name, data) in zip(names, tensors, strict=True):
+            if name != expected or data.dtype != np.uint16 or data.shape != tuple(shapes[name]):
+                raise ValueError(f"tensor {name} {data.dtype} {data.shape} does not match {expected} {shapes[expected]}")
+            np.ascontiguousarray(data).tofile(f)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
