@@ -18,6 +18,7 @@ import numpy as np
 from .errors import CudaUnavailable, KernelCompileError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
+_DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel may take without opting in
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
@@ -130,6 +131,7 @@ class CudaDevice:
         self.cache = cache or ModuleCache()
         self._modules: dict[str, Any] = {}
         self._kernels: dict[tuple[str, str], Any] = {}
+        self._shared_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory raised per kernel
         self._allocations: list[int] = []
         # Launch kernels with programmatic dependent launch (see pdl_entry in kernels/common.cuh); sm_90+ only.
         self.pdl = False
@@ -169,9 +171,22 @@ class CudaDevice:
     def launch(self, family: str, name: str, grid: Any, block: Any, *args: Any, shmem: int = 0,
                stream: Any = None) -> None:
         core = self._core
+        if shmem > _DEFAULT_SHARED_LIMIT:
+            self._allow_shared(family, name, shmem)
         config = core.LaunchConfig(grid=grid, block=block, shmem_size=shmem,
                                    programmatic_stream_serialization=self.pdl)
         core.launch(stream or self.stream, config, self.kernel(family, name), *args)
+
+    def _allow_shared(self, family: str, name: str, nbytes: int) -> None:
+        """Raise a kernel's dynamic shared memory limit above the default 48 KiB (once per kernel and size)."""
+        if self._shared_limits.get((family, name), 0) >= nbytes:
+            return
+        driver = self._driver
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(driver.cuKernelSetAttribute(attr, nbytes, self.kernel(family, name).handle,
+                                          driver.CUdevice(self.dev.device_id)),
+              f"cuKernelSetAttribute(max dynamic shared memory {nbytes}) of {name}")
+        self._shared_limits[(family, name)] = nbytes
 
     # ---- memory ------------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:

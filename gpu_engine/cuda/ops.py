@@ -167,7 +167,18 @@ def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache:
 
 
 FLASH_HEAD_DIMS = (64, 128, 256)  # instantiated in kernels/flash_prefill.cu
-FLASH_TILE = 32  # query rows per tile
+FLASH_TILE = 64  # query rows per tile (FP_ROWS in flash_prefill.cu: 4 warps x 16 rows)
+FLASH_MAX_TILES = 65535  # the tile index is gridDim.y
+
+
+def flash_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of flash_prefill_bf16_hd<head_dim> (FlashShape<HD>::SMEM_BYTES in the kernel, which
+    traps if it gets less): double-buffered K and V tiles of `keys` rows, plus the Q tile where Q does not live in
+    registers (head_dim 256); every row padded by 8 bf16."""
+    keys = 32 if head_dim >= 256 else 64
+    row = head_dim + 8
+    q_rows = 0 if head_dim <= 128 else FLASH_TILE
+    return 2 * (4 * keys * row + q_rows * row)
 
 
 def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
@@ -184,19 +195,26 @@ def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: 
                   token_pos: DArray, tiles: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int,
                   scale: float) -> None:
     """Same function as paged_attention for bf16 prefill chunks, on the tensor cores (see flash_prefill.cu).
-    tiles: i32 [T, 2] from flash_tiles(); each tile's tokens belong to one sequence, in position order."""
+    tiles: i32 [T, 2] from flash_tiles() (at most FLASH_TILE rows each); each tile's tokens belong to one sequence,
+    in position order. q rows, k_cache and v_cache are copied in 16-byte pieces: their addresses must be 16-byte
+    aligned and q_stride a multiple of 8 elements."""
     for arr in (out, q, gate, k_cache, v_cache):
         _need(arr, "bf16", "flash_prefill operand")
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos"),
                       (tiles, "tiles")):
         _need(arr, "i32", name)
-    if head_dim not in FLASH_HEAD_DIMS or heads % kv_heads or q_stride % 2:
-        raise ShapeError(f"flash_prefill supports head_dim {FLASH_HEAD_DIMS} with heads % kv_heads == 0 and an even "
-                         f"q stride (got {head_dim}, {heads}/{kv_heads}, {q_stride})")
-    ctx.device.launch("flash_prefill", f"flash_prefill_bf16_hd{head_dim}", (tiles.shape[0], heads), 128, out.ptr,
+    if head_dim not in FLASH_HEAD_DIMS or heads % kv_heads or q_stride % 8:
+        raise ShapeError(f"flash_prefill supports head_dim {FLASH_HEAD_DIMS} with heads % kv_heads == 0 and a q "
+                         f"stride that is a multiple of 8 (got {head_dim}, {heads}/{kv_heads}, {q_stride})")
+    if any(a.ptr % 16 for a in (q, k_cache, v_cache)):
+        raise ShapeError("flash_prefill needs 16-byte aligned q, k_cache and v_cache")
+    if len(tiles.shape) != 2 or tiles.shape[1] != 2 or not 0 < tiles.shape[0] <= FLASH_MAX_TILES:
+        raise ShapeError(f"flash_prefill tiles must be [1..{FLASH_MAX_TILES}, 2], got {tiles.shape}")
+    ctx.device.launch("flash_prefill", f"flash_prefill_bf16_hd{head_dim}", (heads, tiles.shape[0]), 128, out.ptr,
                       q.ptr, i64(q_stride), gate.ptr, i64(gate_stride), i32(gate_head_stride), k_cache.ptr,
                       v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr,
-                      tiles.ptr, i32(heads), i32(kv_heads), i32(block_size), f32(scale))
+                      tiles.ptr, i32(heads), i32(kv_heads), i32(block_size), f32(scale),
+                      shmem=flash_shared_bytes(head_dim))
 
 
 def attention_splits(ctx: GpuContext, n_tokens: int, heads: int) -> int:

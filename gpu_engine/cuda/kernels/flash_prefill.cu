@@ -1,16 +1,61 @@
-// Tiled causal attention for prefill chunks on the tensor cores (bf16 in, fp32 accumulate), over the paged cache.
+// Tiled causal attention for prefill chunks on the tensor cores (bf16 in, fp32 accumulate), over the paged cache,
+// FlashAttention-2 style.
 //
-// A tile is up to 32 consecutive query tokens of ONE sequence (host-built: tiles[t] = {first token, count}); the
-// grid is (tiles, query heads) with 4 warps per block. Warps 0,1 own query rows 0-15 and warps 2,3 rows 16-31;
-// within a pair each warp owns half of the head's output dims (so the O accumulator fits in registers) and both
-// compute the same 16 x 32 score block. Keys stream through shared memory 32 at a time (K row-major, V
-// transposed so that PV's B fragments are single 32-bit loads); online softmax in fp32; the causal mask uses each
-// query's absolute position. Output = softmax(q k^T * scale) v * sigmoid(gate), like paged_attention+combine.
-// mma.sync m16n8k16 fragment layouts follow the PTX ISA (groupID = lane / 4, tig = lane % 4).
+// A tile is up to FP_ROWS = 64 consecutive query tokens of ONE sequence (host-built: tiles[t] = {first token,
+// count}); the grid is (query heads, tiles) and a block has 4 warps, each owning 16 query rows and the whole head
+// width of O (no score is computed twice). The heads of one tile are neighbouring blocks, so the query heads that
+// share a KV head stream the same keys at about the same time and all but the first read them from L2. Tiles run
+// in reverse order: the last tiles of a chunk see the most keys, and starting them first evens out the tail.
+//
+// Keys and values stream through shared memory BN at a time with cp.async into two buffers (tile j+1 is in flight
+// while tile j is used); rows are padded by 16 bytes so that ldmatrix reads of 8 rows hit 8 different bank groups.
+// K fragments come from ldmatrix, V fragments from ldmatrix.trans (V stays row-major). Q lives in registers for
+// head dims <= 128; at 256 the O accumulator alone takes 128 registers a thread, so Q stays in shared memory and
+// its fragments are re-read per key tile. Key tiles past the tile's last position are never loaded (causal skip);
+// only tiles that reach past the first query's position are masked. Keys past the last position inside the final
+// tile are zero-filled (a NaN-free V), and masked scores are -inf.
+//
+// Online softmax in the exp2 domain (scores * scale * log2 e), fp32 running max and sum per row; P is rounded to
+// bf16 for the PV product. Output = softmax(q k^T * scale) v * sigmoid(gate), like paged_attention + combine.
+// mma.sync m16n8k16 / ldmatrix fragment layouts follow the PTX ISA (groupID g = lane / 4, tig = lane % 4).
 #include "common.cuh"
 
-#define FP_ROWS 32
-#define FP_KEYS 32
+#define FP_ROWS 64     // query rows per tile (4 warps x 16); ops.FLASH_TILE must match
+#define FP_THREADS 128
+#define FP_PAD 8       // bf16 elements of padding per shared-memory row (16 bytes)
+
+template <int HD> struct FlashShape {
+    static constexpr int BN = HD >= 256 ? 32 : 64;    // keys per step
+    static constexpr bool Q_IN_REGS = HD <= 128;
+    static constexpr int LD = HD + FP_PAD;             // shared row stride, elements
+    static constexpr int KV_TILE = BN * LD;            // elements of one K (or V) buffer
+    // K[2] + V[2] (+ Q): must equal ops.flash_shared_bytes(HD)
+    static constexpr int SMEM_BYTES = 2 * (4 * KV_TILE + (Q_IN_REGS ? 0 : FP_ROWS * LD));
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile(
@@ -24,38 +69,75 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)from_f<bf16_t>(lo) | ((unsigned)from_f<bf16_t>(hi) << 16);
 }
 
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
 template <int HD>
 __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate,
                                    long long gate_stride, int gate_head_stride, const bf16_t* k_cache,
                                    const bf16_t* v_cache, const int* block_tables, int max_blocks_per_seq,
                                    const int* token_seq, const int* token_pos, const int* tiles, int heads,
                                    int kv_heads, int block_size, float scale) {
+    using S = FlashShape<HD>;
+    constexpr int BN = S::BN, LD = S::LD, KSTEPS = HD / 16, NT_S = BN / 8, NT_O = HD / 8;
+    constexpr int CHUNKS_PER_ROW = HD / 8;                       // 16-byte chunks in a head row
+    constexpr int ROWS_PER_PASS = FP_THREADS / CHUNKS_PER_ROW;   // rows one pass of the block copies
+    static_assert(FP_THREADS % CHUNKS_PER_ROW == 0 && BN % ROWS_PER_PASS == 0, "copy layout");
+    extern __shared__ __align__(16) bf16_t smem[];
+    bf16_t* Ks = smem;                    // [2][BN][LD]
+    bf16_t* Vs = smem + 2 * S::KV_TILE;   // [2][BN][LD]
+    bf16_t* Qs = smem + 4 * S::KV_TILE;   // [FP_ROWS][LD] when !Q_IN_REGS
+
     pdl_entry();
-    constexpr int KSTEPS = HD / 16;      // k-steps of q k^T
-    constexpr int NT_OUT = HD / 2 / 8;   // output n-tiles per warp (half the dims)
-    __shared__ __align__(16) bf16_t Ks[FP_KEYS][HD + 8];   // +8: spread rows over banks
-    __shared__ __align__(16) bf16_t Vt[HD][FP_KEYS + 8];
-    const int tile = blockIdx.x, h = blockIdx.y;
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
+
+    const int h = blockIdx.x;
+    const int tile = gridDim.y - 1 - blockIdx.y;   // heaviest (latest) tiles first
     const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int row0 = (warp >> 1) * 16;            // this warp's first query row in the tile
-    const int dim0 = (warp & 1) * (HD / 2);       // this warp's first output dim
     const int kvh = h / (heads / kv_heads);
-    const int seq = token_seq[first];
-    const int* table = block_tables + (long long)seq * max_blocks_per_seq;
-    const int p_last = token_pos[first + count - 1];
+    const int* table = block_tables + (long long)token_seq[first] * max_blocks_per_seq;
+    const int p_first = token_pos[first], p_last = token_pos[first + count - 1];
     const long long row_width = (long long)kv_heads * HD;
+    const float sl = scale * 1.4426950408889634f;   // scores -> exp2 domain
 
-    // query rows g and g+8 of this warp: absolute positions (-1 = no such row)
-    const int ra = row0 + g, rb = row0 + g + 8;
+    // this warp's rows g and g+8: absolute positions (-1 = no such row)
+    const int ra = warp * 16 + g, rb = ra + 8;
     const int pa = ra < count ? token_pos[first + ra] : -1;
     const int pb = rb < count ? token_pos[first + rb] : -1;
 
-    unsigned qa[KSTEPS][4];
-    {
-        const unsigned* qra = (const unsigned*)(q + (first + (ra < count ? ra : 0)) * q_stride + (long long)h * HD);
-        const unsigned* qrb = (const unsigned*)(q + (first + (rb < count ? rb : 0)) * q_stride + (long long)h * HD);
+    // ---- async copy of key tile kt.. into buffer `buf` (K and V rows of the same slots)
+    const int copy_row0 = threadIdx.x / CHUNKS_PER_ROW, copy_d8 = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    const bf16_t* k_head = k_cache + (long long)kvh * HD + copy_d8;
+    const bf16_t* v_head = v_cache + (long long)kvh * HD + copy_d8;
+    const unsigned ks_base = smem_addr(Ks), vs_base = smem_addr(Vs);
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;   // the usual case: shift, not divide
+    const int bs_shift = __ffs(block_size) - 1;
+    auto load_kv = [&](int kt, int buf) {
+#pragma unroll
+        for (int i = 0; i < BN / ROWS_PER_PASS; ++i) {
+            const int r = copy_row0 + i * ROWS_PER_PASS, kp = kt + r;
+            const bool valid = kp <= p_last;
+            long long off = 0;
+            if (valid) {
+                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+                off = ((long long)table[blk] * block_size + (kp - blk * block_size)) * row_width;
+            }
+            const unsigned so = (unsigned)((buf * S::KV_TILE + r * LD + copy_d8) * 2);
+            cp_async16(ks_base + so, k_head + off, valid ? 16 : 0);
+            cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
+        }
+    };
+
+    // ---- Q: registers (hd <= 128, straight from global) or shared memory (hd 256, with the first K/V tile)
+    unsigned qa[S::Q_IN_REGS ? KSTEPS : 1][4];
+    if constexpr (S::Q_IN_REGS) {
+        const unsigned* qra = (const unsigned*)(q + (first + (pa >= 0 ? ra : 0)) * q_stride + (long long)h * HD);
+        const unsigned* qrb = (const unsigned*)(q + (first + (pb >= 0 ? rb : 0)) * q_stride + (long long)h * HD);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             qa[kk][0] = pa >= 0 ? qra[kk * 8 + tig] : 0u;
@@ -63,98 +145,125 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
             qa[kk][2] = pa >= 0 ? qra[kk * 8 + 4 + tig] : 0u;
             qa[kk][3] = pb >= 0 ? qrb[kk * 8 + 4 + tig] : 0u;
         }
-    }
-    float o[NT_OUT][4];
+    } else {
+        const unsigned qs_base = smem_addr(Qs);
 #pragma unroll
-    for (int nt = 0; nt < NT_OUT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+        for (int i = 0; i < FP_ROWS / ROWS_PER_PASS; ++i) {
+            const int r = copy_row0 + i * ROWS_PER_PASS;
+            const bool valid = r < count;
+            const bf16_t* src = q + (first + (valid ? r : 0)) * q_stride + (long long)h * HD + copy_d8;
+            cp_async16(qs_base + (unsigned)((r * LD + copy_d8) * 2), src, valid ? 16 : 0);
+        }
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
-    for (int kt = 0; kt <= p_last; kt += FP_KEYS) {
-        // ---- stage 32 keys: K rows as they are, V transposed (16-byte global loads)
-        constexpr int CHUNKS = FP_KEYS * HD / 8;
-        for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
-            const int key = c / (HD / 8), d8 = (c % (HD / 8)) * 8;
-            const int kp = kt + key;
-            uint4 kv4 = make_uint4(0u, 0u, 0u, 0u), vv4 = make_uint4(0u, 0u, 0u, 0u);
-            if (kp <= p_last) {
-                const long long slot = (long long)table[kp / block_size] * block_size + kp % block_size;
-                const long long off = slot * row_width + (long long)kvh * HD + d8;
-                kv4 = *(const uint4*)(k_cache + off);
-                vv4 = *(const uint4*)(v_cache + off);
-            }
-            *(uint4*)&Ks[key][d8] = kv4;
-            const bf16_t* vv = (const bf16_t*)&vv4;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) Vt[d8 + i][key] = vv[i];
+    // per-lane ldmatrix offsets (elements within a buffer)
+    const int mat = lane >> 3, mrow = lane & 7;
+    const int k_lane = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;   // K: 2 key n-tiles x (dims lo, hi)
+    const int v_lane = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;   // V: (keys lo, hi) x 2 dim n-tiles
+    const int q_lane = (warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+
+    const int n_kt = p_last / BN + 1;   // key tiles 0 .. the one holding p_last (causal skip beyond)
+    load_kv(0, 0);
+    cp_async_commit();
+    for (int j = 0; j < n_kt; ++j) {
+        const int kt = j * BN, buf = j & 1;
+        if (j + 1 < n_kt) {
+            load_kv(kt + BN, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        // ---- scores for 16 rows x 32 keys
-        float s[4][4];
+        const unsigned kb = ks_base + (unsigned)(buf * S::KV_TILE * 2), vb = vs_base + (unsigned)(buf * S::KV_TILE * 2);
+
+        // ---- scores: 16 rows x BN keys
+        float s[NT_S][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const unsigned b0 = *(const unsigned*)&Ks[j * 8 + g][kk * 16 + tig * 2];
-                const unsigned b1 = *(const unsigned*)&Ks[j * 8 + g][kk * 16 + 8 + tig * 2];
-                mma_bf16(s[j], qa[kk], b0, b1);
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            unsigned a[4];
+            if constexpr (S::Q_IN_REGS) {
+                a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
+            } else {
+                ldsm_x4(a, smem_addr(Qs) + (unsigned)((q_lane + kk * 16) * 2));
+            }
+#pragma unroll
+            for (int np = 0; np < NT_S / 2; ++np) {
+                unsigned b[4];
+                ldsm_x4(b, kb + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
+                mma_bf16(s[2 * np], a, b[0], b[1]);
+                mma_bf16(s[2 * np + 1], a, b[2], b[3]);
             }
         }
-        // ---- mask, online softmax (rows g and g+8; the 4 lanes of a group share a row)
-        float mx_a = NEG_INF, mx_b = NEG_INF;
+
+        // ---- causal mask (only tiles reaching past the first query's position), row maxima
+        if (kt + BN - 1 > p_first) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+            for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int key = kt + j * 8 + tig * 2 + c;
-                s[j][c] = key <= pa ? s[j][c] * scale : NEG_INF;
-                s[j][2 + c] = key <= pb ? s[j][2 + c] * scale : NEG_INF;
-                mx_a = fmaxf(mx_a, s[j][c]);
-                mx_b = fmaxf(mx_b, s[j][2 + c]);
-            }
+                for (int c = 0; c < 2; ++c) {
+                    const int key = kt + nt * 8 + tig * 2 + c;
+                    if (key > pa) s[nt][c] = NEG_INF;
+                    if (key > pb) s[nt][2 + c] = NEG_INF;
+                }
+        }
+        float mx_a = m_a, mx_b = m_b;
 #pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
+        for (int nt = 0; nt < NT_S; ++nt) {
+            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
             mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
             mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
         }
-        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-        const float use_a = mn_a == NEG_INF ? 0.0f : mn_a, use_b = mn_b == NEG_INF ? 0.0f : mn_b;
-        const float corr_a = expf(m_a - use_a), corr_b = expf(m_b - use_b);
-        m_a = mn_a;
-        m_b = mn_b;
+        // a row with no visible key so far keeps max -inf: subtract 0 instead (its p and corr are then 0)
+        const float base_a = (mx_a == NEG_INF ? 0.0f : mx_a) * sl, base_b = (mx_b == NEG_INF ? 0.0f : mx_b) * sl;
+        const float corr_a = exp2f(m_a * sl - base_a), corr_b = exp2f(m_b * sl - base_b);
+        m_a = mx_a;
+        m_b = mx_b;
         l_a *= corr_a;
         l_b *= corr_b;
 #pragma unroll
-        for (int nt = 0; nt < NT_OUT; ++nt) {
+        for (int nt = 0; nt < NT_O; ++nt) {
             o[nt][0] *= corr_a;
             o[nt][1] *= corr_a;
             o[nt][2] *= corr_b;
             o[nt][3] *= corr_b;
         }
-        unsigned pa_frag[2][4];
+        // ---- P (bf16 A fragments: score n-tiles 2k, 2k+1 make k-step k) and O += P V
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float p0 = expf(s[j][0] - use_a), p1 = expf(s[j][1] - use_a);
-            const float p2 = expf(s[j][2] - use_b), p3 = expf(s[j][3] - use_b);
-            l_a += p0 + p1;
-            l_b += p2 + p3;
-            // score n-tile j -> A fragment of k-step j/2 (P columns = keys)
-            pa_frag[j >> 1][(j & 1) * 2 + 0] = pack_bf16(p0, p1);
-            pa_frag[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
-        }
-        // ---- O += P V over this warp's dims
+        for (int k2 = 0; k2 < BN / 16; ++k2) {
+            unsigned pf[4];
 #pragma unroll
-        for (int nt = 0; nt < NT_OUT; ++nt) {
-            const int d = dim0 + nt * 8 + g;
+            for (int half = 0; half < 2; ++half) {
+                const int nt = 2 * k2 + half;
+                const float p0 = exp2f(fmaf(s[nt][0], sl, -base_a)), p1 = exp2f(fmaf(s[nt][1], sl, -base_a));
+                const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
+                l_a += p0 + p1;
+                l_b += p2 + p3;
+                pf[half * 2 + 0] = pack_bf16(p0, p1);
+                pf[half * 2 + 1] = pack_bf16(p2, p3);
+            }
 #pragma unroll
-            for (int k2 = 0; k2 < 2; ++k2) {
-                const unsigned b0 = *(const unsigned*)&Vt[d][k2 * 16 + tig * 2];
-                const unsigned b1 = *(const unsigned*)&Vt[d][k2 * 16 + 8 + tig * 2];
-                mma_bf16(o[nt], pa_frag[k2], b0, b1);
+            for (int dp = 0; dp < NT_O / 2; ++dp) {
+                unsigned b[4];
+                ldsm_x4_trans(b, vb + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
+                mma_bf16(o[2 * dp], pf, b[0], b[1]);
+                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
         }
-        __syncthreads();  // Ks / Vt are refilled next
+        __syncthreads();  // this buffer is refilled by the next iteration's copy
     }
+
     // ---- normalise, gate, store
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
@@ -168,23 +277,19 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
         const long long tok = first + r;
         const float inv_l = 1.0f / (half ? l_b : l_a);
         const bf16_t* gh = gate + tok * gate_stride + (long long)h * gate_head_stride;
-        bf16_t* oh = out + tok * heads * HD + (long long)h * HD;
+        unsigned* oh = (unsigned*)(out + tok * heads * HD + (long long)h * HD);
 #pragma unroll
-        for (int nt = 0; nt < NT_OUT; ++nt) {
-            const int d = dim0 + nt * 8 + tig * 2;
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-                oh[d + c] = from_f<bf16_t>(o[nt][half * 2 + c] * inv_l * sigmoidf(to_f(gh[d + c])));
+        for (int nt = 0; nt < NT_O; ++nt) {
+            const int d = nt * 8 + tig * 2;
+            const float v0 = o[nt][half * 2] * inv_l * sigmoidf(to_f(gh[d]));
+            const float v1 = o[nt][half * 2 + 1] * inv_l * sigmoidf(to_f(gh[d + 1]));
+            oh[d >> 1] = pack_bf16(v0, v1);
         }
     }
 }
 
-// pa_frag layout check: A fragment regs are {a0a1: row g, k 0-7 part; a2a3: row g+8; a4a5: row g, k 8-15;
-// a6a7: row g+8}. Score n-tile 2*k2 holds keys k2*16 + 0..7 and n-tile 2*k2+1 keys k2*16 + 8..15, so tile j
-// fills regs (j&1)*2 + {0: row g, 1: row g+8} of k-step j/2.
-
 #define DEFINE(HD)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) flash_prefill_bf16_hd##HD(                                  \
+    extern "C" __global__ void __launch_bounds__(FP_THREADS, 2) flash_prefill_bf16_hd##HD(                        \
         bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate, long long gate_stride,              \
         int gate_head_stride, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,              \
         int max_blocks_per_seq, const int* token_seq, const int* token_pos, const int* tiles, int heads,          \
