@@ -164,3 +164,31 @@ def token_reference_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.nda
         out[r] = o
         new_state[slot] = S.transpose(0, 2, 1)
     return out, new_state
+
+
+def token_reference_fast(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray, b: np.ndarray,
+                         A_log: np.ndarray, dt_bias: np.ndarray, state: np.ndarray, cu_seqlens: np.ndarray,
+                         state_slots: np.ndarray, fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """token_reference_batch vectorised over the heads (same float64 token-by-token rule, written again from the
+    header's formulas): fast enough for 8192 tokens x 48 heads. CPU-tested against token_reference_batch."""
+    n, VH, dv = v.shape
+    KH, dk = q.shape[1], q.shape[2]
+    rep = VH // KH
+    qf, kf = q.astype(np.float64), k.astype(np.float64)
+    qn = qf / np.sqrt((qf * qf).sum(-1, keepdims=True) + 1e-6) / np.sqrt(dk)
+    kn = kf / np.sqrt((kf * kf).sum(-1, keepdims=True) + 1e-6)
+    qn, kn = np.repeat(qn, rep, axis=1), np.repeat(kn, rep, axis=1)  # [n, VH, dk]
+    decay = np.exp(-np.exp(A_log.astype(np.float64)) * _softplus(a.astype(np.float64) + dt_bias.astype(np.float64)))
+    beta = 1.0 / (1.0 + np.exp(-b.astype(np.float64)))
+    out = np.zeros((n, VH, dv))
+    new_state = state.astype(np.float64).copy()
+    for s in range(len(state_slots)):
+        slot = int(state_slots[s])
+        St = np.zeros((VH, dv, dk)) if fresh[s] else state[slot].astype(np.float64).copy()  # S transposed
+        for t in range(int(cu_seqlens[s]), int(cu_seqlens[s + 1])):
+            St *= decay[t][:, None, None]
+            delta = (v[t].astype(np.float64) - np.einsum("hjd,hd->hj", St, kn[t])) * beta[t][:, None]
+            St += delta[:, :, None] * kn[t][:, None, :]
+            out[t] = np.einsum("hjd,hd->hj", St, qn[t])
+        new_state[slot] = St
+    return out.reshape(n, VH * dv), new_state

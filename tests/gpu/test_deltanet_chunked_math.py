@@ -121,3 +121,12 @@ def test_bf16_rounding_budget() -> None:
     rel = lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y)  # noqa: E731
     assert 1e-4 < rel(out, exact_out) < 5e-3  # it does round (the flag works) but not by much
     assert rel(state, exact_state) < 5e-3
+
+
+def test_fast_token_reference_matches_the_plain_one() -> None:
+    rng = np.random.default_rng()
+    batch = _batch(rng, [3, 0, 70, 41], 2, 4, 16, 8, num_slots=5)
+    out, state = emu.token_reference_fast(**batch)
+    ref_out, ref_state = emu.token_reference_batch(**batch)
+    assert _max_rel(out, ref_out) < 1e-12
+    assert _max_rel(state, ref_state) < 1e-12
