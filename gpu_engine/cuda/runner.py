@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from ..inputs import VisionItem
 from ..loader import ModelWeights
 from ..runner_api import CacheSpec, StepBatch, StepOutput, chunk_problem
-from . import ops, rotary
+from . import deltanet_chunked, ops, rotary
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings
 from .errors import CudaBackendError, ShapeError
@@ -429,9 +429,14 @@ class CudaRunner:
         ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m["cu"], m["slots"], m["fresh"],
                         token_seq=m["tok_seq"])
         core = ctx.empty((n, vdim), t, "core")
-        ops.gated_delta_rule(ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
-                             proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
-                             cache.state, m["cu"], m["slots"], m["fresh"], kh, vh, dk, dv)
+        gdn_args = (ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
+                    proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
+                    cache.state, m["cu"], m["slots"], m["fresh"], kh, vh, dk, dv)
+        if (t == "bf16" and self._longest >= deltanet_chunked.MIN_PREFILL_TOKENS
+                and deltanet_chunked.supports(dk, dv)):  # prefill: chunked WY form on the tensor cores
+            deltanet_chunked.chunked_gated_delta_rule(*gdn_args)
+        else:  # decode steps, short chunks, fp32 runs: the exact token-by-token kernels
+            ops.gated_delta_rule(*gdn_args)
         normed = ctx.empty((n * vh, dv), t, "gated_norm")
         ops.rmsnorm_gated(ctx, normed, core.view((n * vh, dv)), proj.at(conv_dim), w.norm, cfg.rms_norm_eps, vh, width)
         ctx.blas.linear(d.ptr, normed.ptr, w.out_proj.ptr, n, cfg.hidden_size, vdim, dtype=t)
