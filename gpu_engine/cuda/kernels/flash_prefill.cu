@@ -65,8 +65,11 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// two floats -> packed bf16 pair (lo in the low half), round to nearest even like from_f<bf16_t>, one instruction
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    return (unsigned)from_f<bf16_t>(lo) | ((unsigned)from_f<bf16_t>(hi) << 16);
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {
