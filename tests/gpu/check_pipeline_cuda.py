@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-video", action="store_true", help="also send the videos (needs PyAV)")
     parser.add_argument("--redis-archive", help="carried redis (.tar.xz of redis-server + lib/); else PATH's")
     parser.add_argument("--workdir", help="parent of the temporary data dirs (default: the system temp dir)")
-    parser.add_argument("--timeout", type=float, default=420.0, help="seconds for one run's jobs / engine start")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for one run's jobs / engine start")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dirs")
     args = parser.parse_args(argv)
     runners = [r.strip() for r in args.runners.split(",") if r.strip()]
@@ -340,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(args)
     print(f"samples: {', '.join(f.name for f in check.files)}"
           + ("" if args.include_video else " (videos left out: no PyAV on the GPU machine)"), flush=True)
+    # A `timeout` around this script sends SIGTERM: unwind, so the workers are stopped and their logs kept.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs: dict[str, Run] = {}
     redis: Service | None = None
+    failure: str | None = "interrupted"
     try:
         archive = Path(args.redis_archive) if args.redis_archive else None
         redis, port = start_redis(check.work, archive=archive)
@@ -353,27 +357,27 @@ def main(argv: list[str] | None = None) -> int:
                 runs[run.name] = run
                 print(f"   {'PASS' if run.ok else 'FAIL'} in {run.seconds:.1f} s"
                       + "".join(f"\n   - {p}" for p in run.problems), flush=True)
+        failure = None
     except ServiceError as exc:
-        print(f"FAIL: {exc}")
-        return 1
+        failure = str(exc)
     finally:
         if redis is not None:
             redis.stop(grace=5)
-            with open(out / "redis.log", "w") as fh:
-                fh.write(tail(redis.log_text(), 200))
+            (out / "redis.log").write_text(tail(redis.log_text(), 200))
         if not args.keep:
             shutil.rmtree(check.work, ignore_errors=True)
-    compared = comparisons(runs)
-    summary = {"ok": all(r.ok for r in runs.values()) and len(runs) == 2 * len(runners),
-               "runners": runners, "samples": [f.name for f in check.files],
-               "videos_left_out": not args.include_video, "runner_dtype": runner_facts(),
-               "python": sys.version.split()[0], "runs": [r.as_json() for r in runs.values()],
-               "comparisons": compared}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
-    print(table(list(runs.values()), compared))
-    print("RESULT:", "PASS" if summary["ok"] else "FAIL")
+        compared = comparisons(runs)
+        summary = {"ok": failure is None and all(r.ok for r in runs.values()) and len(runs) == 2 * len(runners),
+                   "failure": failure, "runners": runners, "samples": [f.name for f in check.files],
+                   "videos_left_out": not args.include_video, "runner_dtype": runner_facts(),
+                   "python": sys.version.split()[0], "runs": [r.as_json() for r in runs.values()],
+                   "comparisons": compared}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
+        print(table(list(runs.values()), compared))
+        if failure:
+            print(f"FAIL: {failure}")
+        print("RESULT:", "PASS" if summary["ok"] else "FAIL", flush=True)
     return 0 if summary["ok"] else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
