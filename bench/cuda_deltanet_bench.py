@@ -1,0 +1,152 @@
+"""Gated DeltaNet prefill benchmark: the sequential kernel (ops.gated_delta_rule, two-pass: what bf16 prefill ran
+before) against the chunked WY-form tensor-core kernel (deltanet_chunked), one sequence continuing from a state,
+at the DeltaNet head shapes of our model classes (dk = dv = 128).
+
+    python3 bench/cuda_deltanet_bench.py [--json out.json] [--shapes 2b,9b,27b] [--lengths 1024,8192] [--reps 10]
+
+Timing: CUDA events around one call (both launches of a method, intermediates from the arena), warm-up first,
+median of repeats; inputs are random bf16 laid out as the runner's conv output (q | k | v in one row) and in_proj
+(b | a). "per 48 layers" multiplies by the 27B-class count of DeltaNet layers. "agree" is ||chunked - sequential||
+/ ||sequential|| for the output and for the final state, both runs from the same initial state (bf16 tensor-core
+rounding: ~1e-3 .. 5e-3 is expected, > 1e-2 means something is wrong). Target (27B heads, 8192 tokens): chunked
+<= 3 ms. Prints a table last; writes JSON with the device, date and every number.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
+from gpu_engine.cuda.context import GpuContext  # noqa: E402
+from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
+
+# name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
+SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}
+LAYERS_27B = 48
+TARGET_MS = 3.0  # 27B heads, 8192 tokens
+
+
+def time_ms(ctx: GpuContext, fn: Callable[[], None], warmup: int, reps: int) -> float:
+    """Median milliseconds of fn() on the context's stream, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    ctx.device.sync()
+    samples = []
+    for _ in range(reps):
+        start, stop = ctx.device.event(), ctx.device.event()
+        ctx.device.stream.record(start)
+        fn()
+        ctx.device.stream.record(stop)
+        stop.sync()
+        samples.append(stop - start)
+    return float(np.median(samples))
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, warmup: int, reps: int) -> dict:
+    kh, vh, dk, dv = SHAPES[name]
+    conv_dim = 2 * kh * dk + vh * dv
+    mark = ctx.arena.mark()
+    try:
+        qkv = ctx.to_device(rng.standard_normal((n, conv_dim), dtype=np.float32), "bf16", "qkv")
+        ab_host = rng.standard_normal((n, 2 * vh), dtype=np.float32)
+        ab_host[:, vh:] -= 6.0  # a: decays of ~1-10 % per token, so the state matters across chunks
+        ab = ctx.to_device(ab_host, "bf16", "ab")
+        A_log = ctx.to_device(np.log(rng.uniform(1.0, 16.0, vh)).astype(np.float32), "f32", "A_log")
+        dt_bias = ctx.to_device(np.ones(vh, np.float32), "f32", "dt_bias")
+        state0 = (rng.standard_normal((1, vh, dv, dk)) * 0.3).astype(np.float32)
+        state = ctx.to_device(state0, "f32", "state")
+        meta = {what: ctx.to_device(np.asarray(x, np.int32), "i32", what)
+                for what, x in (("cu", [0, n]), ("slots", [0]), ("fresh", [0]))}
+        outs = {m: ctx.empty((n, vh * dv), "bf16", f"out-{m}") for m in ("sequential", "chunked")}
+
+        def call(method: str) -> None:
+            args = (ctx, outs[method], qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh,
+                    A_log, dt_bias, state, meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv)
+            if method == "chunked":
+                deltanet_chunked.chunked_gated_delta_rule(*args)
+            else:
+                ops.gated_delta_rule(*args, method="two_pass")
+
+        row: dict = {"shape": name, "tokens": n, "k_heads": kh, "v_heads": vh, "dk": dk, "dv": dv,
+                     "chunked_workspace_MB": deltanet_chunked.workspace_bytes(n, 1, vh, dk, dv) / 2**20}
+        results = {}
+        for method in ("sequential", "chunked"):
+            ctx.to_device(state0, "f32", "state", out=state)  # same start for the agreement numbers
+            call(method)
+            ctx.device.sync()
+            results[method] = (ctx.to_host(outs[method]), ctx.to_host(state))
+            row[f"{method}_ms"] = time_ms(ctx, lambda: call(method), warmup, reps)
+        row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
+        row["chunked_ms_per_48_layers"] = row["chunked_ms"] * LAYERS_27B
+        row["agree_out"] = _rel(results["chunked"][0], results["sequential"][0])
+        row["agree_state"] = _rel(results["chunked"][1], results["sequential"][1])
+        return row
+    finally:
+        ctx.device.sync()
+        ctx.arena.release(mark)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'shape':<6} {'tokens':>6} {'heads':>6} {'seq ms':>9} {'chunk ms':>9} {'speedup':>8} "
+             f"{'x48 ms':>8} {'agree out':>10} {'agree S':>9}", "-" * 80]
+    for r in rows:
+        lines.append(f"{r['shape']:<6} {r['tokens']:>6} {r['k_heads']:>2}/{r['v_heads']:<3} {r['sequential_ms']:>9.3f} "
+                     f"{r['chunked_ms']:>9.3f} {r['speedup']:>7.1f}x {r['chunked_ms_per_48_layers']:>8.1f} "
+                     f"{r['agree_out']:>10.1e} {r['agree_state']:>9.1e}")
+    lines.append(f"(target: 27b, 8192 tokens, chunked <= {TARGET_MS} ms per layer)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--lengths", default="1024,8192", help="tokens of the one sequence")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per method and shape (median)")
+    args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    if any(s not in SHAPES for s in shapes) or not lengths or min(lengths) < 1 or args.reps < 1:
+        parser.error(f"shapes from {', '.join(SHAPES)}, positive lengths and reps")
+    rng = np.random.default_rng()
+    try:
+        ctx = GpuContext(budget_bytes=4 << 30)
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return 0
+    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
+            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "sequential": "ops.gated_delta_rule method=two_pass", "chunked": "deltanet_chunked (C=64, dv slice 32)"}
+    rows: list[dict] = []
+    try:
+        for name in shapes:
+            for n in lengths:
+                rows.append(bench_shape(ctx, rng, name, n, warmup=2, reps=args.reps))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.json:  # keep what is done if a later shape fails
+                    Path(args.json).write_text(json.dumps({"info": info, "results": rows}, indent=1))
+    finally:
+        ctx.close()
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
