@@ -199,18 +199,19 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
 
 
 def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], context: int,
-                    batches: tuple[int, ...], steps: int) -> dict:
+                    batches: tuple[int, ...], steps: int, fed: dict[int, list[int]] | None = None) -> dict:
     """Decode steps of b sequences at once (forward() with graphs, as the engine calls it), for each b.
     Sequences 2 .. 1 + max(batches) (slots and tables of the same index) are first prefilled with `context`
     random tokens each, in steps of at most 8192 tokens; each batch size then continues the first b of them.
-    Median step time over the steps after the first 3 (the eager runs before the decode graph is captured)."""
+    Median step time over the steps after the first 3 (the eager runs before the decode graph is captured).
+    `fed` (optional) receives each sequence's greedy tokens in order (for checking the bookkeeping)."""
     from gpu_engine.runner_api import SeqChunk, StepBatch
 
     out: dict = {}
     pool = max(batches, default=0)
     if pool == 0:
         return out
-    vocab = runner.cfg.vocab_size
+    vocab = runner.config.text.vocab_size
     seqs = list(range(2, 2 + pool))
     per_step = max(1, 8192 // context)
     tokens: dict[int, int] = {}
@@ -221,6 +222,8 @@ def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], 
                   for s in group]
         logits = runner.forward(StepBatch(chunks)).logits
         tokens.update({s: int(np.argmax(logits[i])) for i, s in enumerate(group)})
+    fed = {} if fed is None else fed
+    fed.update({s: [tokens[s]] for s in seqs})
     _sync(runner)
     out["decode_batch_prefill_s"] = time.perf_counter() - t0
     length = {s: context for s in seqs}
@@ -234,6 +237,7 @@ def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], 
             times.append(time.perf_counter() - t0)
             for i, s in enumerate(seqs[:b]):
                 tokens[s] = int(np.argmax(logits[i]))
+                fed[s].append(tokens[s])
                 length[s] += 1
         ms = 1e3 * float(np.median(times[3:]))
         out[f"decode_b{b}_forward_ms"] = ms

@@ -1,13 +1,16 @@
 """Operator-side numbers for the CUDA runner, next to transformers 5.17 on the same card and config.
 
-    python3 bench/cuda_operator_bench.py [--json out.json] [--shape 2b] [--long 32768] [--no-hf]
+    python3 bench/cuda_operator_bench.py [--json out.json] [--shape 2b] [--long 32768[,65536,131072]] [--no-hf]
+        [--stream | --only-stream] [--stream-requests 64 --stream-reps 3 ...]
 
 Ours (random bf16 weights, the 2B-class shape of bench/cuda_bench.py unless --shape):
 - time to first token of a 1024-token prompt (wall clock: prefill of one chunk + the logits on the host), median
   of 5 after a warm-up;
-- batch-1 decode tok/s at 1k context and at a long context (--long tokens, prefilled in 8192-token chunks), through
-  forward() as the engine calls it (decode graphs on), median over 32 steps after warm-up;
-- peak arena use (every byte the runner touched) and the arena budget;
+- batch-1 decode tok/s at 1k context and at each long context (--long tokens, prefilled in 8192-token chunks into a
+  cache sized for that length; the prefill must finish with finite logits), through forward() as the engine calls
+  it (decode graphs on), median over 32 steps after warm-up;
+- peak arena use (every byte the runner touched) per context length (weights + that cache + activations), overall,
+  and the arena budget;
 - vision encode of one 1024x1024 image (grid 64 x 64 patches of 16) on a Qwen3.5-shaped tower (27 blocks of 1152,
   16 heads, MLP 4304), images/s, median of 3 after a warm-up, with the GEMM attention path (what "auto" picks at
   this size) and with the attention kernel.
@@ -15,6 +18,9 @@ transformers (--no-hf to skip), in a child process so the two never share the ca
 as Qwen3_5ForCausalLM in bf16 (its default init; its torch fallbacks for the DeltaNet and conv kernels are what a
 user without extra packages gets), time to first token of the same prompt length and decode tok/s at batch 1
 (generate() with a fixed number of new tokens, timed for 1 and for 1 + N tokens), peak torch memory.
+--stream (last, after everything else has released the card): a mixed image/text request stream through the real
+Engine + AsyncEngine, TTFT / latency p50 / p95, tok/s, images/s, after a token check against the reference runner
+(bench/cuda_stream_bench.py); exit code 1 if that check or the stream's own output checks fail.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ def _median_ms(samples: list[float]) -> float:
     return 1e3 * float(np.median(samples))
 
 
-def bench_ours(shape: str, long_ctx: int, rng: np.random.Generator) -> dict:
+def bench_ours(shape: str, long_ctxs: list[int], rng: np.random.Generator) -> dict:
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
@@ -60,16 +66,33 @@ def bench_ours(shape: str, long_ctx: int, rng: np.random.Generator) -> dict:
     runner = CudaRunner(config, weights, dtype="bf16", memory_budget=budget)
     del weights
     cfg, bs = config.text, 16
-    blocks = (long_ctx + PROMPT + 4 * DECODE_STEPS) // bs + 2
-    runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=bs, num_state_slots=2))
-    table = np.arange(blocks, dtype=np.int32)
     out: dict = {"shape": shape, "budget_bytes": budget, "weight_bytes": runner.w.nbytes}
+    table = np.zeros(0, np.int32)
+
+    def allocate(tokens: int) -> None:
+        """A one-sequence cache for `tokens` (+ the decode steps); the arena's high-water mark restarts here,
+        so each context length reports its own peak (weights + its cache + activations)."""
+        nonlocal table
+        blocks = (tokens + 4 * DECODE_STEPS) // bs + 2
+        runner.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=bs, num_state_slots=2))
+        table = np.arange(blocks, dtype=np.int32)
+        runner.ctx.arena.peak = runner.ctx.arena.used
 
     def step(ids: np.ndarray, start: int, logits: str = "last") -> np.ndarray:
         pos = np.tile(np.arange(start, start + len(ids)), (3, 1))
         return runner.forward(StepBatch([SeqChunk(0, ids, pos, start, table, 0, logits=logits)])).logits
 
+    def decode(start: int, token: int) -> list[float]:
+        times = []
+        for i in range(DECODE_STEPS + 4):
+            t0 = time.perf_counter()
+            token = int(np.argmax(step(np.array([token]), start + i)[-1]))
+            times.append(time.perf_counter() - t0)
+        return times[4:]  # the first steps run eagerly, then the decode graph is captured
+
+    peaks = []
     try:
+        allocate(PROMPT)
         prompt = rng.integers(0, cfg.vocab_size, PROMPT)
         step(prompt, 0)  # warm-up: modules, GEMM plans
         ttft = []
@@ -79,25 +102,25 @@ def bench_ours(shape: str, long_ctx: int, rng: np.random.Generator) -> dict:
             token = int(np.argmax(step(prompt, 0)[-1]))
             ttft.append(time.perf_counter() - t0)
         out["ttft_1k_ms"] = _median_ms(ttft)
-
-        def decode(start: int, token: int) -> list[float]:
-            times = []
-            for i in range(DECODE_STEPS + 4):
-                t0 = time.perf_counter()
-                token = int(np.argmax(step(np.array([token]), start + i)[-1]))
-                times.append(time.perf_counter() - t0)
-            return times[4:]  # the first steps run eagerly, then the decode graph is captured
-
         out["decode_1k_ms"] = _median_ms(decode(PROMPT, token))
-        # long context: a fresh sequence prefilled in chunks, then decoded
-        ids = rng.integers(0, cfg.vocab_size, long_ctx)
-        runner.ctx.device.sync()
-        t0 = time.perf_counter()
-        for start in range(0, long_ctx, CHUNK):
-            logits = step(ids[start:start + CHUNK], start)
-        out[f"prefill_{long_ctx}_s"] = time.perf_counter() - t0
-        out[f"decode_{long_ctx}_ms"] = _median_ms(decode(long_ctx, int(np.argmax(logits[-1]))))
-        out["arena_peak_bytes"] = runner.ctx.arena.peak
+        peaks.append(runner.ctx.arena.peak)
+        for long_ctx in long_ctxs:  # a fresh sequence prefilled in chunks, then decoded
+            allocate(long_ctx)
+            out[f"kv_cache_{long_ctx}_bytes"] = runner.kv_bytes_per_block(bs) * len(table)
+            ids = rng.integers(0, cfg.vocab_size, long_ctx)
+            runner.ctx.device.sync()
+            t0 = time.perf_counter()
+            for start in range(0, long_ctx, CHUNK):
+                logits = step(ids[start:start + CHUNK], start)
+            out[f"prefill_{long_ctx}_s"] = time.perf_counter() - t0
+            if not np.all(np.isfinite(logits)):
+                raise RuntimeError(f"non-finite logits after prefilling {long_ctx} tokens")
+            out[f"decode_{long_ctx}_ms"] = _median_ms(decode(long_ctx, int(np.argmax(logits[-1]))))
+            out[f"arena_peak_{long_ctx}_bytes"] = runner.ctx.arena.peak
+            peaks.append(runner.ctx.arena.peak)
+            print(f"ours {shape} at {long_ctx} tokens: prefill {out[f'prefill_{long_ctx}_s']:.2f} s, decode "
+                  f"{out[f'decode_{long_ctx}_ms']:.2f} ms, arena peak {runner.ctx.arena.peak / 2**30:.2f} GiB", flush=True)
+        out["arena_peak_bytes"] = max(peaks)
     finally:
         runner.close()
     return out
@@ -240,13 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--shape", default="2b", choices=sorted(SHAPES))
-    parser.add_argument("--long", type=int, default=32768, help="long-context length (tokens)")
+    parser.add_argument("--long", default="32768", help="long-context lengths, comma-separated (tokens), e.g. "
+                                                          "32768,65536,131072")
+    parser.add_argument("--stream", action="store_true", help="also the mixed image/text stream through Engine + "
+                                                              "AsyncEngine (bench/cuda_stream_bench.py), last")
+    parser.add_argument("--only-stream", action="store_true", help="the stream alone (no text model, vision, "
+                                                                   "transformers)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-vision", action="store_true")
     parser.add_argument("--only-vision", action="store_true", help="skip the text model and transformers")
     parser.add_argument("--vision-ops", action="store_true", help="time each op of one vision block")
     parser.add_argument("--vision-modes", default="auto,kernel", help="attention paths to time (auto, kernel, gemm)")
+    from cuda_stream_bench import add_arguments, stream_args
+
+    add_arguments(parser, "stream-")
     args = parser.parse_args(argv)
+    try:
+        longs = [int(x) for x in args.long.split(",") if x]
+    except ValueError:
+        parser.error(f"--long takes comma-separated token counts, got {args.long!r}")
+    if not longs or min(longs) < 1:
+        parser.error("--long needs at least one positive length")
+    if args.only_stream:
+        args.stream = args.no_vision = args.no_hf = True
+    stream = stream_args(args, "stream-") if args.stream else None
     from gpu_engine.cuda.device import CudaDevice
     from gpu_engine.cuda.errors import CudaUnavailable
 
@@ -264,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
 
-    if args.only_vision:
+    if args.only_vision or args.only_stream:
         args.no_hf = True
     else:
-        results["ours"] = bench_ours(args.shape, args.long, rng)
+        results["ours"] = bench_ours(args.shape, longs, rng)
         save()
         print("ours:", json.dumps(results["ours"]), flush=True)
     ours = results.get("ours")
@@ -283,14 +323,30 @@ def main(argv: list[str] | None = None) -> int:
         results["transformers"] = bench_hf(args.shape)
         save()
         print("transformers:", json.dumps(results["transformers"])[:2000], flush=True)
+    stream_error = None
+    if stream is not None:  # last: its engine takes most of the card's free memory while it runs
+        from cuda_stream_bench import StreamCheckFailed, run as run_stream
+
+        stream.shape = args.shape
+        results["stream_bench"] = {}
+        try:
+            run_stream(stream, results["stream_bench"])
+        except StreamCheckFailed as exc:
+            stream_error = exc
+            results["stream_bench"]["error"] = str(exc)
+        save()
     hf = results.get("transformers", {})
     rows = [] if ours is None else [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
-            (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s"),
-            (f"{args.shape}: prefill {args.long} tokens (chunks of {CHUNK})", f"{ours[f'prefill_{args.long}_s']:.2f} s"),
-            (f"{args.shape}: decode b=1 at {args.long}", f"{ours[f'decode_{args.long}_ms']:.2f} ms = "
-                                                          f"{1e3 / ours[f'decode_{args.long}_ms']:.0f} tok/s"),
-            (f"{args.shape}: arena peak / budget", f"{ours['arena_peak_bytes'] / 2**30:.2f} / "
-                                                   f"{ours['budget_bytes'] / 2**30:.2f} GiB")]
+            (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s")]
+    for n in ([] if ours is None else longs):
+        rows += [(f"{args.shape}: prefill {n} tokens (chunks of {CHUNK})", f"{ours[f'prefill_{n}_s']:.2f} s"),
+                 (f"{args.shape}: decode b=1 at {n}", f"{ours[f'decode_{n}_ms']:.2f} ms = "
+                                                       f"{1e3 / ours[f'decode_{n}_ms']:.0f} tok/s"),
+                 (f"{args.shape}: arena peak at {n} (weights + cache + activations)",
+                  f"{ours[f'arena_peak_{n}_bytes'] / 2**30:.2f} GiB")]
+    if ours is not None:
+        rows.append((f"{args.shape}: arena peak / budget", f"{ours['arena_peak_bytes'] / 2**30:.2f} / "
+                                                           f"{ours['budget_bytes'] / 2**30:.2f} GiB"))
     for mode in args.vision_modes.split(","):
         if f"vision_{mode}" in results:
             v = results[f"vision_{mode}"]
@@ -303,10 +359,17 @@ def main(argv: list[str] | None = None) -> int:
                  ("decode speed-up over transformers", f"{hf['decode_ms'] / ours['decode_1k_ms']:.1f}x")]
     elif "error" in hf:
         rows.append(("transformers", "failed: " + hf["error"].strip().splitlines()[-1][:200]))
+    if "stream_bench" in results:
+        from cuda_stream_bench import table_rows
+
+        sb = results["stream_bench"]
+        rows += table_rows({**sb.get("stream", {}), "reference_check": sb.get("reference_check")})
+        if stream_error is not None:
+            rows.append(("stream", f"FAILED: {stream_error}"[:300]))
     save()
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
-    return 0
+    return 1 if stream_error is not None else 0
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def compare_tokens(reference: list[RequestOutput], candidate: list[RequestTiming
             identical += 1
             continue
         if first is None:
-            mismatches.append(f"request {cand.index}: {len(b)} tokens, reference {len(a)}")
+            mismatches.append(f"request {cand.index} ({cand.kind}): {len(b)} tokens, reference {len(a)}")
             continue
         top = ref.logprobs[first].top if ref.logprobs else []
         gap = top[0][1] - top[1][1] if len(top) >= 2 else math.inf

@@ -1,0 +1,9 @@
+"""Make the bench/ scripts importable as modules (they are scripts, not a package)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))

@@ -1,0 +1,67 @@
+"""The real-size random model folder writer (bench/random_model_dir.py), at tiny size."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.bench import _paths  # noqa: F401
+from random_model_dir import write_bf16_safetensors, write_random_model_dir
+
+from gpu_engine.config import ModelConfig
+from gpu_engine.loader import load_weights
+from gpu_engine.tiny import TINY_TEXT, TINY_VISION
+from gpu_engine.tokenizer import Tokenizer
+
+
+def test_folder_loads_with_the_config_vocab(tmp_path: Path) -> None:
+    folder = write_random_model_dir(tmp_path / "m", {**TINY_TEXT, "vocab_size": 3000}, TINY_VISION, tied=True,
+                                    seed=1, sums=True)
+    config = ModelConfig.from_pretrained(folder)
+    assert config.text.vocab_size == 3000 and config.tie_word_embeddings
+    assert Tokenizer.from_pretrained(folder).vocab_size < 3000
+    weights, _ = load_weights(folder, config)  # checks every name and shape, and the SHA256SUMS
+    with open(folder / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    assert "lm_head.weight" not in header and weights.lm_head is weights.text["embed_tokens.weight"]
+    text, vision = weights.text, weights.vision
+    assert np.all(text["layers.0.linear_attn.norm.weight"] == 1.0)
+    assert np.all(vision["blocks.0.norm1.weight"] == 1.0) and np.all(vision["merger.norm.weight"] == 1.0)
+    assert np.all(text["layers.0.linear_attn.dt_bias"] == 1.0)
+    a = np.exp(text["layers.0.linear_attn.A_log"].astype(np.float64))
+    assert np.all((a > 0.99) & (a < 16.1))  # log U(1, 16), rounded to bf16
+    emb = text["embed_tokens.weight"]
+    assert abs(emb.std() - 0.02) < 0.002 and abs(emb.mean()) < 0.002
+    g0, g1 = text["layers.0.mlp.gate_proj.weight"], text["layers.1.mlp.gate_proj.weight"]
+    assert abs(g0.std() - 0.02) < 0.002 and not np.array_equal(g0, g1)  # same shape, different contents
+
+
+def test_bf16_bits_round_trip_through_an_independent_reader(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    bits = {"a": rng.integers(0, 2**16, (3, 5), dtype=np.uint16), "b": rng.integers(0, 2**16, (7,), dtype=np.uint16)}
+    path = tmp_path / "x.safetensors"
+    write_bf16_safetensors(path, {k: v.shape for k, v in bits.items()}, iter(sorted(bits.items())))
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file as load_torch
+
+    back = load_torch(str(path))
+    for k, v in bits.items():
+        assert back[k].dtype == torch.bfloat16
+        assert np.array_equal(back[k].view(torch.int16).numpy().view(np.uint16), v)
+    with pytest.raises(Exception):
+        load_file(str(path))  # numpy has no bf16: the engine's loader reads these bytes itself
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="smaller than the bundled tokenizer"):
+        write_random_model_dir(tmp_path / "small", {**TINY_TEXT, "vocab_size": 100}, TINY_VISION, tied=True)
+    with pytest.raises(ValueError, match="does not match"):
+        write_bf16_safetensors(tmp_path / "y.safetensors", {"a": (2, 2)},
+                               iter([("a", np.zeros((2, 3), np.uint16))]))
+    with pytest.raises(ValueError):  # fewer tensors than the header promised
+        write_bf16_safetensors(tmp_path / "z.safetensors", {"a": (2,), "b": (2,)}, iter([("a", np.zeros(2, np.uint16))]))
