@@ -55,7 +55,7 @@ export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cat "$OUT/check.log"
 archive=$(ls .redis/redis-*.tar.xz 2>/dev/null | head -n 1)
 # SIGTERM first: the driver stops its workers and keeps their logs; KILL 40 s later if that hangs.
-timeout -k 40 "${CHECK_TIMEOUT:-540}" python3 -m tests.gpu.check_pipeline_cuda --out "$OUT" \
+timeout -k 40 "${CHECK_TIMEOUT:-500}" python3 -m tests.gpu.check_pipeline_cuda --out "$OUT" \
     ${archive:+--redis-archive "$archive"} "$@" 2>&1 | tee -a "$OUT/check.log"
 rc=${PIPESTATUS[0]}
 { date -u +%FT%TZ; echo "exit code: check_pipeline_cuda=$rc"; } | tee -a "$OUT/check.log"
