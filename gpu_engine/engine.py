@@ -11,6 +11,11 @@ Not thread-safe: one thread drives it (see AsyncEngine for many callers).
 Failures stay with their request: a bad image, a grammar dead end or a timeout ends that request with
 finish_reason "error"; a forward that raises is re-run in halves to find the request(s) that make it fail
 (Engine._isolate_failure), and only those end with the runner's error.
+
+Sampling happens on the runner when it can (runner.samples_on_device and no row of the step has a repetition or
+presence penalty): the engine draws each sampled row's uniform and builds the grammar bitmask before the forward,
+sends them as a SamplingRequest and gets token ids (+ logprobs) back instead of logits. Otherwise the runner
+returns logits and gpu_engine.sampling samples them here. Everything after the token is chosen is shared.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from .engine_config import EngineConfig, EngineConfigError
 from .inputs import ProcessedPrompt
 from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from .rope_index import text_positions
-from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch
-from .sampling import SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample
+from .runner_api import CacheSpec, Runner, SamplingRequest, SeqChunk, StepBatch, StepOutput
+from .sampling import SampleResult, SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
 from .structured import GrammarError, StructuredOutput, is_constrained
@@ -57,6 +62,29 @@ class _StepTimes:
         self.total_s += seconds
         self.last_s = seconds
         self.max_s = max(self.max_s, seconds)
+
+
+@dataclass
+class _RunnerSampling:
+    """What the engine prepared for sampling on the runner in one step."""
+
+    request: SamplingRequest
+    row_of_chunk: dict[int, int]  # chunk index -> its row of the request
+    seqs: list[Sequence]  # per row
+    dead: list[Sequence]  # grammar allows no token: sent unconstrained, token discarded, the request ends
+
+
+class _Drawn:
+    """A Generator stand-in whose next random() was drawn earlier (see Engine._unused_uniform)."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+Rows = np.ndarray | SampleResult  # one step's logits rows, or the rows the runner sampled
 
 
 class Engine:
@@ -156,6 +184,9 @@ class Engine:
         self._mask_s = 0.0
         self._sample_s = 0.0
         self._forward_s = 0.0
+        # Uniforms drawn for a runner-sampled row whose token was never used (the sequence was preempted after a
+        # failed forward): its next sampled token uses it, so a seeded request still draws one uniform per token.
+        self._unused_uniform: dict[int, float] = {}
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
@@ -368,22 +399,73 @@ class Engine:
             if any(c.vision for c in chunks):
                 vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
                 self._peak_step_vision_rows = max(self._peak_step_vision_rows, vision_rows)
+            plan = self._runner_sampling(scheduled)
             tf = time.perf_counter()
             try:
-                result = self.runner.forward(StepBatch(chunks))
-                logits, offsets = result.logits, result.row_offsets
+                result = self.runner.forward(StepBatch(chunks, sampling=plan.request if plan else None))
+                rows: Rows = result.logits if plan is None else self._sampled(result)
+                offsets = result.row_offsets
             except Exception as exc:
-                scheduled, logits, offsets = self._isolate_failure(chunks, scheduled, exc, outputs)
+                scheduled, rows, offsets = self._isolate_failure(chunks, scheduled, exc, outputs, plan)
             self._forward_s += time.perf_counter() - tf
             if scheduled:
-                outputs.extend(self._after_forward(scheduled, logits, offsets))
+                outputs.extend(self._after_forward(scheduled, rows, offsets, plan))
         self._counters["steps"] += 1
         self._step_times.add(time.perf_counter() - t0)
         return outputs
 
+    def _runner_sampling(self, scheduled: list[ScheduledChunk]) -> _RunnerSampling | None:
+        """The SamplingRequest for this step when the runner can sample every row of it, else None (host path).
+
+        Draws each sampled row's uniform now (one per sampled token, as the host sampler does) and fills the
+        grammar bitmask of constrained rows; a row whose grammar allows nothing is sent unconstrained and marked
+        dead (its token is discarded, exactly like the host path's all-zero row)."""
+        if not getattr(self.runner, "samples_on_device", False):
+            return None
+        picked = [(i, sc.seq) for i, sc in enumerate(scheduled) if sc.wants_logits]
+        if not picked:
+            return None
+        seqs = [s for _, s in picked]
+        rows = SamplingRows.from_rows([s.sampling_row for s in seqs])
+        if rows.has_penalties:
+            return None
+        uniform = np.zeros(len(seqs), np.float64)
+        for r in np.nonzero(rows.temperature > 0.0)[0]:
+            uniform[r] = self._uniform(seqs[r])
+        bitmask = mask_index = None
+        dead: list[Sequence] = []
+        constrained = [(s.matcher, r) for r, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            tm = time.perf_counter()
+            bitmask = self.structured.bitmask([(m, j) for j, (m, _) in enumerate(constrained)], len(constrained))
+            mask_index = np.full(len(seqs), -1, np.int64)
+            allows_any = bitmask_to_bool(bitmask, self.vocab_size).any(axis=1)
+            for j, (_, r) in enumerate(constrained):
+                if allows_any[j]:
+                    mask_index[r] = j
+                else:
+                    dead.append(seqs[r])
+            self._mask_s += time.perf_counter() - tm
+        request = SamplingRequest(
+            temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, uniform=uniform,
+            num_logprobs=rows.num_logprobs, bitmask=bitmask, mask_index=mask_index,
+        )
+        return _RunnerSampling(request, {i: r for r, (i, _) in enumerate(picked)}, seqs, dead)
+
+    def _uniform(self, seq: Sequence) -> float:
+        """The next uniform of `seq`'s own Generator (or the one drawn for it and left unused)."""
+        u = self._unused_uniform.pop(seq.seq_id, None)
+        return float(seq.rng.random()) if u is None else u
+
+    def _sampled(self, result: StepOutput) -> SampleResult:
+        if result.sampled is None:
+            raise RuntimeError(f"runner {self.runner.name!r} was asked to sample but returned no sampled rows")
+        return result.sampled
+
     def _isolate_failure(
-        self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput]
-    ) -> tuple[list[ScheduledChunk], np.ndarray, list[int]]:
+        self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], error: Exception, outputs: list[RequestOutput],
+        plan: _RunnerSampling | None = None,
+    ) -> tuple[list[ScheduledChunk], Rows, list[int]]:
         """The forward of the whole step raised. Find the request(s) that make it fail by re-running the chunks in
         halves (bisection), end only those with the error, and return what the others may keep: the chunks whose
         retried rows are valid, their logits and row offsets (for _after_forward).
@@ -393,14 +475,16 @@ class Engine:
         the batch, which are updated in place — a retry would apply the chunk twice. So on hybrid models every
         surviving chunk that continues a sequence (start > 0) is preempted instead: its cache is dropped and it is
         recomputed from its tokens, exactly as after a cache-pressure preemption. A chunk with start == 0 restarts
-        its state anyway (the runner zeroes the slot), so its retried rows are kept."""
+        its state anyway (the runner zeroes the slot), so its retried rows are kept.
+        With runner sampling, each re-run carries its chunks' rows of the step's SamplingRequest (the same
+        uniforms); a preempted survivor keeps its unused uniform for its next token."""
         self._counters["forward_failures"] += 1
-        rows: dict[int, np.ndarray] = {}
+        rows: dict[int, Rows] = {}
         failed: dict[int, Exception] = {}
-        self._bisect(chunks, list(range(len(chunks))), error, rows, failed)
+        self._bisect(chunks, list(range(len(chunks))), error, rows, failed, plan)
         stateful = self.blocks.has_linear_state
         kept: list[ScheduledChunk] = []
-        kept_rows: list[np.ndarray] = []
+        kept_rows: list[Rows] = []
         offsets = [0]
         tainted: list[Sequence] = []
         for i, sc in enumerate(scheduled):
@@ -410,39 +494,53 @@ class Engine:
                 outputs.append(self._finish(sc.seq, "error", f"runner failed: {type(exc).__name__}: {exc}"))
             elif stateful and sc.start > 0:
                 tainted.append(sc.seq)
+                row = plan.row_of_chunk.get(i) if plan is not None else None
+                if plan is not None and row is not None and plan.request.temperature[row] > 0.0:
+                    self._unused_uniform[sc.seq.seq_id] = float(plan.request.uniform[row])
             else:
                 kept.append(sc)
                 kept_rows.append(rows[i])
-                offsets.append(offsets[-1] + rows[i].shape[0])
+                offsets.append(offsets[-1] + _num_rows(rows[i]))
         for seq in reversed(tainted):  # reversed: the oldest ends up first in the waiting queue
             self.scheduler.preempt(seq)
         self._counters["preempted_after_failure"] += len(tainted)
+        if plan is not None:
+            return kept, _concat_sampled(kept_rows), offsets
         logits = np.concatenate(kept_rows) if kept_rows else np.zeros((0, self.vocab_size), np.float32)
         return kept, logits, offsets
 
     def _bisect(
-        self, chunks: list[SeqChunk], group: list[int], error: Exception, rows: dict[int, np.ndarray],
-        failed: dict[int, Exception],
+        self, chunks: list[SeqChunk], group: list[int], error: Exception, rows: dict[int, Rows],
+        failed: dict[int, Exception], plan: _RunnerSampling | None = None,
     ) -> None:
         """`group` (indices into `chunks`) failed with `error`: a single chunk is a culprit; a larger group is split
-        and each half re-run. Fills `rows` (chunk index -> its logit rows) for chunks that ran, `failed` for culprits.
-        A group that fails for one poisoned request costs about 2 log2(batch) extra forwards."""
+        and each half re-run. Fills `rows` (chunk index -> its logit rows, or its sampled rows under `plan`) for
+        chunks that ran, `failed` for culprits. A group that fails for one poisoned request costs about
+        2 log2(batch) extra forwards."""
         if len(group) == 1:
             failed[group[0]] = error
             return
         mid = len(group) // 2
         for half in (group[:mid], group[mid:]):
             self._counters["isolation_forwards"] += 1
+            sampling = None
+            if plan is not None:
+                sampling = plan.request.select([plan.row_of_chunk[i] for i in half if i in plan.row_of_chunk])
             try:
-                result = self.runner.forward(StepBatch([chunks[i] for i in half]))
+                result = self.runner.forward(StepBatch([chunks[i] for i in half], sampling=sampling))
+                sampled = self._sampled(result) if plan is not None else None
             except Exception as exc:
-                self._bisect(chunks, half, exc, rows, failed)
+                self._bisect(chunks, half, exc, rows, failed, plan)
                 continue
             for k, i in enumerate(half):
-                # Copied: a runner may hand back the same host buffer from its next forward.
-                rows[i] = np.array(result.logits[result.row_offsets[k] : result.row_offsets[k + 1]], copy=True)
+                a, b = result.row_offsets[k], result.row_offsets[k + 1]
+                if sampled is not None:
+                    rows[i] = SampleResult(sampled.token_ids[a:b].copy(), sampled.logprobs[a:b].copy(), sampled.top[a:b])
+                else:  # copied: a runner may hand back the same host buffer from its next forward
+                    rows[i] = np.array(result.logits[a:b], copy=True)
 
-    def _after_forward(self, scheduled: list[ScheduledChunk], logits: np.ndarray, offsets: list[int]) -> list[RequestOutput]:
+    def _after_forward(self, scheduled: list[ScheduledChunk], logits: Rows, offsets: list[int],
+                       plan: _RunnerSampling | None = None) -> list[RequestOutput]:
         to_sample: list[tuple[Sequence, int]] = []
         for i, sc in enumerate(scheduled):
             seq = sc.seq
@@ -458,6 +556,10 @@ class Engine:
             return []
         seqs = [s for s, _ in to_sample]
         index = [r for _, r in to_sample]
+        if isinstance(logits, SampleResult):  # the runner sampled: one row per chunk that wanted logits
+            dead = plan.dead if plan is not None else []
+            return self._deliver(seqs, logits.token_ids[index].tolist(), logits.logprobs[index].tolist(),
+                                 [logits.top[r] for r in index], dead)
         if index == list(range(logits.shape[0])):
             rows = logits  # the usual case: every row is sampled; copied below only if it must be modified
         else:
@@ -495,19 +597,26 @@ class Engine:
             logits[cidx] = sub
             self._mask_s += time.perf_counter() - tm
         ts = time.perf_counter()
-        result = sample(logits, rows, [s.rng for s in seqs])
+        rngs: list[Any] = [s.rng for s in seqs]
+        if self._unused_uniform:  # after a failed runner-sampled step: uniforms already drawn for these sequences
+            rngs = [_Drawn(self._unused_uniform.pop(s.seq_id)) if s.seq_id in self._unused_uniform else s.rng
+                    for s in seqs]
+        result = sample(logits, rows, rngs)
         self._sample_s += time.perf_counter() - ts
+        return self._deliver(seqs, result.token_ids.tolist(), result.logprobs.tolist(), result.top, dead)
 
+    def _deliver(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
+                 top: list[list[tuple[int, float]]], dead: list[Sequence]) -> list[RequestOutput]:
+        """Sampled tokens (host or runner) -> appended, grammar advanced, stop conditions checked, outputs."""
         outputs = []
-        self._counters["sampled_tokens"] += len(seqs) - len(dead)
-        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        self._counters["sampled_tokens"] += sum(1 for s in seqs if not (dead and s in dead))
         for i, seq in enumerate(seqs):
             if dead and seq in dead:
                 err = seq.matcher.get_error() or "the grammar allows no further token"
                 outputs.append(self._finish(seq, "error", f"structured output failed: {err}"))
                 continue
             try:
-                out = self._accept(seq, tokens[i], logprobs[i], result.top[i])
+                out = self._accept(seq, tokens[i], logprobs[i], top[i])
             except Exception as exc:  # a request-level failure (grammar, detokenizer) ends that request only
                 out = self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             outputs.append(out)
@@ -607,6 +716,7 @@ class Engine:
             self._latencies.append((seq.first_token_time - seq.arrival_time, seq.finish_time - seq.arrival_time))
         self._live.pop(seq.request_id, None)
         self._with_deadline.pop(seq.request_id, None)
+        self._unused_uniform.pop(seq.seq_id, None)
         self._counters["requests_finished"] += 1
         self._counters[f"finished_{reason}"] += 1
         return self._output(seq)
@@ -680,3 +790,16 @@ class Engine:
             "model_fingerprint": self.model_fingerprint,
         })
         return out
+
+
+def _num_rows(rows: Rows) -> int:
+    return len(rows.token_ids) if isinstance(rows, SampleResult) else int(rows.shape[0])
+
+
+def _concat_sampled(parts: list[Rows]) -> SampleResult:
+    """Sampled rows of the chunks kept after a failed forward, in order."""
+    done = [p for p in parts if isinstance(p, SampleResult)]
+    if not done:
+        return SampleResult(np.zeros(0, np.int64), np.zeros(0, np.float32), [])
+    return SampleResult(np.concatenate([p.token_ids for p in done]), np.concatenate([p.logprobs for p in done]),
+                        [t for p in done for t in p.top])

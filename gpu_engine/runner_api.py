@@ -3,6 +3,13 @@
 The engine (scheduler + cache manager) decides *what* runs each step; a runner (numpy `reference`, `cuda`)
 computes it. Runners own the physical cache storage; the engine owns the bookkeeping (which block / slot
 belongs to which sequence).
+
+Sampling on the runner (optional capability): a runner with `samples_on_device = True` accepts a SamplingRequest
+on the StepBatch and then returns the sampled tokens (StepOutput.sampled) instead of logit rows, so that only
+token ids (+ logprobs) cross to the host. The engine sends one only when every row of the step can be sampled
+there (no repetition / presence penalties); it draws each row's uniform from the request's own Generator and
+computes the grammar bitmask itself, so results equal the host sampler's (gpu_engine/sampling.py) up to float
+rounding at a CDF / top-p boundary.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from .inputs import VisionItem
+from .sampling import SampleResult, SamplingRows, apply_allowed_mask, bitmask_to_bool, sample
 
 LogitsWanted = Literal["none", "last", "all"]
 
@@ -51,24 +59,122 @@ class SeqChunk:
         return int(self.token_ids.shape[0])
 
 
+MAX_SAMPLED_TOP_LOGPROBS = 20  # top-n logprobs a runner must support when it samples (EngineConfig.max_logprobs)
+
+
+@dataclass
+class SamplingRequest:
+    """Sample every logits row of the step on the runner (StepBatch.sampling). Arrays have one entry per row, in
+    row order (the same rows StepOutput.row_offsets describes). The runner samples the processed logits: its own
+    logits with the row's grammar bitmask applied; it never applies penalties (the engine keeps such rows on the
+    host). Semantics are those of gpu_engine.sampling.sample, with `uniform[r]` as the row's one random draw."""
+
+    temperature: np.ndarray  # float32 [R], 0 = greedy
+    top_k: np.ndarray  # int64 [R], 0 = off
+    top_p: np.ndarray  # float32 [R], 1 = off
+    min_p: np.ndarray  # float32 [R], 0 = off
+    uniform: np.ndarray  # float64 [R] in [0, 1): the draw of the request's own Generator (unused on greedy rows)
+    num_logprobs: np.ndarray  # int64 [R]: -1 none, 0 the chosen token's, n <= MAX_SAMPLED_TOP_LOGPROBS also top-n
+    bitmask: np.ndarray | None = None  # int32 [M, ceil(V/32)] llguidance bitmasks (bit set = allowed)
+    mask_index: np.ndarray | None = None  # int64 [R]: row of `bitmask` that constrains this row, -1 = none
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    def select(self, rows: list[int]) -> SamplingRequest:
+        """The request for a subset of the rows (in that order), e.g. to re-run part of a step."""
+        idx = np.asarray(rows, np.int64)
+        return SamplingRequest(
+            temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx], min_p=self.min_p[idx],
+            uniform=self.uniform[idx], num_logprobs=self.num_logprobs[idx], bitmask=self.bitmask,
+            mask_index=None if self.mask_index is None else self.mask_index[idx],
+        )
+
+    def problem(self, rows: int, vocab: int) -> str | None:
+        """What makes this request unusable for a step with `rows` logits rows, or None."""
+        r = self.num_rows
+        if r != rows:
+            return f"sampling request has {r} rows, the step has {rows} logits rows"
+        for name in ("top_k", "top_p", "min_p", "uniform", "num_logprobs"):
+            if np.shape(getattr(self, name)) != (r,):
+                return f"sampling request: {name} must have shape ({r},)"
+        if np.any(self.temperature < 0) or np.any(self.top_k < 0):
+            return "sampling request: temperature and top_k must be >= 0"
+        if np.any(~((self.top_p > 0) & (self.top_p <= 1))) or np.any(~((self.min_p >= 0) & (self.min_p < 1))):
+            return "sampling request: top_p must be in (0, 1] and min_p in [0, 1)"
+        if np.any(~((self.uniform >= 0) & (self.uniform < 1))):
+            return "sampling request: uniform draws must be in [0, 1)"
+        if np.any(self.num_logprobs < -1) or np.any(self.num_logprobs > MAX_SAMPLED_TOP_LOGPROBS):
+            return f"sampling request: num_logprobs must be in [-1, {MAX_SAMPLED_TOP_LOGPROBS}]"
+        if (self.bitmask is None) != (self.mask_index is None):
+            return "sampling request: bitmask and mask_index come together"
+        if self.bitmask is not None and self.mask_index is not None:
+            words = -(-vocab // 32)
+            if self.bitmask.ndim != 2 or self.bitmask.shape[1] != words:
+                return f"sampling request: bitmask must be [masks, {words}], got {self.bitmask.shape}"
+            if self.mask_index.shape != (r,) or np.any(self.mask_index < -1) or np.any(
+                    self.mask_index >= self.bitmask.shape[0]):
+                return f"sampling request: mask_index must be in [-1, {self.bitmask.shape[0]})"
+        return None
+
+
+class _Drawn:
+    """Stands in for a Generator whose next random() is already known."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult:
+    """A SamplingRequest carried out with the numpy sampler: what a runner that samples must return (the
+    reference runner uses it; on other runners it is the oracle). `logits` float32 [R, V] are not modified."""
+    x = np.array(logits, dtype=np.float32, copy=True)
+    if request.bitmask is not None and request.mask_index is not None:
+        rows = np.nonzero(request.mask_index >= 0)[0]
+        if len(rows):
+            allowed = bitmask_to_bool(request.bitmask[request.mask_index[rows]], x.shape[1])
+            sub = x[rows]
+            apply_allowed_mask(sub, allowed)
+            x[rows] = sub
+    n = request.num_rows
+    rows_table = SamplingRows(
+        temperature=request.temperature.astype(np.float32), top_k=request.top_k.astype(np.int64),
+        top_p=request.top_p.astype(np.float32), min_p=request.min_p.astype(np.float32),
+        repetition_penalty=np.ones(n, np.float32), presence_penalty=np.zeros(n, np.float32),
+        num_logprobs=request.num_logprobs.astype(np.int64),
+    )
+    return sample(x, rows_table, [_Drawn(float(u)) for u in request.uniform])  # type: ignore[misc]
+
+
 @dataclass
 class StepBatch:
     chunks: list[SeqChunk]
+    sampling: SamplingRequest | None = None  # only for runners with samples_on_device = True
 
 
 @dataclass
 class StepOutput:
-    """Logit rows in chunk order: 0 rows for logits="none", 1 for "last", n for "all"."""
+    """Logit rows in chunk order: 0 rows for logits="none", 1 for "last", n for "all".
+
+    When the batch carried a SamplingRequest, `sampled` holds the sampled rows instead (row_offsets index them)
+    and `logits` has no rows."""
 
     logits: np.ndarray  # float32 [rows, vocab] on the host
     row_offsets: list[int]  # row_offsets[i] = first row of chunk i; row_offsets[-1] == rows (len == chunks + 1)
     hidden: np.ndarray | None = None  # final-norm hidden states of the same rows, when the runner was asked for them
+    sampled: SampleResult | None = None  # token ids, chosen logprobs, top-n logprobs per row
 
 
 class Runner(Protocol):
     """Every runner implements exactly this."""
 
     name: str
+    # Optional attribute `samples_on_device: bool`: True when forward() honours StepBatch.sampling (the engine reads
+    # it with getattr(runner, "samples_on_device", False) every step, so it can be switched at run time).
 
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""

@@ -16,7 +16,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, chunk_problem
+from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, chunk_problem, sample_on_host
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes
@@ -28,6 +28,10 @@ class RunnerInputError(ValueError):
 
 class ReferenceRunner:
     name = "reference"
+    # The runner contract's sampling capability, carried out by the numpy sampler (runner_api.sample_on_host).
+    # Off by default: the engine then samples the returned logits itself, which is the same code; tests switch it
+    # on to drive the engine's runner-sampling path.
+    samples_on_device = False
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights) -> None:
         self.config = model_config
@@ -106,7 +110,14 @@ class ReferenceRunner:
             rows.append(picked)
             offsets.append(offsets[-1] + picked.shape[0])
         hidden_rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, self.config.text.hidden_size), np.float32)
-        return StepOutput(logits=self.text.logits(hidden_rows), row_offsets=offsets, hidden=hidden_rows)
+        logits = self.text.logits(hidden_rows)
+        if batch.sampling is None:
+            return StepOutput(logits=logits, row_offsets=offsets, hidden=hidden_rows)
+        problem = batch.sampling.problem(logits.shape[0], logits.shape[1])
+        if problem:
+            raise RunnerInputError(problem)
+        return StepOutput(logits=logits[:0], row_offsets=offsets, hidden=hidden_rows,
+                          sampled=sample_on_host(logits, batch.sampling))
 
     def _run_chunk(self, chunk: SeqChunk) -> np.ndarray:
         slot = chunk.state_slot
