@@ -10,6 +10,9 @@ Vision: encode_vision runs the tower on the GPU (vision.py) into a block of the 
 part of the arena, DOCPIPE_CUDA_ENCODER_MEMORY bytes, default 256 MiB) and returns DeviceEmbeddings; the prefill
 steps copy their rows into the residual stream on the device. When that region is full the embeddings come back
 as a host float32 array instead (uploaded by the step that uses them, like any host embeddings).
+Sampling: a step whose batch carries a SamplingRequest (runner_api) is sampled on the GPU after the LM head
+(sampler.py, kernels/sampling.cu); only token ids and logprobs come back, not the logits. Its parameter table
+travels in the packed metadata (so decode graphs, captured per sampling on/off, replay it like the rest).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from . import deltanet_chunked, ops, rotary
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings
 from .errors import CudaBackendError, ShapeError
+from .sampler import DeviceSampler, SamplerBuffers, pack_params
 from .vision import GpuVisionTower
 from .weights import AttentionWeights, DeltaNetWeights, upload_text_weights
 
@@ -62,6 +66,7 @@ class _StepMeta:
 
 class CudaRunner:
     name = "cuda"
+    samples_on_device = True  # runner_api.SamplingRequest is honoured (sampler.py)
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, dtype: str = "bf16",
                  memory_budget: int | None = None, device_id: int = 0, use_graphs: bool | None = None,
@@ -108,6 +113,7 @@ class CudaRunner:
         # run eagerly instead (DOCPIPE_CUDA_GRAPH_MEMORY, bytes).
         self.graph_memory_cap = int(os.environ.get("DOCPIPE_CUDA_GRAPH_MEMORY", str(2 << 30)))
         self._graph_bytes = 0
+        self.sampler = DeviceSampler(self.ctx, cfg.vocab_size)
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
@@ -199,7 +205,7 @@ class CudaRunner:
 
     def _forward_graphed(self, batch: StepBatch) -> StepOutput:
         width = 1 << (max(len(c.block_table) for c in batch.chunks) - 1).bit_length()
-        key = (len(batch.chunks), width)
+        key = (len(batch.chunks), width, batch.sampling is not None)
         step = self._graphs.get(key)
         if step is None:
             if key not in self._warm or self._graph_bytes >= self.graph_memory_cap:
@@ -211,28 +217,40 @@ class CudaRunner:
         else:
             step.update(batch)
         step.replay()
-        logits = step.logits()
         hidden = self.ctx.to_host(step.bufs["rows"])[: step.meta.logit_rows].astype(np.float32, copy=False)
-        return StepOutput(logits=logits, row_offsets=_row_offsets(batch), hidden=hidden)
+        if batch.sampling is not None:
+            sampled = self.sampler.results(_sampler_buffers(step.bufs), batch.sampling)
+            return StepOutput(logits=np.zeros((0, self.cfg.vocab_size), np.float32), row_offsets=_row_offsets(batch),
+                              hidden=hidden, sampled=sampled)
+        return StepOutput(logits=step.logits(), row_offsets=_row_offsets(batch), hidden=hidden)
 
     def _forward_eager(self, batch: StepBatch) -> StepOutput:
         meta = self._prepare(batch)
         ctx = self.ctx
         mark = ctx.arena.mark()
+        sampled = None
         try:
             bufs = self._step_buffers(meta)
             packed = self._upload_meta(meta)
+            if batch.sampling is not None and meta.logit_rows:
+                self.sampler.upload_masks(_sampler_buffers(bufs), batch.sampling)
             self._run(meta, packed, bufs)
             if meta.logit_rows:
-                out_logits = ctx.to_host(bufs["logits"])
+                if batch.sampling is not None:
+                    sampled = self.sampler.results(_sampler_buffers(bufs), batch.sampling)
+                    out_logits = np.zeros((0, self.cfg.vocab_size), np.float32)
+                else:
+                    out_logits = ctx.to_host(bufs["logits"])
                 out_hidden = ctx.to_host(bufs["rows"]).astype(np.float32, copy=False)
             else:
                 out_logits = np.zeros((0, self.cfg.vocab_size), np.float32)
                 out_hidden = np.zeros((0, self.cfg.hidden_size), np.float32)
+                if batch.sampling is not None:
+                    sampled = self.sampler.results(_sampler_buffers(bufs), batch.sampling)  # zero rows
         finally:
             ctx.device.sync()
             ctx.arena.release(mark)
-        return StepOutput(logits=out_logits, row_offsets=_row_offsets(batch), hidden=out_hidden)
+        return StepOutput(logits=out_logits, row_offsets=_row_offsets(batch), hidden=out_hidden, sampled=sampled)
 
     def capture_step(self, batch: StepBatch, table_width: int) -> CapturedStep:
         """Record this step's device work (decoder + LM head) in a CUDA graph, for decode loops.
@@ -254,8 +272,21 @@ class CudaRunner:
         mark = ctx.arena.mark()
         bufs = self._step_buffers(meta)
         packed = self._upload_meta(meta)
+        if batch.sampling is not None:
+            self.sampler.upload_masks(_sampler_buffers(bufs), batch.sampling)
         graph = ctx.device.capture(lambda: self._run(meta, packed, bufs, keep_scratch=True))
         return CapturedStep(self, graph, meta, packed, bufs, mark, table_width)
+
+    def _add_sampling(self, batch: StepBatch, meta: _StepMeta) -> None:
+        """A SamplingRequest's parameter table joins the packed int32 metadata (float32 bits)."""
+        if batch.sampling is None:
+            return
+        problem = batch.sampling.problem(meta.logit_rows, self.cfg.vocab_size)
+        if problem:
+            raise RunnerInputError(problem)
+        if batch.sampling.bitmask is not None and batch.sampling.bitmask.shape[0] > max(meta.logit_rows, 1):
+            raise RunnerInputError("sampling request: more bitmask rows than logits rows")
+        meta.arrays["sample_params"] = pack_params(batch.sampling).view(np.int32)
 
     def _prepare(self, batch: StepBatch, table_width: int | None = None) -> _StepMeta:
         spec, cfg = self._spec(), self.cfg
@@ -316,9 +347,11 @@ class CudaRunner:
             "tiles": ops.flash_tiles([c.num_tokens for c in batch.chunks]),
         }
         longest = max(c.num_tokens for c in batch.chunks)
-        return _StepMeta(n=base, longest_chunk=longest, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
+        meta = _StepMeta(n=base, longest_chunk=longest, arrays={k: v.astype(np.int32) for k, v in arrays.items()},
                          logit_rows=int(arrays["logit_rows"].size), vision_rows=arrays["vis_rows"].astype(np.int32),
                          vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)
+        self._add_sampling(batch, meta)
+        return meta
 
     @staticmethod
     def _pack_meta(meta: _StepMeta) -> tuple[np.ndarray, dict[str, int]]:
@@ -350,6 +383,10 @@ class CudaRunner:
             "rows": ctx.empty((R, H), t, "hidden_rows"),
             "logits": ctx.empty((R, cfg.vocab_size), "f32", "logits"),
         }
+        if "sample_params" in meta.arrays:
+            sb = self.sampler.buffers(R)
+            bufs.update({"s_masks": sb.masks, "s_tokens": sb.tokens, "s_logprobs": sb.logprobs,
+                         "s_top_ids": sb.top_ids, "s_top_logprobs": sb.top_logprobs})
         if meta.vision_embeds is not None:
             bufs["vision"] = ctx.to_device(meta.vision_embeds, t, "vision")
         return bufs
@@ -397,6 +434,8 @@ class CudaRunner:
             ops.embed_gather(ctx, rows, h, m["logit_rows"])  # row gather: the "table" is h, the ids are row numbers
             ctx.blas.linear(logits.ptr, rows.ptr, self.w.lm_head.ptr, meta.logit_rows, cfg.vocab_size, H, dtype=t,
                             y_dtype="f32")
+            if "sample_params" in m:
+                self.sampler.enqueue(_sampler_buffers(bufs), logits, m["sample_params"], meta.logit_rows)
 
     def _attention(self, i: int, w: AttentionWeights, h: DArray, d: DArray, m: dict[str, DArray], n: int) -> None:
         ctx, cfg, t = self.ctx, self.cfg, self.dtype
@@ -463,6 +502,8 @@ class CapturedStep:
         self.meta = meta
         host, _ = self.runner._pack_meta(meta)
         self.runner.ctx.device.upload(self._base, host)
+        if batch.sampling is not None:
+            self.runner.sampler.upload_masks(_sampler_buffers(self.bufs), batch.sampling)
 
     def replay(self) -> None:
         self.runner.ctx.device.launch_graph(self.graph)
@@ -478,6 +519,11 @@ class CapturedStep:
 def _is_decode(batch: StepBatch) -> bool:
     """One new token per sequence, last-row logits, no vision: the shape decode graphs are captured for."""
     return bool(batch.chunks) and all(c.num_tokens == 1 and c.logits == "last" and not c.vision for c in batch.chunks)
+
+
+def _sampler_buffers(bufs: dict[str, DArray]) -> SamplerBuffers:
+    return SamplerBuffers(masks=bufs["s_masks"], tokens=bufs["s_tokens"], logprobs=bufs["s_logprobs"],
+                          top_ids=bufs["s_top_ids"], top_logprobs=bufs["s_top_logprobs"])
 
 
 def _row_offsets(batch: StepBatch) -> list[int]:
