@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         except StreamCheckFailed as exc:
             stream_error = exc
             results["stream_bench"]["error"] = str(exc)
-        save()
+        finally:  # whatever was measured before a failure is kept
+            save()
     hf = results.get("transformers", {})
     rows = [] if ours is None else [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
             (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s")]
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if stream_error is not None:
             rows.append(("stream", f"FAILED: {stream_error}"[:300]))
     save()
-    width = max(len(r[0]) for r in rows)
+    width = max((len(r[0]) for r in rows), default=0)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 1 if stream_error is not None else 0
 
