@@ -109,8 +109,9 @@ extern "C" __global__ void apply_bitmask_f32(float* logits, const unsigned int* 
 // even the smallest float32 gap 1 - top_p (6e-8) with 2^24 tokens; the search checks it and restarts if not.
 #define TOP_P_WINDOW 40.0f
 
+// -0.0 and +0.0 get one key: numpy compares them equal, so they tie at a cut-off like any equal values.
 __device__ __forceinline__ unsigned int order_key(float v) {
-    const unsigned int b = __float_as_uint(v);
+    const unsigned int b = v == 0.0f ? 0u : __float_as_uint(v);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -135,9 +136,11 @@ struct SearchOut {
 };
 
 // Largest key K in [lo, hi] with g(K) >= target, g(K) = count (by_mass false) or mass of the values with key >= K
-// (values below lo are ignored altogether). Needs g(hi + 1) < target. Every thread gets the result.
+// (values below lo are ignored altogether). Needs g(hi + 1) < target. Every thread gets the result. with_mass:
+// also sum the masses (always on when by_mass), so that a count search reports the mass it keeps.
 __device__ SearchOut search_key(const SampleRow& row, unsigned int lo, unsigned int hi, bool by_mass, float target,
-                                float vmax) {
+                                float vmax, bool with_mass) {
+    with_mass = with_mass || by_mass;
     __shared__ int s_cnt[SAMPLE_WARPS][SEARCH_BUCKETS];
     __shared__ float s_mass[SAMPLE_WARPS][SEARCH_BUCKETS];
     __shared__ float scratch[32];
@@ -162,14 +165,14 @@ __device__ SearchOut search_key(const SampleRow& row, unsigned int lo, unsigned 
             const float v = row.at(i);
             const unsigned int k = order_key(v);
             if (k < lo) continue;
-            const float w = by_mass ? expf(v - vmax) : 0.0f;
+            const float w = with_mass ? expf(v - vmax) : 0.0f;
             if (k > hi) {
                 ++above_n;
                 above_m += w;
             } else {
                 const int b = (int)((k - lo) >> shift);
                 atomicAdd(&s_cnt[warp][b], 1);
-                if (by_mass) atomicAdd(&s_mass[warp][b], w);
+                if (with_mass) atomicAdd(&s_mass[warp][b], w);
             }
         }
         const float an = block_sum((float)above_n, scratch);
@@ -358,7 +361,7 @@ __device__ void top_logprobs(const SampleRow& row, int n, float lse_max, float l
     __shared__ int s_tie_n[SAMPLE_WARPS];
     __shared__ int s_greater;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const SearchOut nth = search_key(row, 0u, order_key(lse_max), false, (float)n, lse_max);
+    const SearchOut nth = search_key(row, 0u, order_key(lse_max), false, (float)n, lse_max, false);
     if (threadIdx.x == 0) s_greater = 0;
     __syncthreads();
     const int slice = ((row.vocab + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) / 32 * 32;
@@ -429,15 +432,15 @@ sample_rows_f32(int* tokens, float* chosen_lp, int* top_ids, float* top_lp, cons
         unsigned int keep = 0u;
         float kept_mass = ys.sum;
         if (top_k > 0 && top_k < vocab) {
-            const SearchOut k = search_key(y, 0u, top, true, (float)top_k, ys.max);
+            const SearchOut k = search_key(y, 0u, top, false, (float)top_k, ys.max, true);
             keep = k.key;
             kept_mass = k.mass;
         }
         if (top_p < 1.0f) {
             const float target = top_p * kept_mass;
             const unsigned int guess = max(keep, order_key(ys.max - TOP_P_WINDOW));
-            SearchOut q = search_key(y, guess, top, true, target, ys.max);
-            if (!q.ok) q = search_key(y, keep, top, true, target, ys.max);
+            SearchOut q = search_key(y, guess, top, true, target, ys.max, true);
+            if (!q.ok) q = search_key(y, keep, top, true, target, ys.max, true);
             keep = max(keep, q.key);
         }
         if (min_p > 0.0f) keep = max(keep, order_key(ys.max + logf(min_p)));
