@@ -112,6 +112,15 @@ def random_bf16_weights(config, rng: np.random.Generator):
     return ModelWeights(text=made, vision={}, lm_head=made["embed_tokens.weight"] if lm_head is None else lm_head)
 
 
+def prefill_flops(text_cfg, linear_params: int, n: int) -> float:
+    """Matrix FLOPs of a fresh n-token prefill: every projection (2 x params x tokens; the embedding is a gather
+    and the LM head runs on the last row only, so neither counts) plus causal attention (QK^T and PV over the
+    lower triangle). The DeltaNet layers' own chunk products are left out, so this undercounts our work."""
+    full_layers = sum(t == "full_attention" for t in text_cfg.layer_types)
+    attention = full_layers * 2 * 2 * (n * n / 2) * text_cfg.head_dim * text_cfg.num_attention_heads
+    return 2.0 * linear_params * n + attention
+
+
 def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...], decode_steps: int,
                 copy_GBps: float, batches: tuple[int, ...] = (1, 8, 32)) -> dict:
     """Prefill (one chunk per prompt length), batch-1 decode (eager, graphs, replay) and decode at each batch
@@ -127,6 +136,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     t0 = time.perf_counter()
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
+    linear_params = sum(a.size for k, a in weights.text.items() if a.ndim == 2 and "embed_tokens" not in k)
     runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (24 << 30))
     del weights
     out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.w.nbytes,
@@ -159,6 +169,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
                 if length == short:
                     last = logits[-1]
             out[f"prefill_{length}_tok_s"] = length / min(times)
+            out[f"prefill_{length}_TFLOPs"] = prefill_flops(cfg, linear_params, length) / min(times) / 1e12
 
         def decode_batch(step: int, token: int) -> StepBatch:
             p = short + step
@@ -438,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"{name}: " + json.dumps({k: v for k, v in dec.items() if k != "text_config"}), flush=True)
         for length in lens:
-            rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s"))
+            tflops = dec[f"prefill_{length}_TFLOPs"]
+            rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s, "
+                         f"{tflops:.0f} TFLOP/s = {100 * tflops / gemm['TFLOPs']:.0f}% of the bf16 GEMM rate"))
         for key, label in (("decode_eager_ms", "eager forward()"), ("decode_graphs_forward_ms", "forward(), graphs"),
                            ("decode_graph_replay_ms", "graph replay"), ("decode_graph_replay_pdl_ms",
                                                                          "graph replay, PDL")):
