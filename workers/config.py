@@ -8,12 +8,15 @@ visibility timeout). Both read the same `DOCPIPE_` environment variables and `.e
 """
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.settings import Settings
+
+from .broker import TRANSPORT
 
 QUEUE_INGEST = "ingest"  # CPU work: sniff, render pages/frames, store blobs, create jobs; beat's periodic tasks
 QUEUE_GPU = "gpu"  # extraction: one worker process per GPU feeding its engine
@@ -118,6 +121,12 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
     url = redis_url(settings)
     return {
         "broker_url": url,
+        # kombu's Redis transport, except that an ack Redis could not record still frees its prefetch slot: without
+        # that, a worker whose tasks all finished while Redis was down never polls again (see workers.broker).
+        "broker_transport": TRANSPORT,
+        # kombu guesses TLS from a `rediss://` scheme only when it picks the transport itself; say it here, with
+        # certificates verified as docpipe's own Redis clients (redis-py's default) verify them.
+        "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED} if url.startswith("rediss://") else False,
         # No result backend: job state and results live in the database, which every process reads.
         "result_backend": None,
         "task_ignore_result": True,
