@@ -1,7 +1,8 @@
 """The FastAPI application factory: `create_app(settings)` wires pipeline, limits, auth, routes and the web UI.
 
-Middleware order (outermost first): metrics -> auth + rate limit -> body size limit -> unexpected-error catcher ->
-routes. Auth runs before any body byte is read; the body limit applies to whatever reaches a route.
+One middleware of ours (api.middleware), outside FastAPI's own: metrics -> auth + rate limit -> body size limit ->
+unexpected-error catcher -> routes. Auth runs before any body byte is read; the body limit applies to whatever
+reaches a route.
 """
 from __future__ import annotations
 
@@ -22,18 +23,18 @@ from pipeline.jobs import run_job, stale_jobs
 from pipeline.models import Job, JobState
 from pipeline.settings import Settings
 
-from .auth import AuthMiddleware, KeyRing
-from .bodylimit import BodyLimitMiddleware
+from .auth import Gate, KeyRing
 from .context import ApiContext
 from .engine_access import EngineAccess
-from .errors import UnexpectedErrorMiddleware, install_error_handlers
+from .errors import install_error_handlers
 from .limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
-from .metrics import Metrics, MetricsMiddleware
+from .metrics import HttpMetrics, Metrics
+from .middleware import ApiMiddleware
 from .openai_compat import ChatBackend, chat_router
 from .queries import active_job_ids
 from .routes import batches, documents, health, jobs, schemas
 from .runners import BrokerRunner, EmbeddedRunner, JobRunner
-from .uploads import sweep_spool
+from .uploads import MemoryBudget, sweep_spool
 
 log = logging.getLogger("docpipe.api")
 
@@ -48,6 +49,7 @@ UI_HEADERS = {
 STATIC_DIR = Path(__file__).parent / "static"
 UPLOAD_PATHS = ("/v1/documents", "/v1/batches")
 MULTIPART_OVERHEAD = 64 * 1024  # form headers and text fields around the file bytes
+UPLOAD_MEMORY_BYTES = 64 * 1024 * 1024  # small uploads held in memory at once, all requests together
 EMBEDDED_THREADS = 2  # jobs run at once in embedded mode; each hands its pages to the engine's batcher together
 
 
@@ -112,6 +114,7 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         engine_slots=EngineSlots(limits.max_inflight_engine),
         metrics=metrics,
         spool_dir=settings.data_dir / "uploads",
+        upload_memory=MemoryBudget(UPLOAD_MEMORY_BYTES),
         engine=engine,
         intake=CapacityLimiter(intake_threads(pipeline)),
     )
@@ -164,11 +167,6 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
             return limits.max_upload_bytes + MULTIPART_OVERHEAD
         return limits.max_json_bytes
 
-    # add_middleware puts each new one outside the previous: this order gives
-    # metrics -> auth -> body limit -> unexpected-error catcher -> routes.
-    app.add_middleware(UnexpectedErrorMiddleware)
-    app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
-    app.add_middleware(AuthMiddleware, keys=KeyRing(settings.api_keys),
-                       limiter=RateLimiter(limits.rate_per_minute, limits.burst))
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(ApiMiddleware, metrics=HttpMetrics(metrics), limit_for=body_limit,
+                       gate=Gate(KeyRing(settings.api_keys), RateLimiter(limits.rate_per_minute, limits.burst)))
     return app

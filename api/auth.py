@@ -1,4 +1,4 @@
-"""API-key authentication and per-key request rate limiting, as one ASGI middleware.
+"""API-key authentication and per-key request rate limiting, applied by the API's middleware (api.middleware).
 
 Why a middleware and not a route dependency: it runs before any request body is read, so an unauthenticated
 client cannot make the server stream a large upload, and unknown paths do not reveal which routes exist.
@@ -14,7 +14,8 @@ import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import JSONResponse
+from starlette.types import Scope
 
 from .errors import ApiError, problem_response
 from .limits import RateLimiter
@@ -73,44 +74,33 @@ def is_open_path(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-class AuthMiddleware:
-    def __init__(self, app: ASGIApp, keys: KeyRing, limiter: RateLimiter) -> None:
-        self.app = app
+class Gate:
+    """Authentication and the per-key rate limit of one request, decided from its headers alone (see
+    api.middleware for where it runs)."""
+
+    def __init__(self, keys: KeyRing, limiter: RateLimiter) -> None:
         self.keys = keys
         self.limiter = limiter
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        try:
-            principal = self._authenticate_limited(scope)
-            if principal is not None and not is_open_path(path):
-                self.limiter.check(principal.key_id)
-        except ApiError as exc:
-            headers = dict(exc.headers)
-            if exc.status == 401:
-                headers["WWW-Authenticate"] = 'Bearer realm="docpipe"'
-            response = problem_response(
-                exc.status, exc.code, exc.detail, instance=path, headers=headers, extra=exc.extra
-            )
-            await response(scope, receive, send)
-            return
+    def admit(self, scope: Scope, headers: dict[bytes, bytes]) -> Principal | None:
+        """The caller (None on an open path without a key), also stored as `scope["state"]["principal"]`.
+        Raises ApiError (401/403/429) for a request that must be refused."""
+        principal = self._authenticate_limited(scope, headers)
+        if principal is not None and not is_open_path(scope["path"]):
+            self.limiter.check(principal.key_id)
         scope.setdefault("state", {})["principal"] = principal
-        await self.app(scope, receive, send)
+        return principal
 
-    def _authenticate_limited(self, scope: Scope) -> Principal | None:
+    def _authenticate_limited(self, scope: Scope, headers: dict[bytes, bytes]) -> Principal | None:
         """Refused attempts are charged to the client address, so guessing keys is rate limited too."""
         try:
-            return self._authenticate(scope)
+            return self._authenticate(scope, headers)
         except ApiError:
             client = scope.get("client") or ("local", 0)
             self.limiter.check(f"addr-{client[0]}")
             raise
 
-    def _authenticate(self, scope: Scope) -> Principal | None:
-        headers = dict(scope["headers"])
+    def _authenticate(self, scope: Scope, headers: dict[bytes, bytes]) -> Principal | None:
         open_path = is_open_path(scope["path"])
         if not self.keys.enabled:
             # No keys configured (loopback use): clients are told apart by address for the limits.
@@ -128,3 +118,11 @@ class AuthMiddleware:
                 return None
             raise ApiError(403, "invalid_api_key", "The API key is not valid for this server.")
         return Principal(key_id=ident, authenticated=True)
+
+
+def refusal_response(exc: ApiError, path: str) -> JSONResponse:
+    """The problem document for a request `Gate.admit` refused (a 401 names the scheme to use)."""
+    headers = dict(exc.headers)
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="docpipe"'
+    return problem_response(exc.status, exc.code, exc.detail, instance=path, headers=headers, extra=exc.extra)

@@ -14,6 +14,7 @@ from .engine_access import EngineAccess
 from .limits import ApiLimits, EngineSlots, JobQuota
 from .metrics import Metrics
 from .runners import JobRunner
+from .uploads import MemoryBudget
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ApiContext:
     engine_slots: EngineSlots
     metrics: Metrics
     spool_dir: Path  # partial uploads, inside the data dir
+    upload_memory: MemoryBudget  # small uploads held in memory until stored (see api.uploads.MemoryBudget)
     engine: EngineAccess
     intake: CapacityLimiter  # worker threads that take uploads in (see api.app.intake_threads)
 

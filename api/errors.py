@@ -13,7 +13,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.errors import (
     InvalidSchemaError,
@@ -190,43 +189,15 @@ async def _pipeline_error(request: Request, exc: Exception) -> JSONResponse:
     return await _api_error(request, pipeline_error_to_api(exc))
 
 
-def _unexpected(method: str, path: str) -> JSONResponse:
+def unexpected_error_response(method: str, path: str) -> JSONResponse:
+    """A 500 problem document for an exception nothing else handled (logged here with an incident id; the
+    client sees the id, never the exception)."""
     incident = uuid.uuid4().hex[:12]
     log.exception("unhandled error on %s %s (incident %s)", method, path, incident)
     return problem_response(
         500, "internal_error", f"The server failed to handle this request (incident {incident}); "
         "the operator can find the cause in the server log.", instance=path, extra={"incident": incident},
     )
-
-
-class UnexpectedErrorMiddleware:
-    """Turns an unexpected exception into a 500 problem document and keeps the connection usable.
-
-    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the connection, so a
-    client reusing it would see a reset on its next request. Here the exception is logged and swallowed.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception:
-            if started:  # part of a response is out: nothing sensible can follow it
-                raise
-            await _unexpected(scope["method"], scope["path"])(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

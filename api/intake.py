@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pipeline.ingest import HashedFile, IngestOutcome, create_batch, ingest_file, receive_file
+from pipeline.ingest import IngestOutcome, create_batch, ingest_file, receive_file
 from pipeline.jobs import retry_job as pipeline_retry_job
 from pipeline.schemas import get_schema
 
@@ -103,7 +103,7 @@ def _display_name(f: SpooledFile) -> str:
 
 def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str | None,
              batch_id: int | None = None) -> IngestOutcome:
-    spooled = HashedFile(path=f.path, sha256=f.sha256, size=f.size)
+    spooled = f.hashed()
     if password is not None:  # rendered now: the password is never stored or queued
         return ingest_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, password=password,
                            batch_id=batch_id)
@@ -135,8 +135,8 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
     if new_jobs:
         ctx.jobs.record(key_id, new_jobs)
         ctx.runner.submit(new_jobs)  # may publish to the broker: blocking I/O, kept off the event loop
-    with ctx.pipeline.db.read_session() as s:
-        document = summary_out(document_summary(s, out.document_id))  # with its jobs and their schemas
+    with ctx.pipeline.db.read_session() as s:  # Core rows through the session's connection: no ORM layer
+        document = summary_out(document_summary(s.connection(), out.document_id))  # with its jobs' schemas
     job = next(j for j in document.jobs if j.id == out.job_id)
     return UploadOut(document=document, job=job, duplicate=out.known or out.outcome == "duplicate"), new_jobs
 

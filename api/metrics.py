@@ -7,7 +7,6 @@ where an engine runs in this process.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -17,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 from pipeline.db import Database
 from pipeline.models import Job, JobState, Result
@@ -129,35 +128,31 @@ class Metrics:
         self.registry.register(_ScrapeCollector(db, local_queue, engine_stats))
 
 
-class MetricsMiddleware:
-    """Counts requests by route template (not raw path: ids would explode the label set)."""
+class HttpMetrics:
+    """Records requests by route template (not raw path: ids would explode the label set). The labelled children
+    are kept here, so a request costs no label lookups under prometheus_client's lock."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._latency: dict[tuple[str, str], Any] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
+    def response_started(self, method: str, route: str, seconds: float) -> None:
+        child = self._latency.get((method, route))
+        if child is None:
+            child = self._latency[(method, route)] = self._metrics.latency.labels(method, route)
+        child.observe(seconds)
 
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                route = _route_of(scope)
-                self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.metrics.requests.labels(scope["method"], _route_of(scope), str(status)).inc()
+    def finished(self, method: str, route: str, status: int) -> None:
+        child = self._requests.get((method, route, status))
+        if child is None:
+            child = self._requests[(method, route, status)] = self._metrics.requests.labels(method, route,
+                                                                                           str(status))
+        child.inc()
 
 
-def _route_of(scope: Scope) -> str:
+def route_of(scope: Scope) -> str:
+    """The matched route's template, or "unmatched" (refused before routing, or no route)."""
     route = scope.get("route")
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else "unmatched"

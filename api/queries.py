@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, and_, exists, or_, select
+from sqlalchemy import ColumnElement, Connection, Row, and_, bindparam, exists, or_, select
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
@@ -97,20 +97,24 @@ class DocumentSummary:
     jobs: list[Row[Any]]
 
 
-def document_summary(s: Session, doc_id: int) -> DocumentSummary:
+# Built once (their cache keys are memoised): the upload route's read constructs no statement.
+_SUMMARY_DOCUMENT = select(Document.id, Document.original_name, Document.sha256, Document.media_type, Document.kind,
+                           Document.size_bytes, Document.page_count, Document.status, Document.error,
+                           Document.error_type, Document.created_at).where(Document.id == bindparam("doc_id"))
+_SUMMARY_JOBS = (select(Job.id, Job.document_id, Schema.name.label("schema_name"),
+                        Schema.version.label("schema_version"), Job.state, Job.attempts, Job.error, Job.created_at,
+                        Job.started_at, Job.finished_at, Job.model_seconds, Job.prompt_tokens, Job.completion_tokens)
+                 .join(Schema, Job.schema_id == Schema.id).where(Job.document_id == bindparam("doc_id"))
+                 .order_by(Job.id))
+
+
+def document_summary(s: Session | Connection, doc_id: int) -> DocumentSummary:
     """What an upload answers, read as rows: the upload route's hottest read, where building ORM objects (with
     joined collections) cost more CPU than the rest of the intake's database work."""
-    doc = s.execute(select(Document.id, Document.original_name, Document.sha256, Document.media_type, Document.kind,
-                           Document.size_bytes, Document.page_count, Document.status, Document.error,
-                           Document.error_type, Document.created_at).where(Document.id == doc_id)).first()
+    doc = s.execute(_SUMMARY_DOCUMENT, {"doc_id": doc_id}).first()
     if doc is None:
         raise NotFound("document", doc_id)
-    jobs = s.execute(select(Job.id, Job.document_id, Schema.name.label("schema_name"),
-                            Schema.version.label("schema_version"), Job.state, Job.attempts, Job.error,
-                            Job.created_at, Job.started_at, Job.finished_at, Job.model_seconds, Job.prompt_tokens,
-                            Job.completion_tokens)
-                     .join(Schema, Job.schema_id == Schema.id).where(Job.document_id == doc_id)
-                     .order_by(Job.id)).all()
+    jobs = s.execute(_SUMMARY_JOBS, {"doc_id": doc_id}).all()
     return DocumentSummary(doc, list(jobs))
 
 

@@ -1,4 +1,5 @@
-"""Streaming multipart/form-data reception: file parts go straight to disk, hashed and counted as they arrive.
+"""Streaming multipart/form-data reception: file parts are hashed and counted as they arrive, and kept in memory
+while small (within a process-wide MemoryBudget) or written to a spool file as they stream in.
 
 Starlette's form parser spools the whole body before the route sees it, so a size limit could only be checked
 afterwards. Here every received byte is counted, the limit is enforced on bytes actually received (whatever
@@ -10,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,31 +21,75 @@ from typing import BinaryIO
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from pipeline.ingest import HashedFile
+
 from .errors import ApiError, BodyTooLarge
 
 MAX_FIELD_BYTES = 64 * 1024  # text fields (schema name, password) are small
 MAX_FIELDS = 32
+MEMORY_FILE_BYTES = 1024 * 1024  # a file part up to this size may stay in memory (see MemoryBudget)
+
+
+class MemoryBudget:
+    """Bytes of uploaded file parts this process holds in memory, across all requests, and their cap.
+
+    Small uploads stay in memory until the worker thread writes them into the blob store: creating a spool file
+    from the event loop blocked it for about a millisecond per upload (the file system journal is busy with the
+    other uploads' fsyncs), and every other request waited meanwhile. A part that would pass `MEMORY_FILE_BYTES`,
+    or the cap, goes to a spool file instead, so memory stays bounded whatever the load."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._used = 0
+        self._lock = threading.Lock()  # taken on the event loop, given back from worker threads
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self._used + n > self.cap_bytes:
+                return False
+            self._used += n
+            return True
+
+    def give_back(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._used
 
 
 @dataclass
 class SpooledFile:
-    """One received file part, already on disk (in the spool directory, next to the blob store)."""
+    """One received file part: in memory (`data`, counted in the form's MemoryBudget) or on disk (`path`, in the
+    spool directory next to the blob store)."""
 
-    path: Path
     filename: str  # the client's name: display only, never used as a path
     size: int
     sha256: str
+    head: bytes  # the first HashedFile.HEAD_BYTES (all of a smaller file): the type is sniffed from these
+    path: Path | None = None
+    data: bytes | None = None
+
+    def hashed(self) -> HashedFile:
+        """The pipeline's view of this file: stored in the blob store, neither read nor hashed again."""
+        return HashedFile(sha256=self.sha256, size=self.size, path=self.path, data=self.data, head=self.head)
 
 
 @dataclass
 class ReceivedForm:
     fields: dict[str, str] = field(default_factory=dict)
     files: list[tuple[str, SpooledFile]] = field(default_factory=list)  # (form field name, file)
+    memory: MemoryBudget | None = None  # what in-memory files are counted in
 
     def discard(self) -> None:
-        """Remove every spooled file (after an error, or once the blob store has its own copies)."""
+        """Drop every received file (after an error, or once the blob store has its own copies)."""
         for _, f in self.files:
-            f.path.unlink(missing_ok=True)
+            if f.path is not None:
+                f.path.unlink(missing_ok=True)
+            if f.data is not None and self.memory is not None:
+                self.memory.give_back(len(f.data))
         self.files.clear()
 
 
@@ -51,26 +97,28 @@ class _Part:
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
         self.name: str = ""
-        self.filename: str | None = None
-        self.data = bytearray()  # text fields only
-        self.out: BinaryIO | None = None
+        self.filename: str | None = None  # None: a text field
+        self.data = bytearray()  # a text field's value, or a file's bytes while it stays in memory
+        self.out: BinaryIO | None = None  # a file's spool file, once it went to disk
         self.path: Path | None = None
         self.hasher = hashlib.sha256()
         self.size = 0
+        self.head = b""
 
 
 class _FormBuilder:
     """Receives python-multipart callbacks and builds a ReceivedForm, enforcing per-file and count limits."""
 
-    def __init__(self, spool_dir: Path, max_file_bytes: int, max_files: int) -> None:
+    def __init__(self, spool_dir: Path, max_file_bytes: int, max_files: int, memory: MemoryBudget) -> None:
         self.spool_dir = spool_dir
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
-        self.form = ReceivedForm()
+        self.memory = memory
+        self.form = ReceivedForm(memory=memory)
         self.part = _Part()
         self.header_name = b""
         self.header_value = b""
-        self.open_part: _Part | None = None
+        self.open_part: _Part | None = None  # the file part being received (cleaned up on abort)
 
     # -- callbacks ------------------------------------------------------------------------------------------------
     def on_part_begin(self) -> None:
@@ -96,9 +144,6 @@ class _FormBuilder:
             if len(self.form.files) >= self.max_files:
                 raise ApiError(400, "too_many_files", f"At most {self.max_files} file(s) per request.")
             self.part.filename = options[b"filename"].decode("utf-8", "replace")
-            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=self.spool_dir)
-            self.part.out = os.fdopen(fd, "wb")
-            self.part.path = Path(name)
             self.open_part = self.part
         elif len(self.form.fields) >= MAX_FIELDS:
             raise ApiError(400, "too_many_fields", f"At most {MAX_FIELDS} form fields per request.")
@@ -106,7 +151,7 @@ class _FormBuilder:
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         chunk = data[start:end]
         part = self.part
-        if part.out is None:
+        if part.filename is None:
             if len(part.data) + len(chunk) > MAX_FIELD_BYTES:
                 raise ApiError(400, "field_too_large", f"Form field {part.name!r} exceeds {MAX_FIELD_BYTES} bytes.")
             part.data.extend(chunk)
@@ -115,27 +160,54 @@ class _FormBuilder:
         if part.size > self.max_file_bytes:
             raise BodyTooLarge(self.max_file_bytes)
         part.hasher.update(chunk)
+        if len(part.head) < HashedFile.HEAD_BYTES:
+            part.head += chunk[:HashedFile.HEAD_BYTES - len(part.head)]
+        if part.out is None:
+            if part.size <= MEMORY_FILE_BYTES and self.memory.take(len(chunk)):
+                part.data += chunk
+                return
+            self._to_disk(part)
+        assert part.out is not None
         part.out.write(chunk)
 
     def on_part_end(self) -> None:
         part = self.part
-        if part.out is None:
+        if part.filename is None:
             self.form.fields[part.name] = part.data.decode("utf-8", "replace")
             return
-        part.out.close()
+        if part.out is not None:
+            part.out.close()
         self.open_part = None
-        assert part.path is not None and part.filename is not None
-        self.form.files.append(
-            (part.name, SpooledFile(path=part.path, filename=part.filename, size=part.size,
-                                    sha256=part.hasher.hexdigest()))
-        )
+        received = SpooledFile(filename=part.filename, size=part.size, sha256=part.hasher.hexdigest(),
+                               head=part.head, path=part.path, data=None if part.out is not None else bytes(part.data))
+        self.form.files.append((part.name, received))
+        part.data = bytearray()  # its bytes now belong to `received` (and its share of the memory budget)
+
+    def _to_disk(self, part: _Part) -> None:
+        """Move a file part that outgrew its memory share into a spool file, and continue there."""
+        try:
+            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=self.spool_dir)
+        except FileNotFoundError:  # first upload, or the folder was removed: made here, not checked per request
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=self.spool_dir)
+        part.out = os.fdopen(fd, "wb")
+        part.path = Path(name)
+        part.out.write(part.data)
+        self.memory.give_back(len(part.data))
+        part.data = bytearray()
 
     # -- cleanup --------------------------------------------------------------------------------------------------
     def abort(self) -> None:
-        if self.open_part is not None and self.open_part.out is not None:
-            self.open_part.out.close()
-            if self.open_part.path is not None:
-                self.open_part.path.unlink(missing_ok=True)
+        part = self.open_part
+        if part is not None:
+            if part.out is not None:
+                part.out.close()
+                if part.path is not None:
+                    part.path.unlink(missing_ok=True)
+            else:
+                self.memory.give_back(len(part.data))
+            part.data = bytearray()
+            self.open_part = None
         self.form.discard()
 
 
@@ -155,8 +227,8 @@ async def _chunks(request: Request, idle_timeout_s: float) -> AsyncIterator[byte
         yield chunk
 
 
-async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int, max_files: int,
-                       idle_timeout_s: float = 60.0) -> ReceivedForm:
+async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, *, max_file_bytes: int,
+                       max_files: int, idle_timeout_s: float = 60.0) -> ReceivedForm:
     """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/408/413/415) on bad input."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data":
@@ -164,9 +236,7 @@ async def receive_form(request: Request, spool_dir: Path, *, max_file_bytes: int
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError(400, "malformed_multipart", "The multipart Content-Type has no boundary.")
-    if not spool_dir.is_dir():
-        spool_dir.mkdir(parents=True, exist_ok=True)
-    builder = _FormBuilder(spool_dir, max_file_bytes, max_files)
+    builder = _FormBuilder(spool_dir, max_file_bytes, max_files, memory)
     callbacks = {
         name: getattr(builder, name)
         for name in ("on_part_begin", "on_part_data", "on_part_end", "on_header_field", "on_header_value",

@@ -68,6 +68,12 @@ class BlobStore:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def put_hashed(self, data: bytes, key: str) -> None:
+        """Store bytes whose sha256 (`key`) the caller computed while receiving them (an upload held in memory):
+        no second hashing pass; fsynced, as every original is."""
+        if not self.exists(key):
+            self._write(key, [data], durable=True)
+
     def adopt(self, path: Path, key: str) -> None:
         """Move a finished file whose sha256 (`key`) the caller computed while writing it into the store: no copy,
         no second hashing pass (an upload spooled next to the store). The file is fsynced first, as every

@@ -23,11 +23,12 @@ from __future__ import annotations
 import io
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Literal
+from typing import Any, BinaryIO, Callable, ClassVar, Iterator, Literal
 
-from sqlalchemy import select
+from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -37,7 +38,7 @@ from vision import SNIFF_BYTES, Sniffed, sniff
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
-from .schemas import get_schema
+from .schemas import latest_schema_id
 
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
@@ -60,12 +61,22 @@ class IngestOutcome:
 
 @dataclass(frozen=True)
 class HashedFile:
-    """A file already on disk whose sha256 and size the caller computed while writing it (an upload spooled by
-    the API). Intake moves it into the blob store instead of copying and hashing it again."""
+    """Received bytes whose sha256 and size the caller computed while receiving them (an upload taken in by the
+    API): a file on disk (`path`), which intake moves into the blob store, or bytes held in memory (`data`),
+    which it writes there; neither is hashed again. `head`, when given, holds the first `HEAD_BYTES` (all of a
+    smaller file), kept while receiving, so the type is sniffed without reading the file back."""
 
-    path: Path
+    HEAD_BYTES: ClassVar[int] = SNIFF_BYTES
+
     sha256: str
     size: int
+    path: Path | None = None
+    data: bytes | None = None
+    head: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.data is None):
+            raise ValueError("a HashedFile is either on disk (path) or in memory (data)")
 
 
 Source = str | os.PathLike[str] | bytes | BinaryIO | HashedFile
@@ -88,7 +99,7 @@ def resolve_schema_name(p: Pipeline, schema: str | None, kind: str | None) -> st
 
 def _schema_id(p: Pipeline, name: str) -> int:
     with p.db.read_session() as s:
-        return get_schema(s, name).id
+        return latest_schema_id(s, name)
 
 
 def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
@@ -98,7 +109,11 @@ def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
         if source.size > limit:
             raise vision.LimitExceededError(
                 f"{label} is {source.size} bytes, more than the limit of {limit} (DOCPIPE_MAX_FILE_BYTES)")
-        p.blobs.adopt(source.path, source.sha256)
+        if source.data is not None:
+            p.blobs.put_hashed(source.data, source.sha256)
+        else:
+            assert source.path is not None
+            p.blobs.adopt(source.path, source.sha256)
         return source.sha256, source.size
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
@@ -117,14 +132,17 @@ def _label(source: Source, name: str | None) -> str:
     if name:
         return name
     if isinstance(source, HashedFile):
-        return source.path.name
+        return source.path.name if source.path is not None else "upload"
     return Path(source).name if isinstance(source, (str, os.PathLike)) else "upload"
 
 
-def _existing_in(s: Session, sha: str) -> Any:
+_EXISTING = select(Document.id, Document.status, Document.kind, Document.page_count).where(
+    Document.sha256 == bindparam("sha"))  # built once: executing it constructs no statement
+
+
+def _existing_in(s: Session | Connection, sha: str) -> Any:
     """The known document with these bytes (id, status, kind, page_count), or None."""
-    return s.execute(select(Document.id, Document.status, Document.kind, Document.page_count)
-                     .where(Document.sha256 == sha)).first()
+    return s.execute(_EXISTING, {"sha": sha}).first()
 
 
 def _existing(p: Pipeline, sha: str) -> Any:
@@ -136,6 +154,20 @@ def _sniff_blob(p: Pipeline, sha: str, label: str) -> Sniffed:
     """The type from the stored bytes' magic bytes (raises an UnsupportedMediaError/EmptyMediaError subclass)."""
     with open(p.blobs.path(sha), "rb") as f:
         return sniff(f.read(SNIFF_BYTES), name=label)
+
+
+def _sniff_original(p: Pipeline, source: Source, sha: str, size: int, label: str) -> Sniffed:
+    """`_sniff_blob`, from the head the caller kept while writing the file when it has one (no read back)."""
+    if isinstance(source, HashedFile) and source.head is not None and len(source.head) >= min(size, SNIFF_BYTES):
+        return sniff(source.head[:SNIFF_BYTES], name=label)
+    return _sniff_blob(p, sha, label)
+
+
+def _savepoint(p: Pipeline, s: Session | Connection) -> Any:
+    """A savepoint around an INSERT that a concurrent intake may win (PostgreSQL: the unique key decides, the
+    loser rolls back to here). SQLite needs none: write transactions start with BEGIN IMMEDIATE, so no other
+    writer can insert between our lookup and our INSERT."""
+    return nullcontext() if p.db.is_sqlite else s.begin_nested()
 
 
 def _received_fields(sniffed: Sniffed) -> dict[str, Any]:
@@ -160,7 +192,7 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
             # A received document is complete at its INSERT (no UPDATE after); a rendered one gets its fields below.
             received = _received_fields(sniffed) if sniffed is not None else {}
             try:
-                with s.begin_nested():
+                with _savepoint(p, s):
                     doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size, **received)
                     s.add(doc)
                     s.flush()
@@ -201,7 +233,7 @@ def _job_in(s: Session, p: Pipeline, document_id: int, schema_id: int, *, fresh:
     if found is not None:
         return found, False
     try:
-        with s.begin_nested():
+        with _savepoint(p, s):
             job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
             s.add(job)
             s.flush()
@@ -231,10 +263,12 @@ def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, sta
     return _record(p, batch_id, out)
 
 
-def _check_arguments(p: Pipeline, schema: str | None) -> None:
-    if schema is not None:
-        _schema_id(p, schema)  # fail fast on a bad name, before any work
-    p.model_key  # noqa: B018 - fail fast when the model cannot be identified on this host
+def _check_arguments(p: Pipeline, schema: str | None) -> int | None:
+    """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
+    Returns the named schema's id (None when no schema was named), so it need not be looked up again."""
+    schema_id = _schema_id(p, schema) if schema is not None else None
+    p.model_key  # noqa: B018
+    return schema_id
 
 
 def _with_job(p: Pipeline, batch_id: int | None, label: str, started: float, document_id: int, kind: str | None,
@@ -259,9 +293,10 @@ def receive_file(
     known already) and the job `queued`. A file whose magic bytes are not an accepted type is refused here
     (`failed`, no job). Raises only for bad arguments or configuration, before any work.
 
-    This is an HTTP upload's whole cost, so it is kept to one read and one write transaction."""
+    This is an HTTP upload's whole cost: new bytes and known usable bytes take one write transaction; only a
+    refused file or a previously failed document takes the longer way (`_store_document`)."""
     started = time.perf_counter()
-    _check_arguments(p, schema)
+    schema_id = _check_arguments(p, schema)
     label = _label(source, name)
     try:
         sha, size = _store_original(p, source, label)
@@ -270,31 +305,61 @@ def receive_file(
     sniffed: Sniffed | None = None
     refusal: vision.MediaError | None = None
     try:
-        sniffed = _sniff_blob(p, sha, label)
+        sniffed = _sniff_original(p, source, sha, size, label)
     except vision.MediaError as exc:
         refusal = exc
-    with p.db.read_session() as s:
-        existing = _existing_in(s, sha)
-        usable = existing is not None and existing.status != DocumentStatus.failed.value
-        kind = existing.kind if usable else sniffed.kind if sniffed else None
-        schema_id = get_schema(s, resolve_schema_name(p, schema, kind)).id if usable or sniffed else None
-    if usable:
-        assert schema_id is not None
-        job_id, created = _get_or_create_job(p, existing.id, schema_id)
-        out = IngestOutcome(label, "new" if created else "duplicate", document_id=existing.id, job_id=job_id,
-                            pages=existing.page_count, rendered=existing.status == DocumentStatus.ingested.value,
-                            known=True)
-    elif sniffed is None:
+    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, schema_id)
+    if out is None and sniffed is None:
         assert refusal is not None
         document_id, _, _ = _store_document(p, sha, size, label, error=refusal)
         return _failed(p, batch_id, label, refusal, started, document_id)
-    else:
+    if out is None:  # a failed document read again
+        assert sniffed is not None
+        schema_id = schema_id or _schema_id(p, resolve_schema_name(p, schema, sniffed.kind))
         document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id)
         assert job is not None
         out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
-                            job_id=job[0], known=existing is not None)
+                            job_id=job[0], known=True)
     out.seconds = time.perf_counter() - started
     return _record(p, batch_id, out)
+
+
+# Built once (their cache keys are memoised): an upload executes them without constructing statements.
+_INSERT_DOCUMENT = insert(Document.__table__)
+_INSERT_JOB = insert(Job.__table__)
+
+
+def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,
+                           schema: str | None, schema_id: int | None) -> IngestOutcome | None:
+    """In one write transaction: the job of a known usable document (got or created), or a new `received`
+    document with its `queued` job (Core INSERTs: no ORM unit of work for two plain rows). None when these
+    bytes need `_store_document`: a failed document, or no document and a refused file."""
+    with p.db.session() as s:
+        conn = s.connection()
+        for _ in range(2):  # a second look only after a concurrent intake inserted these bytes first (PostgreSQL)
+            existing = _existing_in(conn, sha)
+            if existing is not None:
+                if existing.status == DocumentStatus.failed.value:
+                    return None
+                sid = schema_id or latest_schema_id(s, resolve_schema_name(p, schema, existing.kind))
+                job_id, created = _job_in(s, p, existing.id, sid, fresh=False)
+                return IngestOutcome(label, "new" if created else "duplicate", document_id=existing.id,
+                                     job_id=job_id, pages=existing.page_count,
+                                     rendered=existing.status == DocumentStatus.ingested.value, known=True)
+            if sniffed is None:
+                return None
+            sid = schema_id or latest_schema_id(s, resolve_schema_name(p, schema, sniffed.kind))
+            try:
+                with _savepoint(p, conn):  # on the connection: a Session savepoint starts only with its next use
+                    document_id = conn.execute(_INSERT_DOCUMENT, {
+                        "sha256": sha, "original_name": label[:1024], "size_bytes": size,
+                        **_received_fields(sniffed)}).inserted_primary_key[0]
+            except IntegrityError:
+                continue
+            job_id = conn.execute(_INSERT_JOB, {"document_id": document_id, "schema_id": sid,
+                                                "model_key": p.model_key}).inserted_primary_key[0]
+            return IngestOutcome(label, "new", document_id=int(document_id), job_id=int(job_id))
+    return None
 
 
 def ingest_file(

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 import jsonschema
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -133,6 +133,19 @@ def register_schema(
 
 def _latest(session: Session, name: str) -> Schema | None:
     return session.scalars(select(Schema).where(Schema.name == name).order_by(Schema.version.desc()).limit(1)).first()
+
+
+# Built once: the statement's cache key is memoised, so an upload's lookup costs no statement construction.
+_LATEST_ID = select(Schema.id).where(Schema.name == bindparam("name")).order_by(Schema.version.desc()).limit(1)
+
+
+def latest_schema_id(session: Session, name: str) -> int:
+    """The id of the named schema's latest version, without loading the row (its JSON schema and prompt are not
+    needed to queue a job); UnknownSchemaError as `get_schema` raises it."""
+    found = session.execute(_LATEST_ID, {"name": name}).scalar()
+    if found is None:
+        return get_schema(session, name).id  # raises UnknownSchemaError, listing the known names
+    return int(found)
 
 
 def get_schema(session: Session, name: str, version: int | None = None) -> Schema:

@@ -22,9 +22,13 @@ async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
                          who: Principal = Depends(get_principal)) -> BatchOut:
     """Upload several files (form field `files`, repeated) read with one schema; they form one batch."""
     await run_in_threadpool(ctx.jobs.check, who.key_id)
-    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes,
-                              max_files=ctx.limits.max_batch_files, idle_timeout_s=ctx.limits.upload_idle_timeout_s)
-    batch_id, job_ids = await to_thread.run_sync(accept_batch, ctx, form, who.key_id, limiter=ctx.intake)
+    form = await receive_form(request, ctx.spool_dir, ctx.upload_memory,
+                              max_file_bytes=ctx.limits.max_upload_bytes, max_files=ctx.limits.max_batch_files,
+                              idle_timeout_s=ctx.limits.upload_idle_timeout_s)
+    try:
+        batch_id, job_ids = await to_thread.run_sync(accept_batch, ctx, form, who.key_id, limiter=ctx.intake)
+    finally:
+        form.discard()  # accept_batch has done so; this covers a request cancelled before its thread started
     await run_in_threadpool(ctx.runner.submit, job_ids)  # may publish to the broker: off the event loop
     return await run_in_threadpool(batch_view, ctx, batch_id)
 

@@ -39,9 +39,12 @@ async def documents_upload(request: Request, ctx: ApiContext = Depends(get_ctx),
     # the usual upload skips a hop to a worker thread (each hop costs GIL hand-offs on a small machine).
     if not ctx.jobs.fits_without_lookup(who.key_id):
         await run_in_threadpool(ctx.jobs.check, who.key_id)
-    form = await receive_form(request, ctx.spool_dir, max_file_bytes=ctx.limits.max_upload_bytes, max_files=1,
-                              idle_timeout_s=ctx.limits.upload_idle_timeout_s)
-    out, new_job_ids = await to_thread.run_sync(accept_upload, ctx, form, who.key_id, limiter=ctx.intake)
+    form = await receive_form(request, ctx.spool_dir, ctx.upload_memory, max_file_bytes=ctx.limits.max_upload_bytes,
+                              max_files=1, idle_timeout_s=ctx.limits.upload_idle_timeout_s)
+    try:
+        out, new_job_ids = await to_thread.run_sync(accept_upload, ctx, form, who.key_id, limiter=ctx.intake)
+    finally:
+        form.discard()  # accept_upload has done so; this covers a request cancelled before its thread started
     return JSONResponse(out.model_dump(mode="json", by_alias=True),
                         status_code=status.HTTP_202_ACCEPTED if new_job_ids else status.HTTP_200_OK)
 

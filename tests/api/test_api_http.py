@@ -1,6 +1,7 @@
 """The REST API over real HTTP, against SQLite and PostgreSQL: upload -> result, duplicates, limits, auth, 404s."""
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 import socket
@@ -212,6 +213,7 @@ def test_oversize_streamed_body_is_cut_at_the_limit(server: LiveServer, lie: str
         assert _doc_count(c) == before
     time.sleep(0.2)
     assert _spool_files(server) == []  # the partial upload was removed
+    assert server.app.state.ctx.upload_memory.used == 0  # and the memory it held given back
 
 
 def test_understated_content_length_is_refused(server: LiveServer) -> None:
@@ -245,6 +247,7 @@ def test_truncated_body_is_not_stored(server: LiveServer) -> None:
         time.sleep(0.3)
         assert _doc_count(c) == before
     assert _spool_files(server) == []
+    assert server.app.state.ctx.upload_memory.used == 0
 
 
 # --- auth -------------------------------------------------------------------------------------------------------
@@ -426,6 +429,31 @@ def test_readyz_and_metrics(server: LiveServer) -> None:
         succeeded = float(next(line.split()[-1] for line in text.splitlines()
                                if line.startswith('docpipe_jobs{state="succeeded"}')))
         assert succeeded >= 1
+
+
+def test_small_uploads_stay_in_memory_and_large_ones_spill_to_disk(server: LiveServer) -> None:
+    """A file under the in-memory size and one over it (random pixels, uncompressed PNG) are both stored byte for
+    byte under their sha256; afterwards no memory is held for uploads and no spool file is left."""
+    from api.uploads import MEMORY_FILE_BYTES
+
+    ctx = server.app.state.ctx
+    small = random_png(40, 30)
+    big_side = int((MEMORY_FILE_BYTES / 3) ** 0.5) + 64  # RGB bytes > MEMORY_FILE_BYTES, under the 2 MiB limit
+    img = Image.frombytes("RGB", (big_side, big_side), random.randbytes(big_side * big_side * 3))
+    buf = io.BytesIO()
+    img.save(buf, "PNG", compress_level=0)
+    big = buf.getvalue()
+    assert len(small) < MEMORY_FILE_BYTES < len(big) <= ctx.limits.max_upload_bytes
+    with server.client() as c:
+        for data in (small, big):
+            r = upload(c, data, "m.png")
+            assert r.status_code == 202, r.text
+            doc = r.json()["document"]
+            assert doc["sha256"] == hashlib.sha256(data).hexdigest() and doc["size_bytes"] == len(data)
+            assert doc["media_type"] == "image/png" and doc["kind"] == "image"
+            assert ctx.pipeline.blobs.get_bytes(doc["sha256"]) == data
+    assert ctx.upload_memory.used == 0
+    assert _spool_files(server) == []
 
 
 def test_concurrent_uploads_lose_nothing_and_agree_on_duplicates(server: LiveServer) -> None:

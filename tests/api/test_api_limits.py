@@ -205,6 +205,20 @@ def test_engine_slots_and_job_quota() -> None:
         quota.check("k", adding=2)
 
 
+def test_upload_memory_budget_caps_what_is_held() -> None:
+    from api.uploads import MemoryBudget
+
+    cap = random.randint(1000, 5000)
+    budget = MemoryBudget(cap)
+    first = random.randint(1, cap - 1)
+    assert budget.take(first) and budget.used == first
+    assert not budget.take(cap - first + 1) and budget.used == first  # a refusal takes nothing
+    assert budget.take(cap - first) and budget.used == cap
+    assert not budget.take(1)
+    budget.give_back(cap)
+    assert budget.used == 0 and budget.take(cap)
+
+
 def test_api_limits_reject_nonsense() -> None:
     with pytest.raises(ValueError, match="burst"):
         ApiLimits(burst=0)

@@ -176,16 +176,25 @@ def test_unexpected_errors_become_problem_documents() -> None:
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from api.errors import UnexpectedErrorMiddleware
+    from api.auth import Gate, KeyRing
+    from api.limits import RateLimiter
+    from api.metrics import HttpMetrics, Metrics
+    from api.middleware import ApiMiddleware
 
     def boom(request):  # type: ignore[no-untyped-def]
         raise RuntimeError("secret internal detail")
 
     # Placed as in create_app: inside Starlette's last-resort handler, which would answer and then re-raise.
-    app = Starlette(routes=[Route("/boom", boom)], middleware=[Middleware(UnexpectedErrorMiddleware)])
+    metrics = Metrics()
+    middleware = Middleware(ApiMiddleware, metrics=HttpMetrics(metrics), limit_for=lambda method, path: 1024,
+                            gate=Gate(KeyRing([]), RateLimiter(6000, 100)))
+    app = Starlette(routes=[Route("/boom", boom)], middleware=[middleware])
     with TestClient(app) as c:  # raises server exceptions by default: passing means none escaped
         r = c.get("/boom")
     assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
     body = r.json()
     assert body["code"] == "internal_error" and len(body["incident"]) == 12
+    # Counted as the 500 it was answered with.
+    assert metrics.registry.get_sample_value("docpipe_http_requests_total",
+                                             {"method": "GET", "route": "/boom", "status": "500"}) == 1
     assert "secret" not in r.text and "Traceback" not in r.text
