@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pymupdf
+import PIL
 from PIL import Image
 
 from .document import MediaDocument
@@ -86,6 +87,11 @@ def render_scale(width_pt: float, height_pt: float, dpi: float, max_pixels: int)
     return scale
 
 
+# Image.fromarrow re-typing RGBX as RGB without a copy: Pillow 12.3 segfaults in __arrow_c_array__ on an image made
+# by frombuffer (seen on the GPU machine's image with Pillow 12.3.0 + Python 3.12, reproduced here); 13.0 is fine.
+ARROW_RETYPE_SAFE = int(PIL.__version__.split(".")[0]) >= 13
+
+
 def _mostly_raster(page: pymupdf.Page, pixels: int) -> bool:
     """Whether the images the page lists hold at least a quarter as many pixels as its render: a scan, not a
     vector page with a logo. (Images inside form XObjects or inline may be missed: then the page is treated as
@@ -120,6 +126,8 @@ def _render_rgb(page: pymupdf.Page, scale: float) -> Image.Image:
     mu.fz_run_page(page.this, device, mu.FzMatrix(), mu.FzCookie())  # page contents, annotations, widgets
     mu.fz_close_device(device)
     rgbx = Image.frombuffer("RGBX", size, buffer, "raw", "RGBX", 0, 1)
+    if not ARROW_RETYPE_SAFE:
+        return rgbx.convert("RGB")  # one extra copy, still no unpacking from 3-byte samples
     return Image.fromarrow(rgbx, "RGB", size)
 
 

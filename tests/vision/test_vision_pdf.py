@@ -87,8 +87,11 @@ def get_pixmap_rgb(data: bytes, dpi: float) -> np.ndarray:
         return np.frombuffer(pix.samples, dtype=np.uint8).reshape(pix.height, pix.width, 3)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["fromarrow", "convert"])
 @pytest.mark.parametrize("rotation", [0, 90, 270])
-def test_render_matches_pymupdf_get_pixmap(rng, rotation):
+def test_render_matches_pymupdf_get_pixmap(rng, rotation, zero_copy, monkeypatch):
+    # zero_copy=False is the route taken on Pillow < 13, whose fromarrow re-typing crashes (vision.pdf).
+    monkeypatch.setattr("vision.pdf.ARROW_RETYPE_SAFE", zero_copy)
     # Vector pages are drawn into the PIL image's own memory (vision.pdf._render_rgb); the independent reference is
     # PyMuPDF's get_pixmap at the same scale. Blended pixels may round differently: at most one level, rarely.
     data = pdf_with_transparency(rng, rotate=rotation)
