@@ -5,8 +5,9 @@
 Fresh random logits each run (the seed is printed), vocab 248320 and small vocabs, 1..128 rows, per row a random
 mix of greedy / temperature / top-k / top-p / min-p, grammar bitmasks on some rows (one with a single allowed
 token), 0..20 top logprobs; both sides get the same uniform per row (runner_api.sample_on_host is the reference).
-Pass: greedy tokens identical; sampled tokens identical except where u lies within float rounding (1e-5) of a
-CDF boundary or the top-p cut sits within 1e-5 of top_p (counted and reported, must stay rare); chosen and top-n
+Pass: greedy tokens identical; sampled tokens identical except where the device picked the exact (float64) CDF's
+token and numpy's float32 cumsum did not, u lies within float rounding (1e-5) of a CDF boundary, or the top-p cut
+sits within 1e-5 of top_p (counted and reported; at most 2% of sampled rows over all cases); chosen and top-n
 logprobs within 1e-4 relative (top-n ids compared where values are distinct and finite).
 Then a timing table at vocab 248320: host path (D2H copy of the logits + numpy sampling) vs device path (params +
 masks upload, kernel, download of tokens/logprobs), medians over repeats after a warm-up, host clock with syncs.
@@ -86,14 +87,19 @@ def masked_logits(logits: np.ndarray, req) -> np.ndarray:
 
 
 def at_boundary(x: np.ndarray, req, r: int, a: int, b: int) -> bool:
-    """Row r chose a (device) vs b (numpy): is u within rounding of the CDF between them, or top_p within
-    rounding of the cumulative top-k mass at the cut (float64 recomputation of the numpy semantics)?"""
+    """Row r chose a (device) vs b (numpy): did the device pick the exact (float64) answer, is u within rounding
+    of the CDF between them, or top_p within rounding of the cumulative top-k mass at the cut (float64
+    recomputation of the numpy semantics)?"""
     from gpu_engine.sampling import filter_logits
 
     y = x[r : r + 1] / req.temperature[r]
     kept = filter_logits(y, req.top_k[r : r + 1], req.top_p[r : r + 1], req.min_p[r : r + 1])[0].astype(np.float64)
     p = np.exp(kept - kept.max())
     cdf = np.cumsum(p) / p.sum()
+    # numpy's own float32 cumsum over up to 248k terms drifts from the exact CDF by ~1e-5..1e-4: where the
+    # device picked the token the exact (float64) CDF gives, the mismatch is numpy's rounding, not the kernel's
+    if a == int(np.searchsorted(cdf, req.uniform[r])):
+        return True
     lo, hi = min(a, b), max(a, b)
     if np.min(np.abs(cdf[lo:hi] - req.uniform[r])) <= BOUNDARY_TOL:
         return True
