@@ -1,12 +1,19 @@
 """Upload latency of the REST API over loopback: N distinct uploads from a bounded pool of concurrent clients.
 
     python3 bench/api_upload_latency.py [--uploads 200] [--concurrency 1,8,32] [--mode broker|embedded]
-                                        [--server-processes 1] [--json bench/results/api_upload_latency.json]
+                                        [--server-processes 1] [--client raw|httpx]
+                                        [--json bench/results/api_upload_latency.json]
 
 The server runs in its own process (`docpipe serve`, configured through DOCPIPE_*), the
-client is asyncio + httpx with at most `concurrency` requests in flight. Latency is the time from sending a
-request to having its full response. Every upload is a different small PNG (fresh random pixels), so each one is
-stored, sniffed and rendered (no dedupe shortcut).
+client has at most `concurrency` requests in flight, one keep-alive connection each. Latency is the time from
+sending a request to having its full response. Every upload is a different small PNG (fresh random pixels), so each
+one is stored and sniffed (no dedupe shortcut).
+
+`--client raw` (default): a minimal HTTP/1.1 client on asyncio streams; each request's bytes (headers + multipart
+body) are built before the round starts, and a response is read by its Content-Length. The client shares the
+machine's cores with the server, so its own CPU per request is kept to a fraction of the server's; `--client
+httpx` (the usual library, a few times the CPU per request) shows how much a heavier client inflates the numbers
+on a small machine.
 
 Modes: `broker` (default when Redis answers on 127.0.0.1:6379): jobs are only enqueued, on a Redis database number
 claimed for the run and flushed afterwards, so the numbers are the API's own upload path. `embedded`: the server
@@ -114,15 +121,91 @@ def start_server(data_dir: Path, broker_url: str | None, processes: int = 1) -> 
     raise RuntimeError("server did not become ready")
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))  # nearest-rank percentile
     return ordered[k]
 
 
-async def round_of_uploads(base: str, bodies: list[bytes], concurrency: int) -> dict[str, object]:
-    latencies: list[float] = []
-    errors: list[str] = []
+def upload_request(base: str, i: int, body: bytes) -> bytes:
+    """The whole HTTP/1.1 request (head + multipart body) uploading `body` as form field `file`."""
+    boundary = uuid.uuid4().hex
+    form = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="u{i}.png"\r\n'
+            f"Content-Type: image/png\r\n\r\n").encode() + body + f"\r\n--{boundary}--\r\n".encode()
+    host = base.split("://", 1)[1]
+    head = (f"POST /v1/documents HTTP/1.1\r\nHost: {host}\r\nX-API-Key: {KEY}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len(form)}\r\n\r\n")
+    return head.encode() + form
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection: send a prepared request, read the response by its Content-Length."""
+
+    def __init__(self, base: str) -> None:
+        host, port = base.split("://", 1)[1].rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def exchange(self, request: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:] if line)}
+        if b"content-length" not in fields:
+            raise ValueError(f"response without Content-Length: {head[:200]!r}")
+        body = await self.reader.readexactly(int(fields[b"content-length"]))
+        if fields.get(b"connection", b"").lower() == b"close":
+            self.close()
+        return status, body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def _raw_uploads(base: str, bodies: list[bytes], concurrency: int, latencies: list[float],
+                       errors: list[str]) -> None:
+    requests = [upload_request(base, i, b) for i, b in enumerate(bodies)]  # built before the clock starts
+    pool = [RawConnection(base) for _ in range(concurrency)]
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+
+    async def worker(conn: RawConnection) -> None:
+        while not queue.empty():
+            request = queue.get_nowait()
+            start = time.perf_counter()
+            try:
+                status, body = await conn.exchange(request)
+                if status != 202:
+                    errors.append(f"{status}: {body[:200]!r}")
+            except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
+                conn.close()
+                errors.append(f"{type(exc).__name__}: {exc}")
+            latencies.append(time.perf_counter() - start)
+        conn.close()
+
+    await asyncio.gather(*(worker(c) for c in pool))
+
+
+async def _httpx_uploads(base: str, bodies: list[bytes], concurrency: int, latencies: list[float],
+                         errors: list[str]) -> None:
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, headers={"X-API-Key": KEY}, limits=limits, timeout=120) as client:
@@ -131,22 +214,29 @@ async def round_of_uploads(base: str, bodies: list[bytes], concurrency: int) -> 
                 start = time.perf_counter()
                 try:
                     r = await client.post("/v1/documents", files={"file": (f"u{i}.png", body, "image/png")})
-                    ok = r.status_code == 202
-                    if not ok:
+                    if r.status_code != 202:
                         errors.append(f"{r.status_code}: {r.text[:200]}")
                 except httpx.HTTPError as exc:
                     errors.append(f"{type(exc).__name__}: {exc}")
                 latencies.append(time.perf_counter() - start)
 
-        wall = time.perf_counter()
         await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
-        wall = time.perf_counter() - wall
+
+
+async def round_of_uploads(base: str, bodies: list[bytes], concurrency: int, client: str = "raw"
+                           ) -> dict[str, object]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    run = _raw_uploads if client == "raw" else _httpx_uploads
+    cpu, wall = time.process_time(), time.perf_counter()
+    await run(base, bodies, concurrency, latencies, errors)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     ms = [x * 1000 for x in latencies]
     return {
         "concurrency": concurrency, "uploads": len(bodies), "errors": len(errors), "error_samples": errors[:5],
         "wall_s": wall, "uploads_per_s": len(bodies) / wall,
         "p50_ms": pct(ms, 50), "p95_ms": pct(ms, 95), "p99_ms": pct(ms, 99), "max_ms": max(ms),
-        "mean_ms": statistics.fmean(ms),
+        "mean_ms": statistics.fmean(ms), "client_cpu_ms_per_upload": cpu * 1000 / len(bodies),
     }
 
 
@@ -199,6 +289,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=["broker", "embedded"], default=None)
     ap.add_argument("--server-processes", type=int, default=1,
                     help="server processes (docpipe serve --workers; broker mode only)")
+    ap.add_argument("--client", choices=["raw", "httpx"], default="raw",
+                    help="raw: prepared requests on asyncio streams (cheap); httpx: the library client")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "api_upload_latency.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -218,13 +310,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="docpipe-bench-api-") as tmp:
         proc, base = start_server(Path(tmp), broker_url, args.server_processes)
         try:
-            asyncio.run(round_of_uploads(base, [png() for _ in range(8)], 4))  # warm-up (imports, pools)
+            asyncio.run(round_of_uploads(base, [png() for _ in range(8)], 4, args.client))  # warm-up
             for level in levels:
                 before = count_documents(base)
                 bodies = [png() for _ in range(args.uploads)]
                 histogram = upload_histogram(base)
                 load = os.getloadavg()[0]
-                result = asyncio.run(round_of_uploads(base, bodies, level))
+                server_cpu = process_cpu_s(proc.pid)
+                result = asyncio.run(round_of_uploads(base, bodies, level, args.client))
+                if server_cpu is not None:  # the server process's own CPU (with --workers, the supervisor's only)
+                    result["server_cpu_ms_per_upload"] = ((process_cpu_s(proc.pid) or 0.0) - server_cpu) * 1000 \
+                        / len(bodies) if args.server_processes == 1 else None
                 # /metrics counts one process's requests: with several, the server-side split is not measured.
                 result["server_side"] = (server_side(histogram, upload_histogram(base)) if args.server_processes == 1
                                          else {"note": "not measured: /metrics is per server process"})
@@ -239,20 +335,24 @@ def main() -> int:
                 claimed[1].flushdb()  # type: ignore[attr-defined]
 
     print(f"\nAPI upload latency, {args.uploads} uploads of distinct 320x240 PNGs per round, mode={mode}, "
+          f"client={args.client}, "
           f"{args.server_processes} server process(es), loopback, {os.cpu_count()} CPU cores, load average before "
           f"{load_before[0]:.1f} "
           "(other work on the machine inflates the tail)")
     print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
-          f"{'max ms':>8} {'server p99 <=':>14} {'load':>5}")
+          f"{'max ms':>8} {'server p99 <=':>14} {'srv cpu':>8} {'cli cpu':>8} {'load':>5}")
     for r in rounds:
         bound = r["server_side"].get("p99_at_most_ms")  # type: ignore[union-attr]
         print(f"{r['concurrency']:>8} {r['errors']:>6} {r['documents_created']:>5} {r['uploads_per_s']:>7.1f} "
               f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} "
-              f"{(f'{bound:g} ms' if bound else '-'):>14} {r['loadavg_1m_after']:>5.1f}")
+              f"{(f'{bound:g} ms' if bound else '-'):>14} {_ms(r.get('server_cpu_ms_per_upload')):>8} "
+              f"{_ms(r['client_cpu_ms_per_upload']):>8} {r['loadavg_1m_after']:>5.1f}")
     report = {
         "bench": "api_upload_latency", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python3", "bench/api_upload_latency.py", *sys.argv[1:]]),
-        "mode": mode, "server_processes": args.server_processes,
+        "mode": mode, "server_processes": args.server_processes, "client": args.client,
+        "cpu_note": "server_cpu_ms_per_upload / client_cpu_ms_per_upload: CPU time per upload of the server process "
+                    "and of this client during the round",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "goal": "p99 <= 150 ms at 32 concurrent clients, 0 errors, nothing lost", "rounds": rounds,
@@ -262,6 +362,10 @@ def main() -> int:
     print(f"wrote {args.json}")
     bad = [r for r in rounds if r["errors"] or r["documents_created"] != r["uploads"]]
     return 1 if bad else 0
+
+
+def _ms(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else "-"
 
 
 if __name__ == "__main__":
