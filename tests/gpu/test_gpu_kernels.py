@@ -12,6 +12,9 @@ pytestmark = pytest.mark.gpu
     ("check_kernels", "every CUDA kernel vs its float64 numpy reference"),
     ("check_runner", "CudaRunner vs the numpy ReferenceRunner"),
     ("check_vision", "the GPU vision tower vs the numpy reference tower"),
+    ("check_flash", "the tiled prefill attention vs float64 attention"),
+    ("check_deltanet_chunked", "the chunked gated delta rule vs the token-by-token float64 reference"),
+    ("check_sampling", "the GPU sampler vs the numpy sampler"),
 ])
 def test_gpu_check_passes(script: str, what: str) -> None:
     from gpu_engine.cuda.errors import CudaUnavailable

@@ -1,8 +1,8 @@
 // Gated DeltaNet (Qwen3.5 linear-attention layers): causal depthwise conv1d with state, and the gated delta rule.
 // Both kernels take a varlen batch: sequence s owns tokens [cu_seqlens[s], cu_seqlens[s+1]) (a decode step is
 // one token, a prefill chunk many) and its state slot state_slots[s]; fresh[s] != 0 means "start from zeros".
-// Decode and prefill are the same code path, run token by token (sequential prefill; a chunked WY-form prefill
-// is future work).
+// These kernels run token by token: decode, short chunks and fp32 models. bf16 prefill chunks of 64+ tokens take
+// the chunked WY-form kernels in deltanet_chunked.cu instead (tensor cores).
 //
 // conv1d_silu: x [tokens, x_stride] holds conv_dim channels; w [conv_dim, K]; conv_state [slots, K-1, conv_dim]
 //   (channel-contiguous so that neighbouring threads touch neighbouring words). out = silu(causal conv), and the
