@@ -5,9 +5,11 @@ elements. Scalars are passed with explicit C types (np.int32 / np.int64 / np.flo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .context import DArray, GpuContext
+from .context import ITEMSIZE, DArray, GpuContext
 from .errors import ShapeError
 
 i32, i64, f32 = np.int32, np.int64, np.float32
@@ -254,14 +256,46 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
 
 
 # ---- Gated DeltaNet ------------------------------------------------------------------------------------------
+CONV_RUN_TOKENS = 16  # batch rows per thread of the token-parallel conv (the K-1 halo is re-read once per run)
+
+
+@dataclass(frozen=True)
+class ConvRunsLaunch:
+    """Launch shape of conv1d_silu_runs: `vec` channels per thread (16-byte loads or 1), `run` rows per thread."""
+
+    kernel: str
+    vec: int
+    run: int
+    grid: tuple[int, int]
+    block: int = 128
+
+
+def conv_runs_launch(n: int, conv_dim: int, K: int, dtype: str, x_ptr: int, x_stride: int, out_ptr: int,
+                     out_stride: int, run: int | None = None) -> ConvRunsLaunch:
+    """Pick the token-parallel conv's variant and grid: 16-byte vectors when every row start of x and out is
+    16-byte aligned and conv_dim is a multiple of the vector width, else one channel per thread; taps in 4 or 8
+    register slots; runs of CONV_RUN_TOKENS rows (longer if the grid's y extent would pass 65535)."""
+    itemsize = ITEMSIZE[dtype]
+    vec = 16 // itemsize
+    byte_offsets = (x_ptr, x_stride * itemsize, out_ptr, out_stride * itemsize)  # every row start is 16-aligned
+    aligned = conv_dim % vec == 0 and all(b % 16 == 0 for b in byte_offsets)
+    vec = vec if aligned else 1
+    run = run or max(CONV_RUN_TOKENS, -(-n // 65535))
+    if run < 1 or -(-n // run) > 65535:
+        raise ShapeError(f"conv1d run of {run} rows gives more than 65535 runs for {n} tokens")
+    name = f"conv1d_silu_runs_{dtype}_{'vec' if vec > 1 else 'v1'}_k{4 if K <= 4 else 8}"
+    channel_threads = conv_dim // vec
+    return ConvRunsLaunch(name, vec, run, ((channel_threads + 127) // 128, -(-n // run)))
+
+
 def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stride: int, w: DArray,
                 conv_state: DArray, cu_seqlens: DArray, state_slots: DArray, fresh: DArray,
-                token_seq: DArray | None = None, method: str = "auto") -> None:
+                token_seq: DArray | None = None, method: str = "auto", run: int | None = None) -> None:
     """Causal depthwise conv (kernel K) + silu over a varlen batch, reading and updating per-slot conv state.
 
     w [conv_dim, K]; conv_state [slots, K-1, conv_dim]; cu_seqlens i32 [seqs+1]; state_slots, fresh i32 [seqs].
-    method: "sequential" (one thread walks a channel of a sequence: decode), "tokens" (one thread per token and
-    channel, then a state update: prefill; needs token_seq i32 [tokens]), or "auto".
+    method: "sequential" (one thread walks a channel of a sequence: decode), "tokens" (threads over channel
+    vectors x runs of `run` rows, then a state update: prefill; needs token_seq i32 [tokens]), or "auto".
     """
     t = _same_float(out, x, w, conv_state)
     conv_dim, K = w.shape
@@ -271,8 +305,8 @@ def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stri
         raise ShapeError(f"method must be auto, sequential or tokens, got {method!r}")
     n, seqs = out.shape[0], state_slots.size
     parallel = method == "tokens" or (method == "auto" and token_seq is not None and n >= GDN_TWO_PASS_MIN_TOKENS)
-    if parallel and (token_seq is None or n > 65535):
-        raise ShapeError("conv1d method 'tokens' needs token_seq and at most 65535 tokens")
+    if parallel and token_seq is None:
+        raise ShapeError("conv1d method 'tokens' needs token_seq")
     blocks = (conv_dim + 127) // 128
     if not parallel:
         ctx.device.launch("deltanet", f"conv1d_silu_{t}", (blocks, seqs), 128, out.ptr, i64(out_stride), x.ptr,
@@ -280,9 +314,11 @@ def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stri
                           i32(conv_dim), i32(K))
         return
     _need(token_seq, "i32", "token_seq")
-    ctx.device.launch("deltanet", f"conv1d_silu_tokens_{t}", (blocks, n), 128, out.ptr, i64(out_stride), x.ptr,
-                      i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, token_seq.ptr, state_slots.ptr, fresh.ptr,
-                      i32(conv_dim), i32(K))
+    lp = conv_runs_launch(n, conv_dim, K, t, x.ptr, x_stride, out.ptr, out_stride, run)
+    ctx.device.launch("deltanet", lp.kernel, lp.grid, lp.block, out.ptr, i64(out_stride), x.ptr, i64(x_stride),
+                      w.ptr, conv_state.ptr, cu_seqlens.ptr, token_seq.ptr, state_slots.ptr, fresh.ptr, i32(n),
+                      i32(seqs), i32(conv_dim), i32(K), i32(lp.run))
+    # separate launch: the runs above read the old state of sequences whose last run may be another thread's
     ctx.device.launch("deltanet", f"conv1d_state_update_{t}", (blocks, seqs), 128, x.ptr, i64(x_stride),
                       conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(conv_dim), i32(K))
 

@@ -343,26 +343,31 @@ class Checker:
         fresh = np.array([int(f) for f, _ in seqs], np.int32)
         slots = np.array(slots_list, np.int32)
         ctx = self.ctx
-        # conv1d: x inside a wider projection row
-        xw = conv_dim + 96
-        x = self.rand((total, xw), t)
+        # conv1d: x inside a wider projection row. Row width conv_dim + 96 keeps rows 16-byte aligned (vector
+        # path of the token-parallel kernel), + 97 does not (one channel per thread); runs of 4 and 5 rows put
+        # run starts inside sequences (halo from x) and sequence starts inside runs (window refill).
         w = self.rand((conv_dim, K), t, 0.5)
         conv_state = self.rand((num_slots, K - 1, conv_dim), t)
-        exp_out, exp_state = [], conv_state.astype(np.float64).copy()
-        for i, (f, n) in enumerate(seqs):
-            st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
-            o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
-            exp_out.append(o)
-            exp_state[slots[i]] = new
         token_seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs]).astype(np.int32)
-        for method in ("sequential", "tokens"):
-            cs = self.up(conv_state, t)
-            conv_out = self.out((total, conv_dim), t)
-            self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs, self.up(cu, "i32"),
-                                 self.up(slots, "i32"), self.up(fresh, "i32"), token_seq=self.up(token_seq, "i32"),
-                                 method=method)
-            self.record(f"conv1d_silu {method} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
-            self.record(f"conv1d_silu {method} (state)", t, rel_err(self.get(cs), exp_state))
+        for extra in (96, 97):
+            xw = conv_dim + extra
+            x = self.rand((total, xw), t)
+            exp_out, exp_state = [], conv_state.astype(np.float64).copy()
+            for i, (f, n) in enumerate(seqs):
+                st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
+                o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
+                exp_out.append(o)
+                exp_state[slots[i]] = new
+            cases = [("sequential", None), ("tokens", None), ("tokens", 4), ("tokens", 5)]
+            for method, run in cases if extra == 96 else cases[1:]:
+                cs = self.up(conv_state, t)
+                conv_out = self.out((total, conv_dim), t)
+                self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs,
+                                     self.up(cu, "i32"), self.up(slots, "i32"), self.up(fresh, "i32"),
+                                     token_seq=self.up(token_seq, "i32"), method=method, run=run)
+                label = f"conv1d_silu {method}" + (f" run={run}" if run else "") + f" width+{extra}"
+                self.record(f"{label} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
+                self.record(f"{label} (state)", t, rel_err(self.get(cs), exp_state))
         # gated delta rule on independent random q/k/v (so this check does not inherit conv errors)
         qkv_w = conv_dim + 32
         qkv = self.rand((total, qkv_w), t)

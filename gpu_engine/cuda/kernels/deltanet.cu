@@ -218,27 +218,127 @@ __device__ void gdn_recurrent_impl(T* out, const float* qn, const float* kn, con
 
 
 // Prefill form of the conv, parallel over tokens (the sequential conv1d_silu walks each sequence token by token):
-// conv1d_silu_tokens: one thread per (token, channel); inputs before the chunk come from the old state.
+// conv1d_silu_runs: one thread per (V adjacent channels, run of `run` batch rows). It reads the K-1 inputs before
+//   its run once (from x, or from the old state / zeros where they precede the sequence), then slides a register
+//   window over the run: every x element is read once (plus the K-1 halo rows per run) with V-wide loads (16 bytes
+//   for V = 16 / sizeof(T); V = 1 when rows are not 16-byte aligned), and a warp covers 32*V contiguous channels.
+//   A run may cross sequence boundaries: the window is refilled there. Taps are right-aligned in KM slots
+//   (KM >= K, weights of the unused leading slots are zero) so that every register index is static.
 // conv1d_state_update: afterwards, each sequence's last K-1 inputs become its state (one thread per channel reads
 //   everything it needs before writing, so old and new state never race).
-template <typename T>
-__device__ void conv1d_silu_tokens_impl(T* out, long long out_stride, const T* x, long long x_stride, const T* w,
-                                        const T* conv_state, const int* cu_seqlens, const int* token_seq,
-                                        const int* state_slots, const int* fresh, int conv_dim, int K) {
-    pdl_entry();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
-    if (c >= conv_dim) return;
-    const int s = token_seq[t], start = cu_seqlens[s];
-    const T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c;
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) {
-        const int src = t - (K - 1) + k;  // batch row of this tap's input
-        float xv;
-        if (src >= start) xv = to_f(x[src * x_stride + c]);
-        else xv = fresh[s] ? 0.0f : to_f(st[(long long)(K - 1 - (start - src)) * conv_dim]);
-        acc += to_f(w[(long long)c * K + k]) * xv;
+template <int V>
+__device__ __forceinline__ void load_row(const bf16_t* p, float* f) {
+    if constexpr (V == 8) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        const unsigned int wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(wd[i] << 16);
+            f[2 * i + 1] = __uint_as_float(wd[i] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = to_f(p[i]);
     }
-    out[t * out_stride + c] = from_f<T>(silu(acc));
+}
+
+template <int V>
+__device__ __forceinline__ void load_row(const float* p, float* f) {
+    if constexpr (V == 4) {
+        const float4 u = *reinterpret_cast<const float4*>(p);
+        f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = p[i];
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_row(bf16_t* p, const float* f) {
+    if constexpr (V == 8) {
+        unsigned int wd[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            wd[i] = (unsigned int)from_f<bf16_t>(f[2 * i]) | ((unsigned int)from_f<bf16_t>(f[2 * i + 1]) << 16);
+        *reinterpret_cast<uint4*>(p) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] = from_f<bf16_t>(f[i]);
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_row(float* p, const float* f) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] = f[i];
+    }
+}
+
+template <typename T, int V, int KM>
+__device__ void conv1d_silu_runs_impl(T* out, long long out_stride, const T* x, long long x_stride, const T* w,
+                                      const T* conv_state, const int* cu_seqlens, const int* token_seq,
+                                      const int* state_slots, const int* fresh, int n, int seqs, int conv_dim, int K,
+                                      int run) {
+    pdl_entry();
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    const int t0 = blockIdx.y * run, t1 = min(t0 + run, n);
+    if (c0 >= conv_dim || t0 >= n) return;
+    // wr[j][i]: tap j of channel c0+i, right-aligned (slot KM-1 multiplies the current input)
+    float wr[KM][V];
+#pragma unroll
+    for (int j = 0; j < KM; ++j)
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int k = j - (KM - K);
+            wr[j][i] = k >= 0 ? to_f(w[(long long)(c0 + i) * K + k]) : 0.0f;
+        }
+    float win[KM - 1][V];  // win[j] = input of row t - (KM-1) + j (win[KM-2] the newest)
+    int s = token_seq[t0], t = t0;
+    while (t < t1 && s < seqs) {
+        const int start = cu_seqlens[s], end = min(cu_seqlens[s + 1], t1);
+        if (end <= t) { ++s; continue; }  // empty sequence (or none left in this run)
+        const bool is_fresh = fresh[s] != 0;
+        const T* st = conv_state + (long long)state_slots[s] * (K - 1) * conv_dim + c0;
+#pragma unroll
+        for (int j = 0; j < KM - 1; ++j) {
+            const int src = t - (KM - 1) + j;
+            if (j < KM - K) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) win[j][i] = 0.0f;  // its weight is zero; keep NaN out of 0 * x
+            } else if (src >= start) {
+                load_row<V>(x + (long long)src * x_stride + c0, win[j]);
+            } else if (is_fresh) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) win[j][i] = 0.0f;
+            } else {
+                load_row<V>(st + (long long)(K - 1 - (start - src)) * conv_dim, win[j]);
+            }
+        }
+#pragma unroll 4
+        for (; t < end; ++t) {
+            float xt[V], acc[V];
+            load_row<V>(x + (long long)t * x_stride + c0, xt);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                float a = wr[KM - 1][i] * xt[i];
+#pragma unroll
+                for (int j = 0; j < KM - 1; ++j)
+                    if (j >= KM - K) a += wr[j][i] * win[j][i];  // unused leading slots: skip, not 0 * x
+                acc[i] = silu(a);
+            }
+            store_row<V>(out + (long long)t * out_stride + c0, acc);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+#pragma unroll
+                for (int j = 0; j < KM - 2; ++j) win[j][i] = win[j + 1][i];
+                win[KM - 2][i] = xt[i];
+            }
+        }
+        ++s;
+    }
 }
 
 template <typename T>
@@ -261,6 +361,16 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
     for (int k = 0; k < MAX_CONV - 1; ++k)
         if (k < K - 1) st[(long long)k * conv_dim] = from_f<T>(win[k]);
 }
+
+// conv1d_silu_runs_<dtype>_<v1|vec>_<k4|k8>: V = 1 or 16 bytes of channels per thread, KM = 4 (K <= 4) or 8
+#define CONV_RUNS(S, T, NAME, V, KM)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) conv1d_silu_runs_##S##_##NAME(                              \
+        T* out, long long out_stride, const T* x, long long x_stride, const T* w, const T* conv_state,            \
+        const int* cu_seqlens, const int* token_seq, const int* state_slots, const int* fresh, int n,             \
+        int seqs, int conv_dim, int K, int run) {                                                                 \
+        conv1d_silu_runs_impl<T, V, KM>(out, out_stride, x, x_stride, w, conv_state, cu_seqlens, token_seq,       \
+                                        state_slots, fresh, n, seqs, conv_dim, K, run);                           \
+    }
 
 #define DEFINE(S, T)                                                                                              \
     extern "C" __global__ void conv1d_silu_##S(T* out, long long out_stride, const T* x, long long x_stride,      \
@@ -290,13 +400,10 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
         gdn_recurrent_impl<T>(out, qn, kn, v, v_stride, db, state, cu_seqlens, state_slots, fresh, k_heads,       \
                               v_heads, dk, dv);                                                                   \
     }                                                                                                             \
-    extern "C" __global__ void conv1d_silu_tokens_##S(T* out, long long out_stride, const T* x, long long x_stride,\
-                                                      const T* w, const T* conv_state, const int* cu_seqlens,     \
-                                                      const int* token_seq, const int* state_slots,               \
-                                                      const int* fresh, int conv_dim, int K) {                    \
-        conv1d_silu_tokens_impl<T>(out, out_stride, x, x_stride, w, conv_state, cu_seqlens, token_seq,            \
-                                   state_slots, fresh, conv_dim, K);                                              \
-    }                                                                                                             \
+    CONV_RUNS(S, T, v1_k4, 1, 4)                                                                                 \
+    CONV_RUNS(S, T, v1_k8, 1, 8)                                                                                 \
+    CONV_RUNS(S, T, vec_k4, 16 / sizeof(T), 4)                                                                   \
+    CONV_RUNS(S, T, vec_k8, 16 / sizeof(T), 8)                                                                   \
     extern "C" __global__ void conv1d_state_update_##S(const T* x, long long x_stride, T* conv_state,              \
                                                        const int* cu_seqlens, const int* state_slots,             \
                                                        const int* fresh, int conv_dim, int K) {                   \
@@ -305,3 +412,4 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
 #undef DEFINE
+#undef CONV_RUNS
