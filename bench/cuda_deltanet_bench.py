@@ -92,6 +92,11 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
             ctx.device.sync()
             results[method] = (ctx.to_host(outs[method]), ctx.to_host(state))
             row[f"{method}_ms"] = time_ms(ctx, lambda: call(method), warmup, reps)
+        for width in (deltanet_chunked.DV_SLICE, deltanet_chunked.NARROW_DV_SLICE):  # the scan's two slice widths
+            row[f"chunked_slice{width}_ms"] = time_ms(ctx, lambda: deltanet_chunked.chunked_gated_delta_rule(
+                ctx, outs["chunked"], qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh,
+                A_log, dt_bias, state, meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv, dv_slice=width),
+                warmup, reps)
         row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
         row["chunked_ms_per_48_layers"] = row["chunked_ms"] * LAYERS_27B
         row["agree_out"] = _rel(results["chunked"][0], results["sequential"][0])
@@ -104,11 +109,12 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'shape':<6} {'tokens':>6} {'heads':>6} {'seq ms':>9} {'chunk ms':>9} {'speedup':>8} "
-             f"{'x48 ms':>8} {'agree out':>10} {'agree S':>9}", "-" * 80]
+             f"{'x48 ms':>8} {'agree out':>10} {'agree S':>9} {'slice32':>8} {'slice16':>8}", "-" * 98]
     for r in rows:
         lines.append(f"{r['shape']:<6} {r['tokens']:>6} {r['k_heads']:>2}/{r['v_heads']:<3} {r['sequential_ms']:>9.3f} "
                      f"{r['chunked_ms']:>9.3f} {r['speedup']:>7.1f}x {r['chunked_ms_per_48_layers']:>8.1f} "
-                     f"{r['agree_out']:>10.1e} {r['agree_state']:>9.1e}")
+                     f"{r['agree_out']:>10.1e} {r['agree_state']:>9.1e} {r['chunked_slice32_ms']:>8.3f} "
+                     f"{r['chunked_slice16_ms']:>8.3f}")
     lines.append(f"(target: 27b, 8192 tokens, chunked <= {TARGET_MS} ms per layer)")
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ from .ops import _need, i32, i64
 
 CHUNK = 64  # tokens per chunk (GC_C in the kernel)
 DV_SLICE = 32  # value columns per sequential block (GC_SLICE)
+NARROW_DV_SLICE = 16  # gdn_chunk_scan16: for grids of fewer 32-column blocks than SMs
 THREADS = 128
 HEAD_DIMS = ((128, 128), (128, 64), (64, 64), (64, 128))  # (dk, dv) instantiated in the .cu file
 MIN_PREFILL_TOKENS = 64  # the runner takes this path for bf16 steps whose longest chunk has at least this many tokens
@@ -18,6 +19,12 @@ MIN_PREFILL_TOKENS = 64  # the runner takes this path for bf16 steps whose longe
 
 def supports(dk: int, dv: int) -> bool:
     return (dk, dv) in HEAD_DIMS
+
+
+def scan_slice(dv: int, v_heads: int, seqs: int, sm_count: int) -> int:
+    """Value columns per scan block: 32, or 16 when 32-column slices would give fewer blocks than SMs (each block
+    walks its sequence's chunks one after another, so the block count is the scan's parallelism)."""
+    return NARROW_DV_SLICE if (dv // DV_SLICE) * v_heads * seqs < sm_count else DV_SLICE
 
 
 def chunk_slots(tokens: int, seqs: int) -> int:
@@ -34,11 +41,12 @@ def workspace_bytes(tokens: int, seqs: int, v_heads: int, dk: int, dv: int) -> i
 def chunked_gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int,
                              a: DArray, b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray,
                              cu_seqlens: DArray, state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int,
-                             dk: int, dv: int) -> None:
+                             dk: int, dv: int, dv_slice: int | None = None) -> None:
     """Gated delta rule over a varlen batch, bf16 only; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv].
 
     q/k/v are column views of one row-major buffer with row stride qkv_stride (q at key head kh * dk, k likewise,
     v at value head h * dv), a/b likewise with ab_stride: the layout ops.gated_delta_rule takes.
+    dv_slice: value columns per scan block (32 or 16); None picks with scan_slice from the SM count.
     """
     for arr, name in ((out, "out"), (q, "q"), (k, "k"), (v, "v"), (a, "a"), (b, "b")):
         _need(arr, "bf16", f"chunked gated delta rule {name}")
@@ -59,6 +67,9 @@ def chunked_gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray,
         raise ShapeError(f"cu_seqlens {cu_seqlens.shape}, fresh {fresh.shape} for {seqs} sequences (at most 65535)")
     if out.size != n * v_heads * dv:
         raise ShapeError(f"out {out.shape}, expected [{n}, {v_heads * dv}]")
+    width = scan_slice(dv, v_heads, seqs, ctx.device.info.sm_count) if dv_slice is None else dv_slice
+    if width not in (DV_SLICE, NARROW_DV_SLICE):
+        raise ShapeError(f"dv_slice must be {DV_SLICE} or {NARROW_DV_SLICE}, got {width}")
     slots = chunk_slots(n, seqs)
     mark = ctx.arena.mark()
     try:
@@ -73,12 +84,13 @@ def chunked_gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray,
                           Qd.ptr, KdT.ptr, P.ptr, gc.ptr, q.ptr, k.ptr, v.ptr, i64(qkv_stride), a.ptr, b.ptr,
                           i64(ab_stride), A_log.ptr, dt_bias.ptr, cu_seqlens.ptr, i32(seqs), i32(k_heads),
                           i32(v_heads))
-        ctx.device.launch("deltanet_chunked", f"gdn_chunk_scan_{suffix}", (dv // DV_SLICE, v_heads, seqs), THREADS,
+        scan = f"gdn_chunk_scan{'16' if width == NARROW_DV_SLICE else ''}_{suffix}"
+        ctx.device.launch("deltanet_chunked", scan, (dv // width, v_heads, seqs), THREADS,
                           out.ptr, state.ptr, W.ptr, U.ptr, Qd.ptr, KdT.ptr, P.ptr, gc.ptr, cu_seqlens.ptr,
                           state_slots.ptr, fresh.ptr, i32(v_heads))
     finally:
         ctx.arena.release(mark)  # stream order keeps the release safe, as in ops.gated_delta_rule
 
 
-__all__ = ["CHUNK", "DV_SLICE", "HEAD_DIMS", "MIN_PREFILL_TOKENS", "chunk_slots", "chunked_gated_delta_rule",
-           "supports", "workspace_bytes"]
+__all__ = ["CHUNK", "DV_SLICE", "HEAD_DIMS", "MIN_PREFILL_TOKENS", "NARROW_DV_SLICE", "chunk_slots",
+           "chunked_gated_delta_rule", "scan_slice", "supports", "workspace_bytes"]

@@ -55,6 +55,7 @@ CASES = (
     Case("9B heads (16/32, dk 128, dv 128)", 16, 32, 128, 128, (64, 129), random_lens=2),
     Case("27B heads (16/48, dk 128, dv 128)", 16, 48, 128, 128, (1, 128, 200), random_lens=4),
     Case("27B heads, 8192 tokens, continued", 16, 48, 128, 128, (8192,), a_shift=-2.0, with_sequential=True),
+    Case("2B heads (16/16, dk 128, dv 128), 8192 tokens, continued", 16, 16, 128, 128, (8192,), a_shift=-2.0),
 )
 
 
@@ -126,15 +127,20 @@ class Checker:
         cu_d, slots_d, fresh_d = up(cu, "i32", "cu"), up(slots, "i32", "slots"), up(fresh, "i32", "fresh")
         untouched = np.setdiff1d(np.arange(num_slots), slots)
         label = f"{case.name}, lens {lens}" if len(lens) <= 8 else case.name
-        methods = ["chunked"] + (["sequential"] if case.with_sequential else [])
+        # the chunked scan in the launcher's own choice of slice width, then in the other width (both paths at
+        # every shape: 16-column slices are picked for low head x sequence counts, 32 for the rest)
+        auto = deltanet_chunked.scan_slice(dv, vh, seqs, ctx.device.info.sm_count)
+        other = deltanet_chunked.DV_SLICE + deltanet_chunked.NARROW_DV_SLICE - auto
+        methods = [f"chunked/{auto} (auto)", f"chunked/{other}"] + (["sequential"] if case.with_sequential else [])
         for method in methods:
             state_d = up(state, "f32", "state")
             out = ctx.empty((n, vh * dv), "bf16", "out")
             ctx.poison(out)
             args = (ctx, out, qkvd, qkvd.at(key_w), qkvd.at(2 * key_w), qkv_w, abd, abd.at(vh), ab_w, A_d, dt_d,
                     state_d, cu_d, slots_d, fresh_d, kh, vh, dk, dv)
-            if method == "chunked":
-                deltanet_chunked.chunked_gated_delta_rule(*args)
+            if method.startswith("chunked"):
+                width = None if method.endswith("(auto)") else other
+                deltanet_chunked.chunked_gated_delta_rule(*args, dv_slice=width)
             else:
                 ops.gated_delta_rule(*args, method="two_pass")
             ctx.device.sync()

@@ -47,3 +47,21 @@ def test_chunk_slots_and_workspace() -> None:
     # W, Qd, Kd^T (dk each), U (dv) and P (64) in bf16 per 64-token chunk and head, plus one f32 decay
     assert dc.workspace_bytes(64, 1, 1, 128, 128) == 2 * (2 * 64 * (3 * 128 + 128 + 64) + 4)
     assert dc.supports(128, 128) and not dc.supports(256, 128)
+
+
+def test_bad_slice_width_never_launches() -> None:
+    with pytest.raises(ShapeError, match="dv_slice"):
+        dc.chunked_gated_delta_rule(no_launch_ctx(), **_args(), dv_slice=8)
+
+
+@pytest.mark.parametrize("dv, v_heads, seqs, sms, width", [
+    (128, 16, 1, 132, 16),   # 2B, one sequence: 64 blocks of 32 columns would leave 68 SMs idle
+    (128, 16, 2, 132, 16),   # 128 blocks < 132
+    (128, 16, 3, 132, 32),   # 192 blocks: the full grid already covers the SMs
+    (128, 48, 1, 132, 32),   # 27B heads: 192 blocks
+    (128, 32, 1, 132, 16),   # 9B heads: 128 blocks < 132
+    (64, 4, 1, 132, 16),
+    (128, 33, 1, 132, 32),   # 132 blocks: not fewer than the SMs
+])
+def test_scan_slice_width(dv, v_heads, seqs, sms, width) -> None:
+    assert dc.scan_slice(dv, v_heads, seqs, sms) == width

@@ -130,3 +130,15 @@ def test_fast_token_reference_matches_the_plain_one() -> None:
     ref_out, ref_state = emu.token_reference_batch(**batch)
     assert _max_rel(out, ref_out) < 1e-12
     assert _max_rel(state, ref_state) < 1e-12
+
+
+@pytest.mark.parametrize("dv_slice", [16, 32])
+def test_slice_width_does_not_change_the_result(dv_slice) -> None:
+    """The scan's 16- and 32-column slices (gdn_chunk_scan16 / gdn_chunk_scan) split only the value columns."""
+    rng = np.random.default_rng()
+    batch = _batch(rng, [70, 1, 140], 1, 2, 32, 64, num_slots=5)
+    batch["fresh"][0], batch["fresh"][-1] = 1, 0
+    out, state = emu.chunked_gated_delta_rule(**batch, dv_slice=dv_slice)
+    ref_out, ref_state = emu.token_reference_batch(**batch)
+    assert _max_rel(out, ref_out) < 1e-10
+    assert _max_rel(state, ref_state) < 1e-10

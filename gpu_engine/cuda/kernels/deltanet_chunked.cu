@@ -12,7 +12,8 @@
 //     Kd = diag(e^(G_last - G)) K (stored transposed)           P  = lower-incl(q_i.k_j e^(G_i - G_j))
 //     gc = e^(G_last)
 //   Every exponent is <= 0. Rows past a partial chunk's end are zero (g = 0, beta = 0), so they add nothing.
-// gdn_chunk_scan (grid: dv slices of 32 x value heads x sequences; sequential over the sequence's chunks). The fp32
+// gdn_chunk_scan (grid: dv slices of GC_SLICE = 32 x value heads x sequences; sequential over the sequence's chunks;
+//   gdn_chunk_scan16 is the same with 16-column slices, for grids that would leave SMs idle). The fp32
 //   state S^T [dv, dk] lives in registers (4 warps, each 16*DK/64 dk rows of the slice); per chunk:
 //     V' = U - W S        O = Qd S + P V'        S = gc S + Kd^T V'
 //   with S and V' rounded to bf16 only as tensor-core operands (shared memory).
@@ -312,18 +313,18 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
     if (tid == 0) gcg[ho] = eG[GC_C - 1];
 }
 
-template <int DK, int DV>
+template <int DK, int DV, int SLICE>
 __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg, const bf16_t* Ug,
                                     const bf16_t* Qdg, const bf16_t* Kdg, const bf16_t* Pg, const float* gcg,
                                     const int* cu, const int* state_slots, const int* fresh, int v_heads) {
     pdl_entry();
     constexpr int MT = DK / 64;  // 16-row m-tiles of dk per warp (4 warps cover DK)
-    constexpr int NT = GC_SLICE / 8;
-    __shared__ __align__(16) bf16_t Sb[GC_SLICE][DK + 8];  // S^T of the slice in bf16: B operand of W S and Qd S
-    __shared__ __align__(16) bf16_t Vb[GC_SLICE][GC_C + 8];  // V'^T in bf16: B operand of P V' and Kd^T V'
+    constexpr int NT = SLICE / 8;
+    __shared__ __align__(16) bf16_t Sb[SLICE][DK + 8];  // S^T of the slice in bf16: B operand of W S and Qd S
+    __shared__ __align__(16) bf16_t Vb[SLICE][GC_C + 8];  // V'^T in bf16: B operand of P V' and Kd^T V'
     const int sl = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
-    const int dv0 = sl * GC_SLICE;
+    const int dv0 = sl * SLICE;
     const int t_begin = cu[s], len = cu[s + 1] - t_begin;
     const int nch = (len + GC_C - 1) / GC_C, base = t_begin / GC_C + s;
     const bool is_fresh = fresh[s] != 0;
@@ -476,7 +477,15 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
         bf16_t* out, float* state, const bf16_t* Wg, const bf16_t* Ug, const bf16_t* Qdg, const bf16_t* Kdg,      \
         const bf16_t* Pg, const float* gcg, const int* cu, const int* state_slots, const int* fresh,              \
         int v_heads) {                                                                                            \
-        gdn_chunk_scan_impl<DK, DV>(out, state, Wg, Ug, Qdg, Kdg, Pg, gcg, cu, state_slots, fresh, v_heads);      \
+        gdn_chunk_scan_impl<DK, DV, GC_SLICE>(out, state, Wg, Ug, Qdg, Kdg, Pg, gcg, cu, state_slots, fresh,      \
+                                              v_heads);                                                           \
+    }                                                                                                             \
+    /* 16-column slices: twice the blocks for low head x sequence counts (the launcher picks) */                  \
+    extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_scan16_dk##DK##_dv##DV(                     \
+        bf16_t* out, float* state, const bf16_t* Wg, const bf16_t* Ug, const bf16_t* Qdg, const bf16_t* Kdg,      \
+        const bf16_t* Pg, const float* gcg, const int* cu, const int* state_slots, const int* fresh,              \
+        int v_heads) {                                                                                            \
+        gdn_chunk_scan_impl<DK, DV, 16>(out, state, Wg, Ug, Qdg, Kdg, Pg, gcg, cu, state_slots, fresh, v_heads);  \
     }
 DEFINE(128, 128)
 DEFINE(128, 64)
