@@ -131,6 +131,16 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def python_speed_ms() -> float:
+    """CPU ms this process needs for a fixed pure-Python loop: how fast a core is right now (a shared or
+    oversubscribed host reads slower), recorded so that runs on different days can be compared."""
+    start = time.process_time()
+    total = 0
+    for i in range(2_000_000):
+        total += i
+    return (time.process_time() - start) * 1000
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))  # nearest-rank percentile
@@ -307,6 +317,7 @@ def main() -> int:
     broker_url = f"redis://127.0.0.1:6379/{claimed[0]}" if claimed else None
     rounds = []
     load_before = os.getloadavg()
+    speed_before = python_speed_ms()
     with tempfile.TemporaryDirectory(prefix="docpipe-bench-api-") as tmp:
         proc, base = start_server(Path(tmp), broker_url, args.server_processes)
         try:
@@ -337,7 +348,7 @@ def main() -> int:
     print(f"\nAPI upload latency, {args.uploads} uploads of distinct 320x240 PNGs per round, mode={mode}, "
           f"client={args.client}, "
           f"{args.server_processes} server process(es), loopback, {os.cpu_count()} CPU cores, load average before "
-          f"{load_before[0]:.1f} "
+          f"{load_before[0]:.1f}, Python loop {speed_before:.0f} ms "
           "(other work on the machine inflates the tail)")
     print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
           f"{'max ms':>8} {'server p99 <=':>14} {'srv cpu':>8} {'cli cpu':>8} {'load':>5}")
@@ -354,7 +365,11 @@ def main() -> int:
         "cpu_note": "server_cpu_ms_per_upload / client_cpu_ms_per_upload: CPU time per upload of the server process "
                     "and of this client during the round",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                    "python_loop_ms_before": round(speed_before, 1),
+                    "python_loop_ms_after": round(python_speed_ms(), 1),
+                    "python_loop_note": "CPU ms of a fixed 2M-iteration Python loop in the client process; larger "
+                                        "means slower cores (shared host)"},
         "goal": "p99 <= 150 ms at 32 concurrent clients, 0 errors, nothing lost", "rounds": rounds,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
