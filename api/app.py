@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import select
 
 from pipeline.context import Pipeline
+from pipeline.dispatch import broker_dispatcher
 from pipeline.jobs import run_job, stale_jobs
 from pipeline.models import Job, JobState
 from pipeline.settings import Settings
@@ -81,16 +82,9 @@ def _job_runner(pipeline: Pipeline) -> JobRunner:
         return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
                               pending=lambda: stale_jobs(pipeline, queued_for_s=0.0), still_queued=still_queued)
     # With a broker, jobs go to the Celery `ingest` queue, which renders an uploaded document's pages and then
-    # hands the job to the `gpu` queue (the workers package owns the producer side).
-    from workers.config import WorkerSettings, check_consistency, redis_url
-    from workers.enqueue import enqueue_prepare
-    from workers.markers import redis_client
-
-    settings, worker_settings = pipeline.settings, WorkerSettings()
-    check_consistency(settings, worker_settings)  # a broker set-up that cannot work fails at start-up, in words
-    url = redis_url(settings)
-    return BrokerRunner(lambda job_id: enqueue_prepare(job_id, settings=settings, worker_settings=worker_settings),
-                        lambda: redis_client(url).ping())
+    # hands the job to the `gpu` queue (the workers package provides the producer side through pipeline.dispatch).
+    dispatcher = broker_dispatcher(pipeline.settings)
+    return BrokerRunner(dispatcher.send, dispatcher.ping)
 
 
 def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = None) -> FastAPI:
