@@ -17,37 +17,23 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
+
+from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
 
 # name -> (q heads, kv heads, head dim)
 SHAPES = {"27b": (24, 4, 256), "9b": (16, 4, 256), "2b": (8, 2, 256), "hd128": (16, 4, 128)}
 V1_TILE = 32  # query rows per tile of the old kernel
 BLOCK_SIZE = 16
 NOTES_V1_TFLOPS = 20.0  # bench/results/cuda_notes.md, before this kernel
-
-
-def time_ms(ctx: GpuContext, fn: Callable[[], None], warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() on the context's stream, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    ctx.device.sync()
-    samples = []
-    for _ in range(reps):
-        start, stop = ctx.device.event(), ctx.device.event()
-        ctx.device.stream.record(start)
-        fn()
-        ctx.device.stream.record(stop)
-        stop.sync()
-        samples.append(stop - start)
-    return float(np.median(samples))
 
 
 def v1_tiles(n: int) -> np.ndarray:

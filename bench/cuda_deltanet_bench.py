@@ -19,36 +19,22 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 
+from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
+
 # name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
 SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}
 LAYERS_27B = 48
 TARGET_MS = 3.0  # 27B heads, 8192 tokens
-
-
-def time_ms(ctx: GpuContext, fn: Callable[[], None], warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() on the context's stream, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    ctx.device.sync()
-    samples = []
-    for _ in range(reps):
-        start, stop = ctx.device.event(), ctx.device.event()
-        ctx.device.stream.record(start)
-        fn()
-        ctx.device.stream.record(stop)
-        stop.sync()
-        samples.append(stop - start)
-    return float(np.median(samples))
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
