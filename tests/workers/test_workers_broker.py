@@ -92,3 +92,34 @@ def test_the_celery_app_consumes_through_this_transport(tmp_path, scheme):
         assert conn.ssl == ({"ssl_cert_reqs": ssl.CERT_REQUIRED} if scheme == "rediss" else False)
     finally:
         conn.release()
+
+
+def test_publishing_reuses_one_client_per_connection_pool(redis_url):
+    """Messages published through the transport arrive; the channel builds one redis-py client for them, and a new
+    one once kombu replaces its connection pool (as after a connection error)."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    queue = Queue("reuse-test", Exchange("reuse-test"), "reuse-test")
+    with Connection(redis_url, transport=Transport) as conn:
+        channel = conn.channel()
+        built: list[Any] = []
+        create = channel._create_client
+
+        def counting_create(asynchronous: bool = False) -> Any:
+            client = create(asynchronous=asynchronous)
+            if not asynchronous:
+                built.append(client)
+            return client
+
+        channel._create_client = counting_create
+        producer = Producer(channel, exchange=queue.exchange, routing_key="reuse-test")
+        producer.declare()
+        queue(channel).declare()
+        for i in range(5):
+            producer.publish({"n": i})
+        assert len(built) == 1
+        channel._disconnect_pools()  # what kombu does on a connection error; the next pool is a new object
+        producer.publish({"n": 5})
+        assert len(built) == 2 and built[1].connection_pool is channel.pool
+        got = [queue(channel).get(no_ack=True).payload["n"] for _ in range(6)]
+        assert got == list(range(6))
