@@ -26,11 +26,6 @@
 #define GC_SLICE 32
 #define GC_THREADS 128
 
-template <int N>
-struct GcWidth {
-    static constexpr int value = N;
-};
-
 __device__ __forceinline__ void gc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -259,31 +254,29 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
         af[2] = gc_pack(x2.x * coef[c0 + 8], x2.y * coef[c0 + 9]);
         af[3] = gc_pack(x3.x * coef[c0 + 8], x3.y * coef[c0 + 9]);
     };
-    // this warp's 16 rows of (T diag(coef)) X, X = the C x N tile in Ks, stored as bf16 [C, N] at dst
-    auto t_times = [&](auto width, const float* coef, bf16_t* dst) {
-        constexpr int N = decltype(width)::value;
-        float acc[N / 8][4];
+    {
+        float acc[DK / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        for (int nt = 0; nt < DK / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < GC_C / 16; ++ks) {
             unsigned af[4];
-            t_frag(af, ks, coef);
+            t_frag(af, ks, cW);
             const int k0 = 16 * ks + 2 * tig;
 #pragma unroll
-            for (int nt = 0; nt < N / 8; ++nt) {
+            for (int nt = 0; nt < DK / 8; ++nt) {
                 const int n = 8 * nt + g;
                 gc_mma(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
             }
         }
+        bf16_t* W = Wg + ho * GC_C * DK;
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt)
+        for (int nt = 0; nt < DK / 8; ++nt)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
-                *(unsigned*)(dst + (row0 + g + 8 * hf) * N + 8 * nt + 2 * tig) =
+                *(unsigned*)(W + (row0 + g + 8 * hf) * DK + 8 * nt + 2 * tig) =
                     gc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
-    };
-    t_times(GcWidth<DK>{}, cW, Wg + ho * GC_C * DK);
+    }
     __syncthreads();  // Ks (normalised K) is dead: V goes there
     {
         constexpr int EPL = DV / 32;
@@ -294,7 +287,29 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
         }
     }
     __syncthreads();
-    t_times(GcWidth<DV>{}, Bs, Ug + ho * GC_C * DV);
+    {
+        float acc[DV / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < DV / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < GC_C / 16; ++ks) {
+            unsigned af[4];
+            t_frag(af, ks, Bs);
+            const int k0 = 16 * ks + 2 * tig;
+#pragma unroll
+            for (int nt = 0; nt < DV / 8; ++nt) {
+                const int n = 8 * nt + g;
+                gc_mma(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
+            }
+        }
+        bf16_t* U = Ug + ho * GC_C * DV;
+#pragma unroll
+        for (int nt = 0; nt < DV / 8; ++nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                *(unsigned*)(U + (row0 + g + 8 * hf) * DV + 8 * nt + 2 * tig) =
+                    gc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+    }
     if (tid == 0) gcg[ho] = eG[GC_C - 1];
 }
 
