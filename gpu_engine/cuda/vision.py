@@ -9,8 +9,11 @@ attention segments of h*w rows each):
     merger:  LayerNorm -> rows viewed as [n / merge^2, merge^2 * hidden] (the processors emit each merge window's
              patches consecutively, so the window gather is a reshape) -> fc1 (+bias, exact GELU) -> fc2 (+bias)
 
-Attention, per segment: for short segments one kernel (kernels/vision.cu, vision_attention); from
-GEMM_ATTENTION_MIN rows on, per block of query rows on the tensor cores, all heads in each launch: S = Q K^T
+Attention, per segment (the `attention` mode): "flash" is the fused tensor-core kernel (kernels/vision_flash.cu,
+bf16 towers with head_dim in vision_flash.HEAD_DIMS; no score matrix is materialised); "kernel" is the CUDA-core
+kernel (kernels/vision.cu, vision_attention); "gemm" is the GEMM path below; "auto" picks flash where it applies,
+else the kernel for short segments and the GEMM path from GEMM_ATTENTION_MIN rows on (so fp32 towers keep their
+exact paths). The GEMM path: per block of query rows on the tensor cores, all heads in each launch: S = Q K^T
 (cuBLASLt strided-batched over the heads, fp32 out), P = softmax(scale * S) (one kernel, P in the storage type),
 O = P V (batched again); Q, K, V and O are column slices of the fused qkv and the output buffers, read in place.
 S takes at most SCORES_BYTES per block of query rows.
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, rotary
+from . import ops, rotary, vision_flash
 from .context import DArray, GpuContext
 from .errors import CudaBackendError, ShapeError
 from .weights import _Uploader
@@ -34,7 +37,7 @@ from .weights import _Uploader
 LAYER_NORM_EPS = 1e-6  # fixed in the model code, as in the reference tower
 GEMM_ATTENTION_MIN = 256  # segment rows from which attention runs as GEMMs (the kernel is CUDA-core and O(n^2))
 SCORES_BYTES = 256 << 20  # fp32 score block of the GEMM attention (all heads)
-ATTENTION_MODES = ("auto", "kernel", "gemm")
+ATTENTION_MODES = ("auto", "kernel", "gemm", "flash")
 _BLOCK_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -99,6 +102,10 @@ class GpuVisionTower:
         _check_weights(vision_weight_shapes(vision_config), weights)
         if d.head_dim > 256:
             raise ShapeError(f"vision head_dim {d.head_dim} > 256 is not supported by the attention kernel")
+        self.flash = vision_flash.supported(dtype, d.head_dim)
+        if attention == "flash" and not self.flash:
+            raise ShapeError(f"attention='flash' needs a bf16 tower with head_dim in {vision_flash.HEAD_DIMS}, got "
+                             f"{dtype} head_dim {d.head_dim}")
         self.act = _BLOCK_ACTS[d.hidden_act]
         up = _Uploader(ctx, dtype)
         put = lambda name: up.put("visual." + name, np.asarray(weights[name]))  # noqa: E731
@@ -197,6 +204,9 @@ class GpuVisionTower:
         """Bidirectional attention within each segment of `seg` rows: out [n, H] from qkv [n, 3H]."""
         ctx, d, t = self.ctx, self.dims, self.dtype
         H, hd, scale = d.hidden_size, d.head_dim, d.head_dim ** -0.5
+        if self.attention == "flash" or (self.attention == "auto" and self.flash):
+            vision_flash.vision_flash_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
+            return
         use_gemm = self.attention == "gemm" or (self.attention == "auto" and seg >= GEMM_ATTENTION_MIN)
         if not use_gemm:
             ops.vision_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)

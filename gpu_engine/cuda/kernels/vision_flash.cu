@@ -1,0 +1,293 @@
+// Fused bidirectional attention of the vision tower on the tensor cores (bf16 in, fp32 accumulate),
+// FlashAttention-2 style; the same function as vision.cu's vision_attention and the GEMM path of vision.py.
+//
+// Layout: qkv [n, 3 * heads * HD] (q | k | v per row, rotary already applied), out [n, heads * HD]. Attention runs
+// inside consecutive segments of seg_len rows (one frame group each); every query sees every key of its segment.
+//
+// Grid: x = segment * tiles_per_segment + query tile (64 rows, the last one of a segment may be short),
+// y = head. Neighbouring blocks are the query tiles of one (segment, head): they stream the same keys at about
+// the same time, so all but the first read them from L2. A block has 4 warps, each owning 16 query rows and the
+// whole head width of O. Q lives in registers (A fragments straight from global memory).
+//
+// Head dims that are not a multiple of 16 (Qwen3.5's 72) are padded to HDP = the next multiple of 16 for Q K^T:
+// the padded Q fragment halves are zero registers and the padded K columns are zero-filled in shared memory, so
+// they add exactly 0 to the scores. V is not padded: O has HD / 8 n-tiles, the last one (HD % 16 == 8) read with
+// an ldmatrix x2.trans. Keys stream through shared memory BN at a time with cp.async into two buffers; rows are
+// padded by 16 bytes (LD = HDP + 8 elements: an odd number of 16-byte units, so ldmatrix reads of 8 rows are
+// conflict-free). Keys past the segment end in the last key tile are zero-filled and their scores set to -inf;
+// query rows past the segment end are zero queries that are never stored. Key tile 0 always holds the segment's
+// first key, so every running max is finite after the first step (no -inf guard is needed).
+//
+// Online softmax in the exp2 domain (scores * scale * log2 e), fp32 running max and sum per row; P is rounded to
+// bf16 for the PV product. mma.sync m16n8k16 / ldmatrix layouts follow the PTX ISA (g = lane / 4, tig = lane % 4).
+#include "common.cuh"
+
+#define VF_ROWS 64     // query rows per block (4 warps x 16); vision_flash.TILE_ROWS must match
+#define VF_THREADS 128
+#define VF_BN 64       // keys per step; vision_flash.KEYS_PER_STEP must match
+#define VF_PAD 8       // bf16 elements of padding per shared-memory row (16 bytes)
+
+template <int HD> struct VisionFlashShape {
+    static constexpr int HDP = (HD + 15) / 16 * 16;   // Q K^T width (zero-padded)
+    static constexpr int LD = HDP + VF_PAD;           // shared row stride, elements
+    static constexpr int KV_TILE = VF_BN * LD;        // elements of one K (or V) buffer
+    static constexpr int SMEM_BYTES = 2 * 4 * KV_TILE;  // K[2] + V[2]: must equal vision_flash.shared_bytes(HD)
+};
+
+__device__ __forceinline__ unsigned vf_smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void vf_cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void vf_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void vf_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void vf_ldsm_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void vf_ldsm_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void vf_ldsm_x2_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+__device__ __forceinline__ void vf_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two floats -> packed bf16 pair (lo in the low half), round to nearest even
+__device__ __forceinline__ unsigned vf_pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ unsigned vf_dynamic_smem_bytes() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// Async copy of key rows [key0, key0 + VF_BN) of one head into K/V buffers at ks/vs (shared addresses).
+// Rows at or past `keys` (the segment's key count) and K's padded columns are zero-filled.
+template <int HD>
+__device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_t* k_head, const bf16_t* v_head,
+                                           long long row_stride, int key0, int keys) {
+    using S = VisionFlashShape<HD>;
+    constexpr int K_CHUNKS = S::HDP / 8, V_CHUNKS = HD / 8;   // 16-byte pieces per row
+#pragma unroll
+    for (int i = 0; i < (VF_BN * K_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
+        const int c = threadIdx.x + i * VF_THREADS;
+        if (c < VF_BN * K_CHUNKS) {
+            const int r = c / K_CHUNKS, d8 = (c % K_CHUNKS) * 8;
+            const bool valid = key0 + r < keys && d8 < HD;
+            const bf16_t* src = k_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
+            vf_cp_async16(ks + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < (VF_BN * V_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
+        const int c = threadIdx.x + i * VF_THREADS;
+        if (c < VF_BN * V_CHUNKS) {
+            const int r = c / V_CHUNKS, d8 = (c % V_CHUNKS) * 8;
+            const bool valid = key0 + r < keys;
+            const bf16_t* src = v_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
+            vf_cp_async16(vs + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+        }
+    }
+}
+
+template <int HD>
+__device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg,
+                                  float scale) {
+    using S = VisionFlashShape<HD>;
+    constexpr int LD = S::LD, KSTEPS = S::HDP / 16, NT_S = VF_BN / 8, NT_O = HD / 8;
+    extern __shared__ __align__(16) bf16_t smem[];
+
+    pdl_entry();
+    if (threadIdx.x == 0 && vf_dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
+
+    const int h = blockIdx.y;
+    const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * VF_ROWS;
+    const long long seg_first = (long long)segment * seg_len;   // first row of the segment
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const long long width = (long long)heads * HD, row_stride = 3 * width;
+    const float sl = scale * 1.4426950408889634f;   // scores -> exp2 domain
+
+    // this warp's rows g and g+8 (segment-relative query indices); rows past the segment are zero queries
+    const int ra = q0 + warp * 16 + g, rb = ra + 8;
+    const bool va = ra < seg_len, vb = rb < seg_len;
+
+    const bf16_t* k_head = qkv + seg_first * row_stride + width + (long long)h * HD;
+    const bf16_t* v_head = qkv + seg_first * row_stride + 2 * width + (long long)h * HD;
+    const unsigned ks_base = vf_smem_addr(smem), vs_base = ks_base + (unsigned)(2 * S::KV_TILE * 2);
+
+    const int n_kt = (seg_len + VF_BN - 1) / VF_BN;
+    vf_load_kv<HD>(ks_base, vs_base, k_head, v_head, row_stride, 0, seg_len);
+    vf_cp_async_commit();
+
+    // Q A-fragments: dims kk*16 + 2*tig (+1) and +8; pairs at or past HD are the zero padding
+    unsigned qa[KSTEPS][4];
+    {
+        const unsigned* qra = (const unsigned*)(qkv + (seg_first + (va ? ra : 0)) * row_stride + (long long)h * HD);
+        const unsigned* qrb = (const unsigned*)(qkv + (seg_first + (vb ? rb : 0)) * row_stride + (long long)h * HD);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const bool lo_in = kk * 16 + 8 <= HD, hi_in = kk * 16 + 16 <= HD;   // compile-time per kk
+            qa[kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
+            qa[kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
+            qa[kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
+            qa[kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
+        }
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+
+    // per-lane ldmatrix offsets (elements within a buffer)
+    const int mat = lane >> 3, mrow = lane & 7;
+    const int k_lane = ((mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;   // K: 2 key n-tiles x (dims lo, hi)
+    const int v_lane = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;   // V: (keys lo, hi) x 2 dim n-tiles
+
+    for (int j = 0; j < n_kt; ++j) {
+        const int kt = j * VF_BN, buf = j & 1;
+        if (j + 1 < n_kt) {
+            const unsigned next = (unsigned)((buf ^ 1) * S::KV_TILE * 2);
+            vf_load_kv<HD>(ks_base + next, vs_base + next, k_head, v_head, row_stride, kt + VF_BN, seg_len);
+            vf_cp_async_commit();
+            vf_cp_async_wait<1>();
+        } else {
+            vf_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const unsigned kb = ks_base + (unsigned)(buf * S::KV_TILE * 2), vb_ = vs_base + (unsigned)(buf * S::KV_TILE * 2);
+
+        // ---- scores: 16 rows x VF_BN keys
+        float s[NT_S][4];
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+            for (int np = 0; np < NT_S / 2; ++np) {
+                unsigned b[4];
+                vf_ldsm_x4(b, kb + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
+                vf_mma(s[2 * np], qa[kk], b[0], b[1]);
+                vf_mma(s[2 * np + 1], qa[kk], b[2], b[3]);
+            }
+        }
+
+        // ---- keys past the segment end (last tile only), row maxima
+        if (kt + VF_BN > seg_len) {
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (kt + nt * 8 + tig * 2 + c >= seg_len) {
+                        s[nt][c] = NEG_INF;
+                        s[nt][2 + c] = NEG_INF;
+                    }
+                }
+        }
+        float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+        }
+        // mx is finite: key tile 0 holds the segment's first key (m = -inf only before it, where corr is 0)
+        const float base_a = mx_a * sl, base_b = mx_b * sl;
+        const float corr_a = exp2f(m_a * sl - base_a), corr_b = exp2f(m_b * sl - base_b);
+        m_a = mx_a;
+        m_b = mx_b;
+        l_a *= corr_a;
+        l_b *= corr_b;
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+            o[nt][0] *= corr_a;
+            o[nt][1] *= corr_a;
+            o[nt][2] *= corr_b;
+            o[nt][3] *= corr_b;
+        }
+        // ---- P (bf16 A fragments: score n-tiles 2k, 2k+1 make k-step k) and O += P V
+#pragma unroll
+        for (int k2 = 0; k2 < VF_BN / 16; ++k2) {
+            unsigned pf[4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int nt = 2 * k2 + half;
+                const float p0 = exp2f(fmaf(s[nt][0], sl, -base_a)), p1 = exp2f(fmaf(s[nt][1], sl, -base_a));
+                const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
+                l_a += p0 + p1;
+                l_b += p2 + p3;
+                pf[half * 2 + 0] = vf_pack_bf16(p0, p1);
+                pf[half * 2 + 1] = vf_pack_bf16(p2, p3);
+            }
+#pragma unroll
+            for (int dp = 0; dp < NT_O / 2; ++dp) {
+                unsigned b[4];
+                vf_ldsm_x4_trans(b, vb_ + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
+                vf_mma(o[2 * dp], pf, b[0], b[1]);
+                vf_mma(o[2 * dp + 1], pf, b[2], b[3]);
+            }
+            if constexpr (NT_O % 2) {   // the last 8 dims (HD % 16 == 8): lanes 0-15 address keys lo, hi
+                unsigned b[2];
+                vf_ldsm_x2_trans(b, vb_ + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
+                vf_mma(o[NT_O - 1], pf, b[0], b[1]);
+            }
+        }
+        __syncthreads();  // this buffer is refilled by the next iteration's copy
+    }
+
+    // ---- normalise, store
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (!(half ? vb : va)) continue;
+        const long long tok = seg_first + (half ? rb : ra);
+        const float inv_l = 1.0f / (half ? l_b : l_a);
+        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt)
+            oh[(nt * 8 + tig * 2) >> 1] = vf_pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
+    }
+}
+
+// blocks per SM the register budget is sized for: 3 keeps hd <= 80 spill-free (168 registers), 2 for hd 128
+#define DEFINE(HD, MIN_BLOCKS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(VF_THREADS, MIN_BLOCKS) vision_flash_bf16_hd##HD(                \
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {                \
+        vision_flash_impl<HD>(out, qkv, heads, seg_len, tiles_per_seg, scale);                                    \
+    }
+DEFINE(64, 3)
+DEFINE(72, 3)
+DEFINE(80, 3)
+DEFINE(128, 2)
+#undef DEFINE

@@ -1,0 +1,129 @@
+"""The vision flash attention's tiling (emulated in numpy, tests/gpu/vision_flash_emulation.py) against float64
+segment attention, the launcher's argument checks and grid, the host constants against the kernel source, and the
+tower's dispatch (auto -> flash in bf16 only). Runs without a GPU; check_vision_flash runs the kernel itself."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gpu_engine.cuda import vision_flash
+from gpu_engine.cuda.bf16 import round_to_bf16
+from gpu_engine.cuda.context import DArray
+from gpu_engine.cuda.errors import ShapeError
+from tests.gpu.harness import rel_err
+from tests.gpu.no_launch import arr, no_launch_ctx
+from tests.gpu.vision_flash_emulation import segment_attention_f64, vision_flash_emulated
+
+KERNEL = Path(vision_flash.__file__).parent / "kernels" / "vision_flash.cu"
+
+
+@pytest.fixture()
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+def random_qkv(rng: np.random.Generator, n: int, heads: int, head_dim: int, spread: float = 1.5) -> np.ndarray:
+    """bf16-valued q | k | v rows; `spread` > 1 makes the softmax peaky enough that a wrong max or mask shows."""
+    q = spread * rng.standard_normal((n, heads * head_dim))
+    k = spread * rng.standard_normal((n, heads * head_dim))
+    v = rng.standard_normal((n, heads * head_dim))
+    return round_to_bf16(np.concatenate([q, k, v], axis=1).astype(np.float32))
+
+
+@pytest.mark.parametrize("head_dim", vision_flash.HEAD_DIMS)
+@pytest.mark.parametrize("seg_len,segments", [(1, 5), (17, 3), (64, 2), (100, 3), (130, 2)])
+def test_emulated_tiling_matches_float64_attention(rng, head_dim, seg_len, segments) -> None:
+    heads = 3
+    qkv = random_qkv(rng, seg_len * segments, heads, head_dim)
+    scale = head_dim ** -0.5
+    got = vision_flash_emulated(qkv, heads, head_dim, seg_len, scale)
+    assert np.all(np.isfinite(got))
+    err = rel_err(got, segment_attention_f64(qkv, heads, head_dim, seg_len, scale))
+    assert err <= 1e-2, f"hd {head_dim} seg {seg_len}: {err:.2e}"
+
+
+def test_emulated_long_segment(rng) -> None:
+    """1024 keys: 16 key steps of online softmax, 16 query tiles."""
+    qkv = random_qkv(rng, 1024, 2, 72)
+    err = rel_err(vision_flash_emulated(qkv, 2, 72, 1024, 72 ** -0.5), segment_attention_f64(qkv, 2, 72, 1024,
+                                                                                             72 ** -0.5))
+    assert err <= 1e-2
+
+
+def test_without_the_tail_mask_the_emulation_is_wrong(rng) -> None:
+    """The check has teeth: zero-filled keys past the segment end left unmasked (score 0) change the result."""
+    qkv = random_qkv(rng, 2 * 70, 2, 72)  # the second key tile of each segment holds 6 keys and 58 zero rows
+    err = rel_err(vision_flash_emulated(qkv, 2, 72, 70, 72 ** -0.5, mask_tail=False),
+                  segment_attention_f64(qkv, 2, 72, 70, 72 ** -0.5))
+    assert err > 0.05
+
+
+def test_padded_k_columns_must_be_zero(rng) -> None:
+    """Q's pad is zero, but 0 * NaN is NaN: garbage in K's padded columns would poison every score."""
+    qkv = random_qkv(rng, 20, 1, 72)
+    assert not np.all(np.isfinite(vision_flash_emulated(qkv, 1, 72, 20, 0.1, pad_with=np.nan)))
+    assert np.all(np.isfinite(vision_flash_emulated(qkv, 1, 72, 20, 0.1)))
+
+
+def test_host_constants_match_the_kernel_source() -> None:
+    src = KERNEL.read_text()
+    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))  # noqa: E731
+    assert define("VF_ROWS") == vision_flash.TILE_ROWS and define("VF_BN") == vision_flash.KEYS_PER_STEP
+    assert define("VF_THREADS") == 128
+    pad = define("VF_PAD")
+    assert "HDP = (HD + 15) / 16 * 16" in src and "SMEM_BYTES = 2 * 4 * KV_TILE" in src
+    assert tuple(int(h) for h in re.findall(r"^DEFINE\((\d+), \d\)$", src, re.MULTILINE)) == vision_flash.HEAD_DIMS
+    for hd in vision_flash.HEAD_DIMS:
+        assert hd % 8 == 0  # 16-byte row pieces; V is never padded
+        assert vision_flash.shared_bytes(hd) == 2 * 4 * vision_flash.KEYS_PER_STEP * (
+            vision_flash.padded_head_dim(hd) + pad)
+        assert 2 * vision_flash.shared_bytes(hd) <= 227 * 1024
+    assert vision_flash.padded_head_dim(72) == 80 and vision_flash.padded_head_dim(64) == 64
+    assert vision_flash.shared_bytes(72) <= 48 * 1024  # hd 72 needs no raised shared-memory limit
+
+
+class RecordingDevice:
+    info = SimpleNamespace(sm_count=132)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def launch(self, family, name, grid, block, *args, shmem=0, stream=None):  # noqa: ANN001
+        self.calls.append((family, name, grid, block, [type(a).__name__ for a in args], shmem))
+
+
+@pytest.mark.parametrize("n,seg,blocks", [(8192, 4096, 128), (51, 17, 3), (200, 100, 4), (5, 1, 5)])
+def test_launch_grid_and_arguments(n, seg, blocks) -> None:
+    ctx = SimpleNamespace(device=RecordingDevice())
+    vision_flash.vision_flash_attention(ctx, arr((n, 16 * 72)), arr((n, 3 * 16 * 72)), 16, 72, seg, 72 ** -0.5)
+    assert ctx.device.calls == [("vision_flash", "vision_flash_bf16_hd72", (blocks, 16), 128,
+                                 ["int", "int", "int32", "int32", "int32", "float32"],
+                                 vision_flash.shared_bytes(72))]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=16), "head_dim"),
+    (dict(head_dim=96), "head_dim"),
+    (dict(dtype="f32"), "must be bf16"),
+    (dict(seg=7), "must divide"),
+    (dict(seg=0), "must divide"),
+    (dict(out_cols=4 * 72 + 1), "qkv"),
+    (dict(qkv_ptr=(1 << 20) + 8), "16-byte aligned"),
+])
+def test_bad_arguments_are_refused(kwargs, match) -> None:
+    heads, hd, n = 4, kwargs.get("head_dim", 72), 20
+    dtype = kwargs.get("dtype", "bf16")
+    out = arr((n, kwargs.get("out_cols", heads * hd)), dtype)
+    qkv = DArray(kwargs.get("qkv_ptr", 1 << 20), (n, 3 * heads * hd), dtype)
+    with pytest.raises(ShapeError, match=match):
+        vision_flash.vision_flash_attention(no_launch_ctx(), out, qkv, heads, hd, kwargs.get("seg", 10), 0.1)
+
+
+def test_supported_only_in_bf16_with_an_instantiated_head_dim() -> None:
+    assert vision_flash.supported("bf16", 72) and vision_flash.supported("bf16", 64)
+    assert not vision_flash.supported("f32", 72)  # fp32 towers keep their exact paths
+    assert not vision_flash.supported("bf16", 16)

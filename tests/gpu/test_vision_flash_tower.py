@@ -1,0 +1,92 @@
+"""GpuVisionTower's flash dispatch without a GPU: on the emulated device of test_cuda_vision_emulated, with the
+vision_flash kernel emulated by its tiling (tests/gpu/vision_flash_emulation.py). Checks that "auto" picks the fused
+kernel for bf16 towers with a supported head dim (and only there), that the launch arguments address the right
+buffers (the tower output matches the numpy reference tower), and that "flash" is refused where it cannot run."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gpu_engine.cuda.bf16 import round_to_bf16
+from gpu_engine.cuda.errors import ShapeError
+from gpu_engine.cuda.vision import GpuVisionTower
+from gpu_engine.reference.vision_tower import VisionTower
+from tests.gpu.check_vision import CONFIGS, random_vision_weights
+from tests.gpu.test_cuda_vision_emulated import FakeDevice, fake_context
+from tests.gpu.vision_flash_emulation import vision_flash_emulated
+
+
+class FlashFakeDevice(FakeDevice):
+    """FakeDevice plus the vision_flash kernel; records which attention kernels ran."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.attention_launches: list[str] = []
+
+    def launch(self, family: str, name: str, grid, block, *args, shmem: int = 0) -> None:  # noqa: ANN001
+        if "attention" in name or family == "vision_flash":
+            self.attention_launches.append(name)
+        if family != "vision_flash":
+            super().launch(family, name, grid, block, *args)
+            return
+        out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
+        scale = float(args[5])
+        head_dim = int(name.rsplit("hd", 1)[1])
+        blocks, grid_heads = grid
+        assert grid_heads == heads and tiles == -(-seg // 64) and blocks % tiles == 0
+        n = blocks // tiles * seg
+        values = self.read(qkv, n * 3 * heads * head_dim, "bf16").reshape(n, -1)
+        self.write(out, vision_flash_emulated(values, heads, head_dim, seg, scale), "bf16")
+
+
+def flash_context(nbytes: int = 64 << 20):  # noqa: ANN201
+    ctx = fake_context(nbytes)
+    ctx.device = FlashFakeDevice(nbytes)
+    ctx.blas.dev = ctx.device
+    return ctx
+
+
+@pytest.mark.parametrize("mode", ["auto", "flash"])
+def test_bf16_tower_runs_flash_and_matches_reference(mode: str) -> None:
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS["hd72 exact-gelu"])
+    weights = random_vision_weights(cfg, rng)
+    ref_tower = VisionTower(cfg, {k: round_to_bf16(v) for k, v in weights.items()})
+    ctx = flash_context()
+    tower = GpuVisionTower(ctx, cfg, weights, "bf16", attention=mode)
+    for grid in [(1, 4, 6), (2, 6, 4)]:  # two frame groups = two attention segments
+        t, h, w = grid
+        pixels = rng.standard_normal((t * h * w, ref_tower.dims.patch_dim)).astype(np.float32)
+        ref = ref_tower.encode(round_to_bf16(pixels), grid)
+        mark = ctx.arena.mark()
+        out = ctx.empty(ref.shape, "bf16", "out")
+        ctx.poison(out)
+        ctx.device.attention_launches.clear()
+        tower.encode(pixels, grid, out)
+        got = ctx.to_host(out)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert np.all(np.isfinite(got)) and err <= 1e-2, (grid, err)
+        assert ctx.device.attention_launches == ["vision_flash_bf16_hd72"] * cfg.depth
+        ctx.arena.release(mark)
+
+
+@pytest.mark.parametrize("config,dtype", [("hd72 exact-gelu", "f32"), ("tiny hd16 gelu-tanh", "bf16")])
+def test_auto_keeps_the_old_paths_where_flash_does_not_apply(config: str, dtype: str) -> None:
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS[config])
+    ctx = flash_context()
+    tower = GpuVisionTower(ctx, cfg, random_vision_weights(cfg, rng), dtype, attention="auto")
+    pixels = rng.standard_normal((24, tower.dims.patch_dim)).astype(np.float32)
+    out = ctx.empty((24 // tower.dims.merge_unit, cfg.out_hidden_size), dtype, "out")
+    tower.encode(pixels, (1, 4, 6), out)
+    assert ctx.device.attention_launches == [f"vision_attention_{dtype}"] * cfg.depth  # 24 rows: the kernel
+
+
+@pytest.mark.parametrize("config,dtype", [("hd72 exact-gelu", "f32"), ("tiny hd16 gelu-tanh", "bf16")])
+def test_flash_mode_is_refused_where_it_cannot_run(config: str, dtype: str) -> None:
+    cfg = SimpleNamespace(**CONFIGS[config])
+    with pytest.raises(ShapeError, match="flash"):
+        GpuVisionTower(flash_context(), cfg, random_vision_weights(cfg, np.random.default_rng()), dtype,
+                       attention="flash")
