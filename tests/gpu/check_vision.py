@@ -4,9 +4,10 @@
 
 Fresh random weights (natural scales: matrices / sqrt(fan_in), norm weights 1 + 0.2 N, biases 0.1 N, position
 table N(0, 1)) and pixels N(0, 1) every run; non-square grids, a two-frame-group item (attention segments), and a
-Qwen3.5-shaped head (head_dim 72, exact-GELU MLP). Both attention paths are checked on every grid: the kernel and
-the cuBLASLt GEMM path (column-slice operands, so unaligned addresses too); one 3072-patch grid, where "auto"
-picks the GEMM path (also run with query blocks smaller than the segment). The output buffer is poisoned (NaN) before each encode.
+Qwen3.5-shaped head (head_dim 72, exact-GELU MLP). Every attention path is checked on every grid: the kernel,
+the cuBLASLt GEMM path (column-slice operands, so unaligned addresses too) and, in bf16 with head_dim 72 or 64, the
+fused flash kernel (kernels/vision_flash.cu); one 3072-patch grid, where "auto" picks the GEMM path in fp32 and
+the flash kernel in bf16 (the GEMM path also run with query blocks smaller than the segment). The output buffer is poisoned (NaN) before each encode.
 Pass: rel-L2 <= 1e-4 in fp32; <= 1e-2 in bf16 against the reference run on the same bf16-rounded weights and pixels.
 Then through CudaRunner (tiny checkpoint, fp32): encode_vision returns DeviceEmbeddings equal to the reference,
 and a prefill chunk that scatters a slice of them on the device gives the same logits as the same slice passed
@@ -68,7 +69,7 @@ def random_vision_weights(cfg: SimpleNamespace, rng: np.random.Generator) -> dic
 def check_towers(rng: np.random.Generator) -> list[VisionResult]:
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.context import GpuContext
-    from gpu_engine.cuda import vision
+    from gpu_engine.cuda import vision, vision_flash
     from gpu_engine.cuda.vision import GpuVisionTower
     from gpu_engine.reference.vision_tower import VisionTower
 
@@ -82,14 +83,16 @@ def check_towers(rng: np.random.Generator) -> list[VisionResult]:
                 ref_w = weights if dtype == "f32" else {k: round_to_bf16(v) for k, v in weights.items()}
                 ref_tower = VisionTower(cfg, ref_w)
                 mark = ctx.arena.mark()
+                flash = vision_flash.supported(dtype, ref_tower.dims.head_dim)
                 towers = {mode: GpuVisionTower(ctx, cfg, weights, dtype, attention=mode)
-                          for mode in ("kernel", "gemm", "auto")}
+                          for mode in ("kernel", "gemm", "auto") + (("flash",) if flash else ())}
                 grids = GRIDS + ([BIG_GRID] if name.startswith("hd72") else [])
                 for grid in grids:
                     t, h, w = grid
                     pixels = rng.standard_normal((t * h * w, ref_tower.dims.patch_dim)).astype(np.float32)
                     ref = ref_tower.encode(pixels if dtype == "f32" else round_to_bf16(pixels), grid)
-                    for mode in ("auto", "gemm/blocks") if grid == BIG_GRID else ("kernel", "gemm"):
+                    small_modes = ("kernel", "gemm") + (("flash",) if flash else ())
+                    for mode in ("auto", "gemm/blocks") if grid == BIG_GRID else small_modes:
                         out = ctx.empty(ref.shape, dtype, "check-out")
                         ctx.poison(out)
                         if mode == "gemm/blocks":  # a score budget of 1000 query rows: blocks 1000, 1000, 1000, 72
