@@ -43,7 +43,8 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
                            scale: float) -> None:
     """out [n, heads*head_dim] = softmax(scale * q k^T) v inside each segment of seg_len rows; qkv [n, 3*heads*
     head_dim] bf16 (q | k | v per row). Rows are copied in 16-byte pieces: qkv must be 16-byte aligned (head_dim is
-    a multiple of 8, so every head's columns are too) and out 4-byte aligned."""
+    a multiple of 8, so every head's columns are too) and out 4-byte aligned. scale > 0 (the kernel's running max
+    starts at -inf and is scaled by it)."""
     for arr, what in ((out, "out"), (qkv, "qkv")):
         if arr.dtype != "bf16":
             raise ShapeError(f"vision_flash_attention {what} must be bf16, got {arr.dtype}")
@@ -52,9 +53,9 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
     if head_dim not in HEAD_DIMS:
         raise ShapeError(f"vision_flash_attention supports head_dim {HEAD_DIMS}, got {head_dim}")
     if (len(qkv.shape) != 2 or qkv.shape != (n, 3 * width) or out.shape != (n, width) or seg_len < 1 or n < 1
-            or n % seg_len or not 0 < heads <= _MAX_HEADS):
+            or n % seg_len or not 0 < heads <= _MAX_HEADS or not scale > 0):
         raise ShapeError(f"vision_flash_attention: qkv {qkv.shape}, out {out.shape}, heads {heads}, head_dim "
-                         f"{head_dim}, seg_len {seg_len} must divide n >= 1")
+                         f"{head_dim}, seg_len {seg_len} must divide n >= 1, scale {scale} must be > 0")
     if qkv.ptr % 16 or out.ptr % 4:
         raise ShapeError("vision_flash_attention needs a 16-byte aligned qkv and a 4-byte aligned out")
     tiles = tiles_per_segment(seg_len)

@@ -7,7 +7,8 @@ table N(0, 1)) and pixels N(0, 1) every run; non-square grids, a two-frame-group
 Qwen3.5-shaped head (head_dim 72, exact-GELU MLP). Every attention path is checked on every grid: the kernel,
 the cuBLASLt GEMM path (column-slice operands, so unaligned addresses too) and, in bf16 with head_dim 72 or 64, the
 fused flash kernel (kernels/vision_flash.cu); one 3072-patch grid, where "auto" picks the GEMM path in fp32 and
-the flash kernel in bf16 (the GEMM path also run with query blocks smaller than the segment). The output buffer is poisoned (NaN) before each encode.
+the flash kernel in bf16 (the GEMM path also run with query blocks smaller than the segment). The output buffer
+is poisoned (NaN) before each encode.
 Pass: rel-L2 <= 1e-4 in fp32; <= 1e-2 in bf16 against the reference run on the same bf16-rounded weights and pixels.
 Then through CudaRunner (tiny checkpoint, fp32): encode_vision returns DeviceEmbeddings equal to the reference,
 and a prefill chunk that scatters a slice of them on the device gives the same logits as the same slice passed

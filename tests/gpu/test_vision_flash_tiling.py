@@ -113,6 +113,7 @@ def test_launch_grid_and_arguments(n, seg, blocks) -> None:
     (dict(seg=0), "must divide"),
     (dict(out_cols=4 * 72 + 1), "qkv"),
     (dict(qkv_ptr=(1 << 20) + 8), "16-byte aligned"),
+    (dict(scale=0.0), "scale"),
 ])
 def test_bad_arguments_are_refused(kwargs, match) -> None:
     heads, hd, n = 4, kwargs.get("head_dim", 72), 20
@@ -120,7 +121,8 @@ def test_bad_arguments_are_refused(kwargs, match) -> None:
     out = arr((n, kwargs.get("out_cols", heads * hd)), dtype)
     qkv = DArray(kwargs.get("qkv_ptr", 1 << 20), (n, 3 * heads * hd), dtype)
     with pytest.raises(ShapeError, match=match):
-        vision_flash.vision_flash_attention(no_launch_ctx(), out, qkv, heads, hd, kwargs.get("seg", 10), 0.1)
+        vision_flash.vision_flash_attention(no_launch_ctx(), out, qkv, heads, hd, kwargs.get("seg", 10),
+                                            kwargs.get("scale", 0.1))
 
 
 def test_supported_only_in_bf16_with_an_instantiated_head_dim() -> None:

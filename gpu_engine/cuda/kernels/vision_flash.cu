@@ -178,7 +178,8 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
             vf_cp_async_wait<0>();
         }
         __syncthreads();
-        const unsigned kb = ks_base + (unsigned)(buf * S::KV_TILE * 2), vb_ = vs_base + (unsigned)(buf * S::KV_TILE * 2);
+        const unsigned buf_off = (unsigned)(buf * S::KV_TILE * 2);
+        const unsigned k_buf = ks_base + buf_off, v_buf = vs_base + buf_off;
 
         // ---- scores: 16 rows x VF_BN keys
         float s[NT_S][4];
@@ -189,7 +190,7 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
 #pragma unroll
             for (int np = 0; np < NT_S / 2; ++np) {
                 unsigned b[4];
-                vf_ldsm_x4(b, kb + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
+                vf_ldsm_x4(b, k_buf + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
                 vf_mma(s[2 * np], qa[kk], b[0], b[1]);
                 vf_mma(s[2 * np + 1], qa[kk], b[2], b[3]);
             }
@@ -249,13 +250,13 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
 #pragma unroll
             for (int dp = 0; dp < NT_O / 2; ++dp) {
                 unsigned b[4];
-                vf_ldsm_x4_trans(b, vb_ + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
+                vf_ldsm_x4_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
                 vf_mma(o[2 * dp], pf, b[0], b[1]);
                 vf_mma(o[2 * dp + 1], pf, b[2], b[3]);
             }
             if constexpr (NT_O % 2) {   // the last 8 dims (HD % 16 == 8): lanes 0-15 address keys lo, hi
                 unsigned b[2];
-                vf_ldsm_x2_trans(b, vb_ + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
+                vf_ldsm_x2_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
                 vf_mma(o[NT_O - 1], pf, b[0], b[1]);
             }
         }
