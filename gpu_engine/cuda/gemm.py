@@ -9,7 +9,16 @@ attention layer). cuBLASLt is column-major, so this is the "TN" product D = op(A
 A = W (transposed), B = X: the layout Hopper's FP8 kernels also require, so FP8 weights can follow by adding a
 weight dtype and its scale pointer to the plan (not done yet: only bf16 and fp32 are accepted today).
 
-Plans (descriptors + the heuristic's algorithm) are cached per shape and dtype; the decode step reuses a handful.
+Optional epilogue (bias=..., act=...): Y = act(X @ W^T (+ Y) + bias) with bias[n] per output feature, in Y's
+dtype, fused into the GEMM's store (cuBLASLt EPILOGUE_BIAS / GELU_BIAS / GELU; in cuBLASLt's column-major view D
+is [n, m], and its bias runs along D's rows, i.e. one value per output feature). With accumulate=True the bias
+is added after the residual: Y = Y + X @ W^T + bias. act="gelu_tanh" is cuBLASLt's GELU epilogue, which we take
+to be the tanh form (tests/gpu/check_kernels.py measures it against both GELU forms; see the report of the
+commit that added it). An epilogue cuBLASLt has no algorithm for raises EpilogueUnsupported before anything is
+launched, so callers can fall back to separate kernels.
+
+Plans (descriptors + the heuristic's algorithm) are cached per shape, dtype and epilogue; the decode step reuses a
+handful.
 No torch or cupy here: addresses are plain ints from our arena.
 """
 from __future__ import annotations
@@ -27,6 +36,25 @@ CUDA_DTYPES = {"f32": 0, "bf16": 14}
 ITEMSIZE = {"f32": 4, "bf16": 2}
 TUNE_MAX_M = 64  # shapes with at most this many rows get their algorithm chosen by timing
 TUNE_CANDIDATES = 16
+GEMM_ACTS = ("none", "gelu_tanh")
+BIAS_ALIGN = 16  # bytes; our arena hands out 256-aligned vectors, cuBLASLt's vectorised bias loads need <= 16
+# (bias given, act) -> our epilogue name; cuBLASLt's Epilogue enum member of each
+EPILOGUES = {(False, "none"): "none", (True, "none"): "bias", (False, "gelu_tanh"): "gelu",
+             (True, "gelu_tanh"): "gelu_bias"}
+_LT_EPILOGUE = {"bias": "BIAS", "gelu": "GELU", "gelu_bias": "GELU_BIAS"}
+
+
+class EpilogueUnsupported(ShapeError):
+    """cuBLASLt found no algorithm for this GEMM with the requested epilogue (nothing was launched)."""
+
+
+def epilogue_name(bias: int, act: str) -> str:
+    """Our epilogue name for a (bias address or 0, act) request; refuses unknown acts and misaligned biases."""
+    if act not in GEMM_ACTS:
+        raise ShapeError(f"act={act!r} not supported by the GEMM epilogue (have {GEMM_ACTS})")
+    if bias < 0 or bias % BIAS_ALIGN:
+        raise ShapeError(f"bias address {bias:#x} must be {BIAS_ALIGN}-byte aligned")
+    return EPILOGUES[(bias != 0, act)]
 
 
 def _lt() -> tuple[Any, Any]:
@@ -54,6 +82,7 @@ class GemmKey:
     x_stride: int = 0  # batch strides in elements
     w_stride: int = 0
     y_stride: int = 0
+    epilogue: str = "none"  # a value of EPILOGUES: part of the key (the heuristic's algorithms differ per epilogue)
 
 
 @dataclass
@@ -66,6 +95,7 @@ class _Plan:
     algo_ptr: int  # address of the chosen candidate's algorithm (first field of its heuristic result)
     candidates: int
     timings_ms: list[float]
+    epilogue: str = "none"
 
 
 class CublasLt:
@@ -78,6 +108,7 @@ class CublasLt:
         self.workspace_ptr = workspace_ptr
         self.workspace_bytes = workspace_bytes
         self._plans: dict[GemmKey, _Plan] = {}
+        self._unsupported: set[GemmKey] = set()  # epilogue keys the heuristic had no algorithm for
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -88,14 +119,28 @@ class CublasLt:
     def linear(self, y: int, x: int, w: int, m: int, n: int, k: int, *, dtype: str = "bf16",
                y_dtype: str | None = None, x_ld: int | None = None, y_ld: int | None = None,
                w_ld: int | None = None, w_layout: str = "nk", accumulate: bool = False, stream: Any = None,
-               batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0)) -> None:
+               batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0), bias: int = 0,
+               act: str = "none") -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T ("nk") or X[m, k] @ W[k, n] ("kn"). X and W in `dtype`; Y in `y_dtype`
         (default `dtype`); fp32 accumulate.
 
         x_ld / y_ld / w_ld: row strides in elements (default packed) so that an operand can be a slice of a wider
         buffer. accumulate=True adds into Y (beta = 1), e.g. a residual stream. batch / strides: `batch` products,
         the i-th reading X, W and writing Y at i * (x, w, y) stride elements from the given addresses.
+        bias: address of a [n] vector in `y_dtype` (0: none), added per output feature in the epilogue;
+        act: "gelu_tanh" applies GELU after the bias (and after the accumulation). Not with batch > 1.
         """
+        key = self._key(m, n, k, dtype, y_dtype, x_ld, y_ld, w_ld, w_layout, batch, strides, x, w, y, bias, act)
+        if key in self._unsupported:
+            raise EpilogueUnsupported(f"cuBLASLt has no algorithm for {key}")
+        plan = self._plans.get(key) or self._make_plan(key, y, x, w, bias, tune=not accumulate)
+        self._matmul(plan, plan.algo_ptr, y, x, w, accumulate, stream, bias)
+
+    @staticmethod
+    def _key(m: int, n: int, k: int, dtype: str, y_dtype: str | None, x_ld: int | None, y_ld: int | None,
+             w_ld: int | None, w_layout: str, batch: int, strides: tuple[int, int, int], x: int, w: int, y: int,
+             bias: int, act: str) -> GemmKey:
+        """Validate one linear() request and return its plan key (pure: no cuBLASLt call)."""
         y_dtype = y_dtype or dtype
         for name, dt in (("dtype", dtype), ("y_dtype", y_dtype)):
             if dt not in CUDA_DTYPES:
@@ -113,16 +158,23 @@ class CublasLt:
         for value in offsets:
             if value:
                 align = min(align, value & -value)  # lowest set bit of the address / stride in bytes
+        epilogue = epilogue_name(bias, act)
+        if epilogue != "none" and batch > 1:
+            raise ShapeError("a GEMM epilogue (bias / act) is not supported with batch > 1")
         key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n, w_ld or packed_w, w_layout, align,
-                      batch, *(strides if batch > 1 else (0, 0, 0)))
+                      batch, *(strides if batch > 1 else (0, 0, 0)), epilogue=epilogue)
         if key.x_ld < k or key.y_ld < n or key.w_ld < packed_w:
             raise ShapeError(f"row strides too small: x_ld={key.x_ld} (k={k}), y_ld={key.y_ld} (n={n}), "
                              f"w_ld={key.w_ld} ({packed_w})")
-        plan = self._plans.get(key) or self._make_plan(key, y, x, w, tune=not accumulate)
-        self._matmul(plan, plan.algo_ptr, y, x, w, accumulate, stream)
+        return key
 
-    def _matmul(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, accumulate: bool, stream: Any) -> None:
+    def _matmul(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, accumulate: bool, stream: Any,
+                bias: int = 0) -> None:
         beta = self._one if accumulate else self._zero
+        if plan.epilogue in ("bias", "gelu_bias"):  # the plan's descriptor is shared by every bias of this shape
+            lt = self._lt
+            self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, plan.desc,
+                      lt.MatmulDescAttribute.BIAS_POINTER, bias)
         self._lt.matmul(
             self.handle, plan.desc, self._one.ctypes.data, w, plan.a_layout, x, plan.b_layout,
             beta.ctypes.data, y, plan.d_layout, y, plan.d_layout, algo_ptr,
@@ -133,7 +185,7 @@ class CublasLt:
         buf = np.array([value], dtype=dtype_of(attr))
         setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
-    def _make_plan(self, key: GemmKey, y: int, x: int, w: int, tune: bool) -> _Plan:
+    def _make_plan(self, key: GemmKey, y: int, x: int, w: int, bias: int, tune: bool) -> _Plan:
         """Descriptors + algorithm for one shape. Small-m (decode) shapes are weight-streaming, where the
         heuristic's first choice is often not the fastest: time its top candidates once, on the real operands
         (beta = 0, so Y is only overwritten; never when the caller accumulates into Y), and keep the fastest.
@@ -145,6 +197,13 @@ class CublasLt:
         trans_a = 1 if key.w_layout == "nk" else 0  # OP_T / OP_N
         self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSA, trans_a)
         self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.TRANSB, 0)  # OP_N
+        if key.epilogue != "none":  # set before the heuristic query: the algorithm list depends on it. The bias
+            # type is left at its default, D's type (= y_dtype); its pointer is set per call in _matmul.
+            self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, mda.EPILOGUE,
+                      int(getattr(lt.Epilogue, _LT_EPILOGUE[key.epilogue])))
+            if bias:
+                self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc,
+                          mda.BIAS_POINTER, bias)
         # column-major views: A = W^T storage [k, n] ld w_ld ("nk": op T) or W^T = [n, k] ld w_ld ("kn": op N);
         # B = X^T storage [k, m] ld x_ld; D = Y^T [n, m] ld y_ld
         a_rows, a_cols = (key.k, key.n) if key.w_layout == "nk" else (key.n, key.k)
@@ -172,23 +231,29 @@ class CublasLt:
         lt.matmul_preference_destroy(pref)
         found = int(count[0])
         if found < 1:
+            for layout in (a_layout, b_layout, d_layout):
+                lt.matrix_layout_destroy(layout)
+            lt.matmul_desc_destroy(desc)
+            if key.epilogue != "none":
+                self._unsupported.add(key)
+                raise EpilogueUnsupported(f"cuBLASLt has no algorithm for {key}")
             raise ShapeError(f"cuBLASLt has no algorithm for {key}")
         stride = lt.matmul_heuristic_result_dtype.itemsize
-        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristics, heuristics.ptr, found, [])
+        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristics, heuristics.ptr, found, [], key.epilogue)
         if found > 1:
-            plan.timings_ms = [self._time(plan, heuristics.ptr + i * stride, y, x, w) for i in range(found)]
+            plan.timings_ms = [self._time(plan, heuristics.ptr + i * stride, y, x, w, bias) for i in range(found)]
             plan.algo_ptr = heuristics.ptr + int(np.argmin(plan.timings_ms)) * stride
         self._plans[key] = plan
         return plan
 
-    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, reps: int = 10) -> float:
+    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, bias: int = 0, reps: int = 10) -> float:
         dev = self.device
         for _ in range(2):
-            self._matmul(plan, algo_ptr, y, x, w, False, None)
+            self._matmul(plan, algo_ptr, y, x, w, False, None, bias)
         start, stop = dev.event(), dev.event()
         dev.stream.record(start)
         for _ in range(reps):
-            self._matmul(plan, algo_ptr, y, x, w, False, None)
+            self._matmul(plan, algo_ptr, y, x, w, False, None, bias)
         dev.stream.record(stop)
         stop.sync()
         return float(stop - start) / reps

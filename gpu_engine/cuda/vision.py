@@ -6,6 +6,8 @@ attention segments of h*w rows each):
     pixels [n, C*T*P*P] --GEMM--> x [n, hidden] --patch_pos--> + bias + resampled position table
     depth x: LayerNorm -> qkv GEMM (+bias) -> 2-D rotary on q and k -> segment attention -> proj GEMM (+bias, +x)
              LayerNorm -> fc1 GEMM (+bias, GELU) -> fc2 GEMM (+bias, +x)
+             (biases in the GEMM epilogue, residual adds as the GEMM accumulating into x; where cuBLASLt has no
+             epilogue algorithm for a shape, the GEMM + bias_act / bias_residual kernels instead)
     merger:  LayerNorm -> rows viewed as [n / merge^2, merge^2 * hidden] (the processors emit each merge window's
              patches consecutively, so the window gather is a reshape) -> fc1 (+bias, exact GELU) -> fc2 (+bias)
 
@@ -32,6 +34,7 @@ import numpy as np
 from . import ops, rotary, vision_flash
 from .context import DArray, GpuContext
 from .errors import CudaBackendError, ShapeError
+from .gemm import EpilogueUnsupported
 from .weights import _Uploader
 
 LAYER_NORM_EPS = 1e-6  # fixed in the model code, as in the reference tower
@@ -39,6 +42,10 @@ GEMM_ATTENTION_MIN = 256  # segment rows from which attention runs as GEMMs (the
 SCORES_BYTES = 256 << 20  # fp32 score block of the GEMM attention (all heads)
 ATTENTION_MODES = ("auto", "kernel", "gemm", "flash")
 _BLOCK_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+# fc1's GELU goes into the cuBLASLt epilogue only once its form is confirmed to be the tanh approximation
+# (tests/gpu/check_kernels.py "gemm ... +bias gelu_tanh" f32 rows, whose note gives the distance to exact GELU);
+# until then fc1's bias and GELU stay in the bias_act kernel. The bias-only epilogues have no such question.
+GELU_EPILOGUE_IS_TANH = False
 
 
 class VisionEncodeError(CudaBackendError, ValueError):
@@ -173,19 +180,15 @@ class GpuVisionTower:
             ops.patch_pos(ctx, x, self.patch_b, self.pos_table, taps, tap_w)
             for b in self.blocks:
                 ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, LAYER_NORM_EPS)
-                ctx.blas.linear(qkv.ptr, normed.ptr, b.qkv_w.ptr, n, 3 * H, H, dtype=t_)
-                ops.bias_act(ctx, qkv, qkv, b.qkv_b)
+                self._linear_bias(qkv, normed, b.qkv_w, b.qkv_b)
                 for part in (0, H):  # q, then k: rotary over the whole head, (row, col) angles
                     ops.rope(ctx, qkv.at(part), n, d.num_heads, d.head_dim, 3 * H, d.head_dim, rowcol,
                              self.rope_inv, self.rope_axis)
                 self._attend(attn, qkv, n, seg)
-                ctx.blas.linear(tmp.ptr, attn.ptr, b.proj_w.ptr, n, H, H, dtype=t_)
-                ops.bias_residual(ctx, x, tmp, b.proj_b)
+                self._residual_linear(x, attn, b.proj_w, b.proj_b, tmp)
                 ops.layernorm(ctx, normed, x, b.norm2_w, b.norm2_b, LAYER_NORM_EPS)
-                ctx.blas.linear(mlp.ptr, normed.ptr, b.fc1_w.ptr, n, d.intermediate_size, H, dtype=t_)
-                ops.bias_act(ctx, mlp, mlp, b.fc1_b, self.act)
-                ctx.blas.linear(tmp.ptr, mlp.ptr, b.fc2_w.ptr, n, H, d.intermediate_size, dtype=t_)
-                ops.bias_residual(ctx, x, tmp, b.fc2_b)
+                self._linear_bias(mlp, normed, b.fc1_w, b.fc1_b, self.act)
+                self._residual_linear(x, mlp, b.fc2_w, b.fc2_b, tmp)
             norm_w, norm_b, fc1_w, fc1_b, fc2_w, fc2_b = self.merger
             ops.layernorm(ctx, normed, x, norm_w, norm_b, LAYER_NORM_EPS)
             rows, M = n // d.merge_unit, d.merged_size
@@ -199,6 +202,32 @@ class GpuVisionTower:
             ctx.device.sync()  # scratch is released below; nothing may still be reading it
             ctx.arena.release(mark)
         return out
+
+    def _linear_bias(self, out: DArray, inp: DArray, w: DArray, bias: DArray, act: str = "none") -> None:
+        """out = act(inp @ w^T + bias): bias (and a tanh GELU, see GELU_EPILOGUE_IS_TANH) in the GEMM epilogue."""
+        ctx, t = self.ctx, self.dtype
+        (rows, k), cols = inp.shape, out.shape[1]
+        if act == "none" or (act == "gelu_tanh" and GELU_EPILOGUE_IS_TANH):
+            try:
+                ctx.blas.linear(out.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t, bias=bias.ptr, act=act)
+                return
+            except EpilogueUnsupported:  # raised before any launch: the separate kernels below instead
+                pass
+        ctx.blas.linear(out.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t)
+        ops.bias_act(ctx, out, out, bias, act)
+
+    def _residual_linear(self, x: DArray, inp: DArray, w: DArray, bias: DArray, tmp: DArray) -> None:
+        """x += inp @ w^T + bias: the GEMM accumulates into the residual stream (beta = 1), bias in its epilogue;
+        tmp [rows, cols] is the fallback's GEMM output."""
+        ctx, t = self.ctx, self.dtype
+        (rows, k), cols = inp.shape, x.shape[1]
+        try:
+            ctx.blas.linear(x.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t, accumulate=True, bias=bias.ptr)
+            return
+        except EpilogueUnsupported:
+            pass
+        ctx.blas.linear(tmp.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t)
+        ops.bias_residual(ctx, x, tmp, bias)
 
     def _attend(self, out: DArray, qkv: DArray, n: int, seg: int) -> None:
         """Bidirectional attention within each segment of `seg` rows: out [n, H] from qkv [n, 3H]."""

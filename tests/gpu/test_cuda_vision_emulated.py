@@ -137,17 +137,28 @@ class FakeDevice:
 
 
 class FakeBlas:
-    def __init__(self, dev: FakeDevice) -> None:
-        self.dev = dev
+    """gemm.CublasLt.linear in numpy, epilogue included: Y = act((Y if accumulate) + X W^T + bias), one rounding
+    to the storage type at the store (as cuBLASLt's fused epilogue). epilogues=False emulates a cuBLASLt without
+    an algorithm for any epilogue: such a request raises EpilogueUnsupported, as gemm.py does, before any write.
+    `calls` records (m, n, k, accumulate, has bias, act) of each non-batched call."""
+
+    def __init__(self, dev: FakeDevice, epilogues: bool = True) -> None:
+        self.dev, self.epilogues = dev, epilogues
+        self.calls: list[tuple[int, int, int, bool, bool, str]] = []
 
     def _rows(self, ptr, rows, cols, ld, dtype):  # noqa: ANN001
         flat = self.dev.read(ptr, (rows - 1) * ld + cols, dtype)
         return np.stack([flat[r * ld : r * ld + cols] for r in range(rows)])
 
     def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, w_ld=None,  # noqa: ANN001
-               w_layout="nk", accumulate=False, batch=1, strides=(0, 0, 0)):
-        assert not accumulate
-        if batch > 1:  # batch i: every operand advanced by its stride (elements)
+               w_layout="nk", accumulate=False, batch=1, strides=(0, 0, 0), bias=0, act="none"):
+        from gpu_engine.cuda.gemm import EpilogueUnsupported, epilogue_name
+
+        epilogue = epilogue_name(bias, act)  # the real argument check
+        if epilogue != "none" and not self.epilogues:
+            raise EpilogueUnsupported(f"emulated: no algorithm for epilogue {epilogue}")
+        if batch > 1:
+            assert epilogue == "none" and not accumulate  # batch i: every operand advanced by its stride (elements)
             isz, osz = (4 if dtype == "f32" else 2), (4 if (y_dtype or dtype) == "f32" else 2)
             for i in range(batch):
                 self.linear(y + i * strides[2] * osz, x + i * strides[0] * isz, w + i * strides[1] * isz, m, n, k,
@@ -160,27 +171,42 @@ class FakeBlas:
             wt = self._rows(w, k, n, w_ld or n, dtype)
         result, y_dtype, y_ld = xm @ wt, y_dtype or dtype, y_ld or n
         size = 4 if y_dtype == "f32" else 2
+        self.calls.append((m, n, k, accumulate, bias != 0, act))
+        if accumulate:
+            result = result + self._rows(y, m, n, y_ld, y_dtype)
+        if bias:
+            result = result + self.dev.read(bias, n, y_dtype)
+        if act == "gelu_tanh":
+            from gpu_engine.reference.vision_tower import gelu_tanh
+
+            result = gelu_tanh(result)
         for r in range(m):
             self.dev.write(y + r * y_ld * size, result[r], y_dtype)
 
 
-def fake_context(nbytes: int = 32 << 20) -> GpuContext:
+def fake_context(nbytes: int = 32 << 20, epilogues: bool = True) -> GpuContext:
     ctx = GpuContext.__new__(GpuContext)
     ctx.device = FakeDevice(nbytes)
     ctx.arena = Arena(BASE, nbytes)
-    ctx.blas = FakeBlas(ctx.device)
+    ctx.blas = FakeBlas(ctx.device, epilogues)
     return ctx
 
 
+@pytest.mark.parametrize("epilogues", [True, False], ids=["epilogue", "no-epilogue"])
+@pytest.mark.parametrize("gelu_epilogue", [False, True], ids=["gelu-kernel", "gelu-epilogue"])
 @pytest.mark.parametrize("attention", ["kernel", "gemm"])
 @pytest.mark.parametrize("dtype,tol", [("f32", 1e-5), ("bf16", 1e-2)])
-def test_emulated_tower_matches_reference(dtype: str, tol: float, attention: str) -> None:
+def test_emulated_tower_matches_reference(dtype: str, tol: float, attention: str, gelu_epilogue: bool,
+                                          epilogues: bool, monkeypatch) -> None:
+    import gpu_engine.cuda.vision as vision
+
+    monkeypatch.setattr(vision, "GELU_EPILOGUE_IS_TANH", gelu_epilogue)
     rng = np.random.default_rng()
     cfg = SimpleNamespace(**CONFIGS["tiny hd16 gelu-tanh"])
     weights = random_vision_weights(cfg, rng)
     ref_w = weights if dtype == "f32" else {k: round_to_bf16(v) for k, v in weights.items()}
     ref_tower = VisionTower(cfg, ref_w)
-    ctx = fake_context()
+    ctx = fake_context(epilogues=epilogues)
     tower = GpuVisionTower(ctx, cfg, weights, dtype, attention=attention)
     for grid in [(1, 4, 6), (2, 6, 4)]:  # non-square; two frame groups = two attention segments
         t, h, w = grid
@@ -195,6 +221,20 @@ def test_emulated_tower_matches_reference(dtype: str, tol: float, attention: str
         assert np.all(np.isfinite(got)) and err <= tol, (grid, err)
         ctx.arena.release(mark)
         assert ctx.arena.mark() == mark  # encode released its scratch
+    _check_block_calls(ctx.blas.calls, cfg, epilogues, gelu_epilogue)
+
+
+def _check_block_calls(calls: list, cfg: SimpleNamespace, epilogues: bool, gelu_epilogue: bool) -> None:
+    """The blocks' GEMMs carry their bias / residual / GELU exactly when the epilogue path is taken."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = [c for c in calls if c[1] == 3 * H]
+    fc1 = [c for c in calls if c[1] == inter and c[2] == H]
+    residual = [c for c in calls if c[1] == H and c[2] in (H, inter)]
+    assert qkv and fc1 and residual
+    assert all(c[3:] == (False, epilogues, "none") for c in qkv)
+    fused_gelu = epilogues and gelu_epilogue
+    assert all(c[3:] == (False, fused_gelu, "gelu_tanh" if fused_gelu else "none") for c in fc1)
+    assert all(c[3:] == (epilogues, epilogues, "none") for c in residual)
 
 
 def test_encode_refuses_bad_inputs() -> None:
