@@ -438,6 +438,42 @@ class Checker:
                 y32 = self.out((m, n), "f32")
                 blas.linear(y32.ptr, xd.ptr, wd.ptr, m, n, k, dtype="bf16", y_dtype="f32", x_ld=k + 64)
                 self.record(f"gemm {m}x{n}x{k} -> f32", "f32", rel_err(self.get(y32), expect))
+        self.gemm_epilogue(t)
+
+    def gemm_epilogue(self, t: str) -> None:
+        """cuBLASLt bias / GELU epilogues (gemm.py bias=, act=) on the vision block's call patterns; m = 37 takes
+        the timed-candidates path, m = 300 the heuristic's first choice. The gelu_tanh rows' note gives the
+        distance of the output to exact (erf) GELU too: in f32 it tells which GELU the epilogue computes
+        (tanh vs erf differ by ~2e-4 relative here, 100x the f32 GEMM error)."""
+        from gpu_engine.cuda.gemm import EpilogueUnsupported
+        from gpu_engine.reference.vision_tower import gelu_exact
+
+        def gelu_tanh64(z: np.ndarray) -> np.ndarray:
+            return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z ** 3)))
+
+        blas = self.ctx.blas
+        for m, n, k in ((37, 1000, 512), (300, 1152, 1024)):
+            x = self.rand((m, k + 64), t)
+            w = self.rand((n, k), t, k ** -0.5)
+            b = self.rand((n,), t)
+            y0 = self.rand((m, n), t)
+            pre = x[:, :k].astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64)
+            xd, wd, bd = self.up(x, t), self.up(w, t), self.up(b, t)
+            cases = (("+bias", "none", False, pre), ("+bias gelu_tanh", "gelu_tanh", False, gelu_tanh64(pre)),
+                     ("(+=Y) +bias", "none", True, pre + y0))
+            for label, act, acc, expect in cases:
+                name = f"gemm {m}x{n}x{k} {label}"
+                y = self.up(y0, t) if acc else self.out((m, n), t)
+                try:
+                    blas.linear(y.ptr, xd.ptr, wd.ptr, m, n, k, dtype=t, x_ld=k + 64, accumulate=acc, bias=bd.ptr,
+                                act=act)
+                except EpilogueUnsupported:  # vision.py falls back to its separate kernels for such shapes
+                    self.results.append(Result(name, t, float("nan"), TOL[t], True,
+                                               "cuBLASLt: no algorithm (callers use the separate kernels)"))
+                    continue
+                got = self.get(y)
+                note = f"vs erf GELU {rel_err(got, gelu_exact(pre.astype(np.float32))):.1e}" if act != "none" else ""
+                self.record(name, t, rel_err(got, expect), note=note)
 
     CHECKS = ("rmsnorm", "add_rmsnorm", "rmsnorm_gated", "silu_mul", "add", "rope", "embed", "attention",
               "flash_long", "qk_prepare", "deltanet", "sampling", "gemm")
