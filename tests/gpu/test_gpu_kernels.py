@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
     ("check_flash", "the tiled prefill attention vs float64 attention"),
     ("check_deltanet_chunked", "the chunked gated delta rule vs the token-by-token float64 reference"),
     ("check_sampling", "the GPU sampler vs the numpy sampler"),
+    ("check_vision_flash", "the vision tower's flash attention vs float64 attention"),
 ])
 def test_gpu_check_passes(script: str, what: str) -> None:
     from gpu_engine.cuda.errors import CudaUnavailable
