@@ -21,18 +21,11 @@
 // (g+8, 2tig), (g, 2tig+8), (g+8, 2tig+8)}, B regs {k 2tig.., k 2tig+8..} of column g, C {(g, 2tig..), (g+8, 2tig..)};
 // the lower k (or column) index sits in the low 16 bits of a packed pair.
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 #define GC_C 64
 #define GC_SLICE 32
 #define GC_THREADS 128
-
-__device__ __forceinline__ void gc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ unsigned gc_pack(float lo, float hi) {
     return (unsigned)from_f<bf16_t>(lo) | ((unsigned)from_f<bf16_t>(hi) << 16);
@@ -183,8 +176,8 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
             if (nt > 2 * warp + 1) continue;  // entirely above the diagonal (warp-uniform)
             const unsigned b0 = gc_ld32(&Ks[8 * nt + g][c0]);
             const unsigned b1 = gc_ld32(&Ks[8 * nt + g][c0 + 8]);
-            gc_mma(kk[nt], ak, b0, b1);
-            gc_mma(qk[nt], aq, b0, b1);
+            mma_bf16(kk[nt], ak, b0, b1);
+            mma_bf16(qk[nt], aq, b0, b1);
         }
     }
     // P to global; A (fp32) stays in kk until Qs is dead
@@ -266,7 +259,7 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
 #pragma unroll
             for (int nt = 0; nt < DK / 8; ++nt) {
                 const int n = 8 * nt + g;
-                gc_mma(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
+                mma_bf16(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
             }
         }
         bf16_t* W = Wg + ho * GC_C * DK;
@@ -299,7 +292,7 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
 #pragma unroll
             for (int nt = 0; nt < DV / 8; ++nt) {
                 const int n = 8 * nt + g;
-                gc_mma(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
+                mma_bf16(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
             }
         }
         bf16_t* U = Ug + ho * GC_C * DV;
@@ -395,8 +388,8 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const unsigned b0 = gc_ld32(&Sb[8 * nt + g][c0]), b1 = gc_ld32(&Sb[8 * nt + g][c0 + 8]);
-                gc_mma(vacc[nt], aw, b0, b1);
-                gc_mma(oacc[nt], aq, b0, b1);
+                mma_bf16(vacc[nt], aw, b0, b1);
+                mma_bf16(oacc[nt], aq, b0, b1);
             }
         }
         // V' = U - W S, to shared memory transposed (bf16)
@@ -437,9 +430,9 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const unsigned b0 = gc_ld32(&Vb[8 * nt + g][c0]), b1 = gc_ld32(&Vb[8 * nt + g][c0 + 8]);
-                gc_mma(oacc[nt], ap, b0, b1);
+                mma_bf16(oacc[nt], ap, b0, b1);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) gc_mma(sacc[mt][nt], ak[mt], b0, b1);
+                for (int mt = 0; mt < MT; ++mt) mma_bf16(sacc[mt][nt], ak[mt], b0, b1);
             }
         }
         const int tok0 = ch * GC_C;

@@ -21,6 +21,7 @@
 // Online softmax in the exp2 domain (scores * scale * log2 e), fp32 running max and sum per row; P is rounded to
 // bf16 for the PV product. mma.sync m16n8k16 / ldmatrix layouts follow the PTX ISA (g = lane / 4, tig = lane % 4).
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 #define VF_ROWS 64     // query rows per block (4 warps x 16); vision_flash.TILE_ROWS must match
 #define VF_THREADS 128
@@ -33,55 +34,6 @@ template <int HD> struct VisionFlashShape {
     static constexpr int KV_TILE = VF_BN * LD;        // elements of one K (or V) buffer
     static constexpr int SMEM_BYTES = 2 * 4 * KV_TILE;  // K[2] + V[2]: must equal vision_flash.shared_bytes(HD)
 };
-
-__device__ __forceinline__ unsigned vf_smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16-byte async copy global -> shared; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void vf_cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void vf_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void vf_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void vf_ldsm_x4(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void vf_ldsm_x4_trans(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void vf_ldsm_x2_trans(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-
-__device__ __forceinline__ void vf_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// two floats -> packed bf16 pair (lo in the low half), round to nearest even
-__device__ __forceinline__ unsigned vf_pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ unsigned vf_dynamic_smem_bytes() {
-    unsigned r;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-    return r;
-}
 
 // Async copy of key rows [key0, key0 + VF_BN) of one head into K/V buffers at ks/vs (shared addresses).
 // Rows at or past `keys` (the segment's key count) and K's padded columns are zero-filled.
@@ -97,7 +49,7 @@ __device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_
             const int r = c / K_CHUNKS, d8 = (c % K_CHUNKS) * 8;
             const bool valid = key0 + r < keys && d8 < HD;
             const bf16_t* src = k_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
-            vf_cp_async16(ks + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+            cp_async16(ks + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
         }
     }
 #pragma unroll
@@ -107,7 +59,7 @@ __device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_
             const int r = c / V_CHUNKS, d8 = (c % V_CHUNKS) * 8;
             const bool valid = key0 + r < keys;
             const bf16_t* src = v_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
-            vf_cp_async16(vs + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+            cp_async16(vs + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
         }
     }
 }
@@ -120,7 +72,7 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
     extern __shared__ __align__(16) bf16_t smem[];
 
     pdl_entry();
-    if (threadIdx.x == 0 && vf_dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
 
     const int h = blockIdx.y;
     const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * VF_ROWS;
@@ -136,11 +88,11 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
 
     const bf16_t* k_head = qkv + seg_first * row_stride + width + (long long)h * HD;
     const bf16_t* v_head = qkv + seg_first * row_stride + 2 * width + (long long)h * HD;
-    const unsigned ks_base = vf_smem_addr(smem), vs_base = ks_base + (unsigned)(2 * S::KV_TILE * 2);
+    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + (unsigned)(2 * S::KV_TILE * 2);
 
     const int n_kt = (seg_len + VF_BN - 1) / VF_BN;
     vf_load_kv<HD>(ks_base, vs_base, k_head, v_head, row_stride, 0, seg_len);
-    vf_cp_async_commit();
+    cp_async_commit();
 
     // Q A-fragments: dims kk*16 + 2*tig (+1) and +8; pairs at or past HD are the zero padding
     unsigned qa[KSTEPS][4];
@@ -172,10 +124,10 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
         if (j + 1 < n_kt) {
             const unsigned next = (unsigned)((buf ^ 1) * S::KV_TILE * 2);
             vf_load_kv<HD>(ks_base + next, vs_base + next, k_head, v_head, row_stride, kt + VF_BN, seg_len);
-            vf_cp_async_commit();
-            vf_cp_async_wait<1>();
+            cp_async_commit();
+            cp_async_wait<1>();
         } else {
-            vf_cp_async_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();
         const unsigned buf_off = (unsigned)(buf * S::KV_TILE * 2);
@@ -190,9 +142,9 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
 #pragma unroll
             for (int np = 0; np < NT_S / 2; ++np) {
                 unsigned b[4];
-                vf_ldsm_x4(b, k_buf + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
-                vf_mma(s[2 * np], qa[kk], b[0], b[1]);
-                vf_mma(s[2 * np + 1], qa[kk], b[2], b[3]);
+                ldsm_x4(b, k_buf + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
+                mma_bf16(s[2 * np], qa[kk], b[0], b[1]);
+                mma_bf16(s[2 * np + 1], qa[kk], b[2], b[3]);
             }
         }
 
@@ -244,20 +196,20 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
                 const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
                 l_a += p0 + p1;
                 l_b += p2 + p3;
-                pf[half * 2 + 0] = vf_pack_bf16(p0, p1);
-                pf[half * 2 + 1] = vf_pack_bf16(p2, p3);
+                pf[half * 2 + 0] = pack_bf16(p0, p1);
+                pf[half * 2 + 1] = pack_bf16(p2, p3);
             }
 #pragma unroll
             for (int dp = 0; dp < NT_O / 2; ++dp) {
                 unsigned b[4];
-                vf_ldsm_x4_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
-                vf_mma(o[2 * dp], pf, b[0], b[1]);
-                vf_mma(o[2 * dp + 1], pf, b[2], b[3]);
+                ldsm_x4_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
+                mma_bf16(o[2 * dp], pf, b[0], b[1]);
+                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
             if constexpr (NT_O % 2) {   // the last 8 dims (HD % 16 == 8): lanes 0-15 address keys lo, hi
                 unsigned b[2];
-                vf_ldsm_x2_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
-                vf_mma(o[NT_O - 1], pf, b[0], b[1]);
+                ldsm_x2_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
+                mma_bf16(o[NT_O - 1], pf, b[0], b[1]);
             }
         }
         __syncthreads();  // this buffer is refilled by the next iteration's copy
@@ -277,7 +229,7 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
         unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt)
-            oh[(nt * 8 + tig * 2) >> 1] = vf_pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
+            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
     }
 }
 
