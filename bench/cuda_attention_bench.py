@@ -11,10 +11,6 @@ writes JSON with the device, date and every number.
 """
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
-from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 
 from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
+from op_bench import run_op_bench  # noqa: E402
 
 # name -> (q heads, kv heads, head dim)
 SHAPES = {"27b": (24, 4, 256), "9b": (16, 4, 256), "2b": (8, 2, 256), "hd128": (16, 4, 128)}
@@ -93,39 +89,13 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results here")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
-    parser.add_argument("--lengths", default="1024,8192", help="chunk lengths (tokens)")
-    parser.add_argument("--reps", type=int, default=10, help="timed launches per kernel and shape (median)")
-    parser.add_argument("--no-old", action="store_true", help="time the new kernel only")
-    args = parser.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    if any(s not in SHAPES for s in shapes) or not lengths or min(lengths) < 1 or args.reps < 1:
-        parser.error(f"shapes from {', '.join(SHAPES)}, positive lengths and reps")
-    rng = np.random.default_rng()
-    try:
-        ctx = GpuContext(budget_bytes=4 << 30)
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
-        return 0
-    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
-            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(), "block_size": BLOCK_SIZE,
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "flop_count": "4 * n^2 / 2 * head_dim * q_heads (causal)"}
-    rows: list[dict] = []
-    try:
-        for name in shapes:
-            for n in lengths:
-                rows.append(bench_shape(ctx, rng, name, n, warmup=2, reps=args.reps, old=not args.no_old))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.json:  # keep what is done if a later shape fails
-                    Path(args.json).write_text(json.dumps({"info": info, "results": rows}, indent=1))
-    finally:
-        ctx.close()
-    print(format_table(rows))
-    return 0
+    return run_op_bench(
+        argv, __doc__.splitlines()[0], SHAPES,
+        lambda ctx, rng, name, n, reps, args: bench_shape(ctx, rng, name, n, warmup=2, reps=reps, old=not args.no_old),
+        format_table, {"block_size": BLOCK_SIZE, "flop_count": "4 * n^2 / 2 * head_dim * q_heads (causal)"},
+        lengths_help="chunk lengths (tokens)", reps_help="timed launches per kernel and shape (median)",
+        add_arguments=lambda p: p.add_argument("--no-old", action="store_true", help="time the new kernel only"),
+    )
 
 
 if __name__ == "__main__":

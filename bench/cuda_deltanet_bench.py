@@ -13,10 +13,6 @@ rounding: ~1e-3 .. 5e-3 is expected, > 1e-2 means something is wrong). Target (2
 """
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
-from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 
 from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
+from op_bench import run_op_bench  # noqa: E402
 
 # name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
 SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}
@@ -106,38 +102,13 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results here")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
-    parser.add_argument("--lengths", default="1024,8192", help="tokens of the one sequence")
-    parser.add_argument("--reps", type=int, default=10, help="timed calls per method and shape (median)")
-    args = parser.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    if any(s not in SHAPES for s in shapes) or not lengths or min(lengths) < 1 or args.reps < 1:
-        parser.error(f"shapes from {', '.join(SHAPES)}, positive lengths and reps")
-    rng = np.random.default_rng()
-    try:
-        ctx = GpuContext(budget_bytes=4 << 30)
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
-        return 0
-    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
-            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "sequential": "ops.gated_delta_rule method=two_pass", "chunked": "deltanet_chunked (C=64, dv slice 32)"}
-    rows: list[dict] = []
-    try:
-        for name in shapes:
-            for n in lengths:
-                rows.append(bench_shape(ctx, rng, name, n, warmup=2, reps=args.reps))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.json:  # keep what is done if a later shape fails
-                    Path(args.json).write_text(json.dumps({"info": info, "results": rows}, indent=1))
-    finally:
-        ctx.close()
-    print(format_table(rows))
-    return 0
+    return run_op_bench(
+        argv, __doc__.splitlines()[0], SHAPES,
+        lambda ctx, rng, name, n, reps, args: bench_shape(ctx, rng, name, n, warmup=2, reps=reps),
+        format_table, {"sequential": "ops.gated_delta_rule method=two_pass",
+                       "chunked": "deltanet_chunked (C=64, dv slice 32)"},
+        lengths_help="tokens of the one sequence", reps_help="timed calls per method and shape (median)",
+    )
 
 
 if __name__ == "__main__":
