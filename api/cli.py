@@ -40,19 +40,6 @@ def check_bind(host: str, have_keys: bool, insecure: bool) -> None:
     )
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The socket several server processes accept on. Made with proto=IPPROTO_TCP on purpose: asyncio sets
-    TCP_NODELAY on accepted connections only for such sockets, and the one uvicorn makes for `--workers` has
-    proto 0, which left Nagle's algorithm on: every response then waited ~40 ms for a delayed ACK (measured:
-    /healthz 44 ms instead of 1 ms)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind (default DOCPIPE_API_HOST, 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default DOCPIPE_API_PORT, 8000).")] = None,
@@ -93,14 +80,14 @@ def serve(
     if workers > 1:
         # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
         # (one core per process); rate limits, job quotas and this process's /metrics counters are per process.
-        from uvicorn.supervisors import Multiprocess
+        from .processes import Supervisor, bind_sockets
 
-        config = uvicorn.Config("api.app:create_app", factory=True, workers=workers,
-                                **options)  # type: ignore[arg-type]
         try:
-            Multiprocess(config, sockets=[listening_socket(bind_host, bind_port)]).run()
-        except KeyboardInterrupt:
-            pass
+            sockets = bind_sockets(bind_host, bind_port, workers)
+        except OSError as exc:
+            typer.echo(f"docpipe serve: cannot listen on {bind_host}:{bind_port}: {exc.strerror or exc}", err=True)
+            raise typer.Exit(1) from None
+        raise typer.Exit(Supervisor(options, sockets, workers).run())
     else:
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
 

@@ -1,0 +1,144 @@
+"""`docpipe serve --workers N`: one listening socket per process, the supervisor's restarts and its give-up rule."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from api.processes import Supervisor, bind_sockets, reuse_port_supported
+from apitest_support import REPO, free_port
+from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
+from test_api_serve import LAUNCH
+
+linux_only = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux-only")
+
+
+@linux_only
+def test_each_process_gets_its_own_socket_on_the_same_port() -> None:
+    port = free_port()
+    sockets = bind_sockets("127.0.0.1", port, 3)
+    try:
+        assert len({s.fileno() for s in sockets}) == 3
+        assert {s.getsockname() for s in sockets} == {("127.0.0.1", port)}
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # listening: the kernel queues the connection on one of them
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_a_port_taken_by_another_server_is_an_error_with_nothing_left_open() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    before = len(psutil.Process().net_connections(kind="tcp"))
+    try:
+        with pytest.raises(OSError):
+            bind_sockets("127.0.0.1", port, 2)
+        assert len(psutil.Process().net_connections(kind="tcp")) == before
+    finally:
+        taken.close()
+
+
+def exit_at_once(options: dict[str, object], sock: socket.socket) -> None:
+    """A server process whose set-up fails (runs in a spawned child: module level, so it can be pickled)."""
+    sys.exit(3)
+
+
+def test_supervisor_stops_when_a_process_keeps_dying_right_after_start(capfd: pytest.CaptureFixture[str]) -> None:
+    sockets = bind_sockets("127.0.0.1", free_port(), 1)
+    started = time.monotonic()
+    status = Supervisor({}, sockets, 1, target=exit_at_once, poll_s=0.05, max_quick_exits=3).run()
+    assert status == 1
+    assert time.monotonic() - started < 60
+    err = capfd.readouterr().err
+    assert err.count("starting another") == 2 and "exited 3 times right after starting (exit code 3)" in err
+    assert all(s.fileno() == -1 for s in sockets)  # closed on the way out
+
+
+@pytest.fixture()
+def two_process_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    db, client = _claim_redis_db()
+    key = "serve-key-" + uuid.uuid4().hex
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path), DOCPIPE_API_KEYS=key,
+               DOCPIPE_API_RATE_LIMIT_PER_MINUTE="100000",
+               DOCPIPE_BROKER_URL=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--port", str(port), "--workers", "2",
+                             "--log-level", "warning"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, base, expected_children=2)
+        yield proc, base, key
+    finally:
+        children = psutil.Process(proc.pid).children() if proc.poll() is None else []
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        client.flushdb()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"server processes left running: {alive}"
+
+
+def server_pids(proc: subprocess.Popen[bytes]) -> list[int]:
+    """The supervisor's server processes (not multiprocessing's resource tracker)."""
+    return [c.pid for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def wait_ready(proc: subprocess.Popen[bytes], base: str, expected_children: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        ready = 0
+        for _ in range(8):  # new connections land on either process: both must answer
+            try:
+                ready += httpx.get(base + "/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+        if ready == 8 and len(server_pids(proc)) == expected_children:
+            return
+        time.sleep(0.3)
+    raise AssertionError("server did not become ready")
+
+
+def established_per_process(pids: list[int], port: int) -> dict[int, int]:
+    return {pid: sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port) for pid in pids}
+
+
+@linux_only
+def test_keep_alive_connections_are_spread_over_the_processes(two_process_server) -> None:  # type: ignore[no-untyped-def]
+    proc, base, key = two_process_server
+    port = int(base.rsplit(":", 1)[1])
+    pids = server_pids(proc)
+    clients = [httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=30) for _ in range(32)]
+    try:
+        for c in clients:
+            assert c.get("/v1/schemas").status_code == 200  # opens and keeps the connection
+        spread = established_per_process(pids, port)
+        # 32 connections hashed over 2 sockets: all on one process has probability 2**-31
+        assert sum(spread.values()) == 32 and min(spread.values()) >= 1, spread
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_killed_process_is_replaced_and_serving_goes_on(two_process_server) -> None:  # type: ignore[no-untyped-def]
+    proc, base, key = two_process_server
+    victim = psutil.Process(server_pids(proc)[0])
+    victim.kill()
+    victim.wait(10)
+    wait_ready(proc, base, expected_children=2)
+    assert victim.pid not in server_pids(proc)
+    with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=30) as c:
+        assert all(c.get("/v1/schemas").status_code == 200 for _ in range(10))
