@@ -219,20 +219,36 @@ def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: 
                       shmem=flash_shared_bytes(head_dim))
 
 
-def attention_splits(ctx: GpuContext, n_tokens: int, heads: int) -> int:
-    """Key splits per (token, head): enough blocks to cover the GPU twice when there are few queries."""
+def attention_splits(ctx: GpuContext, n_tokens: int, heads: int, waves: int = 2) -> int:
+    """Key splits per (token, head): enough blocks to cover the GPU `waves` times when there are few queries."""
     blocks = n_tokens * heads
-    return max(1, min(64, -(-2 * ctx.device.info.sm_count // blocks)))
+    return max(1, min(64, -(-waves * ctx.device.info.sm_count // blocks)))
+
+
+GQA_GROUPS = (1, 2, 4, 6, 8)  # query heads per KV head with a paged_attention_gqa kernel
+GQA_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
+
+
+def gqa_attention_fits(q: DArray, q_stride: int, k_cache: DArray, v_cache: DArray, heads: int, kv_heads: int,
+                       head_dim: int) -> bool:
+    """Whether paged_attention's grouped kernel applies: a compiled group size, a head size it tiles, and
+    16-byte aligned rows (it reads 8 elements per load)."""
+    return (heads % kv_heads == 0 and heads // kv_heads in GQA_GROUPS and head_dim in GQA_HEAD_DIMS
+            and all(a.ptr % 16 == 0 for a in (q, k_cache, v_cache))
+            and q_stride * ITEMSIZE[q.dtype] % 16 == 0)
 
 
 def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
                     gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
                     token_pos: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float,
-                    splits: int | None = None) -> None:
+                    splits: int | None = None, method: str = "auto") -> None:
     """Causal paged attention with GQA and sigmoid output gate; out [n, heads*head_dim].
 
     Split-K over the keys (`splits`, default attention_splits()) into a float32 workspace taken from the arena for
     the two launches (stream order makes the early release safe), then one combine launch.
+    method: "grouped" (one block per KV head computes all its query heads: each K/V row read once, with 16-byte
+    loads; see gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (grouped where
+    it fits).
     """
     t = _same_float(out, q, gate, k_cache, v_cache)
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
@@ -240,15 +256,29 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     if head_dim > 256 or heads % kv_heads:
         raise ShapeError(f"paged_attention needs head_dim <= 256 and heads % kv_heads == 0 "
                          f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
+    if method not in ("auto", "grouped", "per_head"):
+        raise ShapeError(f"method must be auto, grouped or per_head, got {method!r}")
+    fits = gqa_attention_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
+    if method == "grouped" and not fits:
+        raise ShapeError(f"grouped paged_attention needs heads/kv_heads in {GQA_GROUPS}, head_dim in "
+                         f"{GQA_HEAD_DIMS} and 16-byte aligned rows (heads={heads}, kv_heads={kv_heads}, "
+                         f"head_dim={head_dim})")
+    grouped = fits and method != "per_head"
     n = token_seq.size
-    splits = splits or attention_splits(ctx, n, heads)
+    # the grouped kernel has G times fewer blocks per split: 8 waves of blocks keep loads in flight and the tail short
+    splits = splits or (attention_splits(ctx, n, kv_heads, waves=8) if grouped else attention_splits(ctx, n, heads))
     mark = ctx.arena.mark()
     part_acc = ctx.empty((n, heads, splits, head_dim), "f32", "attn-partials")
     part_ml = ctx.empty((n, heads, splits, 2), "f32", "attn-max-sum")
-    ctx.device.launch("attention", f"paged_attention_{t}", (n, heads, splits), 128, part_acc.ptr, part_ml.ptr, q.ptr,
-                      i64(q_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
-                      token_seq.ptr, token_pos.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim),
-                      i32(block_size), f32(scale))
+    common = (q.ptr, i64(q_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
+              token_seq.ptr, token_pos.ptr, i32(n))
+    if grouped:
+        ctx.device.launch("attention", f"paged_attention_gqa{heads // kv_heads}_{t}", (n, kv_heads, splits), 128,
+                          part_acc.ptr, part_ml.ptr, *common, i32(kv_heads), i32(head_dim), i32(block_size),
+                          f32(scale))
+    else:
+        ctx.device.launch("attention", f"paged_attention_{t}", (n, heads, splits), 128, part_acc.ptr, part_ml.ptr,
+                          *common, i32(heads), i32(kv_heads), i32(head_dim), i32(block_size), f32(scale))
     ctx.device.launch("attention", f"attention_combine_{t}", (n, heads), 128, out.ptr, part_acc.ptr, part_ml.ptr,
                       i32(splits), gate.ptr, i64(gate_stride), i32(gate_head_stride), i32(n), i32(heads),
                       i32(head_dim))
@@ -326,14 +356,22 @@ def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stri
 GDN_TWO_PASS_MIN_TOKENS = 16  # below this (decode steps) one launch beats two
 
 
+def gdn_recurrent_rows(ctx: GpuContext, seqs: int, v_heads: int, dv: int) -> int:
+    """State rows per warp of gdn_recurrent: 4 (a decode step of many sequences: four rows' loads in flight per
+    warp, 1.7x on 27B at b=32) when that still gives 4 blocks per SM, else 1 (a few long sequences: more blocks)."""
+    blocks_with_4 = seqs * v_heads * -(-dv // 32)
+    return 4 if blocks_with_4 >= 4 * ctx.device.info.sm_count else 1
+
+
 def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int, a: DArray,
                      b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray, cu_seqlens: DArray,
                      state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int, dk: int, dv: int,
-                     method: str = "auto") -> None:
+                     method: str = "auto", rows: int | None = None) -> None:
     """Gated delta rule over a varlen batch; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv].
 
     method: "one_pass" (normalisation and gates inside the sequential kernel: one launch, for decode),
     "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill), or "auto".
+    rows: state rows per warp of the two-pass recurrence, 1 or 4 (default gdn_recurrent_rows()).
     """
     t = _same_float(out, q, k, v, a, b)
     _need(state, "f32", "state")
@@ -360,7 +398,12 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
     ctx.device.launch("deltanet", f"gdn_prepare_{t}", (n, k_heads), min(256, max(32, (dk + 31) // 32 * 32)), qn.ptr,
                       kn.ptr, db.ptr, q.ptr, k.ptr, i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr,
                       dt_bias.ptr, i32(n), i32(k_heads), i32(v_heads), i32(dk))
-    ctx.device.launch("deltanet", f"gdn_recurrent_{t}", grid, 256, out.ptr, qn.ptr, kn.ptr, v.ptr, i64(qkv_stride),
+    rows = rows or gdn_recurrent_rows(ctx, seqs, v_heads, dv)
+    if rows not in (1, 4):
+        raise ShapeError(f"gdn_recurrent rows must be 1 or 4, got {rows}")
+    rows_grid = (-(-dv // (8 * rows)), v_heads, seqs)  # 8 warps of `rows` value columns per block
+    recurrent = f"gdn_recurrent{'_dk128' if dk <= 128 else ''}{'_r4' if rows == 4 else ''}_{t}"
+    ctx.device.launch("deltanet", recurrent, rows_grid, 256, out.ptr, qn.ptr, kn.ptr, v.ptr, i64(qkv_stride),
                       db.ptr, state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads),
                       i32(dk), i32(dv))
     ctx.arena.release(mark)

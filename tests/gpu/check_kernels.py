@@ -193,10 +193,19 @@ class Checker:
         self.record("scatter_rows", "exact", rel_err(self.get(chunk), expect), note=t)
 
     def attention(self, t: str) -> None:
-        heads, kvh, hd, bs, num_blocks = 8, 2, 256, 16, 40
+        # (start, n) per sequence: decode steps, a prefill chunk continuing a prompt, a fresh prompt. Shapes: GQA
+        # 4:1 at head_dim 256 (one key per grouped-kernel warp load), 6:1 as the 27B-class model with a long
+        # decode (many splits and iterations), 6:1 at head_dim 128 (two keys per load), 1:1 at 32 (eight keys).
+        for heads, kvh, hd, seqs in ((8, 2, 256, [(45, 1), (20, 37), (0, 5)]),
+                                     (24, 4, 256, [(1500, 1), (333, 1), (0, 1)]),
+                                     (12, 2, 128, [(77, 1), (0, 9)]),
+                                     (4, 4, 32, [(50, 1), (3, 4)])):
+            self.attention_case(t, heads, kvh, hd, seqs)
+
+    def attention_case(self, t: str, heads: int, kvh: int, hd: int, seqs: list[tuple[int, int]]) -> None:
+        bs = 16
+        num_blocks = sum((s + n + bs - 1) // bs for s, n in seqs) + 3
         scale = hd ** -0.5
-        # (start, n): a decode step, a prefill chunk continuing a prompt, and a fresh prompt
-        seqs = [(45, 1), (20, 37), (0, 5)]
         perm = self.rng.permutation(num_blocks)
         tables, used = [], 0
         max_blocks = max((s + n + bs - 1) // bs for s, n in seqs)
@@ -238,7 +247,7 @@ class Checker:
         expect_k = cache_k.copy()
         for r, slot in enumerate(slots):
             expect_k[slot // bs, slot % bs] = kv_rows[r, : kvh * hd].reshape(kvh, hd)
-        self.record("kv_store", "exact", rel_err(self.get(kc), expect_k), note=t)
+        self.record(f"kv_store ({kvh} heads, hd {hd})", "exact", rel_err(self.get(kc), expect_k), note=t)
         # q|gate rows as the q projection emits them: head h = [q (hd) | gate (hd)]. The runner's q-norm writes a
         # de-interleaved q; the gate is read in place (token stride 2*H*hd, head stride 2*hd).
         q_only = q_rows.reshape(total, heads, 2, hd)[:, :, 0].reshape(total, heads * hd)
@@ -247,26 +256,27 @@ class Checker:
         qdev, tdev = self.up(q_only, t), self.up(np.stack(tables), "i32")
         sdev, pdev = self.up(np.array(token_seq, np.int32), "i32"), self.up(np.array(token_pos, np.int32), "i32")
         outs = {}
-        for splits in (1, 5, None):  # one block per row, uneven key splits, the default split-K
-            outs[splits] = self.out((total, heads * hd), t)
-            self.ops.paged_attention(ctx, outs[splits], qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
-                                     pdev, heads, kvh, hd, bs, scale, splits=splits)
+        for method in ("per_head", "grouped"):
+            for splits in (1, 5, None):  # one block per row, uneven key splits, the default split-K
+                outs[(method, splits)] = out = self.out((total, heads * hd), t)
+                self.ops.paged_attention(ctx, out, qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
+                                         pdev, heads, kvh, hd, bs, scale, splits=splits, method=method)
         expect, row = [], 0
         for i, (s, n) in enumerate(seqs):
             qi = q_only[row : row + n].reshape(n, heads, hd)
             gi = gate[row : row + n]
             expect.append(ref.attention(qi, full_k[i], full_v[i], gi, np.arange(s, s + n), scale))
             row += n
-        if t == "bf16":  # the tensor-core prefill kernel on the same cache and queries
+        if t == "bf16" and hd in self.ops.FLASH_HEAD_DIMS:  # the tensor-core prefill kernel, same cache and queries
             tiles = self.ops.flash_tiles([n for _, n in seqs])
             outs["flash"] = self.out((total, heads * hd), t)
             self.ops.flash_prefill(ctx, outs["flash"], qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
                                    pdev, self.up(tiles, "i32"), heads, kvh, hd, bs, scale)
-        for splits, out in outs.items():
-            label = "flash_prefill(GQA, gate, varlen)" if splits == "flash" else \
-                f"paged_attention(GQA, gate, varlen, splits={splits or 'auto'})"
-            self.record(label, t,
-                        rel_err(self.get(out), np.concatenate(expect)))
+        shape = f"{heads}/{kvh} heads, hd {hd}"
+        for key, out in outs.items():
+            label = f"flash_prefill({shape}, gate, varlen)" if key == "flash" else \
+                f"paged_attention {key[0]}({shape}, gate, varlen, splits={key[1] or 'auto'})"
+            self.record(label, t, rel_err(self.get(out), np.concatenate(expect)))
 
     def flash_long(self, t: str) -> None:
         """flash_prefill on longer chunks (many key tiles, partial last tiles), GQA 6:1 and 4:1, two head sizes."""
@@ -368,7 +378,18 @@ class Checker:
                 label = f"conv1d_silu {method}" + (f" run={run}" if run else "") + f" width+{extra}"
                 self.record(f"{label} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
                 self.record(f"{label} (state)", t, rel_err(self.get(cs), exp_state))
-        # gated delta rule on independent random q/k/v (so this check does not inherit conv errors)
+        # gated delta rule on independent random q/k/v (so this check does not inherit conv errors); the second
+        # shape takes gdn_recurrent's dk > 128 kernel and a dv that leaves its last warp's rows partly idle
+        for dk_, dv_ in ((dk, dv), (192, 30)):
+            self.gated_delta_case(t, kh, vh, dk_, dv_, seqs, slots, num_slots)
+
+    def gated_delta_case(self, t: str, kh: int, vh: int, dk: int, dv: int, seqs: list[tuple[bool, int]],
+                         slots: np.ndarray, num_slots: int) -> None:
+        ctx = self.ctx
+        conv_dim = 2 * kh * dk + vh * dv
+        total = sum(n for _, n in seqs)
+        cu = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+        fresh = np.array([int(f) for f, _ in seqs], np.int32)
         qkv_w = conv_dim + 32
         qkv = self.rand((total, qkv_w), t)
         ab = self.rand((total, 2 * vh + 8), t)
@@ -377,14 +398,14 @@ class Checker:
         state = (self.rng.standard_normal((num_slots, vh, dv, dk)) * 0.3).astype(np.float32)
         qkvd, abd = self.up(qkv, t), self.up(ab, t)
         results = {}
-        for method in ("one_pass", "two_pass"):
+        for method, rows in (("one_pass", None), ("two_pass", 1), ("two_pass", 4)):
             sd = self.up(state, "f32")
             o = self.out((total, vh * dv), t)
             self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.at(kh * dk), qkvd.at(2 * kh * dk), qkv_w, abd, abd.at(vh),
                                       2 * vh + 8, self.up(A_log, "f32"), self.up(dt_bias, "f32"), sd,
                                       self.up(cu, "i32"), self.up(slots, "i32"), self.up(fresh, "i32"), kh, vh, dk, dv,
-                                      method=method)
-            results[method] = (o, sd)
+                                      method=method, rows=rows)
+            results[method + (f" rows={rows}" if rows else "")] = (o, sd)
         exp_o, exp_s = [], state.astype(np.float64).copy()
         for i, (f, n) in enumerate(seqs):
             r = slice(cu[i], cu[i + 1])
@@ -396,9 +417,11 @@ class Checker:
             exp_o.append(oi)
             exp_s[slots[i]] = Si.transpose(0, 2, 1)
         for method, (o, sd) in results.items():
-            self.record(f"gated_delta_rule {method} (out)", t, rel_err(self.get(o), np.concatenate(exp_o)))
+            shape = f"dk {dk}, dv {dv}"
+            self.record(f"gated_delta_rule {method} {shape} (out)", t, rel_err(self.get(o), np.concatenate(exp_o)))
             # the state is fp32 on both paths; bf16 inputs only perturb what flows into it
-            self.record(f"gated_delta_rule {method} (state)", t, rel_err(self.get(sd), exp_s))
+            self.record(f"gated_delta_rule {method} {shape} (state)", t, rel_err(self.get(sd), exp_s))
+
 
     def sampling(self, t: str) -> None:
         rows, vocab = 5, 151_007

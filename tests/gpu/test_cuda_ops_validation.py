@@ -56,6 +56,27 @@ def test_attention_limits(ctx) -> None:
                             kv_heads=2, head_dim=256, block_size=16, scale=0.1, **common)
 
 
+def test_attention_method_choice(ctx) -> None:
+    def call(method: str, heads: int, kv_heads: int, head_dim: int) -> None:
+        cache = arr((4, 16, kv_heads, head_dim))
+        ops.paged_attention(ctx, arr((1, heads * head_dim)), arr((1, heads * head_dim)), heads * head_dim,
+                            arr((1, 2 * heads * head_dim)), 2 * heads * head_dim, 2 * head_dim, cache, cache,
+                            arr((1, 4), "i32"), arr((1,), "i32"), arr((1,), "i32"), heads, kv_heads, head_dim, 16,
+                            0.1, method=method)
+
+    with pytest.raises(ShapeError, match="method must be"):
+        call("fastest", 8, 2, 256)
+    with pytest.raises(ShapeError, match="grouped paged_attention needs"):
+        call("grouped", 10, 2, 256)  # 5 query heads per KV head: no kernel compiled for that group
+    with pytest.raises(ShapeError, match="grouped paged_attention needs"):
+        call("grouped", 8, 2, 96)  # not a power-of-two head size
+    assert ops.gqa_attention_fits(arr((1, 6 * 256)), 6 * 256, arr((4, 16, 1, 256)), arr((4, 16, 1, 256)), 6, 1, 256)
+    misaligned = DArray((1 << 20) + 2, (1, 6 * 256), "bf16")
+    assert not ops.gqa_attention_fits(misaligned, 6 * 256, arr((4, 16, 1, 256)), arr((4, 16, 1, 256)), 6, 1, 256)
+    assert not ops.gqa_attention_fits(arr((1, 6 * 256)), 6 * 256 + 1, arr((4, 16, 1, 256)), arr((4, 16, 1, 256)),
+                                      6, 1, 256)
+
+
 def test_deltanet_shapes(ctx) -> None:
     with pytest.raises(ShapeError, match="K=9"):
         ops.conv1d_silu(ctx, arr((2, 64)), 64, arr((2, 64)), 64, arr((64, 9)), arr((4, 8, 64)),

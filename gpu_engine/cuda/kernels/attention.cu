@@ -125,6 +125,164 @@ __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q
     }
 }
 
+// paged_attention_gqa: the same function as paged_attention, one block of 4 warps per (query token, KV head, key
+//   split) instead of per query head. The G = heads / kv_heads query heads that share a KV head are computed
+//   together, so each K and V row is read once for all of them (paged_attention reads it G times), and a row is
+//   read with 16-byte loads: lane r of a "team" of R = head_dim / 8 lanes holds dims 8r..8r+7, so a warp covers
+//   32 / R keys per load (one key at head_dim 256, two at 128). Each team keeps its own online softmax per head;
+//   teams, then warps, are merged at the end, and the block writes the same partial state as paged_attention
+//   (attention_combine merges the splits). Needs head_dim in {8, 16, ..., 256} (a power of two) and 16-byte
+//   aligned rows; the host falls back to paged_attention otherwise.
+#define GQA_DIMS 8       // dims per lane
+#define GQA_KEY_STEPS 4  // warp load steps in flight per iteration
+#define GQA_MIN_BLOCKS 3 // blocks per SM the register budget must allow (loads in flight hide HBM latency)
+
+// Eight consecutive elements of a row, kept as loaded (bf16: one 16-byte register quad) and widened on use: the
+// raw form halves the registers that q and the in-flight K/V rows take, which buys occupancy.
+template <typename T> struct Row8;
+template <> struct Row8<bf16_t> {
+    uint4 u;
+    __device__ __forceinline__ void load(const bf16_t* p) { u = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ float at(int i) const {  // i is a constant after unrolling: selects fold away
+        const unsigned int w = i < 2 ? u.x : i < 4 ? u.y : i < 6 ? u.z : u.w;
+        return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));
+    }
+};
+template <> struct Row8<float> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const float* p) {
+        a = *reinterpret_cast<const float4*>(p);
+        b = *reinterpret_cast<const float4*>(p + 4);
+    }
+    __device__ __forceinline__ float at(int i) const {
+        const float4& h = i < 4 ? a : b;
+        const int j = i & 3;
+        return j == 0 ? h.x : j == 1 ? h.y : j == 2 ? h.z : h.w;
+    }
+};
+
+template <typename T, int G>
+__device__ void paged_attention_gqa_impl(float* part_acc, float* part_ml, const T* q, long long q_stride,
+                                         const T* k_cache, const T* v_cache, const int* block_tables,
+                                         int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
+                                         int kv_heads, int head_dim, int block_size, float scale) {
+    pdl_entry();
+    __shared__ float s_m[ATT_WARPS][G], s_l[ATT_WARPS][G];
+    __shared__ float s_acc[ATT_WARPS][G][256];
+    const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    if (token >= n || kvh >= kv_heads) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int R = head_dim / GQA_DIMS, keys_per_load = 32 / R;
+    const int team = lane / R, r = lane % R;
+    const int seq = token_seq[token], last = token_pos[token];
+    const int per_split = (last + splits) / splits;
+    const int lo = split * per_split, hi = min(last + 1, lo + per_split);
+    const int* table = block_tables + (long long)seq * max_blocks_per_seq;
+    const long long row_width = (long long)kv_heads * head_dim;
+    const long long head_off = (long long)kvh * head_dim + r * GQA_DIMS;
+
+    Row8<T> qv[G];
+    float acc[G][GQA_DIMS], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        qv[g].load(q + token * q_stride + (long long)(kvh * G + g) * head_dim + r * GQA_DIMS);
+#pragma unroll
+        for (int d = 0; d < GQA_DIMS; ++d) acc[g][d] = 0.0f;
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    const int keys_per_warp_iter = GQA_KEY_STEPS * keys_per_load;
+    for (int base = lo + warp * keys_per_warp_iter; base < hi; base += ATT_WARPS * keys_per_warp_iter) {
+        Row8<T> kr[GQA_KEY_STEPS], vr[GQA_KEY_STEPS];
+        bool valid[GQA_KEY_STEPS];
+#pragma unroll
+        for (int j = 0; j < GQA_KEY_STEPS; ++j) {  // every load of the iteration is issued before any is used
+            const int p = base + j * keys_per_load + team;
+            valid[j] = p < hi;
+            const int pc = min(p, hi - 1);
+            const long long off = ((long long)table[pc / block_size] * block_size + pc % block_size) * row_width
+                                  + head_off;
+            kr[j].load(k_cache + off);
+            vr[j].load(v_cache + off);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float s[GQA_KEY_STEPS];
+            float m_new = m[g];
+#pragma unroll
+            for (int j = 0; j < GQA_KEY_STEPS; ++j) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int d = 0; d < GQA_DIMS; ++d) dot += qv[g].at(d) * kr[j].at(d);
+                for (int o = R >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);  // within the team
+                s[j] = valid[j] ? dot * scale : NEG_INF;
+                m_new = fmaxf(m_new, s[j]);
+            }
+            if (m_new == NEG_INF) continue;  // no key of this team yet
+            const float corr = expf(m[g] - m_new);  // 0 while m = -inf
+            l[g] *= corr;
+#pragma unroll
+            for (int d = 0; d < GQA_DIMS; ++d) acc[g][d] *= corr;
+#pragma unroll
+            for (int j = 0; j < GQA_KEY_STEPS; ++j) {
+                const float pw = expf(s[j] - m_new);  // 0 for masked keys
+                l[g] += pw;
+#pragma unroll
+                for (int d = 0; d < GQA_DIMS; ++d) acc[g][d] += pw * vr[j].at(d);
+            }
+            m[g] = m_new;
+        }
+    }
+    // merge the teams of the warp (lanes r, r + R, r + 2R, ... hold the same dims for different keys)
+    for (int o = R; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], o), l_o = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float m_new = fmaxf(m[g], m_o);
+            const float a = m[g] == NEG_INF ? 0.0f : expf(m[g] - m_new);
+            const float b = m_o == NEG_INF ? 0.0f : expf(m_o - m_new);
+            l[g] = l[g] * a + l_o * b;
+#pragma unroll
+            for (int d = 0; d < GQA_DIMS; ++d) {
+                const float acc_o = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
+                acc[g][d] = acc[g][d] * a + acc_o * b;
+            }
+            m[g] = m_new;
+        }
+    }
+    if (team == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (r == 0) {
+                s_m[warp][g] = m[g];
+                s_l[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int d = 0; d < GQA_DIMS; ++d) s_acc[warp][g][r * GQA_DIMS + d] = acc[g][d];
+        }
+    }
+    __syncthreads();
+    const int heads = kv_heads * G;
+    for (int i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+        const int g = i / head_dim, d = i % head_dim;
+        float m_blk = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; ++w) m_blk = fmaxf(m_blk, s_m[w][g]);
+        const long long part = ((long long)token * heads + kvh * G + g) * splits + split;
+        float o = 0.0f, l_blk = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            if (s_m[w][g] == NEG_INF) continue;
+            const float c = expf(s_m[w][g] - m_blk);
+            o += s_acc[w][g][d] * c;
+            l_blk += s_l[w][g] * c;
+        }
+        part_acc[part * head_dim + d] = o;
+        if (d == 0) {
+            part_ml[2 * part] = m_blk;
+            part_ml[2 * part + 1] = l_blk;
+        }
+    }
+}
+
 // Merge the splits of each (token, head) and apply the output gate: out = (sum_s acc_s e^{m_s - M}) /
 // (sum_s l_s e^{m_s - M}) * sigmoid(gate). Splits that saw no key have m = -inf and drop out.
 template <typename T>
@@ -234,3 +392,19 @@ __device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const 
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
 #undef DEFINE
+
+#define DEFINE_GQA(S, T, G)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, GQA_MIN_BLOCKS) paged_attention_gqa##G##_##S(                    \
+        float* part_acc, float* part_ml, const T* q, long long q_stride, const T* k_cache, const T* v_cache,      \
+        const int* block_tables, int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,      \
+        int kv_heads, int head_dim, int block_size, float scale) {                                               \
+        paged_attention_gqa_impl<T, G>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,            \
+                                       max_blocks_per_seq, token_seq, token_pos, n, kv_heads, head_dim,           \
+                                       block_size, scale);                                                       \
+    }
+#define DEFINE_GQA_ALL(S, T) DEFINE_GQA(S, T, 1) DEFINE_GQA(S, T, 2) DEFINE_GQA(S, T, 4) DEFINE_GQA(S, T, 6)      \
+    DEFINE_GQA(S, T, 8)
+DEFINE_GQA_ALL(bf16, bf16_t)
+DEFINE_GQA_ALL(f32, float)
+#undef DEFINE_GQA_ALL
+#undef DEFINE_GQA

@@ -154,66 +154,80 @@ __device__ void gdn_prepare_impl(float* qn, float* kn, float* db, const T* q, co
         }
 }
 
-template <typename T>
+template <typename T, int DKL, int ROWS>  // DKL: dk elements per lane (dk <= 32 * DKL); ROWS: state rows per warp
 __device__ void gdn_recurrent_impl(T* out, const float* qn, const float* kn, const T* v, long long v_stride,
                                    const float* db, float* state, const int* cu_seqlens, const int* state_slots,
                                    const int* fresh, int k_heads, int v_heads, int dk, int dv) {
     pdl_entry();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h = blockIdx.y, s = blockIdx.z;
-    const int j = blockIdx.x * GDN_WARPS + warp;
-    if (j >= dv) return;  // no barriers below: idle warps may leave
+    const int j0 = (blockIdx.x * GDN_WARPS + warp) * ROWS;  // this warp's first value column
+    if (j0 >= dv) return;  // no barriers below: idle warps may leave
     const int kh = h / (v_heads / k_heads);
-    float* S = state + (((long long)state_slots[s] * v_heads + h) * dv + j) * dk;
-    float Sr[MAX_DK_PER_LANE], qr[MAX_DK_PER_LANE], kr[MAX_DK_PER_LANE];
+    float* S = state + (((long long)state_slots[s] * v_heads + h) * dv + j0) * dk;
+    // ROWS state rows per warp: their loads are all in flight at once (a decode step is one token, so the
+    // kernel is a read-modify-write of the state, bound by how many bytes each warp keeps in flight)
+    float Sr[ROWS][DKL], qr[DKL], kr[DKL];
 #pragma unroll
-    for (int e = 0; e < MAX_DK_PER_LANE; ++e) Sr[e] = (lane + 32 * e < dk && !fresh[s]) ? S[lane + 32 * e] : 0.0f;
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int e = 0; e < DKL; ++e)
+            Sr[r][e] = (j0 + r < dv && lane + 32 * e < dk && !fresh[s]) ? S[(long long)r * dk + lane + 32 * e] : 0.0f;
     const int t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
     // registers for token t (loaded one token ahead)
-    float vt = 0.0f, decay = 1.0f, beta = 0.0f;
+    float vt[ROWS], decay = 1.0f, beta = 0.0f;
     auto load = [&](int t) {
         const float* qp = qn + ((long long)t * k_heads + kh) * dk;
         const float* kp = kn + ((long long)t * k_heads + kh) * dk;
 #pragma unroll
-        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+        for (int e = 0; e < DKL; ++e) {
             const bool ok = lane + 32 * e < dk;
             qr[e] = ok ? qp[lane + 32 * e] : 0.0f;
             kr[e] = ok ? kp[lane + 32 * e] : 0.0f;
         }
-        vt = to_f(v[t * v_stride + (long long)h * dv + j]);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            vt[r] = j0 + r < dv ? to_f(v[t * v_stride + (long long)h * dv + j0 + r]) : 0.0f;
         decay = db[((long long)t * v_heads + h) * 2];
         beta = db[((long long)t * v_heads + h) * 2 + 1];
     };
     if (t0 < t1) load(t0);
     for (int t = t0; t < t1; ++t) {
-        float q_cur[MAX_DK_PER_LANE], k_cur[MAX_DK_PER_LANE];
+        float q_cur[DKL], k_cur[DKL], v_cur[ROWS];
 #pragma unroll
-        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
+        for (int e = 0; e < DKL; ++e) {
             q_cur[e] = qr[e];
             k_cur[e] = kr[e];
         }
-        const float v_cur = vt, decay_cur = decay, beta_cur = beta;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) v_cur[r] = vt[r];
+        const float decay_cur = decay, beta_cur = beta;
         if (t + 1 < t1) load(t + 1);  // in flight while this token computes
-        float kv = 0.0f;
 #pragma unroll
-        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
-            Sr[e] *= decay_cur;
-            kv += Sr[e] * k_cur[e];
-        }
-        kv = warp_sum(kv);
-        const float delta = (v_cur - kv) * beta_cur;
-        float o = 0.0f;
+        for (int r = 0; r < ROWS; ++r) {
+            float kv = 0.0f;
 #pragma unroll
-        for (int e = 0; e < MAX_DK_PER_LANE; ++e) {
-            Sr[e] += k_cur[e] * delta;
-            o += Sr[e] * q_cur[e];
+            for (int e = 0; e < DKL; ++e) {
+                Sr[r][e] *= decay_cur;
+                kv += Sr[r][e] * k_cur[e];
+            }
+            kv = warp_sum(kv);
+            const float delta = (v_cur[r] - kv) * beta_cur;
+            float o = 0.0f;
+#pragma unroll
+            for (int e = 0; e < DKL; ++e) {
+                Sr[r][e] += k_cur[e] * delta;
+                o += Sr[r][e] * q_cur[e];
+            }
+            o = warp_sum(o);
+            if (lane == 0 && j0 + r < dv) out[(long long)t * v_heads * dv + (long long)h * dv + j0 + r] = from_f<T>(o);
         }
-        o = warp_sum(o);
-        if (lane == 0) out[(long long)t * v_heads * dv + (long long)h * dv + j] = from_f<T>(o);
     }
 #pragma unroll
-    for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-        if (lane + 32 * e < dk) S[lane + 32 * e] = Sr[e];
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int e = 0; e < DKL; ++e)
+            if (j0 + r < dv && lane + 32 * e < dk) S[(long long)r * dk + lane + 32 * e] = Sr[r][e];
 }
 
 
@@ -372,6 +386,14 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
                                         state_slots, fresh, n, seqs, conv_dim, K, run);                           \
     }
 
+#define GDN_RECURRENT(S, T, NAME, DKL, ROWS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) NAME(                                             \
+        T* out, const float* qn, const float* kn, const T* v, long long v_stride, const float* db, float* state,  \
+        const int* cu_seqlens, const int* state_slots, const int* fresh, int k_heads, int v_heads, int dk,        \
+        int dv) {                                                                                                 \
+        gdn_recurrent_impl<T, DKL, ROWS>(out, qn, kn, v, v_stride, db, state, cu_seqlens, state_slots, fresh,     \
+                                         k_heads, v_heads, dk, dv);                                               \
+    }
 #define DEFINE(S, T)                                                                                              \
     extern "C" __global__ void conv1d_silu_##S(T* out, long long out_stride, const T* x, long long x_stride,      \
                                                const T* w, T* conv_state, const int* cu_seqlens,                  \
@@ -393,13 +415,10 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
         gdn_prepare_impl<T>(qn, kn, db, q, k, qkv_stride, a, b, ab_stride, A_log, dt_bias, n, k_heads, v_heads,   \
                             dk);                                                                                  \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent_##S(                                \
-        T* out, const float* qn, const float* kn, const T* v, long long v_stride, const float* db, float* state,  \
-        const int* cu_seqlens, const int* state_slots, const int* fresh, int k_heads, int v_heads, int dk,        \
-        int dv) {                                                                                                 \
-        gdn_recurrent_impl<T>(out, qn, kn, v, v_stride, db, state, cu_seqlens, state_slots, fresh, k_heads,       \
-                              v_heads, dk, dv);                                                                   \
-    }                                                                                                             \
+    GDN_RECURRENT(S, T, gdn_recurrent_##S, MAX_DK_PER_LANE, 1)                                                    \
+    GDN_RECURRENT(S, T, gdn_recurrent_r4_##S, MAX_DK_PER_LANE, 4)                                                 \
+    GDN_RECURRENT(S, T, gdn_recurrent_dk128_##S, 4, 1)                                                           \
+    GDN_RECURRENT(S, T, gdn_recurrent_dk128_r4_##S, 4, 4)                                                        \
     CONV_RUNS(S, T, v1_k4, 1, 4)                                                                                 \
     CONV_RUNS(S, T, v1_k8, 1, 8)                                                                                 \
     CONV_RUNS(S, T, vec_k4, 16 / sizeof(T), 4)                                                                   \
@@ -413,3 +432,4 @@ DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
 #undef DEFINE
 #undef CONV_RUNS
+#undef GDN_RECURRENT
