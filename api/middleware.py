@@ -2,7 +2,8 @@
 
 In order: time and count the request (metrics), authenticate and rate-limit it from its headers (before any body
 byte is read), refuse a declared Content-Length over the route's limit, count the body bytes actually received,
-and turn an exception nothing else handled into a 500 problem document. One layer instead of four: each ASGI
+and turn an exception nothing else handled into a 500 problem document. With several server processes it also
+closes a keep-alive connection now and then where this process holds more than its share (api/processes.py). One layer instead of four: each ASGI
 layer is another await chain and another send/receive wrapper on every request, which on a small machine is
 measurable CPU per upload (bench/api_upload_latency.py).
 """
@@ -17,6 +18,7 @@ from .auth import Gate, refusal_response
 from .bodylimit import counting_receive, declared_too_large
 from .errors import ApiError, unexpected_error_response
 from .metrics import HttpMetrics, route_of
+from .processes import connection_share
 
 
 class ApiMiddleware:
@@ -43,6 +45,9 @@ class ApiMiddleware:
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 self.metrics.response_started(method, route_of(scope), time.perf_counter() - start)
+                share = connection_share()
+                if share is not None and share.should_move():  # this process holds more than its share
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
         try:

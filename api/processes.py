@@ -7,6 +7,12 @@ but p99 166 ms in one run, p50 80 / p99 126 ms in the next). Here, on Linux, eve
 socket of its own on the same port (SO_REUSEPORT) and the kernel spreads new connections over them by a hash
 of the connection's addresses and ports. Elsewhere all processes share one socket, as with uvicorn.
 
+A hash still leaves a few connections more on one process than on another (32 clients over 2 processes: 19/13
+is common), and keep-alive clients stay where they landed. So the processes publish how many connections each
+holds (shared memory), and a process with more than one above the least loaded answers its next response with
+`Connection: close` (at most one such response every SHED_INTERVAL_S): the client reconnects and the kernel
+places it again, which evens the spread out within a few reconnections.
+
 The supervisor holds every socket, so connections that arrive while a process restarts wait in that socket's
 queue instead of being refused. A process that exits is started again; one that keeps dying within seconds of
 starting (a broken set-up) stops the server with an error instead of looping.
@@ -23,6 +29,7 @@ from multiprocessing.context import SpawnProcess
 from typing import Any, Callable
 
 BACKLOG = 2048  # uvicorn's default listen backlog
+SHED_INTERVAL_S = 0.05  # at most one connection moved per process and interval (the move takes effect on close)
 QUICK_EXIT_S = 10.0  # a process that dies this soon after starting counts as a quick exit
 MAX_QUICK_EXITS = 5  # quick exits in a row (of one process slot) that stop the server
 
@@ -66,10 +73,65 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
-def run_server_process(options: dict[str, Any], sock: socket.socket) -> None:
-    """Body of one server process: the app built from the DOCPIPE_* environment, served on `sock`."""
+class ConnectionShare:
+    """The client connections each server process holds (one shared int per process; each writes only its own)
+    and the rule that moves one: `should_move()` is true for a process holding more than one above the least
+    loaded, once per SHED_INTERVAL_S."""
+
+    def __init__(self, counts: Any, index: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._counts, self._index, self._clock = counts, index, clock
+        self._last_move = float("-inf")
+
+    def set_mine(self, connections: int) -> None:
+        self._counts[self._index] = connections
+
+    def should_move(self) -> bool:
+        counts = list(self._counts)
+        mine = counts.pop(self._index)
+        now = self._clock()
+        if counts and mine > min(counts) + 1 and now - self._last_move >= SHED_INTERVAL_S:
+            self._last_move = now
+            return True
+        return False
+
+
+_share: ConnectionShare | None = None  # set in a server process started by the Supervisor
+
+
+def connection_share() -> ConnectionShare | None:
+    """This process's ConnectionShare when it is one of several server processes, else None."""
+    return _share
+
+
+def _counting_protocol() -> type:
+    """uvicorn's h11 protocol, publishing this process's connection count as connections open and close."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class CountingH11Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if _share is not None:
+                _share.set_mine(len(self.connections))
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            if _share is not None:
+                _share.set_mine(len(self.connections))
+
+    return CountingH11Protocol
+
+
+def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any = None, index: int = 0) -> None:
+    """Body of one server process: the app built from the DOCPIPE_* environment, served on `sock`. `counts`:
+    the processes' shared connection counts (this process's slot is `index`)."""
     import uvicorn
 
+    global _share
+    if counts is not None:
+        _share = ConnectionShare(counts, index)
+        _share.set_mine(0)
+        if options.get("http", "h11") == "h11":
+            options = {**options, "http": _counting_protocol()}
     config = uvicorn.Config("api.app:create_app", factory=True, **options)
     try:
         uvicorn.Server(config).run(sockets=[sock])
@@ -91,9 +153,10 @@ class Supervisor:
     """Starts `count` server processes, restarts those that exit, stops them all on SIGINT/SIGTERM."""
 
     def __init__(self, options: dict[str, Any], sockets: list[socket.socket], count: int, *,
-                 target: Callable[[dict[str, Any], socket.socket], None] = run_server_process,
+                 target: Callable[..., None] = run_server_process,
                  poll_s: float = 0.25, max_quick_exits: int = MAX_QUICK_EXITS) -> None:
-        """`target(options, sock)` is the body of each process (a module-level function: it is pickled)."""
+        """`target(options, sock, counts, index)` is the body of each process (a module-level function: it is
+        pickled); `counts` holds one shared int per process."""
         self._options = options
         self._target = target
         self._max_quick_exits = max_quick_exits
@@ -102,9 +165,12 @@ class Supervisor:
         self._poll_s = poll_s
         self._stopping = False
         self._context = multiprocessing.get_context("spawn")  # a clean interpreter: no state forked from here
+        self._counts = self._context.RawArray("i", count)
 
     def _start(self, slot: _Slot) -> None:
-        slot.process = self._context.Process(target=self._target, args=(self._options, slot.sock),
+        index = self._slots.index(slot)
+        self._counts[index] = 0  # a replaced process's connections are gone with it
+        slot.process = self._context.Process(target=self._target, args=(self._options, slot.sock, self._counts, index),
                                              name="docpipe-serve", daemon=False)
         slot.process.start()
         slot.started_at = time.monotonic()

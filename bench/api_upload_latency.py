@@ -1,7 +1,7 @@
 """Upload latency of the REST API over loopback: N distinct uploads from a bounded pool of concurrent clients.
 
     python3 bench/api_upload_latency.py [--uploads 200] [--concurrency 1,8,32] [--mode broker|embedded]
-                                        [--server-processes 1] [--client raw|httpx]
+                                        [--server-processes N] [--client raw|httpx]
                                         [--json bench/results/api_upload_latency.json]
 
 The server runs in its own process (`docpipe serve`, configured through DOCPIPE_*), the
@@ -18,7 +18,11 @@ on a small machine.
 Modes: `broker` (default when Redis answers on 127.0.0.1:6379): jobs are only enqueued, on a Redis database number
 claimed for the run and flushed afterwards, so the numbers are the API's own upload path. `embedded`: the server
 also runs the extraction jobs in-process with the tiny model, competing for the same CPU cores.
-`--server-processes N` (broker mode) runs `docpipe serve --workers N`: N server processes on the port.
+`--server-processes N` (broker mode) runs `docpipe serve --workers N`: N server processes on the port, each with its
+own listening socket (the kernel spreads the clients' connections over them, the processes even the spread out);
+the round records how many of the keep-alive connections each process held, and the server CPU of all of them
+together. Default: as many as the machine has cores, at most 2, in broker mode (how api/README.md says to serve
+uploads on a multi-core machine); 1 in embedded mode, which cannot have more.
 
 Each round also reads the server's own `docpipe_http_request_seconds` histogram (from /metrics, before and after)
 for POST /v1/documents: the time from the request reaching the app to its response starting. Client latency minus
@@ -43,11 +47,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,14 +127,22 @@ def start_server(data_dir: Path, broker_url: str | None, processes: int = 1) -> 
     raise RuntimeError("server did not become ready")
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc), None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def server_processes(pid: int) -> list[psutil.Process]:
+    """The server: `docpipe serve` itself and, with --workers, its server processes."""
+    top = psutil.Process(pid)
+    return [top, *(c for c in top.children() if "spawn_main" in " ".join(c.cmdline()))]
+
+
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of all server processes so far."""
+    return sum(sum(p.cpu_times()[:2]) for p in server_processes(pid))
+
+
+def connections_per_process(pid: int, port: int) -> list[int]:
+    """Established connections to `port` held by each server process (sorted, largest first)."""
+    counts = [sum(1 for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED
+                  and c.laddr.port == port) for p in server_processes(pid)]
+    return sorted((n for n in counts if n), reverse=True)
 
 
 def python_speed_ms() -> float:
@@ -278,6 +292,39 @@ def server_side(before: dict[float, float], after: dict[float, float]) -> dict[s
                                 if b != float("inf")}}
 
 
+class ConnectionSampler:
+    """While a round runs, samples how the clients' connections are spread over the server processes, until one
+    sample sees all `expected` (two samples at most: each one scans the socket table in this client's process,
+    CPU the round would otherwise have)."""
+
+    def __init__(self, pid: int, port: int, expected: int) -> None:
+        self.pid, self.port, self.expected = pid, port, expected
+        self.busiest: list[int] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for _ in range(2):
+            if self._done.wait(0.3):
+                return
+            try:
+                sample = connections_per_process(self.pid, self.port)
+            except psutil.Error:
+                continue
+            if sum(sample) > sum(self.busiest):
+                self.busiest = sample
+            if sum(sample) >= self.expected:
+                return
+
+    def __enter__(self) -> "ConnectionSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def count_documents(base: str) -> int:
     total, cursor = 0, None
     with httpx.Client(base_url=base, headers={"X-API-Key": KEY}, timeout=60) as c:
@@ -297,8 +344,9 @@ def main() -> int:
     ap.add_argument("--uploads", type=int, default=200)
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client pool sizes, one round each")
     ap.add_argument("--mode", choices=["broker", "embedded"], default=None)
-    ap.add_argument("--server-processes", type=int, default=1,
-                    help="server processes (docpipe serve --workers; broker mode only)")
+    ap.add_argument("--server-processes", type=int, default=None,
+                    help="server processes (docpipe serve --workers; broker mode only). Default: min(2, cores) in "
+                         "broker mode, 1 in embedded mode")
     ap.add_argument("--client", choices=["raw", "httpx"], default="raw",
                     help="raw: prepared requests on asyncio streams (cheap); httpx: the library client")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "api_upload_latency.json")
@@ -310,6 +358,8 @@ def main() -> int:
         print("broker mode needs Redis on 127.0.0.1:6379 with a free database number", file=sys.stderr)
         return 2
     mode = "broker" if claimed else "embedded"
+    if args.server_processes is None:
+        args.server_processes = min(2, os.cpu_count() or 1) if mode == "broker" else 1
     if args.server_processes > 1 and mode != "broker":
         print("--server-processes needs broker mode (embedded mode runs jobs inside the one server process)",
               file=sys.stderr)
@@ -321,17 +371,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="docpipe-bench-api-") as tmp:
         proc, base = start_server(Path(tmp), broker_url, args.server_processes)
         try:
-            asyncio.run(round_of_uploads(base, [png() for _ in range(8)], 4, args.client))  # warm-up
+            # warm-up: as many connections as the largest round, so that every server process (each still
+            # starting, loading its modules, opening its database and broker connections) has served some
+            warm = max(levels)
+            asyncio.run(round_of_uploads(base, [png() for _ in range(2 * warm)], warm, args.client))
             for level in levels:
                 before = count_documents(base)
                 bodies = [png() for _ in range(args.uploads)]
                 histogram = upload_histogram(base)
                 load = os.getloadavg()[0]
-                server_cpu = process_cpu_s(proc.pid)
-                result = asyncio.run(round_of_uploads(base, bodies, level, args.client))
-                if server_cpu is not None:  # the server process's own CPU (with --workers, the supervisor's only)
-                    result["server_cpu_ms_per_upload"] = ((process_cpu_s(proc.pid) or 0.0) - server_cpu) * 1000 \
-                        / len(bodies) if args.server_processes == 1 else None
+                server_cpu = server_cpu_s(proc.pid)
+                with ConnectionSampler(proc.pid, int(base.rsplit(":", 1)[1]), level) as split:
+                    result = asyncio.run(round_of_uploads(base, bodies, level, args.client))
+                result["server_cpu_ms_per_upload"] = (server_cpu_s(proc.pid) - server_cpu) * 1000 / len(bodies)
+                result["connections_per_process"] = split.busiest
                 # /metrics counts one process's requests: with several, the server-side split is not measured.
                 result["server_side"] = (server_side(histogram, upload_histogram(base)) if args.server_processes == 1
                                          else {"note": "not measured: /metrics is per server process"})
@@ -351,19 +404,21 @@ def main() -> int:
           f"{load_before[0]:.1f}, Python loop {speed_before:.0f} ms "
           "(other work on the machine inflates the tail)")
     print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
-          f"{'max ms':>8} {'server p99 <=':>14} {'srv cpu':>8} {'cli cpu':>8} {'load':>5}")
+          f"{'max ms':>8} {'server p99 <=':>14} {'srv cpu':>8} {'cli cpu':>8} {'load':>5}  connections/process")
     for r in rounds:
         bound = r["server_side"].get("p99_at_most_ms")  # type: ignore[union-attr]
         print(f"{r['concurrency']:>8} {r['errors']:>6} {r['documents_created']:>5} {r['uploads_per_s']:>7.1f} "
               f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} "
               f"{(f'{bound:g} ms' if bound else '-'):>14} {_ms(r.get('server_cpu_ms_per_upload')):>8} "
-              f"{_ms(r['client_cpu_ms_per_upload']):>8} {r['loadavg_1m_after']:>5.1f}")
+              f"{_ms(r['client_cpu_ms_per_upload']):>8} {r['loadavg_1m_after']:>5.1f}  "
+              f"{'/'.join(map(str, r['connections_per_process'])) or '-'}")
     report = {
         "bench": "api_upload_latency", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python3", "bench/api_upload_latency.py", *sys.argv[1:]]),
         "mode": mode, "server_processes": args.server_processes, "client": args.client,
-        "cpu_note": "server_cpu_ms_per_upload / client_cpu_ms_per_upload: CPU time per upload of the server process "
-                    "and of this client during the round",
+        "cpu_note": "server_cpu_ms_per_upload / client_cpu_ms_per_upload: CPU time per upload of the server "
+                    "processes (all of them) and of this client during the round; connections_per_process: the "
+                    "clients' keep-alive connections held by each server process, sampled during the round",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "python_loop_ms_before": round(speed_before, 1),

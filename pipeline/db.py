@@ -5,10 +5,16 @@ migrations shipped inside the package (the same as `docpipe db upgrade`).
 """
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: writers of other processes wait in SQLite's busy handler
+    fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -58,6 +64,51 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+class SqliteWriteLock:
+    """One SQLite writer at a time, queued outside SQLite. SQLite's own busy handler makes a waiting writer sleep
+    in growing steps (1, 2, 5 ... 100 ms) between retries: with several writers that sleep, not the work, makes the
+    latency tail. Here threads of this process queue on a lock and processes on an flock() of `<db>-writer.lock`;
+    both wake a waiter the moment the writer is done. Reentrant within a thread.
+
+    The lock file is opened per process (again after a fork: a forked child sharing the parent's open file would
+    share its lock too), and never deleted (removing it while another process waits on it would let a third
+    lock a new file)."""
+
+    def __init__(self, database_path: Path | None) -> None:
+        self._path = None if database_path is None or fcntl is None else Path(f"{database_path}-writer.lock")
+        self._start(os.getpid())
+
+    def _start(self, pid: int) -> None:
+        """Fresh state for process `pid` (also in a forked child: the parent's lock file, thread lock and
+        nesting depth, copied as they were at the fork, are not this process's)."""
+        self._pid = pid
+        self._thread_lock = threading.RLock()
+        self._fd: int | None = None
+        self._depth = 0  # nesting of the thread holding _thread_lock
+
+    def __enter__(self) -> None:
+        if self._pid != os.getpid():
+            self._start(os.getpid())
+        self._thread_lock.acquire()
+        try:
+            if self._depth == 0 and self._path is not None:
+                if self._fd is None:
+                    self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks without the GIL until the other writer is done
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        try:
+            if self._depth == 0 and self._fd is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+
 class Database:
     def __init__(self, url: str) -> None:
         self.url = normalise_url(url)
@@ -67,11 +118,8 @@ class Database:
             self.engine.execution_options(docpipe_write=False), expire_on_commit=False
         )
         self.is_sqlite = self.engine.dialect.name == "sqlite"
-        # SQLite has one writer at a time. Threads of this process that wait for it queue on this lock (woken the
-        # moment the writer commits) instead of inside SQLite's busy handler, which sleeps in growing steps of up
-        # to 100 ms between retries: with many concurrent uploads that sleep, not the work, made the latency tail.
-        # Other processes still wait through busy_timeout. Reentrant: a nested write session behaves as before.
-        self._write_lock = threading.RLock() if self.is_sqlite else None
+        # SQLite has one writer at a time: write sessions queue for it on a lock (see SqliteWriteLock).
+        self._write_lock = SqliteWriteLock(_sqlite_file(self.url)) if self.is_sqlite else None
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -93,6 +141,12 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL; None for an in-memory database (one process only)."""
+    database = make_url(url).database
+    return None if not database or database == ":memory:" else Path(database).resolve()
 
 
 def alembic_config(url: str) -> Any:

@@ -36,7 +36,7 @@ import vision
 from vision import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
-from .models import Batch, BatchItem, Document, DocumentStatus, Job
+from .models import Batch, BatchItem, Document, DocumentStatus, Job, JobState, utcnow
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .schemas import latest_schema_id
 
@@ -57,6 +57,16 @@ class IngestOutcome:
     seconds: float = 0.0
     rendered: bool = False  # pages exist now (False: `received`, rendered when the job runs)
     known: bool = False  # these bytes were already a document before this intake
+    inserted: InsertedRows | None = None  # set when this intake created the document and its job (receive_file)
+
+
+@dataclass(frozen=True)
+class InsertedRows:
+    """The two rows an intake of new bytes inserted, with every column value it wrote (ids included), so that the
+    caller can answer without reading them back."""
+
+    document: dict[str, Any]
+    job: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -349,16 +359,21 @@ def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed
             if sniffed is None:
                 return None
             sid = schema_id or latest_schema_id(s, resolve_schema_name(p, schema, sniffed.kind))
+            now = utcnow()  # written explicitly (not the column default) so the outcome holds the stored value
+            document = {"sha256": sha, "original_name": label[:1024], "size_bytes": size, "created_at": now,
+                        **_received_fields(sniffed)}
             try:
                 with _savepoint(p, conn):  # on the connection: a Session savepoint starts only with its next use
-                    document_id = conn.execute(_INSERT_DOCUMENT, {
-                        "sha256": sha, "original_name": label[:1024], "size_bytes": size,
-                        **_received_fields(sniffed)}).inserted_primary_key[0]
+                    document["id"] = int(conn.execute(_INSERT_DOCUMENT, document).inserted_primary_key[0])
             except IntegrityError:
                 continue
-            job_id = conn.execute(_INSERT_JOB, {"document_id": document_id, "schema_id": sid,
-                                                "model_key": p.model_key}).inserted_primary_key[0]
-            return IngestOutcome(label, "new", document_id=int(document_id), job_id=int(job_id))
+            job = {"document_id": document["id"], "schema_id": sid, "model_key": p.model_key,
+                   "state": JobState.queued.value, "attempts": 0, "owner": None, "lease_until": None, "error": None,
+                   "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
+                   "model_seconds": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
+            job["id"] = int(conn.execute(_INSERT_JOB, job).inserted_primary_key[0])
+            return IngestOutcome(label, "new", document_id=document["id"], job_id=job["id"],
+                                 inserted=InsertedRows(document, job))
     return None
 
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from apitest_support import live_server, test_settings
+from apitest_support import database_url, live_server, test_settings
 from test_api_http import random_png, upload
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
@@ -62,6 +62,35 @@ def test_with_a_broker_jobs_are_enqueued_not_run(tmp_path_factory: pytest.TempPa
             assert headers["task"] == "docpipe.prepare" and headers["argsrepr"] == f"[{job_id}]"
     finally:
         client.flushdb()  # our claimed database: the message, the markers and the claim itself
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_upload_answers_what_a_later_read_returns(tmp_path_factory: pytest.TempPathFactory, backend: str) -> None:
+    """A new upload's answer is built from the rows intake wrote (not read back): it must equal what GET returns
+    for the same document and job (with a broker nothing runs the job here, so nothing changes in between)."""
+    db, client = _claim_redis_db()
+    data_dir = tmp_path_factory.mktemp(f"api-answer-{backend}")
+    try:
+        with database_url(backend, data_dir) as url:
+            settings = test_settings(data_dir, url, broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}")
+            with live_server(settings) as live, live.client() as c:
+                for schema in (None, "receipt", None):  # the default schema twice: the second from the cache
+                    up = upload(c, random_png(), **({"schema": schema} if schema else {}))
+                    assert up.status_code == 202, up.text
+                    answered = up.json()
+                    assert answered["duplicate"] is False
+                    doc = c.get(f"/v1/documents/{answered['document']['id']}").json()
+                    assert {k: doc[k] for k in answered["document"]} == answered["document"]
+                    assert c.get(f"/v1/jobs/{answered['job']['id']}").json() == answered["job"]
+                    if schema:
+                        assert answered["job"]["schema"] == schema
+                data = random_png()
+                first = upload(c, data).json()
+                second = upload(c, data).json()  # known bytes: the answer is read from the database, as before
+                assert second["duplicate"] is True
+                assert second["document"] == first["document"] and second["job"] == first["job"]
+    finally:
+        client.flushdb()
 
 
 def test_readyz_reports_an_unreachable_broker(tmp_path_factory: pytest.TempPathFactory) -> None:
