@@ -3,9 +3,9 @@
 In order: time and count the request (metrics), authenticate and rate-limit it from its headers (before any body
 byte is read), refuse a declared Content-Length over the route's limit, count the body bytes actually received,
 and turn an exception nothing else handled into a 500 problem document. With several server processes it also
-closes a keep-alive connection now and then where this process holds more than its share (api/processes.py). One layer instead of four: each ASGI
-layer is another await chain and another send/receive wrapper on every request, which on a small machine is
-measurable CPU per upload (bench/api_upload_latency.py).
+closes a keep-alive connection now and then where this process holds more than its share (api/processes.py).
+One layer instead of four: each ASGI layer is another await chain and another send/receive wrapper on every
+request, which on a small machine is measurable CPU per upload (bench/api_upload_latency.py).
 """
 from __future__ import annotations
 

@@ -143,6 +143,7 @@ def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any
 class _Slot:
     """One server process and the socket it serves."""
 
+    index: int  # its place in the shared connection counts
     sock: socket.socket
     process: SpawnProcess | None = None
     started_at: float = 0.0
@@ -160,7 +161,7 @@ class Supervisor:
         self._options = options
         self._target = target
         self._max_quick_exits = max_quick_exits
-        self._slots = [_Slot(sockets[i % len(sockets)]) for i in range(count)]
+        self._slots = [_Slot(i, sockets[i % len(sockets)]) for i in range(count)]
         self._sockets = sockets
         self._poll_s = poll_s
         self._stopping = False
@@ -168,9 +169,9 @@ class Supervisor:
         self._counts = self._context.RawArray("i", count)
 
     def _start(self, slot: _Slot) -> None:
-        index = self._slots.index(slot)
-        self._counts[index] = 0  # a replaced process's connections are gone with it
-        slot.process = self._context.Process(target=self._target, args=(self._options, slot.sock, self._counts, index),
+        self._counts[slot.index] = 0  # a replaced process's connections are gone with it
+        slot.process = self._context.Process(target=self._target,
+                                             args=(self._options, slot.sock, self._counts, slot.index),
                                              name="docpipe-serve", daemon=False)
         slot.process.start()
         slot.started_at = time.monotonic()

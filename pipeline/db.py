@@ -87,7 +87,9 @@ class SqliteWriteLock:
         self._depth = 0  # nesting of the thread holding _thread_lock
 
     def __enter__(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != os.getpid():  # a forked child: drop the parent's open lock file (its lock stays the parent's)
+            if self._fd is not None:
+                os.close(self._fd)
             self._start(os.getpid())
         self._thread_lock.acquire()
         try:

@@ -384,6 +384,8 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
         raise ShapeError(f"state {state.shape}, expected [*, {v_heads}, {dv}, {dk}]")
     if method not in ("auto", "one_pass", "two_pass"):
         raise ShapeError(f"method must be auto, one_pass or two_pass, got {method!r}")
+    if rows not in (None, 1, 4):
+        raise ShapeError(f"gdn_recurrent rows must be 1 or 4, got {rows}")
     seqs, n = state_slots.size, out.shape[0]
     grid = ((dv + 7) // 8, v_heads, seqs)
     if method == "one_pass" or (method == "auto" and n < GDN_TWO_PASS_MIN_TOKENS):
@@ -399,8 +401,6 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
                       kn.ptr, db.ptr, q.ptr, k.ptr, i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr,
                       dt_bias.ptr, i32(n), i32(k_heads), i32(v_heads), i32(dk))
     rows = rows or gdn_recurrent_rows(ctx, seqs, v_heads, dv)
-    if rows not in (1, 4):
-        raise ShapeError(f"gdn_recurrent rows must be 1 or 4, got {rows}")
     rows_grid = (-(-dv // (8 * rows)), v_heads, seqs)  # 8 warps of `rows` value columns per block
     recurrent = f"gdn_recurrent{'_dk128' if dk <= 128 else ''}{'_r4' if rows == 4 else ''}_{t}"
     ctx.device.launch("deltanet", recurrent, rows_grid, 256, out.ptr, qn.ptr, kn.ptr, v.ptr, i64(qkv_stride),

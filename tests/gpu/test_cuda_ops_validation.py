@@ -86,6 +86,10 @@ def test_deltanet_shapes(ctx) -> None:
         ops.gated_delta_rule(ctx, arr((2, 64)), x, x, x, 64, x, x, 64, arr((2,), "f32"), arr((2,), "f32"),
                              arr((4, 2, 32, 16), "f32"), arr((2,), "i32"), arr((1,), "i32"), arr((1,), "i32"),
                              k_heads=1, v_heads=2, dk=32, dv=32)
+    with pytest.raises(ShapeError, match="rows must be 1 or 4"):
+        ops.gated_delta_rule(ctx, arr((2, 64)), x, x, x, 64, x, x, 64, arr((2,), "f32"), arr((2,), "f32"),
+                             arr((4, 2, 32, 32), "f32"), arr((2,), "i32"), arr((1,), "i32"), arr((1,), "i32"),
+                             k_heads=1, v_heads=2, dk=32, dv=32, method="two_pass", rows=2)
     with pytest.raises(ShapeError, match="method"):
         ops.gated_delta_rule(ctx, arr((2, 64)), x, x, x, 64, x, x, 64, arr((2,), "f32"), arr((2,), "f32"),
                              arr((4, 2, 32, 32), "f32"), arr((2,), "i32"), arr((1,), "i32"), arr((1,), "i32"),
