@@ -111,15 +111,18 @@ class Checker:
         self.record("rmsnorm(per-head k, in place)", t, rel_err(self.get(proj), expect))
 
     def add_rmsnorm(self, t: str) -> None:
-        rows, dim, eps = 19, 2048, 1e-6
-        r0, x, w = self.rand((rows, dim), t), self.rand((rows, dim), t), self.rand((dim,), t, 0.1)
-        rd, xd, wd = self.up(r0, t), self.up(x, t), self.up(w, t)
-        out = self.out((rows, dim), t)
-        self.ops.add_rmsnorm(self.ctx, out, rd, xd, wd, 1e-6, True)
-        s = r0.astype(np.float64) + x
-        stored = self._round(s.astype(np.float32)) if t == "bf16" else s
-        self.record("add_rmsnorm(out)", t, rel_err(self.get(out), ref.rmsnorm(stored, w, eps, True)))
-        self.record("add_rmsnorm(residual)", t, rel_err(self.get(rd), s))
+        # 2048 and 5120 (27B hidden) keep the row in registers, 5121 leaves the last threads partly idle, 16384 is
+        # past 8 elements per thread (the looping path)
+        for rows, dim in ((19, 2048), (3, 5120), (2, 5121), (2, 16384)):
+            eps = 1e-6
+            r0, x, w = self.rand((rows, dim), t), self.rand((rows, dim), t), self.rand((dim,), t, 0.1)
+            rd, xd, wd = self.up(r0, t), self.up(x, t), self.up(w, t)
+            out = self.out((rows, dim), t)
+            self.ops.add_rmsnorm(self.ctx, out, rd, xd, wd, eps, True)
+            s = r0.astype(np.float64) + x
+            stored = self._round(s.astype(np.float32)) if t == "bf16" else s
+            self.record(f"add_rmsnorm dim {dim} (out)", t, rel_err(self.get(out), ref.rmsnorm(stored, w, eps, True)))
+            self.record(f"add_rmsnorm dim {dim} (residual)", t, rel_err(self.get(rd), s))
 
     def rmsnorm_gated(self, t: str) -> None:
         tokens, heads, dv = 9, 6, 128
