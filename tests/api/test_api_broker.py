@@ -93,6 +93,55 @@ def test_an_upload_answers_what_a_later_read_returns(tmp_path_factory: pytest.Te
         client.flushdb()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_200_concurrent_uploads_lose_nothing(tmp_path_factory: pytest.TempPathFactory, backend: str) -> None:
+    """200 distinct files from 32 clients at once over loopback: 200 answers 202, 200 documents, 200 jobs queued on
+    the broker (bench/api_upload_latency.py times the same thing)."""
+    import asyncio
+
+    import httpx
+
+    from apitest_support import KEY
+
+    db, client = _claim_redis_db()
+    data_dir = tmp_path_factory.mktemp(f"api-200-{backend}")
+    files = [random_png() for _ in range(200)]
+    try:
+        with database_url(backend, data_dir) as url:
+            settings = test_settings(data_dir, url, broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}")
+            with live_server(settings) as live:
+                async def send_all() -> list[httpx.Response]:
+                    gate = asyncio.Semaphore(32)
+                    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+                    async with httpx.AsyncClient(base_url=live.base, headers={"X-API-Key": KEY}, limits=limits,
+                                                 timeout=120) as c:
+                        async def one(i: int, data: bytes) -> httpx.Response:
+                            async with gate:
+                                return await c.post("/v1/documents",
+                                                    files={"file": (f"u{i}.png", data, "image/png")})
+                        return await asyncio.gather(*(one(i, d) for i, d in enumerate(files)))
+
+                answers = asyncio.run(send_all())
+                refused = [r.text for r in answers if r.status_code != 202]
+                assert not refused, refused[:2]
+                doc_ids = {r.json()["document"]["id"] for r in answers}
+                job_ids = {r.json()["job"]["id"] for r in answers}
+                assert len(doc_ids) == 200 and len(job_ids) == 200
+                with live.client() as c:
+                    listed, cursor = set(), None
+                    while True:
+                        page = c.get("/v1/documents", params={"limit": 200, **({"cursor": cursor} if cursor else {})})
+                        listed |= {d["id"] for d in page.json()["items"]}
+                        cursor = page.json()["next_cursor"]
+                        if not cursor:
+                            break
+                assert listed == doc_ids
+                queued = {json.loads(json.loads(m)["headers"]["argsrepr"])[0] for m in client.lrange("ingest", 0, -1)}
+                assert queued == job_ids and client.llen("ingest") == 200  # every job reached the broker, once
+    finally:
+        client.flushdb()
+
+
 def test_readyz_reports_an_unreachable_broker(tmp_path_factory: pytest.TempPathFactory) -> None:
     port = random.randrange(20000, 30000)
     settings = test_settings(tmp_path_factory.mktemp("api-nobroker"), broker_url=f"redis://127.0.0.1:{port}/0")
