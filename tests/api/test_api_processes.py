@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -17,6 +20,7 @@ import pytest
 from api.processes import Supervisor, bind_sockets, reuse_port_supported
 from apitest_support import REPO, free_port
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
+from test_api_http import random_png, upload
 from test_api_serve import LAUNCH
 
 linux_only = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux-only")
@@ -66,8 +70,17 @@ def test_supervisor_stops_when_a_process_keeps_dying_right_after_start(capfd: py
     assert all(s.fileno() == -1 for s in sockets)  # closed on the way out
 
 
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    base: str
+    key: str
+    redis: Any  # the broker's database (claimed for this test)
+    banner: str  # the line `docpipe serve` printed first
+
+
 @pytest.fixture()
-def two_process_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+def two_process_server(tmp_path: Path) -> Iterator[Served]:
     db, client = _claim_redis_db()
     key = "serve-key-" + uuid.uuid4().hex
     port = free_port()
@@ -79,8 +92,9 @@ def two_process_server(tmp_path: Path):  # type: ignore[no-untyped-def]
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
+        banner = proc.stdout.readline().decode() if proc.stdout else ""
         wait_ready(proc, base, expected_children=2)
-        yield proc, base, key
+        yield Served(proc, base, key, client, banner)
     finally:
         children = psutil.Process(proc.pid).children() if proc.poll() is None else []
         proc.send_signal(signal.SIGINT)
@@ -116,11 +130,20 @@ def established_per_process(pids: list[int], port: int) -> dict[int, int]:
                      if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port) for pid in pids}
 
 
+def test_two_processes_take_uploads_into_one_database(two_process_server: Served) -> None:
+    served = two_process_server
+    assert "processes: 2" in served.banner
+    with httpx.Client(base_url=served.base, headers={"X-API-Key": served.key}, timeout=30) as c:
+        ids = [upload(c, random_png()).json()["job"]["id"] for _ in range(6)]
+    assert len(set(ids)) == 6  # one database behind both processes: distinct jobs, nothing lost
+    assert served.redis.llen("ingest") == 6
+
+
 @linux_only
-def test_keep_alive_connections_end_up_evenly_spread(two_process_server) -> None:  # type: ignore[no-untyped-def]
+def test_keep_alive_connections_end_up_evenly_spread(two_process_server: Served) -> None:
     """The kernel's hash places 32 connections unevenly; the busier process closes one now and then (Connection:
     close) and the client reconnects, until the two hold 16 +- 1 each."""
-    proc, base, key = two_process_server
+    proc, base, key = two_process_server.proc, two_process_server.base, two_process_server.key
     port = int(base.rsplit(":", 1)[1])
     pids = server_pids(proc)
     clients = [httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=30) for _ in range(32)]
@@ -163,8 +186,8 @@ def test_the_busier_process_moves_one_connection_per_interval() -> None:
     assert counts == [5, 0]
 
 
-def test_a_killed_process_is_replaced_and_serving_goes_on(two_process_server) -> None:  # type: ignore[no-untyped-def]
-    proc, base, key = two_process_server
+def test_a_killed_process_is_replaced_and_serving_goes_on(two_process_server: Served) -> None:
+    proc, base, key = two_process_server.proc, two_process_server.base, two_process_server.key
     victim = psutil.Process(server_pids(proc)[0])
     victim.kill()
     victim.wait(10)
