@@ -29,6 +29,7 @@ from .context import ApiContext
 from .engine_access import EngineAccess
 from .errors import install_error_handlers
 from .limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
+from .processes import shared_rate_buckets
 from .metrics import HttpMetrics, Metrics
 from .middleware import ApiMiddleware
 from .openai_compat import ChatBackend, chat_router
@@ -162,5 +163,6 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
         return limits.max_json_bytes
 
     app.add_middleware(ApiMiddleware, metrics=HttpMetrics(metrics), limit_for=body_limit,
-                       gate=Gate(KeyRing(settings.api_keys), RateLimiter(limits.rate_per_minute, limits.burst)))
+                       gate=Gate(KeyRing(settings.api_keys), RateLimiter(limits.rate_per_minute, limits.burst,
+                                                                         shared=shared_rate_buckets())))
     return app

@@ -79,7 +79,10 @@ def serve(
                "proxy_headers": False, "http": "h11"}
     if workers > 1:
         # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
-        # (one core per process); rate limits, job quotas and this process's /metrics counters are per process.
+        # (one core per process). The API keys' request rates are shared (api.limits.SharedBuckets); job quotas
+        # and each process's /metrics counters are per process.
+        from .auth import key_id
+        from .limits import SharedBuckets
         from .processes import Supervisor, bind_sockets
 
         try:
@@ -87,7 +90,8 @@ def serve(
         except OSError as exc:
             typer.echo(f"docpipe serve: cannot listen on {bind_host}:{bind_port}: {exc.strerror or exc}", err=True)
             raise typer.Exit(1) from None
-        raise typer.Exit(Supervisor(options, sockets, workers).run())
+        buckets = SharedBuckets(key_id(k) for k in settings.api_keys)
+        raise typer.Exit(Supervisor(options, sockets, workers, rate_buckets=buckets).run())
     else:
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
 

@@ -1,10 +1,13 @@
 """Per-client limits: a request-rate token bucket and caps on work in flight (jobs, engine requests).
 
 One runaway client must not take the whole queue or the engine's cache, so every key gets its own budget.
-All state is in-process (one API process); with several API processes each enforces its own share.
+With several server processes (`docpipe serve --workers N`) the request rate of each configured API key is one
+budget in shared memory (SharedBuckets); the other limits (refused logins per client address, jobs and engine
+requests in flight) are kept by each process for itself.
 """
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,39 +41,77 @@ class ApiLimits:
                 raise ValueError(f"ApiLimits.{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, float | None]:
+    """One token bucket step: the tokens left after refilling since `last` and taking one, and None, or the
+    tokens left untouched and the seconds to wait for the next token."""
+    tokens = min(burst, tokens + (now - last) * rate)
+    if tokens < 1.0:
+        return tokens, (1.0 - tokens) / rate
+    return tokens - 1.0, None
+
+
+class SharedBuckets:
+    """Token buckets of a fixed set of names (the configured API keys' ids) in shared memory, so that several
+    server processes draw on one budget per key. Made before the processes start; passed to each of them."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._index = {name: i for i, name in enumerate(dict.fromkeys(names))}
+        self._state = context.RawArray("d", 2 * max(1, len(self._index)))  # per name: tokens, last refill (0 = new)
+        self._lock = context.Lock()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def take(self, name: str, now: float, rate: float, burst: float) -> float | None:
+        """Take a token from `name`'s bucket: None, or the seconds until one is available."""
+        i = 2 * self._index[name]
+        with self._lock:
+            tokens, last = self._state[i], self._state[i + 1]
+            if last == 0.0:
+                tokens, last = burst, now
+            tokens, wait = _take_token(tokens, last, now, rate, burst)
+            self._state[i], self._state[i + 1] = tokens, now
+        return wait
+
+
 class RateLimiter:
     """Token bucket per client key: `burst` tokens, refilled at `rate_per_minute / 60` per second.
 
     Buckets are kept per key and per client address (refused logins), so the table is pruned of full buckets
-    (clients that have been quiet long enough) once it grows past `max_tracked` entries.
+    (clients that have been quiet long enough) once it grows past `max_tracked` entries. Names in `shared` (the
+    API keys, with several server processes) use the shared buckets instead, on a clock all processes share.
     """
 
     max_tracked = 10_000
 
-    def __init__(self, rate_per_minute: int, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate_per_minute: int, burst: int, clock: Callable[[], float] = time.monotonic,
+                 shared: SharedBuckets | None = None) -> None:
         self._rate = rate_per_minute / 60.0
         self._burst = float(burst)
         self._clock = clock
+        self._shared = shared
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill time)
         self._lock = threading.Lock()
 
     def check(self, key: str) -> None:
         """Take one token for `key` or raise RateLimited with the wait until the next token."""
-        with self._lock:
-            now = self._clock()
-            tokens, last = self._buckets.get(key, (self._burst, now))
-            tokens = min(self._burst, tokens + (now - last) * self._rate)
-            if tokens < 1.0:
+        now = self._clock()
+        if self._shared is not None and key in self._shared:
+            wait = self._shared.take(key, now, self._rate, self._burst)
+        else:
+            with self._lock:
+                tokens, last = self._buckets.get(key, (self._burst, now))
+                tokens, wait = _take_token(tokens, last, now, self._rate, self._burst)
                 self._buckets[key] = (tokens, now)
-                wait = (1.0 - tokens) / self._rate
-                raise RateLimited(
-                    "rate_limited",
-                    f"Too many requests for this API key (limit {self._rate * 60:.0f}/minute); retry later.",
-                    wait,
-                )
-            self._buckets[key] = (tokens - 1.0, now)
-            if len(self._buckets) > self.max_tracked:
-                self._prune(now)
+                if len(self._buckets) > self.max_tracked:
+                    self._prune(now)
+        if wait is not None:
+            raise RateLimited(
+                "rate_limited",
+                f"Too many requests for this API key (limit {self._rate * 60:.0f}/minute); retry later.",
+                wait,
+            )
 
     def _prune(self, now: float) -> None:
         full_after = self._burst / self._rate  # seconds for an empty bucket to refill completely

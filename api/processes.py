@@ -96,11 +96,17 @@ class ConnectionShare:
 
 
 _share: ConnectionShare | None = None  # set in a server process started by the Supervisor
+_rate_buckets: Any = None  # the API keys' shared request-rate buckets (api.limits.SharedBuckets), likewise
 
 
 def connection_share() -> ConnectionShare | None:
     """This process's ConnectionShare when it is one of several server processes, else None."""
     return _share
+
+
+def shared_rate_buckets() -> Any:
+    """The rate buckets all server processes share (api.limits.SharedBuckets), None in a single process."""
+    return _rate_buckets
 
 
 def _counting_protocol() -> type:
@@ -121,12 +127,15 @@ def _counting_protocol() -> type:
     return CountingH11Protocol
 
 
-def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any = None, index: int = 0) -> None:
+def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any = None, index: int = 0,
+                       rate_buckets: Any = None) -> None:
     """Body of one server process: the app built from the DOCPIPE_* environment, served on `sock`. `counts`:
-    the processes' shared connection counts (this process's slot is `index`)."""
+    the processes' shared connection counts (this process's slot is `index`); `rate_buckets`: the API keys'
+    shared request-rate buckets."""
     import uvicorn
 
-    global _share
+    global _share, _rate_buckets
+    _rate_buckets = rate_buckets
     if counts is not None:
         _share = ConnectionShare(counts, index)
         _share.set_mine(0)
@@ -154,11 +163,12 @@ class Supervisor:
     """Starts `count` server processes, restarts those that exit, stops them all on SIGINT/SIGTERM."""
 
     def __init__(self, options: dict[str, Any], sockets: list[socket.socket], count: int, *,
-                 target: Callable[..., None] = run_server_process,
+                 rate_buckets: Any = None, target: Callable[..., None] = run_server_process,
                  poll_s: float = 0.25, max_quick_exits: int = MAX_QUICK_EXITS) -> None:
-        """`target(options, sock, counts, index)` is the body of each process (a module-level function: it is
-        pickled); `counts` holds one shared int per process."""
+        """`target(options, sock, counts, index, rate_buckets)` is the body of each process (a module-level
+        function: it is pickled); `counts` holds one shared int per process."""
         self._options = options
+        self._rate_buckets = rate_buckets
         self._target = target
         self._max_quick_exits = max_quick_exits
         self._slots = [_Slot(i, sockets[i % len(sockets)]) for i in range(count)]
@@ -171,7 +181,8 @@ class Supervisor:
     def _start(self, slot: _Slot) -> None:
         self._counts[slot.index] = 0  # a replaced process's connections are gone with it
         slot.process = self._context.Process(target=self._target,
-                                             args=(self._options, slot.sock, self._counts, slot.index),
+                                             args=(self._options, slot.sock, self._counts, slot.index,
+                                                   self._rate_buckets),
                                              name="docpipe-serve", daemon=False)
         slot.process.start()
         slot.started_at = time.monotonic()

@@ -54,7 +54,8 @@ def test_a_port_taken_by_another_server_is_an_error_with_nothing_left_open() -> 
         taken.close()
 
 
-def exit_at_once(options: dict[str, object], sock: socket.socket, counts: object, index: int) -> None:
+def exit_at_once(options: dict[str, object], sock: socket.socket, counts: object, index: int,
+                 rate_buckets: object) -> None:
     """A server process whose set-up fails (runs in a spawned child: module level, so it can be pickled)."""
     sys.exit(3)
 
@@ -80,12 +81,13 @@ class Served:
 
 
 @pytest.fixture()
-def two_process_server(tmp_path: Path) -> Iterator[Served]:
+def two_process_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """`docpipe serve --workers 2` in broker mode; an indirect parameter sets DOCPIPE_API_RATE_LIMIT_PER_MINUTE."""
     db, client = _claim_redis_db()
     key = "serve-key-" + uuid.uuid4().hex
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path), DOCPIPE_API_KEYS=key,
-               DOCPIPE_API_RATE_LIMIT_PER_MINUTE="100000",
+               DOCPIPE_API_RATE_LIMIT_PER_MINUTE=str(getattr(request, "param", 100000)),
                DOCPIPE_BROKER_URL=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--port", str(port), "--workers", "2",
                              "--log-level", "warning"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -195,3 +197,61 @@ def test_a_killed_process_is_replaced_and_serving_goes_on(two_process_server: Se
     assert victim.pid not in server_pids(proc)
     with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=30) as c:
         assert all(c.get("/v1/schemas").status_code == 200 for _ in range(10))
+
+
+@pytest.mark.parametrize("two_process_server", [20], indirect=True)  # 20 a minute: a burst of 10, then 1 per 3 s
+def test_an_api_keys_request_rate_is_one_budget_across_the_processes(two_process_server: Served) -> None:
+    served = two_process_server
+    port = int(served.base.rsplit(":", 1)[1])
+    clients = [httpx.Client(base_url=served.base, headers={"X-API-Key": served.key}, timeout=30) for _ in range(16)]
+    try:
+        codes = [c.get("/v1/schemas").status_code for c in clients]  # 16 connections: both processes get some
+        spread = established_per_process(server_pids(served.proc), port)
+        assert min(spread.values()) >= 1, spread
+        # the readiness probes carried no key; the burst of 10 is the key's across both processes (not 10 each)
+        assert codes.count(200) in (10, 11) and codes.count(429) == 16 - codes.count(200), codes
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _take_tokens(buckets: object, name: str, tries: int, admitted: object) -> None:
+    for _ in range(tries):
+        if buckets.take(name, time.monotonic(), 1e-9, 8.0) is None:  # type: ignore[attr-defined]
+            with admitted.get_lock():  # type: ignore[attr-defined]
+                admitted.value += 1  # type: ignore[attr-defined]
+
+
+def test_shared_buckets_are_one_budget_for_several_processes() -> None:
+    import multiprocessing
+
+    from api.limits import SharedBuckets
+
+    buckets = SharedBuckets(["key-a", "key-b"])
+    spawn = multiprocessing.get_context("spawn")
+    admitted = spawn.Value("i", 0)
+    workers = [spawn.Process(target=_take_tokens, args=(buckets, "key-a", 10, admitted)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert admitted.value == 8  # the burst, once, whatever process took it
+    assert buckets.take("key-b", time.monotonic(), 1e-9, 8.0) is None  # another key has its own bucket
+
+
+def test_rate_limiter_uses_the_shared_buckets_for_configured_keys_only() -> None:
+    from api.errors import RateLimited
+    from api.limits import RateLimiter, SharedBuckets
+
+    buckets = SharedBuckets(["key-a"])
+    now = [1000.0]
+    first, second = (RateLimiter(60, 2, clock=lambda: now[0], shared=buckets) for _ in range(2))
+    first.check("key-a")
+    second.check("key-a")
+    with pytest.raises(RateLimited):
+        first.check("key-a")  # the two limiters (two processes) drew on one bucket of 2
+    for limiter in (first, second):  # addresses of refused logins stay per process
+        limiter.check("addr-10.0.0.1")
+        limiter.check("addr-10.0.0.1")
+    assert first.tracked() == second.tracked() == 1
