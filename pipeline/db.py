@@ -46,12 +46,19 @@ def _sqlite_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL; None for an in-memory database (one process only)."""
+    database = make_url(url).database
+    return None if not database or database == ":memory:" else Path(database).resolve()
+
+
 def make_engine(url: str) -> Engine:
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        database_file = _sqlite_file(url)
+        if database_file is not None:
+            database_file.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling defers BEGIN until the first write, which lets two writers read
@@ -143,12 +150,6 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
-
-
-def _sqlite_file(url: str) -> Path | None:
-    """The database file of a SQLite URL; None for an in-memory database (one process only)."""
-    database = make_url(url).database
-    return None if not database or database == ":memory:" else Path(database).resolve()
 
 
 def alembic_config(url: str) -> Any:
