@@ -37,7 +37,9 @@ from .inputs import ProcessedPrompt
 from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from .rope_index import text_positions
 from .runner_api import CacheSpec, Runner, SamplingRequest, SeqChunk, StepBatch, StepOutput
-from .sampling import SampleResult, SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample
+from .sampling import (
+    Drawn, SampleResult, SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample,
+)
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
 from .structured import GrammarError, StructuredOutput, is_constrained
@@ -72,16 +74,6 @@ class _RunnerSampling:
     row_of_chunk: dict[int, int]  # chunk index -> its row of the request
     seqs: list[Sequence]  # per row
     dead: list[Sequence]  # grammar allows no token: sent unconstrained, token discarded, the request ends
-
-
-class _Drawn:
-    """A Generator stand-in whose next random() was drawn earlier (see Engine._unused_uniform)."""
-
-    def __init__(self, u: float) -> None:
-        self.u = u
-
-    def random(self) -> float:
-        return self.u
 
 
 Rows = np.ndarray | SampleResult  # one step's logits rows, or the rows the runner sampled
@@ -431,7 +423,7 @@ class Engine:
             return None
         uniform = np.zeros(len(seqs), np.float64)
         for r in np.nonzero(rows.temperature > 0.0)[0]:
-            uniform[r] = self._uniform(seqs[r])
+            uniform[r] = float(self._rng(seqs[r]).random())
         bitmask = mask_index = None
         dead: list[Sequence] = []
         constrained = [(s.matcher, r) for r, s in enumerate(seqs) if s.matcher is not None]
@@ -452,10 +444,10 @@ class Engine:
         )
         return _RunnerSampling(request, {i: r for r, (i, _) in enumerate(picked)}, seqs, dead)
 
-    def _uniform(self, seq: Sequence) -> float:
-        """The next uniform of `seq`'s own Generator (or the one drawn for it and left unused)."""
+    def _rng(self, seq: Sequence) -> Any:
+        """`seq`'s own Generator, or a stand-in returning the uniform drawn for it and left unused (consumed)."""
         u = self._unused_uniform.pop(seq.seq_id, None)
-        return float(seq.rng.random()) if u is None else u
+        return seq.rng if u is None else Drawn(u)
 
     def _sampled(self, result: StepOutput) -> SampleResult:
         if result.sampled is None:
@@ -597,10 +589,8 @@ class Engine:
             logits[cidx] = sub
             self._mask_s += time.perf_counter() - tm
         ts = time.perf_counter()
-        rngs: list[Any] = [s.rng for s in seqs]
-        if self._unused_uniform:  # after a failed runner-sampled step: uniforms already drawn for these sequences
-            rngs = [_Drawn(self._unused_uniform.pop(s.seq_id)) if s.seq_id in self._unused_uniform else s.rng
-                    for s in seqs]
+        # after a failed runner-sampled step some sequences have a uniform already drawn
+        rngs: list[Any] = [self._rng(s) for s in seqs] if self._unused_uniform else [s.rng for s in seqs]
         result = sample(logits, rows, rngs)
         self._sample_s += time.perf_counter() - ts
         return self._deliver(seqs, result.token_ids.tolist(), result.logprobs.tolist(), result.top, dead)

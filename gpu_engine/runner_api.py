@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from .inputs import VisionItem
-from .sampling import SampleResult, SamplingRows, apply_allowed_mask, bitmask_to_bool, sample
+from .sampling import Drawn, SampleResult, SamplingRows, apply_allowed_mask, bitmask_to_bool, sample
 
 LogitsWanted = Literal["none", "last", "all"]
 
@@ -119,16 +119,6 @@ class SamplingRequest:
         return None
 
 
-class _Drawn:
-    """Stands in for a Generator whose next random() is already known."""
-
-    def __init__(self, u: float) -> None:
-        self.u = u
-
-    def random(self) -> float:
-        return self.u
-
-
 def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult:
     """A SamplingRequest carried out with the numpy sampler: what a runner that samples must return (the
     reference runner uses it; on other runners it is the oracle). `logits` float32 [R, V] are not modified."""
@@ -147,7 +137,7 @@ def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult
         repetition_penalty=np.ones(n, np.float32), presence_penalty=np.zeros(n, np.float32),
         num_logprobs=request.num_logprobs.astype(np.int64),
     )
-    return sample(x, rows_table, [_Drawn(float(u)) for u in request.uniform])  # type: ignore[misc]
+    return sample(x, rows_table, [Drawn(float(u)) for u in request.uniform])  # type: ignore[misc]
 
 
 @dataclass

@@ -60,6 +60,16 @@ class SamplingRows:
         return bool(np.any(self.repetition_penalty != 1.0) or np.any(self.presence_penalty != 0.0))
 
 
+class Drawn:
+    """Stands in for a row's Generator whose next random() was drawn earlier (sample() calls only random())."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
 @dataclass
 class SampleResult:
     token_ids: np.ndarray  # int64 [R]
