@@ -22,7 +22,6 @@ from typing import Any
 
 from pipeline.ingest import IngestOutcome, InsertedRows, create_batch, ingest_file, receive_file
 from pipeline.jobs import retry_job as pipeline_retry_job
-from pipeline.models import Schema
 from pipeline.schemas import get_schema
 
 from .context import ApiContext
@@ -138,7 +137,7 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
         ctx.jobs.record(key_id, new_jobs)
         ctx.runner.submit(new_jobs)  # may publish to the broker: blocking I/O, kept off the event loop
     if out.inserted is not None:  # new bytes: the answer is what intake wrote (reading it back cost ~12% CPU)
-        document = inserted_out(ctx, out.inserted)
+        document = inserted_out(out.inserted)
     else:
         with ctx.pipeline.db.read_session() as s:  # Core rows through the session's connection: no ORM layer
             document = summary_out(document_summary(s.connection(), out.document_id))  # with its jobs' schemas
@@ -146,21 +145,11 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
     return UploadOut(document=document, job=job, duplicate=out.known or out.outcome == "duplicate"), new_jobs
 
 
-_SCHEMA_REFS: dict[tuple[str, int], tuple[str, int]] = {}  # (database url, schema id) -> (name, version)
-
-
-def inserted_out(ctx: ApiContext, rows: InsertedRows) -> DocumentOut:
-    """The upload's answer from the rows intake inserted (a `received` document with one `queued` job). A schema
-    row's name and version never change, so they are looked up once per schema id and process."""
-    key = (ctx.pipeline.db.url, rows.job["schema_id"])
-    ref = _SCHEMA_REFS.get(key)
-    if ref is None:
-        with ctx.pipeline.db.read_session() as s:
-            schema = s.get(Schema, rows.job["schema_id"])
-            assert schema is not None  # the job row that references it was just committed
-            ref = _SCHEMA_REFS[key] = (schema.name, schema.version)
-    job = {**rows.job, "schema_name": ref[0], "schema_version": ref[1]}
-    return summary_out(DocumentSummary(SimpleNamespace(**rows.document), [SimpleNamespace(**job)]))
+def inserted_out(rows: InsertedRows) -> DocumentOut:
+    """The upload's answer from the rows intake inserted (a `received` document with one `queued` job) and the
+    job's schema, which intake looked up to queue the job."""
+    job = SimpleNamespace(**rows.job, schema_name=rows.schema.name, schema_version=rows.schema.version)
+    return summary_out(DocumentSummary(SimpleNamespace(**rows.document), [job]))
 
 
 def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int, list[int]]:

@@ -38,7 +38,7 @@ from vision import SNIFF_BYTES, Sniffed, sniff
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job, JobState, utcnow
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
-from .schemas import latest_schema_id
+from .schemas import SchemaRef, latest_schema_ref
 
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
@@ -62,11 +62,12 @@ class IngestOutcome:
 
 @dataclass(frozen=True)
 class InsertedRows:
-    """The two rows an intake of new bytes inserted, with every column value it wrote (ids included), so that the
-    caller can answer without reading them back."""
+    """The two rows an intake of new bytes inserted, with every column value it wrote (ids included), and the job's
+    schema, so that the caller can answer without reading anything back."""
 
     document: dict[str, Any]
     job: dict[str, Any]
+    schema: SchemaRef
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,9 @@ def resolve_schema_name(p: Pipeline, schema: str | None, kind: str | None) -> st
     return "video" if kind == "video" else p.settings.default_schema
 
 
-def _schema_id(p: Pipeline, name: str) -> int:
+def _schema_ref(p: Pipeline, name: str) -> SchemaRef:
     with p.db.read_session() as s:
-        return latest_schema_id(s, name)
+        return latest_schema_ref(s, name)
 
 
 def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
@@ -273,18 +274,18 @@ def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, sta
     return _record(p, batch_id, out)
 
 
-def _check_arguments(p: Pipeline, schema: str | None) -> int | None:
+def _check_arguments(p: Pipeline, schema: str | None) -> SchemaRef | None:
     """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
-    Returns the named schema's id (None when no schema was named), so it need not be looked up again."""
-    schema_id = _schema_id(p, schema) if schema is not None else None
+    Returns the named schema (None when no schema was named), so it need not be looked up again."""
+    named = _schema_ref(p, schema) if schema is not None else None
     p.model_key  # noqa: B018
-    return schema_id
+    return named
 
 
 def _with_job(p: Pipeline, batch_id: int | None, label: str, started: float, document_id: int, kind: str | None,
               schema: str | None, pages: int, rendered: bool) -> IngestOutcome:
     """The outcome for bytes that are already a usable document: its job for this schema, got or created."""
-    schema_id = _schema_id(p, resolve_schema_name(p, schema, kind))
+    schema_id = _schema_ref(p, resolve_schema_name(p, schema, kind)).id
     job_id, created = _get_or_create_job(p, document_id, schema_id)
     out = IngestOutcome(label, "new" if created else "duplicate", document_id=document_id, job_id=job_id,
                         pages=pages, seconds=time.perf_counter() - started, rendered=rendered, known=True)
@@ -306,7 +307,7 @@ def receive_file(
     This is an HTTP upload's whole cost: new bytes and known usable bytes take one write transaction; only a
     refused file or a previously failed document takes the longer way (`_store_document`)."""
     started = time.perf_counter()
-    schema_id = _check_arguments(p, schema)
+    named = _check_arguments(p, schema)
     label = _label(source, name)
     try:
         sha, size = _store_original(p, source, label)
@@ -318,14 +319,14 @@ def receive_file(
         sniffed = _sniff_original(p, source, sha, size, label)
     except vision.MediaError as exc:
         refusal = exc
-    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, schema_id)
+    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named)
     if out is None and sniffed is None:
         assert refusal is not None
         document_id, _, _ = _store_document(p, sha, size, label, error=refusal)
         return _failed(p, batch_id, label, refusal, started, document_id)
     if out is None:  # a failed document read again
         assert sniffed is not None
-        schema_id = schema_id or _schema_id(p, resolve_schema_name(p, schema, sniffed.kind))
+        schema_id = (named or _schema_ref(p, resolve_schema_name(p, schema, sniffed.kind))).id
         document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id)
         assert job is not None
         out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
@@ -340,25 +341,29 @@ _INSERT_JOB = insert(Job.__table__)
 
 
 def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,
-                           schema: str | None, schema_id: int | None) -> IngestOutcome | None:
+                           schema: str | None, named: SchemaRef | None) -> IngestOutcome | None:
     """In one write transaction: the job of a known usable document (got or created), or a new `received`
     document with its `queued` job (Core INSERTs: no ORM unit of work for two plain rows). None when these
-    bytes need `_store_document`: a failed document, or no document and a refused file."""
+    bytes need `_store_document`: a failed document, or no document and a refused file. `named`: the schema
+    `schema` names, looked up already (None: the default for the document's kind, looked up here)."""
     with p.db.session() as s:
         conn = s.connection()
+
+        def schema_for(kind: str | None) -> SchemaRef:
+            return named or latest_schema_ref(s, resolve_schema_name(p, schema, kind))
+
         for _ in range(2):  # a second look only after a concurrent intake inserted these bytes first (PostgreSQL)
             existing = _existing_in(conn, sha)
             if existing is not None:
                 if existing.status == DocumentStatus.failed.value:
                     return None
-                sid = schema_id or latest_schema_id(s, resolve_schema_name(p, schema, existing.kind))
-                job_id, created = _job_in(s, p, existing.id, sid, fresh=False)
+                job_id, created = _job_in(s, p, existing.id, schema_for(existing.kind).id, fresh=False)
                 return IngestOutcome(label, "new" if created else "duplicate", document_id=existing.id,
                                      job_id=job_id, pages=existing.page_count,
                                      rendered=existing.status == DocumentStatus.ingested.value, known=True)
             if sniffed is None:
                 return None
-            sid = schema_id or latest_schema_id(s, resolve_schema_name(p, schema, sniffed.kind))
+            job_schema = schema_for(sniffed.kind)
             now = utcnow()  # written explicitly (not the column default) so the outcome holds the stored value
             document = {"sha256": sha, "original_name": label[:1024], "size_bytes": size, "created_at": now,
                         **_received_fields(sniffed)}
@@ -367,13 +372,13 @@ def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed
                     document["id"] = int(conn.execute(_INSERT_DOCUMENT, document).inserted_primary_key[0])
             except IntegrityError:
                 continue
-            job = {"document_id": document["id"], "schema_id": sid, "model_key": p.model_key,
+            job = {"document_id": document["id"], "schema_id": job_schema.id, "model_key": p.model_key,
                    "state": JobState.queued.value, "attempts": 0, "owner": None, "lease_until": None, "error": None,
                    "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
                    "model_seconds": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
             job["id"] = int(conn.execute(_INSERT_JOB, job).inserted_primary_key[0])
             return IngestOutcome(label, "new", document_id=document["id"], job_id=job["id"],
-                                 inserted=InsertedRows(document, job))
+                                 inserted=InsertedRows(document, job, job_schema))
     return None
 
 
@@ -401,7 +406,7 @@ def ingest_file(
         return _with_job(p, batch_id, label, started, existing.id, existing.kind, schema,
                          existing.page_count, existing.status == DocumentStatus.ingested.value)
     rendered, error = try_render(p, p.blobs.path(sha), label, password)
-    schema_id = _schema_id(p, resolve_schema_name(p, schema, rendered.kind)) if rendered is not None else None
+    schema_id = _schema_ref(p, resolve_schema_name(p, schema, rendered.kind)).id if rendered is not None else None
     document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
                                                  schema_id=schema_id)
     if rendered is None or job is None:
@@ -477,7 +482,7 @@ def iter_folder(
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
     if schema is not None:
-        _schema_id(p, schema)
+        _schema_ref(p, schema)
     wait = p.settings.stable_seconds if stable_seconds is None else stable_seconds
     stable, unstable = stable_files(root, wait)
     if include is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jsonschema
 from sqlalchemy import bindparam, func, select
@@ -135,17 +135,27 @@ def _latest(session: Session, name: str) -> Schema | None:
     return session.scalars(select(Schema).where(Schema.name == name).order_by(Schema.version.desc()).limit(1)).first()
 
 
+class SchemaRef(NamedTuple):
+    """What a job needs of its schema row to be queued and shown: never changes for a given id."""
+
+    id: int
+    name: str
+    version: int
+
+
 # Built once: the statement's cache key is memoised, so an upload's lookup costs no statement construction.
-_LATEST_ID = select(Schema.id).where(Schema.name == bindparam("name")).order_by(Schema.version.desc()).limit(1)
+_LATEST_REF = (select(Schema.id, Schema.version).where(Schema.name == bindparam("name"))
+               .order_by(Schema.version.desc()).limit(1))
 
 
-def latest_schema_id(session: Session, name: str) -> int:
-    """The id of the named schema's latest version, without loading the row (its JSON schema and prompt are not
-    needed to queue a job); UnknownSchemaError as `get_schema` raises it."""
-    found = session.execute(_LATEST_ID, {"name": name}).scalar()
+def latest_schema_ref(session: Session, name: str) -> SchemaRef:
+    """The named schema's latest version, without loading the row (its JSON schema and prompt are not needed to
+    queue a job); UnknownSchemaError as `get_schema` raises it."""
+    found = session.execute(_LATEST_REF, {"name": name}).first()
     if found is None:
-        return get_schema(session, name).id  # raises UnknownSchemaError, listing the known names
-    return int(found)
+        row = get_schema(session, name)  # raises UnknownSchemaError, listing the known names
+        return SchemaRef(row.id, row.name, row.version)
+    return SchemaRef(int(found.id), name, int(found.version))
 
 
 def get_schema(session: Session, name: str, version: int | None = None) -> Schema:
