@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from apitest_support import database_url, live_server, test_settings
-from test_api_http import random_png, upload
+from test_api_http import listed_document_ids, random_png, upload
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 
@@ -128,13 +128,7 @@ def test_200_concurrent_uploads_lose_nothing(tmp_path_factory: pytest.TempPathFa
                 job_ids = {r.json()["job"]["id"] for r in answers}
                 assert len(doc_ids) == 200 and len(job_ids) == 200
                 with live.client() as c:
-                    listed, cursor = set(), None
-                    while True:
-                        page = c.get("/v1/documents", params={"limit": 200, **({"cursor": cursor} if cursor else {})})
-                        listed |= {d["id"] for d in page.json()["items"]}
-                        cursor = page.json()["next_cursor"]
-                        if not cursor:
-                            break
+                    listed = set(listed_document_ids(c))
                 assert listed == doc_ids
                 queued = {json.loads(json.loads(m)["headers"]["argsrepr"])[0] for m in client.lrange("ingest", 0, -1)}
                 assert queued == job_ids and client.llen("ingest") == 200  # every job reached the broker, once
