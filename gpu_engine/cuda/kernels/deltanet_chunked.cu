@@ -51,6 +51,42 @@ __device__ __forceinline__ int gc_slot_sequence(const int* cu, int seqs, int cs)
     return lo;
 }
 
+// One warp's 16 rows (row0 + g, row0 + g + 8 per lane) of (T diag(coef)) X on the tensor cores: T is fp32 in At
+// (row stride TLD), scaled per column by coef and rounded to bf16 as the A operand; X is the first N columns of the
+// bf16 rows of Xs; the product goes to dst as bf16 rows of N. Phase 3 of the chunk kernel: W (coef beta e^G, X = K)
+// and U (coef beta, X = V).
+template <int N, int LD, int TLD>
+__device__ __forceinline__ void gc_t_product(const float* At, const float* coef, const bf16_t (*Xs)[LD], bf16_t* dst,
+                                             int row0, int g, int tig) {
+    float acc[N / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < GC_C / 16; ++ks) {
+        const int c0 = 16 * ks + 2 * tig;
+        const float2 x0 = *(const float2*)&At[(row0 + g) * TLD + c0];
+        const float2 x1 = *(const float2*)&At[(row0 + g + 8) * TLD + c0];
+        const float2 x2 = *(const float2*)&At[(row0 + g) * TLD + c0 + 8];
+        const float2 x3 = *(const float2*)&At[(row0 + g + 8) * TLD + c0 + 8];
+        unsigned af[4];
+        af[0] = gc_pack(x0.x * coef[c0], x0.y * coef[c0 + 1]);
+        af[1] = gc_pack(x1.x * coef[c0], x1.y * coef[c0 + 1]);
+        af[2] = gc_pack(x2.x * coef[c0 + 8], x2.y * coef[c0 + 9]);
+        af[3] = gc_pack(x3.x * coef[c0 + 8], x3.y * coef[c0 + 9]);
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt) {
+            const int n = 8 * nt + g;
+            mma_bf16(acc[nt], af, gc_pair(Xs[c0][n], Xs[c0 + 1][n]), gc_pair(Xs[c0 + 8][n], Xs[c0 + 9][n]));
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+            *(unsigned*)(dst + (row0 + g + 8 * hf) * N + 8 * nt + 2 * tig) =
+                gc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+}
+
 template <int DK, int DV>
 __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t* Kdg, bf16_t* Pg, float* gcg,
                                     const bf16_t* q, const bf16_t* k, const bf16_t* v, long long qkv_stride,
@@ -236,40 +272,7 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
     __syncthreads();
 
     // ---- phase 3: W = (T diag(beta e^G)) K, then U = (T diag(beta)) V, 16 rows per warp
-    auto t_frag = [&](unsigned* af, int ks, const float* coef) {
-        const int c0 = 16 * ks + 2 * tig;
-        const float2 x0 = *(const float2*)&At[(row0 + g) * TLD + c0];
-        const float2 x1 = *(const float2*)&At[(row0 + g + 8) * TLD + c0];
-        const float2 x2 = *(const float2*)&At[(row0 + g) * TLD + c0 + 8];
-        const float2 x3 = *(const float2*)&At[(row0 + g + 8) * TLD + c0 + 8];
-        af[0] = gc_pack(x0.x * coef[c0], x0.y * coef[c0 + 1]);
-        af[1] = gc_pack(x1.x * coef[c0], x1.y * coef[c0 + 1]);
-        af[2] = gc_pack(x2.x * coef[c0 + 8], x2.y * coef[c0 + 9]);
-        af[3] = gc_pack(x3.x * coef[c0 + 8], x3.y * coef[c0 + 9]);
-    };
-    {
-        float acc[DK / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < DK / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < GC_C / 16; ++ks) {
-            unsigned af[4];
-            t_frag(af, ks, cW);
-            const int k0 = 16 * ks + 2 * tig;
-#pragma unroll
-            for (int nt = 0; nt < DK / 8; ++nt) {
-                const int n = 8 * nt + g;
-                mma_bf16(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
-            }
-        }
-        bf16_t* W = Wg + ho * GC_C * DK;
-#pragma unroll
-        for (int nt = 0; nt < DK / 8; ++nt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-                *(unsigned*)(W + (row0 + g + 8 * hf) * DK + 8 * nt + 2 * tig) =
-                    gc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
-    }
+    gc_t_product<DK, LD, TLD>(At, cW, Ks, Wg + ho * GC_C * DK, row0, g, tig);
     __syncthreads();  // Ks (normalised K) is dead: V goes there
     {
         constexpr int EPL = DV / 32;
@@ -280,29 +283,7 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
         }
     }
     __syncthreads();
-    {
-        float acc[DV / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < DV / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < GC_C / 16; ++ks) {
-            unsigned af[4];
-            t_frag(af, ks, Bs);
-            const int k0 = 16 * ks + 2 * tig;
-#pragma unroll
-            for (int nt = 0; nt < DV / 8; ++nt) {
-                const int n = 8 * nt + g;
-                mma_bf16(acc[nt], af, gc_pair(Ks[k0][n], Ks[k0 + 1][n]), gc_pair(Ks[k0 + 8][n], Ks[k0 + 9][n]));
-            }
-        }
-        bf16_t* U = Ug + ho * GC_C * DV;
-#pragma unroll
-        for (int nt = 0; nt < DV / 8; ++nt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-                *(unsigned*)(U + (row0 + g + 8 * hf) * DV + 8 * nt + 2 * tig) =
-                    gc_pack(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
-    }
+    gc_t_product<DV, LD, TLD>(At, Bs, Ks, Ug + ho * GC_C * DV, row0, g, tig);
     if (tid == 0) gcg[ho] = eG[GC_C - 1];
 }
 

@@ -46,6 +46,74 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return r;
 }
 
+// ---- online softmax over mma score blocks (flash_prefill.cu, vision_flash.cu). A warp holds 16 query rows of an
+// (8 * NT_S)-key score block as m16n8 accumulators s[nt][0..3]: lane rows a = lane / 4 (elements 0, 1) and
+// b = a + 8 (elements 2, 3), each row spread over the 4 lanes of its group. Scores times `sl` are in the exp2 domain.
+
+// The rows' new running max m (over the group), with the sums l and the output accumulators o rescaled to it;
+// base_a / base_b: what this block's probabilities subtract. ROWS_MAY_BE_EMPTY: a row that has seen no visible key
+// yet keeps max -inf, and subtracts 0 instead (its p and corr are then 0).
+template <bool ROWS_MAY_BE_EMPTY, int NT_S, int NT_O>
+__device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float sl, float& m_a, float& m_b,
+                                                float& l_a, float& l_b, float (&o)[NT_O][4], float& base_a,
+                                                float& base_b) {
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    if constexpr (ROWS_MAY_BE_EMPTY) {
+        base_a = (mx_a == NEG_INF ? 0.0f : mx_a) * sl;
+        base_b = (mx_b == NEG_INF ? 0.0f : mx_b) * sl;
+    } else {
+        base_a = mx_a * sl;
+        base_b = mx_b * sl;
+    }
+    const float corr_a = exp2f(m_a * sl - base_a), corr_b = exp2f(m_b * sl - base_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    l_a *= corr_a;
+    l_b *= corr_b;
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+        o[nt][0] *= corr_a;
+        o[nt][1] *= corr_a;
+        o[nt][2] *= corr_b;
+        o[nt][3] *= corr_b;
+    }
+}
+
+// The probabilities of score n-tiles 2 k2 and 2 k2 + 1 as the bf16 A fragment of P V's k-step k2, added to the sums.
+template <int NT_S>
+__device__ __forceinline__ void softmax_p_fragment(const float (&s)[NT_S][4], int k2, float sl, float base_a,
+                                                   float base_b, float& l_a, float& l_b, unsigned (&pf)[4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * k2 + half;
+        const float p0 = exp2f(fmaf(s[nt][0], sl, -base_a)), p1 = exp2f(fmaf(s[nt][1], sl, -base_a));
+        const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
+        l_a += p0 + p1;
+        l_b += p2 + p3;
+        pf[half * 2 + 0] = pack_bf16(p0, p1);
+        pf[half * 2 + 1] = pack_bf16(p2, p3);
+    }
+}
+
+// The rows' full sums: each lane of a group held a part.
+__device__ __forceinline__ void softmax_row_sums(float& l_a, float& l_b) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+    }
+}
+
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {
     unsigned r;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));

@@ -160,45 +160,14 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
                     }
                 }
         }
-        float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-        }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-        }
         // mx is finite: key tile 0 holds the segment's first key (m = -inf only before it, where corr is 0)
-        const float base_a = mx_a * sl, base_b = mx_b * sl;
-        const float corr_a = exp2f(m_a * sl - base_a), corr_b = exp2f(m_b * sl - base_b);
-        m_a = mx_a;
-        m_b = mx_b;
-        l_a *= corr_a;
-        l_b *= corr_b;
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            o[nt][0] *= corr_a;
-            o[nt][1] *= corr_a;
-            o[nt][2] *= corr_b;
-            o[nt][3] *= corr_b;
-        }
+        float base_a, base_b;
+        softmax_rescale<false>(s, sl, m_a, m_b, l_a, l_b, o, base_a, base_b);
         // ---- P (bf16 A fragments: score n-tiles 2k, 2k+1 make k-step k) and O += P V
 #pragma unroll
         for (int k2 = 0; k2 < VF_BN / 16; ++k2) {
             unsigned pf[4];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int nt = 2 * k2 + half;
-                const float p0 = exp2f(fmaf(s[nt][0], sl, -base_a)), p1 = exp2f(fmaf(s[nt][1], sl, -base_a));
-                const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
-                l_a += p0 + p1;
-                l_b += p2 + p3;
-                pf[half * 2 + 0] = pack_bf16(p0, p1);
-                pf[half * 2 + 1] = pack_bf16(p2, p3);
-            }
+            softmax_p_fragment(s, k2, sl, base_a, base_b, l_a, l_b, pf);
 #pragma unroll
             for (int dp = 0; dp < NT_O / 2; ++dp) {
                 unsigned b[4];
@@ -216,11 +185,7 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
     }
 
     // ---- normalise, store
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-    }
+    softmax_row_sums(l_a, l_b);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         if (!(half ? vb : va)) continue;
