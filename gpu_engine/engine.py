@@ -38,7 +38,7 @@ from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from .rope_index import text_positions
 from .runner_api import CacheSpec, Runner, SamplingRequest, SeqChunk, StepBatch, StepOutput
 from .sampling import (
-    Drawn, SampleResult, SamplingRows, apply_allowed_mask, apply_penalties, bitmask_to_bool, sample,
+    Drawn, SampleResult, SamplingRows, apply_bitmask_rows, apply_penalties, bitmask_to_bool, sample,
 )
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SeqStatus
@@ -580,13 +580,10 @@ class Engine:
             # One bitmask for all constrained rows of the step (llguidance fills them together).
             bitmask = self.structured.bitmask([(m, j) for j, (m, _) in enumerate(constrained)], len(constrained))
             cidx = [i for _, i in constrained]
-            allowed = bitmask_to_bool(bitmask, logits.shape[1])
-            sub = logits[cidx]
-            apply_allowed_mask(sub, allowed)
+            allowed = apply_bitmask_rows(logits, cidx, bitmask)
             for j in np.nonzero(~allowed.any(axis=1))[0]:
                 dead.append(seqs[cidx[j]])
-                sub[j] = 0.0  # keeps the sampler free of all -inf rows; this row's token is discarded
-            logits[cidx] = sub
+                logits[cidx[j]] = 0.0  # keeps the sampler free of all -inf rows; this row's token is discarded
             self._mask_s += time.perf_counter() - tm
         ts = time.perf_counter()
         # after a failed runner-sampled step some sequences have a uniform already drawn

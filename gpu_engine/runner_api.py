@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from .inputs import VisionItem
-from .sampling import Drawn, SampleResult, SamplingRows, apply_allowed_mask, bitmask_to_bool, sample
+from .sampling import Drawn, SampleResult, SamplingRows, apply_bitmask_rows, sample
 
 LogitsWanted = Literal["none", "last", "all"]
 
@@ -126,10 +126,7 @@ def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult
     if request.bitmask is not None and request.mask_index is not None:
         rows = np.nonzero(request.mask_index >= 0)[0]
         if len(rows):
-            allowed = bitmask_to_bool(request.bitmask[request.mask_index[rows]], x.shape[1])
-            sub = x[rows]
-            apply_allowed_mask(sub, allowed)
-            x[rows] = sub
+            apply_bitmask_rows(x, rows, request.bitmask[request.mask_index[rows]])
     n = request.num_rows
     rows_table = SamplingRows(
         temperature=request.temperature.astype(np.float32), top_k=request.top_k.astype(np.int64),

@@ -118,6 +118,16 @@ def apply_allowed_mask(logits: np.ndarray, allowed: np.ndarray) -> None:
     np.putmask(logits, ~allowed, -np.inf)
 
 
+def apply_bitmask_rows(logits: np.ndarray, rows: list[int] | np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """In place: row rows[j] of `logits` keeps only the tokens bitmask[j] allows (the others -> -inf). Returns the
+    allowed tokens, bool [len(rows), V] (a row with none allowed is a grammar dead end)."""
+    allowed = bitmask_to_bool(bitmask, logits.shape[1])
+    sub = logits[rows]
+    apply_allowed_mask(sub, allowed)
+    logits[rows] = sub
+    return allowed
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=1, keepdims=True)
     z = x - m
