@@ -72,7 +72,6 @@ class _RunnerSampling:
 
     request: SamplingRequest
     row_of_chunk: dict[int, int]  # chunk index -> its row of the request
-    seqs: list[Sequence]  # per row
     dead: list[Sequence]  # grammar allows no token: sent unconstrained, token discarded, the request ends
 
 
@@ -442,7 +441,7 @@ class Engine:
             temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, uniform=uniform,
             num_logprobs=rows.num_logprobs, bitmask=bitmask, mask_index=mask_index,
         )
-        return _RunnerSampling(request, {i: r for r, (i, _) in enumerate(picked)}, seqs, dead)
+        return _RunnerSampling(request, {i: r for r, (i, _) in enumerate(picked)}, dead)
 
     def _rng(self, seq: Sequence) -> Any:
         """`seq`'s own Generator, or a stand-in returning the uniform drawn for it and left unused (consumed)."""
