@@ -10,6 +10,7 @@ import numpy as np
 
 from .context import DArray, GpuContext
 from .errors import ShapeError
+from .ops import _need
 
 HEAD_DIMS = (64, 72, 80, 128)  # instantiated in kernels/vision_flash.cu
 TILE_ROWS = 64  # query rows per block (VF_ROWS in the kernel: 4 warps x 16)
@@ -46,8 +47,7 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
     a multiple of 8, so every head's columns are too) and out 4-byte aligned. scale > 0 (the kernel's running max
     starts at -inf and is scaled by it)."""
     for arr, what in ((out, "out"), (qkv, "qkv")):
-        if arr.dtype != "bf16":
-            raise ShapeError(f"vision_flash_attention {what} must be bf16, got {arr.dtype}")
+        _need(arr, "bf16", f"vision_flash_attention {what}")
     n = qkv.shape[0]
     width = heads * head_dim
     if head_dim not in HEAD_DIMS:
