@@ -12,26 +12,15 @@ in the cache); several sequences in one launch; block sizes 16 and 64.
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 from tests.gpu import references as ref
-from tests.gpu.harness import check_main, fresh_seed, rel_err
+from tests.gpu.harness import Result, check_main, rel_err, result_table, run_checks
 
 TOL = 1e-2
-
-
-@dataclass
-class Result:
-    name: str
-    dtype: str
-    rel_err: float
-    tol: float
-    ok: bool
-    note: str = ""
 
 
 @dataclass
@@ -182,29 +171,11 @@ class FlashChecker:
 
 def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
     """Run every case; raises CudaUnavailable when there is no GPU / cuda-python."""
-    from gpu_engine.cuda.context import GpuContext
-
-    seed = fresh_seed(seed)
-    ctx = GpuContext(budget_bytes=1 << 30)
-    info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch}
-    try:
-        checker = FlashChecker(ctx, np.random.default_rng(seed))
-        t0 = time.perf_counter()
-        for case in CASES:
-            checker.run(*case)
-        info["seconds"] = round(time.perf_counter() - t0, 2)
-        return checker.results, info
-    finally:
-        ctx.close()
+    return run_checks(seed, 1 << 30, FlashChecker, CASES, lambda checker, case: checker.run(*case))
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'case':<44} {'rel.err':>10} {'tol':>8}  ok", "-" * 70]
-    for r in results:
-        lines.append(f"{r.name:<44} {r.rel_err:>10.2e} {r.tol:>8.0e}  {'PASS' if r.ok else 'FAIL'}"
-                     + (f"  {r.note}" if r.note else ""))
-    lines.append(f"{sum(r.ok for r in results)}/{len(results)} passed")
-    return "\n".join(lines)
+    return result_table(results, width=44, first="case", dtype=False)
 
 
 def main(argv: list[str] | None = None) -> int:

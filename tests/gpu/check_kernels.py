@@ -13,25 +13,14 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from tests.gpu import references as ref
-from tests.gpu.harness import check_main, fresh_seed, rel_err
+from tests.gpu.harness import Result, check_main, fresh_seed, rel_err, result_table
 
 TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
-
-
-@dataclass
-class Result:
-    name: str
-    dtype: str
-    rel_err: float
-    tol: float
-    ok: bool
-    note: str = ""
 
 
 class Checker:
@@ -527,13 +516,7 @@ def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'check':<40} {'dtype':<6} {'rel.err':>10} {'tol':>8}  ok", "-" * 72]
-    for r in results:
-        lines.append(f"{r.name:<40} {r.dtype:<6} {r.rel_err:>10.2e} {r.tol:>8.0e}  {'PASS' if r.ok else 'FAIL'}"
-                     + (f"  {r.note}" if r.note else ""))
-    passed = sum(r.ok for r in results)
-    lines.append(f"{passed}/{len(results)} passed")
-    return "\n".join(lines)
+    return result_table(results)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,19 @@
 """What the GPU check scripts share: the error metric, the seed, and the command line around `run_all`.
 
-check_kernels, check_runner and check_vision each define `run_all(seed) -> (results, info)` (raising
-CudaUnavailable where there is no GPU) and `format_table(results)`; `check_main` turns that into the script:
-skip with exit 0 without a GPU, print the info and the table, write JSON on request, exit 1 if any result failed.
-check_hf_parity has its own command line (--cpu-harness) and uses the metric and `write_json`.
+check_kernels, check_runner, check_vision and the other check_* scripts each define `run_all(seed) -> (results,
+info)` (raising CudaUnavailable where there is no GPU) and `format_table(results)`; `check_main` turns that into
+the script: skip with exit 0 without a GPU, print the info and the table, write JSON on request, exit 1 if any
+result failed. check_hf_parity has its own command line (--cpu-harness) and uses the metric and `write_json`.
+The kernel-level checks (check_kernels, check_flash, check_deltanet_chunked) share the `Result` row, its table
+(`result_table`), and check_flash / check_deltanet_chunked the loop around their cases (`run_checks`).
 """
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,53 @@ def rel_err(out: Any, expect: Any) -> float:
 def fresh_seed(seed: int | None = None, bits: int = 32) -> int:
     """`seed`, or a fresh one (printed by the scripts, so a failing run can be replayed with --seed)."""
     return int(np.random.SeedSequence().entropy % 2**bits) if seed is None else seed
+
+
+@dataclass
+class Result:
+    """One compared output of a kernel-level check (a row of its table and of its JSON)."""
+
+    name: str
+    dtype: str
+    rel_err: float
+    tol: float
+    ok: bool
+    note: str = ""
+
+
+def result_table(results: Sequence[Result], *, width: int = 40, first: str = "check", dtype: bool = True) -> str:
+    """The kernel-level checks' table: name (padded to `width`), dtype (unless `dtype=False`), error, tolerance,
+    PASS/FAIL and note, then "passed/total passed". The rule under the header is as long as the scripts have
+    always printed it (width + 32 with the dtype column, width + 26 without)."""
+    dtype_head = f" {'dtype':<6}" if dtype else ""
+    lines = [f"{first:<{width}}{dtype_head} {'rel.err':>10} {'tol':>8}  ok", "-" * (width + (32 if dtype else 26))]
+    for r in results:
+        dtype_cell = f" {r.dtype:<6}" if dtype else ""
+        lines.append(f"{r.name:<{width}}{dtype_cell} {r.rel_err:>10.2e} {r.tol:>8.0e}  {'PASS' if r.ok else 'FAIL'}"
+                     + (f"  {r.note}" if r.note else ""))
+    lines.append(f"{sum(r.ok for r in results)}/{len(results)} passed")
+    return "\n".join(lines)
+
+
+def run_checks(seed: int | None, budget_bytes: int, make_checker: Callable[[Any, np.random.Generator], Any],
+               cases: Iterable[Any], run_case: Callable[[Any, Any], None]) -> tuple[list, dict]:
+    """A GPU context of `budget_bytes`, a checker made on it with the seed's generator, `run_case(checker, case)`
+    for every case (timed); returns (checker.results, info with seed, device, arch, seconds). Raises
+    CudaUnavailable without a GPU."""
+    from gpu_engine.cuda.context import GpuContext
+
+    seed = fresh_seed(seed)
+    ctx = GpuContext(budget_bytes=budget_bytes)
+    info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch}
+    try:
+        checker = make_checker(ctx, np.random.default_rng(seed))
+        t0 = time.perf_counter()
+        for case in cases:
+            run_case(checker, case)
+        info["seconds"] = round(time.perf_counter() - t0, 2)
+        return checker.results, info
+    finally:
+        ctx.close()
 
 
 def write_json(path: str, info: dict, results: Sequence[Any]) -> None:
