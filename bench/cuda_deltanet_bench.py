@@ -57,11 +57,11 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
                 for what, x in (("cu", [0, n]), ("slots", [0]), ("fresh", [0]))}
         outs = {m: ctx.empty((n, vh * dv), "bf16", f"out-{m}") for m in ("sequential", "chunked")}
 
-        def call(method: str) -> None:
+        def call(method: str, dv_slice: int | None = None) -> None:  # dv_slice None: the launcher's own choice
             args = (ctx, outs[method], qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh,
                     A_log, dt_bias, state, meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv)
             if method == "chunked":
-                deltanet_chunked.chunked_gated_delta_rule(*args)
+                deltanet_chunked.chunked_gated_delta_rule(*args, dv_slice=dv_slice)
             else:
                 ops.gated_delta_rule(*args, method="two_pass")
 
@@ -75,10 +75,7 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
             results[method] = (ctx.to_host(outs[method]), ctx.to_host(state))
             row[f"{method}_ms"] = time_ms(ctx, lambda: call(method), warmup, reps)
         for width in (deltanet_chunked.DV_SLICE, deltanet_chunked.NARROW_DV_SLICE):  # the scan's two slice widths
-            row[f"chunked_slice{width}_ms"] = time_ms(ctx, lambda: deltanet_chunked.chunked_gated_delta_rule(
-                ctx, outs["chunked"], qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh,
-                A_log, dt_bias, state, meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv, dv_slice=width),
-                warmup, reps)
+            row[f"chunked_slice{width}_ms"] = time_ms(ctx, lambda: call("chunked", width), warmup, reps)
         row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
         row["chunked_ms_per_48_layers"] = row["chunked_ms"] * LAYERS_27B
         row["agree_out"] = _rel(results["chunked"][0], results["sequential"][0])
