@@ -23,7 +23,7 @@ from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 
 from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
-from op_bench import run_op_bench  # noqa: E402
+from op_bench import agreement, run_op_bench  # noqa: E402
 
 # name -> (q heads, kv heads, head dim)
 SHAPES = {"27b": (24, 4, 256), "9b": (16, 4, 256), "2b": (8, 2, 256), "hd128": (16, 4, 128)}
@@ -66,10 +66,8 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
                 "flash_prefill_v1", f"flash_prefill_v1_bf16_hd{hd}", (t1.shape[0], heads), 128, out_old.ptr, *args,
                 t1.ptr, *tail)
             old_ms = time_ms(ctx, launch_old, warmup, reps)
-            a, b = ctx.to_host(out_new).astype(np.float64), ctx.to_host(out_old).astype(np.float64)
-            finite = bool(np.all(np.isfinite(a)) and np.all(np.isfinite(b)))
             row.update(old_ms=old_ms, old_TFLOPs=flops / old_ms / 1e9, speedup=old_ms / new_ms,
-                       agree=float(np.linalg.norm(a - b) / np.linalg.norm(b)) if finite else float("nan"))
+                       agree=agreement(ctx.to_host(out_new), ctx.to_host(out_old)))
         return row
     finally:
         ctx.device.sync()

@@ -25,19 +25,12 @@ from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 
 from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
-from op_bench import run_op_bench  # noqa: E402
+from op_bench import agreement, run_op_bench  # noqa: E402
 
 # name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
 SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}
 LAYERS_27B = 48
 TARGET_MS = 3.0  # 27B heads, 8192 tokens
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return float("nan")
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, warmup: int, reps: int) -> dict:
@@ -78,8 +71,8 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
             row[f"chunked_slice{width}_ms"] = time_ms(ctx, lambda: call("chunked", width), warmup, reps)
         row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
         row["chunked_ms_per_48_layers"] = row["chunked_ms"] * LAYERS_27B
-        row["agree_out"] = _rel(results["chunked"][0], results["sequential"][0])
-        row["agree_state"] = _rel(results["chunked"][1], results["sequential"][1])
+        row["agree_out"] = agreement(results["chunked"][0], results["sequential"][0])
+        row["agree_state"] = agreement(results["chunked"][1], results["sequential"][1])
         return row
     finally:
         ctx.device.sync()

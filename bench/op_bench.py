@@ -1,6 +1,6 @@
 """The command-line driver shared by the single-op CUDA benches (cuda_attention_bench, cuda_deltanet_bench):
 shapes x lengths, one GPU context, a JSON line per result, the JSON file rewritten after each result (a later
-failure keeps what is done), a table last. Prints SKIP and returns 0 without a GPU."""
+failure keeps what is done), a table last. Prints SKIP and returns 0 without a GPU. Also their "agree" metric."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,15 @@ import numpy as np
 
 from gpu_engine.cuda.context import GpuContext
 from gpu_engine.cuda.errors import CudaUnavailable
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| in float64 (the benches' "agree" of a new kernel's output against the old one's); NaN when
+    either holds a non-finite value."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def run_op_bench(

@@ -30,3 +30,11 @@ def test_table_lists_old_and_new_rows() -> None:
     text = bench.format_table([with_old, new_only])
     assert "164.9" in text and "8.0x" in text and "1.2e-03" in text
     assert len(text.splitlines()) == 5
+
+
+def test_agreement_is_relative_l2_and_nan_on_non_finite() -> None:
+    from op_bench import agreement
+
+    b = np.array([3.0, 4.0], np.float32)
+    assert agreement(b, b) == 0.0 and agreement(np.array([3.0, 4.5], np.float32), b) == 0.1
+    assert np.isnan(agreement(np.array([np.nan, 4.0], np.float32), b)) and np.isnan(agreement(b, b * np.inf))
