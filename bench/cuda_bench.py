@@ -222,17 +222,9 @@ def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], 
     pool = max(batches, default=0)
     if pool == 0:
         return out
-    vocab = runner.config.text.vocab_size
     seqs = list(range(2, 2 + pool))
-    per_step = max(1, 8192 // context)
-    tokens: dict[int, int] = {}
     t0 = time.perf_counter()
-    for first in range(0, pool, per_step):
-        group = seqs[first:first + per_step]
-        chunks = [SeqChunk(s, rng.integers(0, vocab, context), np.tile(np.arange(context), (3, 1)), 0, tables[s], s)
-                  for s in group]
-        logits = runner.forward(StepBatch(chunks)).logits
-        tokens.update({s: int(np.argmax(logits[i])) for i, s in enumerate(group)})
+    tokens = prefill_sequences(runner, rng, seqs, tables, context)
     fed = {} if fed is None else fed
     fed.update({s: [tokens[s]] for s in seqs})
     _sync(runner)
@@ -254,6 +246,24 @@ def _batched_decode(runner, rng: np.random.Generator, tables: list[np.ndarray], 
         out[f"decode_b{b}_forward_ms"] = ms
         out[f"decode_b{b}_tok_s"] = 1e3 * b / ms
     return out
+
+
+def prefill_sequences(runner, rng: np.random.Generator, seqs: list[int], tables: list[np.ndarray],
+                      context: int) -> dict[int, int]:
+    """Prefill each sequence of `seqs` (its slot and table of the same index) with `context` random tokens, as
+    many sequences per forward() as fit in 8192 tokens; returns each sequence's greedy next token."""
+    from gpu_engine.runner_api import SeqChunk, StepBatch
+
+    vocab = runner.config.text.vocab_size
+    per_step = max(1, 8192 // context)
+    tokens: dict[int, int] = {}
+    for first in range(0, len(seqs), per_step):
+        group = seqs[first:first + per_step]
+        chunks = [SeqChunk(s, rng.integers(0, vocab, context), np.tile(np.arange(context), (3, 1)), 0, tables[s], s)
+                  for s in group]
+        logits = runner.forward(StepBatch(chunks)).logits
+        tokens.update({s: int(np.argmax(logits[i])) for i, s in enumerate(group)})
+    return tokens
 
 
 def _sync(runner) -> None:

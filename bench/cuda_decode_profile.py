@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_bench import SHAPES, bench_copy, random_bf16_weights  # noqa: E402
+from cuda_bench import SHAPES, bench_copy, prefill_sequences, random_bf16_weights  # noqa: E402
 
 from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
 
@@ -121,15 +121,8 @@ def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps:
     install(timer, variant)
     out: dict = {"shape": shape, "context": context, "steps": steps, "per_batch": {}}
     try:
-        tokens, length = {}, {}
-        per_step = max(1, 8192 // context)
-        for first in range(0, pool, per_step):
-            group = range(first, min(pool, first + per_step))
-            chunks = [SeqChunk(s, rng.integers(0, cfg.vocab_size, context), np.tile(np.arange(context), (3, 1)), 0,
-                               tables[s], s) for s in group]
-            logits = runner.forward(StepBatch(chunks)).logits
-            tokens.update({s: int(np.argmax(logits[i])) for i, s in enumerate(group)})
-            length.update({s: context for s in group})
+        tokens = prefill_sequences(runner, rng, list(range(pool)), tables, context)
+        length = {s: context for s in range(pool)}
         runner.use_graphs = False  # eager: every op is a separate launch we can bracket
         state_bytes = 2 * runner.state_bytes_per_slot()  # read + written per sequence and step
         kv_per_token = runner.kv_bytes_per_block(bs) / bs
