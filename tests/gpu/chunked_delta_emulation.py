@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.gpu import references as ref
+
 CHUNK = 64
 DV_SLICE = 32
 
@@ -41,10 +43,6 @@ def num_chunk_slots(tokens: int, seqs: int) -> int:
     return tokens // CHUNK + seqs
 
 
-def _softplus(x: np.ndarray) -> np.ndarray:
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
-
-
 def forward_substitution_inverse(A: np.ndarray) -> np.ndarray:
     """(I + A)^-1 for a strictly lower triangular A [..., C, C], row by row: T_i = e_i - A[i, :i] T[:i]."""
     C = A.shape[-1]
@@ -66,7 +64,7 @@ def prep_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray, b: np
     g = np.zeros((VH, CHUNK))
     beta = np.zeros((VH, CHUNK))
     g[:, :L] = (-np.exp(A_log.astype(np.float64))[:, None]
-                * _softplus(a.T.astype(np.float64) + dt_bias.astype(np.float64)[:, None]))
+                * ref.softplus(a.T.astype(np.float64) + dt_bias.astype(np.float64)[:, None]))
     beta[:, :L] = 1.0 / (1.0 + np.exp(-b.T.astype(np.float64)))
     G = np.cumsum(g, axis=1)  # [VH, C]; pads add 0, so G[:, -1] is G at the last real token
     qf, kf = q.astype(np.float64), k.astype(np.float64)
@@ -150,8 +148,6 @@ def token_reference_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.nda
                           A_log: np.ndarray, dt_bias: np.ndarray, state: np.ndarray, cu_seqlens: np.ndarray,
                           state_slots: np.ndarray, fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The varlen batch through references.gated_delta_rule (token by token, float64): the independent oracle."""
-    from tests.gpu import references as ref
-
     n, VH, dv = v.shape
     dk = q.shape[2]
     out = np.zeros((n, VH * dv))
@@ -178,7 +174,7 @@ def token_reference_fast(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndar
     qn = qf / np.sqrt((qf * qf).sum(-1, keepdims=True) + 1e-6) / np.sqrt(dk)
     kn = kf / np.sqrt((kf * kf).sum(-1, keepdims=True) + 1e-6)
     qn, kn = np.repeat(qn, rep, axis=1), np.repeat(kn, rep, axis=1)  # [n, VH, dk]
-    decay = np.exp(-np.exp(A_log.astype(np.float64)) * _softplus(a.astype(np.float64) + dt_bias.astype(np.float64)))
+    decay = np.exp(-np.exp(A_log.astype(np.float64)) * ref.softplus(a.astype(np.float64) + dt_bias.astype(np.float64)))
     beta = 1.0 / (1.0 + np.exp(-b.astype(np.float64)))
     out = np.zeros((n, VH, dv))
     new_state = state.astype(np.float64).copy()
