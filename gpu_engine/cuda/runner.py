@@ -465,11 +465,8 @@ class CudaRunner:
         ctx.blas.linear(proj.ptr, h.ptr, w.in_proj.ptr, n, width, cfg.hidden_size, dtype=t)
         cache = self.cache[i]
         conv_out = ctx.empty((n, conv_dim), t, "conv_out")
-        # chunks of a few tokens (decode steps, however many sequences): the per-sequence conv; the token-parallel
-        # two-launch form pays off only on long chunks (27B decode, b=32: 49 -> 11 us per layer, H200)
-        short = self._longest < ops.GDN_TWO_PASS_MIN_TOKENS
         ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m["cu"], m["slots"], m["fresh"],
-                        token_seq=m["tok_seq"], method="sequential" if short else "auto")
+                        token_seq=m["tok_seq"])
         core = ctx.empty((n, vdim), t, "core")
         gdn_args = (ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
                     proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
