@@ -23,10 +23,27 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 CHILD_TIMEOUT_S = 300
+
+
+@contextmanager
+def born_bf16(device: str) -> Iterator[None]:
+    """Modules built inside are created on `device` with bf16 parameters (transformers' init runs there: no float32
+    model ever exists); the default dtype is restored on the way out, also after an error."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def build_model(text_config: dict[str, Any], tied: bool, device: str):
@@ -35,14 +52,9 @@ def build_model(text_config: dict[str, Any], tied: bool, device: str):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(**{**text_config, "tie_word_embeddings": tied})
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters are born bf16: no float32 model ever exists
-    try:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    torch.manual_seed(0)
+    with born_bf16(device):
+        model = Qwen3_5ForCausalLM(cfg)
     return model.eval()
 
 

@@ -23,14 +23,14 @@ def measure(config: dict, side: int, device: str, repeats: int = 5) -> dict:
     import torch
     from transformers.models.qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
 
+    from hf_reference_bench import born_bf16
+
     patch = config["patch_size"]
     if side % (patch * config["spatial_merge_size"]):
         raise ValueError(f"side {side} is not a multiple of patch_size x spatial_merge_size")
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
+    with born_bf16(device):
         model = Qwen3_5VisionModel(Qwen3_5VisionConfig(**config)).eval()
-    torch.set_default_dtype(torch.float32)
     grid = side // patch
     values = config["in_channels"] * config["temporal_patch_size"] * patch * patch
     pixels = torch.randn(grid * grid, values, device=device, dtype=torch.bfloat16)
