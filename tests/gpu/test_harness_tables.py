@@ -1,0 +1,33 @@
+"""The kernel-level checks' shared table (harness.result_table): the layouts check_kernels, check_flash and
+check_deltanet_chunked print on the GPU machine, pinned character for character (logs are compared across runs)."""
+from __future__ import annotations
+
+import math
+
+from tests.gpu import check_deltanet_chunked, check_flash, check_kernels
+from tests.gpu.harness import Result, result_table
+
+ROWS = [Result("short", "bf16", 1.23e-3, 1e-2, True), Result("broken", "f32", math.nan, 1e-4, False, "boom")]
+
+
+def test_table_with_the_dtype_column() -> None:
+    assert check_kernels.format_table(ROWS) == "\n".join([
+        f"{'check':<40} dtype     rel.err      tol  ok", "-" * 72,
+        f"{'short':<40} bf16     1.23e-03    1e-02  PASS",
+        f"{'broken':<40} f32           nan    1e-04  FAIL  boom",
+        "1/2 passed"])
+
+
+def test_table_without_the_dtype_column() -> None:
+    assert check_flash.format_table(ROWS) == "\n".join([
+        f"{'case':<44}    rel.err      tol  ok", "-" * 70,
+        f"{'short':<44}   1.23e-03    1e-02  PASS",
+        f"{'broken':<44}        nan    1e-04  FAIL  boom",
+        "1/2 passed"])
+
+
+def test_name_column_grows_with_the_longest_name() -> None:
+    long = Result("x" * 50, "bf16", 0.0, 1e-2, True)
+    lines = check_deltanet_chunked.format_table([long]).splitlines()
+    assert lines[0].startswith("check" + " " * 46 + "dtype") and lines[1] == "-" * 82
+    assert result_table([]) == f"{'check':<40} dtype     rel.err      tol  ok\n{'-' * 72}\n0/0 passed"
