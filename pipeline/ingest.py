@@ -36,7 +36,7 @@ import vision
 from vision import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
-from .models import Batch, BatchItem, Document, DocumentStatus, Job, JobState, utcnow
+from .models import Batch, BatchItem, Document, DocumentStatus, Job
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .schemas import SchemaRef, latest_schema_ref
 
@@ -62,7 +62,7 @@ class IngestOutcome:
 
 @dataclass(frozen=True)
 class InsertedRows:
-    """The two rows an intake of new bytes inserted, with every column value it wrote (ids included), and the job's
+    """The two rows an intake of new bytes inserted, every column as stored (the INSERTs return them), and the job's
     schema, so that the caller can answer without reading anything back."""
 
     document: dict[str, Any]
@@ -336,8 +336,9 @@ def receive_file(
 
 
 # Built once (their cache keys are memoised): an upload executes them without constructing statements.
-_INSERT_DOCUMENT = insert(Document.__table__)
-_INSERT_JOB = insert(Job.__table__)
+# RETURNING every column: the outcome carries the rows as stored (defaults included) without reading them back.
+_INSERT_DOCUMENT = insert(Document.__table__).returning(*Document.__table__.c)
+_INSERT_JOB = insert(Job.__table__).returning(*Job.__table__.c)
 
 
 def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,
@@ -364,19 +365,15 @@ def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed
             if sniffed is None:
                 return None
             job_schema = schema_for(sniffed.kind)
-            now = utcnow()  # written explicitly (not the column default) so the outcome holds the stored value
-            document = {"sha256": sha, "original_name": label[:1024], "size_bytes": size, "created_at": now,
-                        **_received_fields(sniffed)}
             try:
                 with _savepoint(p, conn):  # on the connection: a Session savepoint starts only with its next use
-                    document["id"] = int(conn.execute(_INSERT_DOCUMENT, document).inserted_primary_key[0])
+                    document = dict(conn.execute(_INSERT_DOCUMENT, {
+                        "sha256": sha, "original_name": label[:1024], "size_bytes": size,
+                        **_received_fields(sniffed)}).one()._mapping)
             except IntegrityError:
                 continue
-            job = {"document_id": document["id"], "schema_id": job_schema.id, "model_key": p.model_key,
-                   "state": JobState.queued.value, "attempts": 0, "owner": None, "lease_until": None, "error": None,
-                   "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
-                   "model_seconds": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
-            job["id"] = int(conn.execute(_INSERT_JOB, job).inserted_primary_key[0])
+            job = dict(conn.execute(_INSERT_JOB, {"document_id": document["id"], "schema_id": job_schema.id,
+                                                  "model_key": p.model_key}).one()._mapping)
             return IngestOutcome(label, "new", document_id=document["id"], job_id=job["id"],
                                  inserted=InsertedRows(document, job, job_schema))
     return None
