@@ -451,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             results["prefill_ops_2b"] = bench_prefill_ops(ctx, rng, 8192 if not args.quick else 512)
     finally:
         ctx.close()
+    model_batches = batches if not args.quick else (1, 4)  # our runner's decode batches (transformers': batches)
     for name in [] if args.no_model else args.shapes.split(","):
         lens = (1024, 8192) if not args.quick else (128,)
-        dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"], batches if not args.quick else (1, 4))
+        dec = bench_model(name, rng, lens, 20, copy["memcpy_GBps"], model_batches)
         results[f"model_{name}"] = dec
         if args.json:  # keep what is done if a later shape runs out of time
             Path(args.json).write_text(json.dumps(results, indent=1))
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{name}: decode b=1, {label}",
                          f"{ms:.3f} ms = {1e3 / ms:.0f} tok/s, {100 * dec['roofline_ms'] / ms:.0f}% of HBM roofline"))
         rows.append((f"{name}: decode roofline", f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
-        for b in (batches if not args.quick else (1, 4)):
+        for b in model_batches:
             ms = dec[f"decode_b{b}_forward_ms"]
             rows.append((f"{name}: decode b={b}, forward(), graphs",
                          f"{ms:.3f} ms/step = {dec[f'decode_b{b}_tok_s']:.0f} tok/s, "
