@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+from collections.abc import Callable
 from collections import defaultdict
 from pathlib import Path
 
@@ -73,11 +74,21 @@ class OpTimer:
 # Kernel choices to compare in one run: op -> keyword arguments that replace the runner's. "before" is what the
 # runner ran before session 3 (2026-11-30): per-head attention, the token-parallel conv for any step of 16+ tokens,
 # one state row per warp in the delta-rule recurrence.
-VARIANTS: dict[str, dict[str, dict[str, object]]] = {
+# An entry is the keyword arguments, or a function of the call's positional arguments that gives them.
+Overrides = dict[str, object] | Callable[[tuple], dict[str, object]]
+VARIANTS: dict[str, dict[str, Overrides]] = {
     "current": {},
-    "before": {"paged_attention": {"method": "per_head"}, "conv1d_silu": {"method": "auto"},
+    "before": {"paged_attention": {"method": "per_head"},
+               # then: the token-parallel conv for any step of 16+ tokens (args[1] is `out`, one row per token)
+               "conv1d_silu": lambda args: {"method": "tokens" if args[1].shape[0] >= ops.GDN_TWO_PASS_MIN_TOKENS
+                                            else "sequential"},
                "gated_delta_rule": {"method": "auto", "rows": 1}},
 }
+
+
+def _overrides(variant: str, op: str, args: tuple) -> dict[str, object]:
+    entry = VARIANTS[variant].get(op, {})
+    return entry(args) if callable(entry) else entry
 
 
 def install(timer: OpTimer, variant: dict[str, str]) -> None:
@@ -85,7 +96,7 @@ def install(timer: OpTimer, variant: dict[str, str]) -> None:
     for op in TRACED_OPS:
         traced = timer.wrap(lambda *a, _op=op, **k: _op, getattr(ops, op))
         setattr(ops, op, lambda *a, _op=op, _traced=traced, **k: _traced(
-            *a, **{**k, **VARIANTS[variant["name"]].get(_op, {})}))
+            *a, **{**k, **_overrides(variant["name"], _op, a)}))
     deltanet_chunked.chunked_gated_delta_rule = timer.wrap(lambda *a, **k: "chunked_gated_delta_rule",
                                                            deltanet_chunked.chunked_gated_delta_rule)
     blas = timer.ctx.blas
