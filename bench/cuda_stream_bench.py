@@ -150,26 +150,9 @@ def reference_check(workdir: Path, runner: str, *, tie_margin: float = 1e-3, max
 
 
 def _exact_engine(folder: Path, runner: str, config: EngineConfig) -> Callable[[], Engine]:
-    """An Engine the way Engine.from_pretrained builds one, but with the runner in float32 for exact tokens."""
-    def make() -> Engine:
-        if runner != "cuda":
-            return Engine.from_pretrained(folder, runner=runner, config=config)
-        from gpu_engine.cuda.runner import CudaRunner
-        from gpu_engine.loader import load_weights
-        from gpu_engine.model import LoadedModel
-        from gpu_engine.config import ModelConfig
-        from gpu_engine.tokenizer import Tokenizer
-
-        model_config = ModelConfig.from_pretrained(folder)
-        weights, fingerprint = load_weights(folder, model_config)
-        loaded = LoadedModel(config=model_config, fingerprint=fingerprint, path=folder,
-                             runner=CudaRunner(model_config, weights, dtype="f32", memory_budget=2 << 30))
-        eos = getattr(model_config, "eos_token_ids", None)
-        return Engine(loaded.runner, Tokenizer.from_pretrained(folder), vocab_size=model_config.text.vocab_size,
-                      config=config, prepare=loaded.prepare, model_fingerprint=fingerprint,
-                      eos_token_ids=list(eos) if eos else None,
-                      model_max_len=model_config.text.max_position_embeddings)
-    return make
+    """An Engine as Engine.from_pretrained builds one, with the cuda runner in float32 for exact tokens."""
+    options = {"dtype": "f32", "memory_budget": 2 << 30} if runner == "cuda" else None
+    return lambda: Engine.from_pretrained(folder, runner=runner, config=config, runner_options=options)
 
 
 def _close(engine: Engine) -> None:

@@ -188,11 +188,13 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         expected_digests: dict[str, str] | None = None,
+        runner_options: dict[str, Any] | None = None,
     ) -> Engine:
+        """`runner_options`: keyword arguments of the cuda runner (see gpu_engine.model.load)."""
         from .model import load
         from .tokenizer import Tokenizer
 
-        loaded = load(folder, runner=runner, expected_digests=expected_digests)
+        loaded = load(folder, runner=runner, expected_digests=expected_digests, runner_options=runner_options)
         tokenizer = Tokenizer.from_pretrained(folder)
         loaded.use_tokenizer(tokenizer)
         eos = list(loaded.config.eos_token_ids) if getattr(loaded.config, "eos_token_ids", None) else None

@@ -39,17 +39,22 @@ def load(
     runner: str = "reference",
     *,
     expected_digests: dict[str, str] | None = None,
+    runner_options: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner."""
+    """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner.
+    `runner_options`: keyword arguments of the cuda runner (e.g. dtype="f32", memory_budget=...)."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
+    if runner_options and runner != "cuda":
+        raise ValueError(f"runner_options are for runner='cuda' (got runner={runner!r})")
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests)
-    return LoadedModel(config=config, fingerprint=fingerprint, path=folder, runner=_make_runner(runner, config, weights))
+    return LoadedModel(config=config, fingerprint=fingerprint, path=folder,
+                       runner=_make_runner(runner, config, weights, runner_options or {}))
 
 
-def _make_runner(name: str, config: ModelConfig, weights: ModelWeights) -> Runner:
+def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options: dict[str, Any]) -> Runner:
     if name == "reference":
         from .reference.runner import ReferenceRunner
 
@@ -61,7 +66,7 @@ def _make_runner(name: str, config: ModelConfig, weights: ModelWeights) -> Runne
             f"runner='cuda' is unavailable: {exc}. Install the extra (pip install -e '.[cuda]') on a machine with an "
             "NVIDIA GPU, or use runner='reference'."
         ) from exc
-    return CudaRunner(config, weights)
+    return CudaRunner(config, weights, **options)
 
 
 def _is_token_ids(x: Any) -> bool:

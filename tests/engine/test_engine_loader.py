@@ -278,3 +278,34 @@ def test_duplicate_tensor_under_two_names(copy_of):
     rewrite(folder, edit)
     with pytest.raises(CheckpointError, match="duplicate of"):
         gpu_engine.load(folder)
+
+
+def test_runner_options_reach_the_cuda_runner_and_only_it(tiny, monkeypatch):
+    """gpu_engine.load passes runner_options to the cuda runner (bench/cuda_stream_bench builds its float32 engine
+    through Engine.from_pretrained that way); with the reference runner they are refused, not ignored."""
+    import types
+
+    import gpu_engine.model
+    from gpu_engine.engine import Engine
+
+    with pytest.raises(ValueError, match="runner_options are for runner='cuda'"):
+        gpu_engine.load(tiny, runner="reference", runner_options={"dtype": "f32"})
+
+    class FakeCudaRunner:  # stands in for gpu_engine.cuda.runner.CudaRunner (no GPU here)
+        def __init__(self, config, weights, **options):
+            self.options = options
+
+    monkeypatch.setitem(sys.modules, "gpu_engine.cuda.runner", types.SimpleNamespace(CudaRunner=FakeCudaRunner))
+    loaded = gpu_engine.load(tiny, runner="cuda", runner_options={"dtype": "f32", "memory_budget": 1 << 30})
+    assert loaded.runner.options == {"dtype": "f32", "memory_budget": 1 << 30}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(folder, **kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(gpu_engine.model, "load", fake_load)
+    with pytest.raises(Stop) as stopped:
+        Engine.from_pretrained(tiny, runner="cuda", runner_options={"dtype": "f32"})
+    assert stopped.value.args[0]["runner_options"] == {"dtype": "f32"}
