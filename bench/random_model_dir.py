@@ -14,8 +14,6 @@ No SHA256SUMS unless asked (the loader then hashes the files once, for the finge
 """
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import numpy as np
 from gpu_engine.config import ModelConfig
 from gpu_engine.cuda.bf16 import f32_to_bf16_bits
 from gpu_engine.loader import SINGLE_FILE, checkpoint_name, expected_shapes
-from gpu_engine.tiny import write_sums
+from gpu_engine.tiny import safetensors_header, write_json, write_sums
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 
 BF16_ONE = 0x3F80
@@ -52,8 +50,8 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
         "image_token_id": vocab.image_token_id, "video_token_id": vocab.video_token_id,
         "vision_start_token_id": vocab.vision_start_token_id, "vision_end_token_id": vocab.vision_end_token_id,
     }
-    _write_json(folder / "config.json", config)
-    _write_json(folder / "generation_config.json", {"eos_token_id": [vocab.eos_token_id, vocab.endoftext_token_id],
+    write_json(folder / "config.json", config)
+    write_json(folder / "generation_config.json", {"eos_token_id": [vocab.eos_token_id, vocab.endoftext_token_id],
                                                     "pad_token_id": vocab.pad_token_id})
     write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
                             merge_size=vision["spatial_merge_size"], image_min_pixels=image_min_pixels,
@@ -93,22 +91,9 @@ def write_bf16_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
     """A safetensors file of BF16 tensors (sorted names), the header written first from the shapes, the data
     streamed after it: at most one tensor is in memory at a time."""
     names = sorted(shapes)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in names:
-        nbytes = 2 * int(np.prod(shapes[name], dtype=np.int64))
-        header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+        f.write(safetensors_header((n, "BF16", shapes[n], 2 * int(np.prod(shapes[n], dtype=np.int64))) for n in names))
         for expected, (name, data) in zip(names, tensors, strict=True):
             if name != expected or data.dtype != np.uint16 or data.shape != tuple(shapes[name]):
                 raise ValueError(f"tensor {name} {data.dtype} {data.shape} does not match {expected} {shapes[expected]}")
             np.ascontiguousarray(data).tofile(f)
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")

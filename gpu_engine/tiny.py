@@ -11,6 +11,7 @@ import copy
 import json
 import struct
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,8 +106,8 @@ def make_tiny_checkpoint(
         "tie_word_embeddings": False,
         **overrides,
     }
-    _write_json(folder / "config.json", config)
-    _write_json(folder / "generation_config.json", {
+    write_json(folder / "config.json", config)
+    write_json(folder / "generation_config.json", {
         "eos_token_id": [vocab.eos_token_id, vocab.endoftext_token_id],
         "pad_token_id": vocab.pad_token_id,
     })
@@ -160,26 +161,27 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], *, dtype: str = "float32") -> None:
-    """Write a safetensors file (sorted names, 8-byte-aligned header) in float32 or bfloat16."""
+def safetensors_header(tensors: Iterable[tuple[str, str, Sequence[int], int]]) -> bytes:
+    """The 8-byte length and the JSON header (padded to 8 bytes) of a safetensors file whose tensors, given as
+    (name, dtype tag such as "F32" or "BF16", shape, byte size), follow it in this order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs = []
     offset = 0
-    for name in sorted(tensors):
-        array = tensors[name]
-        data = (_to_bf16_bits(array) if dtype == "bfloat16" else np.ascontiguousarray(array, dtype="<f4")).tobytes()
-        header[name] = {
-            "dtype": "BF16" if dtype == "bfloat16" else "F32",
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
+    for name, tag, shape, nbytes in tensors:
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], *, dtype: str = "float32") -> None:
+    """Write a safetensors file (sorted names, 8-byte-aligned header) in float32 or bfloat16."""
+    names = sorted(tensors)
+    blobs = [(_to_bf16_bits(tensors[n]) if dtype == "bfloat16" else np.ascontiguousarray(tensors[n], dtype="<f4"))
+             .tobytes() for n in names]
+    tag = "BF16" if dtype == "bfloat16" else "F32"
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+        f.write(safetensors_header((n, tag, tensors[n].shape, len(b)) for n, b in zip(names, blobs)))
         for blob in blobs:
             f.write(blob)
 
@@ -196,7 +198,7 @@ def _write_weights(folder: Path, tensors: dict[str, np.ndarray], *, dtype: str, 
         write_safetensors(folder / file, part, dtype=dtype)
         weight_map.update({n: file for n in part})
     total = sum(int(a.size) * (2 if dtype == "bfloat16" else 4) for a in tensors.values())
-    _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def write_sums(folder: Path) -> None:
@@ -207,5 +209,5 @@ def write_sums(folder: Path) -> None:
     (folder / SUMS_FILE).write_text("".join(lines))
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
+def write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
