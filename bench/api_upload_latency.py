@@ -264,7 +264,6 @@ async def round_of_uploads(base: str, bodies: list[bytes], concurrency: int, cli
     }
 
 
-UPLOAD_SERIES = 'docpipe_http_request_seconds_bucket{le="'
 UPLOAD_LABELS = 'method="POST",route="/v1/documents"'
 
 

@@ -76,7 +76,6 @@ class CudaRunner:
         self.config = model_config
         self.cfg = model_config.text
         self.dtype = dtype
-        self.weights_host = weights
         budget = memory_budget or _default_budget(device_id)
         self.ctx = GpuContext(budget, device_id)
         # Programmatic dependent launch between our kernels (DOCPIPE_CUDA_PDL=1); needs sm_90 or newer.
@@ -102,7 +101,6 @@ class CudaRunner:
         self._after_weights = self.ctx.arena.mark()
         self.spec: CacheSpec | None = None
         self.cache: dict[int, _LayerCache] = {}
-        self._after_cache = self._after_weights
         self._longest = 0  # longest chunk of the step being enqueued (picks the attention kernel)
         # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
         # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
@@ -153,7 +151,6 @@ class CudaRunner:
                 if arr is not None:
                     ctx.device.memset(arr.ptr, 0, arr.nbytes)
         self.spec = spec
-        self._after_cache = ctx.arena.mark()
 
     def copy_state_slot(self, src: int, dst: int) -> None:
         spec = self._spec()
