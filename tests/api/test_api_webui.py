@@ -59,7 +59,11 @@ def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_s
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     driver = browser
-    wait = WebDriverWait(driver, 90, poll_frequency=0.2)
+    # The live list re-renders its rows as statuses change: an element found a moment ago may be replaced before it
+    # is read, so a stale reference means "look again", like a missing one.
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
     driver.get(sqlite_server.base + "/")
 
     # Without a key the page says in words what to do.
