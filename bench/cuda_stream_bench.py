@@ -10,8 +10,8 @@ What runs:
    across prefill chunks). Every greedy token must match, except after a near-tie (the reference's top-2 logprob
    gap below --tie-margin). For "cuda" the same requests also run through Engine.from_pretrained(runner="cuda")
    (bf16): its agreement is reported, not required. Any mismatch or unfinished request raises StreamCheckFailed.
-2. a 2B-class model folder (bench/cuda_bench.py's 2B text shape + a Qwen3.5-shaped vision tower, random bf16
-   weights, the bundled tokenizer; bench/random_model_dir.py) is written and loaded by Engine.from_pretrained.
+2. a model folder of the --shape class (bench/qwen35_shapes.py: its text shape and its own vision tower, random
+   bf16 weights, the bundled tokenizer; bench/random_model_dir.py) is written and loaded by Engine.from_pretrained.
 3. warm-up: 4 requests (2 images) with logprobs, which must all be finite.
 4. --reps repetitions of a --requests-long stream (bench/stream_requests.py: seeded Poisson arrivals, half with
    one random-pixel image of 448..1024 px a side, half text of a few hundred tokens), each repetition with fresh
@@ -37,6 +37,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from qwen35_shapes import SHAPE_NAMES, model_shape  # noqa: E402
 from stream_requests import (RequestTiming, StreamRequest, check_timings, make_stream,  # noqa: E402
                              summarize)
 
@@ -249,18 +250,15 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Every stage, in order, filling `result` as it goes (so a StreamCheckFailed leaves what was measured)."""
     from random_model_dir import write_random_model_dir
 
-    from cuda_bench import SHAPES
-    from cuda_operator_bench import VISION_2B
-
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="docpipe-stream-"))
     if not args.no_reference_check:
         result["reference_check"] = reference_check(workdir, args.runner, tie_margin=args.tie_margin)
         if result["reference_check"]["problems"]:
             raise StreamCheckFailed("engine outputs differ from the reference runner: "
                                     + "; ".join(result["reference_check"]["problems"][:8]))
-    text_cfg, tied = SHAPES[args.shape]
+    text_cfg, vision_cfg, tied = model_shape(args.shape)  # each class with its own tower (out_hidden = hidden)
     t0 = time.perf_counter()
-    folder = write_random_model_dir(workdir / f"random-{args.shape}", text_cfg, VISION_2B, tied=tied, seed=args.seed)
+    folder = write_random_model_dir(workdir / f"random-{args.shape}", text_cfg, vision_cfg, tied=tied, seed=args.seed)
     result["write_model_s"] = time.perf_counter() - t0
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                           kv_cache_bytes=args.kv_cache_bytes)
@@ -301,7 +299,8 @@ def stream_args(args: argparse.Namespace, prefix: str = "") -> argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--shape", default="2b", help="text shape of bench/cuda_bench.py SHAPES")
+    parser.add_argument("--shape", default="2b", choices=SHAPE_NAMES,
+                        help="model class (text + vision tower) of bench/qwen35_shapes.py")
     add_arguments(parser)
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"info": {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
