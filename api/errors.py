@@ -19,7 +19,9 @@ from pipeline.errors import (
     JobStateError,
     NotFoundError,
     PipelineError,
+    SchemaTooComplexError,
     UnknownSchemaError,
+    UnstorableTextError,
 )
 
 log = logging.getLogger("docpipe.api")
@@ -129,11 +131,26 @@ def problem_response(
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
 
+def new_incident() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _logged_incident(request: Request, status: int, code: str, detail: str) -> dict[str, Any]:
+    """A 5xx answer's `incident` id, written to the server log with what the client was told, so an operator
+    can find any 5xx a client reports; nothing for a 4xx (the client's to fix)."""
+    if status < 500:
+        return {}
+    incident = new_incident()
+    log.error("%s %s answered %d %s (incident %s): %s", request.method, request.url.path, status, code, incident,
+              detail)
+    return {"incident": incident}
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return problem_response(
         exc.status, exc.code, exc.detail, title=exc.title, instance=request.url.path, headers=exc.headers,
-        extra=exc.extra,
+        extra={**exc.extra, **_logged_incident(request, exc.status, exc.code, exc.detail)},
     )
 
 
@@ -142,7 +159,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
     detail = exc.detail if isinstance(exc.detail, str) else _default_title(exc.status_code)
     return problem_response(
-        exc.status_code, code, detail, instance=request.url.path, headers=getattr(exc, "headers", None)
+        exc.status_code, code, detail, instance=request.url.path, headers=getattr(exc, "headers", None),
+        extra=_logged_incident(request, exc.status_code, code, detail),
     )
 
 
@@ -177,11 +195,21 @@ def pipeline_error_to_api(exc: PipelineError) -> ApiError:
         return ApiError(404, f"{exc.kind.replace(' ', '_')}_not_found", str(exc))
     if isinstance(exc, UnknownSchemaError):
         return ApiError(422, "unknown_schema", str(exc))
+    if isinstance(exc, SchemaTooComplexError):
+        return schema_too_complex(exc, 422)
+    if isinstance(exc, UnstorableTextError):
+        return ApiError(422, "invalid_text", str(exc), extra={"field": exc.field})
     if isinstance(exc, InvalidSchemaError):
         return ApiError(422, "invalid_schema", str(exc))
     if isinstance(exc, JobStateError):
         return ApiError(409, "job_state_conflict", str(exc))
     return ApiError(422, "pipeline_error", str(exc))
+
+
+def schema_too_complex(exc: SchemaTooComplexError, status: int) -> ApiError:
+    """A schema over the budget: 422 where a schema is the resource (POST /v1/schemas), 400 where it is one
+    parameter of a request (the chat endpoint's response_format)."""
+    return ApiError(status, "schema_too_complex", str(exc), extra={"limit": exc.limit, "maximum": exc.maximum})
 
 
 async def _pipeline_error(request: Request, exc: Exception) -> JSONResponse:
@@ -192,7 +220,7 @@ async def _pipeline_error(request: Request, exc: Exception) -> JSONResponse:
 def unexpected_error_response(method: str, path: str) -> JSONResponse:
     """A 500 problem document for an exception nothing else handled (logged here with an incident id; the
     client sees the id, never the exception)."""
-    incident = uuid.uuid4().hex[:12]
+    incident = new_incident()
     log.exception("unhandled error on %s %s (incident %s)", method, path, incident)
     return problem_response(
         500, "internal_error", f"The server failed to handle this request (incident {incident}); "

@@ -23,6 +23,7 @@ from typing import Any
 from pipeline.ingest import IngestOutcome, InsertedRows, create_batch, ingest_file, receive_file
 from pipeline.jobs import retry_job as pipeline_retry_job
 from pipeline.schemas import get_schema
+from pipeline.storable_text import clean_display_name
 
 from .context import ApiContext
 from .errors import ApiError
@@ -97,8 +98,9 @@ def _options(form: ReceivedForm) -> tuple[str | None, str | None]:
 
 
 def _display_name(f: SpooledFile) -> str:
-    # The client's name is only shown, never used as a path; keep its last component, bounded.
-    name = f.filename.replace("\\", "/").rsplit("/", 1)[-1].strip() or "upload"
+    # The client's name is only shown, never used as a path; keep its last component, bounded, without the
+    # control characters (NUL among them) that the database cannot store or a screen cannot show.
+    name = clean_display_name(f.filename).replace("\\", "/").rsplit("/", 1)[-1].strip() or "upload"
     return name[:MAX_NAME]
 
 

@@ -23,8 +23,11 @@ from starlette.types import Receive, Scope, Send
 from gpu_engine.async_engine import EngineStoppedError
 from gpu_engine.engine import RequestError
 from gpu_engine.params import RequestOutput, SamplingParams, TokenLogprob
+from pipeline.errors import SchemaTooComplexError
+from pipeline.schemas import check_schema_budget
 
-from .errors import ApiError
+from .bounds import MAX_SEED
+from .errors import ApiError, schema_too_complex
 from .limits import ApiLimits, EngineSlots
 from .media import decode_image, write_video
 from .openai_schema import (
@@ -129,6 +132,10 @@ def _json_schema_of(req: ChatCompletionRequest) -> dict[str, Any] | None:
         raise ApiError(400, "invalid_response_format", "response_format json_schema needs a json_schema.schema.")
     schema = fmt.json_schema.schema_
     try:
+        check_schema_budget(schema, "response_format.json_schema.schema")  # before anything recurses into it
+    except SchemaTooComplexError as exc:
+        raise schema_too_complex(exc, 400) from None
+    try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ApiError(400, "invalid_json_schema", f"response_format.json_schema.schema is not valid JSON Schema: "
@@ -146,6 +153,8 @@ def build_engine_request(
     if req.top_logprobs:
         raise ApiError(400, "unsupported_parameter", "top_logprobs is not supported; use logprobs: true for the "
                        "chosen tokens' log probabilities.")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise ApiError(400, "seed_out_of_range", f"seed must be an integer from 0 to {MAX_SEED}, got {req.seed}.")
     asked = req.max_completion_tokens or req.max_tokens
     if asked is not None and asked > limits.max_completion_tokens:
         raise ApiError(400, "max_tokens_too_large",

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Row, and_, bindparam, exists, or_, select
+from sqlalchemy import ColumnElement, Connection, Row, and_, bindparam, exists, false, or_, select
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
+from pipeline.storable_text import storable
 
+from .bounds import MAX_ROW_ID
 from .errors import ApiError, NotFound
 
 
@@ -28,8 +30,8 @@ def decode_cursor(cursor: str) -> int:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         prefix, _, value = raw.partition(":")
-        if prefix != "d" or not value.isdigit():
-            raise ValueError(raw)
+        if prefix != "d" or not value.isascii() or not value.isdigit() or int(value) > MAX_ROW_ID:
+            raise ValueError(raw)  # out of the id range: no id we issued, and PostgreSQL would overflow on it
         return int(value)
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise BadCursor() from None
@@ -58,7 +60,8 @@ def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | No
     if flt.created_before is not None:
         stmt = stmt.where(Document.created_at < flt.created_before)
     if flt.schema is not None:
-        stmt = stmt.where(exists().where(_job_of_schema(flt.schema)))
+        # A name the database cannot store names no schema (and PostgreSQL would refuse it as a parameter).
+        stmt = stmt.where(exists().where(_job_of_schema(flt.schema)) if storable(flt.schema) else false())
     if flt.status is not None:
         # Status of a document = state of its latest job (the API's `status`), or failed when unreadable.
         j = aliased(Job)

@@ -16,8 +16,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
@@ -27,6 +28,11 @@ from .errors import ApiError, BodyTooLarge
 
 MAX_FIELD_BYTES = 64 * 1024  # text fields (schema name, password) are small
 MAX_FIELDS = 32
+# The multipart framing itself, explicit rather than whatever the parser allows (python-multipart takes 256-byte
+# boundaries and any amount of part headers, each header accumulated in memory until the body limit).
+MAX_BOUNDARY_BYTES = 70  # RFC 2046, section 5.1.1; what browsers, curl and httpx send is 30-70
+MAX_PART_HEADER_BYTES = 4096  # names and values of one part's headers together
+MAX_PART_HEADERS = 8  # headers of one part (Content-Disposition and Content-Type are what we read)
 MEMORY_FILE_BYTES = 1024 * 1024  # a file part up to this size may stay in memory (see MemoryBudget)
 
 
@@ -113,24 +119,44 @@ class _FormBuilder:
         self.spool_dir = spool_dir
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
+        self.max_parts = max_files + MAX_FIELDS  # repeated field names overwrite: count the parts themselves
         self.memory = memory
         self.form = ReceivedForm(memory=memory)
         self.part = _Part()
+        self.parts = 0
         self.header_name = b""
         self.header_value = b""
+        self.header_bytes = 0  # of the current part's headers
+        self.header_count = 0
         self.open_part: _Part | None = None  # the file part being received (cleaned up on abort)
 
     # -- callbacks ------------------------------------------------------------------------------------------------
     def on_part_begin(self) -> None:
+        self.parts += 1
+        if self.parts > self.max_parts:
+            raise ApiError(400, "too_many_parts", f"At most {self.max_parts} parts per multipart request "
+                           f"({self.max_files} file(s) and {MAX_FIELDS} fields).")
         self.part = _Part()
+        self.header_bytes = 0
+        self.header_count = 0
+
+    def _count_header_bytes(self, n: int) -> None:
+        self.header_bytes += n
+        if self.header_bytes > MAX_PART_HEADER_BYTES:
+            raise _headers_too_large()
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._count_header_bytes(end - start)
         self.header_name += data[start:end]
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._count_header_bytes(end - start)
         self.header_value += data[start:end]
 
     def on_header_end(self) -> None:
+        self.header_count += 1
+        if self.header_count > MAX_PART_HEADERS:
+            raise _too_many_headers()
         self.part.headers[self.header_name.strip().lower()] = self.header_value.strip()
         self.header_name = b""
         self.header_value = b""
@@ -229,22 +255,27 @@ async def _chunks(request: Request, idle_timeout_s: float) -> AsyncIterator[byte
 
 async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, *, max_file_bytes: int,
                        max_files: int, idle_timeout_s: float = 60.0) -> ReceivedForm:
-    """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/408/413/415) on bad input."""
+    """Parse a multipart/form-data request body as it streams in. Raises ApiError (400/408/413/415) on bad input,
+    the framing limits above included."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data":
         raise ApiError(415, "unsupported_media_type", "Send the upload as multipart/form-data.")
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError(400, "malformed_multipart", "The multipart Content-Type has no boundary.")
+    if len(boundary) > MAX_BOUNDARY_BYTES:
+        raise ApiError(400, "multipart_boundary_too_long", f"The multipart boundary is {len(boundary)} bytes long; "
+                       f"at most {MAX_BOUNDARY_BYTES} are allowed (RFC 2046).",
+                       extra={"limit_bytes": MAX_BOUNDARY_BYTES})
     builder = _FormBuilder(spool_dir, max_file_bytes, max_files, memory)
     callbacks = {
         name: getattr(builder, name)
         for name in ("on_part_begin", "on_part_data", "on_part_end", "on_header_field", "on_header_value",
                      "on_header_end", "on_headers_finished")
     }
-    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
     completed = False
     try:
+        parser = _parser(boundary, callbacks)
         async for chunk in _chunks(request, idle_timeout_s):
             if chunk:
                 parser.write(chunk)
@@ -257,11 +288,45 @@ async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, 
         raise
     except ClientDisconnect:
         raise ApiError(400, "client_disconnected", "The client closed the connection before the upload finished.")
+    except MultipartParseError as exc:
+        raise _header_limit_error(exc) or ApiError(400, "malformed_multipart", "The multipart body could not be "
+                                                   f"parsed: {exc}") from exc
     except Exception as exc:  # python-multipart raises its own parse errors (and ValueError) on malformed input
         raise ApiError(400, "malformed_multipart", f"The multipart body could not be parsed: {exc}") from exc
     finally:
         if not completed:
             builder.abort()
+
+
+def _parser(boundary: bytes, callbacks: dict[str, Any]) -> MultipartParser:
+    """The parser, with our header limits where its version takes them (0.0.2x+; older ones have none, and our
+    callbacks count the same limits)."""
+    try:
+        return MultipartParser(boundary, callbacks,  # type: ignore[arg-type]
+                               max_header_size=MAX_PART_HEADER_BYTES, max_header_count=MAX_PART_HEADERS)
+    except TypeError:
+        return MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+
+
+def _header_limit_error(exc: MultipartParseError) -> ApiError | None:
+    """The parser's own header limits (it checks a header line as it scans it, before our callbacks see it)
+    answered as ours are."""
+    message = str(exc)
+    if "Maximum header size" in message:
+        return _headers_too_large()
+    if "Maximum header count" in message:
+        return _too_many_headers()
+    return None
+
+
+def _headers_too_large() -> ApiError:
+    return ApiError(413, "multipart_headers_too_large", f"The headers of one form part exceed "
+                    f"{MAX_PART_HEADER_BYTES} bytes; a file part needs only Content-Disposition and Content-Type.",
+                    extra={"limit_bytes": MAX_PART_HEADER_BYTES})
+
+
+def _too_many_headers() -> ApiError:
+    return ApiError(400, "too_many_part_headers", f"A form part has more than {MAX_PART_HEADERS} headers.")
 
 
 def sweep_spool(spool_dir: Path, older_than_s: float) -> int:

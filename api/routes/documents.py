@@ -5,11 +5,11 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from anyio import to_thread
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Query, Request, status
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from . import RowId
+from . import PageIndex, RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx
 from ..errors import ApiError
@@ -90,8 +90,7 @@ def documents_result(doc_id: RowId, ctx: ApiContext = Depends(get_ctx),
 
 @router.get("/v1/documents/{doc_id}/pages/{index}.png", response_class=FileResponse,
             responses={200: {"content": {"image/png": {}}}})
-def documents_page_image(doc_id: RowId, index: Annotated[int, Path(ge=0, le=1_000_000)],
-                         ctx: ApiContext = Depends(get_ctx)) -> FileResponse:
+def documents_page_image(doc_id: RowId, index: PageIndex, ctx: ApiContext = Depends(get_ctx)) -> FileResponse:
     """The rendered page (or sampled video frame) as PNG; `index` counts from 0."""
     with ctx.pipeline.db.read_session() as s:
         key = page_blob(s, doc_id, index)
