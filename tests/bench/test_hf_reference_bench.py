@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from ci_rule import require_module
 
 from tests.bench import _paths  # noqa: F401
 import hf_reference_bench as hfb
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers.models.qwen3_5")
+torch = require_module("torch")
+require_module("transformers.models.qwen3_5")
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from ci_rule import require_module
 
 from tests.bench import _paths  # noqa: F401
 from hf_vision_bench import measure
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers.models.qwen3_5")
+require_module("torch")
+require_module("transformers.models.qwen3_5")
 
 SMALL = {"depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128, "patch_size": 16,
          "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "out_hidden_size": 96,

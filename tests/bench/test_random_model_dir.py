@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 from safetensors.numpy import load_file
 
 from tests.bench import _paths  # noqa: F401
@@ -46,7 +47,7 @@ def test_bf16_bits_round_trip_through_an_independent_reader(tmp_path: Path) -> N
     bits = {"a": rng.integers(0, 2**16, (3, 5), dtype=np.uint16), "b": rng.integers(0, 2**16, (7,), dtype=np.uint16)}
     path = tmp_path / "x.safetensors"
     write_bf16_safetensors(path, {k: v.shape for k, v in bits.items()}, iter(sorted(bits.items())))
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from safetensors.torch import load_file as load_torch
 
     back = load_torch(str(path))

@@ -5,6 +5,7 @@ import copy
 import json
 
 import pytest
+from ci_rule import require_module
 
 from gpu_engine.config import ConfigError, ModelConfig, UnsupportedModelError
 
@@ -53,7 +54,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_values_match_transformers(case, tmp_path):
-    pytest.importorskip("transformers")
+    require_module("transformers")
     from transformers import Qwen3_5Config
 
     raw = CASES[case]

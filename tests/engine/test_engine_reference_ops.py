@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
 from gpu_engine.reference.deltanet import causal_conv, chunked_gated_delta, recurrent_gated_delta
 from gpu_engine.reference.ops import apply_rope, gated_rms_norm, l2norm, mrope_cos_sin, rms_norm, softplus
@@ -53,8 +54,8 @@ def test_causal_conv_with_carried_state_equals_whole():
 
 # ---------------------------------------------------------------------------------------------- vs transformers
 
-torch = pytest.importorskip("torch")
-qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+torch = require_module("torch")
+qwen = require_module("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
 @pytest.mark.parametrize("n,initial", [(10, False), (130, True)])

@@ -6,12 +6,13 @@ import types
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
 from gpu_engine.processing_errors import ProcessorError
 from gpu_engine.rope_index import find_vision_spans, rope_index
 
-torch = pytest.importorskip("torch")
-modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+torch = require_module("torch")
+modeling = require_module("transformers.models.qwen3_5.modeling_qwen3_5")
 torch.set_num_threads(1)
 
 IMAGE, VIDEO, START, END, TEXT_MAX = 900, 901, 902, 903, 800

@@ -9,11 +9,12 @@ import random
 from pathlib import Path
 
 import pytest
+from ci_rule import require_module
 
 from gpu_engine.tiny_assets import CHAT_TEMPLATE, write_tokenizer_files
 from gpu_engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers")
 
 
 def _write_folder(folder: Path) -> None:

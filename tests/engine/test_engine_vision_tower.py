@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = require_module("torch")
+require_module("transformers")
 from safetensors.numpy import load_file  # noqa: E402
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig  # noqa: E402

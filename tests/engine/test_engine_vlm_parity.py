@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = require_module("torch")
+require_module("transformers")
 
 from PIL import Image  # noqa: E402
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 import torch
 
 from gpu_engine.cuda import rotary
@@ -14,7 +15,7 @@ from gpu_engine.cuda.errors import ArenaExhausted
 from tests.gpu import references as ref
 
 torch.set_num_threads(1)
-qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+qwen = require_module("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
 def test_arena_aligns_and_releases() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
 from tests.gpu import chunked_delta_emulation as emu
 
@@ -68,8 +69,8 @@ def test_strong_decay_has_no_overflow() -> None:
 
 
 def test_matches_transformers_chunk_and_recurrent() -> None:
-    torch = pytest.importorskip("torch")
-    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    torch = require_module("torch")
+    mod = require_module("transformers.models.qwen3_next.modeling_qwen3_next")
     rng = np.random.default_rng()
     kh, vh, dk, dv, n = 2, 4, 32, 32, 150
     batch = _batch(rng, [n], kh, vh, dk, dv, num_slots=1)
