@@ -127,6 +127,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     size of `batches` (forward() with graphs, every sequence at ~prompt_lens[0] tokens of context) of one shape
     with random bf16 weights."""
     from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
@@ -137,9 +138,9 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
     linear_params = sum(a.size for k, a in weights.text.items() if a.ndim == 2 and "embed_tokens" not in k)
-    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (24 << 30))
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=weight_bytes + (24 << 30)))
     del weights
-    out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.w.nbytes,
+    out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.model.w.nbytes,
                  "setup_s": time.perf_counter() - t0}
     bs, short = 16, prompt_lens[0]
     blocks_per_seq = (max(prompt_lens) + 4 * decode_steps + 64) // bs + 1
@@ -198,7 +199,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
         # head), DeltaNet states read + written, this sequence's KV read
         state = 2 * runner.state_bytes_per_slot()
         kv = runner.kv_bytes_per_block(bs) * (short // bs)
-        weights_read = runner.w.nbytes - (0 if tied else runner.w.embed.nbytes)
+        weights_read = runner.model.w.nbytes - (0 if tied else runner.model.w.embed.nbytes)
         out["decode_bytes"] = weights_read + state + kv
         out["roofline_ms"] = out["decode_bytes"] / copy_GBps / 1e6
         for b in batches:  # one step of b sequences: weights once, every sequence's state and KV

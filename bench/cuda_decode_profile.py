@@ -106,6 +106,7 @@ def install(timer: OpTimer, variant: dict[str, str]) -> None:
 def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps: float,
             rng: np.random.Generator, variants: list[str]) -> dict:
     from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
@@ -114,7 +115,7 @@ def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps:
                                     "tie_word_embeddings": tied})
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
-    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=weight_bytes + (24 << 30))
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=weight_bytes + (24 << 30)))
     del weights
     cfg = config.text
     pool, bs = max(batches), 16
@@ -167,7 +168,7 @@ def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps:
                 rows[op] = {"ms": per_step_ms, "calls": calls,
                               "bytes": nbytes * calls if nbytes else None,
                               "GBps": nbytes * calls / per_step_ms / 1e6 if nbytes else None}
-            weights_read = runner.w.nbytes - (0 if tied else runner.w.embed.nbytes)
+            weights_read = runner.model.w.nbytes - (0 if tied else runner.model.w.embed.nbytes)
             roof_bytes = weights_read + b * (state_bytes + kv_per_token * context)
             out["per_batch"][f"{b} {name}"] = {"batch": b, "variant": name, "step_ms": total / steps, "ops": rows,
                                         "roofline_ms": roof_bytes / copy_GBps / 1e6}

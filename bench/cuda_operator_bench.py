@@ -54,6 +54,7 @@ def _median_ms(samples: list[float]) -> float:
 
 def bench_ours(shape: str, long_ctxs: list[int], rng: np.random.Generator) -> dict:
     from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
@@ -63,10 +64,10 @@ def bench_ours(shape: str, long_ctxs: list[int], rng: np.random.Generator) -> di
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
     budget = weight_bytes + (24 << 30)
-    runner = CudaRunner(config, weights, dtype="bf16", memory_budget=budget)
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=budget))
     del weights
     cfg, bs = config.text, 16
-    out: dict = {"shape": shape, "budget_bytes": budget, "weight_bytes": runner.w.nbytes}
+    out: dict = {"shape": shape, "budget_bytes": budget, "weight_bytes": runner.model.w.nbytes}
     table = np.zeros(0, np.int32)
 
     def allocate(tokens: int) -> None:

@@ -43,6 +43,7 @@ from stream_requests import (RequestTiming, StreamRequest, check_timings, make_s
 
 from gpu_engine import Engine, SamplingParams  # noqa: E402
 from gpu_engine.async_engine import AsyncEngine  # noqa: E402
+from gpu_engine.cuda.options import CudaOptions  # noqa: E402
 from gpu_engine.engine_config import EngineConfig  # noqa: E402
 from gpu_engine.params import RequestOutput  # noqa: E402
 
@@ -152,8 +153,8 @@ def reference_check(workdir: Path, runner: str, *, tie_margin: float = 1e-3, max
 
 def _exact_engine(folder: Path, runner: str, config: EngineConfig) -> Callable[[], Engine]:
     """An Engine as Engine.from_pretrained builds one, with the cuda runner in float32 for exact tokens."""
-    options = {"dtype": "f32", "memory_budget": 2 << 30} if runner == "cuda" else None
-    return lambda: Engine.from_pretrained(folder, runner=runner, config=config, runner_options=options)
+    options = CudaOptions.from_env(dtype="f32", memory_budget=2 << 30) if runner == "cuda" else None
+    return lambda: Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options)
 
 
 def _close(engine: Engine) -> None:

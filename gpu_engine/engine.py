@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .cache import BlockManager
+from .cuda.options import CudaOptions
 from .encoder_cache import EncoderCache
 from .engine_config import EngineConfig, EngineConfigError
 from .inputs import ProcessedPrompt
@@ -188,13 +189,13 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         expected_digests: dict[str, str] | None = None,
-        runner_options: dict[str, Any] | None = None,
+        cuda_options: CudaOptions | None = None,
     ) -> Engine:
-        """`runner_options`: keyword arguments of the cuda runner (see gpu_engine.model.load)."""
+        """`cuda_options`: settings of the cuda runner (see gpu_engine.model.load)."""
         from .model import load
         from .tokenizer import Tokenizer
 
-        loaded = load(folder, runner=runner, expected_digests=expected_digests, runner_options=runner_options)
+        loaded = load(folder, runner=runner, expected_digests=expected_digests, cuda_options=cuda_options)
         tokenizer = Tokenizer.from_pretrained(folder)
         loaded.use_tokenizer(tokenizer)
         eos = list(loaded.config.eos_token_ids) if getattr(loaded.config, "eos_token_ids", None) else None

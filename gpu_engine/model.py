@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
+from .cuda.options import CudaOptions
 from .encoder_cache import check_embeddings, chunk_slices
 from .inputs import ProcessedPrompt, VisionItem
 from .loader import ModelWeights, load_weights
@@ -39,22 +40,23 @@ def load(
     runner: str = "reference",
     *,
     expected_digests: dict[str, str] | None = None,
-    runner_options: dict[str, Any] | None = None,
+    cuda_options: CudaOptions | None = None,
 ) -> LoadedModel:
     """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner.
-    `runner_options`: keyword arguments of the cuda runner (e.g. dtype="f32", memory_budget=...)."""
+    `cuda_options`: settings of the cuda runner; None reads them from the DOCPIPE_CUDA_* variables
+    (CudaOptions.from_env)."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
-    if runner_options and runner != "cuda":
-        raise ValueError(f"runner_options are for runner='cuda' (got runner={runner!r})")
+    if cuda_options is not None and runner != "cuda":
+        raise ValueError(f"cuda_options are for runner='cuda' (got runner={runner!r})")
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests)
     return LoadedModel(config=config, fingerprint=fingerprint, path=folder,
-                       runner=_make_runner(runner, config, weights, runner_options or {}))
+                       runner=_make_runner(runner, config, weights, cuda_options))
 
 
-def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options: dict[str, Any]) -> Runner:
+def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options: CudaOptions | None) -> Runner:
     if name == "reference":
         from .reference.runner import ReferenceRunner
 
@@ -66,7 +68,7 @@ def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options:
             f"runner='cuda' is unavailable: {exc}. Install the extra (pip install -e '.[cuda]') on a machine with an "
             "NVIDIA GPU, or use runner='reference'."
         ) from exc
-    return CudaRunner(config, weights, **options)
+    return CudaRunner(config, weights, options or CudaOptions.from_env())
 
 
 def _is_token_ids(x: Any) -> bool:

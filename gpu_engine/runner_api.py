@@ -184,39 +184,3 @@ class Runner(Protocol):
 
     def embedding_nbytes(self, item: VisionItem) -> int:
         """Bytes the encoded embeddings of `item` occupy (for the encoder-cache budget)."""
-
-
-def chunk_problem(chunk: SeqChunk, spec: CacheSpec, *, vocab_size: int, hidden_size: int, paged_kv: bool) -> str | None:
-    """What makes `chunk` unusable for a runner with cache `spec` and this model, or None when it is well formed.
-
-    Shared by the runners so that every backend refuses the same bad inputs with the same words (each raises it as
-    its own error type). `paged_kv`: the model has full-attention layers, so the block table must cover the chunk.
-    Vision embeddings are checked by shape only (`.shape`: host arrays and device buffers alike)."""
-    n = chunk.num_tokens
-    where = f"sequence {chunk.seq_id}"
-    if n < 1:
-        return f"{where}: a chunk needs at least one token"
-    if chunk.token_ids.min() < 0 or chunk.token_ids.max() >= vocab_size:
-        return f"{where}: token ids must be in [0, {vocab_size})"
-    if chunk.positions.shape != (3, n):
-        return f"{where}: positions must have shape (3, {n}), got {chunk.positions.shape}"
-    if chunk.start < 0:
-        return f"{where}: start must be >= 0, got {chunk.start}"
-    if paged_kv:
-        needed = -(-(chunk.start + n) // spec.block_size)
-        table = np.asarray(chunk.block_table)
-        if table.shape[0] < needed:
-            return f"{where}: block table has {table.shape[0]} blocks, needs {needed}"
-        if table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
-            return f"{where}: block ids must be in [0, {spec.num_kv_blocks})"
-    if not 0 <= chunk.state_slot < spec.num_state_slots:
-        return f"{where}: state slot {chunk.state_slot} out of range [0, {spec.num_state_slots})"
-    if chunk.logits not in ("none", "last", "all"):
-        return f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}"
-    for piece in chunk.vision:
-        shape = np.shape(piece.embeddings)
-        if len(shape) != 2 or shape[1] != hidden_size:
-            return f"{where}: vision embeddings must be [n, {hidden_size}], got {tuple(shape)}"
-        if piece.chunk_offset < 0 or piece.chunk_offset + shape[0] > n:
-            return f"{where}: vision rows [{piece.chunk_offset}, {piece.chunk_offset + shape[0]}) fall outside the chunk of {n}"
-    return None

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
 
 import numpy as np
 
 from .arena import Arena
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from .device import CudaDevice
+from .device import CudaDevice, ModuleCache
 from .errors import ArenaExhausted, ShapeError
 from .gemm import CublasLt
 
@@ -55,8 +56,8 @@ class DArray:
 
 
 class GpuContext:
-    def __init__(self, budget_bytes: int, device_id: int = 0) -> None:
-        self.device = CudaDevice(device_id)
+    def __init__(self, budget_bytes: int, device_id: int = 0, module_cache: Path | None = None) -> None:
+        self.device = CudaDevice(device_id, ModuleCache(module_cache))
         free, _ = self.device.mem_info()
         if budget_bytes > free:
             raise ArenaExhausted(f"GPU memory budget {budget_bytes} bytes exceeds the {free} bytes free on the device; "

@@ -74,8 +74,7 @@ class ModuleCache:
     """cubins on disk, keyed by sha256(source + arch + options + NVRTC version)."""
 
     def __init__(self, directory: Path | None = None) -> None:
-        default = Path(os.environ.get("DOCPIPE_CUDA_CACHE", Path.home() / ".cache" / "docpipe" / "cuda_modules"))
-        self.directory = directory or default
+        self.directory = directory or Path.home() / ".cache" / "docpipe" / "cuda_modules"  # CudaOptions.module_cache
         self.directory.mkdir(parents=True, exist_ok=True)
         self.hits = 0
         self.misses = 0

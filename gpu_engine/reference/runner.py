@@ -16,15 +16,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, chunk_problem, sample_on_host
+from ..errors import RunnerInputError
+from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, sample_on_host
+from ..runner_rules import allocated, check_cache_spec, check_chunk, check_state_slots, kv_bytes_per_block, \
+    row_offsets, state_bytes_per_slot
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes
-
-
-class RunnerInputError(ValueError):
-    """A step batch that breaks the runner contract (shapes, ids, cache indices)."""
-
 
 class ReferenceRunner:
     name = "reference"
@@ -50,15 +48,11 @@ class ReferenceRunner:
 
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
         """Bytes of one KV block over all full-attention layers; `block_size` is needed before allocate_cache."""
-        t = self.config.text
-        size = block_size if block_size is not None else self._spec().block_size
-        return len(t.full_attention_layers) * 2 * size * t.num_key_value_heads * t.head_dim * _F32
+        size = block_size if block_size is not None else allocated(self.spec).block_size
+        return kv_bytes_per_block(self.config.text, size, _F32)
 
     def state_bytes_per_slot(self) -> int:
-        t = self.config.text
-        conv = t.linear_conv_dim * (t.linear_conv_kernel_dim - 1)
-        recurrent = t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim
-        return len(t.linear_attention_layers) * (conv + recurrent) * _F32
+        return state_bytes_per_slot(self.config.text, _F32, _F32)
 
     def embedding_nbytes(self, item: VisionItem) -> int:
         return item.num_tokens * self.config.text.hidden_size * _F32
@@ -66,8 +60,7 @@ class ReferenceRunner:
     # ------------------------------------------------------------------------------------------------ cache
 
     def allocate_cache(self, spec: CacheSpec) -> None:
-        if spec.num_kv_blocks < 1 or spec.block_size < 1 or spec.num_state_slots < 1:
-            raise RunnerInputError(f"cache spec needs positive sizes, got {spec}")
+        check_cache_spec(spec)
         t = self.config.text
         self.spec = spec
         kv_shape = (spec.num_kv_blocks, spec.block_size, t.num_key_value_heads, t.head_dim)
@@ -79,36 +72,21 @@ class ReferenceRunner:
         self.recurrent_state = {i: np.zeros(rec_shape, np.float32) for i in t.linear_attention_layers}
 
     def copy_state_slot(self, src: int, dst: int) -> None:
-        spec = self._spec()
-        for slot in (src, dst):
-            if not 0 <= slot < spec.num_state_slots:
-                raise RunnerInputError(f"state slot {slot} out of range [0, {spec.num_state_slots})")
+        check_state_slots(allocated(self.spec), src, dst)
         for layer in self.conv_state:
             self.conv_state[layer][dst] = self.conv_state[layer][src]
             self.recurrent_state[layer][dst] = self.recurrent_state[layer][src]
 
-    def _spec(self) -> CacheSpec:
-        if self.spec is None:
-            raise RuntimeError("allocate_cache() must be called before running the model")
-        return self.spec
-
     # ------------------------------------------------------------------------------------------------ steps
 
     def forward(self, batch: StepBatch) -> StepOutput:
-        spec = self._spec()
+        spec = allocated(self.spec)
         rows: list[np.ndarray] = []
-        offsets = [0]
-        for chunk in batch.chunks:
-            self._check(chunk, spec)
+        offsets = row_offsets(batch.chunks)
+        for i, chunk in enumerate(batch.chunks):
+            check_chunk(chunk, spec, self.config.text)
             hidden = self._run_chunk(chunk)
-            if chunk.logits == "all":
-                picked = hidden
-            elif chunk.logits == "last":
-                picked = hidden[-1:]
-            else:
-                picked = hidden[:0]
-            rows.append(picked)
-            offsets.append(offsets[-1] + picked.shape[0])
+            rows.append(hidden[hidden.shape[0] - (offsets[i + 1] - offsets[i]):])  # all, the last or no rows
         hidden_rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, self.config.text.hidden_size), np.float32)
         logits = self.text.logits(hidden_rows)
         if batch.sampling is None:
@@ -137,13 +115,6 @@ class ReferenceRunner:
             recurrent={i: s[slot] for i, s in self.recurrent_state.items()},
         )
         return self.text.forward(embeds, chunk.positions, cache, recurrent=self.deltanet_recurrent)
-
-    def _check(self, chunk: SeqChunk, spec: CacheSpec) -> None:
-        cfg = self.config.text
-        problem = chunk_problem(chunk, spec, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                                paged_kv=bool(cfg.full_attention_layers))
-        if problem:
-            raise RunnerInputError(problem)
 
     # ------------------------------------------------------------------------------------------------ vision
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 from safetensors.numpy import load_file, save_file
 
 import gpu_engine
@@ -65,7 +66,7 @@ def test_weights_land_under_our_names_with_values(tiny):
 
 
 def test_bf16_and_sharded_checkpoints_load_exactly(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     fp32 = make_tiny_checkpoint(tmp_path / "fp32", seed=5)
     bf16 = make_tiny_checkpoint(tmp_path / "bf16", seed=5, dtype="bfloat16", shards=3)
     assert (bf16 / "model.safetensors.index.json").is_file()
@@ -280,24 +281,31 @@ def test_duplicate_tensor_under_two_names(copy_of):
         gpu_engine.load(folder)
 
 
-def test_runner_options_reach_the_cuda_runner_and_only_it(tiny, monkeypatch):
-    """gpu_engine.load passes runner_options to the cuda runner (bench/cuda_stream_bench builds its float32 engine
-    through Engine.from_pretrained that way); with the reference runner they are refused, not ignored."""
+def test_cuda_options_reach_the_cuda_runner_and_only_it(tiny, monkeypatch):
+    """gpu_engine.load passes cuda_options to the cuda runner (bench/cuda_stream_bench builds its float32 engine
+    through Engine.from_pretrained that way), and without them reads the DOCPIPE_CUDA_* variables; with the
+    reference runner they are refused, not ignored."""
     import types
 
     import gpu_engine.model
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.engine import Engine
 
-    with pytest.raises(ValueError, match="runner_options are for runner='cuda'"):
-        gpu_engine.load(tiny, runner="reference", runner_options={"dtype": "f32"})
+    options = CudaOptions(dtype="f32", memory_budget=1 << 30)
+    with pytest.raises(ValueError, match="cuda_options are for runner='cuda'"):
+        gpu_engine.load(tiny, runner="reference", cuda_options=options)
 
     class FakeCudaRunner:  # stands in for gpu_engine.cuda.runner.CudaRunner (no GPU here)
-        def __init__(self, config, weights, **options):
+        def __init__(self, config, weights, options):
             self.options = options
 
     monkeypatch.setitem(sys.modules, "gpu_engine.cuda.runner", types.SimpleNamespace(CudaRunner=FakeCudaRunner))
-    loaded = gpu_engine.load(tiny, runner="cuda", runner_options={"dtype": "f32", "memory_budget": 1 << 30})
-    assert loaded.runner.options == {"dtype": "f32", "memory_budget": 1 << 30}
+    loaded = gpu_engine.load(tiny, runner="cuda", cuda_options=options)
+    assert loaded.runner.options == options
+    monkeypatch.setenv("DOCPIPE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("DOCPIPE_CUDA_ENCODER_MEMORY", str(1 << 20))
+    from_env = gpu_engine.load(tiny, runner="cuda").runner.options
+    assert from_env == CudaOptions(use_graphs=False, encoder_memory=1 << 20)
 
     class Stop(Exception):
         pass
@@ -307,5 +315,23 @@ def test_runner_options_reach_the_cuda_runner_and_only_it(tiny, monkeypatch):
 
     monkeypatch.setattr(gpu_engine.model, "load", fake_load)
     with pytest.raises(Stop) as stopped:
-        Engine.from_pretrained(tiny, runner="cuda", runner_options={"dtype": "f32"})
-    assert stopped.value.args[0]["runner_options"] == {"dtype": "f32"}
+        Engine.from_pretrained(tiny, runner="cuda", cuda_options=options)
+    assert stopped.value.args[0]["cuda_options"] == options
+
+
+def test_cuda_options_are_validated_and_read_from_the_environment_in_one_place():
+    from gpu_engine.cuda.errors import ShapeError
+    from gpu_engine.cuda.options import CudaOptions
+
+    env = {"DOCPIPE_CUDA_MEMORY_FRACTION": "0.5", "DOCPIPE_CUDA_GRAPHS": "0", "DOCPIPE_CUDA_GRAPH_MEMORY": "1024",
+           "DOCPIPE_CUDA_PDL": "1", "DOCPIPE_CUDA_ENCODER_MEMORY": "2048", "DOCPIPE_CUDA_CACHE": "/tmp/cubins"}
+    assert CudaOptions.from_env(env, dtype="f32") == CudaOptions(
+        dtype="f32", memory_fraction=0.5, use_graphs=False, graph_memory=1024, use_pdl=True, encoder_memory=2048,
+        module_cache=Path("/tmp/cubins"))
+    assert CudaOptions.from_env({}) == CudaOptions()
+    with pytest.raises(ShapeError, match="DOCPIPE_CUDA_MEMORY_FRACTION"):
+        CudaOptions.from_env({"DOCPIPE_CUDA_MEMORY_FRACTION": "1.5"})
+    with pytest.raises(ShapeError, match="dtype"):
+        CudaOptions(dtype="fp8")
+    with pytest.raises(TypeError, match="unknown CudaOptions"):
+        CudaOptions.from_env({}, graphs=False)

@@ -26,7 +26,8 @@ from engine_hf_models import (  # noqa: E402
     float64_logits,
     rel_err,
 )
-from gpu_engine.reference.runner import ReferenceRunner, RunnerInputError  # noqa: E402
+from gpu_engine.errors import RunnerInputError  # noqa: E402
+from gpu_engine.reference.runner import ReferenceRunner  # noqa: E402
 from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -56,9 +56,10 @@ def _make_runner(config, weights, dtype: str, budget: int):
         from gpu_engine.reference.runner import ReferenceRunner
 
         return ReferenceRunner(config, weights)
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
 
-    return CudaRunner(config, weights, dtype=dtype, memory_budget=budget)
+    return CudaRunner(config, weights, CudaOptions(dtype=dtype, memory_budget=budget))
 
 
 def _close(runner) -> None:

@@ -113,6 +113,7 @@ def _rounded(weights):
 def run_all(seed: int | None = None) -> tuple[list[RunnerResult], dict]:
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.device import require_gpu
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.loader import load_weights
     from gpu_engine.reference.runner import ReferenceRunner
@@ -131,7 +132,7 @@ def run_all(seed: int | None = None) -> tuple[list[RunnerResult], dict]:
             # compared is the arithmetic (bf16 activations, fp32 accumulation), not the weight rounding.
             ref_weights = weights if dtype == "f32" else _rounded(weights)
             ref_steps, ref_greedy = _drive(ReferenceRunner(config, ref_weights), config, seed)
-            runner = CudaRunner(config, weights, dtype=dtype, memory_budget=1 << 30, use_pdl=pdl)
+            runner = CudaRunner(config, weights, CudaOptions(dtype=dtype, memory_budget=1 << 30, use_pdl=pdl))
             try:
                 # bf16: same input tokens as the reference (a near-tie argmax flip would otherwise change the
                 # sequences and make every later logit differ for a reason that is not an error)

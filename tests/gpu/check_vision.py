@@ -149,6 +149,7 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
     """CudaRunner.encode_vision -> DeviceEmbeddings; device scatter == host scatter in a prefill step."""
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.embeddings import DeviceEmbeddings
+    from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.inputs import VisionItem
     from gpu_engine.loader import load_weights
@@ -167,7 +168,7 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
     tokens = n // v.spatial_merge_size ** 2
     item = VisionItem("image", pixels, grid, token_start=3, num_tokens=tokens, content_hash="check")
     ref = VisionTower(v, weights.vision).encode(pixels, grid)
-    runner = CudaRunner(config, weights, dtype="f32", memory_budget=1 << 30, encoder_memory=1 << 20)
+    runner = CudaRunner(config, weights, CudaOptions(dtype="f32", memory_budget=1 << 30, encoder_memory=1 << 20))
     results = []
     try:
         emb = runner.encode_vision(item)

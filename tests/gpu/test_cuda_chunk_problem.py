@@ -1,4 +1,4 @@
-"""gpu_engine.runner_api.chunk_problem: the batch validation both runners (numpy reference, CUDA) share; on the CPU."""
+"""gpu_engine.runner_rules.chunk_problem: the batch validation both runners (numpy reference, CUDA) share; on the CPU."""
 from __future__ import annotations
 
 import re
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_engine.runner_api import CacheSpec, SeqChunk, VisionSlice, chunk_problem
+from gpu_engine.runner_api import CacheSpec, SeqChunk, VisionSlice
+from gpu_engine.runner_rules import chunk_problem
 
 SPEC = CacheSpec(num_kv_blocks=8, block_size=4, num_state_slots=2)
 VOCAB, HIDDEN = 100, 16

@@ -1,0 +1,62 @@
+"""CudaOptions: every setting of the CUDA runner, typed and validated at construction (like EngineConfig).
+
+`CudaOptions.from_env()` is the one place the DOCPIPE_CUDA_* environment variables are read (gpu_engine.load
+calls it when no options are given); code that builds a CudaRunner itself passes CudaOptions(...) instead.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ShapeError
+
+DTYPES = ("bf16", "f32")
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    dtype: str = "bf16"  # what the decoder computes and stores its cache in: "bf16" or "f32"
+    device_id: int = 0
+    # The one start-up allocation, in bytes; None takes `memory_fraction` of the device's free memory.
+    memory_budget: int | None = None
+    memory_fraction: float = 0.85  # DOCPIPE_CUDA_MEMORY_FRACTION
+    use_graphs: bool = True  # decode steps replay CUDA graphs (DOCPIPE_CUDA_GRAPHS=0 turns that off)
+    graph_memory: int = 2 << 30  # bytes the captured graphs may own; past it new decode shapes run eagerly
+    use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
+    encoder_memory: int = 256 << 20  # bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY)
+    module_cache: Path | None = None  # compiled kernels on disk; None: ~/.cache/docpipe/cuda_modules
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ShapeError(f"dtype must be 'bf16' or 'f32', got {self.dtype!r}")
+        if not 0.05 <= self.memory_fraction <= 0.98:
+            raise ShapeError(f"DOCPIPE_CUDA_MEMORY_FRACTION must be in [0.05, 0.98], got {self.memory_fraction}")
+        for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ShapeError(f"CudaOptions.{name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CudaOptions:
+        """Defaults, then the DOCPIPE_CUDA_* variables that are set, then `overrides` (CudaOptions field names)."""
+        env = os.environ if environ is None else environ
+        read: dict[str, Any] = {}
+        if "DOCPIPE_CUDA_MEMORY_FRACTION" in env:
+            read["memory_fraction"] = float(env["DOCPIPE_CUDA_MEMORY_FRACTION"])
+        if "DOCPIPE_CUDA_GRAPHS" in env:
+            read["use_graphs"] = env["DOCPIPE_CUDA_GRAPHS"] != "0"
+        if "DOCPIPE_CUDA_GRAPH_MEMORY" in env:
+            read["graph_memory"] = int(env["DOCPIPE_CUDA_GRAPH_MEMORY"])
+        if "DOCPIPE_CUDA_PDL" in env:
+            read["use_pdl"] = env["DOCPIPE_CUDA_PDL"] == "1"
+        if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
+            read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
+        if "DOCPIPE_CUDA_CACHE" in env:
+            read["module_cache"] = Path(env["DOCPIPE_CUDA_CACHE"])
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown CudaOptions field(s): {', '.join(sorted(unknown))}")
+        return replace(cls(**read), **overrides)

@@ -1,0 +1,139 @@
+"""The Qwen3.5 language model on the GPU, layer for layer as reference/text_model.py: embeddings, decoder layers by
+`layer_types`, final norm, lm head.
+
+Each decoder layer: x += mixer(rms_norm(x)) with the mixer a Gated DeltaNet (linear_attention) or gated full
+attention (full_attention); then x += SwiGLU-MLP(rms_norm(x)). On the GPU every residual add is fused into the
+norm that follows it (add_rmsnorm: x += d; h = rms_norm(x)), so a block leaves its output in `d` and the next
+norm adds it. All sequences of a step run together (varlen rows); everything here only enqueues work on the
+context's stream, so a step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TextConfig
+from . import deltanet_chunked, ops, rotary
+from .context import DArray, GpuContext
+from .step import StepTables
+from .weights import AttentionWeights, DeltaNetWeights, LayerWeights, TextWeights
+
+FLASH_MIN_CHUNK = 32  # steps whose longest chunk has this many tokens use the tensor-core prefill attention
+
+
+@dataclass
+class LayerCache:
+    """One layer's share of the runner's cache (full attention: k, v; linear attention: conv, state)."""
+
+    k: DArray | None = None  # [blocks, block_size, kv_heads, head_dim]
+    v: DArray | None = None
+    conv: DArray | None = None  # [slots, K-1, conv_dim]
+    state: DArray | None = None  # f32 [slots, Hv, dv, dk]
+
+
+@dataclass
+class DeviceCache:
+    layers: dict[int, LayerCache]
+    block_size: int
+
+
+@dataclass
+class Activations:
+    """The step's residual stream and the two buffers the fused norms pass between blocks, [n, hidden] each."""
+
+    x: DArray  # residual stream
+    h: DArray  # normed input of the next block (after forward: the final-norm hidden states)
+    d: DArray  # output of the last block, added to x by the next fused norm
+
+
+class CudaTextModel:
+    def __init__(self, ctx: GpuContext, config: TextConfig, weights: TextWeights, dtype: str) -> None:
+        self.ctx, self.config, self.w, self.dtype = ctx, config, weights, dtype
+        self.rope_inv = ctx.to_device(rotary.inv_freq(config.rope_theta, config.rotary_dim), "f32", "rope.inv_freq")
+        self.rope_axis = ctx.to_device(rotary.mrope_axis(config.rotary_dim, config.mrope_section), "i32", "rope.axis")
+
+    def embed_tokens(self, x: DArray, ids: DArray) -> None:
+        ops.embed_gather(self.ctx, x, self.w.embed, ids)
+
+    def forward(self, a: Activations, t: StepTables[DArray], n: int, longest_chunk: int, cache: DeviceCache,
+                keep_scratch: bool = False) -> None:
+        """Embedded rows a.x of the step -> final-norm hidden states in a.h; updates the cache.
+
+        Per-layer scratch is reused layer after layer (stream order makes that safe); keep_scratch=True gives
+        every layer its own, so that a captured graph owns all the memory it touches."""
+        ctx, cfg = self.ctx, self.config
+        eps = cfg.rms_norm_eps
+        for i, layer in enumerate(self.w.layers):
+            if i == 0:
+                ops.rmsnorm(ctx, a.h, a.x, layer.input_norm, n, cfg.hidden_size, eps, True)
+            else:  # x += previous MLP output; h = rms_norm(x)
+                ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.input_norm, eps, True)
+            scratch = ctx.arena.mark()
+            if isinstance(layer.mixer, AttentionWeights):
+                self._attention(layer.mixer, a, t, n, longest_chunk, cache.layers[i], cache.block_size)
+            else:
+                self._deltanet(layer.mixer, a, t, n, longest_chunk, cache.layers[i])
+            ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.post_norm, eps, True)  # x += mixer output; h = rms_norm(x)
+            self._mlp(layer, a, n)
+            if not keep_scratch:
+                ctx.arena.release(scratch)
+        ops.add_rmsnorm(ctx, a.h, a.x, a.d, self.w.final_norm, eps, True)
+
+    def logits(self, out: DArray, rows: DArray, hidden: DArray, logit_rows: DArray, count: int) -> None:
+        """float32 logits [count, vocab] into `out` of the hidden rows `logit_rows` (gathered into `rows`)."""
+        ops.embed_gather(self.ctx, rows, hidden, logit_rows)  # row gather: the "table" is h, the ids are row numbers
+        self.ctx.blas.linear(out.ptr, rows.ptr, self.w.lm_head.ptr, count, self.config.vocab_size,
+                             self.config.hidden_size, dtype=self.dtype, y_dtype="f32")
+
+    def _mlp(self, layer: LayerWeights, a: Activations, n: int) -> None:
+        """SwiGLU: d = down(silu(gate(h)) * up(h)), gate and up as one GEMM."""
+        ctx, t, inter, hidden = self.ctx, self.dtype, self.config.intermediate_size, self.config.hidden_size
+        gu = ctx.empty((n, 2 * inter), t, "gate_up")
+        ctx.blas.linear(gu.ptr, a.h.ptr, layer.gate_up.ptr, n, 2 * inter, hidden, dtype=t)
+        act = ctx.empty((n, inter), t, "act")
+        ops.silu_mul(ctx, act, gu)
+        ctx.blas.linear(a.d.ptr, act.ptr, layer.down.ptr, n, hidden, inter, dtype=t)
+
+    def _attention(self, w: AttentionWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
+                   cache: LayerCache, block_size: int) -> None:
+        """Gated full attention over the paged KV cache: d = o_proj(attention(q, k, v) * sigmoid(gate))."""
+        ctx, cfg, t = self.ctx, self.config, self.dtype
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = (2 * nh + 2 * kvh) * hd
+        proj = ctx.empty((n, width), t, "qkv")
+        ctx.blas.linear(proj.ptr, a.h.ptr, w.qkv.ptr, n, width, cfg.hidden_size, dtype=t)
+        q = ctx.empty((n, nh * hd), t, "q")
+        ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m.pos, self.rope_inv,
+                               self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
+        out = ctx.empty((n, nh * hd), t, "attn")
+        args = (out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m.tables, m.tok_seq, m.tok_pos)
+        if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
+            ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5)
+        else:  # decode steps, short chunks, fp32 runs
+            ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5)
+        ctx.blas.linear(a.d.ptr, out.ptr, w.o_proj.ptr, n, cfg.hidden_size, nh * hd, dtype=t)
+
+    def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
+                  cache: LayerCache) -> None:
+        """Gated DeltaNet: causal conv + SiLU, the gated delta rule over the slot's state, gated RMSNorm, out_proj."""
+        ctx, cfg, t = self.ctx, self.config, self.dtype
+        kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim, vdim = cfg.linear_conv_dim, cfg.linear_value_dim
+        width = conv_dim + vdim + 2 * vh
+        proj = ctx.empty((n, width), t, "in_proj")
+        ctx.blas.linear(proj.ptr, a.h.ptr, w.in_proj.ptr, n, width, cfg.hidden_size, dtype=t)
+        conv_out = ctx.empty((n, conv_dim), t, "conv_out")
+        ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m.cu, m.slots, m.fresh,
+                        token_seq=m.tok_seq)
+        core = ctx.empty((n, vdim), t, "core")
+        gdn_args = (ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
+                    proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
+                    cache.state, m.cu, m.slots, m.fresh, kh, vh, dk, dv)
+        if (t == "bf16" and longest_chunk >= deltanet_chunked.MIN_PREFILL_TOKENS
+                and deltanet_chunked.supports(dk, dv)):  # prefill: chunked WY form on the tensor cores
+            deltanet_chunked.chunked_gated_delta_rule(*gdn_args)
+        else:  # decode steps, short chunks, fp32 runs: the exact token-by-token kernels
+            ops.gated_delta_rule(*gdn_args)
+        normed = ctx.empty((n * vh, dv), t, "gated_norm")
+        ops.rmsnorm_gated(ctx, normed, core.view((n * vh, dv)), proj.at(conv_dim), w.norm, cfg.rms_norm_eps, vh, width)
+        ctx.blas.linear(a.d.ptr, normed.ptr, w.out_proj.ptr, n, cfg.hidden_size, vdim, dtype=t)
