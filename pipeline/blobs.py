@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import BinaryIO
 
 _KEY = re.compile(r"^[0-9a-f]{64}$")
@@ -38,7 +40,7 @@ class BlobStore:
         """Store bytes under their sha256. `durable=False` skips the fsync: for derived data (rendered pages) that
         can be made again from a durable original, where an fsync per page would cost more than the rendering."""
         key = hashlib.sha256(data).hexdigest()
-        if not self.exists(key):
+        if not self._touch(key):
             self._write(key, [data], durable=durable)
         return key
 
@@ -71,7 +73,7 @@ class BlobStore:
     def put_hashed(self, data: bytes, key: str) -> None:
         """Store bytes whose sha256 (`key`) the caller computed while receiving them (an upload held in memory):
         no second hashing pass; fsynced, as every original is."""
-        if not self.exists(key):
+        if not self._touch(key):
             self._write(key, [data], durable=True)
 
     def adopt(self, path: Path, key: str) -> None:
@@ -79,7 +81,7 @@ class BlobStore:
         no second hashing pass (an upload spooled next to the store). The file is fsynced first, as every
         original is. Falls back to a copy when `path` is on another file system; `path` is gone afterwards."""
         target = self.path(key)
-        if target.is_file():
+        if self._touch(key):
             Path(path).unlink(missing_ok=True)  # same bytes already stored
             return
         with open(path, "rb+") as f:
@@ -115,6 +117,34 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobNotFoundError(key) from None
 
+    def _touch(self, key: str) -> bool:
+        """True when the blob exists; its mtime is set to now, so a sweep (`keys_older_than`) running before the
+        caller's row names it does not take it."""
+        try:
+            os.utime(self.path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def keys_older_than(self, seconds: float) -> Iterator[str]:
+        """Keys of the blobs last written more than `seconds` ago (a sweep must spare blobs an intake or a render
+        has just written and not yet named in a row). Leftover temporary files that old are removed on the way."""
+        cutoff = time.time() - seconds
+        if not self.root.is_dir():
+            return
+        for folder in sorted(self.root.iterdir()):
+            if folder.name.startswith(".incoming-") and _older(folder, cutoff):
+                folder.unlink(missing_ok=True)
+            if not (folder.is_dir() and len(folder.name) == 2):
+                continue
+            for entry in folder.iterdir():
+                if not _older(entry, cutoff):
+                    continue
+                if entry.name.startswith(".tmp-"):
+                    entry.unlink(missing_ok=True)
+                elif _KEY.match(folder.name + entry.name):
+                    yield folder.name + entry.name
+
     def delete(self, key: str) -> bool:
         try:
             self.path(key).unlink()
@@ -137,3 +167,10 @@ class BlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _older(path: Path, cutoff: float) -> bool:
+    try:
+        return path.stat().st_mtime < cutoff
+    except FileNotFoundError:
+        return False

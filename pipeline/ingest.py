@@ -17,6 +17,10 @@ arguments (an unknown schema) do raise.
 A file refused at intake (not an accepted type, too large, unreadable now) gets a `failed` document and no job.
 A `received` file that turns out unreadable while rendering gets a `failed` document and its jobs fail with the
 same reason. The same bytes sent again after a failure are read again (and their failed jobs queued again).
+
+Documents belong to a tenant (`tenant=`, pipeline.tenancy) and are unique per tenant and content; with a `cap`
+(pipeline.quotas.JobCap) a new job is queued only while the tenant has room, checked in the transaction that
+inserts it (QuotaExceededError otherwise, and a blob this intake stored for nothing is removed again).
 """
 from __future__ import annotations
 
@@ -37,8 +41,11 @@ from vision import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job
+from .quotas import JobCap, QuotaExceededError, take_job_slots
+from .retention import drop_unreferenced
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .schemas import SchemaRef, latest_schema_ref
+from .tenancy import DEFAULT_TENANT
 
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
 # Folders a watch-folder run moves processed files into; never ingested themselves.
@@ -93,9 +100,9 @@ class HashedFile:
 Source = str | os.PathLike[str] | bytes | BinaryIO | HashedFile
 
 
-def create_batch(p: Pipeline, source: str) -> int:
+def create_batch(p: Pipeline, source: str, tenant: str = DEFAULT_TENANT) -> int:
     with p.db.session() as s:
-        batch = Batch(source=source[:1024])
+        batch = Batch(source=source[:1024], tenant=tenant)
         s.add(batch)
         s.flush()
         return batch.id
@@ -108,9 +115,9 @@ def resolve_schema_name(p: Pipeline, schema: str | None, kind: str | None) -> st
     return "video" if kind == "video" else p.settings.default_schema
 
 
-def _schema_ref(p: Pipeline, name: str) -> SchemaRef:
+def _schema_ref(p: Pipeline, name: str, tenant: str) -> SchemaRef:
     with p.db.read_session() as s:
-        return latest_schema_ref(s, name)
+        return latest_schema_ref(s, name, tenant)
 
 
 def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
@@ -148,17 +155,18 @@ def _label(source: Source, name: str | None) -> str:
 
 
 _EXISTING = select(Document.id, Document.status, Document.kind, Document.page_count).where(
-    Document.sha256 == bindparam("sha"))  # built once: executing it constructs no statement
+    Document.sha256 == bindparam("sha"), Document.tenant == bindparam("tenant"))  # built once
 
 
-def _existing_in(s: Session | Connection, sha: str) -> Any:
-    """The known document with these bytes (id, status, kind, page_count), or None."""
-    return s.execute(_EXISTING, {"sha": sha}).first()
+def _existing_in(s: Session | Connection, sha: str, tenant: str) -> Any:
+    """The tenant's known document with these bytes (id, status, kind, page_count), or None."""
+    return s.execute(_EXISTING, {"sha": sha, "tenant": tenant}).first()
 
 
-def _existing(p: Pipeline, sha: str) -> Any:
+def _existing(p: Pipeline, sha: str, tenant: str) -> Any:
     with p.db.read_session() as s:
-        return _existing_in(s, sha)
+        return _existing_in(s, sha, tenant)
+
 
 
 def _sniff_blob(p: Pipeline, sha: str, label: str) -> Sniffed:
@@ -188,7 +196,8 @@ def _received_fields(sniffed: Sniffed) -> dict[str, Any]:
 
 def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sniffed | None = None,
                     rendered: Rendered | None = None, error: Exception | None = None,
-                    schema_id: int | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
+                    schema_id: int | None = None, tenant: str = DEFAULT_TENANT,
+                    cap: JobCap | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
     """Insert (or, for a previously failed file, refresh) the document row: `received` when only `sniffed`,
     else the render's outcome (`ingested` with pages, or `failed` with `error`). With `schema_id`, the job is got
     or created in the same transaction (one commit per upload instead of two). Returns (document id, ids of the
@@ -196,7 +205,7 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
 
     Two intakes of the same bytes may race: the unique sha256 decides, the loser keeps the winner's row."""
     with p.db.session() as s:
-        by_sha = select(Document).where(Document.sha256 == sha).with_for_update()
+        by_sha = select(Document).where(Document.sha256 == sha, Document.tenant == tenant).with_for_update()
         doc = s.scalars(by_sha).first()
         fresh = doc is None
         if doc is None:
@@ -204,14 +213,16 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
             received = _received_fields(sniffed) if sniffed is not None else {}
             try:
                 with _savepoint(p, s):
-                    doc = Document(sha256=sha, original_name=name[:1024], size_bytes=size, **received)
+                    doc = Document(sha256=sha, tenant=tenant, original_name=name[:1024], size_bytes=size,
+                                   **received)
                     s.add(doc)
                     s.flush()
             except IntegrityError:  # the other intake committed first (PostgreSQL; SQLite serialises writers)
                 fresh = False
                 doc = s.scalars(by_sha).one()
         if doc.status != DocumentStatus.failed.value and not fresh:  # a concurrent intake of the same bytes won
-            return doc.id, [], _job_in(s, p, doc.id, schema_id, fresh=False) if schema_id is not None else None
+            return doc.id, [], _job_in(s, p, doc.id, schema_id, fresh=False, cap=cap) if schema_id is not None \
+                else None
         was_failed = not fresh and doc.status == DocumentStatus.failed.value
         if sniffed is not None and not fresh:  # a failed document read again: back to received
             for old in list(doc.pages):
@@ -226,23 +237,27 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
             else []
         job = None
         if schema_id is not None and doc.status != DocumentStatus.failed.value:
-            job = _job_in(s, p, doc.id, schema_id, fresh=fresh)
+            job = _job_in(s, p, doc.id, schema_id, fresh=fresh, cap=cap)
         return doc.id, requeued, job
 
 
-def _job_in(s: Session, p: Pipeline, document_id: int, schema_id: int, *, fresh: bool) -> tuple[int, bool]:
+def _job_in(s: Session, p: Pipeline, document_id: int, schema_id: int, *, fresh: bool,
+            cap: JobCap | None = None) -> tuple[int, bool]:
     """Get or create the job inside an open write session: (job id, created). A document inserted by this
-    session (`fresh`) has no job yet, so the lookup is skipped."""
+    session (`fresh`) has no job yet, so the lookup is skipped. A job is created only within `cap`."""
     key = p.model_key
     same = (Job.document_id == document_id, Job.schema_id == schema_id, Job.model_key == key)
+    if not fresh:
+        found = s.scalars(select(Job.id).where(*same)).first()
+        if found is not None:
+            return found, False
+    if cap is not None:
+        take_job_slots(s, cap)
     if fresh:
         job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
         s.add(job)
         s.flush()
         return job.id, True
-    found = s.scalars(select(Job.id).where(*same)).first()
-    if found is not None:
-        return found, False
     try:
         with _savepoint(p, s):
             job = Job(document_id=document_id, schema_id=schema_id, model_key=key)
@@ -253,10 +268,10 @@ def _job_in(s: Session, p: Pipeline, document_id: int, schema_id: int, *, fresh:
         return s.scalars(select(Job.id).where(*same)).one(), False
 
 
-def _get_or_create_job(p: Pipeline, document_id: int, schema_id: int) -> tuple[int, bool]:
+def _get_or_create_job(p: Pipeline, document_id: int, schema_id: int, cap: JobCap | None) -> tuple[int, bool]:
     """(job id, created). The unique (document, schema, model) key makes concurrent intakes agree on one job."""
     with p.db.session() as s:
-        return _job_in(s, p, document_id, schema_id, fresh=False)
+        return _job_in(s, p, document_id, schema_id, fresh=False, cap=cap)
 
 
 def _record(p: Pipeline, batch_id: int | None, out: IngestOutcome) -> IngestOutcome:
@@ -274,19 +289,19 @@ def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, sta
     return _record(p, batch_id, out)
 
 
-def _check_arguments(p: Pipeline, schema: str | None) -> SchemaRef | None:
+def _check_arguments(p: Pipeline, schema: str | None, tenant: str) -> SchemaRef | None:
     """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
     Returns the named schema (None when no schema was named), so it need not be looked up again."""
-    named = _schema_ref(p, schema) if schema is not None else None
+    named = _schema_ref(p, schema, tenant) if schema is not None else None
     p.model_key  # noqa: B018
     return named
 
 
 def _with_job(p: Pipeline, batch_id: int | None, label: str, started: float, document_id: int, kind: str | None,
-              schema: str | None, pages: int, rendered: bool) -> IngestOutcome:
+              schema: str | None, pages: int, rendered: bool, tenant: str, cap: JobCap | None) -> IngestOutcome:
     """The outcome for bytes that are already a usable document: its job for this schema, got or created."""
-    schema_id = _schema_ref(p, resolve_schema_name(p, schema, kind)).id
-    job_id, created = _get_or_create_job(p, document_id, schema_id)
+    schema_id = _schema_ref(p, resolve_schema_name(p, schema, kind), tenant).id
+    job_id, created = _get_or_create_job(p, document_id, schema_id, cap)
     out = IngestOutcome(label, "new" if created else "duplicate", document_id=document_id, job_id=job_id,
                         pages=pages, seconds=time.perf_counter() - started, rendered=rendered, known=True)
     return _record(p, batch_id, out)
@@ -299,15 +314,17 @@ def receive_file(
     name: str | None = None,
     schema: str | None = None,
     batch_id: int | None = None,
+    tenant: str = DEFAULT_TENANT,
+    cap: JobCap | None = None,
 ) -> IngestOutcome:
     """Store and sniff one file, then get or create its job, without rendering: the document is `received` (or
-    known already) and the job `queued`. A file whose magic bytes are not an accepted type is refused here
+    known already) and the job `queued`. QuotaExceededError (nothing kept) when a new job would pass `cap`. A file whose magic bytes are not an accepted type is refused here
     (`failed`, no job). Raises only for bad arguments or configuration, before any work.
 
     This is an HTTP upload's whole cost: new bytes and known usable bytes take one write transaction; only a
     refused file or a previously failed document takes the longer way (`_store_document`)."""
     started = time.perf_counter()
-    named = _check_arguments(p, schema)
+    named = _check_arguments(p, schema, tenant)
     label = _label(source, name)
     try:
         sha, size = _store_original(p, source, label)
@@ -319,15 +336,20 @@ def receive_file(
         sniffed = _sniff_original(p, source, sha, size, label)
     except vision.MediaError as exc:
         refusal = exc
-    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named)
+    try:
+        out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named, tenant, cap)
+    except QuotaExceededError:
+        drop_unreferenced(p, {sha})  # a refused upload leaves no blob
+        raise
     if out is None and sniffed is None:
         assert refusal is not None
-        document_id, _, _ = _store_document(p, sha, size, label, error=refusal)
+        document_id, _, _ = _store_document(p, sha, size, label, error=refusal, tenant=tenant)
         return _failed(p, batch_id, label, refusal, started, document_id)
     if out is None:  # a failed document read again
         assert sniffed is not None
-        schema_id = (named or _schema_ref(p, resolve_schema_name(p, schema, sniffed.kind))).id
-        document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id)
+        schema_id = (named or _schema_ref(p, resolve_schema_name(p, schema, sniffed.kind), tenant)).id
+        document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id,
+                                                     tenant=tenant, cap=cap)
         assert job is not None
         out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
                             job_id=job[0], known=True)
@@ -342,7 +364,8 @@ _INSERT_JOB = insert(Job.__table__).returning(*Job.__table__.c)
 
 
 def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,
-                           schema: str | None, named: SchemaRef | None) -> IngestOutcome | None:
+                           schema: str | None, named: SchemaRef | None, tenant: str,
+                           cap: JobCap | None) -> IngestOutcome | None:
     """In one write transaction: the job of a known usable document (got or created), or a new `received`
     document with its `queued` job (Core INSERTs: no ORM unit of work for two plain rows). None when these
     bytes need `_store_document`: a failed document, or no document and a refused file. `named`: the schema
@@ -351,24 +374,26 @@ def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed
         conn = s.connection()
 
         def schema_for(kind: str | None) -> SchemaRef:
-            return named or latest_schema_ref(s, resolve_schema_name(p, schema, kind))
+            return named or latest_schema_ref(s, resolve_schema_name(p, schema, kind), tenant)
 
         for _ in range(2):  # a second look only after a concurrent intake inserted these bytes first (PostgreSQL)
-            existing = _existing_in(conn, sha)
+            existing = _existing_in(conn, sha, tenant)
             if existing is not None:
                 if existing.status == DocumentStatus.failed.value:
                     return None
-                job_id, created = _job_in(s, p, existing.id, schema_for(existing.kind).id, fresh=False)
+                job_id, created = _job_in(s, p, existing.id, schema_for(existing.kind).id, fresh=False, cap=cap)
                 return IngestOutcome(label, "new" if created else "duplicate", document_id=existing.id,
                                      job_id=job_id, pages=existing.page_count,
                                      rendered=existing.status == DocumentStatus.ingested.value, known=True)
             if sniffed is None:
                 return None
             job_schema = schema_for(sniffed.kind)
+            if cap is not None:
+                take_job_slots(s, cap)  # before the document: a refused upload writes no row
             try:
                 with _savepoint(p, conn):  # on the connection: a Session savepoint starts only with its next use
                     document = dict(conn.execute(_INSERT_DOCUMENT, {
-                        "sha256": sha, "original_name": label[:1024], "size_bytes": size,
+                        "sha256": sha, "tenant": tenant, "original_name": label[:1024], "size_bytes": size,
                         **_received_fields(sniffed)}).one()._mapping)
             except IntegrityError:
                 continue
@@ -387,25 +412,32 @@ def ingest_file(
     schema: str | None = None,
     password: str | None = None,
     batch_id: int | None = None,
+    tenant: str = DEFAULT_TENANT,
+    cap: JobCap | None = None,
 ) -> IngestOutcome:
-    """Store, sniff and render one file, then get or create its job. Raises only for bad arguments (unknown
+    """Store, sniff and render one file, then get or create its job (within `cap`, as `receive_file`). Raises only for bad arguments (unknown
     schema) or configuration (model not available), before any work; a bad file is an outcome, not an error.
     A document already known (rendered, or `received` and rendered by its job) is not rendered again."""
     started = time.perf_counter()
-    _check_arguments(p, schema)
+    _check_arguments(p, schema, tenant)
     label = _label(source, name)
     try:
         sha, size = _store_original(p, source, label)
     except (OSError, vision.MediaError) as exc:
         return _failed(p, batch_id, label, exc, started)
-    existing = _existing(p, sha)
+    existing = _existing(p, sha, tenant)
     if existing is not None and existing.status != DocumentStatus.failed.value:
         return _with_job(p, batch_id, label, started, existing.id, existing.kind, schema,
-                         existing.page_count, existing.status == DocumentStatus.ingested.value)
+                         existing.page_count, existing.status == DocumentStatus.ingested.value, tenant, cap)
     rendered, error = try_render(p, p.blobs.path(sha), label, password)
-    schema_id = _schema_ref(p, resolve_schema_name(p, schema, rendered.kind)).id if rendered is not None else None
-    document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
-                                                 schema_id=schema_id)
+    schema_id = (_schema_ref(p, resolve_schema_name(p, schema, rendered.kind), tenant).id
+                 if rendered is not None else None)
+    try:
+        document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
+                                                     schema_id=schema_id, tenant=tenant, cap=cap)
+    except QuotaExceededError:  # a refused upload leaves no blob: neither its original nor its rendered pages
+        drop_unreferenced(p, {sha} | {pg["blob"] for pg in (rendered.pages if rendered else []) if pg["blob"]})
+        raise
     if rendered is None or job is None:
         assert error is not None
         return _failed(p, batch_id, label, error, started, document_id)
@@ -479,7 +511,7 @@ def iter_folder(
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
     if schema is not None:
-        _schema_ref(p, schema)
+        _schema_ref(p, schema, DEFAULT_TENANT)
     wait = p.settings.stable_seconds if stable_seconds is None else stable_seconds
     stable, unstable = stable_files(root, wait)
     if include is not None:

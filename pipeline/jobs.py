@@ -11,11 +11,12 @@ own transaction as soon as it arrives, skips units that already have a result (a
 where the crash happened), and writes the merged document result in the same transaction as the final state. So a
 job run twice (crash, broker redelivery, two workers) ends with exactly one result set.
 
-Ownership. Claiming a job increments `attempts`; that number is the run's fencing token. Every later write of the
-run checks `attempts == token AND state == 'running'`: a run that was taken over stops writing. A running job may
+Ownership. Claiming a job increments `runs`; that number is the run's fencing token. Every later write of the
+run checks `runs == token AND state == 'running'`: a run that was taken over stops writing. A running job may
 be taken over when its lease passed, when its owner process (host:pid) is gone from this host, or when the caller
-says `takeover=True` (e.g. a broker redelivery after the worker died). Each claim counts as an attempt; after
-`job_max_attempts` the job is failed with the last error (a poison document never loops).
+says `takeover=True` (e.g. a broker redelivery after the worker died). Each claim is charged an attempt; after
+`job_max_attempts` the job is failed with the last error (a poison document never loops). A run that died among
+other runs is refunded and its job runs alone next (see pipeline.attempts): a crash costs only its cause.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from .extraction import (
 )
 from .merge import UnitData, merge_units
 from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
-from .rendering import render_for_job
+from .attempts import RUN_GATE, needs_isolation, render_for_job_capped
 
 DOCUMENT_UNIT = "document"
 
@@ -107,10 +108,26 @@ class _Claim:
 
 
 def _fenced(job_id: int, token: int) -> Any:
-    return (Job.id == job_id) & (Job.attempts == token) & (Job.state == JobState.running.value)
+    return (Job.id == job_id) & (Job.runs == token) & (Job.state == JobState.running.value)
 
 
-def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
+class _NeedsIsolation(Exception):
+    """The claim found a run that died: this run must be alone in its process, and the caller is not."""
+
+
+def _charge_died_run(job: Job, alone: bool) -> None:
+    """The job's last run never released it (died or hung). Died alone: it caused it, the attempt it was charged
+    stays. Died among others: refund it, and run it alone now (raises _NeedsIsolation when not `alone`)."""
+    if job.isolated:
+        job.error = "the worker process stopped while running this job alone"
+        return
+    if not alone:
+        raise _NeedsIsolation()
+    job.attempts = max(0, job.attempts - 1)
+    job.isolated = True
+
+
+def _claim(p: Pipeline, job_id: int, takeover: bool, alone: bool = False) -> _Claim | JobRun:
     now = utcnow()
     with p.db.session() as s:
         job = s.get(Job, job_id, with_for_update=True)
@@ -133,6 +150,9 @@ def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
             if not (takeover or expired or owner_is_dead(job.owner)):
                 return JobRun(job_id, job.state, ran=False,
                               note=f"running in {job.owner} (lease until {lease:%H:%M:%S} UTC)")
+            _charge_died_run(job, alone)
+        elif job.isolated and not alone:
+            raise _NeedsIsolation()
         if job.attempts >= p.settings.job_max_attempts:
             job.state = JobState.failed.value
             job.error = f"gave up after {job.attempts} attempts; last error: {job.error or 'the worker died'}"
@@ -141,6 +161,7 @@ def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
             return JobRun(job_id, job.state, ran=False, note="attempt cap reached")
         job.state = JobState.running.value
         job.attempts += 1
+        job.runs += 1
         job.owner = this_owner()
         job.lease_until = now + timedelta(seconds=p.settings.job_lease_s)
         job.started_at = job.started_at or now
@@ -149,7 +170,7 @@ def _claim(p: Pipeline, job_id: int, takeover: bool) -> _Claim | JobRun:
         pages = s.scalars(select(Page).where(Page.document_id == job.document_id).order_by(Page.index)).all()
         done = set(s.scalars(select(Result.unit).where(Result.job_id == job_id)))
         return _Claim(
-            token=job.attempts,
+            token=job.runs,
             document_id=job.document_id,
             schema_name=schema.name,
             schema_version=schema.version,
@@ -314,8 +335,21 @@ def run_job(
     `on_unit(unit, ok, pages)` is called after each unit result is stored (progress display).
     """
     started = time.perf_counter()
-    render_for_job(p, job_id)  # a `received` document is rendered first; unreadable -> its queued jobs fail
-    claim = _claim(p, job_id, takeover)
+    render_for_job_capped(p, job_id)  # a `received` document is rendered first; unreadable -> its jobs fail
+    alone = needs_isolation(p, job_id)
+    while True:
+        try:
+            with RUN_GATE.alone() if alone else RUN_GATE.shared():
+                return _run_claimed(p, job_id, takeover, alone, started, on_unit)
+        except _NeedsIsolation:  # the job's state changed since we looked: run it again, alone
+            if alone:
+                raise RuntimeError(f"job {job_id}: a claim made alone asked to be alone") from None
+            alone = True
+
+
+def _run_claimed(p: Pipeline, job_id: int, takeover: bool, alone: bool, started: float,
+                 on_unit: Callable[[str, bool, int], None] | None) -> JobRun:
+    claim = _claim(p, job_id, takeover, alone)
     if isinstance(claim, JobRun):
         return claim
     model_seconds = 0.0
@@ -398,7 +432,8 @@ def retry_job(p: Pipeline, job_id: int) -> None:
             s.delete(row)
         if job.document.status == DocumentStatus.failed.value:  # read the file again (e.g. a decoder timeout)
             job.document.status, job.document.error, job.document.error_type = DocumentStatus.received.value, None, None
-        job.state, job.error, job.attempts = JobState.queued.value, None, 0
+            job.document.render_attempts = 0
+        job.state, job.error, job.attempts, job.isolated = JobState.queued.value, None, 0, False
         job.owner = job.lease_until = job.finished_at = None
         job.prompt_tokens = job.completion_tokens = 0
         job.model_seconds = 0.0

@@ -14,6 +14,8 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from .tenancy import DEFAULT_TENANT, SHARED
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -45,9 +47,12 @@ class DocumentStatus(str, enum.Enum):
 
 class Document(Base):
     __tablename__ = "documents"
+    # Unique per tenant: two tenants uploading the same bytes get a document each (and share the blob).
+    __table_args__ = (UniqueConstraint("tenant", "sha256", name="uq_documents_tenant_sha256"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    sha256: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)  # see pipeline.tenancy
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
     original_name: Mapped[str] = mapped_column(String(1024))
     media_type: Mapped[str | None] = mapped_column(String(128))  # sniffed from content; None when unreadable
     kind: Mapped[str | None] = mapped_column(String(16))  # pdf | image | video
@@ -56,6 +61,7 @@ class Document(Base):
     status: Mapped[str] = mapped_column(String(16), default=DocumentStatus.ingested.value, index=True)
     error: Mapped[str | None] = mapped_column(Text)
     error_type: Mapped[str | None] = mapped_column(String(64))  # exception class name, stable for clients
+    render_attempts: Mapped[int] = mapped_column(Integer, default=0)  # renders started (pipeline.attempts caps it)
     media_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
@@ -91,9 +97,10 @@ class Page(Base):
 
 class Schema(Base):
     __tablename__ = "schemas"
-    __table_args__ = (UniqueConstraint("name", "version", name="uq_schemas_name_version"),)
+    __table_args__ = (UniqueConstraint("tenant", "name", "version", name="uq_schemas_tenant_name_version"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default=SHARED, index=True)  # SHARED: built-in, seen by all
     name: Mapped[str] = mapped_column(String(64), index=True)
     version: Mapped[int] = mapped_column(Integer)
     json_schema: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -109,6 +116,7 @@ class Batch(Base):
     __tablename__ = "batches"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
     source: Mapped[str] = mapped_column(String(1024))  # e.g. "cli", "folder:/in", "upload", "watch:/in"
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -142,7 +150,9 @@ class Job(Base):
     schema_id: Mapped[int] = mapped_column(ForeignKey("schemas.id"), index=True)
     model_key: Mapped[str] = mapped_column(String(64))  # cheap identity of the model folder (see engine_client)
     state: Mapped[str] = mapped_column(String(16), default=JobState.queued.value, index=True)
-    attempts: Mapped[int] = mapped_column(Integer, default=0)  # also the fencing token of the current run
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # runs charged to this job (pipeline.attempts)
+    runs: Mapped[int] = mapped_column(Integer, default=0)  # every claim adds one: the fencing token of a run
+    isolated: Mapped[bool] = mapped_column(Boolean, default=False)  # the next run must be alone in its process
     owner: Mapped[str | None] = mapped_column(String(255))  # host:pid of the process running it
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(Text)

@@ -3,6 +3,9 @@
 A user schema must be a JSON Schema (draft 2020-12) for an object, compilable by the decoding grammar (llguidance),
 with merge rules naming top-level properties only. Registering the same name with different content creates the
 next version; the same content again returns the existing version. Built-in names are reserved.
+
+User schemas belong to a tenant (pipeline.tenancy): a tenant sees the built-in schemas and its own, and two
+tenants may register the same name independently (each its own versions).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from .builtin_schemas import BUILTIN_SCHEMAS, SchemaSpec
 from .errors import InvalidSchemaError, PipelineError, SchemaTooComplexError, UnknownSchemaError
 from .merge import MERGE_RULES
 from .models import Schema
+from .tenancy import DEFAULT_TENANT, SHARED, Access
 from .storable_text import check_storable, storable
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
@@ -171,8 +175,10 @@ def register_schema(
     *,
     prompt: str | None = None,
     merge_rules: dict[str, str] | None = None,
+    tenant: str = DEFAULT_TENANT,
 ) -> Schema:
-    """Validate and store a user schema; returns the stored row (a new version only if the content changed)."""
+    """Validate and store a user schema of `tenant`; returns the stored row (a new version only if the content
+    changed)."""
     if name in BUILTIN_SCHEMAS:
         raise InvalidSchemaError(f"{name!r} is a built-in schema name; choose another name for your schema")
     validate_schema_definition(name, json_schema, merge_rules)
@@ -181,10 +187,11 @@ def register_schema(
     spec = SchemaSpec(name=name, json_schema=json_schema, prompt=prompt or DEFAULT_USER_PROMPT,
                       merge_rules=dict(merge_rules or {}))
     for _ in range(5):  # concurrent registrations of one name: each retry sees the version the other one took
-        latest = _latest(session, name)
+        latest = _latest(session, name, tenant)
         if latest is not None and _same(latest, spec):
             return latest
         row = Schema(
+            tenant=tenant,
             name=name,
             version=(latest.version + 1) if latest else 1,
             json_schema=spec.json_schema,
@@ -202,8 +209,14 @@ def register_schema(
     raise InvalidSchemaError(f"schema {name!r} is being registered by others right now; try again")
 
 
-def _latest(session: Session, name: str) -> Schema | None:
-    return session.scalars(select(Schema).where(Schema.name == name).order_by(Schema.version.desc()).limit(1)).first()
+def _visible(tenant: str) -> Any:
+    """Schemas a tenant may use: the built-in ones and its own."""
+    return Schema.tenant.in_((SHARED, tenant))
+
+
+def _latest(session: Session, name: str, tenant: str) -> Schema | None:
+    return session.scalars(select(Schema).where(Schema.name == name, _visible(tenant))
+                           .order_by(Schema.version.desc()).limit(1)).first()
 
 
 class SchemaRef(NamedTuple):
@@ -215,38 +228,44 @@ class SchemaRef(NamedTuple):
 
 
 # Built once: the statement's cache key is memoised, so an upload's lookup costs no statement construction.
-_LATEST_REF = (select(Schema.id, Schema.version).where(Schema.name == bindparam("name"))
+_LATEST_REF = (select(Schema.id, Schema.version)
+               .where(Schema.name == bindparam("name"), Schema.tenant.in_((SHARED, bindparam("tenant"))))
                .order_by(Schema.version.desc()).limit(1))
 
 
-def latest_schema_ref(session: Session, name: str) -> SchemaRef:
-    """The named schema's latest version, without loading the row (its JSON schema and prompt are not needed to
-    queue a job); UnknownSchemaError as `get_schema` raises it."""
-    found = session.execute(_LATEST_REF, {"name": name}).first() if storable(name) else None
+def latest_schema_ref(session: Session, name: str, tenant: str = DEFAULT_TENANT) -> SchemaRef:
+    """The named schema's latest version (among those `tenant` sees), without loading the row (its JSON schema
+    and prompt are not needed to queue a job); UnknownSchemaError as `get_schema` raises it."""
+    found = session.execute(_LATEST_REF, {"name": name, "tenant": tenant}).first() if storable(name) else None
     if found is None:
-        row = get_schema(session, name)  # raises UnknownSchemaError, listing the known names
+        row = get_schema(session, name, tenant=tenant)  # raises UnknownSchemaError, listing the known names
         return SchemaRef(row.id, row.name, row.version)
     return SchemaRef(int(found.id), name, int(found.version))
 
 
-def get_schema(session: Session, name: str, version: int | None = None) -> Schema:
-    """The named schema (latest version unless one is given); UnknownSchemaError lists what exists."""
+def get_schema(session: Session, name: str, version: int | None = None, *, tenant: str = DEFAULT_TENANT) -> Schema:
+    """The named schema among those `tenant` sees (latest version unless one is given); UnknownSchemaError lists
+    the names it sees."""
     if not storable(name):  # no stored name holds such text, and PostgreSQL would refuse it as a parameter
         row = None
     elif version is None:
-        row = _latest(session, name)
+        row = _latest(session, name, tenant)
     else:
-        row = session.scalars(select(Schema).where(Schema.name == name, Schema.version == version)).first()
+        row = session.scalars(select(Schema).where(Schema.name == name, Schema.version == version,
+                                                   _visible(tenant))).first()
     if row is None:
-        known = list(session.scalars(select(Schema.name).distinct()))
+        known = sorted(set(session.scalars(select(Schema.name).where(_visible(tenant)).distinct())))
         if version is not None and name in known:
             raise UnknownSchemaError(f"{name} version {version}", known)
         raise UnknownSchemaError(name, known)
     return row
 
 
-def list_schemas(session: Session) -> list[Schema]:
-    """Latest version of every schema, by name."""
-    latest = select(Schema.name, func.max(Schema.version).label("v")).group_by(Schema.name).subquery()
-    stmt = select(Schema).join(latest, (Schema.name == latest.c.name) & (Schema.version == latest.c.v))
-    return list(session.scalars(stmt.order_by(Schema.name)))
+def list_schemas(session: Session, access: Access = Access()) -> list[Schema]:
+    """Latest version of every schema `access` sees (an admin: every tenant's), by name."""
+    seen = access.owns(Schema.tenant) | (Schema.tenant == SHARED)
+    latest = (select(Schema.tenant, Schema.name, func.max(Schema.version).label("v")).where(seen)
+              .group_by(Schema.tenant, Schema.name).subquery())
+    stmt = select(Schema).join(latest, (Schema.tenant == latest.c.tenant) & (Schema.name == latest.c.name)
+                               & (Schema.version == latest.c.v))
+    return list(session.scalars(stmt.order_by(Schema.name, Schema.tenant)))

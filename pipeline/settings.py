@@ -43,7 +43,8 @@ def _split_list(value: Any) -> Any:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True,
+        hide_input_in_errors=True,  # a refused value may be a secret (API keys, a database URL with a password)
     )
 
     # --- where things live -------------------------------------------------------------------------------------
@@ -101,11 +102,14 @@ class Settings(BaseSettings):
     watch_action: WatchAction = Field("leave", description="After processing: leave files, or move to done/|failed/.")
     stable_seconds: float = Field(2.0, ge=0, description="A file must keep size and mtime this long to be taken.")
     # --- API ----------------------------------------------------------------------------------------------------
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted API keys; empty = none.")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Accepted API keys, each 'key' (default tenant), 'tenant:key' or '*:key' "
+        "(admin: every tenant); empty = none.")
     api_host: str = Field("127.0.0.1", description="Address `docpipe serve` binds.")
     api_port: int = Field(8000, ge=1, le=65535, description="Port `docpipe serve` binds.")
     api_rate_limit_per_minute: int = Field(120, ge=1, description="Requests per minute per API key.")
-    api_max_inflight_per_key: int = Field(32, ge=1, description="Queued/running jobs one key may hold.")
+    api_max_inflight_per_key: int = Field(32, ge=1, description="Queued/running jobs one tenant may hold (all its "
+                                          "keys together; checked atomically with the upload).")
     retention_days: int | None = Field(None, ge=1, description="Purge documents older than this; None = keep.")
 
     @field_validator("watch_folders", "api_keys", mode="before")
@@ -116,10 +120,16 @@ class Settings(BaseSettings):
     @field_validator("api_keys")
     @classmethod
     def _keys_not_trivial(cls, keys: list[str]) -> list[str]:
-        for key in keys:
-            if len(key) < 16:
-                raise ValueError("every API key must be at least 16 characters (generate one: openssl rand -hex 24)")
+        from .tenancy import parse_key_entries
+
+        parse_key_entries(keys)  # raises naming the entry by position, never echoing a key
         return keys
+
+    def api_key_entries(self) -> list[Any]:
+        """The configured keys with their tenants (`pipeline.tenancy.KeyEntry`)."""
+        from .tenancy import parse_key_entries
+
+        return parse_key_entries(self.api_keys)
 
     @model_validator(mode="after")
     def _data_dir_absolute(self) -> "Settings":
@@ -172,10 +182,13 @@ class Settings(BaseSettings):
         )
 
     def render_options(self) -> Any:
-        """The `vision.RenderOptions` these settings describe."""
+        """The `vision.RenderOptions` these settings describe. Video frames are chosen by the engine's sampling
+        rule (its one home), so the engine takes them as they come instead of sampling them again."""
+        from gpu_engine.frame_sampling import QwenFrameSampler
         from vision.limits import RenderOptions
 
-        return RenderOptions(pdf_dpi=self.pdf_dpi, video_fps=self.video_fps, video_max_frames=self.video_max_frames)
+        sampler = QwenFrameSampler(fps=self.video_fps, max_frames=self.video_max_frames)
+        return RenderOptions(pdf_dpi=self.pdf_dpi, frame_sampler=sampler)
 
 
 SECRET_FIELDS = frozenset({"api_keys", "database_url", "broker_url"})

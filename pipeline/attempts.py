@@ -1,0 +1,108 @@
+"""Attempt caps counted in the database, for both stages a document goes through, and who pays for a crash.
+
+Rendering (the `ingest` stage): every render of a `received` document is counted on the document before it
+starts (`documents.render_attempts`). A file that kills its reader process each time (the message comes back
+through `task_reject_on_worker_lost`) is counted each time, and once `job_max_attempts` renders were started
+without one finishing, the document ends `failed` with that reason and so do its queued jobs.
+
+Extraction (the `gpu` stage): claiming a job charges it an attempt (pipeline.jobs). When a run dies without
+releasing its job (the process was killed, or hung past its lease), the next claim cannot tell which of the jobs
+that ran in that process caused it. So a run that died among others is refunded its attempt and its job is marked
+`isolated`: the next run of it waits until it is alone in its process (`RunGate`). A run that died alone is the
+cause, and keeps its charge. A poison document thus ends `failed` after `job_max_attempts` runs on its own, and
+the jobs that shared a worker with it lose nothing.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import select
+
+from .context import Pipeline
+from .models import Document, DocumentStatus, Job
+from .rendering import fail_document_jobs, job_document, render_document
+
+
+def _render_gave_up(attempts: int) -> str:
+    return (f"gave up after {attempts} attempts to read the file: the process reading it stopped each time (it "
+            "crashes or hangs the reader); the file cannot be processed")
+
+
+def charge_render(p: Pipeline, document_id: int) -> bool:
+    """Count one render of a `received` document; False (and the document and its queued jobs `failed`) when
+    the cap was spent already. True also when the document is no longer `received` (nothing to charge)."""
+    with p.db.session() as s:
+        doc = s.scalars(select(Document).where(Document.id == document_id).with_for_update()).first()
+        if doc is None or doc.status != DocumentStatus.received.value:
+            return True
+        if doc.render_attempts >= p.settings.job_max_attempts:
+            doc.status = DocumentStatus.failed.value
+            doc.error, doc.error_type = _render_gave_up(doc.render_attempts), "RenderAttemptsExceeded"
+            fail_document_jobs(s, document_id, doc.error)
+            return False
+        doc.render_attempts += 1
+        return True
+
+
+def render_for_job_capped(p: Pipeline, job_id: int) -> str:
+    """`pipeline.rendering.render_for_job` with the render attempt cap: the document's status afterwards."""
+    document_id, status = job_document(p, job_id)
+    if status != DocumentStatus.received.value:
+        return status
+    if not charge_render(p, document_id):
+        return DocumentStatus.failed.value
+    return render_document(p, document_id)
+
+
+def needs_isolation(p: Pipeline, job_id: int) -> bool:
+    """Whether the next run of the job must be alone: it is marked so, or its last run never released it (it
+    died or hung), which a claim turns into the mark."""
+    from .models import JobState
+
+    with p.db.read_session() as s:
+        row = s.execute(select(Job.isolated, Job.state).where(Job.id == job_id)).first()
+    return row is not None and (bool(row.isolated) or row.state == JobState.running.value)
+
+
+class RunGate:
+    """Runs of jobs in one process: any number together (`shared`), or one alone (`alone`). A run waiting to be
+    alone is let in as soon as the running ones finish; runs arriving after it wait behind it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._alone = False
+        self._waiting_alone = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone and not self._waiting_alone)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_alone += 1
+            try:
+                self._cond.wait_for(lambda: not self._alone and self._running == 0)
+            finally:
+                self._waiting_alone -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
+
+
+RUN_GATE = RunGate()  # one per process: what "alone in its process" means
