@@ -43,8 +43,7 @@ def _split_list(value: Any) -> Any:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True,
-        hide_input_in_errors=True,  # a refused value may be a secret (API keys, a database URL with a password)
+        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
     )
 
     # --- where things live -------------------------------------------------------------------------------------
@@ -182,13 +181,10 @@ class Settings(BaseSettings):
         )
 
     def render_options(self) -> Any:
-        """The `vision.RenderOptions` these settings describe. Video frames are chosen by the engine's sampling
-        rule (its one home), so the engine takes them as they come instead of sampling them again."""
-        from gpu_engine.frame_sampling import QwenFrameSampler
+        """The `vision.RenderOptions` these settings describe."""
         from vision.limits import RenderOptions
 
-        sampler = QwenFrameSampler(fps=self.video_fps, max_frames=self.video_max_frames)
-        return RenderOptions(pdf_dpi=self.pdf_dpi, frame_sampler=sampler)
+        return RenderOptions(pdf_dpi=self.pdf_dpi, video_fps=self.video_fps, video_max_frames=self.video_max_frames)
 
 
 SECRET_FIELDS = frozenset({"api_keys", "database_url", "broker_url"})
