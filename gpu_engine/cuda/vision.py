@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..vision_geometry import bilinear_taps, merge_window_coords
 from . import ops, rotary, vision_flash
 from .context import DArray, GpuContext
 from .errors import CudaBackendError, ShapeError
@@ -77,19 +78,11 @@ class FrameGeometry:
     rowcol: np.ndarray  # int32 [2, h*w]: (row, col) of each patch, the 2-D rotary positions
 
 
-def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """align_corners=True resampling of `side` table points onto `size` grid points: low tap, high tap, weight."""
-    src = index.astype(np.float64) * (side - 1) / max(size - 1, 1)
-    lo = np.floor(src).astype(np.int64)
-    return lo, np.minimum(lo + 1, side - 1), src - lo
-
-
 def frame_geometry(h: int, w: int, merge: int, side: int) -> FrameGeometry:
     """Position-table taps/weights and rotary positions of an h x w frame (h, w multiples of `merge`)."""
-    raster = np.arange(h * w).reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
-    row, col = raster // w, raster % w
-    r0, r1, fr = _axis_taps(row, h, side)
-    c0, c1, fc = _axis_taps(col, w, side)
+    row, col = merge_window_coords(h, w, merge)
+    r0, r1, fr = bilinear_taps(row, h, side)
+    c0, c1, fc = bilinear_taps(col, w, side)
     taps = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
     weights = np.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], axis=1)
     return FrameGeometry(taps.astype(np.int32), weights.astype(np.float32), np.stack([row, col]).astype(np.int32))

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..vision_geometry import bilinear_taps, merge_window_coords
 from .ops import linear, rotate_half, softmax
 
 GridTHW = tuple[int, int, int]
@@ -234,22 +235,7 @@ def _check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Geometry helpers (depend only on the grid, not on weights)
-
-
-def merge_window_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, col) of each patch of one h x w frame, in the processors' merge-window row order."""
-    raster = np.arange(h * w).reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
-    return raster // w, raster % w
-
-
-def _bilinear_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Source taps (lo, hi) and the weight of hi for resampling `side` table points to `size` grid points,
-    align_corners=True: the grid's first and last points sit exactly on the table's first and last entries."""
-    src = index * (side - 1) / max(size - 1, 1)
-    lo = np.floor(src).astype(np.int64)
-    hi = np.minimum(lo + 1, side - 1)
-    return lo, hi, src - lo
+# Input checks
 
 
 def _normalize_grids(grid_thw: GridTHW | Sequence[GridTHW] | np.ndarray) -> list[GridTHW]:
@@ -349,8 +335,8 @@ class VisionTower:
         """Learned position table bilinearly resampled to an h x w frame, rows in merge-window order."""
         side = self.dims.pos_grid_side
         row, col = merge_window_coords(h, w, self.dims.spatial_merge_size)
-        r0, r1, fr = _bilinear_taps(row, h, side)
-        c0, c1, fc = _bilinear_taps(col, w, side)
+        r0, r1, fr = bilinear_taps(row, h, side)
+        c0, c1, fc = bilinear_taps(col, w, side)
         fr, fc = fr[:, None], fc[:, None]
         t = self.pos_table
         out = ((1 - fr) * (1 - fc) * t[r0, c0] + (1 - fr) * fc * t[r0, c1]

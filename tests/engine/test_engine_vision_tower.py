@@ -28,10 +28,10 @@ from gpu_engine.reference.vision_tower import (  # noqa: E402
     VisionTower,
     VisionWeightError,
     gelu_exact,
-    merge_window_coords,
     split_frame_groups,
     vision_weight_shapes,
 )
+from gpu_engine.vision_geometry import merge_window_coords  # noqa: E402
 
 torch.set_num_threads(1)
 SEED = int(os.environ.get("DOCPIPE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
