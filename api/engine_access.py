@@ -69,7 +69,9 @@ class EngineAccess:
 
     @property
     def model_id(self) -> str:
-        return self._pipeline.settings.resolved_model_dir().name
+        """The name clients send as `model`: DOCPIPE_MODEL_ID when set, else the checkpoint folder's name."""
+        settings = self._pipeline.settings
+        return settings.model_id or settings.resolved_model_dir().name
 
     def status(self) -> str | None:
         """None when usable (or when this process does not need it yet), else why not."""

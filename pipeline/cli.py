@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import PipelineError
+from .walk import TextFileFilter
 
 PLUGIN_GROUP = "docpipe.commands"
 
@@ -27,8 +28,18 @@ app = typer.Typer(help="docpipe: scans, photos and videos in; schema-valid JSON 
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
-out = Console()
-err = Console(stderr=True)
+# Piped or redirected output has no terminal width: print whole values and rows instead of cutting them at
+# rich's 80-column default (a script reading `docpipe config | grep data_dir` must see the whole path).
+PIPED_WIDTH = 10_000
+
+
+def console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else PIPED_WIDTH)
+
+
+out = console()
+err = console(stderr=True)
 
 
 def _pipeline() -> Any:
@@ -97,12 +108,18 @@ def _summary_table(report: Any) -> Table:
     return table
 
 
+BUNDLED_CAPTION = ("These answers are made up: the bundled demo model has random weights and does not read the pages, "
+                   "so different documents get the same kind of text. It shows the shape of the output (valid JSON "
+                   "for the schema, confidences, states). For real answers, set DOCPIPE_MODEL_DIR to a Qwen3.5 "
+                   "checkpoint.")
+
+
 def _results_table(p: Any, report: Any) -> Table:
     """The merged result of each document, one line each (what `docpipe results ID` shows in full)."""
     from .queries import get_results
 
-    table = Table(title="results (the bundled model has random weights: schema-valid noise is expected)"
-                  if p.settings.model_dir is None else "results")
+    bundled = p.settings.model_dir is None
+    table = Table(title="results", caption=BUNDLED_CAPTION if bundled else None, caption_justify="left")
     for column in ("doc", "schema", "state", "confidence", "result"):
         table.add_column(column, overflow="fold")
     for f in report.files:
@@ -122,20 +139,24 @@ def _results_table(p: Any, report: Any) -> Table:
 
 
 def _process(paths: list[Path], schema: Optional[str], as_json: bool, password: Optional[str], source: str,
-             include: Any = None, show_results: bool = False) -> None:
+             show_results: bool = False) -> None:
     from .processing import process_paths
 
+    text_files = TextFileFilter()
     try:
         p = _pipeline()
         if as_json:
-            report = process_paths(p, paths, schema=schema, password=password, source=source, include=include)
+            report = process_paths(p, paths, schema=schema, password=password, source=source, include=text_files)
         else:
             with _RichProgress(err) as progress:
                 report = process_paths(p, paths, schema=schema, password=password, source=source,
-                                       progress=progress, include=include)
+                                       progress=progress, include=text_files)
     except (PipelineError, FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
         return
+    if text_files.skipped:
+        err.print(f"left out {len(text_files.skipped)} plain-text file(s) found in folders (not documents): "
+                  + ", ".join(str(f) for f in text_files.skipped), soft_wrap=True, highlight=False)
     if as_json:
         typer.echo(json.dumps(report.as_json(), indent=2, ensure_ascii=False))
     else:
@@ -207,16 +228,13 @@ def demo(
     folder = samples or Path(__file__).resolve().parent.parent / "samples"
     if not folder.is_dir() or not sample_files(folder):
         _fail(f"no sample files in {folder}; pass --samples FOLDER")
-    _process([folder], None, False, None, source="demo", include=is_sample, show_results=True)
-
-
-def is_sample(path: Path) -> bool:
-    """A samples folder also holds its generator script and README: those are not samples."""
-    return path.suffix.lower() not in {".py", ".md", ".txt"}
+    _process([folder], None, False, None, source="demo", show_results=True)
 
 
 def sample_files(folder: Path) -> list[Path]:
-    return [f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".") and is_sample(f)]
+    """The media files of a samples folder (it also holds its generator script and README)."""
+    keep = TextFileFilter()
+    return [f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".") and keep(f)]
 
 
 @app.command("schemas")

@@ -57,13 +57,24 @@ class Sniffed:
     media_type: str
 
 
-def _describe_unknown(head: bytes) -> str:
+def _text_start(head: bytes) -> str | None:
+    """The first 512 bytes as text when they are printable UTF-8 (a script, a README, notes), else None."""
     try:
         # incremental: a multi-byte character cut at byte 512 is not a reason to call text binary
         text = codecs.getincrementaldecoder("utf-8")().decode(head[:512], final=False)
     except UnicodeDecodeError:
-        return f"unrecognised binary data starting with {head[:8].hex(' ')}"
-    if text and all(c.isprintable() or c in "\r\n\t" for c in text):
+        return None
+    return text if text and all(c.isprintable() or c in "\r\n\t" for c in text) else None
+
+
+def is_plain_text(head: bytes) -> bool:
+    """True when `head` is printable UTF-8 text with no accepted media signature: no page can come from it."""
+    return _text_start(head) is not None and filetype.guess(head) is None
+
+
+def _describe_unknown(head: bytes) -> str:
+    text = _text_start(head)
+    if text is not None:
         return f"plain text starting with {text[:40]!r}"
     return f"unrecognised data starting with {head[:8].hex(' ')}"
 

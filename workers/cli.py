@@ -16,7 +16,7 @@ import os
 import socket
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -131,14 +131,15 @@ def beat(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
     app.Beat(scheduler=LockedScheduler, loglevel=loglevel.upper(), quiet=True).run()
 
 
-def _expand(paths: list[Path]) -> list[tuple[Path, str]]:
-    """(file, name as shown) for every file given or found under a given folder (hidden files skipped)."""
+def _expand(paths: list[Path], keep: Callable[[Path], bool]) -> list[tuple[Path, str]]:
+    """(file, name as shown) for every file given or found under a given folder (hidden files skipped; `keep`
+    filters the files found in folders)."""
     out = []
     for path in paths:
         if path.is_dir():
             for found in sorted(p for p in path.rglob("*") if p.is_file()):
                 rel = found.relative_to(path)
-                if not any(part.startswith(".") for part in rel.parts):
+                if not any(part.startswith(".") for part in rel.parts) and keep(found):
                     out.append((found, str(Path(path.name) / rel)))
         elif path.is_file():
             out.append((path, path.name))
@@ -161,7 +162,13 @@ def submit(
 
     from .enqueue import enqueue_ingest
 
-    files = _expand(paths)
+    from pipeline.walk import TextFileFilter
+
+    text_files = TextFileFilter()
+    files = _expand(paths, text_files)
+    if text_files.skipped:
+        typer.echo(f"left out {len(text_files.skipped)} plain-text file(s) found in folders (not documents): "
+                   + ", ".join(str(f) for f in text_files.skipped), err=True)
     if not files:
         _fail("no files found")
     p = Pipeline(cfg.settings)
@@ -202,10 +209,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     if as_json:
         typer.echo(json.dumps(asdict(st), indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from pipeline.cli import console as make_console
+
+    console = make_console()
     q = st.queues
     if not q.broker_ok:
         console.print(f"[red]broker unreachable[/red]: {q.broker_error}")

@@ -204,3 +204,18 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, model_id: str) -> 
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        logprobs=True, top_logprobs=3)
     assert err.value.body["code"] == "unsupported_parameter"
+
+
+def test_the_served_model_name_is_docpipe_model_id_when_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Clients send `model`: the name GET /v1/models lists is DOCPIPE_MODEL_ID if set, else the checkpoint folder."""
+    from api.engine_access import EngineAccess
+    from pipeline.context import Pipeline
+
+    named = Pipeline(test_settings(tmp_path / "a", model_id="acme-invoices"))
+    plain = Pipeline(test_settings(tmp_path / "b"))
+    try:
+        assert EngineAccess(named, preload=False).model_id == "acme-invoices"
+        assert EngineAccess(plain, preload=False).model_id == plain.settings.resolved_model_dir().name
+    finally:
+        named.close()
+        plain.close()

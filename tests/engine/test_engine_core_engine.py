@@ -242,6 +242,11 @@ def test_cli_generate_with_schema(ckpt, tmp_path):
     bad = subprocess.run(cmd[:-5] + ["--json-schema", str(tmp_path / "missing.json")], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "cannot read the JSON schema" in bad.stderr
+    # Cut by --max-tokens before the JSON closes: not an answer, so a clear error and a non-zero exit.
+    cut_cmd = [a if a != "64" else "2" for a in cmd[:-1]]
+    cut = subprocess.run(cut_cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert cut.returncode == 3 and "cut at --max-tokens 2" in cut.stderr, cut.stderr
 
 
 def test_cli_bench_writes_json(ckpt, tmp_path):

@@ -54,6 +54,31 @@ def test_process_json_results_and_exit_codes(env: dict[str, str], tmp_path: Path
     assert "not an accepted media type" in states["broken.pdf"]["error"]
 
 
+def test_folder_walks_leave_out_plain_text_files_and_say_so(env: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(png_bytes())
+    (folder / "README.md").write_text("# scans from the front desk\n")
+    (folder / "make_samples.py").write_text("print('a generator script')\n")
+    walked = invoke(env, "process", str(folder), "--json")
+    assert walked.exit_code == 0, walked.output
+    assert [Path(f["name"]).name for f in json.loads(walked.stdout)["files"]] == ["a.png"]
+    assert "left out 2 plain-text file(s)" in walked.stderr and "README.md" in walked.stderr
+    # A text file whose name claims a document is a damaged document, and a named file is never left out.
+    (folder / "invoice.pdf").write_text("not a pdf")
+    damaged = invoke(env, "process", str(folder), "--json")
+    assert damaged.exit_code == 1
+    assert {Path(f["name"]).name: f["state"] for f in json.loads(damaged.stdout)["files"]}["invoice.pdf"] == "failed"
+    named = invoke(env, "process", str(folder / "README.md"), "--json")
+    assert named.exit_code == 1 and json.loads(named.stdout)["files"][0]["state"] == "failed"
+
+
+def test_piped_output_is_not_cut_at_80_columns(env: dict[str, str], tmp_path: Path) -> None:
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "data"
+    shown = invoke({**env, "DOCPIPE_DATA_DIR": str(deep)}, "config")
+    assert shown.exit_code == 0 and str(deep) in shown.stdout  # whole, on one line
+
+
 def test_bad_arguments_exit_2_with_a_message(env: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "a.png").write_bytes(png_bytes())
     unknown = invoke(env, "process", str(tmp_path / "a.png"), "--schema", "nope")
