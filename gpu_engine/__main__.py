@@ -39,6 +39,9 @@ def _engine(args: argparse.Namespace) -> Any:
     return Engine.from_pretrained(_model_dir(args.model), runner=args.runner, config=config)
 
 
+EXIT_CUT = 3  # `generate --json-schema`: the output hit max_tokens before the JSON closed
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the bundled tiny model)")
     p.add_argument("--runner", default="reference", choices=["reference", "cuda"])
@@ -56,7 +59,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"error: cannot read the JSON schema {args.json_schema}: {exc}", file=sys.stderr)
             return 2
     content: list[dict[str, Any]] = [{"type": "image", "image": str(Path(f))} for f in args.image]
-    content += [{"type": "video", "video": str(Path(f))} for f in args.video]
+    if args.frame:  # one clip as image files; the engine decodes no video files (see processor.process_video)
+        from .processor import load_image
+
+        frames = [load_image(str(Path(f)), f"frame {f}").convert("RGB") for f in args.frame]
+        content.append({"type": "video", "video": frames, "fps": args.fps})
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, json_schema=schema,
@@ -94,6 +101,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if final.finish_reason == "error":
         print(f"error: {final.error}", file=sys.stderr)
         return 1
+    if schema is not None and final.finish_reason == "length":
+        # Constrained decoding guarantees valid JSON only for an answer that ends by itself; a cut one is not
+        # an answer, so say so and fail rather than print it as if it were.
+        print(f"error: the answer was cut at --max-tokens {args.max_tokens} before its JSON was complete, so it "
+              f"is not valid for the schema; raise --max-tokens", file=sys.stderr)
+        return EXIT_CUT
     return 0
 
 
@@ -145,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-    g.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    g.add_argument("--frame", action="append", default=[],
+                   help="one frame of a video clip, an image file (repeatable, in order); sampled at --fps")
+    g.add_argument("--fps", type=float, default=2.0, help="frame rate of the --frame images")
     g.add_argument("--json-schema", help="file with a JSON schema the output must satisfy")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -16,8 +16,6 @@ Everything else — sizes, sampling, patch order, tokens, positions, timestamps 
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
@@ -32,14 +30,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .data_url import DataUrlError, parse_data_url
 from .frame_resize import resize_like_torch_uint8
+from .frame_sampling import qwen_frame_indices, spread_indices
 from .inputs import ProcessedPrompt, VisionItem
 from .processing_errors import ProcessorError
 from .rope_index import find_vision_spans, rope_index, text_positions
 from .tokenizer import Tokenizer
-from .video_io import VideoError, probe_video, read_video_frames
-
-
 
 # transformers' default when a frame list arrives without its sampling rate (Qwen3VLVideoProcessor.sample_frames).
 DEFAULT_FRAME_LIST_FPS = 24.0
@@ -92,12 +89,11 @@ def smart_resize_video(
     return h_bar, w_bar
 
 
-def frame_group_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int) -> list[float]:
+def frame_group_timestamps(frame_times: Sequence[float], temporal_patch_size: int) -> list[float]:
     """Seconds per frame group: the mean time of its first and last frame (the last frame pads an odd count)."""
-    indices = [int(i) for i in frame_indices]
-    if len(indices) % temporal_patch_size:
-        indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
-    times = [i / video_fps for i in indices]
+    times = [float(t) for t in frame_times]
+    if len(times) % temporal_patch_size:
+        times += [times[-1]] * (temporal_patch_size - len(times) % temporal_patch_size)
     return [
         (times[g] + times[g + temporal_patch_size - 1]) / 2 for g in range(0, len(times), temporal_patch_size)
     ]
@@ -238,8 +234,7 @@ class FrameGroup:
 @dataclass(frozen=True)
 class ProcessedVideo:
     frame_groups: list[FrameGroup]
-    frame_indices: list[int]  # sampled frame indices in the source video
-    video_fps: float
+    frame_times: list[float]  # seconds of each sampled frame in the source video
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:  # the whole video, as transformers reports it
@@ -349,19 +344,18 @@ class VideoProcessor:
         return cls.from_dict(_read_config(path), str(path))
 
     def sample_indices(self, total_frames: int, video_fps: float) -> np.ndarray:
-        """Frame indices to keep: `fps` frames per second of video, clamped to [min_frames, max_frames]."""
+        """Frame indices to keep: `fps` frames per second of video, clamped to [min_frames, max_frames]
+        (gpu_engine.frame_sampling), or the config's fixed `num_frames`, or every frame."""
         if total_frames < 1:
             raise ProcessorError("the video has no frames")
         if not self.do_sample_frames:
             return np.arange(total_frames)
         if self.num_frames is not None:
-            count = self.num_frames
-        elif self.fps is not None:
-            count = int(total_frames / video_fps * self.fps)
-            count = min(max(count, self.min_frames), self.max_frames, total_frames)
-        else:
-            count = min(max(total_frames, self.min_frames), self.max_frames)
-        return np.linspace(0, total_frames - 1, count).round().astype(int)
+            return np.asarray(spread_indices(total_frames, self.num_frames))
+        if self.fps is None:
+            return np.asarray(spread_indices(total_frames, min(max(total_frames, self.min_frames), self.max_frames)))
+        return np.asarray(qwen_frame_indices(total_frames, video_fps, fps=self.fps, min_frames=self.min_frames,
+                                             max_frames=self.max_frames))
 
     def target_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         p = self.params
@@ -379,11 +373,11 @@ class VideoProcessor:
             min_pixels=p.min_pixels, max_pixels=max_pixels,
         )
 
-    def preprocess(self, frames: Sequence[np.ndarray], frame_indices: Sequence[int], video_fps: float) -> ProcessedVideo:
-        """`frames`: the SAMPLED frames, uint8 RGB [H, W, 3], all one size; `frame_indices`: their source indices."""
+    def preprocess(self, frames: Sequence[np.ndarray], frame_times: Sequence[float]) -> ProcessedVideo:
+        """`frames`: the SAMPLED frames, uint8 RGB [H, W, 3], all one size; `frame_times`: their times in seconds."""
         p = self.params
-        if len(frames) != len(frame_indices):
-            raise ProcessorError(f"{len(frames)} frames but {len(frame_indices)} frame indices")
+        if len(frames) != len(frame_times):
+            raise ProcessorError(f"{len(frames)} frames but {len(frame_times)} frame times")
         if not frames:
             raise ProcessorError("the video has no frames")
         shapes = {tuple(f.shape) for f in frames}
@@ -399,14 +393,14 @@ class VideoProcessor:
         pixel_values = _patchify(p.to_float(chw), p.patch_size, p.merge_size, p.temporal_patch_size)
         gh, gw = target_h // p.patch_size, target_w // p.patch_size
         group_rows = gh * gw
-        timestamps = frame_group_timestamps(frame_indices, video_fps, p.temporal_patch_size)
+        timestamps = frame_group_timestamps(frame_times, p.temporal_patch_size)
         fingerprint = p.fingerprint("video")
         groups = []
         for g, seconds in enumerate(timestamps):
             rows = pixel_values[g * group_rows:(g + 1) * group_rows]
             grid = (1, gh, gw)
             groups.append(FrameGroup(rows, grid, seconds, _hash(rows, grid, fingerprint)))
-        return ProcessedVideo(groups, [int(i) for i in frame_indices], float(video_fps))
+        return ProcessedVideo(groups, [float(t) for t in frame_times])
 
 
 # --------------------------------------------------------------------------------------------- media loading
@@ -440,13 +434,10 @@ def _decode_image_bytes(data: bytes, what: str) -> Image.Image:
 
 
 def _data_url_bytes(url: str, what: str) -> bytes:
-    header, _, payload = url.partition(",")
-    if not header.startswith("data:") or not header.endswith(";base64"):
-        raise ProcessorError(f"{what}: only base64 data: URLs are supported, got {url[:40]!r}...")
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ProcessorError(f"{what}: invalid base64 in data: URL ({exc})") from exc
+        return parse_data_url(url).data
+    except DataUrlError as exc:
+        raise ProcessorError(f"{what}: {exc}") from exc
 
 
 def load_image(source: Any, what: str = "image") -> Image.Image:
@@ -490,6 +481,26 @@ class _Media:
     source: Any
     fps: float | None
     what: str  # "message 2, part 1" — for error messages
+    timestamps: tuple[float, ...] | None = None  # frames already sampled, at these times (seconds)
+
+
+def _frame_times(value: Any, fps: Any, what: str) -> tuple[float, ...] | None:
+    """A video part's `timestamps`: its frames are already sampled (by the caller, with
+    gpu_engine.frame_sampling) and shown at these times, so the processor takes them as they are."""
+    if value is None:
+        return None
+    if fps is not None:
+        raise ProcessorError(f"{what}: give fps (frames to sample) or timestamps (frames already sampled), not both")
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+        raise ProcessorError(f"{what}: timestamps must be a non-empty list of seconds, one per frame")
+    times = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ProcessorError(f"{what}: timestamps must be finite seconds >= 0, got {t!r}")
+        times.append(float(t))
+    if any(b < a for a, b in zip(times, times[1:])):
+        raise ProcessorError(f"{what}: timestamps must not decrease (frames in time order)")
+    return tuple(times)
 
 
 def _part_source(part: Mapping[str, Any], keys: Sequence[str], what: str) -> Any:
@@ -540,7 +551,8 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dic
                     fps = part.get("fps")
                     if fps is not None and (not isinstance(fps, (int, float)) or fps <= 0):
                         raise ProcessorError(f"{what}: fps must be a positive number, got {fps!r}")
-                    media.append(_Media("video", _part_source(part, ("video", "url", "path"), what), fps, what))
+                    timestamps = _frame_times(part.get("timestamps"), fps, what)
+                    media.append(_Media("video", _part_source(part, ("video",), what), fps, what, timestamps))
                     parts.append(dict(part))
                 else:
                     raise ProcessorError(f"{what}: unsupported content type {kind!r} (text, image, image_url, video)")
@@ -613,23 +625,27 @@ class Processor:
     def process_image(self, source: Any, what: str = "image") -> ProcessedImage:
         return self.image_processor.preprocess(load_image(source, what))
 
-    def process_video(self, source: Any, fps: float | None = None, what: str = "video") -> ProcessedVideo:
-        """A video file path (decoded with PyAV) or a list of frames sampled at `fps` frames per second."""
+    def process_video(self, source: Any, fps: float | None = None, what: str = "video",
+                      timestamps: Sequence[float] | None = None) -> ProcessedVideo:
+        """A list of decoded frames: all frames of a clip at `fps` frames per second, which are sampled here as
+        transformers samples them, or frames already sampled and shown at `timestamps` (seconds), taken as they are.
+
+        Video files are not decoded here: the engine holds no decoder, so a damaged stream cannot crash the process
+        that runs the model. Decode them in an isolated process first (docpipe: `vision.open_media`)."""
         vp = self.video_processor
-        if isinstance(source, (str, Path)):
-            try:
-                info = probe_video(source)
-                indices = vp.sample_indices(info.total_frames, info.fps)
-                frames = read_video_frames(source, indices.tolist())
-            except VideoError as exc:
-                raise ProcessorError(f"{what}: {exc}") from exc
-            return vp.preprocess(frames, indices.tolist(), info.fps)
-        if isinstance(source, (list, tuple)) or (isinstance(source, np.ndarray) and source.ndim == 4):
-            all_frames = [_frame_array(f, f"{what}, frame {i}") for i, f in enumerate(source)]
-            video_fps = float(fps) if fps is not None else DEFAULT_FRAME_LIST_FPS
-            indices = vp.sample_indices(len(all_frames), video_fps)
-            return vp.preprocess([all_frames[i] for i in indices], indices.tolist(), video_fps)
-        raise ProcessorError(f"{what}: a video must be a file path or a list of frames, got {type(source).__name__}")
+        if not (isinstance(source, (list, tuple)) or (isinstance(source, np.ndarray) and source.ndim == 4)):
+            raise ProcessorError(
+                f"{what}: a video must be a list of decoded frames, got {type(source).__name__}; the engine does not "
+                "decode video files (decode them first, e.g. with docpipe's vision.open_media)"
+            )
+        all_frames = [_frame_array(f, f"{what}, frame {i}") for i, f in enumerate(source)]
+        if timestamps is not None:
+            if len(timestamps) != len(all_frames):
+                raise ProcessorError(f"{what}: {len(all_frames)} frames but {len(timestamps)} timestamps")
+            return vp.preprocess(all_frames, timestamps)
+        video_fps = float(fps) if fps is not None else DEFAULT_FRAME_LIST_FPS
+        indices = vp.sample_indices(len(all_frames), video_fps)
+        return vp.preprocess([all_frames[i] for i in indices], [int(i) / video_fps for i in indices])
 
     def _video_placeholder(self, video: ProcessedVideo) -> str:
         _, gh, gw = video.grid_thw
@@ -666,7 +682,8 @@ class Processor:
             return self._prepare_token_ids(np.asarray(messages_or_token_ids, dtype=np.int64))
         text, media = self._render(messages_or_token_ids, add_generation_prompt, enable_thinking)  # type: ignore[arg-type]
         processed: list[ProcessedImage | ProcessedVideo] = [
-            self.process_image(m.source, m.what) if m.kind == "image" else self.process_video(m.source, m.fps, m.what)
+            self.process_image(m.source, m.what) if m.kind == "image"
+            else self.process_video(m.source, m.fps, m.what, m.timestamps)
             for m in media
         ]
         expanded = self._expand(text, media, processed)

@@ -86,12 +86,15 @@ def sampling_record(params: SamplingParams) -> dict[str, Any]:
             "top_k": params.top_k, "seed": params.seed}
 
 
-def effective_fps(timestamps: list[float | None], default: float) -> float:
-    """Frames per second the sampled frames actually represent (sampling may clamp the count)."""
-    known = [t for t in timestamps if t is not None]
-    if len(known) >= 2 and known[-1] > known[0]:
-        return (len(known) - 1) / (known[-1] - known[0])
-    return default
+def frame_times(timestamps: list[float | None], fps: float) -> list[float]:
+    """Seconds of each sampled frame (video pages always carry one; a missing one is placed `1/fps` after the
+    frame before it, so the list stays in time order)."""
+    times: list[float] = []
+    for t in timestamps:
+        previous = times[-1] if times else None
+        here = float(t) if t is not None else (0.0 if previous is None else previous + 1 / fps)
+        times.append(here if previous is None else max(here, previous))
+    return times
 
 
 def build_prompt(schema_prompt: str, unit: UnitInput, anchor_chars: int) -> str:
@@ -108,8 +111,10 @@ def build_prompt(schema_prompt: str, unit: UnitInput, anchor_chars: int) -> str:
 def build_request(unit: UnitInput, schema_prompt: str, params: SamplingParams, settings: Settings) -> EngineRequest:
     content: list[dict[str, Any]] = []
     if unit.unit == "video":
+        # The frames were sampled at render time by the engine's rule (Settings.render_options): the engine takes
+        # them at their timestamps instead of sampling them again.
         content.append({"type": "video", "video": unit.images,
-                        "fps": effective_fps(unit.timestamps, settings.video_fps)})
+                        "timestamps": frame_times(unit.timestamps, settings.video_fps)})
     else:
         content.extend({"type": "image", "image": image} for image in unit.images)
     content.append({"type": "text", "text": build_prompt(schema_prompt, unit, settings.anchor_text_chars)})

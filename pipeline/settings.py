@@ -43,7 +43,8 @@ def _split_list(value: Any) -> Any:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+        env_prefix="DOCPIPE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True,
+        hide_input_in_errors=True,  # a refused value may be a secret (API keys, a database URL with a password)
     )
 
     # --- where things live -------------------------------------------------------------------------------------
@@ -181,10 +182,13 @@ class Settings(BaseSettings):
         )
 
     def render_options(self) -> Any:
-        """The `vision.RenderOptions` these settings describe."""
+        """The `vision.RenderOptions` these settings describe. Video frames are chosen by the engine's sampling
+        rule (its one home), so the engine takes them as they come instead of sampling them again."""
+        from gpu_engine.frame_sampling import QwenFrameSampler
         from vision.limits import RenderOptions
 
-        return RenderOptions(pdf_dpi=self.pdf_dpi, video_fps=self.video_fps, video_max_frames=self.video_max_frames)
+        sampler = QwenFrameSampler(fps=self.video_fps, max_frames=self.video_max_frames)
+        return RenderOptions(pdf_dpi=self.pdf_dpi, frame_sampler=sampler)
 
 
 SECRET_FIELDS = frozenset({"api_keys", "database_url", "broker_url"})

@@ -48,7 +48,7 @@ from .opener import open_media
 from .page import MediaPage
 from .sniff import ACCEPTED as ACCEPTED_MEDIA_TYPES
 from .sniff import SNIFF_BYTES, Sniffed, sniff
-from .video.sampling import pad_indices, qwen_frame_indices
+from .video.sampling import pad_indices
 
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
@@ -71,6 +71,5 @@ __all__ = [
     "WrongPasswordError",
     "open_media",
     "pad_indices",
-    "qwen_frame_indices",
     "sniff",
 ]

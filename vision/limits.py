@@ -8,6 +8,7 @@ fail at construction with a `ValueError` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 MiB = 1024 * 1024
@@ -38,30 +39,26 @@ class MediaLimits:
 class RenderOptions:
     """What the output looks like.
 
-    Video frames follow Qwen3-VL's sampling rule (the defaults of transformers' `Qwen3VLVideoProcessor`):
-    `fps` frames per second of video, at least `min_frames` and at most `max_frames` (never more than the clip has),
-    spread evenly with linspace over the whole clip; the count is then padded to a multiple of
-    `pad_frames_to` (Qwen's temporal patch size, 2) by repeating the last frame, exactly as the processor pads.
+    `frame_sampler(total_frames, video_fps)` chooses a video's frames (source indices); None keeps every frame.
+    vision holds no sampling rule of its own: the model's rule lives with the model (docpipe passes
+    `gpu_engine.frame_sampling.QwenFrameSampler`), so a video is sampled once, by the rule the engine uses. The plan
+    is then padded to a multiple of `pad_frames_to` (Qwen's temporal patch size, 2) by repeating the last frame,
+    exactly as the processor pads.
     `dedupe_frames` drops frames whose perceptual hash is within `dedupe_max_distance` bits of the previous kept
     frame (for document videos where a page is held still); off by default because it changes the frame count.
     """
 
     pdf_dpi: float = 150.0
-    video_fps: float = 2.0
-    video_min_frames: int = 4
-    video_max_frames: int = 768
+    frame_sampler: Callable[[int, float], Sequence[int]] | None = None
     pad_frames_to: int = 2
     dedupe_frames: bool = False
     dedupe_max_distance: int = 8  # of 64 bits; the same page re-encoded differs by <= 6, different pages by >= 18
 
     def __post_init__(self) -> None:
-        for name in ("pdf_dpi", "video_fps", "video_min_frames", "video_max_frames", "pad_frames_to"):
+        for name in ("pdf_dpi", "pad_frames_to"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RenderOptions.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.video_min_frames > self.video_max_frames:
-            raise ValueError(
-                f"RenderOptions.video_min_frames ({self.video_min_frames}) must be <= video_max_frames "
-                f"({self.video_max_frames})"
-            )
+        if self.frame_sampler is not None and not callable(self.frame_sampler):
+            raise ValueError(f"RenderOptions.frame_sampler must be callable, got {self.frame_sampler!r}")
         if self.dedupe_max_distance < 0:
             raise ValueError(f"RenderOptions.dedupe_max_distance must be >= 0, got {self.dedupe_max_distance}")

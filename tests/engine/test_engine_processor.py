@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 from PIL import Image
 
 from gpu_engine.processor import (
@@ -40,11 +41,10 @@ from gpu_engine.processor import (
 )
 from gpu_engine.frame_resize import resize_like_torch_uint8
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
-from gpu_engine.video_io import VideoError, probe_video, read_video_frames
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-av = pytest.importorskip("av")
+torch = require_module("torch")
+transformers = require_module("transformers")
+av = require_module("av")
 torch.set_num_threads(1)
 
 import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as hf_image  # noqa: E402
@@ -206,29 +206,6 @@ def _image_items(prompt):
     return [item for item in prompt.vision_items if item.kind == "image"]
 
 
-# ------------------------------------------------------------------------------------------------- video_io
-
-
-@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])  # .mkv stores no frame count: probe counts packets
-def test_video_io_probe_and_read(tmp_path: Path, suffix: str) -> None:
-    rng = np.random.default_rng()
-    count, fps = int(rng.integers(5, 12)), int(rng.integers(2, 9))
-    frames = [np.full((32, 48, 3), 20 * i, dtype=np.uint8) for i in range(count)]
-    path = tmp_path / f"clip{suffix}"
-    _write_mp4(path, frames, fps)
-    info = probe_video(path)
-    assert (info.total_frames, info.fps, info.width, info.height) == (count, fps, 48, 32)
-    decoded, _ = _decode_all(path)
-    wanted = [count - 1, 0, 2, 2]  # any order, repeats allowed
-    got = read_video_frames(path, wanted)
-    for index, frame in zip(wanted, got):
-        np.testing.assert_array_equal(frame, decoded[index])
-    with pytest.raises(VideoError, match="could not be decoded"):
-        read_video_frames(path, [count + 3])
-    with pytest.raises(VideoError, match="not found"):
-        probe_video(tmp_path / "missing.mp4")
-
-
 # -------------------------------------------------------------------------------------------- loading & sizes
 
 
@@ -365,6 +342,8 @@ def test_video_frame_resize_rejects_bad_frames() -> None:
 
 
 def test_decoded_video_file_matches_transformers(hf_proc, ours: Processor, tmp_path: Path) -> None:
+    """A decoded clip's frames (the engine decodes no files: its callers hand it frames) sampled as transformers
+    samples the same decoded clip."""
     rng = np.random.default_rng()
     num_frames, fps = int(rng.integers(20, 34)), 8
     height, width = 2 * int(rng.integers(20, 40)), 2 * int(rng.integers(20, 50))
@@ -373,9 +352,10 @@ def test_decoded_video_file_matches_transformers(hf_proc, ours: Processor, tmp_p
     path = tmp_path / "clip.mp4"
     _write_mp4(path, frames, fps)
 
-    messages = [{"role": "user", "content": [{"type": "video", "video": str(path)}, {"type": "text", "text": "Summary?"}]}]
-    text = hf_proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     decoded, decoded_fps = _decode_all(path)
+    messages = [{"role": "user", "content": [{"type": "video", "video": list(decoded), "fps": decoded_fps},
+                                             {"type": "text", "text": "Summary?"}]}]
+    text = hf_proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     hf_out = hf_proc(text=[text], videos=[decoded], return_tensors="np", return_metadata=True, videos_kwargs={
         "video_metadata": [VideoMetadata(total_num_frames=len(decoded), fps=decoded_fps)],
     })
@@ -575,16 +555,32 @@ def test_unsupported_part_and_malformed_messages(ours: Processor) -> None:
         ours.prepare([{"content": "x"}])
 
 
-def test_corrupt_video_file(ours: Processor, tmp_path: Path) -> None:
-    path = tmp_path / "broken.mp4"
-    path.write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
-    with pytest.raises(ProcessorError, match="message 0, part 0: cannot (open|read|decode) video"):
-        ours.prepare(_user({"type": "video", "video": str(path)}))
+def test_video_files_are_not_decoded_by_the_engine(ours: Processor, tmp_path: Path) -> None:
+    """The engine holds no video decoder (a damaged stream must not crash the process running the model)."""
+    path = tmp_path / "clip.mp4"
+    _write_mp4(path, [np.zeros((32, 32, 3), dtype=np.uint8)] * 4, 2)
+    for source in (str(path), path, "data:video/mp4;base64,AAAA"):
+        with pytest.raises(ProcessorError, match="message 0, part 0: a video must be a list of decoded frames"):
+            ours.prepare(_user({"type": "video", "video": source}))
 
 
-def test_missing_video_file(ours: Processor, tmp_path: Path) -> None:
-    with pytest.raises(ProcessorError, match="video file not found"):
-        ours.prepare(_user({"type": "video", "video": str(tmp_path / "nope.mp4")}))
+def test_presampled_frames_keep_their_timestamps(ours: Processor) -> None:
+    """Frames already sampled (by the caller, with gpu_engine.frame_sampling) are not sampled again: each frame
+    group is stamped with the mean time of its frames, as transformers stamps the frames it sampled itself."""
+    rng = np.random.default_rng()
+    frames = [rng.integers(0, 256, (32, 48, 3), dtype=np.uint8) for _ in range(5)]
+    times = [0.0, 0.5, 1.0, 4.0, 9.0]
+    prompt = ours.prepare(_user({"type": "video", "video": frames, "timestamps": times}))
+    items = _video_items(prompt)
+    assert [it.timestamp for it in items] == pytest.approx([0.25, 2.5, 9.0])  # 5 frames padded to 6 (last repeated)
+    sampled = ours.prepare(_user({"type": "video", "video": frames, "fps": 2.0}))  # 5 frames at 2 fps: sampled
+    assert [it.timestamp for it in _video_items(sampled)] == pytest.approx([0.25, 1.25, 2.0])
+    with pytest.raises(ProcessorError, match="5 frames but 4 timestamps"):
+        ours.prepare(_user({"type": "video", "video": frames, "timestamps": times[:4]}))
+    with pytest.raises(ProcessorError, match="not both"):
+        ours.prepare(_user({"type": "video", "video": frames, "timestamps": times, "fps": 2.0}))
+    with pytest.raises(ProcessorError, match="must not decrease"):
+        ours.prepare(_user({"type": "video", "video": frames, "timestamps": times[::-1]}))
 
 
 def test_video_needs_two_frames(ours: Processor) -> None:

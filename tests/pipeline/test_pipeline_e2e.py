@@ -375,7 +375,9 @@ def test_anchor_text_reaches_the_prompt() -> None:
     video = UnitInput(unit="video", page_index=None, images=[Image.new("RGB", (8, 8))] * 4,
                       timestamps=[0.0, 0.5, 1.0, 1.5])
     part = build_request(video, "Watch.", params, settings).messages[0]["content"][0]
-    assert part["type"] == "video" and len(part["video"]) == 4 and part["fps"] == pytest.approx(2.0)
+    # Sampled once, at render time: the engine gets the frames' own times and does not sample again.
+    assert part["type"] == "video" and len(part["video"]) == 4 and part["timestamps"] == [0.0, 0.5, 1.0, 1.5]
+    assert "fps" not in part
 
 
 def test_same_bytes_ingested_at_once_make_one_document(database_url: str, make_pipeline: Any,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpu_engine.frame_sampling import QwenFrameSampler
 from vision import RenderOptions, open_media
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
@@ -49,7 +50,7 @@ def test_phone_photo_opens():
 
 @pytest.mark.parametrize("dedupe, expected", [(False, 12), (True, None)])
 def test_pan_video(dedupe, expected):
-    with open_media(SAMPLES / "pan.mp4", options=RenderOptions(dedupe_frames=dedupe)) as doc:
+    with open_media(SAMPLES / "pan.mp4", options=RenderOptions(frame_sampler=QwenFrameSampler(), dedupe_frames=dedupe)) as doc:
         assert doc.metadata["duration"] == pytest.approx(6.0, abs=0.1)
         frames = list(doc.pages())
     if expected is not None:

@@ -23,12 +23,13 @@ from vision import (
     NoVideoStreamError,
     RenderOptions,
     open_media,
-    qwen_frame_indices,
 )
+from gpu_engine.frame_sampling import QwenFrameSampler
 from vision.video import isolate
 
 HERE = Path(__file__).resolve().parent
 MISBEHAVING = HERE / "vision_misbehaving_worker.py"
+QWEN = RenderOptions(frame_sampler=QwenFrameSampler())  # the plan docpipe uses (Settings.render_options)
 
 
 def hf_frames(path: Path, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768):
@@ -42,7 +43,7 @@ def hf_frames(path: Path, fps: float = 2.0, min_frames: int = 4, max_frames: int
 
 def test_probe_metadata_and_planned_count(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 30), fps=10)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         assert (doc.kind, doc.media_type) == ("video", "video/mp4")
         m = doc.metadata
         assert (m["codec"], m["width"], m["height"], m["fps"], m["total_frames"]) == ("h264", 64, 48, 10.0, 30)
@@ -55,7 +56,7 @@ def test_probe_metadata_and_planned_count(tmp_path, rng):
 def test_frames_equal_transformers_pyav_loader(tmp_path, rng, gop):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 75), fps=15, gop=gop)
     video, meta = hf_frames(path)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         pages = list(doc.pages())
     assert [p.frame_index for p in pages] == list(meta.frames_indices)
     assert len(pages) % 2 == 0
@@ -67,9 +68,9 @@ def test_frames_equal_transformers_pyav_loader(tmp_path, rng, gop):
 
 def test_odd_count_padded_by_repeating_the_last_frame(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 25), fps=10)  # 2.5 s -> 5 frames -> pad to 6
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         pages = list(doc.pages())
-    assert qwen_frame_indices(25, 10.0) == [0, 6, 12, 18, 24]
+    assert QwenFrameSampler()(25, 10.0) == [0, 6, 12, 18, 24]
     assert [p.frame_index for p in pages] == [0, 6, 12, 18, 24, 24]
     assert [p.index for p in pages] == list(range(6))
     assert pages[-1].image is pages[-2].image
@@ -80,7 +81,7 @@ def test_odd_count_padded_by_repeating_the_last_frame(tmp_path, rng):
                                               ("mov", "libx264", "video/quicktime")])
 def test_other_containers(tmp_path, rng, fmt, codec, mime):
     path = write_video(tmp_path / "v.bin", gradient_frames(rng, 20), fps=10, codec=codec, fmt=fmt)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         assert doc.media_type == mime
         pages = list(doc.pages())
     assert len(pages) == 4 and all(p.ok for p in pages)
@@ -90,7 +91,7 @@ def test_display_rotation_is_applied(tmp_path, rng):
     frame = np.zeros((32, 64, 3), np.uint8)
     frame[:, :8] = 255  # a white bar along the left edge of the stored frame
     path = write_video(tmp_path / "v.mp4", [frame] * 10, fps=10, rotation=90)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         assert doc.metadata["rotation"] == 90
         assert (doc.metadata["width"], doc.metadata["height"]) == (32, 64)
         page = next(doc.pages())
@@ -103,13 +104,13 @@ def test_display_rotation_is_applied(tmp_path, rng):
 def test_truncated_mp4_is_corrupt(tmp_path, rng):
     data = write_video(tmp_path / "v.mp4", gradient_frames(rng, 30), fps=10).read_bytes()
     with pytest.raises(CorruptMediaError, match="clip.mp4 cannot be decoded as video .*moov atom not found") as e:
-        open_media(data[: len(data) // 2], name="clip.mp4")
+        open_media(data[: len(data) // 2], name="clip.mp4", options=QWEN)
     assert "docpipe-video-" not in str(e.value)  # our temporary file's name never leaks into messages
 
 
 def test_truncated_faststart_mp4_keeps_the_frames_before_the_damage(tmp_path, rng):
     data = write_video(tmp_path / "v.mp4", gradient_frames(rng, 30), fps=10, gop=5, faststart=True).read_bytes()
-    with open_media(data[: int(len(data) * 0.8)]) as doc:
+    with open_media(data[: int(len(data) * 0.8)], options=QWEN) as doc:
         pages = list(doc.pages())
     assert len(pages) == doc.page_count == 6
     assert pages[0].ok and pages[1].ok
@@ -122,18 +123,18 @@ def test_mp4_without_video_stream(tmp_path):
     path = write_audio_only_mp4(tmp_path / "voice.mp4")
     with pytest.raises(NoVideoStreamError, match=r"voice.mp4 is a video/mp4 container without a video stream "
                                                  r"\(found: audio \(aac\)\)"):
-        open_media(path)
+        open_media(path, options=QWEN)
 
 
 def test_duration_limit(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 30), fps=10)
     with pytest.raises(LimitExceededError, match=r"lasts 3.0 s; the limit is 1 s"):
-        open_media(path, limits=MediaLimits(max_video_seconds=1))
+        open_media(path, limits=MediaLimits(max_video_seconds=1), options=QWEN)
 
 
 def test_frames_downscaled_to_pixel_cap(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 10, w=128, h=96), fps=10)
-    with open_media(path, limits=MediaLimits(max_page_pixels=3000)) as doc:
+    with open_media(path, limits=MediaLimits(max_page_pixels=3000), options=QWEN) as doc:
         page = next(doc.pages())
     assert page.image.width * page.image.height <= 3000 and page.source_size == (128, 96)
 
@@ -143,9 +144,9 @@ def test_near_duplicate_removal(tmp_path, rng):
     frames = [np.clip(x.astype(np.int16) + rng.integers(-3, 4, x.shape), 0, 255).astype(np.uint8)
               for x in [a] * 20 + [b] * 20]  # two pages, each held still for 2 s, with sensor noise
     path = write_video(tmp_path / "v.mp4", frames, fps=10)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         assert len(list(doc.pages())) == 8  # off by default
-    with open_media(path, options=RenderOptions(dedupe_frames=True)) as doc:
+    with open_media(path, options=RenderOptions(frame_sampler=QwenFrameSampler(), dedupe_frames=True)) as doc:
         kept = list(doc.pages())
     assert [p.frame_index for p in kept] == [0, 22]
     assert [p.index for p in kept] == [0, 1]
@@ -178,7 +179,7 @@ def test_half_message_then_exit_is_a_crash(tmp_path):
 def test_real_decoder_under_a_tiny_memory_limit_fails_cleanly(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 10), fps=10)
     with pytest.raises(DecoderCrashedError, match="video decoder .* while reading v.mp4"):
-        open_media(path, limits=MediaLimits(decode_memory_bytes=48 * 2**20))
+        open_media(path, limits=MediaLimits(decode_memory_bytes=48 * 2**20), options=QWEN)
 
 
 def worker_children() -> list[int]:
@@ -190,7 +191,7 @@ def worker_children() -> list[int]:
 
 def test_stopping_early_reaps_the_decoder(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 60, w=320, h=240), fps=10)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         it = doc.pages()
         next(it)
         assert worker_children()  # the child is streaming the remaining frames
@@ -200,7 +201,7 @@ def test_stopping_early_reaps_the_decoder(tmp_path, rng):
 
 def test_bytes_input_temp_file_removed_on_close(tmp_path, rng):
     data = write_video(tmp_path / "v.mp4", gradient_frames(rng, 10), fps=10).read_bytes()
-    doc = open_media(data)
+    doc = open_media(data, options=QWEN)
     temp = Path(doc._path)
     assert temp.exists()
     doc.close()
@@ -220,11 +221,11 @@ def test_probe_child_is_released_on_close_and_on_garbage_collection(tmp_path, rn
     import gc
 
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 10), fps=10)
-    doc = open_media(path)
+    doc = open_media(path, options=QWEN)
     assert worker_children()  # kept for the decode
     doc.close()
     assert worker_children() == []
-    doc = open_media(path)
+    doc = open_media(path, options=QWEN)
     del doc
     gc.collect()
     assert worker_children() == []
@@ -232,7 +233,7 @@ def test_probe_child_is_released_on_close_and_on_garbage_collection(tmp_path, rn
 
 def test_close_while_streaming_stops_the_decoder_and_refuses_more(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 60, w=320, h=240), fps=10)
-    doc = open_media(path)
+    doc = open_media(path, options=QWEN)
     it = doc.pages()
     next(it)
     doc.close()
@@ -245,7 +246,7 @@ def test_close_while_streaming_stops_the_decoder_and_refuses_more(tmp_path, rng)
 
 def test_pages_can_be_iterated_twice(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 20), fps=10)
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         first = [p.frame_index for p in doc.pages()]
         second = [p.frame_index for p in doc.pages()]
     assert first == second == [0, 6, 13, 19]
@@ -257,7 +258,7 @@ def test_frames_at_requested_timestamps(tmp_path, rng):
     path = write_video(tmp_path / "v.mp4", gradient_frames(rng, 40), fps=10, gop=8)
     with av.open(str(path)) as container:  # independent reference: every frame, decoded in order
         reference = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    with open_media(path) as doc:
+    with open_media(path, options=QWEN) as doc:
         pages = list(doc.frames_at([2.5, 0.0, 1.04, 99.0, -1.0]))
     assert [p.frame_index for p in pages] == [0, 10, 25, 39]  # sorted, distinct, clamped to the clip
     assert [p.index for p in pages] == [0, 1, 2, 3]

@@ -2,7 +2,7 @@
 
 - Probe (in the child): container, codec, size, fps, frame count, duration, rotation; a container without a video
   stream is `NoVideoStreamError`; longer than `MediaLimits.max_video_seconds` is `LimitExceededError`.
-- Sampling: `qwen_frame_indices` with `RenderOptions` (fps 2, min 4, max 768 by default), padded to an even count
+- Sampling: `RenderOptions.frame_sampler(total_frames, fps)` (every frame when None), padded to an even count
   by repeating the last frame (`pad_frames_to`). `page_count` is that planned count.
 - One decoder child (see isolate.py) probes at open and decodes on the first `pages()`; it is stopped when the
   frames are done, on `close()`, or when the document is garbage-collected.
@@ -33,7 +33,7 @@ from ..limits import MediaLimits, RenderOptions
 from ..page import MediaPage
 from . import isolate
 from .dedupe import NearDuplicateFilter
-from .sampling import pad_indices, qwen_frame_indices
+from .sampling import pad_indices
 
 _TRANSPOSE = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
 
@@ -90,11 +90,13 @@ class VideoDocument(MediaDocument):
         self._info = info
         self._failure = ""
         fps = info["fps"]
-        plan = qwen_frame_indices(
-            info["frames"], fps, fps=options.video_fps, min_frames=options.video_min_frames,
-            max_frames=options.video_max_frames,
-        )
-        self._plan = pad_indices(plan, options.pad_frames_to)
+        total = info["frames"]
+        plan = list(range(total)) if options.frame_sampler is None else list(options.frame_sampler(total, fps))
+        if not plan or any(not 0 <= i < total for i in plan):
+            self.close()
+            raise ValueError(f"RenderOptions.frame_sampler gave {len(plan)} frame indices for a {total}-frame video; "
+                             f"it must give at least one, each in 0..{total - 1}")
+        self._plan = pad_indices(sorted(int(i) for i in plan), options.pad_frames_to)
         rotation = info["rotation"] % 360
         w, h = info["width"], info["height"]
         self._display_size = (h, w) if rotation in (90, 270) else (w, h)
