@@ -15,6 +15,7 @@ can catch broadly (`MediaError`) or precisely:
     │   └── DecoderCrashedError    the isolated decoder process died (signal, out of memory)
     └── LimitExceededError         larger / longer than `MediaLimits` allows
         └── DecodeTimeoutError     the isolated decoder ran past its time limit
+            └── RenderTimeoutError a page or a document ran past its render budget
 """
 
 from __future__ import annotations
@@ -62,3 +63,8 @@ class LimitExceededError(MediaError):
 
 class DecodeTimeoutError(LimitExceededError):
     """Decoding ran past `MediaLimits.decode_timeout_s`."""
+
+
+class RenderTimeoutError(DecodeTimeoutError):
+    """Rendering a page, or a whole document, ran past its budget (`MediaLimits.page_render_timeout_s`,
+    `MediaLimits.document_render_timeout_s`)."""

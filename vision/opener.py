@@ -10,7 +10,7 @@ from .errors import LimitExceededError
 from .limits import MediaLimits, RenderOptions
 from .pdf import PdfDocument
 from .raster import ImageDocument
-from .sniff import SNIFF_BYTES, sniff
+from .sniff import SNIFF_BYTES, Sniffed, sniff
 from .video import VideoDocument
 
 _DEFAULT_LIMITS = MediaLimits()
@@ -34,6 +34,18 @@ def open_media(
     Raises a `MediaError` subclass for any problem with the content. A path that does not exist or cannot be read
     raises the usual `OSError` (that is a problem of the caller, not of the media).
     """
+    source, label, found = identify(path_or_bytes, name=name, limits=limits)
+    if found.kind == "pdf":
+        return PdfDocument(source, name=label, password=password, limits=limits, options=options)
+    if found.kind == "image":
+        return ImageDocument(source, media_type=found.media_type, name=label, limits=limits)
+    return VideoDocument(source, media_type=found.media_type, name=label, limits=limits, options=options)
+
+
+def identify(
+    path_or_bytes: str | os.PathLike[str] | bytes | bytearray | memoryview, *, name: str | None, limits: MediaLimits
+) -> tuple[bytes | Path, str, Sniffed]:
+    """(the source as bytes or a Path, the name for messages, what the content is). Checks the size limit."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         source: bytes | Path = bytes(path_or_bytes)
         size = len(source)
@@ -49,9 +61,4 @@ def open_media(
         raise LimitExceededError(
             f"{label} is {size:,} bytes; the limit is {limits.max_file_bytes:,} (MediaLimits.max_file_bytes)."
         )
-    found = sniff(head, name=label)
-    if found.kind == "pdf":
-        return PdfDocument(source, name=label, password=password, limits=limits, options=options)
-    if found.kind == "image":
-        return ImageDocument(source, media_type=found.media_type, name=label, limits=limits)
-    return VideoDocument(source, media_type=found.media_type, name=label, limits=limits, options=options)
+    return source, label, sniff(head, name=label)

@@ -10,6 +10,8 @@
   `metadata["warnings"]`); a page MuPDF renders with complaints carries them in `MediaPage.warnings`; a page that
   fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
   process-wide: concurrent renders in threads of one process may see each other's warnings.)
+- A page whose drawing work (operators, with nested form XObjects counted as often as drawn, see `pdf_work`)
+  exceeds `MediaLimits.max_page_draw_ops` is a page with `error` set (`LimitExceededError`), never drawn.
 - Vector pages are drawn by MuPDF straight into the memory of the PIL image they become (`_render_rgb`): no
   intermediate pixmap, no unpacking copy. Pages that are mostly one image (scans) take get_pixmap + frombytes,
   which is faster for them.
@@ -34,6 +36,7 @@ from .document import MediaDocument
 from .errors import CorruptMediaError, EncryptedDocumentError, LimitExceededError, MediaError, WrongPasswordError
 from .limits import MediaLimits, RenderOptions
 from .page import MediaPage
+from .pdf_work import DrawWork
 
 # PyMuPDF is not thread-safe (one global MuPDF context, one warning store), so every call into it from this module
 # holds this lock: threaded callers (a web server's thread pool) are safe, processes still render in parallel.
@@ -183,6 +186,7 @@ class PdfDocument(MediaDocument):
             raise
         self._doc = doc
         self._count = count
+        self._work = DrawWork(doc)
         info = doc.metadata or {}  # PyMuPDF leaves it None until the document is decrypted
         self.metadata: dict[str, Any] = {
             "page_count": count,
@@ -212,6 +216,9 @@ class PdfDocument(MediaDocument):
         try:
             page = self._doc.load_page(number)
             rect = page.rect
+            work = self._work.page(page)
+            if work > self._limits.max_page_draw_ops:
+                return self._too_much_drawing(number, work, (rect.width, rect.height))
             scale = render_scale(rect.width, rect.height, self._options.pdf_dpi, self._limits.max_page_pixels)
             image = _render_rgb(page, scale)
         except Exception as exc:
@@ -232,6 +239,15 @@ class PdfDocument(MediaDocument):
             warnings=_take_warnings(),
             _text_loader=functools.partial(_page_text, self._doc, number, self._name),
         )
+
+    def _too_much_drawing(self, number: int, work: int, size: tuple[float, float]) -> MediaPage:
+        error = LimitExceededError(
+            f"page {number + 1} of {self._name} would draw about {work:,} operations (form XObjects drawn inside "
+            f"each other), above MediaLimits.max_page_draw_ops ({self._limits.max_page_draw_ops:,}); it was not "
+            f"rendered. Flatten or rasterise the page, or raise the limit if the file is trusted."
+        )
+        return MediaPage(index=number, kind="page", image=None, source_size=size, frame_index=number, error=error,
+                         warnings=_take_warnings())
 
     def pages(self) -> Iterator[MediaPage]:
         for number in range(self._count):

@@ -144,15 +144,18 @@ class ImageDocument(MediaDocument):
             frame_index=number,
         )
 
+    def render_page(self, number: int) -> MediaPage:
+        """Decode one page (0-based). Failures come back as a page with `error` set, never as an exception."""
+        if self._first is not None and number == 0:
+            return self._first
+        try:
+            return self._render(number)
+        except MediaError as exc:
+            return MediaPage(index=number, kind="page", image=None, source_size=(0, 0), frame_index=number, error=exc)
+
     def pages(self) -> Iterator[MediaPage]:
-        if self._first is not None:
-            yield self._first
-            return
         for number in range(self._count):
-            try:
-                yield self._render(number)
-            except MediaError as exc:
-                yield MediaPage(index=number, kind="page", image=None, source_size=(0, 0), frame_index=number, error=exc)
+            yield self.render_page(number)
 
     def close(self) -> None:
         self._img.close()

@@ -1,0 +1,147 @@
+"""Render budgets: drawing work counted before a PDF page is drawn, and the isolated render process
+(`open_isolated`) that stops a page or a document at its time budget. Inputs come from tests/hostile_media.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pymupdf
+import pytest
+
+import hostile_media as hostile
+import vision
+from vision import MediaLimits, RenderTimeoutError
+from vision_media_factory import pdf_bytes, random_words
+
+# Nested forms fanned out 10 ways: depth 7 draws ~7.4e7 operations per page (refused by the count); depth 6
+# (7.4e6) passes a raised count and takes tens of seconds to draw here: the time budget is what stops it.
+REFUSED_DEPTH, SLOW_DEPTH = 7, 6
+FAST_BUDGET = MediaLimits(page_render_timeout_s=1.5, document_render_timeout_s=30.0, max_page_draw_ops=10**9)
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_page_budget_cannot_exceed_document_budget() -> None:
+    with pytest.raises(ValueError, match="page_render_timeout_s"):
+        MediaLimits(page_render_timeout_s=10.0, document_render_timeout_s=5.0)
+    with pytest.raises(ValueError, match="max_page_draw_ops"):
+        MediaLimits(max_page_draw_ops=0)
+
+
+def test_nested_forms_are_refused_by_their_drawing_count_before_drawing() -> None:
+    data = hostile.nested_xobject_pdf(3, REFUSED_DEPTH, 10, cheap_first=True)
+    with vision.open_media(data, name="laughs.pdf") as doc:
+        pages = list(doc.pages())
+    assert pages[0].ok
+    for page in pages[1:]:
+        assert isinstance(page.error, vision.LimitExceededError)
+        assert "max_page_draw_ops" in str(page.error) and "laughs.pdf" in str(page.error)
+        assert "74,444,441 operations" in str(page.error)  # 10**7 leaves + 4 operators per form call, by level
+
+
+def test_drawing_count_of_ordinary_pages_is_far_below_the_default(rng: np.random.Generator) -> None:
+    from vision.pdf_work import DrawWork
+
+    doc = pymupdf.open(stream=pdf_bytes([random_words(rng, 40) for _ in range(3)]), filetype="pdf")
+    counts = [DrawWork(doc).page(page) for page in doc]
+    assert all(0 < c < MediaLimits().max_page_draw_ops / 1000 for c in counts)
+    nested = pymupdf.open(stream=hostile.nested_xobject_pdf(1, 4, 10), filetype="pdf")
+    # 10**4 leaf drawings of 2 operators, plus 4 operators per form call at each level
+    assert DrawWork(nested).page(nested[0]) > 2 * 10**4
+
+
+def test_isolated_pages_equal_in_process_pages(tmp_path: Path, rng: np.random.Generator) -> None:
+    path = _write(tmp_path, "plain.pdf", pdf_bytes([random_words(rng) for _ in range(3)]))
+    with vision.open_media(path) as local, vision.open_isolated(path) as isolated:
+        assert (isolated.kind, isolated.page_count) == ("pdf", 3)
+        assert isolated.metadata["page_count"] == local.metadata["page_count"]
+        for mine, theirs in zip(local.pages(), isolated.pages(), strict=True):
+            assert theirs.ok and theirs.image is not None and mine.image is not None
+            assert theirs.image.size == mine.image.size and theirs.dpi == mine.dpi
+            assert np.array_equal(np.asarray(theirs.image), np.asarray(mine.image))
+            assert theirs.text == mine.text
+
+
+def test_slow_page_is_stopped_at_its_budget_and_the_next_page_renders(tmp_path: Path) -> None:
+    data = hostile.nested_xobject_pdf(3, SLOW_DEPTH, 10, cheap_first=True)
+    with pymupdf.open(stream=data, filetype="pdf") as doc:  # page 3 made cheap too: pages after a kill still come
+        doc[2].set_contents(doc[0].get_contents()[0])
+        data = doc.tobytes()
+    path = _write(tmp_path, "slow.pdf", data)
+    with vision.open_isolated(path, limits=FAST_BUDGET) as doc:
+        pages = list(doc.pages())
+        spent = doc.seconds_spent  # type: ignore[attr-defined]
+    assert [p.ok for p in pages] == [True, False, True]
+    assert isinstance(pages[1].error, RenderTimeoutError)
+    assert "page 2 of slow.pdf" in str(pages[1].error) and "page_render_timeout_s" in str(pages[1].error)
+    assert spent < FAST_BUDGET.document_render_timeout_s
+
+
+def test_document_budget_ends_rendering_with_the_rest_unrendered(tmp_path: Path) -> None:
+    limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=4.0, max_page_draw_ops=10**9)
+    path = _write(tmp_path, "many-slow.pdf", hostile.nested_xobject_pdf(40, SLOW_DEPTH, 10, cheap_first=True))
+    with vision.open_isolated(path, limits=limits) as doc:
+        pages = list(doc.pages())
+        spent = doc.seconds_spent  # type: ignore[attr-defined]
+    assert len(pages) == 40 and pages[0].ok
+    assert spent <= limits.document_render_timeout_s + 0.5  # the budget, plus the last wait's bookkeeping
+    last = pages[-1].error
+    assert isinstance(last, RenderTimeoutError) and "document_render_timeout_s" in str(last)
+    assert not any(p.ok for p in pages[1:])
+
+
+def test_document_budget_fails_a_document_without_any_rendered_page(tmp_path: Path) -> None:
+    limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=3.0, max_page_draw_ops=10**9)
+    path = _write(tmp_path, "all-slow.pdf", hostile.nested_xobject_pdf(20, SLOW_DEPTH, 10))
+    with vision.open_isolated(path, limits=limits) as doc:
+        with pytest.raises(RenderTimeoutError, match="all-slow.pdf.*document_render_timeout_s"):
+            list(doc.pages())
+
+
+def test_render_process_crash_is_a_media_error_not_a_crash_of_ours(tmp_path: Path) -> None:
+    path = _write(tmp_path, "any.pdf", pdf_bytes(["hello"]))
+    tiny = MediaLimits(decode_memory_bytes=32 * 1024 * 1024)  # Python cannot even load MuPDF in this
+    with pytest.raises(vision.DecoderCrashedError, match="render process"):
+        vision.open_isolated(path, limits=tiny)
+
+
+def test_isolated_document_errors_keep_their_class(tmp_path: Path) -> None:
+    with pytest.raises(vision.LimitExceededError, match="max_image_pixels"):
+        vision.open_isolated(_write(tmp_path, "bomb.png", hostile.png_bomb()))
+    with pytest.raises(vision.LimitExceededError, match="max_pages"):
+        vision.open_isolated(_write(tmp_path, "many.tif", hostile.many_page_tiff(2001)))
+    with pytest.raises(vision.UnsupportedMediaError):
+        vision.open_isolated(_write(tmp_path, "bomb.docx", hostile.zip_bomb_docx(8 * 1024 * 1024)))
+
+
+@pytest.mark.parametrize("name, make", [
+    ("deep.pdf", lambda: hostile.deep_nesting_pdf(100_000)),
+    ("jpx.pdf", lambda: hostile.huge_image_pdf(b"JPXDecode")),
+    ("jbig2.pdf", lambda: hostile.huge_image_pdf(b"JBIG2Decode")),
+    ("many.gif", lambda: hostile.many_frame_gif(2000)),
+    ("tiff.tif", lambda: hostile.many_page_tiff(300)),
+    ("cheap.pdf", lambda: hostile.cheap_pages_pdf(300)),
+    ("bad.mp4", hostile.malformed_mp4),
+])
+def test_hostile_files_end_inside_their_budget(tmp_path: Path, name: str, make: object) -> None:
+    limits = MediaLimits(page_render_timeout_s=2.0, document_render_timeout_s=20.0)
+    path = _write(tmp_path, name, make())  # type: ignore[operator]
+    try:
+        with vision.open_isolated(path, limits=limits) as doc:
+            pages = list(doc.pages())
+            spent = doc.seconds_spent  # type: ignore[attr-defined]
+    except vision.MediaError as exc:
+        assert str(exc)  # a reason a person can read
+        return
+    assert pages and spent <= limits.document_render_timeout_s + 0.5
+    assert all(p.ok or str(p.error) for p in pages)
+
+
+def test_repaired_pdf_says_so_through_the_render_process(tmp_path: Path) -> None:
+    with vision.open_isolated(_write(tmp_path, "cut.pdf", hostile.truncated_pdf())) as doc:
+        assert doc.metadata["repaired"] is True
+        assert any(p.ok for p in doc.pages())
