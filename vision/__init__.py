@@ -25,8 +25,10 @@ frame only), HEIC (pillow-heif); MP4, MOV, MKV, WebM video. AVIF and everything 
 Errors (all subclasses of `MediaError`, each message says what was found and what to do):
 `UnsupportedMediaError` (`AmbiguousMediaError` for polyglots, `NoVideoStreamError`), `EncryptedDocumentError`
 (`WrongPasswordError`), `CorruptMediaError` (`EmptyMediaError`, `DecoderCrashedError`), `LimitExceededError`
-(`DecodeTimeoutError`). Video decoding runs in a separate process with time and memory limits, so a crashing
-decoder raises `DecoderCrashedError` instead of killing the caller.
+(`DecodeTimeoutError`, `RenderTimeoutError`). Video decoding runs in a separate process with time and memory
+limits, so a crashing decoder raises `DecoderCrashedError` instead of killing the caller. `open_isolated(path, ...)` does the same for
+PDF pages and images (a render process, killed when `MediaLimits.page_render_timeout_s` or
+`document_render_timeout_s` is spent): use it wherever a slow file must not stall the calling process.
 """
 
 from .document import MediaDocument
@@ -40,9 +42,11 @@ from .errors import (
     LimitExceededError,
     MediaError,
     NoVideoStreamError,
+    RenderTimeoutError,
     UnsupportedMediaError,
     WrongPasswordError,
 )
+from .isolated import open_isolated
 from .limits import MediaLimits, RenderOptions
 from .opener import open_media
 from .page import MediaPage
@@ -65,10 +69,12 @@ __all__ = [
     "MediaPage",
     "NoVideoStreamError",
     "RenderOptions",
+    "RenderTimeoutError",
     "SNIFF_BYTES",
     "Sniffed",
     "UnsupportedMediaError",
     "WrongPasswordError",
+    "open_isolated",
     "open_media",
     "pad_indices",
     "sniff",

@@ -1,8 +1,8 @@
 """Safety limits and rendering options for `open_media`.
 
 `MediaLimits` holds every cap that protects a worker (file size, pages, pixels, video length, decoder time and
-memory). `RenderOptions` holds the choices that change what comes out (PDF DPI, Qwen's video frame sampling,
-near-duplicate removal). Both are frozen dataclasses with defaults that suit a CPU ingest worker; invalid values
+memory, render time per page and per document, drawing work per PDF page). `RenderOptions` holds the choices that
+change what comes out (PDF DPI, Qwen's video frame sampling, near-duplicate removal). Both are frozen dataclasses with defaults that suit a CPU ingest worker; invalid values
 fail at construction with a `ValueError` naming the field.
 """
 
@@ -27,12 +27,26 @@ class MediaLimits:
     max_image_pixels: int = 89_000_000
     max_video_seconds: float = 600.0
     decode_timeout_s: float = 120.0  # wall time for one isolated video probe or decode run
-    decode_memory_bytes: int = 3072 * MiB  # address-space limit of the isolated video decoder process
+    decode_memory_bytes: int = 3072 * MiB  # address-space limit of the isolated video and render processes
+    # Render budgets (the isolated render process, `open_isolated`): a PDF page rendered or an image / TIFF frame
+    # decoded may take this much wall time, the whole document (opening included) this much. A clean A4 page at
+    # 150 dpi takes 15-60 ms, so a normal 2,000-page scan uses a few minutes of the document budget on a busy core.
+    page_render_timeout_s: float = 20.0
+    document_render_timeout_s: float = 900.0
+    # Drawing operators one PDF page may expand to, counted before it is drawn: a form XObject counts as often as
+    # it is drawn, so nested forms fanned out ("billion laughs") are refused at once instead of rendered for hours.
+    # Dense vector pages (maps, CAD) draw a few hundred thousand.
+    max_page_draw_ops: int = 5_000_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) <= 0:
                 raise ValueError(f"MediaLimits.{f.name} must be > 0, got {getattr(self, f.name)!r}")
+        if self.page_render_timeout_s > self.document_render_timeout_s:
+            raise ValueError(
+                f"MediaLimits.page_render_timeout_s ({self.page_render_timeout_s}) must be <= "
+                f"document_render_timeout_s ({self.document_render_timeout_s})"
+            )
 
 
 @dataclass(frozen=True)
