@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH_KERNELS = Path(__file__).resolve().parent / "kernels"
 
 from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
@@ -62,6 +63,7 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
         if old:
             out_old = ctx.empty((n, heads * hd), "bf16", "out-old")
             t1 = ctx.to_device(v1_tiles(n), "i32", "tiles-v1")
+            ctx.device.add_kernel_dir(BENCH_KERNELS)  # the old kernel is bench-only (bench/kernels/)
             launch_old = lambda: ctx.device.launch(  # noqa: E731
                 "flash_prefill_v1", f"flash_prefill_v1_bf16_hd{hd}", (t1.shape[0], heads), 128, out_old.ptr, *args,
                 t1.ptr, *tail)

@@ -56,9 +56,15 @@ def check(result: tuple[Any, ...], what: str) -> Any:
 
 def expand_source(path: Path) -> str:
     """Source text with our own `#include "x.cuh"` lines inlined (NVRTC then needs no include path, and the
-    cache key covers the headers too)."""
+    cache key covers the headers too). A header is looked up beside the file, then in the package's kernels/
+    (so that bench/ and tests/ kernels can use common.cuh)."""
     text = path.read_text()
-    return _INCLUDE.sub(lambda m: (path.parent / m.group(1)).read_text(), text)
+
+    def header(m: re.Match[str]) -> str:
+        own = path.parent / m.group(1)
+        return (own if own.exists() else KERNEL_DIR / m.group(1)).read_text()
+
+    return _INCLUDE.sub(header, text)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,8 @@ class CudaDevice:
         self._compiler = f"nvrtc-{major}.{minor}"
         self.cache = cache or ModuleCache()
         self._modules: dict[str, Any] = {}
+        # Folders searched for <family>.cu, in order; benches and checks add their own (add_kernel_dir).
+        self.kernel_dirs: list[Path] = [KERNEL_DIR]
         self._kernels: dict[tuple[str, str], Any] = {}
         self._shared_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory raised per kernel
         self._allocations: list[int] = []
@@ -136,13 +144,20 @@ class CudaDevice:
         self.pdl = False
 
     # ---- compilation -------------------------------------------------------------------------------------
+    def add_kernel_dir(self, folder: Path) -> None:
+        """Also look for kernel files in `folder` (bench- and test-only kernels do not ship in the package)."""
+        if folder not in self.kernel_dirs:
+            self.kernel_dirs.append(folder)
+
     def module(self, family: str) -> Any:
-        """Compiled module of kernels/<family>.cu (NVRTC for this device's arch; disk-cached)."""
+        """Compiled module of <family>.cu from the first of kernel_dirs that has it (NVRTC for this device's
+        arch; disk-cached)."""
         if family in self._modules:
             return self._modules[family]
-        path = KERNEL_DIR / f"{family}.cu"
-        if not path.exists():
-            raise KernelCompileError(f"no kernel file {path}")
+        found = [d / f"{family}.cu" for d in self.kernel_dirs if (d / f"{family}.cu").exists()]
+        if not found:
+            raise KernelCompileError(f"no kernel file {family}.cu in {', '.join(map(str, self.kernel_dirs))}")
+        path = found[0]
         source = expand_source(path)
         options = ("std=c++17",)
         key = ModuleCache.key(source, self.info.arch, options, self._compiler)

@@ -412,39 +412,6 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
     ctx.arena.release(mark)
 
 
-# ---- sampling helpers ----------------------------------------------------------------------------------------
-def argmax(ctx: GpuContext, out: DArray, logits: DArray) -> None:
-    _need(logits, "f32", "logits")
-    _need(out, "i32", "argmax output")
-    rows, vocab = logits.shape
-    ctx.device.launch("sampling", "argmax_f32", rows, 1024, out.ptr, logits.ptr, i32(rows), i32(vocab))
-
-
-def log_softmax(ctx: GpuContext, out: DArray, lse: DArray, logits: DArray) -> None:
-    for arr, name in ((out, "out"), (lse, "lse"), (logits, "logits")):
-        _need(arr, "f32", name)
-    rows, vocab = logits.shape
-    ctx.device.launch("sampling", "log_softmax_f32", rows, 1024, out.ptr, lse.ptr, logits.ptr, i32(rows), i32(vocab))
-
-
-def apply_bitmask(ctx: GpuContext, logits: DArray, mask: DArray) -> None:
-    """logits[r, i] = -inf where bit i of mask row r is 0 (mask u32/i32 [rows, ceil(vocab/32)])."""
-    _need(logits, "f32", "logits")
-    rows, vocab = logits.shape
-    words = (vocab + 31) // 32
-    if mask.shape != (rows, words) or mask.dtype not in ("u32", "i32"):
-        raise ShapeError(f"bitmask {mask.shape} {mask.dtype}, expected u32 {(rows, words)}")
-    ctx.device.launch("sampling", "apply_bitmask_f32", rows, 256, logits.ptr, mask.ptr, i32(rows), i32(vocab),
-                      i32(words))
-
-
-def copy_u4(ctx: GpuContext, dst: int, src: int, nbytes: int, blocks: int | None = None) -> None:
-    """16-byte-vector device copy (the bandwidth ceiling of the benchmark); nbytes a multiple of 16."""
-    if nbytes % 16:
-        raise ShapeError(f"copy_u4 needs a multiple of 16 bytes, got {nbytes}")
-    ctx.device.launch("copy", "copy_u4", blocks or ctx.device.info.sm_count * 8, 512, dst, src, i64(nbytes // 16))
-
-
 # ---- vision tower (kernels/vision.cu) ------------------------------------------------------------------------
 VISION_ACTS = {"none": 0, "gelu_tanh": 1, "gelu": 2}  # gelu = exact (erf) GELU
 

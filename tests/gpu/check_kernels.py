@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from tests.gpu import logits_checks
 from tests.gpu import references as ref
 from tests.gpu.harness import Result, check_main, fresh_seed, rel_err, result_table
 
@@ -421,14 +422,14 @@ class Checker:
         logits[2, 777] = logits[2, 778] = logits[2].max() + 1.0  # a tie: the smaller index must win
         ld = self.up(logits, "f32")
         idx = self.out((rows,), "i32")
-        self.ops.argmax(self.ctx, idx, ld)
+        logits_checks.argmax(self.ctx, idx, ld)
         self.record("argmax", "exact", float(np.sum(self.get(idx) != logits.argmax(-1))), note="mismatches")
         lp, lse = self.out((rows, vocab), "f32"), self.out((rows,), "f32")
-        self.ops.log_softmax(self.ctx, lp, lse, ld)
+        logits_checks.log_softmax(self.ctx, lp, lse, ld)
         self.record("log_softmax", "f32", rel_err(self.get(lp), ref.log_softmax(logits)))
         words = (vocab + 31) // 32
         mask = self.rng.integers(0, 2**32, (rows, words), dtype=np.uint64).astype(np.uint32)
-        self.ops.apply_bitmask(self.ctx, ld, self.up(mask, "u32"))
+        logits_checks.apply_bitmask(self.ctx, ld, self.up(mask, "u32"))
         bits = np.unpackbits(mask.view(np.uint8).reshape(rows, words, 4), axis=-1, bitorder="little")
         allowed = bits.reshape(rows, words * 32)[:, :vocab].astype(bool)
         got = self.get(ld)

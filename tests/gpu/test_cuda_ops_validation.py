@@ -8,6 +8,7 @@ import pytest
 from gpu_engine.cuda import ops
 from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import ShapeError
+from tests.gpu import logits_checks
 from tests.gpu.no_launch import arr, no_launch_ctx
 
 
@@ -98,9 +99,9 @@ def test_deltanet_shapes(ctx) -> None:
 
 def test_sampling_inputs(ctx) -> None:
     with pytest.raises(ShapeError, match="logits must be f32"):
-        ops.argmax(ctx, arr((2,), "i32"), arr((2, 100)))
+        logits_checks.argmax(ctx, arr((2,), "i32"), arr((2, 100)))
     with pytest.raises(ShapeError, match="bitmask"):
-        ops.apply_bitmask(ctx, arr((2, 100), "f32"), arr((2, 3), "u32"))
+        logits_checks.apply_bitmask(ctx, arr((2, 100), "f32"), arr((2, 3), "u32"))
 
 
 def test_darray_views_stay_inside() -> None:

@@ -13,7 +13,8 @@
 // attention_combine: merges the splits and multiplies by sigmoid(gate) (Qwen3.5's attention output gate), read
 //   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
 // Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
-// Not tiled: prefill cost is one pass over the keys per query row. A tiled flash-style prefill is future work.
+// Not tiled: prefill cost is one pass over the keys per query row. bf16 prefill steps whose longest chunk has 32+
+// tokens use the tiled tensor-core kernel instead (flash_prefill.cu); this one serves decode, short chunks and fp32.
 #include "common.cuh"
 
 #define MAX_PER_LANE 8
