@@ -6,6 +6,9 @@ client cannot make the server stream a large upload, and unknown paths do not re
 Keys arrive as `Authorization: Bearer <key>` (what the OpenAI client sends) or `X-API-Key: <key>`.
 No key -> 401 `auth_required`; a key that matches none -> 403 `invalid_api_key`.
 Health probes and the static web UI (which holds no data and asks the user for a key) stay open.
+
+Each key belongs to a tenant or is an admin key (pipeline.tenancy); the caller's `Principal.access` is what every
+route hands to the read model and to intake. Without configured keys (loopback use) the one user sees everything.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse
 from starlette.types import Scope
 
+from pipeline.tenancy import Access, parse_key_entries
+
 from .errors import ApiError, problem_response
 from .limits import RateLimiter
 
@@ -25,12 +30,22 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/", "/favicon.ico"})
 OPEN_PREFIXES = ("/ui/",)
 
 
+UNKEYED = Access(admin=True)  # no keys configured: a single user, who owns every row
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: a short, non-secret key id (never the key itself), used for limits and logs."""
+    """Who is calling: a short, non-secret key id (never the key itself), used for rate limits and logs, and
+    the rows it may touch (its tenant, or every tenant for an admin key)."""
 
     key_id: str
     authenticated: bool
+    access: Access = UNKEYED
+
+    @property
+    def tenant(self) -> str:
+        """The tenant this caller's uploads, batches and schemas belong to (and whose job cap they count in)."""
+        return self.access.tenant
 
 
 def key_id(key: str) -> str:
@@ -38,23 +53,25 @@ def key_id(key: str) -> str:
 
 
 class KeyRing:
-    """The configured API keys, compared in constant time."""
+    """The configured API keys (`DOCPIPE_API_KEYS` entries: `key`, `tenant:key`, `*:key`), compared in constant
+    time."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, entries: Sequence[str]) -> None:
         # Compare digests, so timing does not depend on the length of the configured key either.
-        self._digests = [(hashlib.sha256(k.encode()).digest(), key_id(k)) for k in keys]
+        self._digests = [(hashlib.sha256(e.key.encode()).digest(), key_id(e.key), Access(e.tenant, e.admin))
+                         for e in parse_key_entries(list(entries))]
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def match(self, presented: str) -> str | None:
-        """The key id of `presented`, or None. Every configured key is compared (no early exit)."""
+    def match(self, presented: str) -> tuple[str, Access] | None:
+        """(key id, access) of `presented`, or None. Every configured key is compared (no early exit)."""
         digest = hashlib.sha256(presented.encode()).digest()
-        found: str | None = None
-        for expected, ident in self._digests:
+        found: tuple[str, Access] | None = None
+        for expected, ident, access in self._digests:
             if hmac.compare_digest(digest, expected):
-                found = ident
+                found = (ident, access)
         return found
 
 
@@ -112,12 +129,13 @@ class Gate:
                 return None
             raise ApiError(401, "auth_required", "This server requires an API key: send 'Authorization: Bearer "
                            "<key>' or 'X-API-Key: <key>'.")
-        ident = self.keys.match(key)
-        if ident is None:
+        found = self.keys.match(key)
+        if found is None:
             if open_path:
                 return None
             raise ApiError(403, "invalid_api_key", "The API key is not valid for this server.")
-        return Principal(key_id=ident, authenticated=True)
+        ident, access = found
+        return Principal(key_id=ident, authenticated=True, access=access)
 
 
 def refusal_response(exc: ApiError, path: str) -> JSONResponse:

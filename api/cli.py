@@ -90,7 +90,7 @@ def serve(
         except OSError as exc:
             typer.echo(f"docpipe serve: cannot listen on {bind_host}:{bind_port}: {exc.strerror or exc}", err=True)
             raise typer.Exit(1) from None
-        buckets = SharedBuckets(key_id(k) for k in settings.api_keys)
+        buckets = SharedBuckets(key_id(e.key) for e in settings.api_key_entries())
         raise typer.Exit(Supervisor(options, sockets, workers, rate_buckets=buckets).run())
     else:
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]

@@ -9,6 +9,9 @@ file that turns out unreadable then ends `failed` with the reason, on the docume
 One exception: an upload with a PDF `password` is rendered during the request (`ingest_file`), because the
 password is used once and never stored or queued.
 
+Documents, batches and jobs belong to the caller's tenant; the tenant's in-flight job cap is taken in the
+transaction that queues each job (pipeline.quotas), so parallel uploads cannot pass it.
+
 Runs in a worker thread (blocking DB and file work). The spooled upload is always gone afterwards: moved into the
 blob store, or removed.
 """
@@ -20,13 +23,15 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.ingest import IngestOutcome, InsertedRows, create_batch, ingest_file, receive_file
+from pipeline.ingest import IngestOutcome, InsertedRows, create_batch, ingest_file, receive_file, record_refused
 from pipeline.jobs import retry_job as pipeline_retry_job
+from pipeline.quotas import JobCap, QuotaExceededError
 from pipeline.schemas import get_schema
 from pipeline.storable_text import clean_display_name
 
+from .auth import Principal
 from .context import ApiContext
-from .errors import ApiError
+from .errors import ApiError, RateLimited
 from .queries import DocumentSummary, document_summary, load_job
 from .uploads import ReceivedForm, SpooledFile
 from .views import DocumentOut, JobOut, UploadOut, job_out, summary_out
@@ -104,13 +109,23 @@ def _display_name(f: SpooledFile) -> str:
     return name[:MAX_NAME]
 
 
-def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str | None,
+def _job_cap(ctx: ApiContext, who: Principal) -> JobCap:
+    return JobCap(who.tenant, ctx.limits.max_inflight_jobs)
+
+
+def _too_many_jobs(exc: QuotaExceededError) -> RateLimited:
+    return RateLimited("too_many_jobs", f"This tenant has {exc.active} jobs queued or running (limit "
+                       f"{exc.cap.limit}); wait for some to finish.", 5.0)
+
+
+def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str | None, who: Principal,
              batch_id: int | None = None) -> IngestOutcome:
     spooled = f.hashed()
+    owner = {"tenant": who.tenant, "cap": _job_cap(ctx, who)}
     if password is not None:  # rendered now: the password is never stored or queued
         return ingest_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, password=password,
-                           batch_id=batch_id)
-    return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id)
+                           batch_id=batch_id, **owner)
+    return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id, **owner)
 
 
 def _unreadable(out: IngestOutcome) -> ApiError:
@@ -118,7 +133,7 @@ def _unreadable(out: IngestOutcome) -> ApiError:
                     extra={"document_id": out.document_id, "error_type": out.error_type})
 
 
-def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[UploadOut, list[int]]:
+def accept_upload(ctx: ApiContext, form: ReceivedForm, who: Principal) -> tuple[UploadOut, list[int]]:
     """Take in the single uploaded file (the route checked the key's job quota before reading the body) and
     hand a new job to the runner. Returns the response body and the job ids handed on (empty: nothing new).
     All blocking work of an upload is here, so the route needs one hop to a worker thread."""
@@ -128,15 +143,18 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[Upl
             raise ApiError(400, "file_missing", "Send exactly one file in the form field 'file'.")
         upload = files[0]
         schema, password = _options(form)
-        with _CONTENT_LOCKS.hold(upload.sha256):
-            out = _take_in(ctx, upload, schema, password)
+        try:
+            with _CONTENT_LOCKS.hold(upload.sha256):
+                out = _take_in(ctx, upload, schema, password, who)
+        except QuotaExceededError as exc:
+            raise _too_many_jobs(exc) from None
     finally:
         form.discard()
     if out.outcome == "failed" or out.document_id is None or out.job_id is None:
         raise _unreadable(out)
     new_jobs = [out.job_id] if out.outcome == "new" else []
     if new_jobs:
-        ctx.jobs.record(key_id, new_jobs)
+        ctx.jobs.record(who.tenant, new_jobs)
         ctx.runner.submit(new_jobs)  # may publish to the broker: blocking I/O, kept off the event loop
     if out.inserted is not None:  # new bytes: the answer is what intake wrote (reading it back cost ~12% CPU)
         document = inserted_out(out.inserted)
@@ -154,30 +172,40 @@ def inserted_out(rows: InsertedRows) -> DocumentOut:
     return summary_out(DocumentSummary(SimpleNamespace(**rows.document), [job]))
 
 
-def accept_batch(ctx: ApiContext, form: ReceivedForm, key_id: str) -> tuple[int, list[int]]:
-    """Ingest every file of the form field 'files' into one new batch; bad files become failed batch items."""
+def accept_batch(ctx: ApiContext, form: ReceivedForm, who: Principal) -> tuple[int, list[int]]:
+    """Ingest every file of the form field 'files' into one new batch of the caller's tenant; bad files, and
+    files past the tenant's job cap, become failed batch items."""
     try:
         files = [f for name, f in form.files if name == "files"]
         if not files:
             raise ApiError(400, "file_missing", "Send one or more files in the form field 'files'.")
-        ctx.jobs.check(key_id, adding=len(files))
+        ctx.jobs.check(who.tenant, adding=len(files))
         schema, password = _options(form)
         if schema is not None:  # fail before creating an empty batch
             with ctx.pipeline.db.read_session() as s:
-                get_schema(s, schema)
-        batch_id = create_batch(ctx.pipeline, "upload")
+                get_schema(s, schema, tenant=who.tenant)
+        batch_id = create_batch(ctx.pipeline, "upload", tenant=who.tenant)
         outcomes = []
         for f in files:
-            with _CONTENT_LOCKS.hold(f.sha256):
-                outcomes.append(_take_in(ctx, f, schema, password, batch_id))
+            try:
+                with _CONTENT_LOCKS.hold(f.sha256):
+                    outcomes.append(_take_in(ctx, f, schema, password, who, batch_id))
+            except QuotaExceededError as exc:
+                outcomes.append(record_refused(ctx.pipeline, batch_id, _display_name(f), exc))
     finally:
         form.discard()
     new_jobs = [o.job_id for o in outcomes if o.outcome == "new" and o.job_id is not None]
-    ctx.jobs.record(key_id, new_jobs)
+    ctx.jobs.record(who.tenant, new_jobs)
     return batch_id, new_jobs
 
 
-def retry_job(ctx: ApiContext, job_id: int) -> JobOut:
-    pipeline_retry_job(ctx.pipeline, job_id)
+def retry_job(ctx: ApiContext, job_id: int, who: Principal) -> JobOut:
+    """Queue a finished job of the caller's tenant again (404 for another tenant's), within its tenant's cap."""
     with ctx.pipeline.db.read_session() as s:
-        return job_out(load_job(s, job_id))
+        load_job(s, job_id, who.access)
+    try:
+        pipeline_retry_job(ctx.pipeline, job_id, cap_limit=ctx.limits.max_inflight_jobs)
+    except QuotaExceededError as exc:
+        raise _too_many_jobs(exc) from None
+    with ctx.pipeline.db.read_session() as s:
+        return job_out(load_job(s, job_id, who.access))

@@ -1,4 +1,7 @@
-"""Read queries behind the REST routes (documents list with filters and cursor pagination, lookups, delete)."""
+"""Read queries behind the REST routes (documents list with filters and cursor pagination, lookups, delete).
+
+Every lookup takes the caller's `Access` (pipeline.tenancy): a row of another tenant is not found (404, as an id
+that does not exist), never forbidden, so ids reveal nothing across tenants."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +14,7 @@ from sqlalchemy import ColumnElement, Connection, Row, and_, bindparam, exists, 
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
+from pipeline.tenancy import Access
 from pipeline.storable_text import storable
 
 from .bounds import MAX_ROW_ID
@@ -50,9 +54,12 @@ def _job_of_schema(schema: str) -> ColumnElement[bool]:
     return and_(Job.document_id == Document.id, Job.schema_id.in_(select(Schema.id).where(Schema.name == schema)))
 
 
-def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | None) -> tuple[list[Document], str | None]:
-    """Newest first. A cursor is the last id of the previous page (ids only grow, so pages never overlap)."""
-    stmt = select(Document).options(selectinload(Document.jobs).selectinload(Job.schema))
+def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | None,
+                   access: Access) -> tuple[list[Document], str | None]:
+    """The caller's documents, newest first. A cursor is the last id of the previous page (ids only grow, so
+    pages never overlap)."""
+    stmt = (select(Document).where(access.owns(Document.tenant))
+            .options(selectinload(Document.jobs).selectinload(Job.schema)))
     if cursor is not None:
         stmt = stmt.where(Document.id < decode_cursor(cursor))
     if flt.created_after is not None:
@@ -80,13 +87,14 @@ def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | No
     return rows, (encode_cursor(rows[-1].id) if more and rows else None)
 
 
-def load_document(s: Session, doc_id: int, *, pages: bool = False) -> Document:
+def load_document(s: Session, doc_id: int, access: Access, *, pages: bool = False) -> Document:
     # One statement for the document, its jobs and their schemas (joined: a document has few jobs); pages, which
     # can be thousands, in a second one rather than multiplying the joined rows.
     opts = [joinedload(Document.jobs).joinedload(Job.schema)]
     if pages:
         opts.append(selectinload(Document.pages))
-    doc = s.scalars(select(Document).where(Document.id == doc_id).options(*opts)).unique().first()
+    doc = s.scalars(select(Document).where(Document.id == doc_id, access.owns(Document.tenant))
+                    .options(*opts)).unique().first()
     if doc is None:
         raise NotFound("document", doc_id)
     return doc
@@ -121,29 +129,30 @@ def document_summary(s: Session | Connection, doc_id: int) -> DocumentSummary:
     return DocumentSummary(doc, list(jobs))
 
 
-def load_job(s: Session, job_id: int, *, results: bool = False) -> Job:
+def load_job(s: Session, job_id: int, access: Access, *, results: bool = False) -> Job:
     opts = [selectinload(Job.schema)]
     if results:
         opts.append(selectinload(Job.results))
-    job = s.scalars(select(Job).where(Job.id == job_id).options(*opts)).first()
+    mine = select(Document.id).where(Document.id == Job.document_id, access.owns(Document.tenant)).exists()
+    job = s.scalars(select(Job).where(Job.id == job_id, mine).options(*opts)).first()
     if job is None:
         raise NotFound("job", job_id)
     return job
 
 
-def result_job(s: Session, doc_id: int, schema: str | None) -> Job:
+def result_job(s: Session, doc_id: int, schema: str | None, access: Access) -> Job:
     """The document's latest job (of `schema` if given), with its results."""
-    doc = load_document(s, doc_id)
+    doc = load_document(s, doc_id, access)
     jobs = [j for j in doc.jobs if schema is None or j.schema.name == schema]
     if not jobs:
         what = f" with schema {schema!r}" if schema else ""
         raise ApiError(404, "result_not_found", f"Document {doc_id} has no extraction job{what}"
                        + (f" ({doc.error})" if doc.error else "."))
-    return load_job(s, jobs[-1].id, results=True)
+    return load_job(s, jobs[-1].id, access, results=True)
 
 
-def page_blob(s: Session, doc_id: int, index: int) -> str:
-    load_document(s, doc_id)
+def page_blob(s: Session, doc_id: int, index: int, access: Access) -> str:
+    load_document(s, doc_id, access)
     page = s.scalars(select(Page).where(Page.document_id == doc_id, Page.index == index)).first()
     if page is None:
         raise NotFound("page", f"{doc_id}/{index}")
@@ -153,8 +162,9 @@ def page_blob(s: Session, doc_id: int, index: int) -> str:
     return page.image_blob
 
 
-def load_batch(s: Session, batch_id: int) -> Batch:
-    batch = s.scalars(select(Batch).where(Batch.id == batch_id).options(selectinload(Batch.items))).first()
+def load_batch(s: Session, batch_id: int, access: Access) -> Batch:
+    batch = s.scalars(select(Batch).where(Batch.id == batch_id, access.owns(Batch.tenant))
+                      .options(selectinload(Batch.items))).first()
     if batch is None:
         raise NotFound("batch", batch_id)
     return batch
@@ -173,13 +183,13 @@ def active_job_ids(s: Session, job_ids: list[int]) -> set[int]:
     return set(rows)
 
 
-def delete_document(s: Session, doc_id: int) -> set[str]:
+def delete_document(s: Session, doc_id: int, access: Access) -> set[str]:
     """Delete the document with its pages, jobs and results (batch items keep their row, without the link).
 
     Returns the blob keys no other row uses any more; the caller removes them once the transaction committed
     (removing them earlier could lose a blob that a rolled-back delete still needs).
     """
-    doc = load_document(s, doc_id, pages=True)
+    doc = load_document(s, doc_id, access, pages=True)
     if any(j.state == JobState.running.value for j in doc.jobs):
         raise ApiError(409, "document_busy", f"Document {doc_id} is being processed right now; delete it when its "
                        "job has finished.")

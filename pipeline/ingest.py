@@ -289,6 +289,11 @@ def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, sta
     return _record(p, batch_id, out)
 
 
+def record_refused(p: Pipeline, batch_id: int | None, label: str, error: Exception) -> IngestOutcome:
+    """The outcome (and batch item) of a file refused before intake wrote anything, e.g. past the job cap."""
+    return _failed(p, batch_id, label, error, time.perf_counter())
+
+
 def _check_arguments(p: Pipeline, schema: str | None, tenant: str) -> SchemaRef | None:
     """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
     Returns the named schema (None when no schema was named), so it need not be looked up again."""

@@ -44,6 +44,7 @@ from .extraction import (
 )
 from .merge import UnitData, merge_units
 from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
+from .quotas import JobCap, take_job_slots
 from .attempts import RUN_GATE, needs_isolation, render_for_job_capped
 
 DOCUMENT_UNIT = "document"
@@ -420,14 +421,17 @@ def _page_image(p: Pipeline, key: str) -> Any:
     return image
 
 
-def retry_job(p: Pipeline, job_id: int) -> None:
-    """Put a failed or partial job back in the queue with its results cleared (the API's retry)."""
+def retry_job(p: Pipeline, job_id: int, *, cap_limit: int | None = None) -> None:
+    """Put a failed or partial job back in the queue with its results cleared (the API's retry). With
+    `cap_limit`, only while its document's tenant has fewer active jobs (QuotaExceededError otherwise)."""
     with p.db.session() as s:
         job = s.get(Job, job_id, with_for_update=True)
         if job is None:
             raise NotFoundError("job", job_id)
         if job.state not in (JobState.failed.value, JobState.partial.value):
             raise JobStateError(f"job {job_id} is {job.state}; only failed or partial jobs can be retried")
+        if cap_limit is not None:
+            take_job_slots(s, JobCap(job.document.tenant, cap_limit))
         for row in list(job.results):
             s.delete(row)
         if job.document.status == DocumentStatus.failed.value:  # read the file again (e.g. a decoder timeout)

@@ -5,6 +5,8 @@ from anyio import to_thread
 from fastapi import APIRouter, Depends, Request, status
 from starlette.concurrency import run_in_threadpool
 
+from pipeline.tenancy import Access
+
 from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
@@ -21,21 +23,21 @@ router = APIRouter(tags=["batches"])
 async def batches_create(request: Request, ctx: ApiContext = Depends(get_ctx),
                          who: Principal = Depends(get_principal)) -> BatchOut:
     """Upload several files (form field `files`, repeated) read with one schema; they form one batch."""
-    await run_in_threadpool(ctx.jobs.check, who.key_id)
+    await run_in_threadpool(ctx.jobs.check, who.tenant)
     form = await receive_form(request, ctx.spool_dir, ctx.upload_memory,
                               max_file_bytes=ctx.limits.max_upload_bytes, max_files=ctx.limits.max_batch_files,
                               idle_timeout_s=ctx.limits.upload_idle_timeout_s)
     try:
-        batch_id, job_ids = await to_thread.run_sync(accept_batch, ctx, form, who.key_id, limiter=ctx.intake)
+        batch_id, job_ids = await to_thread.run_sync(accept_batch, ctx, form, who, limiter=ctx.intake)
     finally:
         form.discard()  # accept_batch has done so; this covers a request cancelled before its thread started
     await run_in_threadpool(ctx.runner.submit, job_ids)  # may publish to the broker: off the event loop
-    return await run_in_threadpool(batch_view, ctx, batch_id)
+    return await run_in_threadpool(batch_view, ctx, batch_id, who.access)
 
 
-def batch_view(ctx: ApiContext, batch_id: int) -> BatchOut:
+def batch_view(ctx: ApiContext, batch_id: int, access: Access) -> BatchOut:
     with ctx.pipeline.db.read_session() as s:
-        batch = load_batch(s, batch_id)
+        batch = load_batch(s, batch_id, access)
         states = batch_job_states(s, batch)
         counts: dict[str, int] = {"queued": 0, "running": 0, "succeeded": 0, "partial": 0, "failed": 0,
                                   "intake_failed": 0, "deleted": 0}
@@ -56,5 +58,6 @@ def batch_view(ctx: ApiContext, batch_id: int) -> BatchOut:
 
 
 @router.get("/v1/batches/{batch_id}", response_model=BatchOut)
-def batches_get(batch_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> BatchOut:
-    return batch_view(ctx, batch_id)
+def batches_get(batch_id: RowId, ctx: ApiContext = Depends(get_ctx),
+                who: Principal = Depends(get_principal)) -> BatchOut:
+    return batch_view(ctx, batch_id, who.access)

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from . import PageIndex, RowId
 from ..auth import Principal
-from ..context import ApiContext, get_ctx
+from ..context import ApiContext, get_ctx, get_principal
 from ..errors import ApiError
 from ..intake import accept_upload, upload_form_openapi
 from ..queries import DocumentFilter, delete_document, list_documents, load_document, page_blob, result_job
@@ -40,12 +40,12 @@ async def documents_upload(request: Request) -> Response:
     who: Principal = request.state.principal
     # Refuse before reading a body we would not take. A key well under its quota needs no database lookup, so
     # the usual upload skips a hop to a worker thread (each hop costs GIL hand-offs on a small machine).
-    if not ctx.jobs.fits_without_lookup(who.key_id):
-        await run_in_threadpool(ctx.jobs.check, who.key_id)
+    if not ctx.jobs.fits_without_lookup(who.tenant):
+        await run_in_threadpool(ctx.jobs.check, who.tenant)
     form = await receive_form(request, ctx.spool_dir, ctx.upload_memory, max_file_bytes=ctx.limits.max_upload_bytes,
                               max_files=1, idle_timeout_s=ctx.limits.upload_idle_timeout_s)
     try:
-        out, new_job_ids = await to_thread.run_sync(accept_upload, ctx, form, who.key_id, limiter=ctx.intake)
+        out, new_job_ids = await to_thread.run_sync(accept_upload, ctx, form, who, limiter=ctx.intake)
     finally:
         form.discard()  # accept_upload has done so; this covers a request cancelled before its thread started
     # Serialised by pydantic in one pass (no dict of JSON-ready values re-encoded by json.dumps).
@@ -63,37 +63,41 @@ def documents_list(
     created_before: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=64)] = None,
+    who: Principal = Depends(get_principal),
 ) -> DocumentPage:
-    """Newest first, filtered; follow `next_cursor` for the next page."""
+    """The caller's tenant's documents, newest first, filtered; follow `next_cursor` for the next page."""
     flt = DocumentFilter(status=status_, schema=schema, created_after=created_after, created_before=created_before)
     with ctx.pipeline.db.read_session() as s:
-        rows, next_cursor = list_documents(s, flt, limit, cursor)
+        rows, next_cursor = list_documents(s, flt, limit, cursor, who.access)
         return DocumentPage(items=[document_out(d) for d in rows], next_cursor=next_cursor)
 
 
 @router.get("/v1/documents/{doc_id}", response_model=DocumentDetail)
-def documents_get(doc_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> DocumentDetail:
+def documents_get(doc_id: RowId, ctx: ApiContext = Depends(get_ctx),
+                  who: Principal = Depends(get_principal)) -> DocumentDetail:
     with ctx.pipeline.db.read_session() as s:
-        return document_detail(load_document(s, doc_id, pages=True))
+        return document_detail(load_document(s, doc_id, who.access, pages=True))
 
 
 @router.get("/v1/documents/{doc_id}/result", response_model=ResultOut)
 def documents_result(doc_id: RowId, ctx: ApiContext = Depends(get_ctx),
-                     schema: Annotated[str | None, Query(max_length=64)] = None) -> ResultOut:
+                     schema: Annotated[str | None, Query(max_length=64)] = None,
+                     who: Principal = Depends(get_principal)) -> ResultOut:
     """The merged result, per-page results and confidences of the latest job (of `schema` if given).
 
     While the job is queued or running, `state` says so and `document` is null.
     """
     with ctx.pipeline.db.read_session() as s:
-        return result_out(result_job(s, doc_id, schema))
+        return result_out(result_job(s, doc_id, schema, who.access))
 
 
 @router.get("/v1/documents/{doc_id}/pages/{index}.png", response_class=FileResponse,
             responses={200: {"content": {"image/png": {}}}})
-def documents_page_image(doc_id: RowId, index: PageIndex, ctx: ApiContext = Depends(get_ctx)) -> FileResponse:
+def documents_page_image(doc_id: RowId, index: PageIndex, ctx: ApiContext = Depends(get_ctx),
+                         who: Principal = Depends(get_principal)) -> FileResponse:
     """The rendered page (or sampled video frame) as PNG; `index` counts from 0."""
     with ctx.pipeline.db.read_session() as s:
-        key = page_blob(s, doc_id, index)
+        key = page_blob(s, doc_id, index, who.access)
     path = ctx.pipeline.blobs.path(key)
     if not path.is_file():
         raise ApiError(404, "blob_missing", f"The image of page {index} is no longer in the blob store.")
@@ -101,10 +105,11 @@ def documents_page_image(doc_id: RowId, index: PageIndex, ctx: ApiContext = Depe
 
 
 @router.delete("/v1/documents/{doc_id}", response_model=DeletedOut)
-def documents_delete(doc_id: RowId, ctx: ApiContext = Depends(get_ctx)) -> DeletedOut:
+def documents_delete(doc_id: RowId, ctx: ApiContext = Depends(get_ctx),
+                     who: Principal = Depends(get_principal)) -> DeletedOut:
     """Delete the document, its pages, jobs and results, and blobs nothing else uses."""
     with ctx.pipeline.db.session() as s:
-        orphaned = delete_document(s, doc_id)
+        orphaned = delete_document(s, doc_id, who.access)
     for key in orphaned:
         ctx.pipeline.blobs.delete(key)
     return DeletedOut(id=doc_id, deleted=True)
