@@ -63,6 +63,8 @@ class Document(Base):
     error_type: Mapped[str | None] = mapped_column(String(64))  # exception class name, stable for clients
     render_attempts: Mapped[int] = mapped_column(Integer, default=0)  # renders started (pipeline.attempts caps it)
     media_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # MuPDF had to rebuild a damaged file (e.g. truncated): its pages may be incomplete or missing
+    repaired: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
     pages: Mapped[list[Page]] = relationship(

@@ -2,8 +2,10 @@
 
 Intake has two halves. Receiving (`pipeline.ingest.receive_file`) is cheap and runs where the file arrives (an HTTP
 request): store the bytes, sniff the type by magic bytes, write a `received` document and a `queued` job.
-Rendering (`render_document`, here) costs 16-32 ms of CPU per page and runs in the job's own time: on the
-`ingest` queue in broker mode, in the job thread in embedded mode, and `run_job` renders a still-`received`
+Rendering (`render_document`, here) costs 16-32 ms of CPU per page, in an isolated render process under the
+budgets of `vision.MediaLimits` (a page over `page_render_timeout_s` fails alone; a document past
+`document_render_timeout_s` keeps the pages it has, or fails when it has none). It runs in the job's own time:
+on the `ingest` queue in broker mode, in the job thread in embedded mode, and `run_job` renders a still-`received`
 document itself before claiming the job, so no path can skip it.
 
 Document states (explicit, every change one transaction, compare-and-set on `received`):
@@ -63,8 +65,11 @@ def render_pages(p: Pipeline, path: Path, name: str, password: str | None) -> Re
             row["blob"] = future.result()
         pages.append(row)
 
-    with vision.open_media(path, password=password, limits=p.settings.media_limits(),
-                           options=p.settings.render_options(), name=name) as doc, \
+    # Isolated: MuPDF and Pillow hold the GIL while they work, so rendering here would freeze every thread of this
+    # process (the API's /healthz included) for as long as a hostile page takes; in a render process the budgets
+    # of `MediaLimits` apply and this thread only waits on a pipe.
+    with vision.open_isolated(path, password=password, limits=p.settings.media_limits(),
+                              options=p.settings.render_options(), name=name) as doc, \
             ThreadPoolExecutor(max_workers=_ENCODE_AHEAD, thread_name_prefix="docpipe-png") as pool:
         pending: deque[tuple[dict[str, Any], Future[str] | None]] = deque()
         for page in doc.pages():
@@ -108,10 +113,11 @@ def write_render(s: Session, doc: Document, rendered: Rendered | None, error: Ex
         assert error is not None
         doc.status, doc.page_count = DocumentStatus.failed.value, 0
         doc.error, doc.error_type = error_text(error), type(error).__name__
-        doc.media_metadata = {}
+        doc.media_metadata, doc.repaired = {}, False
         return
     doc.status, doc.error, doc.error_type = DocumentStatus.ingested.value, None, None
     doc.kind, doc.media_type, doc.media_metadata = rendered.kind, rendered.media_type, rendered.metadata
+    doc.repaired = bool(rendered.metadata.get("repaired"))  # MuPDF rebuilt a damaged file: pages may be missing
     doc.page_count = len(rendered.pages)
     for pg in rendered.pages:
         s.add(Page(document=doc, index=pg["index"], kind=pg["kind"], width=pg["width"], height=pg["height"],

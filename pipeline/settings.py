@@ -91,6 +91,14 @@ class Settings(BaseSettings):
     pdf_dpi: float = Field(150.0, gt=0, description="PDF render resolution.")
     video_fps: float = Field(2.0, gt=0, description="Video frames sampled per second (Qwen's rule).")
     video_max_frames: int = Field(64, ge=4, description="Most frames sampled from one video.")
+    page_render_timeout_s: float = Field(
+        20.0, gt=0, description="Render budget of one PDF page or image (decode); over it the page fails.")
+    document_render_timeout_s: float = Field(
+        900.0, gt=0, description="Render budget of one document; once spent, its unrendered pages fail.")
+    max_page_draw_ops: int = Field(
+        5_000_000, ge=1, description="Drawing operations one PDF page may expand to (nested forms counted).")
+    render_max_per_key: int = Field(
+        1, ge=1, description="Documents one API key may have rendering at once (embedded server).")
     # --- jobs and queue ------------------------------------------------------------------------------------------
     embedded_jobs: int = Field(4, ge=1, description="Jobs `docpipe process` runs at once (the engine batches "
                                "their pages together).")
@@ -110,6 +118,8 @@ class Settings(BaseSettings):
     api_rate_limit_per_minute: int = Field(120, ge=1, description="Requests per minute per API key.")
     api_max_inflight_per_key: int = Field(32, ge=1, description="Queued/running jobs one tenant may hold (all its "
                                           "keys together; checked atomically with the upload).")
+    ready_max_queued_jobs: int = Field(
+        1000, ge=1, description="/readyz answers 503 (queue saturated) when more jobs than this are queued.")
     retention_days: int | None = Field(None, ge=1, description="Purge documents older than this; None = keep.")
 
     @field_validator("watch_folders", "api_keys", mode="before")
@@ -179,6 +189,9 @@ class Settings(BaseSettings):
             max_pages=self.max_pages,
             max_page_pixels=self.max_page_pixels,
             max_video_seconds=self.max_video_seconds,
+            page_render_timeout_s=self.page_render_timeout_s,
+            document_render_timeout_s=self.document_render_timeout_s,
+            max_page_draw_ops=self.max_page_draw_ops,
         )
 
     def render_options(self) -> Any:
