@@ -1,0 +1,223 @@
+"""README promises of the job state machine, confidence and merge, provenance and settings, each checked so that
+the test fails when the promise breaks (issue #22: the fencing token, min-of-pages, spill sizes...). The model is
+a scripted client: the behaviour under test is the pipeline's bookkeeping, not the model."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pymupdf as fitz
+import pytest
+from pipeline_test_support import png_bytes
+from sqlalchemy import select
+
+from pipeline import models
+from pipeline.engine_client import EngineReply, EngineRequest
+from pipeline.ingest import ingest_file
+from pipeline.jobs import JobRun, _claim, run_job
+from pipeline.schemas import register_schema
+from pipeline.settings import Settings
+
+COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+
+
+class Scripted:
+    """Answers every page with a valid `{"colour": ...}` whose tokens carry `logprobs[page]` each; `before_reply`
+    runs before each reply is handed over (to play another worker taking the job meanwhile)."""
+
+    model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-scripted-1", "engine-test-7"
+
+    def __init__(self, logprobs: dict[int, float] | None = None,
+                 before_reply: Callable[[int], None] | None = None) -> None:
+        self.logprobs = logprobs or {}
+        self.before_reply = before_reply
+        self.replies = 0
+
+    def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+        for request in requests:
+            if self.before_reply is not None:
+                self.before_reply(self.replies)
+            self.replies += 1
+            page = _page_of(request)
+            tokens = ['{"colour":', f'"c{page}"', "}"]
+            lp = self.logprobs.get(page, -0.25)
+            yield EngineReply(text="".join(tokens), finish_reason="stop", token_texts=tokens,
+                              token_logprobs=[lp] * len(tokens), prompt_tokens=10, completion_tokens=3)
+
+
+def _page_of(request: EngineRequest) -> int:
+    prompt = request.messages[0]["content"][-1]["text"]
+    for n in range(1, 50):
+        if f"This is page {n}." in prompt:
+            return n - 1
+    return 0
+
+
+def _pdf(folder: Path, pages: int) -> Path:
+    doc = fitz.open()
+    for n in range(pages):
+        doc.new_page(width=200, height=200).insert_text((20, 40), f"page {n}")
+    path = folder / f"doc{pages}.pdf"
+    doc.save(path)
+    return path
+
+
+def _job(p: Any, job_id: int) -> models.Job:
+    with p.db.read_session() as s:
+        job = s.get(models.Job, job_id)
+        s.expunge(job)
+        return job
+
+
+def _results(p: Any, job_id: int) -> dict[str, models.Result]:
+    with p.db.read_session() as s:
+        rows = list(s.scalars(select(models.Result).where(models.Result.job_id == job_id)))
+        for r in rows:
+            s.expunge(r)
+    return {r.unit: r for r in rows}
+
+
+def _colour_job(p: Any, source: Any, **kw: Any) -> int:
+    with p.db.session() as s:
+        register_schema(s, "colour", COLOUR)
+    return ingest_file(p, source, schema="colour", **kw).job_id
+
+
+# --- fencing: a run that lost its job to a takeover cannot write ------------------------------------------------
+def _take_over(p: Any, job_id: int) -> None:
+    """Another worker claims the job as a broker redelivery would (takeover, alone in its process)."""
+    assert not isinstance(_claim(p, job_id, takeover=True, alone=True), JobRun)
+
+
+def test_a_run_taken_over_before_its_first_write_stores_nothing(make_pipeline: Any) -> None:
+    holder: dict[str, Any] = {}
+
+    def takeover(n: int) -> None:
+        if n == 0:  # another worker takes the job over while this run waits for the model
+            _take_over(holder["p"], holder["job"])
+
+    p = make_pipeline(client=Scripted(before_reply=takeover))
+    holder.update(p=p, job=_colour_job(p, png_bytes(), name="a.png"))
+    run = run_job(p, holder["job"])
+    assert not run.ran and run.note == "taken over by another attempt"
+    assert _results(p, holder["job"]) == {}  # the old run's page result was refused (fenced on attempts)
+    job = _job(p, holder["job"])
+    assert (job.state, job.runs, job.prompt_tokens) == ("running", 2, 0)  # nor did it count its tokens
+
+
+def test_a_run_taken_over_before_it_finishes_leaves_the_end_to_the_new_owner(make_pipeline: Any,
+                                                                              tmp_path: Path) -> None:
+    p = make_pipeline(client=Scripted())
+    job_id = _colour_job(p, _pdf(tmp_path, 2))
+    stored: list[str] = []
+
+    def on_unit(unit: str, ok: bool, pages: int) -> None:
+        stored.append(unit)
+        if len(stored) == 2:  # both pages stored; another worker takes over before the merge
+            _take_over(p, job_id)
+
+    run = run_job(p, job_id, on_unit=on_unit)
+    assert not run.ran and run.note == "taken over by another attempt"
+    assert set(_results(p, job_id)) == {"page:0", "page:1"}  # no merged result from the superseded run
+    job = _job(p, job_id)
+    assert (job.state, job.runs, job.finished_at) == ("running", 2, None)
+    # The new owner (run 2) finishes it: nothing is redone, the document result is written once.
+    again = run_job(p, job_id, takeover=True)
+    assert again.ran and again.state == "succeeded" and again.units_done_now == 0
+    assert set(_results(p, job_id)) == {"page:0", "page:1", "document"}
+
+
+def test_a_failing_run_that_was_taken_over_does_not_requeue_the_job(make_pipeline: Any) -> None:
+    holder: dict[str, Any] = {}
+
+    def takeover_then_fail(n: int) -> None:
+        _take_over(holder["p"], holder["job"])
+        raise RuntimeError("the engine died after losing the job")
+
+    p = make_pipeline(client=Scripted(before_reply=takeover_then_fail))
+    holder.update(p=p, job=_colour_job(p, png_bytes(), name="b.png"))
+    with pytest.raises(RuntimeError, match="losing the job"):
+        run_job(p, holder["job"])
+    job = _job(p, holder["job"])
+    # the new owner's run is untouched: still running, its attempt, no error from the old run
+    assert (job.state, job.runs, job.error) == ("running", 2, None)
+
+
+# --- confidence and merge -------------------------------------------------------------------------------------
+def test_a_merged_documents_overall_is_its_lowest_page_overall(make_pipeline: Any, tmp_path: Path) -> None:
+    logprobs = {0: -0.2, 1: -1.3, 2: -0.6}  # the middle page is the least sure: neither first nor last
+    p = make_pipeline(client=Scripted(logprobs=logprobs))
+    job_id = _colour_job(p, _pdf(tmp_path, 3))
+    assert run_job(p, job_id).state == "succeeded"
+    rows = _results(p, job_id)
+    for page, lp in logprobs.items():
+        assert rows[f"page:{page}"].confidence["overall"] == pytest.approx(math.exp(lp), rel=1e-12)
+    assert rows["document"].confidence["overall"] == pytest.approx(math.exp(-1.3), rel=1e-12)
+
+
+# --- provenance -----------------------------------------------------------------------------------------------
+def test_every_result_records_model_engine_schema_and_sampling(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Scripted(), temperature=0.3, max_tokens=123)
+    job_id = _colour_job(p, _pdf(tmp_path, 2))
+    assert run_job(p, job_id).state == "succeeded"
+    rows = _results(p, job_id)
+    assert set(rows) == {"page:0", "page:1", "document"}
+    for row in rows.values():
+        assert row.model_fingerprint == "fp-scripted-1"
+        assert row.engine_version == "engine-test-7"
+        assert (row.schema_name, row.schema_version) == ("colour", 1)
+        assert row.sampling["temperature"] == 0.3 and row.sampling["max_tokens"] == 123
+        assert {"top_p", "top_k", "seed"} <= set(row.sampling)
+
+
+# --- settings ---------------------------------------------------------------------------------------------------
+def test_settings_precedence_keywords_then_environment_then_dotenv_then_defaults(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # .env is read from the working directory
+    for name in ("MAX_PAGES", "PDF_DPI", "VIDEO_FPS", "MAX_TOKENS"):
+        monkeypatch.delenv(f"DOCPIPE_{name}", raising=False)
+    (tmp_path / ".env").write_text("DOCPIPE_MAX_PAGES=11\nDOCPIPE_PDF_DPI=99\nDOCPIPE_VIDEO_FPS=1.5\n")
+    monkeypatch.setenv("DOCPIPE_PDF_DPI", "120")
+    monkeypatch.setenv("DOCPIPE_VIDEO_FPS", "1.0")
+    s = Settings(video_fps=0.5)
+    assert s.video_fps == 0.5  # keyword over environment (and .env)
+    assert s.pdf_dpi == 120  # environment over .env
+    assert s.max_pages == 11  # .env over the default
+    assert s.max_tokens == 2048  # the default where nothing is set
+
+
+def test_media_limit_and_render_defaults_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    from vision.limits import MediaLimits, RenderOptions
+
+    monkeypatch.chdir(tmp_path)  # no .env here
+    for name in ("MAX_FILE_BYTES", "MAX_PAGES", "MAX_PAGE_PIXELS", "MAX_VIDEO_SECONDS", "PDF_DPI", "VIDEO_FPS",
+                 "VIDEO_MAX_FRAMES"):
+        monkeypatch.delenv(f"DOCPIPE_{name}", raising=False)
+    mib = 1024 * 1024
+    s = Settings()
+    assert (s.max_file_bytes, s.max_pages, s.max_page_pixels, s.max_video_seconds) == (512 * mib, 2000,
+                                                                                         16_000_000, 600)
+    assert (s.pdf_dpi, s.video_fps, s.video_max_frames) == (150, 2.0, 64)
+    limits = MediaLimits()  # README "Limits": 512 MiB, 2,000 pages, 16 MP, 89 MP, 600 s, 120 s and 3 GiB
+    assert (limits.max_file_bytes, limits.max_pages, limits.max_page_pixels, limits.max_image_pixels,
+            limits.max_video_seconds, limits.decode_timeout_s, limits.decode_memory_bytes) == (
+        512 * mib, 2000, 16_000_000, 89_000_000, 600, 120, 3 * 1024 * mib)
+    assert RenderOptions().pdf_dpi == 150
+    # what the pipeline hands to vision is what the settings say
+    assert s.media_limits().max_pages == 2000 and s.render_options().pdf_dpi == 150
+    assert Settings(max_pages=7).media_limits().max_pages == 7 and Settings(pdf_dpi=72).render_options().pdf_dpi == 72
+
+
+def test_a_pdf_renders_at_150_dpi_by_default(tmp_path: Path) -> None:
+    from vision import open_media
+
+    doc = fitz.open()
+    doc.new_page(width=144, height=72)  # 2 x 1 inches
+    doc.save(tmp_path / "inch.pdf")
+    with open_media(tmp_path / "inch.pdf") as media:
+        [page] = list(media.pages())
+    assert page.image.size == (300, 150)
+
