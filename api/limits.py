@@ -31,7 +31,9 @@ class ApiLimits:
     max_batch_bytes: int = 2 * 1024**3  # one POST /v1/batches body
     max_json_bytes: int = 32 * 1024 * 1024  # JSON request bodies (chat requests carry data: URL images)
     max_image_bytes: int = 20 * 1024 * 1024  # one decoded data: URL image or video
-    max_images_per_request: int = 16  # image/video parts in one chat request
+    max_images_per_request: int = 16  # images + sampled video frames in one chat request
+    max_request_pixels: int = 64_000_000  # decoded pixels of one chat request's images and frames (~200 MB RGB)
+    max_prompt_bytes: int = 1024 * 1024  # UTF-8 text of one chat request; a token is >= 1 byte, so >= the tokens
     max_completion_tokens: int = 4096  # largest max_tokens a chat request may ask for (bounds engine time)
     upload_idle_timeout_s: int = 60  # an upload that sends nothing for this long is cut off (408)
 

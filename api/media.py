@@ -1,103 +1,150 @@
-"""Decoding of `data:` URLs from chat requests into what the engine takes (PIL images, video files).
+"""Media of chat requests: `data:` URLs opened by `vision` (the one door for images and videos), paid for out of a
+per-request budget before any pixel is decoded.
 
-Only inline data is accepted: fetching remote URLs from the server would let any client make it reach hosts on
-its network (SSRF) and would leak documents' existence. Sizes are checked before and after base64 decoding,
-and image dimensions are checked before pixels are decoded (decompression bombs).
+Only inline data is accepted (gpu_engine.data_url: no server-side fetches). An image's size is read from its
+header (`vision.image_size`) and charged to the request's budget before `vision.open_media` decodes it; a video is
+probed by vision's isolated decoder process, its frames are planned with the engine's sampling rule
+(`gpu_engine.frame_sampling`) and charged, and only then decoded (in that process, so a crashing decoder costs a
+400, not the server). The engine then gets decoded frames with their timestamps and samples nothing again.
+Called on a worker thread (see openai_compat): decoding never runs on the event loop.
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-import os
-import tempfile
+import re
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import unquote_to_bytes
 
 from PIL import Image
 
+from gpu_engine.data_url import DataUrlError, parse_data_url
+from gpu_engine.frame_sampling import QwenFrameSampler
+from vision import (
+    CorruptMediaError,
+    LimitExceededError,
+    MediaLimits,
+    RenderOptions,
+    UnsupportedMediaError,
+    image_size,
+    open_media,
+)
+from vision import MediaError as VisionError
+
 from .errors import ApiError, BodyTooLarge
 
-MAX_IMAGE_PIXELS = 50_000_000  # about 7000 x 7000; larger images are refused, not decoded
+MAX_IMAGE_PIXELS = 50_000_000  # about 7000 x 7000 per image; larger images are refused, not decoded
+# What vision may spend on one chat part: the data: URL's own size cap applies first; a video decodes in its
+# isolated process for at most a minute, and frames come out at most 4 Mpx (the model's processor shrinks more).
+_CHAT_LIMITS = dict(max_image_pixels=MAX_IMAGE_PIXELS, max_page_pixels=4_000_000, decode_timeout_s=60.0,
+                    max_video_seconds=600.0)
 
-# Magic bytes of the video containers the engine can decode; anything else is refused up front.
-_VIDEO_MAGIC = (
-    (4, b"ftyp"),  # MP4 / MOV (ISO BMFF): "ftyp" at offset 4
-    (0, b"\x1a\x45\xdf\xa3"),  # Matroska / WebM
-    (0, b"RIFF"),  # AVI
-)
+_PATH = re.compile(r"(?<![\w.])(?:/[\w.@+-]+){2,}/?")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def public_text(text: str) -> str:
+    """`text` without server paths or Python object addresses (what an error may say to any client)."""
+    return _ADDRESS.sub("(address)", _PATH.sub("(server path)", text))
 
 
 class MediaError(ApiError):
-    def __init__(self, code: str, detail: str) -> None:
-        super().__init__(400, code, detail)
+    def __init__(self, code: str, detail: str, status: int = 400) -> None:
+        super().__init__(status, code, public_text(detail))
+
+
+class MediaBudgetExceeded(ApiError):
+    def __init__(self, detail: str) -> None:
+        super().__init__(413, "media_budget_exceeded", detail)
+
+
+@dataclass
+class MediaBudget:
+    """What one chat request may decode, charged before decoding: media parts (an image, or one video frame) and
+    decoded pixels (each image at its header size, each video frame at the size it will come out)."""
+
+    max_parts: int
+    max_pixels: int
+    parts: int = 0
+    pixels: int = 0
+
+    def charge(self, what: str, parts: int, pixels: int) -> None:
+        if self.parts + parts > self.max_parts:
+            raise ApiError(400, "too_many_media_parts",
+                           f"{what} would bring this request to {self.parts + parts} images/video frames; at most "
+                           f"{self.max_parts} per request (a video counts each sampled frame: lower its fps or "
+                           "trim it).")
+        if self.pixels + pixels > self.max_pixels:
+            raise MediaBudgetExceeded(
+                f"{what} would bring this request to {self.pixels + pixels:,} decoded pixels; at most "
+                f"{self.max_pixels:,} per request. Send fewer or smaller images (or a shorter/lower-fps video).")
+        self.parts += parts
+        self.pixels += pixels
+
+
+def _payload(url: str, max_bytes: int) -> bytes:
+    try:
+        return parse_data_url(url, max_bytes).data
+    except DataUrlError as exc:
+        if exc.reason == "too_large":
+            raise BodyTooLarge(max_bytes) from exc
+        code = "remote_url_refused" if exc.reason == "remote" else "invalid_media_url"
+        raise MediaError(code, str(exc)) from exc
+
+
+def _vision_limits(max_bytes: int) -> MediaLimits:
+    return MediaLimits(max_file_bytes=max_bytes, **_CHAT_LIMITS)  # type: ignore[arg-type]
+
+
+def _refusal(kind: str, what: str, exc: VisionError) -> MediaError:
+    # The isolated decoder's last words may quote its own stack: keep our sentence, not its stderr.
+    detail = str(exc).split(" Decoder said:", 1)[0]
+    if isinstance(exc, LimitExceededError):
+        return MediaError(f"{kind}_too_large", f"{what}: {detail}")
+    if isinstance(exc, (UnsupportedMediaError, CorruptMediaError)):
+        return MediaError(f"invalid_{kind}", f"{what}: {detail}")
+    return MediaError(f"invalid_{kind}", f"{what} could not be read: {detail}")
+
+
+def decode_image(url: str, what: str, max_bytes: int, budget: MediaBudget) -> Image.Image:
+    """A decoded RGB image from a data: URL, charged to `budget` (from its header) before it is decoded."""
+    data = _payload(url, max_bytes)
+    try:
+        size = image_size(data, name=what)
+        if size.pixels > MAX_IMAGE_PIXELS:
+            raise MediaError("image_too_large", f"{what} is {size.width}x{size.height} pixels; the limit is "
+                                                f"{MAX_IMAGE_PIXELS:,} pixels per image. Downscale it.")
+        budget.charge(what, 1, size.pixels)
+        with open_media(data, limits=_vision_limits(max_bytes), name=what) as doc:
+            page = next(iter(doc.pages()))
+    except VisionError as exc:
+        raise _refusal("image", what, exc) from exc
+    if page.image is None:
+        raise MediaError("invalid_image", f"{what}: {page.error}")
+    return page.image
 
 
 @dataclass(frozen=True)
-class DataUrl:
-    media_type: str
-    data: bytes
+class VideoFrames:
+    """A video's sampled frames, decoded, and the time (seconds) each one is shown at."""
+
+    frames: list[Image.Image]
+    timestamps: list[float]
 
 
-def parse_data_url(url: str, max_bytes: int) -> DataUrl:
-    """Split and decode a `data:[<media type>][;base64],<data>` URL. Refuses every other scheme."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme != "data":
-        if scheme in ("http", "https", "ftp", "file"):
-            raise MediaError(
-                "remote_url_refused",
-                f"{scheme}: URLs are not fetched by this server; send the image inline as a data: URL "
-                "(data:image/png;base64,...).",
-            )
-        raise MediaError("invalid_media_url", "Media must be given as a data: URL (data:image/png;base64,...).")
-    header, sep, payload = url[5:].partition(",")
-    if not sep:
-        raise MediaError("invalid_media_url", "The data: URL has no ',' separating its header from the data.")
-    params = [p.strip() for p in header.split(";")]
-    media_type = params[0].lower() or "text/plain"
-    is_base64 = any(p.lower() == "base64" for p in params[1:])
-    # base64 grows data by 4/3: refuse before decoding when even the encoded text is clearly too large.
-    if len(payload) > (max_bytes * 4) // 3 + 4:
-        raise BodyTooLarge(max_bytes)
+def decode_video(url: str, what: str, fps: float, max_bytes: int, budget: MediaBudget) -> VideoFrames:
+    """The frames the model sees of a data: URL video (`fps` frames per second, the engine's rule), charged to
+    `budget` from the probe before any frame is decoded. Decoding runs in vision's isolated process."""
+    data = _payload(url, max_bytes)
+    options = RenderOptions(frame_sampler=QwenFrameSampler(fps=fps))
     try:
-        data = base64.b64decode(payload, validate=True) if is_base64 else unquote_to_bytes(payload)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError("invalid_media_url", f"The data: URL's base64 payload is not valid: {exc}") from exc
-    if len(data) > max_bytes:
-        raise BodyTooLarge(max_bytes)
-    return DataUrl(media_type=media_type, data=data)
-
-
-def decode_image(url: str, max_bytes: int) -> Image.Image:
-    """A fully loaded RGB image from a data: URL."""
-    item = parse_data_url(url, max_bytes)
-    try:
-        image = Image.open(io.BytesIO(item.data))
-        width, height = image.size  # read from the header, before any pixel is decoded
-        if width * height > MAX_IMAGE_PIXELS:
-            raise MediaError(
-                "image_too_large",
-                f"The image is {width}x{height} pixels; the limit is {MAX_IMAGE_PIXELS} pixels. Downscale it.",
-            )
-        image.load()
-    except MediaError:
-        raise
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise MediaError("invalid_image", f"The image could not be decoded ({item.media_type}): {exc}") from exc
-    return image.convert("RGB")
-
-
-def write_video(url: str, max_bytes: int, spool_dir: Path) -> Path:
-    """Write a data: URL video to a private temporary file (the engine decodes videos from a path).
-
-    The caller deletes the file when the request ends.
-    """
-    item = parse_data_url(url, max_bytes)
-    if not any(item.data[offset:offset + len(magic)] == magic for offset, magic in _VIDEO_MAGIC):
-        raise MediaError("invalid_video", "The video is not MP4, MOV, WebM/Matroska or AVI (checked by content).")
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="chat-video-", suffix=".bin", dir=spool_dir)
-    with os.fdopen(fd, "wb") as out:
-        out.write(item.data)
-    return Path(name)
+        with open_media(data, limits=_vision_limits(max_bytes), options=options, name=what) as doc:
+            if doc.kind != "video":
+                raise MediaError("invalid_video", f"{what} is {doc.media_type}, not a video (checked by content).")
+            width, height = doc.metadata["width"], doc.metadata["height"]
+            per_frame = min(width * height, _CHAT_LIMITS["max_page_pixels"])  # type: ignore[type-var]
+            budget.charge(f"{what} ({doc.page_count} frames at {fps:g} fps)", doc.page_count,
+                          doc.page_count * int(per_frame))
+            pages = [page for page in doc.pages() if page.image is not None]
+    except VisionError as exc:
+        raise _refusal("video", what, exc) from exc
+    if not pages:
+        raise MediaError("invalid_video", f"{what}: none of its frames could be decoded; the file is damaged.")
+    return VideoFrames([p.image for p in pages if p.image is not None], [float(p.timestamp or 0.0) for p in pages])

@@ -1,8 +1,14 @@
 """OpenAI-compatible `POST /v1/chat/completions` and `GET /v1/models`, served by our engine.
 
-This is the one api module that imports `gpu_engine` directly. Why: the endpoint exposes the raw model, so it
-speaks the engine's own request types (`SamplingParams`, `RequestOutput`); routing them through `pipeline` would
-add a pass-through layer with nothing to do. Everything document-shaped still goes through `pipeline`.
+This module and its media helper (api/media.py) are the api modules that import `gpu_engine` directly. Why: the
+endpoint exposes the raw model, so it speaks the engine's own request types (`SamplingParams`, `RequestOutput`);
+routing them through `pipeline` would add a pass-through layer with nothing to do. Everything document-shaped still
+goes through `pipeline`.
+
+Budget and threads: a request's text and media are counted before anything is decoded (api/media.py,
+`ApiLimits.max_prompt_bytes` / `max_images_per_request` / `max_request_pixels`); decoding and tokenising run on a
+worker thread, never on the event loop, so one large request cannot stall `/healthz` or other clients; memory the
+request used is handed back to the OS when it ends (api/memory.py).
 """
 from __future__ import annotations
 
@@ -11,7 +17,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import jsonschema
@@ -22,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from gpu_engine.async_engine import EngineStoppedError
 from gpu_engine.engine import RequestError
+from gpu_engine.inputs import ProcessedPrompt
 from gpu_engine.params import RequestOutput, SamplingParams, TokenLogprob
 from pipeline.errors import SchemaTooComplexError
 from pipeline.schemas import check_schema_budget
@@ -29,7 +35,8 @@ from pipeline.schemas import check_schema_budget
 from .bounds import MAX_SEED
 from .errors import ApiError, schema_too_complex
 from .limits import ApiLimits, EngineSlots
-from .media import decode_image, write_video
+from .media import MediaBudget, decode_image, decode_video, public_text
+from .memory import give_back_memory
 from .openai_schema import (
     AssistantMessage,
     ChatCompletion,
@@ -48,9 +55,11 @@ from .openai_schema import (
 class ChatEngine(Protocol):
     """What this endpoint needs from `gpu_engine.AsyncEngine`."""
 
-    async def agenerate(self, messages: list[dict[str, Any]], params: SamplingParams) -> RequestOutput: ...
+    def prepare_prompt(self, messages: list[dict[str, Any]]) -> ProcessedPrompt: ...
 
-    def astream(self, messages: list[dict[str, Any]], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    async def agenerate(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestOutput: ...
+
+    def astream(self, prompt: ProcessedPrompt, params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -79,46 +88,52 @@ class UnknownModel(ApiError):
 class EngineRequest:
     messages: list[dict[str, Any]]
     params: SamplingParams
-    temp_files: list[Path]
-
-    def cleanup(self) -> None:
-        for path in self.temp_files:
-            path.unlink(missing_ok=True)
 
 
-def _engine_messages(
-    messages: list[ChatMessage], limits: ApiLimits, spool_dir: Path, temp_files: list[Path]
-) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    media_parts = 0
+def _check_text_budget(messages: list[ChatMessage], limits: ApiLimits) -> None:
+    """Refuse oversized text before it is tokenised: every token is at least one UTF-8 byte, so the byte count
+    bounds the tokenizer's work (and the prompt's tokens) from above."""
+    total = 0
     for message in messages:
+        texts = [message.content] if isinstance(message.content, str) else [
+            p.text for p in message.content or [] if p.type == "text"]
+        for text in texts:
+            total += len(text.encode("utf-8", "surrogatepass"))
+            if total > limits.max_prompt_bytes:
+                raise ApiError(413, "prompt_too_large",
+                               f"The messages carry more than {limits.max_prompt_bytes:,} bytes of text; this server "
+                               "takes at most that many per request. Send less text.")
+
+
+def _engine_messages(messages: list[ChatMessage], limits: ApiLimits) -> list[dict[str, Any]]:
+    _check_text_budget(messages, limits)
+    if not any(m.role == "user" for m in messages):
+        raise ApiError(400, "no_user_message", "The conversation needs at least one user message.")
+    budget = MediaBudget(max_parts=limits.max_images_per_request, max_pixels=limits.max_request_pixels)
+    max_bytes = limits.max_image_bytes
+    out: list[dict[str, Any]] = []
+    for m_index, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role  # our template knows no 'developer'
         if message.content is None or isinstance(message.content, str):
             out.append({"role": role, "content": message.content or ""})
             continue
         parts: list[dict[str, Any]] = []
-        for part in message.content:
+        for p_index, part in enumerate(message.content):
+            what = f"message {m_index}, part {p_index}"
             if part.type == "text":
                 parts.append({"type": "text", "text": part.text})
                 continue
-            media_parts += 1
-            if media_parts > limits.max_images_per_request:
-                raise ApiError(400, "too_many_media_parts",
-                               f"At most {limits.max_images_per_request} image/video parts per request.")
             if role != "user":
                 raise ApiError(400, "media_not_in_user_message", "Images and videos must be in user messages.")
             if part.type == "image_url":
-                parts.append({"type": "image", "image": decode_image(part.image_url.url, limits.max_image_bytes)})
+                parts.append({"type": "image", "image": decode_image(part.image_url.url, what, max_bytes, budget)})
             elif part.type == "video_url":
-                path = write_video(part.video_url.url, limits.max_image_bytes, spool_dir)
-                temp_files.append(path)
-                parts.append({"type": "video", "video": str(path), "fps": part.fps or 2.0})
-            else:  # frames
-                frames = [decode_image(url, limits.max_image_bytes) for url in part.video]
+                video = decode_video(part.video_url.url, what, part.fps or 2.0, max_bytes, budget)
+                parts.append({"type": "video", "video": video.frames, "timestamps": video.timestamps})
+            else:  # frames: the engine samples them at `fps`, as transformers does with a frame list
+                frames = [decode_image(url, f"{what}, frame {i}", max_bytes, budget) for i, url in enumerate(part.video)]
                 parts.append({"type": "video", "video": frames, "fps": part.fps})
         out.append({"role": role, "content": parts})
-    if not any(m["role"] == "user" for m in out):
-        raise ApiError(400, "no_user_message", "The conversation needs at least one user message.")
     return out
 
 
@@ -143,9 +158,8 @@ def _json_schema_of(req: ChatCompletionRequest) -> dict[str, Any] | None:
     return schema
 
 
-def build_engine_request(
-    req: ChatCompletionRequest, backend: ChatBackend, limits: ApiLimits, spool_dir: Path
-) -> EngineRequest:
+def build_engine_request(req: ChatCompletionRequest, backend: ChatBackend, limits: ApiLimits) -> EngineRequest:
+    """Check the request and decode its media (blocking: call it on a worker thread)."""
     if req.tools:
         raise ApiError(400, "unsupported_parameter", "Tool calling is not supported by this server.")
     if req.top_logprobs and not req.logprobs:
@@ -159,29 +173,23 @@ def build_engine_request(
     if asked is not None and asked > limits.max_completion_tokens:
         raise ApiError(400, "max_tokens_too_large",
                        f"max_tokens {asked} is above this server's limit of {limits.max_completion_tokens}.")
-    temp_files: list[Path] = []
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        messages = _engine_messages(req.messages, limits, spool_dir, temp_files)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        try:
-            params = SamplingParams(
-                max_tokens=asked or min(backend.default_max_tokens, limits.max_completion_tokens),
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                presence_penalty=req.presence_penalty or 0.0,
-                seed=req.seed,
-                stop=stop,
-                logprobs=req.logprobs,
-                json_schema=_json_schema_of(req),
-                timeout_s=backend.request_timeout_s,
-            )
-        except ValueError as exc:
-            raise ApiError(400, "invalid_request", str(exc)) from exc
-        return EngineRequest(messages=messages, params=params, temp_files=temp_files)
-    except BaseException:
-        for path in temp_files:
-            path.unlink(missing_ok=True)
-        raise
+        params = SamplingParams(
+            max_tokens=asked or min(backend.default_max_tokens, limits.max_completion_tokens),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            seed=req.seed,
+            stop=stop,
+            logprobs=req.logprobs,
+            json_schema=_json_schema_of(req),
+            timeout_s=backend.request_timeout_s,
+        )
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", public_text(str(exc))) from exc
+    # Parameters first: a request refused for them costs no decoding.
+    return EngineRequest(messages=_engine_messages(req.messages, limits), params=params)
 
 
 # --- engine -> response ---------------------------------------------------------------------------------------
@@ -199,15 +207,15 @@ def _finish_reason(out: RequestOutput) -> str | None:
 
 class EngineFailed(ApiError):
     def __init__(self, reason: str) -> None:
-        super().__init__(503, "engine_error", f"The model could not complete this request: {reason}")
+        super().__init__(503, "engine_error", public_text(f"The model could not complete this request: {reason}"))
 
 
 def _engine_error(exc: Exception) -> ApiError:
     """The engine's refusals are the client's fault (400); a stopped engine is ours (503)."""
     if isinstance(exc, RequestError):
-        return ApiError(400, "invalid_request", f"The model cannot run this request: {exc}")
+        return ApiError(400, "invalid_request", public_text(f"The model cannot run this request: {exc}"))
     if isinstance(exc, EngineStoppedError):
-        return ApiError(503, "engine_unavailable", f"The model is not available: {exc}",
+        return ApiError(503, "engine_unavailable", public_text(f"The model is not available: {exc}"),
                         headers={"Retry-After": "5"})
     if isinstance(exc, ApiError):
         return exc
@@ -301,7 +309,7 @@ async def _stream_events(
 # --- router ---------------------------------------------------------------------------------------------------
 
 
-def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spool_dir: Path) -> APIRouter:
+def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
     @router.get("/v1/models", response_model=ModelList)
@@ -318,12 +326,7 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
         if body.model != backend.model_id:
             raise UnknownModel(body.model, backend.model_id)
         principal = request.state.principal
-        ereq = build_engine_request(body, backend, limits, spool_dir)
-        try:
-            slots.acquire(principal.key_id)
-        except ApiError:
-            ereq.cleanup()
-            raise
+        slots.acquire(principal.key_id)  # before any decoding: the slot caps a key's concurrent decodes too
         released = False
 
         def release() -> None:
@@ -331,18 +334,24 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
             if not released:
                 released = True
                 slots.release(principal.key_id)
-                ereq.cleanup()
+                give_back_memory()
 
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
         try:
+            ereq = await run_in_threadpool(build_engine_request, body, backend, limits)
             engine = await run_in_threadpool(backend.get_engine)  # may load the model: not on the event loop
+            try:  # chat template, tokenising and pixel preprocessing: a worker thread too
+                prompt = await run_in_threadpool(engine.prepare_prompt, ereq.messages)
+            except (RequestError, EngineStoppedError) as exc:
+                raise _engine_error(exc) from exc
+            ereq.messages.clear()  # the decoded media now live in the prompt only
         except BaseException:
             release()
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = engine.astream(ereq.messages, ereq.params)
+            stream = engine.astream(prompt, ereq.params)
             try:
                 # Wait for the first output before sending headers, so a refused request is a proper 400.
                 first = await anext(stream)
@@ -361,7 +370,7 @@ def chat_router(backend: ChatBackend, limits: ApiLimits, slots: EngineSlots, spo
 
             return _SlotResponse(events, on_close=close)
         try:
-            out = await engine.agenerate(ereq.messages, ereq.params)
+            out = await engine.agenerate(prompt, ereq.params)
         except (RequestError, EngineStoppedError) as exc:
             raise _engine_error(exc) from exc
         finally:

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .engine import Engine, Prompt, RequestError
+from .errors import EngineError
+from .inputs import ProcessedPrompt
 from .params import RequestOutput, SamplingParams
 
 STATS_PERIOD_S = 0.1  # how stale AsyncEngine.stats() may be while the engine is busy
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput | BaseException], None]
 
 
-class EngineStoppedError(RuntimeError):
+class EngineStoppedError(EngineError, RuntimeError):
     """The AsyncEngine was shut down (or its step loop died); the request cannot complete."""
 
 
@@ -141,6 +143,12 @@ class AsyncEngine:
                 )
             self._command(("add", handle, prompt, params))
         return handle
+
+    def prepare_prompt(self, prompt: Prompt) -> ProcessedPrompt:
+        """Messages -> ProcessedPrompt (chat template, media preprocessing, tokenising) on the caller's thread. A
+        server calls it on a worker thread and hands the result to astream / agenerate, so its event loop never
+        runs that work (submit would run it on the loop). Raises RequestError for bad messages."""
+        return self.engine.prepare_prompt(prompt)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, timeout: float | None = None) -> RequestOutput:
         return self.submit(prompt, params).result(timeout)

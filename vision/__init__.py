@@ -50,6 +50,7 @@ from .isolated import open_isolated
 from .limits import MediaLimits, RenderOptions
 from .opener import open_media
 from .page import MediaPage
+from .probe import ImageSize, image_size
 from .sniff import ACCEPTED as ACCEPTED_MEDIA_TYPES
 from .sniff import SNIFF_BYTES, Sniffed, sniff
 from .video.sampling import pad_indices
@@ -66,6 +67,7 @@ __all__ = [
     "MediaDocument",
     "MediaError",
     "MediaLimits",
+    "ImageSize",
     "MediaPage",
     "NoVideoStreamError",
     "RenderOptions",
@@ -75,6 +77,7 @@ __all__ = [
     "UnsupportedMediaError",
     "WrongPasswordError",
     "open_isolated",
+    "image_size",
     "open_media",
     "pad_indices",
     "sniff",

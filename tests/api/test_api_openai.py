@@ -128,7 +128,7 @@ def test_video_parts(sqlite_server: LiveServer, model_id: str) -> None:
                                                  "messages": [{"role": "user", "content": [frames, ask]}]})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 10
-        if mp4.is_file():  # a video file, decoded by the engine
+        if mp4.is_file():  # a video file, decoded by vision's isolated decoder, its frames handed to the engine
             url = "data:video/mp4;base64," + base64.b64encode(mp4.read_bytes()).decode()
             part = {"type": "video_url", "video_url": {"url": url}, "fps": 1.0}
             r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4,
@@ -143,7 +143,7 @@ def test_video_parts(sqlite_server: LiveServer, model_id: str) -> None:
         damaged = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + random.randbytes(300)).decode()
         r = c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 4, "messages": [
             {"role": "user", "content": [{"type": "video_url", "video_url": {"url": damaged}}]}]})
-        assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+        assert r.status_code == 400 and r.json()["code"] == "invalid_video", r.text
 
 
 def test_refusals(client: openai.OpenAI, model_id: str, sqlite_server: LiveServer) -> None:

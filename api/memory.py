@@ -1,0 +1,29 @@
+"""Handing memory back to the OS after a chat request: decoded images and pixel arrays are freed when the request
+ends, but glibc keeps freed heap (one arena per worker thread) mapped unless asked to trim it."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_trim = getattr(_libc, "malloc_trim", None)  # glibc only; elsewhere freed memory is the allocator's business
+_busy = threading.Lock()
+SETTLE_S = 0.5  # the engine frees a finished request's pixels on its next step; trim after that
+
+
+def _trim_soon() -> None:
+    try:
+        time.sleep(SETTLE_S)
+        _trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
+    finally:
+        _busy.release()
+
+
+def give_back_memory() -> None:
+    """Trim the C heap shortly, on a thread of its own (never on the caller's); one trim at a time covers every
+    request that ended meanwhile."""
+    if _trim is None or not _busy.acquire(blocking=False):
+        return
+    threading.Thread(target=_trim_soon, name="malloc-trim", daemon=True).start()
