@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The mutation pass of issue #22 (tests/MUTATION.md): mutmut over the modules that hold the README's promises, on
+# a private copy of the tree, so that mutants never appear in the work tree.
+#   bash tests/mutation/run.sh                  # everything not yet decided (results are cached in the copy)
+#   bash tests/mutation/run.sh 'pipeline.jobs*'  # (re)run the named mutants, e.g. survivors after new tests
+# Environment: MUTATION_DIR (default /tmp/docpipe-mutation), MUTATION_TIMEOUT_S (default 5400),
+# MUTATION_CHILDREN (parallel mutants, default 2). Needs `pip install -e ".[test,mutation]"`.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+work=${MUTATION_DIR:-/tmp/docpipe-mutation}
+case "$(realpath -m "$work")/" in
+  "$repo"/*) echo "MUTATION_DIR must be outside the work tree ($repo)" >&2; exit 2 ;;
+esac
+mkdir -p "$work"
+# Refresh the copy; mutants/ (mutmut's generated code and cached verdicts) is kept between runs.
+rsync -a --delete --exclude .git --exclude '*.egg-info' --exclude .docpipe --exclude __pycache__ \
+  --exclude mutants --exclude setup.cfg "$repo"/ "$work"/
+cp "$repo/tests/mutation/setup.cfg" "$work/setup.cfg"
+cd "$work"
+# One BLAS thread per mutant process: two mutants run at once on a 2-core machine.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+status=0
+timeout --signal=INT "${MUTATION_TIMEOUT_S:-5400}" mutmut run --max-children "${MUTATION_CHILDREN:-2}" "$@" \
+  > "$work/mutmut-run.log" 2>&1 || status=$?
+python3 "$repo/tests/mutation/summarise.py" "$work" > "$work/summary.json"
+echo "mutmut exit status $status; summary in $work/summary.json (copy it to tests/mutation/last_result.json)"
