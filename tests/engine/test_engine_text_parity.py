@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_rule import require_module
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = require_module("torch")
+require_module("transformers")
 
 import gpu_engine  # noqa: E402
 from engine_hf_models import (  # noqa: E402
