@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import EngineError
 
-class ModelLoadError(Exception):
+
+class ModelLoadError(EngineError):
     """Base class of every error raised while reading a checkpoint folder."""
 
 

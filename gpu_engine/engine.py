@@ -34,6 +34,7 @@ from .cache import BlockManager
 from .cuda.options import CudaOptions
 from .encoder_cache import EncoderCache
 from .engine_config import EngineConfig, EngineConfigError
+from .errors import InvalidRequestError
 from .inputs import ProcessedPrompt
 from .params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from .rope_index import text_positions
@@ -49,7 +50,7 @@ from .tokenizer import IncrementalDetokenizer, byte_level_token_bytes
 Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
 
 
-class RequestError(ValueError):
+class RequestError(InvalidRequestError, ValueError):
     """A request that can never run as given (bad prompt, bad parameters, too long for this engine)."""
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import EngineError
+
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(EngineError, ValueError):
     """An EngineConfig value is out of range or inconsistent with another one."""
 
 

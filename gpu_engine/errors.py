@@ -1,5 +1,7 @@
-"""The engine's error base: every error gpu_engine raises on purpose derives from EngineError, so a caller (a
-worker deciding whether to retry, a server choosing a status code) can tell the engine's refusals from bugs."""
+"""The engine's error bases: every error gpu_engine raises on purpose derives from EngineError (tests/engine/
+test_engine_errors.py walks the package to keep it so), and the ones a retry cannot cure from
+InvalidRequestError, so that a caller (a worker deciding whether to retry, a server choosing a status code) can
+classify by base class instead of importing each module's own errors."""
 from __future__ import annotations
 
 
@@ -7,6 +9,12 @@ class EngineError(Exception):
     """Base class of every error gpu_engine raises on purpose; the message says what to do about it."""
 
 
+class InvalidRequestError(EngineError):
+    """The request itself cannot be served (bad prompt or parameters, unreadable media, an unusable grammar):
+    running it again fails the same way."""
+
+
 class RunnerInputError(EngineError, ValueError):
     """A step batch or cache request that breaks the runner contract (shapes, ids, cache indices); every runner
     raises this one type, with the same words (gpu_engine/runner_rules.py)."""
+

@@ -22,6 +22,7 @@ import numpy as np
 from .config import ModelConfig
 from .cuda.options import CudaOptions
 from .encoder_cache import check_embeddings, chunk_slices
+from .errors import EngineError
 from .inputs import ProcessedPrompt, VisionItem
 from .loader import ModelWeights, load_weights
 from .rope_index import text_positions
@@ -31,7 +32,7 @@ RUNNERS = ("reference", "cuda")
 _BLOCK_SIZE = 16
 
 
-class RunnerUnavailableError(RuntimeError):
+class RunnerUnavailableError(EngineError, RuntimeError):
     """The requested runner cannot run here (e.g. runner='cuda' without the CUDA packages or a GPU)."""
 
 

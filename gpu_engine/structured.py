@@ -16,6 +16,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
+from .errors import InvalidRequestError
 from .params import SamplingParams
 
 _GRAMMAR_CACHE_SIZE = 256
@@ -47,7 +48,7 @@ def exact_formats(schema: Any) -> Any:
     return out
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidRequestError, ValueError):
     """The json_schema / regex / choice of a request cannot be compiled into a grammar."""
 
 

@@ -23,15 +23,17 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .errors import EngineError
+
 # transformers passes these named special tokens (when set) to every chat template render.
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class TokenizerError(Exception):
+class TokenizerError(EngineError):
     """A checkpoint's tokenizer files are missing, unreadable or inconsistent."""
 
 
-class ChatTemplateError(Exception):
+class ChatTemplateError(EngineError):
     """The chat template is missing, does not compile, or refused the messages (raise_exception)."""
 
 

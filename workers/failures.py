@@ -21,11 +21,9 @@ from .staging import StagingError
 
 def permanent_error_types() -> tuple[type[BaseException], ...]:
     import vision
-    from gpu_engine.engine import RequestError
-    from gpu_engine.processor import ProcessorError
-    from gpu_engine.structured import GrammarError
+    from gpu_engine.errors import InvalidRequestError  # requests the engine refuses: bad prompt, media, grammar
 
-    return (PipelineError, StagingError, vision.MediaError, RequestError, ProcessorError, GrammarError)
+    return (PipelineError, StagingError, vision.MediaError, InvalidRequestError)
 
 
 def is_permanent(exc: BaseException) -> bool:

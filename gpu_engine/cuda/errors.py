@@ -1,8 +1,10 @@
 """Exceptions of the CUDA backend (each message says what to do about it)."""
 from __future__ import annotations
 
+from ..errors import EngineError
 
-class CudaBackendError(RuntimeError):
+
+class CudaBackendError(EngineError, RuntimeError):
     """Base class of every error this package raises on purpose."""
 
 

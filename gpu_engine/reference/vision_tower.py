@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import EngineError
 from ..vision_geometry import bilinear_taps, merge_window_coords
 from .ops import linear, rotate_half, softmax
 
@@ -35,7 +36,7 @@ GridTHW = tuple[int, int, int]
 _LAYER_NORM_EPS = 1e-6  # fixed in the model code (blocks and merger), not read from config.json
 
 
-class VisionTowerError(ValueError):
+class VisionTowerError(EngineError, ValueError):
     """Base class of every error this module raises."""
 
 
