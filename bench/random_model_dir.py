@@ -32,7 +32,8 @@ _BLOCK_ELEMS = 1_000_003  # odd length: tiled rows of a matrix do not repeat col
 
 def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], vision_config: dict[str, Any], *,
                            tied: bool, seed: int = 0, image_min_pixels: int = 64 * 32 * 32,
-                           image_max_pixels: int = 1024 * 1024, sums: bool = False) -> Path:
+                           image_max_pixels: int = 1024 * 1024, video_min_pixels: int | None = None,
+                           video_max_pixels: int | None = None, sums: bool = False) -> Path:
     """Write the folder (created if needed) and return it. text_config / vision_config: Qwen3.5 config keys."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,8 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
                                                     "pad_token_id": vocab.pad_token_id})
     write_processor_configs(folder, patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
                             merge_size=vision["spatial_merge_size"], image_min_pixels=image_min_pixels,
-                            image_max_pixels=image_max_pixels)
+                            image_max_pixels=image_max_pixels, video_min_pixels=video_min_pixels,
+                            video_max_pixels=video_max_pixels)
     shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(ModelConfig.from_pretrained(folder)).items()}
     write_bf16_safetensors(folder / SINGLE_FILE, shapes, random_bf16_tensors(shapes, seed))
     if sums:

@@ -1,0 +1,146 @@
+"""A per-step profile of a running Engine, taken from the outside (nothing in gpu_engine changes).
+
+    profile = StepProfile.attach(engine)       # wraps engine.step, runner.forward, the vision encoder, the processor
+    ... run requests ...
+    profile.reset()                            # after a warm-up
+    rows = profile.steps                       # one StepRecord per engine.step()
+    profile.detach()
+
+Per step: wall time of step(), of runner.forward (prefill / decode run, its device sync and downloads included),
+of vision encodes, of grammar masks (the engine's own mask timer), what was run (limit_model.StepShape) and, for
+the cuda runner, the device time between CUDA events recorded on the runner's stream before and after each forward
+and encode. Host scheduling = step wall - forward - encode - mask. The processor (image resize / patchify, run on
+the submitting threads) is timed apart, as it overlaps the steps.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from limit_model import StepShape
+
+
+@dataclass
+class StepRecord:
+    wall_s: float = 0.0
+    forward_s: float = 0.0
+    encode_s: float = 0.0
+    mask_s: float = 0.0
+    shape: StepShape = field(default_factory=StepShape)
+    events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (start, stop) CUDA events
+    device_s: float | None = None  # sum of the event spans, filled by StepProfile.resolve()
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self.shape.prefill_chunks or self.shape.vision_grids)
+
+    @property
+    def host_s(self) -> float:
+        return max(0.0, self.wall_s - self.forward_s - self.encode_s - self.mask_s)
+
+
+class StepProfile:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.steps: list[StepRecord] = []
+        self.prepare_s = 0.0
+        self.prepare_count = 0
+        self._lock = threading.Lock()
+        self._current = StepRecord()
+        self._saved: list[tuple[Any, str, Any]] = []
+        device = getattr(getattr(engine.runner, "ctx", None), "device", None)
+        self._device = device if device is not None and hasattr(device, "event") else None
+
+    @classmethod
+    def attach(cls, engine: Any) -> StepProfile:
+        profile = cls(engine)
+        profile._wrap(engine, "step", profile._step)
+        profile._wrap(engine.runner, "forward", profile._forward)
+        profile._wrap(engine.encoder, "_encode", profile._encode)
+        if getattr(engine, "_prepare", None) is not None:
+            profile._wrap(engine, "_prepare", profile._prepare)
+        return profile
+
+    def detach(self) -> None:
+        for obj, name, original in reversed(self._saved):
+            setattr(obj, name, original)
+        self._saved.clear()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.steps = []
+            self.prepare_s, self.prepare_count = 0.0, 0
+
+    def resolve(self) -> None:
+        """Read the CUDA event spans (call once the device is idle)."""
+        for rec in self.steps:
+            if rec.events and rec.device_s is None:
+                rec.device_s = sum(float(stop - start) for start, stop in rec.events) / 1e3  # events give ms
+                rec.events = []
+
+    # ---- wrappers ----------------------------------------------------------------------------------------
+    def _wrap(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(obj, name)
+        self._saved.append((obj, name, original))
+        setattr(obj, name, make(original))
+
+    def _timed_on_device(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        if self._device is None:
+            t0 = time.perf_counter()
+            return fn(), time.perf_counter() - t0
+        start, stop = self._device.event(), self._device.event()
+        self._device.stream.record(start)
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+        self._device.stream.record(stop)
+        self._current.events.append((start, stop))
+        return out, seconds
+
+    def _step(self, original: Callable[[], Any]) -> Callable[[], Any]:
+        def step() -> Any:
+            mask0 = self.engine._mask_s
+            t0 = time.perf_counter()
+            out = original()
+            rec, self._current = self._current, StepRecord()
+            rec.wall_s = time.perf_counter() - t0
+            rec.mask_s = self.engine._mask_s - mask0
+            if rec.forward_s or rec.encode_s:  # steps that ran nothing (idle polls) are not steps of the run
+                self.steps.append(rec)
+            return out
+        return step
+
+    def _forward(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def forward(batch: Any) -> Any:
+            out, seconds = self._timed_on_device(lambda: original(batch))
+            rec = self._current
+            rec.forward_s += seconds
+            for chunk in batch.chunks:
+                n = chunk.num_tokens
+                rows = {"none": 0, "last": 1, "all": n}[chunk.logits]
+                if n == 1 and chunk.start > 0:
+                    rec.shape.decode_contexts.append(chunk.start + 1)
+                else:
+                    rec.shape.prefill_chunks.append((chunk.start, n, rows))
+            return out
+        return forward
+
+    def _encode(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def encode(item: Any) -> Any:
+            out, seconds = self._timed_on_device(lambda: original(item))
+            self._current.encode_s += seconds
+            self._current.shape.vision_grids.append(tuple(int(x) for x in item.grid_thw))
+            return out
+        return encode
+
+    def _prepare(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def prepare(messages: Any) -> Any:
+            t0 = time.perf_counter()
+            out = original(messages)
+            with self._lock:
+                self.prepare_s += time.perf_counter() - t0
+                self.prepare_count += 1
+            return out
+        return prepare
