@@ -393,7 +393,8 @@ def report(outcomes: list[Outcome], wall: float, profile: StepProfile, cost: Mod
 # ------------------------------------------------------------------------------------------------ the run
 
 def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], info: dict[str, Any],
-              rows: list[dict[str, Any]]) -> None:
+              rows: list[dict[str, Any]], save: Any = lambda: None) -> None:
+    """Every mode of one shape, appending a row per mode (`save()` after each, so a run cut short keeps them)."""
     from gpu_engine.async_engine import AsyncEngine
     from pipeline.builtin_schemas import BUILTIN_SCHEMAS
 
@@ -425,6 +426,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             rows.append(row)
             row.update(run_mode(front, engine, profile, cost, ceilings, units, spec, settings, params, fixed,
                                 args.submitters))
+            save()
             print(_line(row), flush=True)
     finally:
         front.shutdown()
@@ -520,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python3", *sys.argv])}
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"info": info, "rows": rows}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
     try:
         ceilings = measure_ceilings(args.runner)
         result["ceilings"] = ceilings
@@ -527,13 +534,12 @@ def main(argv: list[str] | None = None) -> int:
               f"GEMM {ceilings['gemm_flops_per_s'] / 1e12:.3g} TFLOP/s", flush=True)
         for shape in args.shapes:
             try:
-                run_shape(shape, args, ceilings, info, rows)
+                run_shape(shape, args, ceilings, info, rows, save)
             except DocBenchFailed as exc:
                 rows.append({"shape": shape, "output_mode": "?", "error": str(exc)})
                 raise
     finally:
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        save()
     print(table(rows))
     return 0
 

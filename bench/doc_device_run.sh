@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call for bench/doc_throughput.py, run from a snapshot of the committed tree (the shared working tree
+# may hold other sessions' half-done edits). Prepare here:
+#   git archive HEAD > .snap14/head.tar; (.whl14/: the wheels the machine lacks: nvmath-python, llguidance, pymupdf,
+#   pillow-heif, filetype, jsonschema + referencing + rpds-py + jsonschema-specifications, pydantic + pydantic-core
+#   + pydantic-settings + annotated-types + typing-inspection + python-dotenv)
+# then run with carry [".snap14", ".whl14"]:  bash bench/doc_device_run.sh "<commit>" "9b:fixed256,grammar:128" ...
+# Each argument after the commit is shape:modes:units[:extra args], one bench process each, logs/JSON in $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+REPO=$PWD
+commit=$1
+shift
+rm -rf /tmp/snap && mkdir -p /tmp/snap && tar -xf "$REPO/.snap14/head.tar" -C /tmp/snap || exit 1
+[ -d "$REPO/.snap14/overlay" ] && cp -r "$REPO/.snap14/overlay/." /tmp/snap/
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$REPO"/.whl14/*.whl || exit 1
+export PYTHONPATH=/tmp/site:/tmp/snap PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4 DOCPIPE_BENCH_COMMIT=$commit
+cd /tmp/snap || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | tee "$OUT/card.txt"
+date -u +%FT%TZ | tee -a "$OUT/card.txt"
+df -B1G --output=avail,target /dev/shm /tmp | tee -a "$OUT/card.txt"
+shm=$(df -B1G --output=avail /dev/shm | tail -1 | tr -d ' ')
+n=0
+for spec in "$@"; do
+    n=$((n + 1))
+    IFS=: read -r shape modes units extra <<<"$spec"
+    work=/tmp/models
+    if [ "${shm:-0}" -gt 70 ]; then work=/dev/shm/models; fi
+    # shellcheck disable=SC2086
+    timeout "${LIMIT:-400}" python3 bench/doc_throughput.py --runner cuda --shapes "$shape" --modes "$modes" \
+        --units "$units" --workdir "$work" --json "$OUT/doc_$n.json" $extra >"$OUT/doc_$n.log" 2>&1
+    echo "== run $n ($spec): rc=$? $(date -u +%T)" | tee -a "$OUT/card.txt"
+    grep -E "Traceback|Error|ceilings| units " "$OUT/doc_$n.log" | tail -n 12
+    rm -rf "$work"
+done
