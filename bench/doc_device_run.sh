@@ -30,7 +30,9 @@ for spec in "$@"; do
     # shellcheck disable=SC2086
     timeout "${LIMIT:-400}" python3 bench/doc_throughput.py --runner cuda --shapes "$shape" --modes "$modes" \
         --units "$units" --workdir "$work" --json "$OUT/doc_$n.json" $extra >"$OUT/doc_$n.log" 2>&1
-    echo "== run $n ($spec): rc=$? $(date -u +%T)" | tee -a "$OUT/card.txt"
+    rc=$?
+    echo "== run $n ($spec): rc=$rc $(date -u +%T)" | tee -a "$OUT/card.txt"
     grep -E "Traceback|Error|ceilings| units " "$OUT/doc_$n.log" | tail -n 12
     rm -rf "$work"
+    [ "$rc" = 0 ] || { tail -n 30 "$OUT/doc_$n.log"; break; }  # the next shapes would fail the same way
 done
