@@ -61,3 +61,114 @@ def test_an_upload_spools_once_the_shared_memory_budget_is_spent(tmp_path: Path)
     assert memory.used == len(first)
     form.discard()
     assert memory.used == 0
+
+
+# --- body limits: a declared Content-Length over the limit is refused; the bytes received are counted -----------
+LIMIT = 100
+
+
+class _BodyReader:
+    """An ASGI app that reads its whole body and answers 200 with the byte count; records what it saw."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.read = 0
+        self.refused: BaseException | None = None
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        from api.errors import BodyTooLarge
+
+        self.calls += 1
+        try:
+            while True:
+                message = await receive()
+                self.read += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+        except BodyTooLarge as exc:  # what FastAPI's handler turns into a 413 in the real app
+            self.refused = exc
+            await send({"type": "http.response.start", "status": 413, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(self.read).encode()})
+
+
+def _through_middleware(app: _BodyReader, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[
+        int, int]:
+    """Send one POST through ApiMiddleware (no keys, limit LIMIT); (status, body chunks the client handed over)."""
+    from api.auth import Gate, KeyRing
+    from api.limits import RateLimiter
+    from api.metrics import HttpMetrics, Metrics
+    from api.middleware import ApiMiddleware
+
+    middleware = ApiMiddleware(app, metrics=HttpMetrics(Metrics()), gate=Gate(KeyRing([]), RateLimiter(6000, 100)),
+                               limit_for=lambda method, path: LIMIT)
+    pending = list(chunks)
+    sent: list[dict] = []
+
+    async def receive() -> dict[str, object]:
+        piece = pending.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(pending)}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/schemas", "headers": headers, "client": ("127.0.0.1", 1),
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80)}
+    asyncio.run(middleware(scope, receive, send))
+    [start] = [m for m in sent if m["type"] == "http.response.start"]
+    return start["status"], len(chunks) - len(pending)
+
+
+def test_a_declared_content_length_over_the_limit_is_refused_before_the_body_is_read() -> None:
+    app = _BodyReader()
+    # The client claims more than the limit but sends only 10 bytes: only the declaration can refuse it.
+    status, handed_over = _through_middleware(app, [b"x" * 10], [(b"content-length", str(LIMIT + 1).encode())])
+    assert status == 413 and app.calls == 0 and handed_over == 0
+    # at the limit it is let through
+    status, _ = _through_middleware(app, [b"x" * LIMIT], [(b"content-length", str(LIMIT).encode())])
+    assert status == 200 and app.read == LIMIT
+
+
+def test_the_bytes_received_are_counted_whatever_the_headers_say() -> None:
+    # chunked (no Content-Length): three chunks of 40 bytes; the third passes the limit
+    app = _BodyReader()
+    status, handed_over = _through_middleware(app, [b"y" * 40] * 3, [])
+    assert status == 413 and app.refused is not None and app.read == 80 and handed_over == 3  # the 3rd raised
+    # a Content-Length that lies low is no way around it
+    app = _BodyReader()
+    status, _ = _through_middleware(app, [b"y" * 60] * 2, [(b"content-length", b"50")])
+    assert status == 413 and app.refused is not None
+    # exactly the limit, in pieces, is fine
+    app = _BodyReader()
+    status, _ = _through_middleware(app, [b"z" * 50] * 2, [])
+    assert status == 200 and app.read == LIMIT and app.refused is None
+
+
+# --- API keys compared in constant time -------------------------------------------------------------------------
+def test_api_keys_are_compared_as_fixed_length_digests_with_no_early_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from api import auth
+
+    keys = ["k" * 16 + "first", "a-much-longer-second-key-" * 3, "third-key-0123456789"]
+    ring = auth.KeyRing(keys)
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    for presented in (keys[0], keys[1], "wrong", "k" * 16 + "firs"):
+        compared.clear()
+        found = ring.match(presented)
+        assert (found is not None) == (presented in keys)
+        if found is not None:
+            assert found[0] == auth.key_id(presented)
+        # every configured key compared, each as a 32-byte digest: the time depends on neither which key
+        # matched, nor the keys' lengths, nor how many leading characters a guess got right
+        assert len(compared) == len(keys)
+        assert all(len(a) == len(b) == 32 for a, b in compared)
