@@ -61,13 +61,17 @@ class Deep:
         return "[" * self.depth + "1" + "]" * self.depth
 
 
-deep_json = st.builds(Deep, st.sampled_from([1, 31, 32, 33, 63, 64, 65, 300, 2000, 100_000]),
-                      st.sampled_from(["schema", "list"]))
+# Around the budget's 64 levels, past Python's recursion limit in jsonschema (~100 schema levels) and past what
+# the JSON parser itself takes (~1000 levels).
+depths = st.one_of(st.sampled_from([1, 31, 32, 33, 63, 64, 65]), st.integers(66, 450), st.sampled_from([2000, 100_000]))
+deep_schema = st.builds(Deep, depths, st.just("schema"))
+deep_json = st.one_of(deep_schema, st.builds(Deep, depths, st.just("list")))
 json_scalar = st.one_of(st.none(), st.booleans(), any_number, nasty_text)
 json_value = st.recursive(json_scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                                st.dictionaries(nasty_text, inner, max_size=4)),
                           max_leaves=12)
 schema_like = st.one_of(
+    deep_schema,
     deep_json,
     st.dictionaries(nasty_text, json_value, max_size=4),
     st.fixed_dictionaries({"type": st.just("object"),
@@ -185,18 +189,34 @@ def test_uploads(c: httpx.Client, bnd: str, filename: str, schema: str, password
                  headers={"Content-Type": f"multipart/form-data; boundary={bnd}"}))
 
 
+def _chat(c: httpx.Client, model_id: str, **fields: Any) -> httpx.Response:
+    body: dict[str, Any] = {"model": model_id, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2,
+                            **fields}
+    return c.post("/v1/chat/completions", content=json_body(body), headers={"Content-Type": "application/json"})
+
+
+# One field fuzzed at a time, the others valid: a request with several bad fields stops at the first check, so
+# fuzzing them all at once would rarely reach the later ones (the seed, the schema).
+CHAT_NUMBERS = ["seed", "max_tokens", "max_completion_tokens", "temperature", "top_p", "presence_penalty", "n",
+                "top_logprobs"]
+
+
 @FUZZ
-@given(text=nasty_text, seed=st.none() | huge_int, max_tokens=st.none() | huge_int,
-       temperature=st.none() | any_number, top_p=st.none() | any_number, stop=st.none() | nasty_text,
-       response_schema=st.none() | schema_like)
-def test_chat_completions(c: httpx.Client, model_id: str, text: str, seed: int | None, max_tokens: int | None,
-                          temperature: float | None, top_p: float | None, stop: str | None,
-                          response_schema: Any) -> None:
-    body: dict[str, Any] = {"model": model_id, "messages": [{"role": "user", "content": text}],
-                            "max_tokens": 2 if max_tokens is None else max_tokens}
-    for key, value in (("seed", seed), ("temperature", temperature), ("top_p", top_p), ("stop", stop)):
-        if value is not None:
-            body[key] = value
-    if response_schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "f", "schema": response_schema}}
-    check(c.post("/v1/chat/completions", content=json_body(body), headers={"Content-Type": "application/json"}))
+@given(field=st.sampled_from(CHAT_NUMBERS), value=any_number)
+def test_chat_numbers(c: httpx.Client, model_id: str, field: str, value: float) -> None:
+    check(_chat(c, model_id, **{field: value}))
+
+
+@FUZZ
+@given(text=nasty_text, stop=st.none() | nasty_text | st.lists(nasty_text, max_size=3), role=st.sampled_from(
+    ["user", "system", "developer", "assistant"]))
+def test_chat_text(c: httpx.Client, model_id: str, text: str, stop: Any, role: str) -> None:
+    messages = [{"role": role, "content": text}, {"role": "user", "content": [{"type": "text", "text": text}]}]
+    check(_chat(c, model_id, messages=messages, **({} if stop is None else {"stop": stop})))
+
+
+@FUZZ
+@given(response_schema=schema_like, name=nasty_text)
+def test_chat_response_format(c: httpx.Client, model_id: str, response_schema: Any, name: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": name[:64], "schema": response_schema}}
+    check(_chat(c, model_id, response_format=fmt))
