@@ -220,3 +220,13 @@ def test_chat_text(c: httpx.Client, model_id: str, text: str, stop: Any, role: s
 def test_chat_response_format(c: httpx.Client, model_id: str, response_schema: Any, name: str) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": name[:64], "schema": response_schema}}
     check(_chat(c, model_id, response_format=fmt))
+
+
+@FUZZ
+@given(key=st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=300),
+       header=st.sampled_from(["X-API-Key", "Authorization"]))
+def test_api_key_headers(server: LiveServer, key: str, header: str) -> None:
+    # Header values travel as latin-1 text; NUL and line breaks cannot (the client and h11 refuse them).
+    value = key.encode("latin-1")
+    with httpx.Client(base_url=server.base, headers={header: value}, timeout=60) as anon:
+        check(anon.get("/v1/documents"))
