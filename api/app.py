@@ -21,7 +21,8 @@ from sqlalchemy import select
 from pipeline.context import Pipeline
 from pipeline.dispatch import broker_dispatcher
 from pipeline.jobs import run_job, stale_jobs
-from pipeline.models import Job, JobState
+from pipeline.attempts import render_for_job_capped
+from pipeline.models import Document, Job, JobState
 from pipeline.settings import Settings
 
 from .auth import Gate, KeyRing
@@ -74,6 +75,14 @@ def limits_from_settings(settings: Settings) -> ApiLimits:
     )
 
 
+def job_owner(pipeline: Pipeline, job_id: int) -> str:
+    """Whose job this is, for the embedded runner's fair queue: its document's tenant. (The one place that
+    decides what "owner" means for render fairness; the runner only compares the labels.)"""
+    with pipeline.db.read_session() as s:
+        return s.scalar(select(Document.tenant).join(Job, Job.document_id == Document.id)
+                        .where(Job.id == job_id)) or ""
+
+
 def _job_runner(pipeline: Pipeline) -> JobRunner:
     if pipeline.settings.embedded:
         def still_queued(job_id: int) -> bool:
@@ -81,7 +90,10 @@ def _job_runner(pipeline: Pipeline) -> JobRunner:
                 return s.scalar(select(Job.state).where(Job.id == job_id)) == JobState.queued.value
 
         return EmbeddedRunner(lambda job_id: run_job(pipeline, job_id), threads=EMBEDDED_THREADS,
-                              pending=lambda: stale_jobs(pipeline, queued_for_s=0.0), still_queued=still_queued)
+                              pending=lambda: stale_jobs(pipeline, queued_for_s=0.0), still_queued=still_queued,
+                              render=lambda job_id: render_for_job_capped(pipeline, job_id),
+                              owner_of=lambda job_id: job_owner(pipeline, job_id),
+                              render_per_owner=pipeline.settings.render_max_per_key)
     # With a broker, jobs go to the Celery `ingest` queue, which renders an uploaded document's pages and then
     # hands the job to the `gpu` queue (the workers package provides the producer side through pipeline.dispatch).
     dispatcher = broker_dispatcher(pipeline.settings)

@@ -109,9 +109,10 @@ class DocumentSummary:
 
 
 # Built once (their cache keys are memoised): the upload route's read constructs no statement.
-_SUMMARY_DOCUMENT = select(Document.id, Document.original_name, Document.sha256, Document.media_type, Document.kind,
-                           Document.size_bytes, Document.page_count, Document.status, Document.error,
-                           Document.error_type, Document.created_at).where(Document.id == bindparam("doc_id"))
+_SUMMARY_DOCUMENT = (select(Document.id, Document.original_name, Document.sha256, Document.media_type, Document.kind,
+                            Document.size_bytes, Document.page_count, Document.status, Document.error,
+                            Document.error_type, Document.repaired, Document.created_at)
+                     .where(Document.id == bindparam("doc_id")))
 _SUMMARY_JOBS = (select(Job.id, Job.document_id, Schema.name.label("schema_name"),
                         Schema.version.label("schema_version"), Job.state, Job.attempts, Job.error, Job.created_at,
                         Job.started_at, Job.finished_at, Job.model_seconds, Job.prompt_tokens, Job.completion_tokens)

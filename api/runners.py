@@ -6,12 +6,13 @@ of the API process. Jobs are durable rows, so a restart loses nothing: queued jo
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from pipeline.errors import NotFoundError
+
+from .fair_queue import FairQueue
 
 log = logging.getLogger("docpipe.api.jobs")
 
@@ -35,6 +36,11 @@ class JobRunner(Protocol):
 class EmbeddedRunner:
     """Runs `run_job(job_id)` in `threads` daemon threads. `run_job` must be idempotent (the pipeline's is).
 
+    Jobs wait in a `FairQueue`: one lane per owner (`owner_of(job_id)`, e.g. the document's tenant), served in
+    turn, and each thread first calls `render(job_id)` (the document's pages, if not rendered yet) holding one of
+    the owner's `render_per_owner` render slots, then `run_job` without it. So one owner's expensive documents
+    cannot hold every thread, and another owner's job starts as soon as a thread frees.
+
     When `run_job` raises (engine failure, database hiccup) the pipeline has put the job back to `queued`, or
     failed it once its attempts are spent; `still_queued` tells which, and a queued job is tried again after a
     growing delay. The pipeline's attempt cap ends the loop for a job that keeps failing.
@@ -44,15 +50,19 @@ class EmbeddedRunner:
 
     def __init__(self, run_job: Callable[[int], object], threads: int = 2,
                  pending: Callable[[], list[int]] | None = None,
-                 still_queued: Callable[[int], bool] | None = None, retry_delay_s: float = 2.0) -> None:
+                 still_queued: Callable[[int], bool] | None = None, retry_delay_s: float = 2.0,
+                 render: Callable[[int], object] | None = None, owner_of: Callable[[int], str] | None = None,
+                 render_per_owner: int = 1) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._run_job = run_job
+        self._render = render
+        self._owner_of = owner_of
         self._pending = pending
         self._still_queued = still_queued
         self._retry_delay_s = retry_delay_s
         self._failures: dict[int, int] = {}
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._queue = FairQueue(render_per_owner)
         self._threads = [threading.Thread(target=self._loop, name=f"docpipe-job-{i}", daemon=True)
                          for i in range(threads)]
         self._queued: set[int] = set()  # ids in the queue, so a retry of a waiting job is not run twice
@@ -74,10 +84,19 @@ class EmbeddedRunner:
                 if job_id in self._queued:
                     continue
                 self._queued.add(job_id)
-            self._queue.put(job_id)
+            self._queue.put(job_id, self._owner(job_id))
+
+    def _owner(self, job_id: int) -> str:
+        if self._owner_of is None:
+            return ""
+        try:
+            return self._owner_of(job_id)
+        except Exception:  # noqa: BLE001 — an unknown owner only costs fairness; the job still runs
+            log.warning("job %s: its owner could not be read; queued in the shared lane", job_id, exc_info=True)
+            return ""
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     def problem(self) -> str | None:
         if self._started and not all(t.is_alive() for t in self._threads):
@@ -87,19 +106,24 @@ class EmbeddedRunner:
     def stop(self) -> None:
         if not self._started:
             return
-        for _ in self._threads:
-            self._queue.put(None)
+        self._queue.close()
         for t in self._threads:
             t.join(timeout=5)
 
     def _loop(self) -> None:
         while True:
-            job_id = self._queue.get()
-            if job_id is None:
+            taken = self._queue.get()
+            if taken is None:
                 return
+            job_id, owner = taken
             with self._lock:
                 self._queued.discard(job_id)
             try:
+                try:
+                    if self._render is not None:
+                        self._render(job_id)
+                finally:
+                    self._queue.rendered(owner)
                 self._run_job(job_id)
                 self._failures.pop(job_id, None)
             except NotFoundError:

@@ -55,6 +55,8 @@ class DocumentOut(BaseModel):
     status: Status = Field(description="failed if the file could not be read, else the state of its latest job")
     error: str | None
     error_type: str | None
+    repaired: bool = Field(description="true when the file was damaged (e.g. truncated) and had to be rebuilt to be "
+                           "read: pages may be missing or incomplete")
     created_at: datetime
     jobs: list[JobOut]
 
@@ -82,6 +84,8 @@ class UnitOut(BaseModel):
     data: Any | None
     confidence: dict[str, Any] | None = Field(description='{"overall": p, "fields": {json_pointer: p}}')
     error: str | None
+    repaired: bool = Field(description="true when this unit's pages come from a file that had to be rebuilt to be "
+                           "read (see the document's `repaired`)")
 
 
 class ProvenanceOut(BaseModel):
@@ -177,7 +181,8 @@ def document_out(doc: Document) -> DocumentOut:
     return DocumentOut(
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
         size_bytes=doc.size_bytes, page_count=doc.page_count, status=document_status(doc), error=doc.error,
-        error_type=doc.error_type, created_at=utc(doc.created_at), jobs=[job_out(j) for j in doc.jobs],
+        error_type=doc.error_type, repaired=doc.repaired, created_at=utc(doc.created_at),
+        jobs=[job_out(j) for j in doc.jobs],
     )
 
 
@@ -192,7 +197,7 @@ def summary_out(summary: DocumentSummary) -> DocumentOut:
     return DocumentOut(
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
         size_bytes=doc.size_bytes, page_count=doc.page_count, status=status, error=doc.error,
-        error_type=doc.error_type, created_at=utc(doc.created_at), jobs=jobs,
+        error_type=doc.error_type, repaired=bool(doc.repaired), created_at=utc(doc.created_at), jobs=jobs,
     )
 
 
@@ -210,12 +215,13 @@ def document_detail(doc: Document) -> DocumentDetail:
     )
 
 
-def unit_out(result: Result) -> UnitOut:
+def unit_out(result: Result, *, repaired: bool) -> UnitOut:
     return UnitOut(unit=result.unit, page_index=result.page_index, ok=result.ok, data=result.data,
-                   confidence=result.confidence, error=result.error)
+                   confidence=result.confidence, error=result.error, repaired=repaired)
 
 
 def result_out(job: Job) -> ResultOut:
+    repaired = bool(job.document.repaired)  # every page of a rebuilt file came from it
     merged = next((r for r in job.results if r.unit == "document"), None)
     units = sorted((r for r in job.results if r.unit != "document"),
                    key=lambda r: (r.page_index if r.page_index is not None else -1, r.unit))
@@ -228,8 +234,8 @@ def result_out(job: Job) -> ResultOut:
         )
     return ResultOut(
         document_id=job.document_id, job_id=job.id, schema_name=job.schema.name, schema_version=job.schema.version,
-        state=job.state, error=job.error, document=unit_out(merged) if merged else None,
-        units=[unit_out(r) for r in units], provenance=provenance,
+        state=job.state, error=job.error, document=unit_out(merged, repaired=repaired) if merged else None,
+        units=[unit_out(r, repaired=repaired) for r in units], provenance=provenance,
     )
 
 

@@ -99,12 +99,13 @@ class _RichProgress:
 def _summary_table(report: Any) -> Table:
     table = Table(title=f"batch {report.batch_id}: {len(report.files)} file(s) in {report.seconds:.1f}s, "
                         f"{report.pages_processed} page(s)/frame(s) read by the model")
-    for column in ("file", "doc", "job", "intake", "state", "pages", "seconds", "error"):
+    for column in ("file", "doc", "job", "intake", "state", "repaired", "pages", "seconds", "error"):
         table.add_column(column, overflow="fold")
     for f in report.files:
         colour = {"succeeded": "green", "partial": "yellow"}.get(f.state, "red")
         table.add_row(f.name, str(f.document_id or "-"), str(f.job_id or "-"), f.outcome,
-                      f"[{colour}]{f.state}[/]", str(f.pages), f"{f.seconds:.2f}", f.error or "")
+                      f"[{colour}]{f.state}[/]", "[yellow]yes[/]" if f.repaired else "", str(f.pages),
+                      f"{f.seconds:.2f}", f.error or "")
     return table
 
 
@@ -120,12 +121,13 @@ def _results_table(p: Any, report: Any) -> Table:
 
     bundled = p.settings.model_dir is None
     table = Table(title="results", caption=BUNDLED_CAPTION if bundled else None, caption_justify="left")
-    for column in ("doc", "schema", "state", "confidence", "result"):
+    for column in ("doc", "schema", "state", "repaired", "confidence", "result"):
         table.add_column(column, overflow="fold")
     for f in report.files:
         if f.document_id is None or f.job_id is None:
             continue
-        jobs = get_results(p, f.document_id)["results"]
+        found = get_results(p, f.document_id)
+        jobs = found["results"]
         job = next((j for j in jobs if j["job_id"] == f.job_id), None)
         if job is None:
             continue
@@ -133,6 +135,7 @@ def _results_table(p: Any, report: Any) -> Table:
         overall = (merged or {}).get("confidence") or {}
         text = json.dumps(merged["data"], ensure_ascii=False) if merged else (job["error"] or "")
         table.add_row(str(f.document_id), job["schema"], job["state"],
+                      "[yellow]yes[/]" if found["repaired"] else "",  # the file was damaged: pages may be missing
                       f"{overall['overall']:.3f}" if overall.get("overall") is not None else "-",
                       text[:160] + ("…" if len(text) > 160 else ""))
     return table
@@ -200,6 +203,9 @@ def results(
         return
     out.print(f"[bold]document {data['id']}[/] {data['name']} ({data['media_type']}, {data['page_count']} "
               f"page(s)) status: {data['status']}" + (f" — {data['error']}" if data["error"] else ""))
+    if data["repaired"]:
+        out.print("[yellow]repaired:[/] the file was damaged and had to be rebuilt to be read; pages may be missing "
+                  "or incomplete")
     for job in data["results"]:
         out.print(f"\n[bold]job {job['job_id']}[/] schema {job['schema']}: {job['state']}"
                   + (f" — {job['error']}" if job["error"] else ""))

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 from .context import Pipeline
 from .ingest import IngestOutcome, create_batch, ingest_file, iter_folder
 from .jobs import run_job
-from .queries import get_job
+from .queries import document_repaired, get_job
 from .schemas import get_schema
 
 FAILED_STATES = frozenset({"failed", "partial"})
@@ -34,6 +34,7 @@ class FileReport:
     pages: int = 0
     error: str | None = None
     seconds: float = 0.0
+    repaired: bool = False  # the file was damaged and rebuilt to be read: pages may be missing
 
 
 @dataclass
@@ -118,6 +119,7 @@ def process_paths(
                               on_unit=lambda unit, ok, pages: on_unit(outcome.name, unit, ok, pages))
                 job = get_job(p, outcome.job_id)
                 item.state, item.error = job["state"], job["error"]
+                item.repaired = document_repaired(p, job["document_id"])
                 if run.note and job["state"] in ("queued", "running"):
                     item.error = run.note  # e.g. running in another process right now
             except Exception as exc:  # recorded on the job by run_job; keep going with the other files

@@ -46,7 +46,7 @@ def document_dict(doc: Document, *, with_pages: bool = True) -> dict[str, Any]:
         "id": doc.id, "sha256": doc.sha256, "name": doc.original_name, "media_type": doc.media_type,
         "kind": doc.kind, "size_bytes": doc.size_bytes, "page_count": doc.page_count,
         "status": document_status(doc, jobs), "error": doc.error, "error_type": doc.error_type,
-        "created_at": _iso(doc.created_at), "jobs": [job_dict(j) for j in jobs],
+        "repaired": doc.repaired, "created_at": _iso(doc.created_at), "jobs": [job_dict(j) for j in jobs],
     }
     if with_pages:
         out["pages"] = [page_dict(pg) for pg in doc.pages]
@@ -85,13 +85,21 @@ def get_results(p: Pipeline, document_id: int, *, schema: str | None = None) -> 
         for job in jobs:
             rows = list(job.results)
             merged = next((r for r in rows if r.unit == "document"), None)
+            # every unit of a repaired file says so: its pages may be incomplete
             out["results"].append({
                 "job_id": job.id, "schema": job.schema.name, "state": job.state, "error": job.error,
-                "document": result_dict(merged) if merged else None,
-                "units": [result_dict(r) for r in sorted((r for r in rows if r.unit != "document"),
-                                                         key=lambda r: (r.page_index is None, r.page_index or 0))],
+                "document": {**result_dict(merged), "repaired": doc.repaired} if merged else None,
+                "units": [{**result_dict(r), "repaired": doc.repaired}
+                          for r in sorted((r for r in rows if r.unit != "document"),
+                                          key=lambda r: (r.page_index is None, r.page_index or 0))],
             })
         return out
+
+
+def document_repaired(p: Pipeline, document_id: int) -> bool:
+    """Whether the document's file was damaged and rebuilt to be read (its pages may be missing)."""
+    with p.db.read_session() as s:
+        return bool(s.scalar(select(Document.repaired).where(Document.id == document_id)))
 
 
 def get_job(p: Pipeline, job_id: int) -> dict[str, Any]:

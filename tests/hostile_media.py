@@ -129,11 +129,25 @@ def png_bomb(side: int = 12_000) -> bytes:
 
 
 def many_frame_gif(frames: int) -> bytes:
-    """An animated GIF of `frames` distinct 8x8 frames."""
-    images = [Image.new("L", (8, 8), i % 256).convert("P") for i in range(frames)]
+    """An animated GIF of `frames` 2x2 frames, ~27 bytes each: Pillow encodes one, and its image block is repeated
+    behind a graphics control extension per frame (Pillow itself writes a 768-byte palette into every frame)."""
+    one = Image.new("P", (2, 2), 1)
+    one.putpalette([0, 0, 0, 255, 255, 255] + [0] * 762)
     buf = io.BytesIO()
-    images[0].save(buf, "GIF", save_all=True, append_images=images[1:], duration=10, optimize=False)
-    return buf.getvalue()
+    one.save(buf, "GIF")
+    data = buf.getvalue()
+    flags = data[10]
+    table_end = 13 + (3 * 2 ** ((flags & 7) + 1) if flags & 0x80 else 0)  # header, screen, colour table
+    start = table_end
+    while data[start] == 0x21:  # skip the extensions Pillow wrote
+        start += 2
+        while data[start]:
+            start += data[start] + 1
+        start += 1
+    image = data[start:-1]  # image descriptor and its LZW data, without the trailer
+    control = b"\x21\xf9\x04\x00\x01\x00\x00\x00"  # 10 ms per frame
+    loop = b"\x21\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"
+    return data[:table_end] + loop + (control + image) * frames + b";"
 
 
 def many_page_tiff(pages: int) -> bytes:

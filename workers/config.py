@@ -28,6 +28,7 @@ TASK_PREPARE = "docpipe.prepare"
 TASK_WATCH = "docpipe.watch_folders"
 TASK_REQUEUE = "docpipe.requeue_stuck"
 TASK_PURGE = "docpipe.purge_retention"
+TASK_SWEEP = "docpipe.sweep_blobs"
 
 
 class WorkerConfigError(ValueError):
@@ -116,6 +117,15 @@ def redis_url(settings: Settings) -> str:
     return url
 
 
+RENDER_MARGIN_S = 120.0  # past the render budget: storing the pages of a large document, a slow database
+
+
+def render_time_limits(settings: Settings) -> dict[str, float]:
+    """Celery's soft and hard time limits of a task that renders one document, from its render budget."""
+    soft = settings.document_render_timeout_s + RENDER_MARGIN_S
+    return {"soft_time_limit": soft, "time_limit": soft + RENDER_MARGIN_S / 2}
+
+
 def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
     check_consistency(settings, ws)
     url = redis_url(settings)
@@ -173,6 +183,12 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
         # and a run's lease (job_lease_s, renewed per page) bounds how long a dead run keeps its job.
         "task_time_limit": None,
         "task_soft_time_limit": None,
+        # The ingest tasks render (prefork: the limits apply). The render budget stops a slow file inside the task
+        # (vision.isolated); these limits are the backstop for what lies outside it (PNG encoding, blob and
+        # database writes of 2,000 pages). Soft: the task raises and is retried; hard: the child is killed and the
+        # reconciler sends the job again. Each render is counted on the document (pipeline.attempts), so a file
+        # that keeps hitting them ends `failed` after job_max_attempts, with the reason.
+        "task_annotations": {name: render_time_limits(settings) for name in (TASK_PREPARE, TASK_INGEST)},
         "worker_max_tasks_per_child": ws.ingest_max_tasks_per_child,
         # No remote control: it listens on a Redis pub/sub connection, and when Redis restarts, redis-py silently
         # reconnects that connection and then blocks the worker's event loop reading a subscription the new

@@ -2,9 +2,12 @@
 become when a page or the whole document runs past its budget, and the repair flag on the document row."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import hostile_media as hostile
+from pipeline_test_support import FAST
 from sqlalchemy import select
 
 from pipeline.ingest import receive_file
@@ -61,3 +64,26 @@ def test_the_repair_flag_reaches_the_document_row(make_pipeline: Any) -> None:
     render_document(p, whole.document_id)
     assert _rows(p, cut.document_id)[0].repaired is True
     assert _rows(p, whole.document_id)[0].repaired is False
+
+
+def test_the_cli_table_and_results_show_a_repaired_file(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    env = {"DOCPIPE_DATA_DIR": str(tmp_path / "data"), "COLUMNS": "200",
+           **{f"DOCPIPE_{k.upper()}": str(v) for k, v in FAST.items()}}
+    path = tmp_path / "cut.pdf"
+    path.write_bytes(hostile.truncated_pdf())
+    done = CliRunner().invoke(app, ["process", str(path)], env=env, catch_exceptions=False)
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if "repaired" in line and "intake" in line)
+    row = next(line for line in lines if "cut.pdf" in line and "│" in line)
+    column = [c.strip() for c in header.split("┃")].index("repaired")
+    assert [c.strip() for c in row.split("│")][column] == "yes", done.stdout
+    assert json.loads(CliRunner().invoke(app, ["process", str(path), "--json"], env=env).stdout)["files"][0][
+        "repaired"] is True
+    shown = CliRunner().invoke(app, ["results", "1", "--json"], env=env, catch_exceptions=False)
+    data = json.loads(shown.stdout)
+    assert data["repaired"] is True
+    assert data["results"][0]["units"] and all(u["repaired"] for u in data["results"][0]["units"])
