@@ -117,21 +117,53 @@ class _FakePipeline:
         return _Client()
 
 
-def test_engine_access_reports_loading_then_ready() -> None:
+class _GatedPipeline:
+    """A real Pipeline (bundled tiny model, reference runner) whose engine load waits until `release` is set, so
+    the loading state can be observed without a race."""
+
+    def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
+        self.real = real
+        self.settings = real.settings
+        self.release = threading.Event()
+
+    @property
+    def client(self):  # type: ignore[no-untyped-def]
+        self.release.wait(60)
+        return self.real.client
+
+
+def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import pytest
 
     from api.engine_access import EngineAccess, EngineUnavailable
+    from gpu_engine.params import SamplingParams
+    from pipeline.context import Pipeline
+    from pipeline.settings import Settings
 
-    fake = _FakePipeline()
-    access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]
-    access.start()
-    assert access.status() == "loading the model" and access.stats() is None
-    with pytest.raises(EngineUnavailable) as err:
-        access.async_engine()
-    assert err.value.status == 503 and err.value.headers["Retry-After"]
-    fake.release.set()
-    assert _wait(lambda: access.status() is None)
-    assert access.stats() == {"running": 3, "waiting": 1, "kv_usage": 0.25}
+    real = Pipeline(Settings(data_dir=tmp_path / "data", engine_max_num_seqs=2))
+    gated = _GatedPipeline(real)
+    access = EngineAccess(gated, preload=True)  # type: ignore[arg-type]
+    try:
+        access.start()
+        assert access.status() == "loading the model" and access.stats() is None
+        with pytest.raises(EngineUnavailable) as err:
+            access.async_engine()
+        assert err.value.status == 503 and err.value.headers["Retry-After"]
+        gated.release.set()
+        assert _wait(lambda: access.status() is None, timeout=120)
+        engine = access.async_engine()
+        assert engine is real.client.async_engine and engine.is_running
+        before = access.stats()
+        assert before is not None and before["model_fingerprint"] == real.client.model_fingerprint
+        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(out.token_ids) == 3
+        # /metrics sees the engine's own counters move
+        assert _wait(lambda: access.stats()["sampled_tokens"] >= before["sampled_tokens"] + 3, timeout=10)
+        engine.shutdown()  # a dead step loop is reported, not taken for ready
+        assert access.status() is not None and "step loop has stopped" in access.status()
+    finally:
+        gated.release.set()
+        real.close()
 
 
 def test_engine_access_reports_a_failed_load() -> None:
