@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -40,6 +40,23 @@ def check_bind(host: str, have_keys: bool, insecure: bool) -> None:
     )
 
 
+def settings_problems(exc: Any) -> str:
+    """A pydantic ValidationError as 'DOCPIPE_FIELD: message; ...', without the refused input values."""
+    return "; ".join(f"DOCPIPE_{'.'.join(str(p) for p in err['loc']).upper()}: {err['msg']}" for err in exc.errors(
+        include_input=False, include_url=False))
+
+
+def server_options(host: str, port: int, log_level: str) -> dict[str, Any]:
+    """uvicorn's settings for `docpipe serve`. h11 pinned: httptools (picked by "auto" where installed) answers some
+    malformed framings itself, with plain text, before the app can send its problem document; and our guarded h11
+    protocol adds the header deadline and the connection cap (api/http_protocol.py). The loop stays "auto":
+    uvloop where installed."""
+    from .http_protocol import KEEP_ALIVE_TIMEOUT_S, GuardedH11Protocol
+
+    return {"host": host, "port": port, "log_level": log_level, "server_header": False, "proxy_headers": False,
+            "http": GuardedH11Protocol, "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S}
+
+
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind (default DOCPIPE_API_HOST, 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default DOCPIPE_API_PORT, 8000).")] = None,
@@ -50,12 +67,17 @@ def serve(
 ) -> None:
     """Serve the REST API, the web UI (at /) and the OpenAI-compatible endpoint."""
     import uvicorn
+    from pydantic import ValidationError
 
     from pipeline.settings import Settings
 
     from .app import create_app
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # each refused setting by name; values are left out (they may be secrets)
+        typer.echo(f"docpipe serve: invalid settings: {settings_problems(exc)}", err=True)
+        raise typer.Exit(2) from None
     bind_host = host or settings.api_host
     bind_port = port or settings.api_port
     try:
@@ -73,10 +95,7 @@ def serve(
     typer.echo(f"docpipe serve: http://{bind_host}:{bind_port}/  mode: {mode}  "
                f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}"
                + (f"  processes: {workers}" if workers > 1 else ""))
-    # h11 pinned: httptools (picked by "auto" where installed) answers some malformed framings itself, with
-    # plain text, before the app can send its problem document. The loop stays "auto": uvloop where installed.
-    options = {"host": bind_host, "port": bind_port, "log_level": log_level, "server_header": False,
-               "proxy_headers": False, "http": "h11"}
+    options = server_options(bind_host, bind_port, log_level)
     if workers > 1:
         # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
         # (one core per process). The API keys' request rates are shared (api.limits.SharedBuckets); job quotas

@@ -109,11 +109,11 @@ def shared_rate_buckets() -> Any:
     return _rate_buckets
 
 
-def _counting_protocol() -> type:
-    """uvicorn's h11 protocol, publishing this process's connection count as connections open and close."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def _counting_protocol(base: type) -> type:
+    """`base` (uvicorn's h11 protocol or our guarded one), publishing this process's connection count as
+    connections open and close."""
 
-    class CountingH11Protocol(H11Protocol):
+    class CountingH11Protocol(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if _share is not None:
@@ -139,8 +139,11 @@ def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any
     if counts is not None:
         _share = ConnectionShare(counts, index)
         _share.set_mine(0)
-        if options.get("http", "h11") == "h11":
-            options = {**options, "http": _counting_protocol()}
+        http = options.get("http", "h11")
+        if http == "h11" or isinstance(http, type):
+            from uvicorn.protocols.http.h11_impl import H11Protocol
+
+            options = {**options, "http": _counting_protocol(H11Protocol if http == "h11" else http)}
     config = uvicorn.Config("api.app:create_app", factory=True, **options)
     try:
         uvicorn.Server(config).run(sockets=[sock])
