@@ -62,13 +62,12 @@ class ApiMiddleware:
             if too_large is not None:
                 await too_large(scope, receive, tracked_send)
                 return
-            try:
-                await self.app(scope, counting_receive(receive, limit), tracked_send)
-            except Exception:
-                if started:  # part of a response is out: nothing sensible can follow it
-                    raise
-                # Starlette's own last-resort handler answers and then re-raises, and uvicorn then closes the
-                # connection (a client reusing it would see a reset): here the exception is logged and swallowed.
-                await unexpected_error_response(method, path)(scope, receive, tracked_send)
+            await self.app(scope, counting_receive(receive, limit), tracked_send)
+        except Exception:  # from the routes, or from the checks above: either way a 500 with a logged incident
+            if started:  # part of a response is out: nothing sensible can follow it
+                raise
+            # Starlette's own last-resort handler answers and then re-raises, and uvicorn then closes the
+            # connection (a client reusing it would see a reset): here the exception is logged and swallowed.
+            await unexpected_error_response(method, path)(scope, receive, tracked_send)
         finally:
             self.metrics.finished(method, route_of(scope), status)

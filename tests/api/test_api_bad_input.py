@@ -277,3 +277,12 @@ def test_every_5xx_answer_carries_an_incident_id_found_in_the_log(server: LiveSe
             assert len(incident) == 12 and any(incident in m for m in api_log.messages), api_log.messages
         monkeypatch.undo()
         assert c.get("/v1/schemas").status_code == 200
+        # A failure before the routes (authentication, in the middleware) is answered and logged the same way.
+        from api.auth import Gate
+
+        monkeypatch.setattr(Gate, "admit", broken)
+        r = c.get("/v1/schemas")
+        assert r.status_code == 500 and r.json()["code"] == "internal_error", r.text
+        assert any(r.json()["incident"] in m for m in api_log.messages)
+        monkeypatch.undo()
+        assert c.get("/v1/schemas").status_code == 200
