@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import inspect
 import json
 import os
 import resource
@@ -105,7 +104,8 @@ def _seconds(fn: Any) -> float:
 
 # ------------------------------------------------------------------------------------------------ the engine
 
-def write_model(shape: str, folder: Path, seed: int, image_max_pixels: int) -> Path:
+def write_model(shape: str, folder: Path, seed: int, image_max_pixels: int, *, weights: bool = True) -> Path:
+    """The model folder; `weights=False` writes only its small files (config, tokenizer, processor)."""
     from random_model_dir import write_random_model_dir
 
     if shape == "tiny":
@@ -113,17 +113,19 @@ def write_model(shape: str, folder: Path, seed: int, image_max_pixels: int) -> P
 
         return write_random_model_dir(folder, {**TINY_TEXT, "vocab_size": 3000}, TINY_VISION, tied=True, seed=seed,
                                       image_min_pixels=4 * 32 * 32, image_max_pixels=image_max_pixels,
-                                      video_max_pixels=image_max_pixels)
+                                      video_max_pixels=image_max_pixels, weights=weights)
     from qwen35_shapes import model_shape
 
     text, vision, tied = model_shape(shape)
     return write_random_model_dir(folder, text, vision, tied=tied, seed=seed,
                                   image_min_pixels=QWEN_IMAGE_MIN_PIXELS, image_max_pixels=image_max_pixels,
-                                  video_min_pixels=QWEN_VIDEO_MIN_PIXELS, video_max_pixels=QWEN_VIDEO_MAX_PIXELS)
+                                  video_min_pixels=QWEN_VIDEO_MIN_PIXELS, video_max_pixels=QWEN_VIDEO_MAX_PIXELS,
+                                  weights=weights)
 
 
 def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
-    """Engine.from_pretrained as pipeline.engine_client builds it, with this run's sizes."""
+    """The engine behind pipeline.engine_client.EngineClient, with this run's sizes. The cuda runner gets its
+    random bf16 weights from memory (see in_memory_engine) unless --load-weights asks for the folder's."""
     from gpu_engine import Engine, EngineConfig
 
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
@@ -131,15 +133,47 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
                           encoder_cache_bytes=int(args.encoder_cache_gib * (1 << 30)))
     if runner != "cuda":
         return Engine.from_pretrained(folder, runner=runner, config=config)
-    options = {"encoder_memory": int(args.encoder_cache_gib * (1 << 30))}
-    # The cuda runner's options are being moved from a dict (runner_options) to gpu_engine.cuda.options.CudaOptions;
-    # take whichever this tree has.
-    if "cuda_options" in inspect.signature(Engine.from_pretrained).parameters:
-        from gpu_engine.cuda.options import CudaOptions
+    from gpu_engine.cuda.options import CudaOptions
 
-        return Engine.from_pretrained(folder, runner=runner, config=config,
-                                      cuda_options=CudaOptions.from_env(**options))
-    return Engine.from_pretrained(folder, runner=runner, config=config, runner_options=options)
+    options = CudaOptions.from_env(encoder_memory=int(args.encoder_cache_gib * (1 << 30)))
+    if args.load_weights:
+        return Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options)
+    return in_memory_engine(folder, config, options, args.seed)
+
+
+def in_memory_engine(folder: Path, config: Any, options: Any, seed: int) -> Any:
+    """Engine.from_pretrained's engine, with the runner built from random bf16 weights made in memory on all
+    cores (bench/cuda_bench.random_bf16_weights, plus the tower's) instead of read from the folder: the loader
+    turns every tensor into float32 on the host (9B: 36 GB, 27B: 108 GB, more than the GPU machine's 128 GB
+    with the checkpoint beside it) and hashes the files, which costs minutes of lease time and measures the
+    loader, not the serving. The folder still supplies config.json, the tokenizer and the processor."""
+    from cuda_bench import random_bf16_weights
+
+    from gpu_engine import Engine
+    from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+    from gpu_engine.cuda.runner import CudaRunner
+    from gpu_engine.loader import expected_shapes
+    from gpu_engine.model import LoadedModel
+    from gpu_engine.tokenizer import Tokenizer
+
+    model = ModelConfig.from_pretrained(folder)
+    rng = np.random.default_rng(seed)
+    weights = random_bf16_weights(model, rng)
+    block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
+    for name, shape in expected_shapes(model).items():
+        if name.startswith("vision/"):
+            key = name[len("vision/"):]
+            plain_norm = key.endswith(("norm1.weight", "norm2.weight", "norm.weight"))  # LayerNorm scale 1
+            weights.vision[key] = np.full(shape, 0x3F80, np.uint16) if plain_norm else np.resize(block, shape)
+    runner = CudaRunner(model, weights, options)
+    del weights
+    loaded = LoadedModel(config=model, fingerprint="random-bf16-in-memory", path=folder, runner=runner)
+    tokenizer = Tokenizer.from_pretrained(folder)
+    loaded.use_tokenizer(tokenizer)
+    return Engine(runner, tokenizer, vocab_size=model.text.vocab_size, config=config, prepare=loaded.prepare,
+                  model_fingerprint=loaded.fingerprint, eos_token_ids=list(model.eos_token_ids) or None,
+                  model_max_len=model.text.max_position_embeddings)
 
 
 def model_cost(engine: Any) -> ModelCost:
@@ -400,11 +434,13 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="docpipe-doc-"))
     t0 = time.perf_counter()
-    folder = write_model(shape, workdir / f"random-{shape}", args.seed, args.image_max_pixels)
+    folder = write_model(shape, workdir / f"random-{shape}", args.seed, args.image_max_pixels,
+                         weights=args.runner != "cuda" or args.load_weights)
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = build_engine(folder, args.runner, args)
     load_s = time.perf_counter() - t0
+    print(f"{shape}: model folder in {write_s:.1f} s, engine built in {load_s:.1f} s", flush=True)
     cost = model_cost(engine)
     profile = StepProfile.attach(engine)
     front = AsyncEngine(engine)
@@ -474,6 +510,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """Everything the modes need from pipeline and vision, tried before any lease time goes to the model."""
+    from pipeline.builtin_schemas import BUILTIN_SCHEMAS
+    from pipeline.engine_client import EngineReply  # noqa: F401
+    from pipeline.extraction import interpret_reply  # noqa: F401
+
+    for mode in args.modes:
+        spec = BUILTIN_SCHEMAS[args.grammar_schema if mode == "grammar" else args.schema]
+        settings, params, _ = mode_params(mode, spec, Path(tempfile.gettempdir()))
+        unit_request(make_units(1, 0, settings, mix=(1, 0, 0))[0], spec.prompt, params, settings)
+
+
 def git_commit() -> str:
     env = os.environ.get("DOCPIPE_BENCH_COMMIT")
     if env:
@@ -507,6 +555,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--video-seconds", type=float, default=8.0)
     parser.add_argument("--workdir", help="where the model folders go (default: a new temporary folder)")
     parser.add_argument("--keep-model", action="store_true")
+    parser.add_argument("--load-weights", action="store_true",
+                        help="cuda: write the weights into the folder and load them with Engine.from_pretrained")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -528,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 
     try:
+        preflight(args)
         ceilings = measure_ceilings(args.runner)
         result["ceilings"] = ceilings
         print(f"ceilings on {ceilings['device']}: copy {ceilings['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "

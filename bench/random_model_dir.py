@@ -33,8 +33,9 @@ _BLOCK_ELEMS = 1_000_003  # odd length: tiled rows of a matrix do not repeat col
 def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], vision_config: dict[str, Any], *,
                            tied: bool, seed: int = 0, image_min_pixels: int = 64 * 32 * 32,
                            image_max_pixels: int = 1024 * 1024, video_min_pixels: int | None = None,
-                           video_max_pixels: int | None = None, sums: bool = False) -> Path:
-    """Write the folder (created if needed) and return it. text_config / vision_config: Qwen3.5 config keys."""
+                           video_max_pixels: int | None = None, sums: bool = False, weights: bool = True) -> Path:
+    """Write the folder (created if needed) and return it. text_config / vision_config: Qwen3.5 config keys.
+    `weights=False`: everything but model.safetensors (for runners given their weights in memory)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer_files(folder)
@@ -58,6 +59,8 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
                             merge_size=vision["spatial_merge_size"], image_min_pixels=image_min_pixels,
                             image_max_pixels=image_max_pixels, video_min_pixels=video_min_pixels,
                             video_max_pixels=video_max_pixels)
+    if not weights:
+        return folder
     shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(ModelConfig.from_pretrained(folder)).items()}
     write_bf16_safetensors(folder / SINGLE_FILE, shapes, random_bf16_tensors(shapes, seed))
     if sums:

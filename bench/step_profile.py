@@ -101,12 +101,12 @@ class StepProfile:
 
     def _step(self, original: Callable[[], Any]) -> Callable[[], Any]:
         def step() -> Any:
-            mask0 = self.engine._mask_s
+            mask0 = _mask_seconds(self.engine)
             t0 = time.perf_counter()
             out = original()
             rec, self._current = self._current, StepRecord()
             rec.wall_s = time.perf_counter() - t0
-            rec.mask_s = self.engine._mask_s - mask0
+            rec.mask_s = _mask_seconds(self.engine) - mask0
             if rec.forward_s or rec.encode_s:  # steps that ran nothing (idle polls) are not steps of the run
                 self.steps.append(rec)
             return out
@@ -144,3 +144,9 @@ class StepProfile:
                 self.prepare_count += 1
             return out
         return prepare
+
+
+def _mask_seconds(engine: Any) -> float:
+    """The engine's grammar-mask timer (Engine._metrics.mask_s; Engine._mask_s in trees before gpu_engine/metrics.py)."""
+    metrics = getattr(engine, "_metrics", None)
+    return metrics.mask_s if metrics is not None else engine._mask_s
