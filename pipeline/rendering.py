@@ -16,6 +16,8 @@ Document states (explicit, every change one transaction, compare-and-set on `rec
 
 Rendering twice (two workers, a redelivered message) is harmless: page blobs are content-addressed, and only the
 first render to finish writes the rows; a later one finds the document no longer `received` and keeps the rows.
+A render whose rows are not written (the document was deleted meanwhile, or another render won) removes the page
+blobs it stored that no row names, so deleted content does not stay on disk.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from .context import Pipeline
 from .errors import NotFoundError
 from .extraction import png_bytes
 from .models import Document, DocumentStatus, Job, JobState, Page, utcnow
+from .retention import drop_unreferenced
 
 log = logging.getLogger(__name__)
 _ENCODE_AHEAD = 2
@@ -158,16 +161,22 @@ def render_document(p: Pipeline, document_id: int, *, password: str | None = Non
     if row.status != DocumentStatus.received.value:
         return str(row.status)
     rendered, error = try_render(p, p.blobs.path(row.sha256), row.original_name, password)
-    with p.db.session() as s:
-        doc = s.scalars(select(Document).where(Document.id == document_id).with_for_update()).first()
-        if doc is None:
-            raise NotFoundError("document", document_id)  # deleted while it rendered
-        if doc.status != DocumentStatus.received.value:
-            return doc.status  # another render finished first: keep its rows
-        write_render(s, doc, rendered, error)
-        if rendered is None:
-            fail_document_jobs(s, document_id, doc.error or "")
-        return doc.status
+    written = False
+    try:
+        with p.db.session() as s:
+            doc = s.scalars(select(Document).where(Document.id == document_id).with_for_update()).first()
+            if doc is None:
+                raise NotFoundError("document", document_id)  # deleted while it rendered
+            if doc.status != DocumentStatus.received.value:
+                return doc.status  # another render finished first: keep its rows
+            write_render(s, doc, rendered, error)
+            if rendered is None:
+                fail_document_jobs(s, document_id, doc.error or "")
+            written = True
+            return doc.status
+    finally:
+        if not written and rendered is not None:  # committed rows name them otherwise; these pages went nowhere
+            drop_unreferenced(p, {pg["blob"] for pg in rendered.pages if pg["blob"]})
 
 
 def job_document(p: Pipeline, job_id: int) -> tuple[int, str]:

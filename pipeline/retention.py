@@ -21,6 +21,10 @@ from .context import Pipeline
 from .models import Document, Job, JobState, Page, utcnow
 
 
+# A blob younger than this may belong to an intake or a render that has not written its row yet.
+SWEEP_GRACE_S = 3600.0
+
+
 @dataclass
 class PurgeReport:
     documents: int = 0
@@ -69,7 +73,7 @@ def drop_unreferenced(p: Pipeline, keys: set[str]) -> int:
     return sum(int(p.blobs.delete(key)) for key in sorted(unused))
 
 
-def sweep_unreferenced_blobs(p: Pipeline, *, grace_s: float = 3600.0, chunk: int = 500) -> int:
+def sweep_unreferenced_blobs(p: Pipeline, *, grace_s: float = SWEEP_GRACE_S, chunk: int = 500) -> int:
     """Remove every blob no row names that was written more than `grace_s` ago (younger ones may belong to an
     intake or a render that has not written its row yet). What a crash between a blob write and its row, or
     between a delete's commit and its blob removal, left behind. Returns the number removed."""

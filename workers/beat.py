@@ -19,7 +19,7 @@ from celery import Celery
 from celery.beat import Scheduler
 from redis.exceptions import RedisError
 
-from .config import TASK_PURGE, TASK_REQUEUE, TASK_WATCH, WorkerSettings
+from .config import TASK_PURGE, TASK_REQUEUE, TASK_SWEEP, TASK_WATCH, WorkerSettings
 from .locks import RedisLock
 from .markers import PREFIX, redis_client
 from .runtime import process_config
@@ -32,6 +32,8 @@ BEAT_LOCK_KEY = f"{PREFIX}beat:lock"
 def beat_schedule(ws: WorkerSettings, *, watch: bool, retention: bool) -> dict[str, dict[str, Any]]:
     schedule: dict[str, dict[str, Any]] = {
         "requeue-stuck-jobs": {"task": TASK_REQUEUE, "schedule": ws.requeue_interval_s},
+        # Blobs no row names (a crash between a blob write and its row, or a delete and its blob removal).
+        "blob-sweep": {"task": TASK_SWEEP, "schedule": ws.retention_interval_s},
     }
     if watch:
         schedule["watch-folders"] = {"task": TASK_WATCH, "schedule": ws.watch_interval_s}

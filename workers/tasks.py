@@ -2,11 +2,13 @@
 
     docpipe.extract(job_id)      gpu queue      run_job; retries transient errors with backoff until the cap
     docpipe.prepare(job_id)      ingest queue   render the job's `received` document (an upload), then enqueue
-                                                the job on gpu; an unreadable file fails the job, no retry
+                                                the job on gpu; an unreadable file fails the job, no retry; a
+                                                file whose reader dies each time fails after the attempt cap
     docpipe.ingest(stage_id)     ingest queue   a staged file -> document + job, then enqueues the job
     docpipe.watch_folders()      ingest queue   beat: scan every watch folder
     docpipe.requeue_stuck()      ingest queue   beat: the reconciler
     docpipe.purge_retention()    ingest queue   beat: delete documents past retention_days
+    docpipe.sweep_blobs()        ingest queue   beat: remove blobs no row names (older than an hour)
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from pipeline.errors import NotFoundError
 from pipeline.ingest import ingest_file
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
-from pipeline.rendering import render_for_job
+from pipeline.attempts import render_for_job_capped
 
 from . import runtime, staging
 from .app import app
-from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_WATCH, WorkerSettings
+from .config import (TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_SWEEP, TASK_WATCH,
+                     WorkerSettings)
 from .enqueue import enqueue_job
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
@@ -103,12 +106,14 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
 @app.task(name=TASK_PREPARE, bind=True, max_retries=None)
 def prepare(self: Task, job_id: int) -> dict[str, Any]:
     """Rendering on the CPU queue, so GPU workers only extract. A bad file is not an exception here: rendering
-    records it (document `failed`, its queued jobs `failed` with the reason). Only infrastructure errors (the
-    database is unreachable) raise, and are retried with backoff."""
+    records it (document `failed`, its queued jobs `failed` with the reason). Each render is counted on the
+    document before it starts, so a file that kills this process every time (the message comes back after each
+    death) ends `failed` after `job_max_attempts` renders. Only infrastructure errors (the database is
+    unreachable) raise, and are retried with backoff."""
     p = runtime.pipeline()
     ws = runtime.process_config().worker_settings
     try:
-        document_status = render_for_job(p, job_id)
+        document_status = render_for_job_capped(p, job_id)
         found = job_state(p, job_id)
     except NotFoundError:
         log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
@@ -191,3 +196,10 @@ def purge_retention() -> dict[str, Any]:
         return {"documents": 0, "blobs": 0, "note": "retention_days is not set: nothing is purged"}
     report = purge_older_than(p, days)
     return {"documents": report.documents, "blobs": report.blobs}
+
+
+@app.task(name=TASK_SWEEP)
+def sweep_blobs() -> dict[str, Any]:
+    from pipeline.retention import SWEEP_GRACE_S, sweep_unreferenced_blobs
+
+    return {"blobs": sweep_unreferenced_blobs(runtime.pipeline(), grace_s=SWEEP_GRACE_S)}

@@ -39,5 +39,5 @@ def test_sigkill_the_worker_three_times_every_document_succeeds_exactly_once(red
     assert sorted(units) == sorted(job_ids)
     for job_id in job_ids:
         assert sorted(units[job_id]) == ["document", "page:0"], (job_id, units[job_id])  # exactly one result set
-    attempts = [j.attempts for j in cluster.jobs()]
-    assert sum(attempts) > DOCS, attempts  # some runs were really interrupted and taken over
+    runs = [j.runs for j in cluster.jobs()]
+    assert sum(runs) > DOCS, runs  # some runs were really interrupted and taken over
