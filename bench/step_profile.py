@@ -52,6 +52,7 @@ class StepProfile:
         self._saved: list[tuple[Any, str, Any]] = []
         device = getattr(getattr(engine.runner, "ctx", None), "device", None)
         self._device = device if device is not None and hasattr(device, "event") else None
+        self._thread = threading.local()
 
     @classmethod
     def attach(cls, engine: Any) -> StepProfile:
@@ -90,6 +91,9 @@ class StepProfile:
         if self._device is None:
             t0 = time.perf_counter()
             return fn(), time.perf_counter() - t0
+        if not getattr(self._thread, "current", False):  # cuda.core makes events in the thread's current context
+            self._device.dev.set_current()
+            self._thread.current = True
         start, stop = self._device.event(), self._device.event()
         self._device.stream.record(start)
         t0 = time.perf_counter()
