@@ -2,7 +2,8 @@
 
 In order: time and count the request (metrics), authenticate and rate-limit it from its headers (before any body
 byte is read), refuse a declared Content-Length over the route's limit, count the body bytes actually received,
-and turn an exception nothing else handled into a 500 problem document. With several server processes it also
+and turn an exception nothing else handled into a 500 problem document; every response gets the safety headers
+(`safety_headers`: nosniff, and no-store on JSON). With several server processes it also
 closes a keep-alive connection now and then where this process holds more than its share (api/processes.py).
 One layer instead of four: each ASGI layer is another await chain and another send/receive wrapper on every
 request, which on a small machine is measurable CPU per upload (bench/api_upload_latency.py).
@@ -10,7 +11,7 @@ request, which on a small machine is measurable CPU per upload (bench/api_upload
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,6 +20,23 @@ from .bodylimit import counting_receive, declared_too_large
 from .errors import ApiError, unexpected_error_response
 from .metrics import HttpMetrics, route_of
 from .processes import connection_share
+
+
+_JSON_TYPES = (b"application/json", b"application/problem+json")
+
+
+def safety_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Every response: `X-Content-Type-Options: nosniff` (a browser never reinterprets a body as another type);
+    JSON (documents, results, errors) also `Cache-Control: no-store` unless the route set its own caching: no
+    proxy or browser cache keeps a copy of a tenant's data."""
+    out = list(headers)
+    names = {name.lower() for name, _ in out}
+    if b"x-content-type-options" not in names:
+        out.append((b"x-content-type-options", b"nosniff"))
+    content_type = next((value for name, value in out if name.lower() == b"content-type"), b"")
+    if b"cache-control" not in names and content_type.split(b";")[0].strip().lower() in _JSON_TYPES:
+        out.append((b"cache-control", b"no-store"))
+    return out
 
 
 class ApiMiddleware:
@@ -45,9 +63,11 @@ class ApiMiddleware:
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 self.metrics.response_started(method, route_of(scope), time.perf_counter() - start)
+                headers = safety_headers(message.get("headers", ()))
                 share = connection_share()
                 if share is not None and share.should_move():  # this process holds more than its share
-                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:

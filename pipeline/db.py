@@ -5,6 +5,7 @@ migrations shipped inside the package (the same as `docpipe db upgrade`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from contextlib import contextmanager, nullcontext
@@ -21,6 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+log = logging.getLogger(__name__)
 
 
 def normalise_url(url: str) -> str:
@@ -52,6 +54,20 @@ def _sqlite_file(url: str) -> Path | None:
     return None if not database or database == ":memory:" else Path(database).resolve()
 
 
+def _private_sqlite_files(database_file: Path) -> None:
+    """The database and its -wal / -shm files readable by this user only, like the blobs (they hold document text
+    and results). Creating the file ourselves, 0600, before SQLite opens it matters: SQLite gives its WAL and
+    shared-memory files the database file's mode, and would create the file 0644 itself. Files made by an older
+    version are tightened here too."""
+    os.close(os.open(database_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    for path in (database_file, Path(f"{database_file}-wal"), Path(f"{database_file}-shm")):
+        try:
+            if path.exists() and path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+        except OSError as exc:  # e.g. a file owned by another user: it still works, but say so
+            log.warning("cannot make %s private (mode 0600): %s", path, exc)
+
+
 def make_engine(url: str) -> Engine:
     url = normalise_url(url)
     parsed = make_url(url)
@@ -59,6 +75,7 @@ def make_engine(url: str) -> Engine:
         database_file = _sqlite_file(url)
         if database_file is not None:
             database_file.parent.mkdir(parents=True, exist_ok=True)
+            _private_sqlite_files(database_file)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling defers BEGIN until the first write, which lets two writers read

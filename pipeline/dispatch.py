@@ -24,7 +24,9 @@ class DispatchUnavailableError(PipelineError):
 
 @dataclass(frozen=True)
 class Dispatcher:
-    send: Callable[[int], object]  # publish a queued job (its document may still need rendering); best effort
+    # Publish a queued job (its document may still need rendering); best effort, and it must return at once
+    # (callers are request threads): docpipe's broker dispatcher hands the id to a publishing thread.
+    send: Callable[[int], object]
     ping: Callable[[], None]  # raises when the broker cannot be reached (for readiness checks)
 
 
