@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -76,15 +77,32 @@ def test_a_forked_child_does_not_share_the_parents_lock(tmp_path: Path) -> None:
     assert child.exitcode == 0 and marker.read_text() == "in"
 
 
-def test_database_sessions_use_it_only_for_a_sqlite_file(tmp_path: Path) -> None:
+def test_database_sessions_use_it_only_for_a_sqlite_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     on_disk = Database(f"sqlite:///{tmp_path / 'x.db'}")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a lock file made for an in-memory database would land here
     in_memory = Database("sqlite://")
     try:
         with on_disk.session():
             assert _held_elsewhere(tmp_path / "x.db-writer.lock")
         assert not _held_elsewhere(tmp_path / "x.db-writer.lock")
+        # In memory: one process only, so no lock file, but threads of this process still take turns.
+        holder_in, other_in = threading.Event(), threading.Event()
+
+        def other_writer() -> None:
+            with in_memory.session():
+                other_in.set()
+
         with in_memory.session():
-            pass  # one process only: the thread lock alone
+            holder_in.set()
+            other = threading.Thread(target=other_writer)
+            other.start()
+            assert not other_in.wait(0.5), "a second thread's write session got in while the first held it"
+        other.join(30)
+        assert other_in.is_set()
+        assert list(elsewhere.iterdir()) == []
+        assert [f.name for f in tmp_path.iterdir() if f.name.endswith("writer.lock")] == ["x.db-writer.lock"]
     finally:
         on_disk.dispose()
         in_memory.dispose()
