@@ -19,8 +19,9 @@ from api.auth import KeyRing, key_id, presented_key
 from api.cli import BindRefused, check_bind, is_loopback, register
 from api.errors import ApiError, BodyTooLarge, RateLimited
 from api.limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
-from api.media import decode_image, parse_data_url
+from api.media import MediaBudget, decode_image
 from api.queries import decode_cursor, encode_cursor
+from gpu_engine.data_url import DataUrlError, parse_data_url
 from apitest_support import KEY, OTHER_KEY, live_server, test_settings
 
 # --- over HTTP --------------------------------------------------------------------------------------------------
@@ -238,21 +239,27 @@ def test_data_urls() -> None:
     url = "data:application/octet-stream;base64," + base64.b64encode(payload).decode()
     assert parse_data_url(url, 100).data == payload
     assert parse_data_url("data:,hello%20world", 100).data == b"hello world"
-    with pytest.raises(BodyTooLarge):
+    with pytest.raises(DataUrlError) as too_large:
         parse_data_url(url, 49)
+    assert too_large.value.reason == "too_large"
+    budget = MediaBudget(max_parts=16, max_pixels=10**9)
+    with pytest.raises(BodyTooLarge):
+        decode_image(url, "image", 49, budget)
     for bad, code in [("https://x/y.png", "remote_url_refused"), ("file:///etc/passwd", "remote_url_refused"),
                       ("data:image/png;base64", "invalid_media_url"), ("data:image/png;base64,@@@", "invalid_media_url"),
                       ("javascript:alert(1)", "invalid_media_url")]:
         with pytest.raises(ApiError) as err:
-            parse_data_url(bad, 100)
+            decode_image(bad, "image", 100, budget)
         assert err.value.code == code, bad
     img = Image.new("RGB", (7, 5), (10, 20, 30))
     buf = io.BytesIO()
     img.save(buf, "PNG")
-    decoded = decode_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), 10_000)
+    decoded = decode_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), "image", 10_000,
+                           budget)
     assert decoded.size == (7, 5) and decoded.getpixel((3, 2)) == (10, 20, 30)
+    assert (budget.parts, budget.pixels) == (1, 35)  # charged from the header
     with pytest.raises(ApiError) as err:
-        decode_image("data:image/png;base64," + base64.b64encode(b"not an image").decode(), 10_000)
+        decode_image("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "image", 10_000, budget)
     assert err.value.code == "invalid_image"
 
 
