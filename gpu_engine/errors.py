@@ -18,3 +18,6 @@ class RunnerInputError(EngineError, ValueError):
     """A step batch or cache request that breaks the runner contract (shapes, ids, cache indices); every runner
     raises this one type, with the same words (gpu_engine/runner_rules.py)."""
 
+
+class RequestError(InvalidRequestError, ValueError):
+    """A request that can never run as given (bad prompt, bad parameters, too long for this engine)."""

@@ -4,7 +4,9 @@ Shared by the processor (producer), the scheduler/engine (which chunks prompts) 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,3 +43,12 @@ class ProcessedPrompt:
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+def is_token_ids(value: Any) -> bool:
+    """A prompt given as token ids rather than chat messages: an integer numpy array, or a non-empty sequence (not
+    str / bytes) of ints (bools are not token ids). Callers check the shape (1-D) with their own words."""
+    if isinstance(value, np.ndarray):
+        return bool(np.issubdtype(value.dtype, np.integer))
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value))

@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .cuda.options import CudaOptions
 from .encoder_cache import check_embeddings, chunk_slices
 from .errors import EngineError
-from .inputs import ProcessedPrompt, VisionItem
+from .inputs import ProcessedPrompt, VisionItem, is_token_ids
 from .loader import ModelWeights, load_weights
 from .rope_index import text_positions
 from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch, VisionSlice
@@ -70,14 +70,6 @@ def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options:
             "NVIDIA GPU, or use runner='reference'."
         ) from exc
     return CudaRunner(config, weights, options or CudaOptions.from_env())
-
-
-def _is_token_ids(x: Any) -> bool:
-    if isinstance(x, np.ndarray):
-        return x.ndim == 1 and np.issubdtype(x.dtype, np.integer)
-    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x
-    )
 
 
 @dataclass
@@ -165,7 +157,7 @@ class LoadedModel:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if _is_token_ids(messages_or_ids):
+        if is_token_ids(messages_or_ids):
             prompt = self.text_prompt(messages_or_ids)  # type: ignore[arg-type]
         else:
             prompt = self.prepare(messages_or_ids)  # type: ignore[arg-type]

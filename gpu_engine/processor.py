@@ -33,7 +33,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .data_url import DataUrlError, parse_data_url
 from .frame_resize import resize_like_torch_uint8
 from .frame_sampling import qwen_frame_indices, spread_indices
-from .inputs import ProcessedPrompt, VisionItem
+from .inputs import ProcessedPrompt, VisionItem, is_token_ids
 from .processing_errors import ProcessorError
 from .rope_index import find_vision_spans, rope_index, text_positions
 from .tokenizer import Tokenizer
@@ -678,7 +678,7 @@ class Processor:
         enable_thinking: bool = False,
     ) -> ProcessedPrompt:
         """Build the engine's input. Token ids are taken as a finished text-only prompt."""
-        if _is_token_ids(messages_or_token_ids):
+        if is_token_ids(messages_or_token_ids):
             return self._prepare_token_ids(np.asarray(messages_or_token_ids, dtype=np.int64))
         text, media = self._render(messages_or_token_ids, add_generation_prompt, enable_thinking)  # type: ignore[arg-type]
         processed: list[ProcessedImage | ProcessedVideo] = [
@@ -741,10 +741,3 @@ class Processor:
             raise ProcessorError("token ids must be non-negative")
         positions = text_positions(len(token_ids))
         return ProcessedPrompt(token_ids=token_ids.copy(), positions=positions, rope_delta=0)
-
-
-def _is_token_ids(value: Any) -> bool:
-    if isinstance(value, np.ndarray):
-        return np.issubdtype(value.dtype, np.integer)
-    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0
-            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value))
