@@ -137,8 +137,9 @@ def check_tiny(rng: np.random.Generator, seed: int) -> list[ParityResult]:
                                                 f"<= {LOGIT_TOL}", bool(err <= LOGIT_TOL),
                                                 {"tokens": int(len(prompt))}))
                 with torch.no_grad():
-                    out = hf.generate(**kwargs, max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)
+                    mask = torch.ones_like(kwargs["input_ids"])  # no token is padding (see _batched_decode)
+                    out = hf.generate(**kwargs, attention_mask=mask, max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
                 want = out[0, len(prompt):].tolist()
                 got_tokens = ours.generate(messages, max_tokens=GREEDY_TOKENS, stop_token_ids=[])
                 same = got_tokens == want
@@ -184,8 +185,10 @@ def _batched_decode(hf, ours, rng: np.random.Generator, steps: int = 12) -> list
     for s in range(2):
         ids = torch.from_numpy(prompts[s])[None].to(_MODE["device"])
         with torch.no_grad():
-            want = hf.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompts[s]):].tolist()
+            # attention_mask given: generate() would otherwise infer one from pad_token_id and mask the prompt's
+            # random token 0s as padding (seed 672541033 drew one; its first token then differed from forward()'s)
+            want = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompts[s]):].tolist()
             full = torch.from_numpy(np.concatenate([prompts[s], tokens[s]]))[None].to(_MODE["device"])
             ref = hf(input_ids=full).logits[0].float().cpu().numpy()
         n = len(prompts[s])
