@@ -19,7 +19,8 @@ from sqlalchemy import func, select
 from starlette.types import Scope
 
 from pipeline.db import Database
-from pipeline.models import Job, JobState, Result
+from pipeline.queries import count_jobs_by_state
+from pipeline.models import Result
 
 RATE_WINDOW_S = 60.0
 
@@ -34,13 +35,13 @@ class PipelineSnapshot:
 def pipeline_snapshot(db: Database, window_s: float = RATE_WINDOW_S) -> PipelineSnapshot:
     since = datetime.now(timezone.utc) - timedelta(seconds=window_s)
     with db.read_session() as s:
-        states = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+        states = count_jobs_by_state(s)  # the read model's one count (every state, all tenants)
         pages, tokens = s.execute(
             select(func.count(), func.coalesce(func.sum(Result.completion_tokens), 0))
             .where(Result.created_at >= since, Result.unit != "document")
         ).one()
     return PipelineSnapshot(
-        jobs_by_state={st.value: int(states.get(st.value, 0)) for st in JobState},
+        jobs_by_state=states,
         pages_per_s=pages / window_s,
         tokens_per_s=float(tokens) / window_s,
     )

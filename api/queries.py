@@ -1,4 +1,5 @@
-"""Read queries behind the REST routes (documents list with filters and cursor pagination, lookups, delete).
+"""Read queries behind the REST routes (documents list with filters and cursor pagination, lookups, delete); the
+listing itself is the pipeline's read model (`pipeline.queries`), with the API's cursor around it.
 
 Every lookup takes the caller's `Access` (pipeline.tenancy): a row of another tenant is not found (404, as an id
 that does not exist), never forbidden, so ids reveal nothing across tenants."""
@@ -7,15 +8,14 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Row, and_, bindparam, exists, false, or_, select
-from sqlalchemy.orm import Session, aliased, joinedload, selectinload
+from sqlalchemy import Connection, Row, bindparam, select
+from sqlalchemy.orm import Session, joinedload, selectinload
 
-from pipeline.models import Batch, Document, DocumentStatus, Job, JobState, Page, Schema
+from pipeline.models import Batch, Document, Job, JobState, Page, Schema
+from pipeline.queries import DocumentFilter, select_documents
 from pipeline.tenancy import Access
-from pipeline.storable_text import storable
 
 from .bounds import MAX_ROW_ID
 from .errors import ApiError, NotFound
@@ -41,47 +41,12 @@ def decode_cursor(cursor: str) -> int:
         raise BadCursor() from None
 
 
-@dataclass(frozen=True)
-class DocumentFilter:
-    status: str | None = None  # queued | running | succeeded | partial | failed
-    schema: str | None = None
-    created_after: datetime | None = None
-    created_before: datetime | None = None
-
-
-def _job_of_schema(schema: str) -> ColumnElement[bool]:
-    """Condition: a job of the outer query's document, read with the named schema (any version)."""
-    return and_(Job.document_id == Document.id, Job.schema_id.in_(select(Schema.id).where(Schema.name == schema)))
-
-
 def list_documents(s: Session, flt: DocumentFilter, limit: int, cursor: str | None,
                    access: Access) -> tuple[list[Document], str | None]:
-    """The caller's documents, newest first. A cursor is the last id of the previous page (ids only grow, so
-    pages never overlap)."""
-    stmt = (select(Document).where(access.owns(Document.tenant))
-            .options(selectinload(Document.jobs).selectinload(Job.schema)))
-    if cursor is not None:
-        stmt = stmt.where(Document.id < decode_cursor(cursor))
-    if flt.created_after is not None:
-        stmt = stmt.where(Document.created_at >= flt.created_after)
-    if flt.created_before is not None:
-        stmt = stmt.where(Document.created_at < flt.created_before)
-    if flt.schema is not None:
-        # A name the database cannot store names no schema (and PostgreSQL would refuse it as a parameter).
-        stmt = stmt.where(exists().where(_job_of_schema(flt.schema)) if storable(flt.schema) else false())
-    if flt.status is not None:
-        # Status of a document = state of its latest job (the API's `status`), or failed when unreadable.
-        j = aliased(Job)
-        latest_state = (select(j.state).where(j.document_id == Document.id).order_by(j.id.desc()).limit(1)
-                        .correlate(Document).scalar_subquery())
-        readable = Document.status != DocumentStatus.failed.value
-        if flt.status == JobState.failed.value:
-            stmt = stmt.where(or_(~readable, latest_state == flt.status))
-        elif flt.status == JobState.queued.value:
-            stmt = stmt.where(readable, or_(latest_state == flt.status, latest_state.is_(None)))
-        else:
-            stmt = stmt.where(readable, latest_state == flt.status)
-    rows = list(s.scalars(stmt.order_by(Document.id.desc()).limit(limit + 1)))
+    """The caller's documents, newest first (`pipeline.queries.select_documents`). A cursor is the last id of the
+    previous page (ids only grow, so pages never overlap)."""
+    before = decode_cursor(cursor) if cursor is not None else None
+    rows = select_documents(s, flt, access, limit=limit + 1, newest_first=True, before_id=before)
     more = len(rows) > limit
     rows = rows[:limit]
     return rows, (encode_cursor(rows[-1].id) if more and rows else None)

@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 
 # SQLite returns datetimes without a zone; everything is stored in UTC, so the API says so (`utc`).
 from pipeline.jobs import aware as utc
-from pipeline.models import Document, DocumentStatus, Job, Page, Result, Schema
+from pipeline.models import Document, Job, Page, Result, Schema
+from pipeline.queries import status_word
 
 from .queries import DocumentSummary
 
@@ -165,12 +166,8 @@ def job_out(job: Job) -> JobOut:
 
 
 def _status(doc_status: str, latest_job_state: str | None) -> Status:
-    """failed when the file could not be read; otherwise the state of its latest job."""
-    if doc_status == DocumentStatus.failed.value:
-        return "failed"
-    if latest_job_state is None:
-        return "queued"  # a job is created right after intake
-    return latest_job_state  # type: ignore[return-value]
+    """The pipeline's one status rule (`pipeline.queries.status_word`): its words are the job states."""
+    return status_word(doc_status, latest_job_state)  # type: ignore[return-value]
 
 
 def document_status(doc: Document) -> Status:

@@ -1,27 +1,109 @@
-"""Read side: documents, results, batch progress and job counts as JSON-ready dicts (CLI, API and workers use
-these, so every surface shows the same thing)."""
+"""The read model of documents and jobs: one status rule, one listing, one count by state (API, CLI and workers
+map these rows to their outputs, so every surface shows the same thing), plus JSON-ready dicts for the CLI.
+
+Every listing and count takes an `Access` (pipeline.tenancy): the tenant filter lives here, once.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, and_, case, exists, false, func, select
+from sqlalchemy.orm import Session, aliased, selectinload
 
 from .context import Pipeline
 from .errors import NotFoundError
-from .models import Batch, BatchItem, Document, DocumentStatus, Job, Page, Result, Schema
+from .models import Batch, BatchItem, Document, DocumentStatus, Job, JobState, Page, Result, Schema
+from .storable_text import storable
+from .tenancy import EVERYONE, Access
+
+JOB_STATES = tuple(state.value for state in JobState)
 
 
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment else None
 
 
+# --- the one status rule ----------------------------------------------------------------------------------------
+
+
+def status_word(document_status: str, latest_job_state: str | None) -> str:
+    """A document's status, on every surface: `failed` when its file could not be read, else the state of its
+    latest job. A readable document without a job counts as `queued` (intake writes its job with it)."""
+    if document_status == DocumentStatus.failed.value:
+        return JobState.failed.value
+    return latest_job_state or JobState.queued.value
+
+
+def status_expression() -> ColumnElement[str]:
+    """`status_word` in SQL, for filters: the same rule, evaluated by the database for each document row."""
+    j = aliased(Job)
+    latest = (select(j.state).where(j.document_id == Document.id).order_by(j.id.desc()).limit(1)
+              .correlate(Document).scalar_subquery())
+    return case((Document.status == DocumentStatus.failed.value, JobState.failed.value),
+                else_=func.coalesce(latest, JobState.queued.value))
+
+
 def document_status(doc: Document, jobs: list[Job]) -> str:
-    """One word for a document: `failed` if unreadable, else its latest job's state (`ingested` without jobs)."""
-    if doc.status == DocumentStatus.failed.value:
-        return "failed"
-    return jobs[-1].state if jobs else doc.status
+    return status_word(doc.status, jobs[-1].state if jobs else None)
+
+
+# --- the one listing --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DocumentFilter:
+    status: str | None = None  # a status word: queued | running | succeeded | partial | failed
+    schema: str | None = None  # documents with a job read with this schema (any version)
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+def select_documents(s: Session, flt: DocumentFilter, access: Access, *, limit: int, newest_first: bool,
+                     before_id: int | None = None, after_id: int | None = None) -> list[Document]:
+    """The documents `access` sees that match `flt`, with their jobs and the jobs' schemas loaded; ordered by id
+    (newest first or oldest first), optionally after/before an id (cursor pagination: ids only grow)."""
+    stmt = (select(Document).where(access.owns(Document.tenant))
+            .options(selectinload(Document.jobs).selectinload(Job.schema)))
+    if before_id is not None:
+        stmt = stmt.where(Document.id < before_id)
+    if after_id is not None:
+        stmt = stmt.where(Document.id > after_id)
+    if flt.created_after is not None:
+        stmt = stmt.where(Document.created_at >= flt.created_after)
+    if flt.created_before is not None:
+        stmt = stmt.where(Document.created_at < flt.created_before)
+    if flt.schema is not None:
+        # A name the database cannot store names no schema (and PostgreSQL would refuse it as a parameter).
+        of_schema = and_(Job.document_id == Document.id,
+                         Job.schema_id.in_(select(Schema.id).where(Schema.name == flt.schema)))
+        stmt = stmt.where(exists().where(of_schema) if storable(flt.schema) else false())
+    if flt.status is not None:
+        stmt = stmt.where(status_expression() == flt.status)
+    order = Document.id.desc() if newest_first else Document.id
+    return list(s.scalars(stmt.order_by(order).limit(limit)))
+
+
+# --- the one count by state -------------------------------------------------------------------------------------
+
+
+def count_jobs_by_state(s: Session, access: Access = EVERYONE) -> dict[str, int]:
+    """Jobs per state (every state present, 0 when none) among the documents `access` sees."""
+    stmt = select(Job.state, func.count(Job.id)).group_by(Job.state)
+    if not access.admin:
+        stmt = stmt.join(Document, Document.id == Job.document_id).where(access.owns(Document.tenant))
+    counts = dict.fromkeys(JOB_STATES, 0)
+    counts.update({state: int(n) for state, n in s.execute(stmt)})
+    return counts
+
+
+def jobs_by_state(p: Pipeline, access: Access = EVERYONE) -> dict[str, int]:
+    with p.db.read_session() as s:
+        return count_jobs_by_state(s, access)
+
+
+# --- JSON-ready dicts (the CLI) ---------------------------------------------------------------------------------
 
 
 def job_dict(job: Job) -> dict[str, Any]:
@@ -113,27 +195,13 @@ def get_job(p: Pipeline, job_id: int) -> dict[str, Any]:
 def list_documents(
     p: Pipeline, *, status: str | None = None, schema: str | None = None, created_after: datetime | None = None,
     created_before: datetime | None = None, after_id: int | None = None, limit: int = 50,
+    access: Access = EVERYONE,
 ) -> list[dict[str, Any]]:
-    """Documents by id (ascending), `after_id` as the cursor. `status` matches the document's word (see
-    `document_status`); `schema` keeps documents with a job for that schema."""
+    """`select_documents` oldest first as dicts, `after_id` as the cursor."""
+    flt = DocumentFilter(status=status, schema=schema, created_after=created_after, created_before=created_before)
     with p.db.read_session() as s:
-        stmt = select(Document).order_by(Document.id)
-        if after_id is not None:
-            stmt = stmt.where(Document.id > after_id)
-        if created_after is not None:
-            stmt = stmt.where(Document.created_at >= created_after)
-        if created_before is not None:
-            stmt = stmt.where(Document.created_at < created_before)
-        if schema is not None:
-            stmt = stmt.where(Document.id.in_(
-                select(Job.document_id).join(Schema, Schema.id == Job.schema_id).where(Schema.name == schema)))
-        if status is not None:
-            latest_state = (select(Job.state).where(Job.document_id == Document.id).order_by(Job.id.desc())
-                            .limit(1).correlate(Document).scalar_subquery())
-            word = case((Document.status == DocumentStatus.failed.value, "failed"),
-                        else_=func.coalesce(latest_state, Document.status))
-            stmt = stmt.where(word == status)
-        return [document_dict(d, with_pages=False) for d in s.scalars(stmt.limit(limit))]
+        rows = select_documents(s, flt, access, limit=limit, newest_first=False, after_id=after_id)
+        return [document_dict(d, with_pages=False) for d in rows]
 
 
 def batch_progress(p: Pipeline, batch_id: int) -> dict[str, Any]:
@@ -147,7 +215,7 @@ def batch_progress(p: Pipeline, batch_id: int) -> dict[str, Any]:
             select(state, func.count(BatchItem.id)).select_from(BatchItem)
             .outerjoin(Job, Job.id == BatchItem.job_id).where(BatchItem.batch_id == batch_id).group_by(state)
         ).all()
-    counts = {name: 0 for name in ("queued", "running", "succeeded", "partial", "failed")}
+    counts = dict.fromkeys(JOB_STATES, 0)
     counts.update({name: n for name, n in rows})
     total = sum(counts.values())
     done = counts["succeeded"] + counts["partial"] + counts["failed"]
@@ -165,16 +233,3 @@ def batch_items(p: Pipeline, batch_id: int) -> list[dict[str, Any]]:
                  "job_id": item.job_id, "state": job_state or "failed", "error": item.error or job_error}
                 for item, job_state, job_error in rows]
 
-
-def jobs_by_state(p: Pipeline) -> dict[str, int]:
-    with p.db.read_session() as s:
-        rows = s.execute(select(Job.state, func.count(Job.id)).group_by(Job.state)).all()
-    counts = {name: 0 for name in ("queued", "running", "succeeded", "partial", "failed")}
-    counts.update({name: n for name, n in rows})
-    return counts
-
-
-def queued_job_ids(p: Pipeline, limit: int | None = None) -> list[int]:
-    with p.db.read_session() as s:
-        stmt = select(Job.id).where(Job.state == "queued").order_by(Job.id)
-        return list(s.scalars(stmt.limit(limit) if limit else stmt))

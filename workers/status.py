@@ -10,7 +10,8 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 
 from pipeline.context import Pipeline
-from pipeline.models import Document, DocumentStatus, Job
+from pipeline.models import Document, DocumentStatus
+from pipeline.queries import jobs_by_state
 
 from .beat import BEAT_LOCK_KEY
 from .config import QUEUES
@@ -35,7 +36,7 @@ class QueueStatus:
 @dataclass
 class Status:
     queues: QueueStatus
-    jobs_by_state: dict[str, int]
+    jobs_by_state: dict[str, int]  # every state, 0 when none (pipeline.queries.jobs_by_state)
     documents_unreadable: int  # files that failed at intake (no job; the reason is on the document row)
 
 
@@ -58,11 +59,6 @@ def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
                            {owner: owner not in dead for owner in sorted(owners)})
     except RedisError as exc:
         return QueueStatus(False, f"{type(exc).__name__}: {exc}")
-
-
-def jobs_by_state(p: Pipeline) -> dict[str, int]:
-    with p.db.read_session() as s:
-        return {state: int(n) for state, n in s.execute(select(Job.state, func.count()).group_by(Job.state))}
 
 
 def documents_unreadable(p: Pipeline) -> int:

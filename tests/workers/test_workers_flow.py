@@ -82,7 +82,7 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     st = json.loads(status.stdout)
-    assert st["jobs_by_state"] == {"succeeded": 52, "failed": 2}
+    assert st["jobs_by_state"] == {"queued": 0, "running": 0, "succeeded": 52, "partial": 0, "failed": 2}
     assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
     assert st["queues"]["beat_holder"] is not None
     assert st["documents_unreadable"] == 2
