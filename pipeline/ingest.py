@@ -41,7 +41,7 @@ from vision import SNIFF_BYTES, Sniffed, sniff
 
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job
-from .quotas import JobCap, QuotaExceededError, take_job_slots
+from .quotas import JobCap, take_job_slots
 from .retention import drop_unreferenced
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .schemas import SchemaRef, latest_schema_ref
@@ -323,8 +323,9 @@ def receive_file(
     cap: JobCap | None = None,
 ) -> IngestOutcome:
     """Store and sniff one file, then get or create its job, without rendering: the document is `received` (or
-    known already) and the job `queued`. QuotaExceededError (nothing kept) when a new job would pass `cap`. A file whose magic bytes are not an accepted type is refused here
-    (`failed`, no job). Raises only for bad arguments or configuration, before any work.
+    known already) and the job `queued`. A file whose magic bytes are not an accepted type is refused here
+    (`failed`, no job). Raises for bad arguments or configuration before any work, QuotaExceededError when a new
+    job would pass `cap`; whatever raises after the bytes were stored leaves no blob that no row names.
 
     This is an HTTP upload's whole cost: new bytes and known usable bytes take one write transaction; only a
     refused file or a previously failed document takes the longer way (`_store_document`)."""
@@ -335,17 +336,24 @@ def receive_file(
         sha, size = _store_original(p, source, label)
     except (OSError, vision.MediaError) as exc:  # unreadable source, or larger than the limit: nothing stored
         return _failed(p, batch_id, label, exc, started)
+    try:
+        return _receive_stored(p, source, sha, size, label, schema, named, batch_id, tenant, cap, started)
+    except Exception:
+        drop_unreferenced(p, {sha})  # a failed or refused upload leaves no blob behind
+        raise
+
+
+def _receive_stored(p: Pipeline, source: Source, sha: str, size: int, label: str, schema: str | None,
+                    named: SchemaRef | None, batch_id: int | None, tenant: str, cap: JobCap | None,
+                    started: float) -> IngestOutcome:
+    """`receive_file` once the bytes are in the blob store: sniff, then the rows."""
     sniffed: Sniffed | None = None
     refusal: vision.MediaError | None = None
     try:
         sniffed = _sniff_original(p, source, sha, size, label)
     except vision.MediaError as exc:
         refusal = exc
-    try:
-        out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named, tenant, cap)
-    except QuotaExceededError:
-        drop_unreferenced(p, {sha})  # a refused upload leaves no blob
-        raise
+    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named, tenant, cap)
     if out is None and sniffed is None:
         assert refusal is not None
         document_id, _, _ = _store_document(p, sha, size, label, error=refusal, tenant=tenant)
@@ -440,7 +448,7 @@ def ingest_file(
     try:
         document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
                                                      schema_id=schema_id, tenant=tenant, cap=cap)
-    except QuotaExceededError:  # a refused upload leaves no blob: neither its original nor its rendered pages
+    except Exception:  # a failed or refused upload leaves no blob: neither its original nor its rendered pages
         drop_unreferenced(p, {sha} | {pg["blob"] for pg in (rendered.pages if rendered else []) if pg["blob"]})
         raise
     if rendered is None or job is None:
