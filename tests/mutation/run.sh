@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The mutation pass of issue #22 (tests/MUTATION.md): mutmut over the modules that hold the README's promises, on
-# a private copy of the tree, so that mutants never appear in the work tree.
+# a private copy of the committed tree (HEAD), so that mutants never appear in the work tree.
 #   bash tests/mutation/run.sh                  # everything not yet decided (results are cached in the copy)
 #   bash tests/mutation/run.sh 'pipeline.jobs*'  # (re)run the named mutants, e.g. survivors after new tests
 # Environment: MUTATION_DIR (default /tmp/docpipe-mutation), MUTATION_TIMEOUT_S (default 5400),
@@ -12,9 +12,11 @@ case "$(realpath -m "$work")/" in
   "$repo"/*) echo "MUTATION_DIR must be outside the work tree ($repo)" >&2; exit 2 ;;
 esac
 mkdir -p "$work"
-# Refresh the copy; mutants/ (mutmut's generated code and cached verdicts) is kept between runs.
-rsync -a --delete --exclude .git --exclude '*.egg-info' --exclude .docpipe --exclude __pycache__ \
-  --exclude mutants --exclude setup.cfg "$repo"/ "$work"/
+# The committed tree (HEAD), not the working tree: the verdicts belong to one commit, and other people's
+# unfinished edits cannot break the clean run. mutants/ (mutmut's generated code and cached verdicts) is kept.
+find "$work" -mindepth 1 -maxdepth 1 ! -name mutants -exec rm -rf {} +
+git -C "$repo" archive --format=tar HEAD | tar -x -C "$work"
+git -C "$repo" rev-parse HEAD > "$work/COMMIT"
 cp "$repo/tests/mutation/setup.cfg" "$work/setup.cfg"
 cd "$work"
 # One BLAS thread per mutant process: two mutants run at once on a 2-core machine.

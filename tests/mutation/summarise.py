@@ -35,6 +35,7 @@ def summarise(work: Path) -> dict[str, Any]:
     killed = total["killed"] + total["timeout"] + total["caught by type check"]
     return {
         "tool": "mutmut 3.8.1",
+        "commit": (work / "COMMIT").read_text().strip() if (work / "COMMIT").is_file() else None,
         "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "total": dict(sorted(total.items())),
         "score_of_checked": round(killed / checked, 3) if checked else None,
