@@ -166,7 +166,7 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
 
     from cuda_bench import time_ms
 
-    from gpu_engine.cuda import ops, vision
+    from gpu_engine.cuda import ops, vision, vision_ops
     from gpu_engine.cuda.bf16 import f32_to_bf16_bits
     from gpu_engine.cuda.context import GpuContext
     from gpu_engine.cuda.vision import GpuVisionTower
@@ -192,11 +192,11 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
         t = "bf16"
         bl = ctx.blas.linear
         cases = {
-            "layernorm": lambda: ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, 1e-6),
+            "layernorm": lambda: vision_ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, 1e-6),
             "qkv GEMM": lambda: bl(qkv.ptr, normed.ptr, b.qkv_w.ptr, n, 3 * H, H, dtype=t),
-            "qkv bias": lambda: ops.bias_act(ctx, qkv, qkv, b.qkv_b),
+            "qkv bias": lambda: vision_ops.bias_act(ctx, qkv, qkv, b.qkv_b),
             "rope q": lambda: ops.rope(ctx, qkv, n, heads, hd, 3 * H, hd, rowcol, tw.rope_inv, tw.rope_axis),
-            "attention kernel path": lambda: ops.vision_attention(ctx, attn, qkv, heads, hd, n, hd ** -0.5),
+            "attention kernel path": lambda: vision_ops.vision_attention(ctx, attn, qkv, heads, hd, n, hd ** -0.5),
             "attention GEMM path (all blocks)": lambda: tw._attend(attn, qkv, n, n),
             f"  S=QK^T, {rows} rows x {heads} heads, slices": lambda: bl(
                 scores.ptr, qkv.ptr, qkv.ptr + H * 2, rows, n, hd, dtype=t, y_dtype="f32", x_ld=3 * H, w_ld=3 * H,
@@ -204,8 +204,8 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
             f"  S=QK^T, {rows} rows x {heads} heads, packed": lambda: bl(
                 scores.ptr, packed["q"].ptr, packed["k"].ptr, rows, n, hd, dtype=t, y_dtype="f32",
                 batch=heads, strides=(n * hd, n * hd, rows * n)),
-            "  softmax rows (three passes)": lambda: ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "loop"),
-            "  softmax rows (register-cached)": lambda: ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "cached"),
+            "  softmax rows (three passes)": lambda: vision_ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "loop"),
+            "  softmax rows (register-cached)": lambda: vision_ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "cached"),
             f"  O=PV, {rows} rows x {heads} heads, slices": lambda: bl(
                 attn.ptr, probs.ptr, qkv.ptr + 2 * H * 2, rows, hd, n, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn",
                 batch=heads, strides=(rows * n, hd, hd)),
@@ -213,9 +213,9 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
                 packed["o"].ptr, probs.ptr, packed["v"].ptr, rows, hd, n, dtype=t, w_layout="kn",
                 batch=heads, strides=(rows * n, n * hd, n * hd)),
             "proj GEMM": lambda: bl(tmp.ptr, attn.ptr, b.proj_w.ptr, n, H, H, dtype=t),
-            "bias + residual": lambda: ops.bias_residual(ctx, x, tmp, b.proj_b),
+            "bias + residual": lambda: vision_ops.bias_residual(ctx, x, tmp, b.proj_b),
             "fc1 GEMM": lambda: bl(mlp.ptr, normed.ptr, b.fc1_w.ptr, n, inter, H, dtype=t),
-            "fc1 bias + GELU": lambda: ops.bias_act(ctx, mlp, mlp, b.fc1_b, "gelu_tanh"),
+            "fc1 bias + GELU": lambda: vision_ops.bias_act(ctx, mlp, mlp, b.fc1_b, "gelu_tanh"),
             "fc2 GEMM": lambda: bl(tmp.ptr, mlp.ptr, b.fc2_w.ptr, n, H, inter, dtype=t),
         }
         for name, fn in cases.items():

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..vision_geometry import bilinear_taps, merge_window_coords
-from . import ops, rotary, vision_flash
+from . import ops, rotary, vision_flash, vision_ops
 from .context import DArray, GpuContext
 from .errors import CudaBackendError, ShapeError
 from .gemm import EpilogueUnsupported
@@ -158,7 +158,7 @@ class GpuVisionTower:
             pixels = ctx.to_device(pixel_values, "f32", "visual.pixels")
             if t_ != "f32":  # round on the device: numpy's bf16 rounding costs tens of ms for one large image
                 rounded = ctx.empty(pixels.shape, t_, "visual.pixels_" + t_)
-                ops.cast_from_f32(ctx, rounded, pixels)
+                vision_ops.cast_from_f32(ctx, rounded, pixels)
                 pixels = rounded
             taps = ctx.to_device(np.tile(geo.taps, (t, 1)), "i32", "visual.taps")
             tap_w = ctx.to_device(np.tile(geo.weights, (t, 1)), "f32", "visual.tap_weights")
@@ -170,27 +170,27 @@ class GpuVisionTower:
             tmp = ctx.empty((n, H), t_, "visual.tmp")
             mlp = ctx.empty((n, d.intermediate_size), t_, "visual.mlp")
             ctx.blas.linear(x.ptr, pixels.ptr, self.patch_w.ptr, n, H, d.patch_dim, dtype=t_)
-            ops.patch_pos(ctx, x, self.patch_b, self.pos_table, taps, tap_w)
+            vision_ops.patch_pos(ctx, x, self.patch_b, self.pos_table, taps, tap_w)
             for b in self.blocks:
-                ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, LAYER_NORM_EPS)
+                vision_ops.layernorm(ctx, normed, x, b.norm1_w, b.norm1_b, LAYER_NORM_EPS)
                 self._linear_bias(qkv, normed, b.qkv_w, b.qkv_b)
                 for part in (0, H):  # q, then k: rotary over the whole head, (row, col) angles
                     ops.rope(ctx, qkv.at(part), n, d.num_heads, d.head_dim, 3 * H, d.head_dim, rowcol,
                              self.rope_inv, self.rope_axis)
                 self._attend(attn, qkv, n, seg)
                 self._residual_linear(x, attn, b.proj_w, b.proj_b, tmp)
-                ops.layernorm(ctx, normed, x, b.norm2_w, b.norm2_b, LAYER_NORM_EPS)
+                vision_ops.layernorm(ctx, normed, x, b.norm2_w, b.norm2_b, LAYER_NORM_EPS)
                 self._linear_bias(mlp, normed, b.fc1_w, b.fc1_b, self.act)
                 self._residual_linear(x, mlp, b.fc2_w, b.fc2_b, tmp)
             norm_w, norm_b, fc1_w, fc1_b, fc2_w, fc2_b = self.merger
-            ops.layernorm(ctx, normed, x, norm_w, norm_b, LAYER_NORM_EPS)
+            vision_ops.layernorm(ctx, normed, x, norm_w, norm_b, LAYER_NORM_EPS)
             rows, M = n // d.merge_unit, d.merged_size
             windows = normed.view((rows, M))  # each merge window's patches are consecutive rows
             hidden = ctx.empty((rows, M), t_, "visual.merger_hidden")
             ctx.blas.linear(hidden.ptr, windows.ptr, fc1_w.ptr, rows, M, M, dtype=t_)
-            ops.bias_act(ctx, hidden, hidden, fc1_b, "gelu")
+            vision_ops.bias_act(ctx, hidden, hidden, fc1_b, "gelu")
             ctx.blas.linear(out.ptr, hidden.ptr, fc2_w.ptr, rows, d.out_hidden_size, M, dtype=t_)
-            ops.bias_act(ctx, out, out, fc2_b)
+            vision_ops.bias_act(ctx, out, out, fc2_b)
         finally:
             ctx.device.sync()  # scratch is released below; nothing may still be reading it
             ctx.arena.release(mark)
@@ -207,7 +207,7 @@ class GpuVisionTower:
             except EpilogueUnsupported:  # raised before any launch: the separate kernels below instead
                 pass
         ctx.blas.linear(out.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t)
-        ops.bias_act(ctx, out, out, bias, act)
+        vision_ops.bias_act(ctx, out, out, bias, act)
 
     def _residual_linear(self, x: DArray, inp: DArray, w: DArray, bias: DArray, tmp: DArray) -> None:
         """x += inp @ w^T + bias: the GEMM accumulates into the residual stream (beta = 1), bias in its epilogue;
@@ -220,7 +220,7 @@ class GpuVisionTower:
         except EpilogueUnsupported:
             pass
         ctx.blas.linear(tmp.ptr, inp.ptr, w.ptr, rows, cols, k, dtype=t)
-        ops.bias_residual(ctx, x, tmp, bias)
+        vision_ops.bias_residual(ctx, x, tmp, bias)
 
     def _attend(self, out: DArray, qkv: DArray, n: int, seg: int) -> None:
         """Bidirectional attention within each segment of `seg` rows: out [n, H] from qkv [n, 3H]."""
@@ -231,7 +231,7 @@ class GpuVisionTower:
             return
         use_gemm = self.attention == "gemm" or (self.attention == "auto" and seg >= GEMM_ATTENTION_MIN)
         if not use_gemm:
-            ops.vision_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
+            vision_ops.vision_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
             return
         item, heads = qkv.itemsize, d.num_heads
         q_rows = max(1, min(seg, SCORES_BYTES // (4 * seg * heads)))
@@ -249,7 +249,7 @@ class GpuVisionTower:
                 ctx.blas.linear(scores.ptr, q_ptr, k_ptr, rows, seg, hd, dtype=t, y_dtype="f32", x_ld=3 * H,
                                 w_ld=3 * H, batch=heads, strides=(hd, hd, rows * seg))
                 s, p = scores.view((heads * rows, seg)), probs.view((heads * rows, seg))
-                ops.softmax_rows(ctx, p, s, scale)
+                vision_ops.softmax_rows(ctx, p, s, scale)
                 ctx.blas.linear(o_ptr, p.ptr, v_ptr, rows, hd, seg, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn",
                                 batch=heads, strides=(rows * seg, hd, hd))
         ctx.arena.release(mark)  # stream order: later allocations are written only after these reads

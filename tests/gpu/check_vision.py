@@ -118,7 +118,7 @@ def check_towers(rng: np.random.Generator) -> list[VisionResult]:
 
 def check_softmax(rng: np.random.Generator) -> list[VisionResult]:
     """Both softmax kernels of the GEMM attention vs numpy float64, rows shorter and longer than one pass."""
-    from gpu_engine.cuda import ops
+    from gpu_engine.cuda import vision_ops
     from gpu_engine.cuda.context import GpuContext
 
     results = []
@@ -131,10 +131,10 @@ def check_softmax(rng: np.random.Generator) -> list[VisionResult]:
             ref /= ref.sum(1, keepdims=True)
             scores = ctx.to_device(s, "f32", "scores")
             for dtype in ("f32", "bf16"):
-                for method in ("cached", "loop") if cols <= ops.SOFTMAX_CACHED_MAX else ("loop",):
+                for method in ("cached", "loop") if cols <= vision_ops.SOFTMAX_CACHED_MAX else ("loop",):
                     out = ctx.empty((rows, cols), dtype, "probs")
                     ctx.poison(out)
-                    ops.softmax_rows(ctx, out, scores, 0.3, method)
+                    vision_ops.softmax_rows(ctx, out, scores, 0.3, method)
                     err = rel_err(ctx.to_host(out), ref)
                     results.append(VisionResult(f"softmax_rows {method} {rows}x{cols}", dtype, (0, rows, cols), err,
                                                 bool(err <= TOL[dtype])))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_engine.cuda import ops, rotary
+from gpu_engine.cuda import rotary, vision_ops
 from gpu_engine.cuda.arena import ALIGN
 from gpu_engine.cuda.embeddings import BlockPool, DeviceEmbeddings
 from gpu_engine.cuda.errors import ShapeError
@@ -103,14 +103,14 @@ def ctx() -> SimpleNamespace:
 
 def test_vision_launchers_refuse_bad_shapes(ctx) -> None:
     with pytest.raises(ShapeError, match="layernorm shapes"):
-        ops.layernorm(ctx, arr((4, 8)), arr((4, 8)), arr((8,)), arr((7,)), 1e-6)
+        vision_ops.layernorm(ctx, arr((4, 8)), arr((4, 8)), arr((8,)), arr((7,)), 1e-6)
     with pytest.raises(ShapeError, match="unknown activation"):
-        ops.bias_act(ctx, arr((4, 8)), arr((4, 8)), arr((8,)), "relu")
+        vision_ops.bias_act(ctx, arr((4, 8)), arr((4, 8)), arr((8,)), "relu")
     with pytest.raises(ShapeError, match="bias_residual shapes"):
-        ops.bias_residual(ctx, arr((4, 8)), arr((4, 9)), arr((8,)))
+        vision_ops.bias_residual(ctx, arr((4, 8)), arr((4, 9)), arr((8,)))
     with pytest.raises(ShapeError, match="taps"):
-        ops.patch_pos(ctx, arr((4, 8)), arr((8,)), arr((25, 8)), arr((4, 4), "f32"), arr((4, 4), "f32"))
+        vision_ops.patch_pos(ctx, arr((4, 8)), arr((8,)), arr((25, 8)), arr((4, 4), "f32"), arr((4, 4), "f32"))
     with pytest.raises(ShapeError, match="seg_len"):
-        ops.vision_attention(ctx, arr((6, 48)), arr((6, 48 * 3)), 2, 24, 4, 0.2)
+        vision_ops.vision_attention(ctx, arr((6, 48)), arr((6, 48 * 3)), 2, 24, 4, 0.2)
     with pytest.raises(ShapeError, match="max 256"):
-        ops.vision_attention(ctx, arr((4, 512)), arr((4, 1536)), 1, 512, 4, 0.2)
+        vision_ops.vision_attention(ctx, arr((4, 512)), arr((4, 1536)), 1, 512, 4, 0.2)
