@@ -129,12 +129,26 @@ def test_a_stalled_upload_is_cut_off(tight_server) -> None:  # type: ignore[no-u
 
 
 def test_keyring_matches_only_configured_keys() -> None:
+    from pipeline.tenancy import Access
+
     keys = ["a" * 20 + str(random.random()), "b" * 24]
-    ring = KeyRing(keys)
+    ring = KeyRing([keys[0], f"acme:{keys[1]}", f"*:{'c' * 16}"])
     assert ring.enabled and not KeyRing([]).enabled
-    assert ring.match(keys[0]) == key_id(keys[0]) and ring.match(keys[1]) == key_id(keys[1])
+    assert ring.match(keys[0]) == (key_id(keys[0]), Access())  # a plain key: the default tenant
+    assert ring.match(keys[1]) == (key_id(keys[1]), Access("acme"))
+    assert ring.match("c" * 16) == (key_id("c" * 16), Access(admin=True))
+    assert ring.match(f"acme:{keys[1]}") is None  # the tenant is configuration, not part of the key
     assert ring.match(keys[0][:-1]) is None and ring.match("") is None and ring.match(keys[0] + "x") is None
     assert key_id(keys[0]) != key_id(keys[1]) and keys[0] not in key_id(keys[0])
+
+
+def test_a_short_key_is_refused_without_echoing_any_key() -> None:
+    from pipeline.tenancy import parse_key_entries
+
+    good = "g" * 24
+    with pytest.raises(ValueError) as refused:
+        parse_key_entries([f"acme:{good}", "beta:k3y9"])
+    assert "#2" in str(refused.value) and good not in str(refused.value) and "k3y9" not in str(refused.value)
 
 
 def test_presented_key_headers() -> None:
