@@ -166,11 +166,13 @@ class EngineSlots:
 
 
 class JobQuota:
-    """Caps queued + running jobs per key.
+    """An early refusal of work past the in-flight job cap of a tenant (the routes pass the tenant as `key`),
+    before an upload's body is read. The cap itself is enforced by `pipeline.quotas` in the transaction that
+    queues each job; this is only the cheap pre-check, so it may let a request through that intake then refuses.
 
-    The server remembers which key submitted which job; `still_active` (a DB lookup supplied by the app) says
+    The server remembers which tenant submitted which job; `still_active` (a DB lookup supplied by the app) says
     which of those are not finished yet, so jobs finished by any process (embedded thread or Celery worker) free
-    their slot. The lookup is only made when the remembered jobs could reach the cap, so a key well under it
+    their slot. The lookup is only made when the remembered jobs could reach the cap, so a tenant well under it
     costs an upload no query.
     """
 
