@@ -73,6 +73,9 @@ class ChildProcess:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         return cls([sys.executable, "-u", "-m", module], env={"PYTHONPATH": path}, **kwargs)
 
+    def alive(self) -> bool:
+        return not self.closed and self.proc.poll() is None
+
     def request(self, request: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         try:

@@ -32,10 +32,12 @@ from .errors import DecoderCrashedError, MediaError, RenderTimeoutError
 from .limits import MediaLimits, RenderOptions
 from .opener import identify
 from .page import MediaPage
+from .render_pool import RenderChild, RenderPool
 from .video import VideoDocument
 
 WORKER_MODULE = "vision.render_worker"
 START_TIMEOUT_S = 30.0  # a render process loading Python, MuPDF and Pillow (~0.3 s idle, seconds when overloaded)
+POOL = RenderPool(WORKER_MODULE)  # warm render processes shared by the documents of this process
 
 
 def open_isolated(
@@ -73,6 +75,8 @@ class IsolatedDocument(MediaDocument):
         self._limits, self._options, self._text = limits, options, text
         self._spent = 0.0  # seconds waited on children for this document
         self._child: ChildProcess | None = None
+        self._render_child: RenderChild | None = None  # the pool's record of `_child`
+        self._in_flight = False  # a request was sent and its reply not read (an interrupted wait): never reuse
         opened = self._start()
         self.kind = opened["kind"]
         self.media_type = opened["media_type"]
@@ -109,6 +113,7 @@ class IsolatedDocument(MediaDocument):
         if timeout <= 0:
             raise self._document_spent()
         self._child.request(request)
+        self._in_flight = True
         try:
             header, payload, waited = self._child.read(timeout)
         except ChildTimeout:
@@ -118,20 +123,24 @@ class IsolatedDocument(MediaDocument):
         except ChildDied:
             self._child = None
             raise
+        self._in_flight = False
         self._spent += waited
         return header, payload
 
     # --- the child -----------------------------------------------------------------------------------------------
     def _start(self) -> dict[str, Any]:
         """A fresh child with the file open; its "opened" reply. Raises the document's MediaError."""
-        self._child = ChildProcess.python_module(
-            WORKER_MODULE, memory_bytes=self._limits.decode_memory_bytes,
-            cpu_seconds=self._limits.document_render_timeout_s)
-        try:
-            self._await_ready()
-        except BaseException:
-            self.close()
-            raise
+        self._render_child = POOL.take(memory_bytes=self._limits.decode_memory_bytes,
+                                       document_budget_s=self._limits.document_render_timeout_s)
+        self._child = self._render_child.process
+        self._in_flight = False
+        if not self._render_child.ready:
+            try:
+                self._await_ready()
+            except BaseException:
+                self.close()
+                raise
+            self._render_child.ready = True
         request = {"op": "open", "path": str(self._path), "password": self._password, "name": self._name,
                    "limits": asdict(self._limits),
                    # PDF and image output depends on the DPI only (video options hold a callable and stay here)
@@ -247,6 +256,12 @@ class IsolatedDocument(MediaDocument):
         )
 
     def close(self) -> None:
-        if self._child is not None:
-            self._child.close()
-            self._child = None
+        """Hand a cleanly idle render process back to the pool; stop one that was interrupted mid-request."""
+        child, render_child = self._child, self._render_child
+        self._child, self._render_child = None, None
+        if child is None or render_child is None:
+            return
+        if self._in_flight:
+            child.close()
+        else:
+            POOL.give_back(render_child)

@@ -2,8 +2,9 @@
 
 `MediaLimits` holds every cap that protects a worker (file size, pages, pixels, video length, decoder time and
 memory, render time per page and per document, drawing work per PDF page). `RenderOptions` holds the choices that
-change what comes out (PDF DPI, Qwen's video frame sampling, near-duplicate removal). Both are frozen dataclasses with defaults that suit a CPU ingest worker; invalid values
-fail at construction with a `ValueError` naming the field.
+change what comes out (PDF DPI, Qwen's video frame sampling, near-duplicate removal). Both are frozen dataclasses
+with defaults that suit a CPU ingest worker; invalid values fail at construction with a `ValueError` naming the
+field.
 """
 
 from __future__ import annotations

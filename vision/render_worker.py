@@ -69,6 +69,9 @@ def main() -> int:
         request = json.loads(line)
         try:
             if request["op"] == "open":
+                if doc is not None:  # a pooled process: the previous document is done
+                    doc.close()
+                    doc = None
                 doc = _open(request)
                 metadata = json.loads(json.dumps(doc.metadata, default=str))
                 send(out, {"type": "opened", "kind": doc.kind, "media_type": doc.media_type,

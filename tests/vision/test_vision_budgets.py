@@ -145,3 +145,34 @@ def test_repaired_pdf_says_so_through_the_render_process(tmp_path: Path) -> None
     with vision.open_isolated(_write(tmp_path, "cut.pdf", hostile.truncated_pdf())) as doc:
         assert doc.metadata["repaired"] is True
         assert any(p.ok for p in doc.pages())
+
+
+def test_a_clean_render_process_serves_the_next_document_and_a_killed_one_does_not(tmp_path: Path) -> None:
+    from vision.isolated import POOL
+
+    POOL.clear()
+    plain = _write(tmp_path, "a.pdf", pdf_bytes(["one", "two"]))
+    with vision.open_isolated(plain) as first:
+        list(first.pages())
+        pid = first._child.proc.pid  # type: ignore[attr-defined]  # which process served it
+    with vision.open_isolated(plain) as second:
+        assert second._child.proc.pid == pid  # type: ignore[attr-defined]
+        assert all(p.ok for p in second.pages())
+    slow = _write(tmp_path, "slow.pdf", hostile.nested_xobject_pdf(1, SLOW_DEPTH, 10))
+    limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=30.0, max_page_draw_ops=10**9)
+    with vision.open_isolated(slow, limits=limits) as doc:
+        assert doc._child.proc.pid == pid  # type: ignore[attr-defined]
+        assert isinstance(next(iter(doc.pages())).error, RenderTimeoutError)
+    with vision.open_isolated(plain, limits=limits) as after:
+        assert after._child.proc.pid != pid  # type: ignore[attr-defined]  # the killed process is gone
+        assert all(p.ok for p in after.pages())
+    POOL.clear()
+
+
+def test_a_normal_2000_page_scan_renders_inside_the_default_budgets(tmp_path: Path) -> None:
+    path = _write(tmp_path, "long.pdf", hostile.cheap_pages_pdf(2000))
+    with vision.open_isolated(path, options=vision.RenderOptions(pdf_dpi=50.0)) as doc:
+        pages = list(doc.pages())
+        spent = doc.seconds_spent  # type: ignore[attr-defined]
+    assert len(pages) == 2000 and all(p.ok for p in pages)
+    assert spent < MediaLimits().document_render_timeout_s
