@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .runner_api import SamplingRequest, StepOutput
-from .sampling import SampleResult, SamplingRows, bitmask_to_bool
+from .sampling import SampleResult, SamplingRows, bitmask_allows_any
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
 from .structured import StructuredOutput
@@ -54,7 +54,7 @@ def plan_runner_sampling(scheduled: list[ScheduledChunk], rng_of: Callable[[Sequ
         tm = time.perf_counter()
         bitmask = structured().bitmask([(m, j) for j, (m, _) in enumerate(constrained)], len(constrained))
         mask_index = np.full(len(seqs), -1, np.int64)
-        allows_any = bitmask_to_bool(bitmask, vocab_size).any(axis=1)
+        allows_any = bitmask_allows_any(bitmask, vocab_size)
         for j, (_, r) in enumerate(constrained):
             if allows_any[j]:
                 mask_index[r] = j

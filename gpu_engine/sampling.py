@@ -113,6 +113,18 @@ def bitmask_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     return bits[:, :vocab].astype(bool)
 
 
+def bitmask_allows_any(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [R]: does row r of llguidance's int32 bitmask allow any token below `vocab`? Equal to
+    bitmask_to_bool(bitmask, vocab).any(axis=1), read off the words: no [R, vocab] bool array on every
+    constrained step (bench/results/doc_throughput.md has the cost at a real vocabulary)."""
+    words = np.ascontiguousarray(bitmask).view(np.uint32)
+    full, rest = divmod(vocab, 32)
+    out = (words[:, :full] != 0).any(axis=1)
+    if rest:
+        out |= (words[:, full] & np.uint32((1 << rest) - 1)) != 0
+    return out
+
+
 def apply_allowed_mask(logits: np.ndarray, allowed: np.ndarray) -> None:
     """In place: disallowed tokens -> -inf."""
     np.putmask(logits, ~allowed, -np.inf)

@@ -156,3 +156,19 @@ def test_log_softmax_handles_masked_rows():
     lp = log_softmax(x)
     assert lp[0, 1] == -np.inf
     np.testing.assert_allclose(np.exp(lp[0, [0, 2]]).sum(), 1.0, rtol=1e-6)
+
+
+def test_bitmask_allows_any_reads_the_words_like_the_unpacked_mask() -> None:
+    from gpu_engine.sampling import bitmask_allows_any
+
+    rng = np.random.default_rng(3)
+    for vocab in (32, 33, 100, 248320 + 7):
+        words = -(-vocab // 32)
+        mask = np.zeros((6, words), np.int32)
+        mask[1, rng.integers(words)] = np.int32(1 << int(rng.integers(31)))  # one allowed token somewhere
+        mask[2] = rng.integers(-2**31, 2**31 - 1, words, dtype=np.int64).astype(np.int32)
+        mask[3, -1] = np.int32(-2**31)  # the top bit of the last word: a token only when vocab % 32 == 0
+        mask[4, 0] = 1  # token 0
+        if vocab % 32:
+            mask[5, -1] = np.int32(1 << (vocab % 32 - 1))  # the last real token
+        assert np.array_equal(bitmask_allows_any(mask, vocab), bitmask_to_bool(mask, vocab).any(axis=1)), vocab
