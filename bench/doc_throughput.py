@@ -14,7 +14,9 @@ What runs, per shape (bench/qwen35_shapes.py; "tiny" = gpu_engine.tiny's config,
    text layer, 12 MP phone photos, 8 s videos) become the pipeline's own requests: builtin schema --schema's
    prompt, pipeline.extraction.build_request, SamplingParams from pipeline.extraction.sampling_params (JSON-schema
    grammar, logprobs). Modes: `fixedN` = those params with max_tokens=N and ignore_eos (the schema left uncapped,
-   as for a real checkpoint, so the JSON outlasts N tokens); `grammar` = the params the pipeline sends for a
+   as for a real checkpoint); the engine still ends a request whose JSON is complete (ignore_eos does not outlast
+   the grammar), so a unit may stop before N: `grammar_completed_before_length` counts those, and tokens_per_page
+   says what was generated (with random weights every invoice reached 256 tokens, none reached 1,024); `grammar` = the params the pipeline sends for a
    random-weight model (its grammar caps, Settings.grammar_caps for the bundled model, and max_tokens 2048),
    ending where the grammar ends, with --grammar-schema (default `form`: random weights write the digits of an
    invoice's amounts until max_tokens, so an invoice answer never ends by its grammar). A warm-up of three units (one of each kind) runs first. All units are submitted at once from
@@ -485,7 +487,8 @@ def _line(r: dict[str, Any]) -> str:
     s, lat = r["time_split"], r["latency_all"]
     return (f"{r['shape']:>5} {r['output_mode']:<10} {r['units']:>4} units {r['wall_s']:7.2f} s  "
             f"{r['pages_per_s']:7.2f} pages/s  {r['generated_tok_per_s']:8.0f} gen tok/s  "
-            f"{r['prompt_tok_per_s']:8.0f} prompt tok/s  {r['tokens_per_page']:6.0f} tok/page  "
+            f"{r['prompt_tok_per_s']:8.0f} prompt tok/s  {r['tokens_per_page']:6.0f} tok/page "
+            f"({r['grammar_completed_before_length']} ended by the grammar)  "
             f"limit {r['fraction_of_limit']:.2f}  busy {r['gpu_busy_fraction']:.2f}  "
             f"TTFT p50/p95 {lat['ttft_p50_s']:.2f}/{lat['ttft_p95_s']:.2f} s  "
             f"latency p50/p95 {lat['latency_p50_s']:.2f}/{lat['latency_p95_s']:.2f} s  "
