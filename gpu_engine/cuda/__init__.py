@@ -3,7 +3,8 @@ hand-written kernels (kernels/*.cu, compiled by NVRTC for the device's own arch 
 GEMMs via nvmath-python. Nothing is imported here, so that `import gpu_engine.cuda` works without a GPU; use
 `gpu_engine.cuda.runner.CudaRunner` (or `gpu_engine.load(path, runner="cuda")`).
 
-Modules: device (context, stream, NVRTC + module cache, graphs), arena (one start-up allocation, sub-allocated),
-context (GpuContext + DArray), gemm (cuBLASLt), ops (typed kernel launchers), rotary (host rotary tables),
-weights (fused weight upload), runner (the runner contract), bf16 (host bf16 conversion), errors.
+Modules (one line each in gpu_engine/README.md): runner (the runner contract: memory, cache, graphs, sampling),
+text_model (the decoder), step (a step's tables), options (CudaOptions), weights, vision, sampler, embeddings,
+ops / vision_ops / deltanet_chunked / vision_flash (kernel launchers), gemm (cuBLASLt), context, arena, device,
+rotary, bf16, errors.
 """
