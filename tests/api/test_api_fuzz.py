@@ -102,8 +102,15 @@ def json_body(value: Any) -> bytes:
     return text.encode()
 
 
+# uvicorn's own answer to a request head it will not buffer (h11 keeps at most 16 KiB of an incomplete head): a
+# 400 before any of our code runs, so it cannot be a problem document.
+SERVER_REFUSED_HEAD = "Invalid HTTP request received."
+
+
 def check(response: httpx.Response) -> None:
     assert response.status_code < 500, f"{response.request.method} {response.request.url}: {response.text}"
+    if response.status_code == 400 and response.text == SERVER_REFUSED_HEAD:
+        return
     if response.status_code >= 400:
         assert response.headers["content-type"].startswith("application/problem+json"), response.text
         assert isinstance(response.json()["code"], str)
@@ -226,7 +233,8 @@ def test_chat_response_format(c: httpx.Client, model_id: str, response_schema: A
 @given(key=st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=300),
        header=st.sampled_from(["X-API-Key", "Authorization"]))
 def test_api_key_headers(server: LiveServer, key: str, header: str) -> None:
-    # Header values travel as latin-1 text; NUL and line breaks cannot (the client and h11 refuse them).
-    value = key.encode("latin-1")
+    # Header values travel as latin-1 text; NUL, line breaks and leading or trailing blanks cannot (the client and
+    # h11 refuse them).
+    value = (key.strip(" \t") or "x").encode("latin-1")
     with httpx.Client(base_url=server.base, headers={header: value}, timeout=60) as anon:
         check(anon.get("/v1/documents"))
