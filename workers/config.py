@@ -66,6 +66,10 @@ class WorkerSettings(BaseSettings):
     ingest_max_tasks_per_child: int = Field(
         200, ge=1, description="Recycle an ingest process after this many tasks (bounds leaks in media decoders)."
     )
+    ingest_renders_per_tenant: int | None = Field(
+        None, ge=1, description="Documents one tenant may have rendering at once across all ingest workers (its "
+        "further prepare messages wait while other tenants' run); None = no cap."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "WorkerSettings":

@@ -29,7 +29,9 @@ from . import runtime, staging
 from .app import app
 from .config import (TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_SWEEP, TASK_WATCH,
                      WorkerSettings)
+from .config import render_time_limits
 from .enqueue import enqueue_job
+from .render_slots import RenderSlots
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
 from .markers import redis_client
@@ -103,6 +105,21 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
     return {"job_id": job_id, "state": run.state, "ran": run.ran, "note": run.note}
 
 
+class _WaitForSlot(Exception):
+    """The job's tenant has `ingest_renders_per_tenant` documents rendering already (workers.render_slots)."""
+
+
+def job_tenant(p: Any, job_id: int) -> str:
+    """The tenant of the job's document: whose render slots it takes."""
+    from pipeline.models import Document, Job
+
+    with p.db.read_session() as s:
+        tenant = s.scalar(select(Document.tenant).join(Job, Job.document_id == Document.id).where(Job.id == job_id))
+    if tenant is None:
+        raise NotFoundError("job", job_id)
+    return tenant
+
+
 @app.task(name=TASK_PREPARE, bind=True, max_retries=None)
 def prepare(self: Task, job_id: int) -> dict[str, Any]:
     """Rendering on the CPU queue, so GPU workers only extract. A bad file is not an exception here: rendering
@@ -112,9 +129,23 @@ def prepare(self: Task, job_id: int) -> dict[str, Any]:
     unreachable) raise, and are retried with backoff."""
     p = runtime.pipeline()
     ws = runtime.process_config().worker_settings
+    cap = ws.ingest_renders_per_tenant
+    slots = RenderSlots(_redis(), limit=cap, ttl_s=render_time_limits(p.settings)["time_limit"]) if cap else None
+    holder = f"job-{job_id}"
     try:
-        document_status = render_for_job_capped(p, job_id)
+        tenant = job_tenant(p, job_id) if slots is not None else ""
+        if slots is not None and not slots.acquire(tenant, holder):  # the tenant's renders all run: others first
+            log.info("job %s waits: tenant %r has %d document(s) rendering", job_id, tenant, cap)
+            raise _WaitForSlot()
+        try:
+            document_status = render_for_job_capped(p, job_id)
+        finally:
+            if slots is not None:
+                slots.release(tenant, holder)
         found = job_state(p, job_id)
+    except _WaitForSlot:
+        # not a failure: a later delivery of the same message, counted in no attempt
+        raise self.retry(countdown=ws.retry_backoff_s, max_retries=None) from None
     except NotFoundError:
         log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
         return {"job_id": job_id, "state": "missing"}
