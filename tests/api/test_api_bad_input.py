@@ -1,11 +1,13 @@
-"""Issue #20's table, one test per row, over real HTTP against SQLite and PostgreSQL: each case answers the
-expected 4xx problem document with a stable code (it used to be 500 internal_error), and a refused request
-writes nothing. Also the multipart framing limits and the incident id of a 5xx in the server log."""
+"""Issue #20's table, one test per row, over real HTTP against embedded SQLite, embedded PostgreSQL and broker mode
+with PostgreSQL (the modes the table was found in): each case answers the expected 4xx problem document with a
+stable code (it used to be 500 internal_error), and a refused request writes nothing. Also the multipart framing
+limits and the incident id of a 5xx in the server log."""
 from __future__ import annotations
 
 import io
 import logging
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,10 +17,27 @@ from PIL import Image
 from api.bounds import MAX_ROW_ID, MAX_SEED
 from api.queries import encode_cursor
 from api.uploads import MAX_BOUNDARY_BYTES, MAX_PART_HEADER_BYTES, MAX_PART_HEADERS
-from apitest_support import LiveServer, server  # noqa: F401 (fixture)
+from apitest_support import LiveServer, database_url, live_server, test_settings
 from pipeline.schemas import SCHEMA_BUDGET
+from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 
 OBJECT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql", "broker-postgresql"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    data_dir = tmp_path_factory.mktemp(f"bad-input-{request.param}")
+    if request.param != "broker-postgresql":
+        with database_url(request.param, data_dir) as url, live_server(test_settings(data_dir, url)) as live:
+            yield live
+        return
+    db, redis_client = _claim_redis_db()  # jobs are only enqueued there; nothing runs them
+    try:
+        with database_url("postgresql", data_dir) as url, live_server(test_settings(
+                data_dir, url, broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}")) as live:
+            yield live
+    finally:
+        redis_client.flushdb()
 
 
 def assert_problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
