@@ -51,19 +51,33 @@ class SchemaBudget:
 SCHEMA_BUDGET = SchemaBudget()
 
 
+def _entries(container: dict[str, Any] | list[Any]) -> Iterator[tuple[str | None, Any]]:
+    if isinstance(container, dict):
+        return iter(container.items())
+    return ((None, item) for item in container)
+
+
 def _walk(root: Any) -> Iterator[tuple[Any, int, bool]]:
-    """Every value of a JSON document with its depth (containers count from 1), and every object key (flagged
-    True); iterative, so no depth can exhaust the stack."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
-    while stack:
-        value, depth = stack.pop()
+    """Every value of a JSON document with its depth (the root counts 1, its members 2, ...), and every object key
+    (flagged True), depth first. Iterative, so no depth can exhaust the stack; it holds one iterator per open
+    container, so a consumer that stops at a limit has used memory for that many levels, not for the whole
+    document (a 32 MiB body can be a list of 16 million numbers)."""
+    yield root, 1, False
+    if not isinstance(root, (dict, list)):
+        return
+    open_containers: list[tuple[Iterator[tuple[str | None, Any]], int]] = [(_entries(root), 2)]
+    while open_containers:
+        entries, depth = open_containers[-1]
+        entry = next(entries, None)
+        if entry is None:
+            open_containers.pop()
+            continue
+        key, value = entry
+        if key is not None:
+            yield key, depth - 1, True
         yield value, depth, False
-        if isinstance(value, dict):
-            for key, item in value.items():
-                yield key, depth, True
-                stack.append((item, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, depth + 1) for item in value)
+        if isinstance(value, (dict, list)):
+            open_containers.append((_entries(value), depth + 1))
 
 
 def check_schema_budget(json_schema: Any, what: str, budget: SchemaBudget = SCHEMA_BUDGET) -> None:
