@@ -91,3 +91,18 @@ def test_display_names_lose_control_characters_and_surrogates_only() -> None:
     assert clean_display_name("in\x00voice\x07\r\n.pdf") == "invoice.pdf"
     assert clean_display_name("a\ud800b.png") == "ab.png"
     assert clean_display_name("Rechnung März 2024 (1).pdf") == "Rechnung März 2024 (1).pdf"
+
+
+def test_a_huge_flat_schema_is_refused_without_copying_it() -> None:
+    import tracemalloc
+
+    huge = {"type": "object", "enum": list(range(2_000_000))}  # what a 16 MiB request body can hold
+    tracemalloc.start()
+    try:
+        with pytest.raises(SchemaTooComplexError) as err:
+            check_schema_budget(huge, "s")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.limit == "size"
+    assert peak < 1_000_000, peak  # a stack of pending values would hold ~2 million entries (>100 MB)
