@@ -16,10 +16,11 @@ What runs, per shape (bench/qwen35_shapes.py; "tiny" = gpu_engine.tiny's config,
    grammar, logprobs). Modes: `fixedN` = those params with max_tokens=N and ignore_eos (the schema left uncapped,
    as for a real checkpoint); the engine still ends a request whose JSON is complete (ignore_eos does not outlast
    the grammar), so a unit may stop before N: `grammar_completed_before_length` counts those, and tokens_per_page
-   says what was generated (with random weights every invoice reached 256 tokens, none reached 1,024); `grammar` = the params the pipeline sends for a
-   random-weight model (its grammar caps, Settings.grammar_caps for the bundled model, and max_tokens 2048),
-   ending where the grammar ends, with --grammar-schema (default `form`: random weights write the digits of an
-   invoice's amounts until max_tokens, so an invoice answer never ends by its grammar). A warm-up of three units (one of each kind) runs first. All units are submitted at once from
+   says what was generated (in the H200 run every 9B invoice reached 256 tokens and none 1,024); `grammar` = the
+   params the pipeline sends for a random-weight model (its grammar caps, Settings.grammar_caps for the bundled
+   model, and max_tokens 2048), ending where the grammar ends, with --grammar-schema (default `form`: on the tiny
+   model, the invoice's amounts ran on in digits to max_tokens). A warm-up of three units (one of each kind) runs
+   first. All units are submitted at once from
    --submitters threads (each prepares its images, as the pipeline's job threads do); the clock runs from the
    first submit to the last final output.
 4. what is reported per (shape, mode): pages/s (units/s: a PDF page, a photo or a whole video each), generated
@@ -492,7 +493,8 @@ def _line(r: dict[str, Any]) -> str:
             f"limit {r['fraction_of_limit']:.2f}  busy {r['gpu_busy_fraction']:.2f}  "
             f"TTFT p50/p95 {lat['ttft_p50_s']:.2f}/{lat['ttft_p95_s']:.2f} s  "
             f"latency p50/p95 {lat['latency_p50_s']:.2f}/{lat['latency_p95_s']:.2f} s  "
-            f"[vision {s['vision_encode_s']:.1f} prefill {s['prefill_forward_s']:.1f} decode {s['decode_forward_s']:.1f} "
+            f"[vision {s['vision_encode_s']:.1f} prefill {s['prefill_forward_s']:.1f} "
+            f"decode {s['decode_forward_s']:.1f} "
             f"mask {s['grammar_mask_s']:.1f} host {s['host_scheduling_s']:.1f} outside {s['outside_steps_s']:.1f} "
             f"preprocess {s['image_preprocessing_s']:.1f} s]")
 

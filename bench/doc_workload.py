@@ -49,7 +49,7 @@ def invoice_pdf(pages: int, rng: np.random.Generator) -> bytes:
         page = doc.new_page(width=595, height=842)  # A4 in points
         y = 60.0
 
-        def line(text: str, size: float = 9.0, x: float = 50.0) -> None:
+        def line(text: str, size: float = 9.0, x: float = 50.0, page: Any = page) -> None:
             nonlocal y
             page.insert_text((x, y), text, fontsize=size, fontname="helv")
             y += size * 1.5

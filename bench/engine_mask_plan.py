@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['rows']:>5} {r['fill_ms']:>19.2f} {r['check_unpacked_ms']:>19.2f} {r['check_words_ms']:>16.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "benchmark": "engine_mask_plan", "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "benchmark": "engine_mask_plan",
+            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": " ".join(["python3", *sys.argv]), "machine": f"{platform.machine()}, shared CPU",
             "vocab": VOCAB, "schema": "invoice", "reps": args.reps, "rows": rows}, indent=1))
     return 0

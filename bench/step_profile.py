@@ -151,6 +151,6 @@ class StepProfile:
 
 
 def _mask_seconds(engine: Any) -> float:
-    """The engine's grammar-mask timer (Engine._metrics.mask_s; Engine._mask_s in trees before gpu_engine/metrics.py)."""
+    """The engine's grammar-mask timer (Engine._metrics.mask_s; Engine._mask_s before gpu_engine/metrics.py)."""
     metrics = getattr(engine, "_metrics", None)
     return metrics.mask_s if metrics is not None else engine._mask_s
