@@ -28,8 +28,8 @@ from .errors import ApiError, BodyTooLarge
 
 MAX_FIELD_BYTES = 64 * 1024  # text fields (schema name, password) are small
 MAX_FIELDS = 32
-# The multipart framing itself, explicit rather than whatever the parser allows (python-multipart takes 256-byte
-# boundaries and any amount of part headers, each header accumulated in memory until the body limit).
+# The multipart framing itself, explicit rather than whatever the installed parser allows (python-multipart takes
+# 256-byte boundaries; its header limits exist only in recent releases, older ones buffer any amount of headers).
 MAX_BOUNDARY_BYTES = 70  # RFC 2046, section 5.1.1; what browsers, curl and httpx send is 30-70
 MAX_PART_HEADER_BYTES = 4096  # names and values of one part's headers together
 MAX_PART_HEADERS = 8  # headers of one part (Content-Disposition and Content-Type are what we read)
@@ -299,8 +299,8 @@ async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, 
 
 
 def _parser(boundary: bytes, callbacks: dict[str, Any]) -> MultipartParser:
-    """The parser, with our header limits where its version takes them (0.0.2x+; older ones have none, and our
-    callbacks count the same limits)."""
+    """The parser, with our header limits where its version takes them (older releases have none; our callbacks
+    count the same limits either way)."""
     try:
         return MultipartParser(boundary, callbacks,  # type: ignore[arg-type]
                                max_header_size=MAX_PART_HEADER_BYTES, max_header_count=MAX_PART_HEADERS)
