@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.gpu import check_deltanet_chunked, check_flash, check_kernels
-from tests.gpu.harness import Result, result_table
+from tests.gpu.harness import Result, check_main, passed, result_table
 
 ROWS = [Result("short", "bf16", 1.23e-3, 1e-2, True), Result("broken", "f32", math.nan, 1e-4, False, "boom")]
 
@@ -31,3 +33,27 @@ def test_name_column_grows_with_the_longest_name() -> None:
     lines = check_deltanet_chunked.format_table([long]).splitlines()
     assert lines[0].startswith("check" + " " * 46 + "dtype") and lines[1] == "-" * 82
     assert result_table([]) == f"{'check':<40} dtype     rel.err      tol  ok\n{'-' * 72}\n0/0 passed"
+
+
+def test_a_skipped_row_is_reported_as_skipped_not_passed() -> None:
+    skipped = check_kernels.no_algorithm("gemm 37x1000x512 +bias", "bf16")
+    assert skipped.skipped and not skipped.ok and skipped.tol == check_kernels.TOL["bf16"]
+    assert check_kernels.format_table([ROWS[0], skipped]).splitlines()[3:] == [
+        f"{'gemm 37x1000x512 +bias':<40} bf16          nan    1e-02  SKIP  "
+        "cuBLASLt: no algorithm (callers use the separate kernels)",
+        "1/1 passed, 1 skipped"]
+    with pytest.raises(AssertionError, match="cannot also have passed"):
+        Result("both", "f32", 0.0, 1e-4, True, skipped=True)
+
+
+@pytest.mark.parametrize("rows, code", [
+    ([ROWS[0]], 0),  # ran and passed
+    ([ROWS[0], check_kernels.no_algorithm("g", "bf16")], 0),  # a skip neither fails nor counts
+    ([check_kernels.no_algorithm("g", "bf16")], 1),  # nothing ran: not a pass
+    ([], 1),
+    (ROWS, 1),  # one failure
+])
+def test_check_main_exit_code_counts_only_rows_that_ran(rows: list[Result], code: int,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert passed(rows) is (code == 0)
+    assert check_main("test", lambda seed: (rows, {"seed": seed}), check_kernels.format_table, argv=[]) == code
