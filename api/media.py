@@ -11,7 +11,7 @@ Called on a worker thread (see openai_compat): decoding never runs on the event 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from PIL import Image
 
@@ -31,10 +31,10 @@ from vision import MediaError as VisionError
 from .errors import ApiError, BodyTooLarge
 
 MAX_IMAGE_PIXELS = 50_000_000  # about 7000 x 7000 per image; larger images are refused, not decoded
-# What vision may spend on one chat part: the data: URL's own size cap applies first; a video decodes in its
-# isolated process for at most a minute, and frames come out at most 4 Mpx (the model's processor shrinks more).
-_CHAT_LIMITS = dict(max_image_pixels=MAX_IMAGE_PIXELS, max_page_pixels=4_000_000, decode_timeout_s=60.0,
-                    max_video_seconds=600.0)
+# What vision may spend on one chat part (the data: URL's size cap is set per request): a video decodes in its
+# isolated process for at most a minute, and images and frames come out at most 4 Mpx (the model's processor
+# shrinks them further).
+CHAT_MEDIA_LIMITS = MediaLimits(max_image_pixels=MAX_IMAGE_PIXELS, max_page_pixels=4_000_000, decode_timeout_s=60.0)
 
 _PATH = re.compile(r"(?<![\w.])(?:/[\w.@+-]+){2,}/?")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
@@ -90,7 +90,7 @@ def _payload(url: str, max_bytes: int) -> bytes:
 
 
 def _vision_limits(max_bytes: int) -> MediaLimits:
-    return MediaLimits(max_file_bytes=max_bytes, **_CHAT_LIMITS)  # type: ignore[arg-type]
+    return replace(CHAT_MEDIA_LIMITS, max_file_bytes=max_bytes)
 
 
 def _refusal(kind: str, what: str, exc: VisionError) -> MediaError:
@@ -139,9 +139,9 @@ def decode_video(url: str, what: str, fps: float, max_bytes: int, budget: MediaB
             if doc.kind != "video":
                 raise MediaError("invalid_video", f"{what} is {doc.media_type}, not a video (checked by content).")
             width, height = doc.metadata["width"], doc.metadata["height"]
-            per_frame = min(width * height, _CHAT_LIMITS["max_page_pixels"])  # type: ignore[type-var]
+            per_frame = min(width * height, CHAT_MEDIA_LIMITS.max_page_pixels)  # the decoder downscales to it
             budget.charge(f"{what} ({doc.page_count} frames at {fps:g} fps)", doc.page_count,
-                          doc.page_count * int(per_frame))
+                          doc.page_count * per_frame)
             pages = [page for page in doc.pages() if page.image is not None]
     except VisionError as exc:
         raise _refusal("video", what, exc) from exc

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import threading
 import time
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _trim = getattr(_libc, "malloc_trim", None)  # glibc only; elsewhere freed memory is the allocator's business
@@ -13,10 +14,10 @@ _busy = threading.Lock()
 SETTLE_S = 0.5  # the engine frees a finished request's pixels on its next step; trim after that
 
 
-def _trim_soon() -> None:
+def _trim_soon(trim: Callable[[int], int]) -> None:
     try:
         time.sleep(SETTLE_S)
-        _trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
+        trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
     finally:
         _busy.release()
 
@@ -26,4 +27,4 @@ def give_back_memory() -> None:
     request that ended meanwhile."""
     if _trim is None or not _busy.acquire(blocking=False):
         return
-    threading.Thread(target=_trim_soon, name="malloc-trim", daemon=True).start()
+    threading.Thread(target=_trim_soon, args=(_trim,), name="malloc-trim", daemon=True).start()

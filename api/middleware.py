@@ -21,7 +21,6 @@ from .errors import ApiError, unexpected_error_response
 from .metrics import HttpMetrics, route_of
 from .processes import connection_share
 
-
 _JSON_TYPES = (b"application/json", b"application/problem+json")
 
 

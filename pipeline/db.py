@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 try:
     import fcntl

@@ -15,11 +15,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from apitest_support import (
+    OPEN_LIMITS,
+    REPO,
+    SAMPLES,
+    LiveServer,
+    live_server,
+    test_settings,
+)
 from PIL import Image
 
 from api.limits import ApiLimits
 from api.media import public_text
-from apitest_support import OPEN_LIMITS, SAMPLES, REPO, LiveServer, live_server, test_settings
 
 MISBEHAVING = REPO / "tests" / "vision" / "vision_misbehaving_worker.py"
 # Room for the healthz test's large request; the refusal tests send more than these.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from apitest_support import free_port, live_server, test_settings
 from test_api_http import random_png, upload
 

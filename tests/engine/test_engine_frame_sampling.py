@@ -11,7 +11,9 @@ from gpu_engine.frame_sampling import QwenFrameSampler, qwen_frame_indices
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+    )
     from transformers.video_utils import VideoMetadata
 
     return Qwen3VLVideoProcessor, VideoMetadata

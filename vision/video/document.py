@@ -22,13 +22,19 @@ from __future__ import annotations
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from PIL import Image
 
 from ..document import MediaDocument
-from ..errors import CorruptMediaError, LimitExceededError, MediaError, NoVideoStreamError
+from ..errors import (
+    CorruptMediaError,
+    LimitExceededError,
+    MediaError,
+    NoVideoStreamError,
+)
 from ..limits import MediaLimits, RenderOptions
 from ..page import MediaPage
 from . import isolate
