@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 
@@ -33,6 +34,12 @@ class ChildDied(Exception):
         super().__init__(how)
         self.how = how
         self.stderr_tail = stderr_tail
+
+
+def _without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment minus docpipe's settings (database URL, API keys...): the child parses hostile files and
+    needs none of them, so a decoder exploited there finds no credentials."""
+    return {k: v for k, v in environ.items() if not k.startswith("DOCPIPE_")}
 
 
 def send(out: BinaryIO, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
@@ -53,7 +60,7 @@ class ChildProcess:
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, close_fds=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+            env=dict(_without_secrets(os.environ), OMP_NUM_THREADS="1", **(env or {})),
         )
         try:
             # prlimit, not preexec_fn: the latter is unsafe in threaded parents (a web server, Celery threads)

@@ -5,9 +5,10 @@ so that MuPDF and Pillow run outside the caller's process: a page that draws for
 GIL, not the server's, and the parent kills this process when its budget is spent.
 
 Requests (JSON lines on stdin): {"op": "open", path, password, name, limits, options} then {"op": "page",
-"index": n, "text": bool} any number of times. Replies (framed, see `vision.child`): "ready" once at start (imports done), then "opened" (kind, media_type,
-page_count, metadata) or "error" (the MediaError class name and message); "page" with the page's fields and its
-RGB pixels as payload.
+"index": n, "text": bool} any number of times; another "open" replaces the document (a pooled process, see
+`vision.render_pool`). Replies (framed, see `vision.child`): "ready" once at start (imports done), then "opened"
+(kind, media_type, page_count, metadata) or "error" (the MediaError class name and message); "page" with the
+page's fields and its RGB pixels as payload.
 """
 from __future__ import annotations
 

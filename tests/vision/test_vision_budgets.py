@@ -2,6 +2,7 @@
 (`open_isolated`) that stops a page or a document at its time budget. Inputs come from tests/hostile_media.py."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -176,3 +177,31 @@ def test_a_normal_2000_page_scan_renders_inside_the_default_budgets(tmp_path: Pa
         spent = doc.seconds_spent  # type: ignore[attr-defined]
     assert len(pages) == 2000 and all(p.ok for p in pages)
     assert spent < MediaLimits().document_render_timeout_s
+
+
+def test_the_render_process_does_not_inherit_docpipe_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vision.child import ChildProcess
+
+    monkeypatch.setenv("DOCPIPE_DATABASE_URL", "postgresql://user:secret@db/docpipe")
+    child = ChildProcess([sys.executable, "-c", "import os, sys; sys.stdout.write(repr(sorted(os.environ)))"],
+                         memory_bytes=1 << 30, cpu_seconds=10)
+    try:
+        child.proc.wait(timeout=30)
+        assert child.proc.stdout is not None
+        names = child.proc.stdout.read().decode()
+    finally:
+        child.close()
+    assert "DOCPIPE_DATABASE_URL" not in names and "OMP_NUM_THREADS" in names
+
+
+def test_a_video_gets_at_most_half_the_document_budget_per_decoder_run(tmp_path: Path,
+                                                                      rng: np.random.Generator) -> None:
+    from vision_media_factory import gradient_frames, write_video
+
+    path = tmp_path / "clip.mp4"
+    write_video(path, gradient_frames(rng, 6))
+    limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=8.0)
+    with vision.open_isolated(path, limits=limits) as doc:
+        assert doc.kind == "video"
+        assert doc._limits.decode_timeout_s == 4.0  # type: ignore[attr-defined]  # 120 s by default, capped
+        assert all(p.ok for p in doc.pages())
