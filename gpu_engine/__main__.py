@@ -60,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
     content: list[dict[str, Any]] = [{"type": "image", "image": str(Path(f))} for f in args.image]
     if args.frame:  # one clip as image files; the engine decodes no video files (see processor.process_video)
-        from .processor import load_image
+        from .media_io import load_image
 
         frames = [load_image(str(Path(f)), f"frame {f}").convert("RGB") for f in args.frame]
         content.append({"type": "video", "video": frames, "fps": args.fps})

@@ -32,13 +32,9 @@ import pytest
 from ci_rule import require_module
 from PIL import Image
 
-from gpu_engine.processor import (
-    ImageProcessor,
-    Processor,
-    ProcessorError,
-    smart_resize_image,
-    smart_resize_video,
-)
+from gpu_engine.preprocessing import ImageProcessor, smart_resize_image, smart_resize_video
+from gpu_engine.processing_errors import ProcessorError
+from gpu_engine.processor import Processor
 from gpu_engine.frame_resize import resize_like_torch_uint8
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 
