@@ -23,7 +23,8 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +38,23 @@ from .engine_config import EngineConfig
 from .errors import RequestError
 from .failure_isolation import FailureIsolation
 from .inputs import ProcessedPrompt, is_token_ids
-from .metrics import LatencyWindow, StepMetrics, engine_counters
+from .metrics import LatencyWindow, StepMetrics, count_computed, engine_counters
 from .output_processor import OutputProcessor
-from .request_checks import check_request
 from .params import FinishReason, RequestOutput, SamplingParams
+from .request_checks import check_request
 from .rope_index import text_positions
 from .runner_api import Runner, SeqChunk, StepBatch
 from .runner_sampling import Rows, RunnerSampling, plan_runner_sampling, sampled_rows
-from .sampling import Drawn, SampleResult, SamplingRows, apply_bitmask_rows, apply_penalties, sample
+from .sampling import (
+    Drawn,
+    SampleResult,
+    SamplingRows,
+    apply_bitmask_rows,
+    apply_penalties,
+    sample,
+)
 from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 from .structured import GrammarError, StructuredOutput, is_constrained
 
 Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
@@ -328,7 +336,7 @@ class Engine:
         to_sample: list[tuple[Sequence, int]] = []
         for i, sc in enumerate(scheduled):
             seq = sc.seq
-            self._count_computed(sc)
+            count_computed(self._counters, sc)
             seq.num_computed = sc.end
             if seq.num_computed % self.config.block_size == 0 or sc.num_tokens > 1:
                 self.blocks.commit(seq)  # only when a block may have filled up
@@ -349,15 +357,6 @@ class Engine:
         else:
             rows = logits[index]
         return self._sample_and_append(seqs, rows)
-
-    def _count_computed(self, sc: ScheduledChunk) -> None:
-        seq = sc.seq
-        if sc.is_decode:
-            self._counters["decode_tokens"] += 1
-            return
-        in_prompt = max(0, min(sc.end, seq.prompt_len) - sc.start)
-        self._counters["prompt_tokens_computed"] += in_prompt
-        self._counters["chunked_output_tokens"] += sc.num_tokens - in_prompt
 
     def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[RequestOutput]:
         """`logits` may be the runner's own array: it is copied before anything is written into it."""

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .runner_api import Runner, SeqChunk, StepBatch
-from .runner_sampling import Rows, RunnerSampling, concat_sampled, num_rows, sampled_rows
+from .runner_sampling import (
+    Rows,
+    RunnerSampling,
+    concat_sampled,
+    num_rows,
+    sampled_rows,
+)
 from .sampling import SampleResult
 from .scheduler import ScheduledChunk
 from .sequence import Sequence

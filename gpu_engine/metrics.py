@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .scheduler import ScheduledChunk
+
 LATENCY_WINDOW = 1000  # finished requests the percentiles are taken over
 
 
@@ -81,3 +83,13 @@ def engine_counters() -> dict[str, int]:
         "requests_failed_by_runner": 0,
         "preempted_after_failure": 0,
     }
+
+
+def count_computed(counters: dict[str, int], sc: ScheduledChunk) -> None:
+    """A chunk ran: count its tokens as decode, prompt, or output recomputed in a chunk."""
+    if sc.is_decode:
+        counters["decode_tokens"] += 1
+        return
+    in_prompt = max(0, min(sc.end, sc.seq.prompt_len) - sc.start)
+    counters["prompt_tokens_computed"] += in_prompt
+    counters["chunked_output_tokens"] += sc.num_tokens - in_prompt

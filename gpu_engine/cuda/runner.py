@@ -26,8 +26,14 @@ from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
 from ..runner_api import CacheSpec, StepBatch, StepOutput
-from ..runner_rules import allocated, check_cache_spec, check_state_slots, kv_bytes_per_block, row_offsets, \
-    state_bytes_per_slot
+from ..runner_rules import (
+    allocated,
+    check_cache_spec,
+    check_state_slots,
+    kv_bytes_per_block,
+    row_offsets,
+    state_bytes_per_slot,
+)
 from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings

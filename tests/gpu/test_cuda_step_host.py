@@ -9,7 +9,13 @@ import pytest
 
 from gpu_engine.cuda.step import ALIGN_I32, StepTables, build_step, pack_tables
 from gpu_engine.errors import RunnerInputError
-from gpu_engine.runner_api import CacheSpec, SamplingRequest, SeqChunk, StepBatch, VisionSlice
+from gpu_engine.runner_api import (
+    CacheSpec,
+    SamplingRequest,
+    SeqChunk,
+    StepBatch,
+    VisionSlice,
+)
 
 SPEC = CacheSpec(num_kv_blocks=8, block_size=4, num_state_slots=3)
 CFG = SimpleNamespace(vocab_size=50, hidden_size=6, full_attention_layers=[1])
