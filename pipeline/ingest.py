@@ -289,6 +289,34 @@ def _failed(p: Pipeline, batch_id: int | None, label: str, error: Exception, sta
     return _record(p, batch_id, out)
 
 
+def record_once(p: Pipeline, batch_id: int | None, out: IngestOutcome) -> IngestOutcome:
+    """`out` as an item of the batch, unless the batch holds one for this name and document already: a queue's
+    intake that is delivered again (its worker died while rendering) records its file once."""
+    if batch_id is None or out.outcome == "unstable":
+        return out
+    with p.db.read_session() as s:
+        known = s.scalar(select(BatchItem.id).where(BatchItem.batch_id == batch_id, BatchItem.name == out.name[:1024],
+                                                    BatchItem.document_id == out.document_id).limit(1))
+    return out if known is not None else _record(p, batch_id, out)
+
+
+def outcome_after_render(p: Pipeline, out: IngestOutcome) -> IngestOutcome:
+    """A received file's outcome once its document was rendered: `failed` with the document's reason when it
+    turned out unreadable (as `ingest_file` reports it), else `out` with the page count."""
+    if out.document_id is None:
+        return out
+    with p.db.read_session() as s:
+        doc = s.execute(select(Document.status, Document.error, Document.error_type, Document.page_count)
+                        .where(Document.id == out.document_id)).first()
+    if doc is None:
+        return out
+    if doc.status == DocumentStatus.failed.value:
+        return IngestOutcome(out.name, "failed", document_id=out.document_id, job_id=out.job_id, error=doc.error,
+                             error_type=doc.error_type, seconds=out.seconds, known=out.known)
+    out.pages, out.rendered = doc.page_count, doc.status == DocumentStatus.ingested.value
+    return out
+
+
 def record_refused(p: Pipeline, batch_id: int | None, label: str, error: Exception) -> IngestOutcome:
     """The outcome (and batch item) of a file refused before intake wrote anything, e.g. past the job cap."""
     return _failed(p, batch_id, label, error, time.perf_counter())

@@ -4,7 +4,8 @@
     docpipe.prepare(job_id)      ingest queue   render the job's `received` document (an upload), then enqueue
                                                 the job on gpu; an unreadable file fails the job, no retry; a
                                                 file whose reader dies each time fails after the attempt cap
-    docpipe.ingest(stage_id)     ingest queue   a staged file -> document + job, then enqueues the job
+    docpipe.ingest(stage_id)     ingest queue   a staged file -> document + job, rendered here under the
+                                                document's render cap, then enqueues the job
     docpipe.watch_folders()      ingest queue   beat: scan every watch folder
     docpipe.requeue_stuck()      ingest queue   beat: the reconciler
     docpipe.purge_retention()    ingest queue   beat: delete documents past retention_days
@@ -20,7 +21,7 @@ from celery.exceptions import Retry
 from sqlalchemy import select
 
 from pipeline.errors import NotFoundError
-from pipeline.ingest import ingest_file
+from pipeline.ingest import outcome_after_render, receive_file, record_once
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
 from pipeline.attempts import render_for_job_capped
@@ -173,8 +174,14 @@ def ingest(self: Task, stage_id: str) -> dict[str, Any]:
         log.warning("%s; message dropped", exc)
         return {"stage_id": stage_id, "outcome": "gone"}
     try:
-        out = ingest_file(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema,
-                          batch_id=staged.batch_id)
+        # Rows first, then the render: a file that kills this process while it is read is counted on its
+        # document each time the message comes back, and ends `failed` at the cap instead of looping. The batch
+        # item is written after the render (with its outcome), once, however often the message came.
+        out = receive_file(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema)
+        if out.job_id is not None:
+            render_for_job_capped(p, out.job_id)
+            out = outcome_after_render(p, out)
+        record_once(p, staged.batch_id, out)
         found = job_state(p, out.job_id) if out.job_id is not None else None
         if found and found[0] == JobState.queued.value:  # a duplicate whose job already ran needs nothing
             enqueue_job(out.job_id, settings=p.settings, worker_settings=ws)

@@ -74,6 +74,45 @@ def test_a_document_that_kills_the_ingest_worker_each_time_ends_failed(redis_url
     assert worker.alive()  # the worker itself carries on (its pool replaced the killed process)
 
 
+def test_a_submitted_file_that_kills_the_ingest_worker_each_time_ends_failed(redis_url, make_cluster):
+    """The same through `docpipe submit`'s path (a staged file and its `docpipe.ingest` message): the document
+    row is written before the render, so the renders are counted there too; the batch holds the file once."""
+    from pipeline.ingest import create_batch
+    from pipeline.models import BatchItem, Document, Job
+    from workers import staging
+    from workers.enqueue import publish_ingest
+
+    cluster = make_cluster(redis_url, DOCPIPE_JOB_MAX_ATTEMPTS="2", DOCPIPE_PDF_DPI="150")
+    cluster.register_schema("note", note_schema(40))
+    p = cluster.pipeline
+    batch_id = create_batch(p, "submit")
+    staged = staging.stage(p.settings.data_dir, _slow_pdf(400), name="poison.pdf", schema="note", batch_id=batch_id)
+    assert publish_ingest(staged.stage_id, settings=cluster.settings(), worker_settings=cluster.worker_settings())
+    worker = cluster.start_worker("ingest", "--concurrency", "1")
+
+    def outcome():  # type: ignore[no-untyped-def]
+        with p.db.read_session() as s:
+            return s.execute(select(Document.status, Document.render_attempts, Job.state, Job.error)
+                             .join(Job, Job.document_id == Document.id)).first()
+
+    killed: set[int] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (outcome() is None or outcome().state == "queued"):
+        for child in _children(worker.popen.pid):
+            if child not in killed and _cpu_seconds(child) > 0.5:
+                os.kill(child, signal.SIGKILL)
+                killed.add(child)
+        time.sleep(0.02)
+    row = outcome()
+    assert row is not None and row.state == "failed", (row, len(killed), cluster.logs_text())
+    assert (row.status, row.render_attempts, len(killed)) == ("failed", 2, 2), row
+    assert row.error.startswith("gave up after 2 attempts to read the file"), row.error
+    cluster.wait_for("the staged copy removed", lambda: staging.pending(p.settings.data_dir, 0) == [], timeout=30)
+    with p.db.read_session() as s:
+        items = s.execute(select(BatchItem.name, BatchItem.outcome).where(BatchItem.batch_id == batch_id)).all()
+    assert [tuple(i) for i in items] == [("poison.pdf", "failed")]
+
+
 def test_a_gpu_crash_is_charged_only_to_the_job_that_caused_it(redis_url, make_cluster, database_url):
     db = {"DOCPIPE_DATABASE_URL": database_url} if database_url else {}
     cluster = make_cluster(redis_url, DOCPIPE_JOB_MAX_ATTEMPTS="3", DOCPIPE_MAX_TOKENS="160",

@@ -22,7 +22,8 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
     inbox.mkdir()
     for i in range(50):
         (inbox / f"doc{i:02d}.png").write_bytes(png(size=20))
-    (inbox / "broken.pdf").write_bytes(b"%PDF-1.7\n1 0 obj\n<< truncated")  # unreadable: failed at intake, no job
+    # Unreadable: as for an upload, its document and its job (which never runs) fail with the reason.
+    (inbox / "broken.pdf").write_bytes(b"%PDF-1.7\n1 0 obj\n<< truncated")
 
     gpu = cluster.start_worker("gpu")
     ingest = cluster.start_worker("ingest", "--concurrency", "1")
@@ -45,15 +46,24 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
     uploads = [cluster.receive(png(size=20), f"upload{i}.png", "flag") for i in range(2)]
     broken_upload = cluster.receive(b"%PDF-1.7\n% an upload cut short", "broken-upload.pdf", "flag")
 
-    cluster.wait_for("54 finished jobs",
+    cluster.wait_for("55 finished jobs",
                      lambda: sum(n for st, n in cluster.job_states().items() if st != "queued" and st != "running")
-                     == 54, timeout=150)
+                     == 55, timeout=150)
     assert gpu.alive() and ingest.alive() and beat.alive(), cluster.logs_text()
 
     jobs = {j.id: j for j in cluster.jobs()}
-    assert len(jobs) == 54
+    assert len(jobs) == 55
     broken = jobs.pop(broken_upload)
     assert broken.state == "failed" and broken.attempts == 0, (broken.state, broken.attempts)  # never ran
+    from sqlalchemy import select
+
+    from pipeline.models import Document, Job
+
+    with cluster.pipeline.db.read_session() as s:
+        staged_id = s.scalar(select(Job.id).join(Document, Job.document_id == Document.id)
+                             .where(Document.original_name == "inbox/broken.pdf"))
+    broken_staged = jobs.pop(staged_id)
+    assert broken_staged.state == "failed" and broken_staged.attempts == 0 and broken_staged.error
     from pipeline.models import Document
 
     with cluster.pipeline.db.read_session() as s:
@@ -82,7 +92,7 @@ def test_fifty_submitted_documents_succeed_once_and_a_poison_document_fails_afte
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     st = json.loads(status.stdout)
-    assert st["jobs_by_state"] == {"queued": 0, "running": 0, "succeeded": 52, "partial": 0, "failed": 2}
+    assert st["jobs_by_state"] == {"queued": 0, "running": 0, "succeeded": 52, "partial": 0, "failed": 3}
     assert st["queues"]["depths"] == {"ingest": 0, "gpu": 0}
     assert st["queues"]["beat_holder"] is not None
     assert st["documents_unreadable"] == 2
