@@ -24,8 +24,8 @@ from .builtin_schemas import BUILTIN_SCHEMAS, SchemaSpec
 from .errors import InvalidSchemaError, PipelineError, SchemaTooComplexError, UnknownSchemaError
 from .merge import MERGE_RULES
 from .models import Schema
-from .tenancy import DEFAULT_TENANT, SHARED, Access
 from .storable_text import check_storable, storable
+from .tenancy import DEFAULT_TENANT, SHARED, Access
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 DEFAULT_USER_PROMPT = (
