@@ -19,8 +19,8 @@ from sqlalchemy import func, select
 from starlette.types import Scope
 
 from pipeline.db import Database
-from pipeline.queries import count_jobs_by_state
 from pipeline.models import Result
+from pipeline.queries import count_jobs_by_state
 
 RATE_WINDOW_S = 60.0
 

@@ -11,8 +11,8 @@ import re
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 _KEY = re.compile(r"^[0-9a-f]{64}$")

@@ -42,8 +42,8 @@ from vision import SNIFF_BYTES, Sniffed, sniff
 from .context import Pipeline
 from .models import Batch, BatchItem, Document, DocumentStatus, Job
 from .quotas import JobCap, take_job_slots
-from .retention import drop_unreferenced
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
+from .retention import drop_unreferenced
 from .schemas import SchemaRef, latest_schema_ref
 from .tenancy import DEFAULT_TENANT
 
@@ -456,8 +456,9 @@ def ingest_file(
     tenant: str = DEFAULT_TENANT,
     cap: JobCap | None = None,
 ) -> IngestOutcome:
-    """Store, sniff and render one file, then get or create its job (within `cap`, as `receive_file`). Raises only for bad arguments (unknown
-    schema) or configuration (model not available), before any work; a bad file is an outcome, not an error.
+    """Store, sniff and render one file, then get or create its job (within `cap`, as `receive_file`). Raises only
+    for bad arguments (unknown schema) or configuration (model not available), before any work; a bad file is an
+    outcome, not an error.
     A document already known (rendered, or `received` and rendered by its job) is not rendered again."""
     started = time.perf_counter()
     _check_arguments(p, schema, tenant)

@@ -31,6 +31,7 @@ import jsonschema
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from .attempts import RUN_GATE, needs_isolation, render_for_job_capped
 from .context import Pipeline
 from .errors import JobStateError, NotFoundError
 from .extraction import (
@@ -45,7 +46,6 @@ from .extraction import (
 from .merge import UnitData, merge_units
 from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
 from .quotas import JobCap, take_job_slots
-from .attempts import RUN_GATE, needs_isolation, render_for_job_capped
 
 DOCUMENT_UNIT = "document"
 

@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 from .context import Pipeline
 from .models import Document, Job, JobState, Page, utcnow
 
-
 # A blob younger than this may belong to an intake or a render that has not written its row yet.
 SWEEP_GRACE_S = 3600.0
 

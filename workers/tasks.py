@@ -20,22 +20,30 @@ from celery import Task
 from celery.exceptions import Retry
 from sqlalchemy import select
 
+from pipeline.attempts import render_for_job_capped
 from pipeline.errors import NotFoundError
 from pipeline.ingest import outcome_after_render, receive_file, record_once
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
-from pipeline.attempts import render_for_job_capped
 
 from . import runtime, staging
 from .app import app
-from .config import (TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, TASK_PURGE, TASK_REQUEUE, TASK_SWEEP, TASK_WATCH,
-                     WorkerSettings)
-from .config import render_time_limits
+from .config import (
+    TASK_EXTRACT,
+    TASK_INGEST,
+    TASK_PREPARE,
+    TASK_PURGE,
+    TASK_REQUEUE,
+    TASK_SWEEP,
+    TASK_WATCH,
+    WorkerSettings,
+    render_time_limits,
+)
 from .enqueue import enqueue_job
-from .render_slots import RenderSlots
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
 from .markers import redis_client
+from .render_slots import RenderSlots
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from apitest_support import KEY, LiveServer, database_url, live_server, test_settings
 from test_api_http import random_png, upload
 

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from apitest_support import LiveServer, database_url, live_server, test_settings
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 from test_api_http import assert_problem, random_png, upload, wait_finished

@@ -6,8 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models import Document, DocumentStatus, Job
-from pipeline.queries import (DocumentFilter, count_jobs_by_state, document_dict, jobs_by_state, select_documents,
-                              status_word)
+from pipeline.queries import (
+    DocumentFilter,
+    count_jobs_by_state,
+    document_dict,
+    jobs_by_state,
+    select_documents,
+    status_word,
+)
 from pipeline.schemas import latest_schema_ref
 from pipeline.tenancy import EVERYONE, Access
 

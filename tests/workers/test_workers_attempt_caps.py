@@ -16,7 +16,6 @@ import subprocess
 import time
 
 from sqlalchemy import select
-
 from workers_harness import note_schema, png
 
 

@@ -6,7 +6,6 @@ import os
 import time
 
 from sqlalchemy import select
-
 from test_workers_attempt_caps import _slow_pdf
 from workers_harness import note_schema
 
@@ -42,13 +41,14 @@ def test_delete_while_the_ingest_worker_renders_leaves_no_blob(redis_url, make_c
 
 
 def test_the_sweep_removes_old_blobs_no_row_names(tmp_path):
+    from workers_harness import png
+
     from pipeline.context import Pipeline
     from pipeline.ingest import ingest_file
     from pipeline.retention import sweep_unreferenced_blobs
     from pipeline.settings import Settings
     from workers.beat import beat_schedule
     from workers.config import TASK_SWEEP, WorkerSettings
-    from workers_harness import png
 
     p = Pipeline(Settings(data_dir=tmp_path / "data", model_id="sweep-test"))
     try:
