@@ -57,7 +57,7 @@ class ChildProcess:
 
     def __init__(self, argv: list[str], *, memory_bytes: int, cpu_seconds: float,
                  env: dict[str, str] | None = None) -> None:
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 — lives as long as the child; closed in close()
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, close_fds=True,
             env=dict(_without_secrets(os.environ), OMP_NUM_THREADS="1", **(env or {})),
@@ -74,7 +74,7 @@ class ChildProcess:
         self.closed = False
 
     @classmethod
-    def python_module(cls, module: str, **kwargs: Any) -> "ChildProcess":
+    def python_module(cls, module: str, **kwargs: Any) -> ChildProcess:
         """`python -m module` with this interpreter, our package importable whatever the working directory."""
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)

@@ -19,9 +19,10 @@ does, each decoder run capped at half the document budget (a probe and a decode 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from PIL import Image
 
@@ -37,6 +38,8 @@ from .video import VideoDocument
 
 WORKER_MODULE = "vision.render_worker"
 START_TIMEOUT_S = 30.0  # a render process loading Python, MuPDF and Pillow (~0.3 s idle, seconds when overloaded)
+_DEFAULT_LIMITS = MediaLimits()
+_DEFAULT_OPTIONS = RenderOptions()
 POOL = RenderPool(WORKER_MODULE)  # warm render processes shared by the documents of this process
 
 
@@ -44,8 +47,8 @@ def open_isolated(
     path: str | os.PathLike[str],
     *,
     password: str | None = None,
-    limits: MediaLimits = MediaLimits(),
-    options: RenderOptions = RenderOptions(),
+    limits: MediaLimits = _DEFAULT_LIMITS,
+    options: RenderOptions = _DEFAULT_OPTIONS,
     name: str | None = None,
     text: bool = True,
 ) -> MediaDocument:

@@ -63,7 +63,7 @@ async def _database_and_queue(ctx: ApiContext) -> tuple[str, str]:
     except TimeoutError:
         problem = f"database did not answer within {PROBE_DEADLINE_S:g} s"
         return problem, f"unknown ({problem})"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 — whatever the database raised, the probe answers with it
         problem = f"database unreachable: {type(exc).__name__}: {exc}".splitlines()[0]
         return problem, f"unknown ({problem})"
     if queued > limit:

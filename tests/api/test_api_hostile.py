@@ -11,18 +11,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import hostile_media as hostile
 import httpx
 import pytest
-
-from apitest_support import KEY, OTHER_KEY, LiveServer, live_server, test_settings, wait_finished
+from apitest_support import (
+    KEY,
+    OTHER_KEY,
+    LiveServer,
+    live_server,
+    test_settings,
+    wait_finished,
+)
 from test_api_http import random_png, upload
 
 # Every page of a depth-6 nested-forms PDF takes tens of seconds to draw here; 1.5 s per page and 6 s per document
 # stop it. The drawing count is raised so that the time budget, not the count, is what is tested.
-BUDGET = dict(page_render_timeout_s=1.5, document_render_timeout_s=6.0, max_page_draw_ops=10**9)
+BUDGET = {"page_render_timeout_s": 1.5, "document_render_timeout_s": 6.0, "max_page_draw_ops": 10**9}
 SLOW_DEPTH = 6
 PROBE_LIMIT_S = 1.0  # the bound for /healthz and /readyz
 MARGIN_S = 45.0  # queueing behind another job and the tiny model's extraction, on a loaded 2-core machine
@@ -48,7 +54,7 @@ class Probes:
                     self.latencies.append((path, time.monotonic() - started, status))
                 self._stop.wait(0.1)
 
-    def __enter__(self) -> "Probes":
+    def __enter__(self) -> Self:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self

@@ -13,10 +13,24 @@ from pathlib import Path
 
 import hostile_media as hostile
 import pytest
-
-from apitest_support import FAST, KEY, REPO, LiveServer, live_server, test_settings, wait_finished
+from apitest_support import (
+    FAST,
+    KEY,
+    REPO,
+    LiveServer,
+    live_server,
+    test_settings,
+    wait_finished,
+)
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
-from test_api_hostile import BUDGET, MARGIN_S, SLOW_DEPTH, Probes, assert_corpus_outcomes, upload_corpus
+from test_api_hostile import (
+    BUDGET,
+    MARGIN_S,
+    SLOW_DEPTH,
+    Probes,
+    assert_corpus_outcomes,
+    upload_corpus,
+)
 from test_api_http import random_png, upload
 
 # Queue timings of the workers' own tests: short leases and quick retries, so nothing waits for long.
@@ -44,11 +58,10 @@ def broker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
         settings = test_settings(data_dir, broker_url=broker_url, **BUDGET)
         with live_server(settings) as live:  # migrates the database before the workers open it
             for queue in ("ingest", "gpu"):
-                log = open(root / f"worker-{queue}.log", "wb")
-                workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "workers", "worker", "--queues", queue, "--concurrency", "2"],
-                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-                log.close()
+                with open(root / f"worker-{queue}.log", "wb") as log:  # the worker keeps its own copy
+                    workers.append(subprocess.Popen(
+                        [sys.executable, "-m", "workers", "worker", "--queues", queue, "--concurrency", "2"],
+                        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             yield live
     finally:
         for proc in workers:  # the worker and its pool children: each was started in a session of its own

@@ -16,7 +16,7 @@ from pipeline.rendering import render_document
 
 # A page budget well below what one depth-6 page takes to draw here (seconds), and a document budget that the
 # start of the render process plus two stopped pages spend.
-BUDGET = dict(page_render_timeout_s=1.0, document_render_timeout_s=4.0, max_page_draw_ops=10**9)
+BUDGET = {"page_render_timeout_s": 1.0, "document_render_timeout_s": 4.0, "max_page_draw_ops": 10**9}
 
 
 def _rows(p: Any, doc_id: int) -> tuple[Document, list[Page], list[Job]]:
@@ -31,7 +31,7 @@ def test_a_document_past_its_budget_keeps_its_rendered_pages_and_names_the_budge
     p = make_pipeline(**BUDGET)
     out = receive_file(p, hostile.nested_xobject_pdf(30, 6, 10, cheap_first=True), name="laughs.pdf")
     assert render_document(p, out.document_id) == "ingested"
-    doc, pages, _ = _rows(p, out.document_id)
+    _, pages, _ = _rows(p, out.document_id)
     assert len(pages) == 30 and pages[0].error is None and pages[0].image_blob
     assert "page 2 of laughs.pdf took longer than 1 s" in (pages[1].error or "")
     assert "document_render_timeout_s" in (pages[-1].error or "")

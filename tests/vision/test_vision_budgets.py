@@ -5,14 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import hostile_media as hostile
 import numpy as np
 import pymupdf
 import pytest
+from vision_media_factory import pdf_bytes, random_words
 
-import hostile_media as hostile
 import vision
 from vision import MediaLimits, RenderTimeoutError
-from vision_media_factory import pdf_bytes, random_words
 
 # Nested forms fanned out 10 ways: depth 7 draws ~7.4e7 operations per page (refused by the count); depth 6
 # (7.4e6) passes a raised count and takes tens of seconds to draw here: the time budget is what stops it.
@@ -98,9 +98,9 @@ def test_document_budget_ends_rendering_with_the_rest_unrendered(tmp_path: Path)
 def test_document_budget_fails_a_document_without_any_rendered_page(tmp_path: Path) -> None:
     limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=3.0, max_page_draw_ops=10**9)
     path = _write(tmp_path, "all-slow.pdf", hostile.nested_xobject_pdf(20, SLOW_DEPTH, 10))
-    with vision.open_isolated(path, limits=limits) as doc:
-        with pytest.raises(RenderTimeoutError, match="all-slow.pdf.*document_render_timeout_s"):
-            list(doc.pages())
+    with vision.open_isolated(path, limits=limits) as doc, \
+            pytest.raises(RenderTimeoutError, match="all-slow.pdf.*document_render_timeout_s"):
+        list(doc.pages())
 
 
 def test_render_process_crash_is_a_media_error_not_a_crash_of_ours(tmp_path: Path) -> None:

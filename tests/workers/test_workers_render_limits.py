@@ -4,8 +4,14 @@ from __future__ import annotations
 from celery import Celery
 
 from pipeline.settings import Settings
-from workers.config import (RENDER_MARGIN_S, TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, WorkerSettings,
-                            celery_config)
+from workers.config import (
+    RENDER_MARGIN_S,
+    TASK_EXTRACT,
+    TASK_INGEST,
+    TASK_PREPARE,
+    WorkerSettings,
+    celery_config,
+)
 
 
 def _task_body() -> None:

@@ -3,7 +3,8 @@ ingest worker that renders another tenant's upload while one tenant's slow docum
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import hostile_media as hostile
 import redis
