@@ -11,13 +11,16 @@ from collections.abc import Callable
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _trim = getattr(_libc, "malloc_trim", None)  # glibc only; elsewhere freed memory is the allocator's business
 _busy = threading.Lock()
-SETTLE_S = 0.5  # the engine frees a finished request's pixels on its next step; trim after that
+# The engine frees a finished request's pixels on its next step, the response's objects go when it is sent: trim
+# shortly after, and once more a little later for what was freed in between.
+TRIM_AFTER_S = (0.5, 2.0)
 
 
 def _trim_soon(trim: Callable[[int], int]) -> None:
     try:
-        time.sleep(SETTLE_S)
-        trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
+        for delay in TRIM_AFTER_S:
+            time.sleep(delay)
+            trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
     finally:
         _busy.release()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import struct
 import threading
 import time
@@ -27,6 +28,7 @@ from PIL import Image
 
 from api.limits import ApiLimits
 from api.media import public_text
+from api.memory import TRIM_AFTER_S
 
 MISBEHAVING = REPO / "tests" / "vision" / "vision_misbehaving_worker.py"
 # Room for the healthz test's large request; the refusal tests send more than these.
@@ -163,3 +165,24 @@ def test_healthz_answers_within_a_second_during_a_large_request(server: LiveServ
     assert r.status_code == 200, r.text
     print(f"worst /healthz latency {worst:.3f} s")
     assert worst < 1.0, f"/healthz took {worst:.2f} s during the request"
+
+
+def _resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc (Linux)")
+def test_memory_is_handed_back_after_a_large_request(server: LiveServer, model_id: str) -> None:
+    """Eight 12 Mpx images (~300 MB decoded): once the answer is out, what the request took goes back to the OS
+    (glibc keeps freed heap of worker threads mapped unless trimmed: the issue saw 7.2 GB stay resident)."""
+    content = [{"type": "image_url", "image_url": {"url": png_url(3500, 3500)}}] * 8
+    with server.client(timeout=300) as c:
+        assert chat(c, model_id, content[:1]).status_code == 200  # warm: first-use allocations stay
+        time.sleep(sum(TRIM_AFTER_S) + 1)
+        before = _resident_mib()
+        assert chat(c, model_id, content).status_code == 200
+        peak = _resident_mib()
+        time.sleep(sum(TRIM_AFTER_S) + 1)
+        after = _resident_mib()
+    assert peak - before > 100, (before, peak)  # the request did hold its images
+    assert after - before < 0.5 * (peak - before), f"resident {before:.0f} -> {peak:.0f} -> {after:.0f} MiB"
