@@ -45,6 +45,7 @@ from .quotas import JobCap, take_job_slots
 from .rendering import Rendered, requeue_document_jobs, try_render, write_render
 from .retention import drop_unreferenced
 from .schemas import SchemaRef, latest_schema_ref
+from .storable_text import storable_name
 from .tenancy import DEFAULT_TENANT
 
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
@@ -102,7 +103,7 @@ Source = str | os.PathLike[str] | bytes | BinaryIO | HashedFile
 
 def create_batch(p: Pipeline, source: str, tenant: str = DEFAULT_TENANT) -> int:
     with p.db.session() as s:
-        batch = Batch(source=source[:1024], tenant=tenant)
+        batch = Batch(source=storable_name(source)[:1024], tenant=tenant)  # e.g. a watched folder's path
         s.add(batch)
         s.flush()
         return batch.id
@@ -147,11 +148,12 @@ def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
 
 
 def _label(source: Source, name: str | None) -> str:
+    # Stored as the document's name: a file name that is not UTF-8 must not stop the intake (storable_name).
     if name:
-        return name
+        return storable_name(name)
     if isinstance(source, HashedFile):
-        return source.path.name if source.path is not None else "upload"
-    return Path(source).name if isinstance(source, (str, os.PathLike)) else "upload"
+        return storable_name(source.path.name) if source.path is not None else "upload"
+    return storable_name(Path(source).name) if isinstance(source, (str, os.PathLike)) else "upload"
 
 
 _EXISTING = select(Document.id, Document.status, Document.kind, Document.page_count).where(

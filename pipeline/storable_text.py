@@ -3,7 +3,8 @@
 PostgreSQL text (and its JSON type) cannot hold NUL (U+0000), and neither database driver can encode a lone UTF-16
 surrogate (which JSON's `\\ud800` escape can carry) as UTF-8. Text that breaks either rule is refused where it is
 written (`check_storable`), treated as matching nothing where it is looked up (`storable`), and cleaned where
-refusing would lose a file for a cosmetic reason (`clean_display_name`, for uploaded file names).
+refusing would lose a file for a cosmetic reason (`storable_name` for every document name, `clean_display_name`
+for uploaded file names).
 """
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def check_storable(value: str, what: str) -> str:
     if problem is not None:
         raise UnstorableTextError(what, problem)
     return value
+
+
+def storable_name(value: str) -> str:
+    """A document or batch item name (a path under a watched folder, an upload's name) the database can store:
+    a lone surrogate, which is how Python spells a file name byte that is not UTF-8, becomes U+FFFD, and NUL is
+    dropped; everything else is kept, so names stay as recognisable as the file system allows."""
+    if storable(value):
+        return value
+    return "".join("\ufffd" if 0xD800 <= ord(ch) <= 0xDFFF else ch for ch in value if ch != NUL)
 
 
 def clean_display_name(value: str) -> str:
