@@ -131,7 +131,8 @@ def _engine_messages(messages: list[ChatMessage], limits: ApiLimits) -> list[dic
                 video = decode_video(part.video_url.url, what, part.fps or 2.0, max_bytes, budget)
                 parts.append({"type": "video", "video": video.frames, "timestamps": video.timestamps})
             else:  # frames: the engine samples them at `fps`, as transformers does with a frame list
-                frames = [decode_image(url, f"{what}, frame {i}", max_bytes, budget) for i, url in enumerate(part.video)]
+                frames = [decode_image(url, f"{what}, frame {i}", max_bytes, budget)
+                          for i, url in enumerate(part.video)]
                 parts.append({"type": "video", "video": frames, "fps": part.fps})
         out.append({"role": role, "content": parts})
     return out
