@@ -97,6 +97,8 @@ class Settings(BaseSettings):
         900.0, gt=0, description="Render budget of one document; once spent, its unrendered pages fail.")
     max_page_draw_ops: int = Field(
         5_000_000, ge=1, description="Drawing operations one PDF page may expand to (nested forms counted).")
+    max_document_draw_ops: int = Field(
+        200_000_000, ge=1, description="Drawing operations all pages of one PDF may draw together.")
     render_max_per_key: int = Field(
         1, ge=1, description="Documents one API key may have rendering at once (embedded server).")
     # --- jobs and queue ------------------------------------------------------------------------------------------
@@ -192,6 +194,7 @@ class Settings(BaseSettings):
             page_render_timeout_s=self.page_render_timeout_s,
             document_render_timeout_s=self.document_render_timeout_s,
             max_page_draw_ops=self.max_page_draw_ops,
+            max_document_draw_ops=self.max_document_draw_ops,
         )
 
     def render_options(self) -> Any:

@@ -9,6 +9,9 @@ thread of the process that renders it (a web server stops answering, even /healt
 - the whole document, opening and restarts included, may take `MediaLimits.document_render_timeout_s`; once it is
   spent the pages not yet rendered come out with a `RenderTimeoutError` (or, when no page rendered at all,
   `pages()` raises it: the document failed);
+- a PDF's drawing operations are counted before each page is drawn (`vision.pdf_work`) against
+  `max_page_draw_ops` and, over the pages drawn so far, `max_document_draw_ops` (the count is kept here, so a
+  replaced child goes on from it);
 - a child that crashes (MuPDF or a codec on damaged data, the memory limit) costs the page it was on
   (`DecoderCrashedError`); at open it is the document's error.
 
@@ -77,6 +80,7 @@ class IsolatedDocument(MediaDocument):
         self._path, self._name, self._password = path, name, password
         self._limits, self._options, self._text = limits, options, text
         self._spent = 0.0  # seconds waited on children for this document
+        self._draw_ops_spent = 0  # drawing operations of the pages drawn (MediaLimits.max_document_draw_ops)
         self._child: ChildProcess | None = None
         self._render_child: RenderChild | None = None  # the pool's record of `_child`
         self._in_flight = False  # a request was sent and its reply not read (an interrupted wait): never reuse
@@ -223,7 +227,8 @@ class IsolatedDocument(MediaDocument):
         """Page `number` from the child; a page over its budget or a crash is a page with `error` set. Raises
         RenderTimeoutError when the document budget is spent."""
         try:
-            header, payload = self._ask({"op": "page", "index": number, "text": self._text})
+            header, payload = self._ask({"op": "page", "index": number, "text": self._text,
+                                         "draw_ops_spent": self._draw_ops_spent})
         except ChildTimeout:
             if self._left() <= 0:
                 raise self._document_spent() from None
@@ -235,7 +240,10 @@ class IsolatedDocument(MediaDocument):
             return self._failed(number, self._crashed(died, f"rendering page {number + 1} of {self._name}"))
         if header["type"] == "error":
             return self._failed(number, _media_error(header["error"]))
-        return self._page(header, payload)
+        page = self._page(header, payload)
+        if page.ok and page.draw_ops:
+            self._draw_ops_spent += page.draw_ops
+        return page
 
     def _failed(self, number: int, error: MediaError) -> MediaPage:
         return MediaPage(index=number, kind="page", image=None, source_size=(0.0, 0.0), frame_index=number,
@@ -253,7 +261,7 @@ class IsolatedDocument(MediaDocument):
         return MediaPage(
             index=header["index"], kind=header["kind"], image=image,
             source_size=(float(header["source_size"][0]), float(header["source_size"][1])), dpi=header["dpi"],
-            frame_index=header["frame_index"], warnings=tuple(header["warnings"]),
+            frame_index=header["frame_index"], warnings=tuple(header["warnings"]), draw_ops=header["draw_ops"],
             error=_media_error(header["error"]) if header["error"] else None,
             _text_loader=text if self.kind == "pdf" and self._text else None,
         )

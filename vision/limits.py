@@ -38,6 +38,9 @@ class MediaLimits:
     # it is drawn, so nested forms fanned out ("billion laughs") are refused at once instead of rendered for hours.
     # Dense vector pages (maps, CAD) draw a few hundred thousand.
     max_page_draw_ops: int = 5_000_000
+    # ... and all pages of one document together: a deterministic bound (time budgets depend on the machine). A
+    # 2,000-page vector document averaging 100,000 operations a page fits.
+    max_document_draw_ops: int = 200_000_000
 
     def __post_init__(self) -> None:
         for f in fields(self):

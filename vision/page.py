@@ -29,6 +29,8 @@ class MediaPage:
       Read lazily on first access (callers that do not need it do not pay for it); still readable after close().
       A damaged PDF whose text cannot be read raises `CorruptMediaError` here.
     - `error`: a `MediaError` for this page only, or None.
+    - `draw_ops`: drawing operations counted for this PDF page before it was drawn (`vision.pdf_work`), also when
+      a drawing limit refused it; None for rasters and frames.
     - `warnings`: problems the decoder worked around on this page (e.g. MuPDF's "cannot load content" on a
       repaired PDF): the image exists but may be incomplete. Empty when the page decoded cleanly.
     """
@@ -42,6 +44,7 @@ class MediaPage:
     frame_index: int | None = None
     error: MediaError | None = None
     warnings: tuple[str, ...] = ()
+    draw_ops: int | None = None
     _text_loader: Callable[[], str] | None = field(default=None, repr=False, compare=False)
     _text: str | None = field(default=None, repr=False, compare=False)
 

@@ -11,7 +11,8 @@
   fails to render becomes a page with `error` set, and the other pages come out. (MuPDF's warning store is
   process-wide: concurrent renders in threads of one process may see each other's warnings.)
 - A page whose drawing work (operators, with nested form XObjects counted as often as drawn, see `pdf_work`)
-  exceeds `MediaLimits.max_page_draw_ops` is a page with `error` set (`LimitExceededError`), never drawn.
+  exceeds `MediaLimits.max_page_draw_ops`, or would take the document's drawn pages past
+  `max_document_draw_ops`, is a page with `error` set (`LimitExceededError`), never drawn.
 - Vector pages are drawn by MuPDF straight into the memory of the PIL image they become (`_render_rgb`): no
   intermediate pixmap, no unpacking copy. Pages that are mostly one image (scans) take get_pixmap + frombytes,
   which is faster for them.
@@ -187,6 +188,7 @@ class PdfDocument(MediaDocument):
         self._doc = doc
         self._count = count
         self._work = DrawWork(doc)
+        self.draw_ops_spent = 0  # operations of the pages drawn so far (MediaLimits.max_document_draw_ops)
         info = doc.metadata or {}  # PyMuPDF leaves it None until the document is decrypted
         self.metadata: dict[str, Any] = {
             "page_count": count,
@@ -206,19 +208,24 @@ class PdfDocument(MediaDocument):
     def page_count(self) -> int:
         return self._count
 
-    def render_page(self, number: int) -> MediaPage:
-        """Render one page (0-based). Failures come back as a page with `error` set, never as an exception."""
+    def render_page(self, number: int, *, draw_ops_spent: int | None = None) -> MediaPage:
+        """Render one page (0-based). Failures come back as a page with `error` set, never as an exception.
+        `draw_ops_spent`: the document's drawing operations so far, when the caller keeps the count (a render
+        process replaced mid-document); default: this object's own count."""
         with _MUPDF:
-            return self._render(number)
+            page = self._render(number, self.draw_ops_spent if draw_ops_spent is None else draw_ops_spent)
+        if page.ok and page.draw_ops:
+            self.draw_ops_spent += page.draw_ops
+        return page
 
-    def _render(self, number: int) -> MediaPage:
+    def _render(self, number: int, spent: int) -> MediaPage:
         _take_warnings()
         try:
             page = self._doc.load_page(number)
             rect = page.rect
             work = self._work.page(page)
-            if work > self._limits.max_page_draw_ops:
-                return self._too_much_drawing(number, work, (rect.width, rect.height))
+            if work > self._limits.max_page_draw_ops or spent + work > self._limits.max_document_draw_ops:
+                return self._too_much_drawing(number, work, spent, (rect.width, rect.height))
             scale = render_scale(rect.width, rect.height, self._options.pdf_dpi, self._limits.max_page_pixels)
             image = _render_rgb(page, scale)
         except Exception as exc:
@@ -237,17 +244,27 @@ class PdfDocument(MediaDocument):
             dpi=scale * 72.0,
             frame_index=number,
             warnings=_take_warnings(),
+            draw_ops=work,
             _text_loader=functools.partial(_page_text, self._doc, number, self._name),
         )
 
-    def _too_much_drawing(self, number: int, work: int, size: tuple[float, float]) -> MediaPage:
-        error = LimitExceededError(
-            f"page {number + 1} of {self._name} would draw about {work:,} operations (form XObjects drawn inside "
-            f"each other), above MediaLimits.max_page_draw_ops ({self._limits.max_page_draw_ops:,}); it was not "
-            f"rendered. Flatten or rasterise the page, or raise the limit if the file is trusted."
-        )
+    def _too_much_drawing(self, number: int, work: int, spent: int, size: tuple[float, float]) -> MediaPage:
+        limits = self._limits
+        if work > limits.max_page_draw_ops:
+            error = LimitExceededError(
+                f"page {number + 1} of {self._name} would draw about {work:,} operations (form XObjects drawn "
+                f"inside each other), above MediaLimits.max_page_draw_ops ({limits.max_page_draw_ops:,}); it was "
+                f"not rendered. Flatten or rasterise the page, or raise the limit if the file is trusted."
+            )
+        else:
+            error = LimitExceededError(
+                f"page {number + 1} of {self._name} was not rendered: its {work:,} drawing operations would take "
+                f"the document past MediaLimits.max_document_draw_ops ({limits.max_document_draw_ops:,}; "
+                f"{spent:,} spent on earlier pages). Split or flatten the document, or raise the limit if the file "
+                f"is trusted."
+            )
         return MediaPage(index=number, kind="page", image=None, source_size=size, frame_index=number, error=error,
-                         warnings=_take_warnings())
+                         warnings=_take_warnings(), draw_ops=work)
 
     def pages(self) -> Iterator[MediaPage]:
         for number in range(self._count):

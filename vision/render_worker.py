@@ -41,10 +41,12 @@ def _open(request: dict[str, Any]) -> MediaDocument:
 
 
 def _page(doc: MediaDocument, request: dict[str, Any], out: BinaryIO) -> None:
-    page = doc.render_page(request["index"])  # type: ignore[attr-defined]  # PDF and image documents have it
+    # PDF pages count drawing work against the document's budget, kept by the parent across render processes
+    spent = {"draw_ops_spent": request["draw_ops_spent"]} if doc.kind == "pdf" else {}
+    page = doc.render_page(request["index"], **spent)  # type: ignore[attr-defined]  # PDF and image documents
     header: dict[str, Any] = {
         "type": "page", "index": page.index, "kind": page.kind, "source_size": list(page.source_size),
-        "dpi": page.dpi, "frame_index": page.frame_index, "warnings": list(page.warnings),
+        "dpi": page.dpi, "frame_index": page.frame_index, "warnings": list(page.warnings), "draw_ops": page.draw_ops,
         "error": _error(page.error) if page.error is not None else None, "size": None, "text": None,
         "text_error": None,
     }

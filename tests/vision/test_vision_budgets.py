@@ -205,3 +205,17 @@ def test_a_video_gets_at_most_half_the_document_budget_per_decoder_run(tmp_path:
         assert doc.kind == "video"
         assert doc._limits.decode_timeout_s == 4.0  # type: ignore[attr-defined]  # 120 s by default, capped
         assert all(p.ok for p in doc.pages())
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_document_drawing_budget_refuses_pages_past_it_before_drawing(tmp_path: Path, isolated: bool) -> None:
+    # depth 4, fan 10: 74,441 operations a page (the page's own Do included); two fit in 200,000, a third not
+    limits = MediaLimits(max_document_draw_ops=200_000)
+    path = _write(tmp_path, "forms.pdf", hostile.nested_xobject_pdf(4, 4, 10))
+    opener = vision.open_isolated if isolated else vision.open_media
+    with opener(path, limits=limits) as doc:
+        pages = list(doc.pages())
+    assert [p.ok for p in pages] == [True, True, False, False]
+    assert all(p.draw_ops == 74_441 for p in pages)
+    assert isinstance(pages[2].error, vision.LimitExceededError)
+    assert "max_document_draw_ops" in str(pages[2].error) and "148,882 spent" in str(pages[2].error)
