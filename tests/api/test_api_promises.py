@@ -172,3 +172,43 @@ def test_api_keys_are_compared_as_fixed_length_digests_with_no_early_exit(monkey
         # matched, nor the keys' lengths, nor how many leading characters a guess got right
         assert len(compared) == len(keys)
         assert all(len(a) == len(b) == 32 for a, b in compared)
+
+
+# --- the OpenAI endpoint: refused and honoured parameters ---------------------------------------------------------
+def _engine_request(**body: object):  # type: ignore[no-untyped-def]
+    from api.limits import ApiLimits
+    from api.openai_compat import ChatBackend, build_engine_request
+    from api.openai_schema import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                **body})
+    return build_engine_request(req, ChatBackend(model_id="m", get_engine=lambda: None), ApiLimits())
+
+
+def test_chat_parameters_reach_the_engine_request() -> None:
+    params = _engine_request(stop="END", presence_penalty=1.5, max_completion_tokens=7, temperature=0.2,
+                             top_p=0.9, seed=11, logprobs=True, response_format={"type": "json_object"}).params
+    assert params.stop == ["END"] and params.presence_penalty == 1.5 and params.max_tokens == 7
+    assert (params.temperature, params.top_p, params.seed, params.logprobs) == (0.2, 0.9, 11, True)
+    assert params.json_schema == {"type": "object"}  # json_object: any JSON object
+    assert _engine_request(stop=["a", "b"]).params.stop == ["a", "b"]
+    assert _engine_request(max_tokens=9).params.max_tokens == 9
+    assert _engine_request(max_completion_tokens=5, max_tokens=9).params.max_tokens == 5  # the newer name wins
+    defaults = _engine_request().params
+    assert defaults.presence_penalty == 0.0 and defaults.stop == [] and defaults.json_schema is None
+    assert defaults.temperature == 1.0  # OpenAI's default, not greedy
+
+
+def test_chat_refuses_tools_and_n_above_one() -> None:
+    from pydantic import ValidationError
+
+    from api.errors import ApiError
+
+    with pytest.raises(ApiError) as err:
+        _engine_request(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert (err.value.status, err.value.code) == (400, "unsupported_parameter")
+    with pytest.raises(ValidationError, match="n"):
+        _engine_request(n=2)
+    with pytest.raises(ApiError) as err:
+        _engine_request(max_completion_tokens=4097)
+    assert err.value.code == "max_tokens_too_large"
