@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from sqlalchemy import select
 
 from .context import Pipeline
-from .models import Document, DocumentStatus, Job
+from .models import Document, DocumentStatus
 from .rendering import fail_document_jobs, job_document, render_document
 
 
@@ -54,16 +54,6 @@ def render_for_job_capped(p: Pipeline, job_id: int) -> str:
     if not charge_render(p, document_id):
         return DocumentStatus.failed.value
     return render_document(p, document_id)
-
-
-def needs_isolation(p: Pipeline, job_id: int) -> bool:
-    """Whether the next run of the job must be alone: it is marked so, or its last run never released it (it
-    died or hung), which a claim turns into the mark."""
-    from .models import JobState
-
-    with p.db.read_session() as s:
-        row = s.execute(select(Job.isolated, Job.state).where(Job.id == job_id)).first()
-    return row is not None and (bool(row.isolated) or row.state == JobState.running.value)
 
 
 class RunGate:

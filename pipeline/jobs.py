@@ -31,7 +31,7 @@ import jsonschema
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from .attempts import RUN_GATE, needs_isolation, render_for_job_capped
+from .attempts import RUN_GATE, render_for_job_capped
 from .context import Pipeline
 from .errors import JobStateError, NotFoundError
 from .extraction import (
@@ -116,14 +116,33 @@ class _NeedsIsolation(Exception):
     """The claim found a run that died: this run must be alone in its process, and the caller is not."""
 
 
+def _taken_over(takeover: bool, lease: datetime | None, owner: str | None, now: datetime) -> bool:
+    """Whether a `running` job's run may be taken over: asked for, its lease passed, or its owner is gone."""
+    lease = aware(lease)
+    return takeover or lease is None or lease <= now or owner_is_dead(owner)
+
+
+def _needs_isolation(p: Pipeline, job_id: int, takeover: bool) -> bool:
+    """Whether this run of the job must be alone in its process: the job is marked so, or its last run died (a
+    claim will take it over and mark it). A job running healthily elsewhere needs no gate: the claim declines."""
+    with p.db.read_session() as s:
+        row = s.execute(select(Job.isolated, Job.state, Job.lease_until, Job.owner).where(Job.id == job_id)).first()
+    if row is None or row.state not in (JobState.queued.value, JobState.running.value):
+        return False
+    if row.state == JobState.running.value:
+        return _taken_over(takeover, row.lease_until, row.owner, utcnow())
+    return bool(row.isolated)
+
+
 def _charge_died_run(job: Job, alone: bool) -> None:
     """The job's last run never released it (died or hung). Died alone: it caused it, the attempt it was charged
-    stays. Died among others: refund it, and run it alone now (raises _NeedsIsolation when not `alone`)."""
+    stays. Died among others: refund it, and run it alone now. Either way this run must be alone (raises
+    _NeedsIsolation when it is not)."""
+    if not alone:
+        raise _NeedsIsolation()
     if job.isolated:
         job.error = "the worker process stopped while running this job alone"
         return
-    if not alone:
-        raise _NeedsIsolation()
     job.attempts = max(0, job.attempts - 1)
     job.isolated = True
 
@@ -147,8 +166,7 @@ def _claim(p: Pipeline, job_id: int, takeover: bool, alone: bool = False) -> _Cl
             return JobRun(job_id, job.state, ran=False, note="the document is not rendered yet")
         if state is JobState.running:
             lease = aware(job.lease_until)
-            expired = lease is None or lease <= now
-            if not (takeover or expired or owner_is_dead(job.owner)):
+            if not _taken_over(takeover, lease, job.owner, now):
                 return JobRun(job_id, job.state, ran=False,
                               note=f"running in {job.owner} (lease until {lease:%H:%M:%S} UTC)")
             _charge_died_run(job, alone)
@@ -337,7 +355,7 @@ def run_job(
     """
     started = time.perf_counter()
     render_for_job_capped(p, job_id)  # a `received` document is rendered first; unreadable -> its jobs fail
-    alone = needs_isolation(p, job_id)
+    alone = _needs_isolation(p, job_id, takeover)
     while True:
         try:
             with RUN_GATE.alone() if alone else RUN_GATE.shared():

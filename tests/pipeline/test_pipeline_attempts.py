@@ -105,3 +105,28 @@ def test_the_run_gate_lets_one_run_alone_after_the_running_ones_and_before_later
     for t in (first, lone, later):
         t.join(10)
     assert order == ["first", "alone", "later"]
+
+
+def test_a_duplicate_delivery_of_a_job_running_here_does_not_wait_to_be_alone(make_pipeline: Any,
+                                                                             engine_client: Any) -> None:
+    """A job running healthily (live owner, lease ahead) needs no gate: a second delivery declines at once instead
+    of waiting until every run of the process has finished (and holding up the runs behind it)."""
+    from datetime import timedelta
+
+    from pipeline.attempts import RUN_GATE
+    from pipeline.jobs import this_owner
+    from pipeline.models import utcnow
+
+    p = make_pipeline(client=engine_client)
+    job_id = ingest_file(p, png_bytes(), name="busy.png").job_id
+    with p.db.session() as s:
+        job = s.get(Job, job_id)
+        job.state, job.owner, job.runs, job.attempts = "running", this_owner(), 1, 1
+        job.lease_until = utcnow() + timedelta(minutes=10)
+    answers: list[Any] = []
+    with RUN_GATE.shared():  # another job of this process is running
+        second = threading.Thread(target=lambda: answers.append(run_job(p, job_id)))
+        second.start()
+        second.join(20)
+        assert not second.is_alive(), "the duplicate delivery waited for the running jobs to finish"
+    assert not answers[0].ran and answers[0].note.startswith("running in ")
