@@ -60,6 +60,14 @@ def test_apng_first_frame_only(rng):
     np.testing.assert_array_equal(np.asarray(page.image), np.asarray(frames[0]))
 
 
+def test_animated_webp_first_frame_only(rng):
+    frames = [random_rgb(rng, 14, 10) for _ in range(3)]  # lossless: the first frame comes back exactly
+    data = encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=100, lossless=True)
+    doc, page = only_page(data)
+    assert doc.media_type == "image/webp" and doc.metadata["frames_in_file"] == 3
+    np.testing.assert_array_equal(np.asarray(page.image), np.asarray(frames[0]))
+
+
 def test_heic(rng):
     img = smooth_rgb(rng, 64, 48)
     doc, page = only_page(encoded(img, "HEIF", quality=95))
