@@ -221,3 +221,91 @@ def test_a_pdf_renders_at_150_dpi_by_default(tmp_path: Path) -> None:
         [page] = list(media.pages())
     assert page.image.size == (300, 150)
 
+
+
+# --- merge rules, exactly (pipeline/merge.py; cases the mutation pass found unpinned) ----------------------------
+def _u(data: dict[str, Any], fields: dict[str, float] | None = None) -> Any:
+    from pipeline.merge import UnitData
+
+    return UnitData(data, fields or {})
+
+
+def test_merge_first_last_skip_every_kind_of_empty_and_keep_the_first_page_when_all_are_empty() -> None:
+    from pipeline.merge import is_empty, merge_units
+
+    assert all(is_empty(v) for v in (None, "", [], {}, {"a": None, "b": {"c": ""}}))
+    assert not any(is_empty(v) for v in (0, False, "x", [None], {"a": 0}))
+    schema = {"properties": {"a": {"type": "string"}, "b": {"type": "string"}, "c": {}, "d": {}}}
+    units = [_u({"a": "", "b": None, "c": [], "d": ""}, {"/a": 0.1}),
+             _u({"a": "A1", "b": "B1", "c": {"k": None}, "d": None}, {"/a": 0.2, "/b": 0.3}),
+             _u({"a": "A2", "b": "B2", "c": "C2", "d": ""}, {"/a": 0.4, "/b": 0.5, "/c": 0.6})]
+    merged = merge_units(units, schema, {"a": "first", "b": "last", "c": "first", "d": "last"})
+    assert merged.data == {"a": "A1", "b": "B2", "c": "C2", "d": ""}  # d: all empty -> the first page's value
+    assert merged.fields == {"/a": 0.2, "/b": 0.5, "/c": 0.6}
+
+
+def test_merge_default_rules_best_ties_and_pages_without_confidences() -> None:
+    from pipeline.merge import merge_units, rule_for
+
+    assert rule_for("x", {"type": "array"}, {}) == "concat" and rule_for("x", {"type": "string"}, {}) == "best"
+    assert rule_for("x", {"type": "array"}, {"x": "union"}) == "union"
+    schema = {"properties": {"name": {"type": "string"}, "tags": {"type": "array"}, "tie": {"type": "string"},
+                             "bare": {"type": "string"}}}
+    units = [_u({"name": "low", "tags": ["a"], "tie": "t0", "bare": "no-confidence"},
+                {"/name": 0.2, "/tags/0": 0.9, "/tie": 0.5}),
+             _u({"name": "high", "tags": ["b"], "tie": "t1", "bare": "some"},
+                {"/name": 0.8, "/tags/0": 0.7, "/tie": 0.5, "/bare": 0.01})]
+    merged = merge_units(units, schema, {})
+    assert merged.data == {"name": "high", "tags": ["a", "b"], "tie": "t0", "bare": "some"}
+    assert merged.fields == {"/name": 0.8, "/tags/0": 0.9, "/tags/1": 0.7, "/tie": 0.5, "/bare": 0.01}
+    # best over nested leaves: the mean of the field's leaf confidences decides
+    nested = merge_units([_u({"p": {"x": 1, "y": 2}}, {"/p/x": 0.9, "/p/y": 0.1}),
+                          _u({"p": {"x": 3, "y": 4}}, {"/p/x": 0.45, "/p/y": 0.6, "/pq": 1.0})], {}, {})
+    assert nested.data == {"p": {"x": 3, "y": 4}} and nested.fields == {"/p/x": 0.45, "/p/y": 0.6}
+
+
+def test_merge_concat_union_join_limits_and_their_confidences() -> None:
+    from pipeline.merge import merge_units
+
+    schema = {"properties": {
+        "items": {"anyOf": [{"type": "array", "maxItems": 3}, {"type": "null"}]},
+        "codes": {"type": "array", "maxItems": 5},
+        "note": {"anyOf": [{"type": "string", "maxLength": 9}, {"type": "string", "maxLength": 7}, {"type": "null"}]},
+        "empty_note": {"type": "string"},
+    }}
+    units = [_u({"items": [{"q": 1}, {"q": 2}], "codes": ["x", "y"], "note": "abc", "empty_note": ""},
+                {"/items/0/q": 0.1, "/items/1/q": 0.2, "/codes/0": 0.3, "/codes/1": 0.4, "/note": 0.9,
+                 "/empty_note": 0.7}),
+             _u({"items": [{"q": 3}, {"q": 4}], "codes": ["y", "z"], "note": "abc", "empty_note": None},
+                {"/items/0/q": 0.3, "/items/1/q": 0.4, "/codes/0": 0.5, "/codes/1": 0.6, "/note": 0.2}),
+             _u({"items": None, "codes": "not a list", "note": "defgh"}, {"/note": 0.5})]
+    rules = {"items": "concat", "codes": "union", "note": "join", "empty_note": "join"}  # anyOf has no "type"
+    merged = merge_units(units, schema, rules)
+    assert merged.data["items"] == [{"q": 1}, {"q": 2}, {"q": 3}]  # concat, cut at maxItems (from anyOf)
+    assert merged.data["codes"] == ["x", "y", "z"]  # union: the repeated "y" dropped
+    assert merged.data["note"] == "abc\ndef"  # "abc" once, joined, cut at the smallest maxLength (7)
+    assert merged.data["empty_note"] == ""  # nothing to join: the first page's value
+    assert merged.fields == {"/items/0/q": 0.1, "/items/1/q": 0.2, "/items/2/q": 0.3,
+                             "/codes/0": 0.3, "/codes/1": 0.4, "/codes/2": 0.6,
+                             "/note": 0.5,  # the weakest joined part ("abc" counts its first page only)
+                             "/empty_note": 0.7}
+
+
+def test_merge_of_one_unit_no_units_absent_fields_and_unknown_rules() -> None:
+    from pipeline.merge import merge_units
+
+    one = _u({"a": 1}, {"/a": 0.5})
+    merged = merge_units([one], {"properties": {"a": {}}}, {})
+    assert (merged.data, merged.fields) == ({"a": 1}, {"/a": 0.5})
+    assert merged.data is not one.data and merged.fields is not one.fields  # copies
+    with pytest.raises(ValueError, match="nothing to merge"):
+        merge_units([], {}, {})
+    # a field no page has is left out, and the fields after it are still merged; names the schema does not list
+    # come from the first page (in its order)
+    schema = {"properties": {"gone": {}, "kept": {}}}
+    merged = merge_units([_u({"kept": "k0", "extra": "e0"}), _u({"kept": "k1", "late": "l1"})], schema,
+                         {"kept": "last"})
+    assert merged.data == {"kept": "k1", "extra": "e0"}
+    assert merge_units([_u({"a": 1}), _u({"a": 2})], {}, {}).data == {"a": 1}  # no properties at all: best
+    with pytest.raises(ValueError, match="unknown merge rule 'average' for field 'a'"):
+        merge_units([_u({"a": 1}), _u({"a": 2})], {}, {"a": "average"})
