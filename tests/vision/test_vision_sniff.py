@@ -114,3 +114,73 @@ def test_text_with_a_multibyte_character_at_the_cut_is_still_text():
     text = ("a" * 511 + "é" + " more").encode()  # "é" is two bytes: byte 512 splits it
     with pytest.raises(UnsupportedMediaError, match="found plain text"):
         sniff(text, name="notes.pdf")
+
+
+# --- sniff() itself, exactly (cases the mutation pass of issue #22 found unpinned) --------------------------------
+def _image(fmt: str, **save: object) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (10, 200, 30)).save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, media_type", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"),
+                                             ("BMP", "image/bmp"), ("WEBP", "image/webp"), ("TIFF", "image/tiff")])
+def test_each_image_type_is_named_and_kinded(fmt: str, media_type: str) -> None:
+    found = sniff(_image(fmt))
+    assert (found.kind, found.media_type) == ("image", media_type)
+
+
+@pytest.mark.parametrize("head, kind, media_type", [
+    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n" + b"0" * 64, "pdf", "application/pdf"),
+    (b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + b"\x00" * 64, "video", "video/mp4"),
+    (b"\x00\x00\x00\x14ftypqt  \x00\x00\x00\x00qt  " + b"\x00" * 64, "video", "video/quicktime"),
+    (b"\x1aE\xdf\xa3\x93B\x82\x88matroska" + b"\x00" * 64, "video", "video/x-matroska"),
+    (b"\x1aE\xdf\xa3\x9fB\x86\x81\x01B\xf7\x81\x01B\xf2\x81\x04B\xf3\x81\x08B\x82\x84webm" + b"\x00" * 64, "video",
+     "video/webm"),
+])
+def test_documents_and_videos_are_named_and_kinded(head: bytes, kind: str, media_type: str) -> None:
+    found = sniff(head)
+    assert (found.kind, found.media_type) == (kind, media_type)
+
+
+def test_the_pdf_header_window_is_the_first_kib_exactly() -> None:
+    png = _image("PNG")
+    pad = b"\x00" * (2048 - len(png))
+    # "%PDF-" must lie wholly within the first 1024 bytes: starting at 1019 it ends at byte 1024
+    for start, refused in ((1019, True), (1020, False), (len(png), True)):
+        head = (png + pad)[:start] + b"%PDF-" + b"\x00" * 16
+        if refused:
+            with pytest.raises(AmbiguousMediaError, match=f"PDF header at byte {start}"):
+                sniff(head, name="poly.png")
+        else:
+            assert sniff(head).media_type == "image/png"
+    assert sniff(b"%PDF-1.4\n" + b"%PDF-" * 10).kind == "pdf"  # a PDF may repeat its own header
+
+
+def test_refusal_messages_name_the_file_and_what_to_do() -> None:
+    with pytest.raises(EmptyMediaError, match=r"^scan\.pdf is empty \(0 bytes\)"):
+        sniff(b"", name="scan.pdf")
+    with pytest.raises(UnsupportedMediaError, match=r"^notes is not an accepted media type: found plain text "
+                                                     r"starting with 'hello world'\. Accepted: PDF, JPEG, PNG"):
+        sniff(b"hello world", name="notes")
+    with pytest.raises(UnsupportedMediaError, match=r"^x is audio/mpeg \(\.mp3\), which is not accepted: convert "
+                                                     r"it to PDF, PNG/JPEG or MP4\.$"):
+        sniff(b"ID3\x03\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, name="x")
+    long_text = "a" * 100
+    with pytest.raises(UnsupportedMediaError, match=f"starting with '{'a' * 40}'\\. "):
+        sniff(long_text.encode())
+
+
+def test_plain_text_is_told_from_binary_and_from_media() -> None:
+    from vision.sniff import is_plain_text
+
+    assert is_plain_text(b"line one\r\nline\ttwo\n")
+    assert is_plain_text("caf\u00e9 ".encode() * 200)  # a character cut at byte 512 is still text
+    assert is_plain_text(b"a" * 512 + b"\x00\x01\x02")  # only the first 512 bytes are read as text
+    assert not is_plain_text(b"text with a bell \x07")
+    assert not is_plain_text(b"\xff\xfe\x00binary")
+    assert not is_plain_text(b"")
+    assert not is_plain_text(b"%PDF-1.7 looks like text but is a PDF")
+    assert not is_plain_text(_image("PNG"))
