@@ -212,3 +212,50 @@ def test_chat_refuses_tools_and_n_above_one() -> None:
     with pytest.raises(ApiError) as err:
         _engine_request(max_completion_tokens=4097)
     assert err.value.code == "max_tokens_too_large"
+
+
+def test_the_declared_refusal_is_a_problem_document_that_closes_the_connection() -> None:
+    import json
+
+    from api.bodylimit import declared_too_large
+
+    assert declared_too_large({b"content-length": b"100"}, 100, "/v1/x") is None
+    assert declared_too_large({}, 100, "/v1/x") is None  # chunked: nothing declared, counting decides
+    assert declared_too_large({b"content-length": b"lots"}, 100, "/v1/x") is None  # unreadable: counting decides
+    refused = declared_too_large({b"content-length": b"101"}, 100, "/v1/upload")
+    assert refused is not None and refused.status_code == 413
+    assert refused.headers["connection"] == "close"  # the unread body must not be read as the next request
+    body = json.loads(refused.body)
+    assert body["code"] == "payload_too_large" and body["limit_bytes"] == 100 and body["instance"] == "/v1/upload"
+
+
+def test_counting_passes_every_message_through_and_counts_only_request_bodies() -> None:
+    from api.bodylimit import counting_receive
+    from api.errors import BodyTooLarge
+
+    messages = [{"type": "http.request", "body": b"a" * 60, "more_body": True},
+                {"type": "http.disconnect"},  # not a body message: not counted
+                {"type": "http.request", "body": b"b" * 40, "more_body": True},
+                {"type": "http.request", "more_body": False},  # no body key at all
+                {"type": "http.request", "body": b"c", "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    async def drain() -> list[dict[str, object]]:
+        counted = counting_receive(receive, 100)
+        return [await counted() for _ in range(4)]
+
+    seen = asyncio.run(drain())
+    assert [m["type"] for m in seen] == ["http.request", "http.disconnect", "http.request", "http.request"]
+    assert seen[0]["body"] == b"a" * 60  # handed on unchanged
+    with pytest.raises(BodyTooLarge) as err:  # byte 101 arrives
+        asyncio.run(_one_more(counting_receive, [{"type": "http.request", "body": b"x" * 101}]))
+    assert err.value.extra == {"limit_bytes": 100}
+
+
+async def _one_more(make, messages):  # type: ignore[no-untyped-def]
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    return await make(receive, 100)()
