@@ -259,3 +259,78 @@ async def _one_more(make, messages):  # type: ignore[no-untyped-def]
         return messages.pop(0)
 
     return await make(receive, 100)()
+
+
+# --- authentication: who is let in, from the headers alone ---------------------------------------------------------
+def _gate(keys: list[str], burst: int = 100):  # type: ignore[no-untyped-def]
+    from api.auth import Gate, KeyRing
+    from api.limits import RateLimiter
+
+    return Gate(KeyRing(keys), RateLimiter(60, burst))
+
+
+def _scope(path: str, client: str = "10.0.0.7") -> dict:
+    return {"type": "http", "path": path, "client": (client, 5555)}
+
+
+def test_keys_are_taken_from_bearer_or_x_api_key() -> None:
+    from api.auth import presented_key
+
+    assert presented_key({b"authorization": b"Bearer abc"}) == "abc"
+    assert presented_key({b"authorization": b"BEARER  abc  "}) == "abc"
+    assert presented_key({b"authorization": b"Basic abc", b"x-api-key": b" k2 "}) == "k2"  # not Bearer: X-API-Key
+    assert presented_key({b"authorization": b"Bearer abc", b"x-api-key": b"k2"}) == "abc"  # Bearer first
+    assert presented_key({b"authorization": b"Bearer   ", b"x-api-key": b"   "}) is None
+    assert presented_key({b"authorization": b"Bearerabc"}) is None
+    assert presented_key({}) is None
+
+
+def test_the_gate_refuses_missing_and_wrong_keys_except_on_open_paths() -> None:
+    from api.auth import is_open_path, key_id
+    from api.errors import ApiError
+
+    key = "k" * 20
+    gate = _gate([key])
+    assert is_open_path("/healthz") and is_open_path("/") and is_open_path("/ui/app.js")
+    assert not is_open_path("/v1/documents") and not is_open_path("/uix") and not is_open_path("/healthz/x")
+    scope = _scope("/v1/documents")
+    principal = gate.admit(scope, {b"x-api-key": key.encode()})
+    assert principal is not None and principal.authenticated and principal.key_id == key_id(key)
+    assert scope["state"]["principal"] is principal
+    for headers, status, code in (({}, 401, "auth_required"), ({b"x-api-key": b"wrong-key-0000000000"}, 403,
+                                                                 "invalid_api_key")):
+        with pytest.raises(ApiError) as err:
+            gate.admit(_scope("/v1/documents"), headers)
+        assert (err.value.status, err.value.code) == (status, code)
+    # open paths: no key or a wrong one is no refusal (the probe answers), a right one is still recognised
+    assert gate.admit(_scope("/healthz"), {}) is None
+    assert gate.admit(_scope("/readyz"), {b"x-api-key": b"wrong-key-0000000000"}) is None
+    opened = gate.admit(_scope("/healthz"), {b"authorization": f"Bearer {key}".encode()})
+    assert opened is not None and opened.authenticated
+
+
+def test_without_keys_callers_are_told_apart_by_address_and_refusals_are_rate_limited() -> None:
+    from api.errors import ApiError, RateLimited
+
+    open_gate = _gate([])
+    anon = open_gate.admit(_scope("/v1/documents", "10.1.1.1"), {})
+    assert anon is not None and not anon.authenticated and anon.key_id == "addr-10.1.1.1"
+    # guessing keys is charged to the client's address: after the burst, 429 instead of 403
+    gate = _gate(["k" * 20], burst=2)
+    codes = []
+    for _ in range(3):
+        try:
+            gate.admit(_scope("/v1/documents", "10.9.9.9"), {b"x-api-key": b"guess-000000000000"})
+        except RateLimited:
+            codes.append(429)
+        except ApiError as exc:
+            codes.append(exc.status)
+    assert codes == [403, 403, 429]
+    # and a valid key's requests are limited per key on non-open paths, never on open ones
+    key = "q" * 20
+    limited = _gate([key], burst=1)
+    limited.admit(_scope("/v1/documents"), {b"x-api-key": key.encode()})
+    with pytest.raises(RateLimited):
+        limited.admit(_scope("/v1/documents"), {b"x-api-key": key.encode()})
+    for _ in range(3):
+        assert limited.admit(_scope("/healthz"), {b"x-api-key": key.encode()}) is not None
