@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from gpu_engine.runner_api import CacheSpec, StepBatch, StepOutput
-from gpu_engine.tokenizer import Tokenizer
 from gpu_engine.tiny_assets import write_tokenizer_files
+from gpu_engine.tokenizer import Tokenizer
 
 
 class InstantRunner:

@@ -395,7 +395,7 @@ def main() -> int:
             proc.terminate()
             proc.wait(timeout=30)
             if claimed:
-                claimed[1].flushdb()  # type: ignore[attr-defined]
+                claimed[1].flushdb()  # type: ignore[attr-defined]  # claimed = (db number, redis client)
 
     print(f"\nAPI upload latency, {args.uploads} uploads of distinct 320x240 PNGs per round, mode={mode}, "
           f"client={args.client}, "
@@ -405,7 +405,7 @@ def main() -> int:
     print(f"{'clients':>8} {'errors':>6} {'docs':>5} {'upl/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
           f"{'max ms':>8} {'server p99 <=':>14} {'srv cpu':>8} {'cli cpu':>8} {'load':>5}  connections/process")
     for r in rounds:
-        bound = r["server_side"].get("p99_at_most_ms")  # type: ignore[union-attr]
+        bound = r["server_side"].get("p99_at_most_ms")  # type: ignore[union-attr]  # a dict in every round
         print(f"{r['concurrency']:>8} {r['errors']:>6} {r['documents_created']:>5} {r['uploads_per_s']:>7.1f} "
               f"{r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} "
               f"{(f'{bound:g} ms' if bound else '-'):>14} {_ms(r.get('server_cpu_ms_per_upload')):>8} "

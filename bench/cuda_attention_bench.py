@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 BENCH_KERNELS = Path(__file__).resolve().parent / "kernels"
 
-from gpu_engine.cuda import ops  # noqa: E402
-from gpu_engine.cuda.context import GpuContext  # noqa: E402
+from cuda_bench import time_ms  # (CUDA events, warm-up, median)
+from op_bench import agreement, run_op_bench
 
-from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
-from op_bench import agreement, run_op_bench  # noqa: E402
+from gpu_engine.cuda import ops
+from gpu_engine.cuda.context import GpuContext
 
 # name -> (q heads, kv heads, head dim)
 SHAPES = {"27b": (24, 4, 256), "9b": (16, 4, 256), "2b": (8, 2, 256), "hd128": (16, 4, 128)}
@@ -43,8 +43,8 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
     mark = ctx.arena.mark()
     try:
         blocks = -(-n // BLOCK_SIZE)
-        rand = lambda shape, what: ctx.to_device(rng.standard_normal(shape, dtype=np.float32), "bf16", what)  # noqa: E731
-        i32 = lambda a, what: ctx.to_device(np.asarray(a, np.int32), "i32", what)  # noqa: E731
+        rand = lambda shape, what: ctx.to_device(rng.standard_normal(shape, dtype=np.float32), "bf16", what)  # noqa: E731 - one-line local helper
+        i32 = lambda a, what: ctx.to_device(np.asarray(a, np.int32), "i32", what)  # noqa: E731 - one-line local helper
         kc, vc = rand((blocks, BLOCK_SIZE, kvh, hd), "k"), rand((blocks, BLOCK_SIZE, kvh, hd), "v")
         q, gate = rand((n, heads * hd), "q"), rand((n, heads * hd), "gate")
         table = i32(rng.permutation(blocks)[None, :], "table")
@@ -64,7 +64,7 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
             out_old = ctx.empty((n, heads * hd), "bf16", "out-old")
             t1 = ctx.to_device(v1_tiles(n), "i32", "tiles-v1")
             ctx.device.add_kernel_dir(BENCH_KERNELS)  # the old kernel is bench-only (bench/kernels/)
-            launch_old = lambda: ctx.device.launch(  # noqa: E731
+            launch_old = lambda: ctx.device.launch(  # noqa: E731 - the timed call, passed to time_ms
                 "flash_prefill_v1", f"flash_prefill_v1_bf16_hd{hd}", (t1.shape[0], heads), 128, out_old.ptr, *args,
                 t1.ptr, *tail)
             old_ms = time_ms(ctx, launch_old, warmup, reps)

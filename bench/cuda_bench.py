@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules (hf_reference_bench)
 BENCH_KERNELS = Path(__file__).resolve().parent / "kernels"  # bench-only kernels (copy.cu)
 
-from gpu_engine.cuda import ops  # noqa: E402
-from gpu_engine.cuda.context import GpuContext  # noqa: E402
-from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
+from gpu_engine.cuda import ops
+from gpu_engine.cuda.context import GpuContext
+from gpu_engine.cuda.errors import CudaUnavailable
 
 
 def time_ms(ctx: GpuContext, fn: Callable[[], None], warmup: int = 3, reps: int = 20) -> float:
@@ -296,30 +296,31 @@ def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) ->
     """Each op of one 2B-class decode token, timed inside a CUDA graph (see graph_time_us); microseconds.
     The sum over one token's ops is the prediction for the decode graph replay."""
     cfg = TEXT_2B
-    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, FF, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
                       cfg["linear_value_head_dim"])
     conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
     out: dict[str, float] = {}
     mark = ctx.arena.mark()
-    x = random_bf16(ctx, (1, max(I, 2 * H)), "x", rng)
-    gemms = {"in_proj": conv_dim + vdim + 2 * vh, "qkv": (2 * nh + 2 * kvh) * hd, "gate_up": 2 * I}
+    x = random_bf16(ctx, (1, max(FF, 2 * H)), "x", rng)
+    gemms = {"in_proj": conv_dim + vdim + 2 * vh, "qkv": (2 * nh + 2 * kvh) * hd, "gate_up": 2 * FF}
     for name, n in gemms.items():
         w = random_bf16(ctx, (n, H), name, rng, 0.02)
         y = ctx.empty((1, n), "bf16", "y")
         out[f"gemm {name} {n}x{H}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, n, H))
-    for name, k in (("out_proj", vdim), ("o_proj", nh * hd), ("down", I)):
+    for name, k in (("out_proj", vdim), ("o_proj", nh * hd), ("down", FF)):
         w = random_bf16(ctx, (H, k), name, rng, 0.02)
         y = ctx.empty((1, H), "bf16", "y")
         out[f"gemm {name} {H}x{k}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, H, k))
     w = random_bf16(ctx, (V, H), "lm_head", rng, 0.02)
     y = ctx.empty((1, V), "f32", "logits")
-    out[f"gemm lm_head {V}x{H}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
-    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731
+    out[f"gemm lm_head {V}x{H}"] = graph_time_us(
+        ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
+    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731 - one-line local helper
     h, r, nw = random_bf16(ctx, (1, H), "h", rng), random_bf16(ctx, (1, H), "r", rng), random_bf16(ctx, (H,), "w", rng)
     out["add_rmsnorm"] = graph_time_us(ctx, lambda: ops.add_rmsnorm(ctx, h, r, h, nw, 1e-6, True))
-    gu, act = random_bf16(ctx, (1, 2 * I), "gu", rng), ctx.empty((1, I), "bf16", "act")
+    gu, act = random_bf16(ctx, (1, 2 * FF), "gu", rng), ctx.empty((1, FF), "bf16", "act")
     out["silu_mul"] = graph_time_us(ctx, lambda: ops.silu_mul(ctx, act, gu))
     bs = 16
     blocks = context // bs + 1
@@ -327,7 +328,8 @@ def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) ->
     q, att = random_bf16(ctx, (1, 2 * nh * hd), "q", rng), ctx.empty((1, nh * hd), "bf16", "att")
     table, seq, pos = i32([np.arange(blocks)]), i32([0]), i32([context - 1])
     for splits in (1, None):
-        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = graph_time_us(ctx, lambda: ops.paged_attention(
+        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = graph_time_us(
+            ctx, lambda: ops.paged_attention(
             ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
             hd ** -0.5, splits=splits))
     proj = random_bf16(ctx, (1, conv_dim + vdim + 2 * vh), "proj", rng)
@@ -342,8 +344,8 @@ def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) ->
         ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
         proj.at(conv_dim + vdim + vh), proj.size, a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv))
     normed, gnw = ctx.empty((vh, dv), "bf16", "gn"), random_bf16(ctx, (dv,), "gnw", rng)
-    out["rmsnorm_gated"] = graph_time_us(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)), proj.at(conv_dim),
-                                                                  gnw, 1e-6, vh, proj.size))
+    out["rmsnorm_gated"] = graph_time_us(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)),
+                                                                  proj.at(conv_dim), gnw, 1e-6, vh, proj.size))
     ctx.arena.release(mark)
     return out
 
@@ -355,7 +357,7 @@ def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict
     kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
                       cfg["linear_value_head_dim"])
     conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
-    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731
+    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731 - one-line local helper
     out: dict[str, float] = {}
     mark = ctx.arena.mark()
     bs = 16
@@ -414,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--no-model", action="store_true", help="ceilings only, no model shapes")
-    parser.add_argument("--shapes", default="2b,9b,27b", help="our runner: comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--shapes", default="2b,9b,27b",
+                        help="our runner: comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (ours and transformers)")
     parser.add_argument("--hf-shapes", default="9b,27b",
                         help="transformers on the same card and configs, one child process per shape ('' = none)")
@@ -480,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             ms = dec[key]
             rows.append((f"{name}: decode b=1, {label}",
                          f"{ms:.3f} ms = {1e3 / ms:.0f} tok/s, {100 * dec['roofline_ms'] / ms:.0f}% of HBM roofline"))
-        rows.append((f"{name}: decode roofline", f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
+        rows.append((f"{name}: decode roofline",
+                     f"{dec['decode_bytes'] / 1e9:.2f} GB/token -> {dec['roofline_ms']:.3f} ms"))
         for b in model_batches:
             ms = dec[f"decode_b{b}_forward_ms"]
             rows.append((f"{name}: decode b={b}, forward(), graphs",

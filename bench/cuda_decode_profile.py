@@ -6,8 +6,9 @@ The runner (random bf16 weights, one of bench/cuda_bench.py's shapes) prefills `
 `context` tokens, then runs eager decode steps of b sequences. During the timed steps each op the runner calls
 (the `ops` kernels, cuBLASLt products, the chunked delta rule) is bracketed by two events on the runner's stream.
 Right before each timed step's first op (after the step's metadata upload, which waits for the stream) the
-stream is given ~60 ms of copies to work through, so the host has queued the whole step before the GPU reaches it: the times are the ops' device time, not the Python launch gaps between them
-(an eager step is host-bound at small batch). Each op
+stream is given ~60 ms of copies to work through, so the host has queued the whole step before the GPU reaches
+it: the times are the ops' device time, not the Python launch gaps between them (an eager step is host-bound at
+small batch). Each op
 gets its bytes (weights, KV cache and DeltaNet state it must read and write) and the rate that implies, against
 the HBM copy ceiling measured in the same run: the table says which ops sit far from it.
 """
@@ -17,8 +18,8 @@ import argparse
 import datetime as dt
 import json
 import sys
-from collections.abc import Callable
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_bench import SHAPES, bench_copy, prefill_sequences, random_bf16_weights  # noqa: E402
+from cuda_bench import SHAPES, bench_copy, prefill_sequences, random_bf16_weights
 
-from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
+from gpu_engine.cuda import deltanet_chunked, ops
 
 TRACED_OPS = ("embed_gather", "rmsnorm", "add_rmsnorm", "silu_mul", "qk_norm_rope_store", "paged_attention",
               "flash_prefill", "conv1d_silu", "gated_delta_rule", "rmsnorm_gated")
@@ -37,7 +38,7 @@ TRACED_OPS = ("embed_gather", "rmsnorm", "add_rmsnorm", "silu_mul", "qk_norm_rop
 class OpTimer:
     """Brackets calls with CUDA events while `active`; per op name: calls, device ms (summed at `collect`)."""
 
-    def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]  # ctx: GpuContext, needs cuda at import
         self.ctx = ctx
         self.active = False
         self.before_first = None  # called once, before the first op of an active step
@@ -45,8 +46,8 @@ class OpTimer:
         self.ms: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def wrap(self, name_of, fn):  # type: ignore[no-untyped-def]
-        def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def wrap(self, name_of, fn):  # type: ignore[no-untyped-def]  # wraps any op signature
+        def traced(*args, **kwargs):  # type: ignore[no-untyped-def]  # same signature as the op it wraps
             if not self.active:
                 return fn(*args, **kwargs)
             if self.before_first is not None:
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update(profile(args.shape, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                           copy["memcpy_GBps"], rng, args.variants.split(",")))
     for res in result["per_batch"].values():
-        print(f"\n{args.shape} decode b={res['batch']}, {res['variant']} kernels, context {args.context}: device time {res['step_ms']:.2f} ms from the first "
-              f"op to the last (the logits download after it not included), roofline {res['roofline_ms']:.2f} ms at {copy['memcpy_GBps']:.0f} GB/s")
+        print(f"\n{args.shape} decode b={res['batch']}, {res['variant']} kernels, context {args.context}: "
+              f"device time {res['step_ms']:.2f} ms from the first op to the last (the logits download after it "
+              f"not included), roofline {res['roofline_ms']:.2f} ms at {copy['memcpy_GBps']:.0f} GB/s")
         print(f"{'op':34} {'calls':>5} {'ms/step':>8} {'share':>6} {'GB/s':>7}")
         for name, row in res["ops"].items():
             rate = f"{row['GBps']:7.0f}" if row["GBps"] else "      -"

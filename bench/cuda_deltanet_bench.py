@@ -21,11 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_engine.cuda import deltanet_chunked, ops  # noqa: E402
-from gpu_engine.cuda.context import GpuContext  # noqa: E402
+from cuda_bench import time_ms  # (CUDA events, warm-up, median)
+from op_bench import agreement, run_op_bench
 
-from cuda_bench import time_ms  # noqa: E402  (CUDA events, warm-up, median)
-from op_bench import agreement, run_op_bench  # noqa: E402
+from gpu_engine.cuda import deltanet_chunked, ops
+from gpu_engine.cuda.context import GpuContext
 
 # name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
 SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}

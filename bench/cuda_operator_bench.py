@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_bench import SHAPES, random_bf16_weights  # noqa: E402
+from cuda_bench import SHAPES, random_bf16_weights
 
 PROMPT = 1024
 DECODE_STEPS = 32
@@ -120,7 +120,8 @@ def bench_ours(shape: str, long_ctxs: list[int], rng: np.random.Generator) -> di
             out[f"arena_peak_{long_ctx}_bytes"] = runner.ctx.arena.peak
             peaks.append(runner.ctx.arena.peak)
             print(f"ours {shape} at {long_ctx} tokens: prefill {out[f'prefill_{long_ctx}_s']:.2f} s, decode "
-                  f"{out[f'decode_{long_ctx}_ms']:.2f} ms, arena peak {runner.ctx.arena.peak / 2**30:.2f} GiB", flush=True)
+                  f"{out[f'decode_{long_ctx}_ms']:.2f} ms, arena peak {runner.ctx.arena.peak / 2**30:.2f} GiB",
+                  flush=True)
         out["arena_peak_bytes"] = max(peaks)
     finally:
         runner.close()
@@ -152,8 +153,8 @@ def bench_vision(rng: np.random.Generator, side_px: int = 1024, attention: str =
             tower.encode(pixels, grid, out)  # returns after a device sync
             times.append(time.perf_counter() - t0)
         sec = float(np.median(times))
-        return {"attention": attention, "image_px": side_px, "grid": grid, "encode_ms": 1e3 * sec, "images_per_s": 1 / sec,
-                "tflops": tower.flops(grid) / sec / 1e12, "weight_bytes": tower.nbytes}
+        return {"attention": attention, "image_px": side_px, "grid": grid, "encode_ms": 1e3 * sec,
+                "images_per_s": 1 / sec, "tflops": tower.flops(grid) / sec / 1e12, "weight_bytes": tower.nbytes}
     finally:
         ctx.close()
 
@@ -181,7 +182,7 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
         tw = GpuVisionTower(ctx, cfg, weights, "bf16")
         b, d = tw.blocks[0], tw.dims
         n, H, hd, heads, inter = side * side, d.hidden_size, d.head_dim, d.num_heads, d.intermediate_size
-        rnd = lambda shape, name: ctx.to_device(rng.standard_normal(shape).astype(np.float32), "bf16", name)  # noqa: E731
+        rnd = lambda shape, name: ctx.to_device(rng.standard_normal(shape).astype(np.float32), "bf16", name)  # noqa: E731 - one-line local helper
         x, normed, qkv = rnd((n, H), "x"), rnd((n, H), "normed"), rnd((n, 3 * H), "qkv")
         attn, tmp, mlp = rnd((n, H), "attn"), rnd((n, H), "tmp"), rnd((n, inter), "mlp")
         rowcol = ctx.to_device(np.stack([np.arange(n) // side, np.arange(n) % side]).astype(np.int32), "i32", "rc")
@@ -205,7 +206,8 @@ def bench_vision_ops(rng: np.random.Generator, side: int = 64) -> dict:
                 scores.ptr, packed["q"].ptr, packed["k"].ptr, rows, n, hd, dtype=t, y_dtype="f32",
                 batch=heads, strides=(n * hd, n * hd, rows * n)),
             "  softmax rows (three passes)": lambda: vision_ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "loop"),
-            "  softmax rows (register-cached)": lambda: vision_ops.softmax_rows(ctx, probs, scores, hd ** -0.5, "cached"),
+            "  softmax rows (register-cached)": lambda: vision_ops.softmax_rows(ctx, probs, scores, hd ** -0.5,
+                                                                                "cached"),
             f"  O=PV, {rows} rows x {heads} heads, slices": lambda: bl(
                 attn.ptr, probs.ptr, qkv.ptr + 2 * H * 2, rows, hd, n, dtype=t, y_ld=H, w_ld=3 * H, w_layout="kn",
                 batch=heads, strides=(rows * n, hd, hd)),
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print("transformers:", json.dumps(results["transformers"])[:2000], flush=True)
     stream_error = None
     if stream is not None:  # last: its engine takes most of the card's free memory while it runs
-        from cuda_stream_bench import StreamCheckFailed, run as run_stream
+        from cuda_stream_bench import StreamCheckFailed
+        from cuda_stream_bench import run as run_stream
 
         stream.shape = args.shape
         results["stream_bench"] = {}
@@ -339,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
     hf = results.get("transformers", {})
     rows = [] if ours is None else [(f"{args.shape}: time to first token, 1k prompt", f"{ours['ttft_1k_ms']:.1f} ms"),
-            (f"{args.shape}: decode b=1 at 1k", f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s")]
+            (f"{args.shape}: decode b=1 at 1k",
+             f"{ours['decode_1k_ms']:.2f} ms = {1e3 / ours['decode_1k_ms']:.0f} tok/s")]
     for n in ([] if ours is None else longs):
         rows += [(f"{args.shape}: prefill {n} tokens (chunks of {CHUNK})", f"{ours[f'prefill_{n}_s']:.2f} s"),
                  (f"{args.shape}: decode b=1 at {n}", f"{ours[f'decode_{n}_ms']:.2f} ms = "

@@ -37,15 +37,15 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from qwen35_shapes import SHAPE_NAMES, model_shape  # noqa: E402
-from stream_requests import (RequestTiming, StreamRequest, check_timings, make_stream,  # noqa: E402
-                             summarize)
+from qwen35_shapes import SHAPE_NAMES, model_shape
+from stream_requests import RequestTiming, StreamRequest, check_timings, make_stream, summarize
 
-from gpu_engine import Engine, SamplingParams  # noqa: E402
-from gpu_engine.async_engine import AsyncEngine  # noqa: E402
-from gpu_engine.cuda.options import CudaOptions  # noqa: E402
-from gpu_engine.engine_config import EngineConfig  # noqa: E402
-from gpu_engine.params import RequestOutput  # noqa: E402
+from gpu_engine import Engine, SamplingParams
+from gpu_engine.async_engine import AsyncEngine
+from gpu_engine.cuda.options import CudaOptions
+from gpu_engine.engine_config import EngineConfig
+from gpu_engine.params import RequestOutput
+
 
 class StreamCheckFailed(RuntimeError):
     """The engine's outputs are wrong: a request did not finish as asked, or tokens differ from the reference."""
@@ -70,7 +70,8 @@ def drive(front: AsyncEngine, requests: list[StreamRequest], params: SamplingPar
                 t.first_token = now
             if item.finished:
                 t.finished, t.finish_reason, t.error = now, item.finish_reason, item.error
-                t.prompt_tokens, t.completion_tokens, t.token_ids = item.prompt_tokens, len(item.token_ids), item.token_ids
+                t.prompt_tokens, t.completion_tokens = item.prompt_tokens, len(item.token_ids)
+                t.token_ids = item.token_ids
                 if item.logprobs is not None:
                     t.logprobs = [lp.logprob for lp in item.logprobs]
         return listen
@@ -109,7 +110,8 @@ def compare_tokens(reference: list[RequestOutput], candidate: list[RequestTiming
             continue
         top = ref.logprobs[first].top if ref.logprobs else []
         gap = top[0][1] - top[1][1] if len(top) >= 2 else math.inf
-        entry = f"request {cand.index} ({cand.kind}) token {first}: {b[first]} vs reference {a[first]}, top-2 gap {gap:.2e}"
+        entry = (f"request {cand.index} ({cand.kind}) token {first}: {b[first]} vs reference {a[first]}, "
+                 f"top-2 gap {gap:.2e}")
         (ties if gap < tie_margin else mismatches).append(entry)
     return {"requests": len(candidate), "identical": identical, "near_ties": ties, "mismatches": mismatches}
 
@@ -178,7 +180,7 @@ def stream_bench(folder: Path, runner: str, *, requests: int, reps: int, max_tok
                                "max_num_seqs", "max_batched_tokens", "kv_cache_bytes", "encoder_cache_bytes",
                                "enable_prefix_caching")}})
     front = AsyncEngine(engine)
-    stream = lambda n, s, gap: make_stream(n, s, mean_gap_s=gap, min_side=min_side, max_side=max_side,  # noqa: E731
+    stream = lambda n, s, gap: make_stream(n, s, mean_gap_s=gap, min_side=min_side, max_side=max_side,  # noqa: E731 - local helper
                                            text_words=text_words)
     try:
         warm = stream(4, seed + 999_983, 0.0)
@@ -206,7 +208,8 @@ def stream_bench(folder: Path, runner: str, *, requests: int, reps: int, max_tok
             walls += wall
         out["pooled"] = summarize(pooled, walls)
         stats = engine.stats()
-        out["engine_stats"] = {k: stats[k] for k in stats if isinstance(stats[k], (int, float)) and not isinstance(stats[k], bool)}
+        out["engine_stats"] = {k: stats[k] for k in stats
+                               if isinstance(stats[k], (int, float)) and not isinstance(stats[k], bool)}
     finally:
         front.shutdown()
         _close(engine)

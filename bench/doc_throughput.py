@@ -54,10 +54,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from doc_workload import Unit, make_units, unit_request  # noqa: E402
-from limit_model import ModelCost, limit_seconds  # noqa: E402
-from step_profile import StepProfile  # noqa: E402
-from stream_requests import percentiles  # noqa: E402
+from doc_workload import Unit, make_units, unit_request
+from limit_model import ModelCost, limit_seconds
+from step_profile import StepProfile
+from stream_requests import percentiles
 
 QWEN_IMAGE_MAX_PIXELS = 16_777_216  # Qwen3-VL preprocessor_config.json "size" longest_edge / shortest_edge
 QWEN_IMAGE_MIN_PIXELS = 65_536
@@ -518,8 +518,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def preflight(args: argparse.Namespace) -> None:
     """Everything the modes need from pipeline and vision, tried before any lease time goes to the model."""
     from pipeline.builtin_schemas import BUILTIN_SCHEMAS
-    from pipeline.engine_client import EngineReply  # noqa: F401
-    from pipeline.extraction import interpret_reply  # noqa: F401
+    from pipeline.engine_client import EngineReply  # noqa: F401 - imported to prove it imports
+    from pipeline.extraction import interpret_reply  # noqa: F401 - imported to prove it imports
 
     for mode in args.modes:
         spec = BUILTIN_SCHEMAS[args.grammar_schema if mode == "grammar" else args.schema]

@@ -19,12 +19,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu_engine.engine import Engine  # noqa: E402
-from gpu_engine.engine_config import EngineConfig  # noqa: E402
-from gpu_engine.params import SamplingParams  # noqa: E402
-from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result
 
-from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
+from gpu_engine.engine import Engine
+from gpu_engine.engine_config import EngineConfig
+from gpu_engine.params import SamplingParams
+from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def fixed_logits(vocab_size: int, max_rows: int, text_vocab: int) -> np.ndarray:
@@ -79,19 +79,20 @@ def main() -> None:
             rows[-1]["detokenizer"] = True
     # The same at the small vocabulary with the incremental detokeniser stubbed out, to show its share.
     real_push = IncrementalDetokenizer.push
-    IncrementalDetokenizer.push = lambda self, token_id: ""  # type: ignore[method-assign]
+    IncrementalDetokenizer.push = lambda self, token_id: ""  # type: ignore[method-assign]  # stubbed on purpose
     try:
         for n in (1, 32, 128):
             rows.append(measure(tokenizer, 2074, n, args.steps, params))
             rows[-1]["detokenizer"] = False
     finally:
-        IncrementalDetokenizer.push = real_push  # type: ignore[method-assign]
+        IncrementalDetokenizer.push = real_push  # type: ignore[method-assign]  # restores the stub above
     print(f"{'vocab':>7} {'seqs':>5} {'detok':>6} {'cpu µs p50':>11} {'wall µs p50':>12} {'mean':>8} {'p95':>8} "
           f"{'sampling µs':>12} {'host w/o sampling µs':>21} {'µs/seq (p50)':>13}")
     for r in rows:
-        print(f"{r['vocab']:>7} {r['num_seqs']:>5} {str(r['detokenizer']):>6} {r['cpu_us_p50']:>11.0f} {r['step_us_p50']:>12.0f} "
-              f"{r['step_us_mean']:>8.0f} {r['step_us_p95']:>8.0f} {r['sampling_us_mean']:>12.0f} "
-              f"{r['host_us_without_sampling']:>21.0f} {r['cpu_us_p50'] / r['num_seqs']:>13.1f}")
+        print(f"{r['vocab']:>7} {r['num_seqs']:>5} {str(r['detokenizer']):>6} {r['cpu_us_p50']:>11.0f} "
+              f"{r['step_us_p50']:>12.0f} {r['step_us_mean']:>8.0f} {r['step_us_p95']:>8.0f} "
+              f"{r['sampling_us_mean']:>12.0f} {r['host_us_without_sampling']:>21.0f} "
+              f"{r['cpu_us_p50'] / r['num_seqs']:>13.1f}")
     write_result(args.out, "engine_host_overhead", {
         "note": "cpu_us_p50 (process CPU time per step, median) is the figure to read: this machine is shared, so "
                 "wall-clock mean / p95 include waiting for the CPU behind other processes",

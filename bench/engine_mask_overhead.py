@@ -20,12 +20,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu_engine.engine import Engine  # noqa: E402
-from gpu_engine.engine_config import EngineConfig  # noqa: E402
-from gpu_engine.params import SamplingParams  # noqa: E402
-from gpu_engine.tokenizer import Tokenizer  # noqa: E402
+from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result
 
-from _instant_runner import InstantRunner, parse_args, tiny_tokenizer, write_result  # noqa: E402  (bench/ is this script's folder)
+from gpu_engine.engine import Engine
+from gpu_engine.engine_config import EngineConfig
+from gpu_engine.params import SamplingParams
+from gpu_engine.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -57,7 +57,8 @@ def measure(tokenizer: Tokenizer, num_seqs: int, steps: int) -> dict:
 
     def add() -> None:
         eng.add_request(rng.integers(0, 2000, size=16).tolist(),
-                        SamplingParams(max_tokens=400, temperature=1.0, json_schema=SCHEMA, seed=int(rng.integers(1 << 30))))
+                        SamplingParams(max_tokens=400, temperature=1.0, json_schema=SCHEMA,
+                                       seed=int(rng.integers(1 << 30))))
 
     for _ in range(num_seqs):
         add()
@@ -99,12 +100,12 @@ def main() -> None:
     args = parse_args("engine_mask_overhead", steps=100)
     tokenizer = tiny_tokenizer()
     rows = [measure(tokenizer, n, args.steps) for n in (1, 8, 32, 128)]
-    print(f"{'seqs':>5} {'mask µs p50':>12} {'mean':>8} {'µs/seq':>8} {'step µs p50':>12} {'step cpu µs p50':>16} {'sampled':>8} "
-          f"{'forced':>7} {'finished':>9} {'valid':>6}")
+    print(f"{'seqs':>5} {'mask µs p50':>12} {'mean':>8} {'µs/seq':>8} {'step µs p50':>12} {'step cpu µs p50':>16} "
+          f"{'sampled':>8} {'forced':>7} {'finished':>9} {'valid':>6}")
     for r in rows:
-        print(f"{r['num_seqs']:>5} {r['mask_us_p50']:>12.0f} {r['mask_us_mean']:>8.0f} {r['mask_us_p50_per_sequence']:>8.1f} "
-              f"{r['step_us_p50']:>12.0f} {r['step_cpu_us_p50']:>16.0f} {r['sampled_tokens']:>8} {r['forced_tokens']:>7} {r['finished']:>9} "
-              f"{r['finished_valid_json']:>6}")
+        print(f"{r['num_seqs']:>5} {r['mask_us_p50']:>12.0f} {r['mask_us_mean']:>8.0f} "
+              f"{r['mask_us_p50_per_sequence']:>8.1f} {r['step_us_p50']:>12.0f} {r['step_cpu_us_p50']:>16.0f} "
+              f"{r['sampled_tokens']:>8} {r['forced_tokens']:>7} {r['finished']:>9} {r['finished_valid_json']:>6}")
     write_result(args.out, "engine_mask_overhead", {
         "tokenizer": f"tiny test BPE, vocab {rows[0]['vocab']} (no real Qwen tokenizer offline; llguidance mask "
                      "cost grows with the vocabulary)",

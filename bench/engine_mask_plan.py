@@ -22,13 +22,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_engine.bundled import bundled_model_dir  # noqa: E402
-from gpu_engine.sampling import bitmask_allows_any, bitmask_to_bool  # noqa: E402
-from gpu_engine.structured import StructuredOutput  # noqa: E402
-from gpu_engine.tokenizer import Tokenizer  # noqa: E402
-from pipeline.builtin_schemas import BUILTIN_SCHEMAS  # noqa: E402
-from pipeline.extraction import sampling_params  # noqa: E402
-from pipeline.settings import Settings  # noqa: E402
+from gpu_engine.bundled import bundled_model_dir
+from gpu_engine.sampling import bitmask_allows_any, bitmask_to_bool
+from gpu_engine.structured import StructuredOutput
+from gpu_engine.tokenizer import Tokenizer
+from pipeline.builtin_schemas import BUILTIN_SCHEMAS
+from pipeline.extraction import sampling_params
+from pipeline.settings import Settings
 
 VOCAB = 248320
 

@@ -22,15 +22,15 @@ _threads = next((a.split("=", 1)[1] for a in _argv if a.startswith("--threads=")
 if _threads:  # must be set before numpy loads its BLAS
     os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = _threads
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_engine.bundled import bundled_model_dir  # noqa: E402
-from gpu_engine.config import ModelConfig  # noqa: E402
-from gpu_engine.loader import load_weights  # noqa: E402
-from gpu_engine.reference.runner import ReferenceRunner  # noqa: E402
-from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch  # noqa: E402
+from gpu_engine.bundled import bundled_model_dir
+from gpu_engine.config import ModelConfig
+from gpu_engine.loader import load_weights
+from gpu_engine.reference.runner import ReferenceRunner
+from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
 BLOCK = 16
 
@@ -39,7 +39,7 @@ def chunk(seq: int, ids: np.ndarray, start: int, logits: str = "last") -> SeqChu
     n = ids.shape[0]
     positions = np.broadcast_to(np.arange(start, start + n), (3, n)).copy()
     table = np.arange(seq * 64, seq * 64 + 64, dtype=np.int32)  # 64 blocks = 1024 tokens per sequence
-    return SeqChunk(seq, ids, positions, start, table, seq, logits=logits)  # type: ignore[arg-type]
+    return SeqChunk(seq, ids, positions, start, table, seq, logits=logits)  # type: ignore[arg-type]  # "last"/"all"
 
 
 def median_seconds(fn, repeats: int) -> float:

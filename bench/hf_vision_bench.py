@@ -21,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def measure(config: dict, side: int, device: str, repeats: int = 5) -> dict:
     import torch
-    from transformers.models.qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
-
     from hf_reference_bench import born_bf16
+    from transformers.models.qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
 
     patch = config["patch_size"]
     if side % (patch * config["spatial_merge_size"]):
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - transformers needs it; fail here with the hint below
         import transformers
     except ImportError as exc:
         print(json.dumps({"skipped": f"torch/transformers not installed: {exc}"}))

@@ -32,12 +32,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import vision  # noqa: E402
-from pipeline.cli import sample_files  # noqa: E402
-from pipeline.context import Pipeline  # noqa: E402
-from pipeline.engine_client import EngineClient, EngineReply, EngineRequest  # noqa: E402
-from pipeline.processing import process_paths  # noqa: E402
-from pipeline.settings import Settings  # noqa: E402
+import vision
+from pipeline.cli import sample_files
+from pipeline.context import Pipeline
+from pipeline.engine_client import EngineClient, EngineReply, EngineRequest
+from pipeline.processing import process_paths
+from pipeline.settings import Settings
 
 GOAL_MS = 30.0
 

@@ -61,7 +61,8 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
                             video_max_pixels=video_max_pixels)
     if not weights:
         return folder
-    shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(ModelConfig.from_pretrained(folder)).items()}
+    model_config = ModelConfig.from_pretrained(folder)
+    shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(model_config).items()}
     write_bf16_safetensors(folder / SINGLE_FILE, shapes, random_bf16_tensors(shapes, seed))
     if sums:
         write_sums(folder)
@@ -100,5 +101,6 @@ def write_bf16_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
         f.write(safetensors_header((n, "BF16", shapes[n], 2 * int(np.prod(shapes[n], dtype=np.int64))) for n in names))
         for expected, (name, data) in zip(names, tensors, strict=True):
             if name != expected or data.dtype != np.uint16 or data.shape != tuple(shapes[name]):
-                raise ValueError(f"tensor {name} {data.dtype} {data.shape} does not match {expected} {shapes[expected]}")
+                raise ValueError(f"tensor {name} {data.dtype} {data.shape} does not match {expected} "
+                                 f"{shapes[expected]}")
             np.ascontiguousarray(data).tofile(f)

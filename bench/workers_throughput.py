@@ -20,22 +20,22 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
-import argparse  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import io
+import json
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-from PIL import Image  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+import numpy as np
+import redis
+from PIL import Image
+from sqlalchemy import func, select
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

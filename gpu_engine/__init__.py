@@ -23,7 +23,7 @@ _EXPORTS = {
     "TokenLogprob": "params",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 

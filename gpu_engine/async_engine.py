@@ -150,7 +150,8 @@ class AsyncEngine:
         runs that work (submit would run it on the loop). Raises RequestError for bad messages."""
         return self.engine.prepare_prompt(prompt)
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, timeout: float | None = None) -> RequestOutput:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 timeout: float | None = None) -> RequestOutput:
         return self.submit(prompt, params).result(timeout)
 
     async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:

@@ -179,7 +179,8 @@ class ModelConfig:
         folder = Path(folder)
         path = folder / "config.json"
         raw = _read_json(path)
-        generation = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+        generation_file = folder / "generation_config.json"
+        generation = _read_json(generation_file) if generation_file.exists() else {}
         return cls.from_dict(raw, generation_config=generation, source=str(path))
 
     @classmethod
@@ -262,11 +263,13 @@ def _layer_types(text_raw: dict[str, Any], num_layers: int, source: str) -> tupl
     if given is None:
         interval = text_raw.get("full_attention_interval", 4)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"{source}: text_config.full_attention_interval must be a positive integer, got {interval!r}")
+            raise ConfigError(f"{source}: text_config.full_attention_interval must be a positive integer, "
+                              f"got {interval!r}")
         return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers))
     if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
         raise ConfigError(f"{source}: text_config.layer_types must be a list of strings, got {given!r}")
-    types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in given)
+    names: list[str] = given
+    types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in names)
     for i, t in enumerate(types):
         if t not in _LAYER_TYPES:
             raise UnsupportedModelError(
@@ -374,9 +377,11 @@ def _parse_vision(vision_raw: dict[str, Any], source: str) -> VisionConfig:
         )
     }
     if d["hidden_act"] not in _VISION_ACTS:
-        raise UnsupportedModelError(f"{src}: hidden_act={d['hidden_act']!r} is not supported (supported: {_VISION_ACTS})")
+        raise UnsupportedModelError(f"{src}: hidden_act={d['hidden_act']!r} is not supported "
+                                    f"(supported: {_VISION_ACTS})")
     if ints["hidden_size"] % ints["num_heads"]:
-        raise ConfigError(f"{src}: hidden_size={ints['hidden_size']} is not a multiple of num_heads={ints['num_heads']}")
+        raise ConfigError(f"{src}: hidden_size={ints['hidden_size']} is not a multiple of "
+                          f"num_heads={ints['num_heads']}")
     rope = vision_raw.get("rope_scaling") or vision_raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{src}: rope_parameters must be an object, got {rope!r}")

@@ -82,7 +82,8 @@ class Engine:
         self.vocab_size = vocab_size
         self.model_fingerprint = model_fingerprint
         self._prepare = prepare
-        self.eos_token_ids = frozenset(int(t) for t in (eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids))
+        eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(int(t) for t in eos)
 
         cfg = self.config
         sizing = size_cache(cfg, int(runner.kv_bytes_per_block(block_size=cfg.block_size)),
@@ -248,7 +249,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self._with_deadline:
             now = time.monotonic()
-            for seq in [s for s in self._with_deadline.values() if now > s.deadline]:  # type: ignore[operator]
+            for seq in [s for s in self._with_deadline.values() if s.deadline is not None and now > s.deadline]:
                 outputs.append(self._finish(seq, "error", f"timed out after {seq.params.timeout_s} s"))
 
         sched = self.scheduler.schedule()
@@ -273,7 +274,7 @@ class Engine:
                 else seq.positions(sc.start, sc.num_tokens),
                 start=sc.start,
                 block_table=seq.block_table_array(),
-                state_slot=seq.state_slot,  # type: ignore[arg-type]
+                state_slot=seq.slot_in_use(),
                 vision=vision,
                 logits="last" if sc.wants_logits else "none",
             ))
@@ -447,11 +448,12 @@ class Engine:
 
         A request that fails while running comes back with finish_reason "error"; a request that is rejected up
         front raises RequestError (none of the prompts is then left queued)."""
-        if isinstance(prompts, ProcessedPrompt) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+        if isinstance(prompts, ProcessedPrompt) or (isinstance(prompts, list) and prompts
+                                                    and isinstance(prompts[0], dict)):
             prompts = [prompts]  # one chat conversation
         elif is_token_ids(prompts):
             prompts = [prompts]  # one token-id prompt
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:

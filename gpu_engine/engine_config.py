@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from .errors import EngineError
 
-
 DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 
 

@@ -70,7 +70,8 @@ class FailureIsolation:
         if plan is not None:
             out.rows = concat_sampled(kept_rows)
         else:
-            out.rows = np.concatenate(kept_rows) if kept_rows else np.zeros((0, self.vocab_size), np.float32)
+            logits = [r for r in kept_rows if isinstance(r, np.ndarray)]  # without a plan every row is logits
+            out.rows = np.concatenate(logits) if logits else np.zeros((0, self.vocab_size), np.float32)
         return out
 
     def _bisect(
@@ -99,6 +100,7 @@ class FailureIsolation:
             for k, i in enumerate(half):
                 a, b = result.row_offsets[k], result.row_offsets[k + 1]
                 if sampled is not None:
-                    rows[i] = SampleResult(sampled.token_ids[a:b].copy(), sampled.logprobs[a:b].copy(), sampled.top[a:b])
+                    rows[i] = SampleResult(sampled.token_ids[a:b].copy(), sampled.logprobs[a:b].copy(),
+                                           sampled.top[a:b])
                 else:  # copied: a runner may hand back the same host buffer from its next forward
                     rows[i] = np.array(result.logits[a:b], copy=True)

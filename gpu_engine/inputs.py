@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # typing.TypeIs is 3.13+; only the type checker needs it
+    from typing_extensions import TypeIs
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class ProcessedPrompt:
         return int(self.token_ids.shape[0])
 
 
-def is_token_ids(value: Any) -> bool:
+def is_token_ids(value: object) -> TypeIs[Sequence[int] | np.ndarray]:
     """A prompt given as token ids rather than chat messages: an integer numpy array, or a non-empty sequence (not
     str / bytes) of ints (bools are not token ids). Callers check the shape (1-D) with their own words."""
     if isinstance(value, np.ndarray):

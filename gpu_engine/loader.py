@@ -166,7 +166,8 @@ def weight_files(folder: Path) -> list[str]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {exc}") from exc
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): "
+                                  f"{exc}") from exc
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
@@ -206,7 +207,8 @@ def verify_digests(folder: Path, expected: Mapping[str, str], *, required: list[
     uncovered = [name for name in required if name not in expected]
     if uncovered:
         raise IntegrityError(
-            f"{folder}: the expected digests do not cover {', '.join(uncovered)}; every config and weight file must be listed"
+            f"{folder}: the expected digests do not cover {', '.join(uncovered)}; every config and weight file "
+            "must be listed"
         )
     actual: dict[str, str] = {}
     bad: list[str] = []
@@ -235,7 +237,7 @@ def checkpoint_fingerprint(folder: Path, files: list[str], known: Mapping[str, s
 
 # ------------------------------------------------------------------------------------------------ tensors
 
-_NP_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_NP_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,8 @@ def _read_file(path: Path) -> dict[str, _Stored]:
         info = header[name]
         dtype = _NP_DTYPES.get(info["dtype"])
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 are supported")
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 are "
+                                  "supported")
         begin, end = info["data_offsets"]
         tensors[name] = _Stored(info["dtype"], data[begin:end].view(dtype).reshape(tuple(info["shape"])))
     return tensors

@@ -20,7 +20,7 @@ def _decode_image_bytes(data: bytes, what: str) -> Image.Image:
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)  # oversized images are errors, not warnings
         try:
-            image = Image.open(io.BytesIO(data))
+            image: Image.Image = Image.open(io.BytesIO(data))
             image.load()
             # Like transformers' load_image for files/URLs: honour the EXIF orientation.
             image = ImageOps.exif_transpose(image)
@@ -53,7 +53,8 @@ def load_image(source: Any, what: str = "image") -> Image.Image:
         if text.startswith("data:"):
             return _decode_image_bytes(_data_url_bytes(text, what), what)
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
-            raise ProcessorError(f"{what}: remote URLs are not fetched by the engine ({text[:60]}); pass bytes or a path")
+            raise ProcessorError(f"{what}: remote URLs are not fetched by the engine ({text[:60]}); pass bytes or "
+                                 "a path")
         path = Path(text)
         if not path.is_file():
             raise ProcessorError(f"{what}: file not found: {path}")
@@ -67,4 +68,5 @@ def frame_array(frame: Any, what: str) -> np.ndarray:
     array = np.asarray(frame)
     if array.ndim == 3 and array.shape[-1] == 3 and array.dtype == np.uint8:
         return array
-    raise ProcessorError(f"{what}: frames must be PIL images or uint8 [H, W, 3] arrays, got {array.dtype} {array.shape}")
+    raise ProcessorError(f"{what}: frames must be PIL images or uint8 [H, W, 3] arrays, got {array.dtype} "
+                         f"{array.shape}")

@@ -26,7 +26,7 @@ from .errors import EngineError
 from .inputs import ProcessedPrompt, VisionItem, is_token_ids
 from .loader import ModelWeights, load_weights
 from .rope_index import text_positions
-from .runner_api import CacheSpec, Runner, SeqChunk, StepBatch, VisionSlice
+from .runner_api import CacheSpec, LogitsWanted, Runner, SeqChunk, StepBatch, VisionSlice
 
 RUNNERS = ("reference", "cuda")
 _BLOCK_SIZE = 16
@@ -123,7 +123,8 @@ class LoadedModel:
         """float32 [T, vocab] for the expanded prompt of `messages` (generation prompt appended)."""
         return self.prefill(self.prepare(messages), chunk_size=chunk_size)
 
-    def prefill(self, prompt: ProcessedPrompt, *, chunk_size: int | None = None, logits: str = "all") -> np.ndarray:
+    def prefill(self, prompt: ProcessedPrompt, *, chunk_size: int | None = None,
+                logits: LogitsWanted = "all") -> np.ndarray:
         """Run a fresh sequence's prompt in chunks of `chunk_size` tokens (None: one chunk); returns logit rows."""
         total = len(prompt)
         step = total if chunk_size is None else chunk_size
@@ -158,9 +159,9 @@ class LoadedModel:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if is_token_ids(messages_or_ids):
-            prompt = self.text_prompt(messages_or_ids)  # type: ignore[arg-type]
+            prompt = self.text_prompt(messages_or_ids)
         else:
-            prompt = self.prepare(messages_or_ids)  # type: ignore[arg-type]
+            prompt = self.prepare(messages_or_ids)
         stops = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         rng = np.random.default_rng(seed)
         total = len(prompt) + max_tokens
@@ -187,13 +188,14 @@ class LoadedModel:
         self._capacity_tokens = blocks * _BLOCK_SIZE
 
     def _step(
-        self, token_ids: np.ndarray, positions: np.ndarray, start: int, logits: str, vision: list[VisionSlice]
+        self, token_ids: np.ndarray, positions: np.ndarray, start: int, logits: LogitsWanted,
+        vision: list[VisionSlice],
     ) -> np.ndarray:
         n = token_ids.shape[0]
         table = np.arange(math.ceil((start + n) / _BLOCK_SIZE), dtype=np.int32)
         chunk = SeqChunk(
             seq_id=0, token_ids=token_ids, positions=positions, start=start, block_table=table,
-            state_slot=0, vision=vision, logits=logits,  # type: ignore[arg-type]
+            state_slot=0, vision=vision, logits=logits,
         )
         return self.runner.forward(StepBatch(chunks=[chunk])).logits
 

@@ -23,7 +23,7 @@ from .preprocessing import (
 )
 from .processing_errors import ProcessorError
 from .rope_index import find_vision_spans, rope_index, text_positions
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerError
 
 # transformers' default when a frame list arrives without its sampling rate (Qwen3VLVideoProcessor.sample_frames).
 DEFAULT_FRAME_LIST_FPS = 24.0
@@ -95,7 +95,8 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dic
                         raise ProcessorError(f"{what}: text part needs a string 'text'")
                     parts.append(dict(part))
                 elif kind == "image":
-                    media.append(_Media("image", _part_source(part, ("image", "url", "path", "base64"), what), None, what))
+                    source = _part_source(part, ("image", "url", "path", "base64"), what)
+                    media.append(_Media("image", source, None, what))
                     parts.append(dict(part))
                 elif kind == "image_url":
                     info = part.get("image_url")
@@ -139,15 +140,20 @@ class Processor:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.spatial_merge_size = spatial_merge_size
-        self.image_token = tokenizer.id_to_token(image_token_id)
-        self.video_token = tokenizer.id_to_token(video_token_id)
+        image_token, video_token = tokenizer.id_to_token(image_token_id), tokenizer.id_to_token(video_token_id)
+        if image_token is None or video_token is None:  # fail early, as for the vision start/end tokens below
+            raise TokenizerError(f"image_token_id {image_token_id} or video_token_id {video_token_id} is not in the "
+                                 "vocabulary")
+        self.image_token: str = image_token
+        self.video_token: str = video_token
         self.vision_start_token = tokenizer.special_tokens.get("vision_bos_token", "<|vision_start|>")
         self.vision_end_token = tokenizer.special_tokens.get("vision_eos_token", "<|vision_end|>")
         tokenizer.token_to_id(self.vision_start_token)  # fail early if the vocabulary lacks them
         tokenizer.token_to_id(self.vision_end_token)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, model_config: Any = None, tokenizer: Tokenizer | None = None) -> Processor:
+    def from_pretrained(cls, folder: str | Path, model_config: Any = None,
+                        tokenizer: Tokenizer | None = None) -> Processor:
         """Load tokenizer + processor configs from a checkpoint folder.
 
         `model_config` (gpu_engine.config.ModelConfig, optional) supplies the placeholder ids and the vision
@@ -237,7 +243,7 @@ class Processor:
         """Build the engine's input. Token ids are taken as a finished text-only prompt."""
         if is_token_ids(messages_or_token_ids):
             return self._prepare_token_ids(np.asarray(messages_or_token_ids, dtype=np.int64))
-        text, media = self._render(messages_or_token_ids, add_generation_prompt, enable_thinking)  # type: ignore[arg-type]
+        text, media = self._render(messages_or_token_ids, add_generation_prompt, enable_thinking)
         processed: list[ProcessedImage | ProcessedVideo] = [
             self.process_image(m.source, m.what) if m.kind == "image"
             else self.process_video(m.source, m.fps, m.what, m.timestamps)
@@ -273,7 +279,8 @@ class Processor:
         )
         return pattern.sub(lambda _: next(replacements), text)
 
-    def _vision_items(self, token_ids: np.ndarray, processed: list[ProcessedImage | ProcessedVideo]) -> list[VisionItem]:
+    def _vision_items(self, token_ids: np.ndarray,
+                      processed: list[ProcessedImage | ProcessedVideo]) -> list[VisionItem]:
         spans = iter(find_vision_spans(token_ids, self.image_token_id, self.video_token_id))
         items: list[VisionItem] = []
         for p in processed:

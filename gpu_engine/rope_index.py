@@ -56,7 +56,7 @@ def rope_index(
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or len(ids) == 0:
         raise ProcessorError("rope_index needs a non-empty 1-D token sequence")
-    grids = {
+    grids: dict[str, list[tuple[int, ...]]] = {
         "image": [tuple(int(v) for v in g) for g in (image_grid_thw if image_grid_thw is not None else [])],
         "video": [(1, int(g[1]), int(g[2])) for g in (video_grid_thw if video_grid_thw is not None else [])
                   for _ in range(int(g[0]))],

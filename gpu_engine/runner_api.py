@@ -134,7 +134,7 @@ def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult
         repetition_penalty=np.ones(n, np.float32), presence_penalty=np.zeros(n, np.float32),
         num_logprobs=request.num_logprobs.astype(np.int64),
     )
-    return sample(x, rows_table, [Drawn(float(u)) for u in request.uniform])  # type: ignore[misc]
+    return sample(x, rows_table, [Drawn(float(u)) for u in request.uniform])
 
 
 @dataclass

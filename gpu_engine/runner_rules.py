@@ -88,5 +88,6 @@ def chunk_problem(chunk: SeqChunk, spec: CacheSpec, *, vocab_size: int, hidden_s
         if len(shape) != 2 or shape[1] != hidden_size:
             return f"{where}: vision embeddings must be [n, {hidden_size}], got {tuple(shape)}"
         if piece.chunk_offset < 0 or piece.chunk_offset + shape[0] > n:
-            return f"{where}: vision rows [{piece.chunk_offset}, {piece.chunk_offset + shape[0]}) fall outside the chunk of {n}"
+            return (f"{where}: vision rows [{piece.chunk_offset}, {piece.chunk_offset + shape[0]}) fall outside "
+                    f"the chunk of {n}")
     return None

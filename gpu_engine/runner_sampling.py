@@ -44,8 +44,8 @@ def plan_runner_sampling(scheduled: list[ScheduledChunk], rng_of: Callable[[Sequ
     if rows.has_penalties:
         return None
     uniform = np.zeros(len(seqs), np.float64)
-    for r in np.nonzero(rows.temperature > 0.0)[0]:
-        uniform[r] = float(rng_of(seqs[r]).random())
+    for i in np.nonzero(rows.temperature > 0.0)[0]:
+        uniform[i] = float(rng_of(seqs[i]).random())
     bitmask = mask_index = None
     dead: list[Sequence] = []
     mask_s = 0.0

@@ -11,7 +11,9 @@ output of a seeded request does not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -60,6 +62,12 @@ class SamplingRows:
         return bool(np.any(self.repetition_penalty != 1.0) or np.any(self.presence_penalty != 0.0))
 
 
+class UniformSource(Protocol):
+    """What sample() needs of a row's generator: its next uniform draw (np.random.Generator, or Drawn)."""
+
+    def random(self) -> float: ...
+
+
 class Drawn:
     """Stands in for a row's Generator whose next random() was drawn earlier (sample() calls only random())."""
 
@@ -95,13 +103,13 @@ def apply_penalties(
     """In place. Repetition penalty over tokens seen in prompt + output: positive logits are divided by it,
     negative ones multiplied. Presence penalty: subtracted once from every token seen in the output."""
     vocab = logits.shape[1]
-    rep_rows = [i for i in np.nonzero(rows.repetition_penalty != 1.0)[0]]
+    rep_rows = [int(i) for i in np.nonzero(rows.repetition_penalty != 1.0)[0]]
     if rep_rows:
         r, t = _unique_pairs(rep_rows, [prompt_and_output[i] for i in rep_rows], vocab)
         vals = logits[r, t]
         pen = rows.repetition_penalty[r]
         logits[r, t] = np.where(vals > 0, vals / pen, vals * pen)
-    pres_rows = [i for i in np.nonzero(rows.presence_penalty != 0.0)[0] if len(output[i])]
+    pres_rows = [int(i) for i in np.nonzero(rows.presence_penalty != 0.0)[0] if len(output[i])]
     if pres_rows:
         r, t = _unique_pairs(pres_rows, [output[i] for i in pres_rows], vocab)
         logits[r, t] -= rows.presence_penalty[r]
@@ -181,7 +189,7 @@ def filter_logits(x: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np
 def sample(
     logits: np.ndarray,
     rows: SamplingRows,
-    rngs: list[np.random.Generator],
+    rngs: Sequence[UniformSource],
 ) -> SampleResult:
     """`logits` are the processed logits [R, V] (penalties and grammar mask already applied)."""
     n = logits.shape[0]
@@ -192,7 +200,7 @@ def sample(
         x = filter_logits(x, rows.top_k[rand_rows], rows.top_p[rand_rows], rows.min_p[rand_rows])
         probs = np.exp(log_softmax(x))
         cdf = np.cumsum(probs, axis=1)
-        u = np.array([rngs[i].random() for i in rand_rows]) * cdf[:, -1]
+        u = np.array([rngs[i].random() for i in rand_rows.tolist()]) * cdf[:, -1]
         u = np.maximum(u, np.finfo(np.float32).tiny)  # u == 0 could pick a zero-probability first token
         choice = np.minimum((cdf < u[:, None]).sum(axis=1), logits.shape[1] - 1)
         tokens[rand_rows] = choice

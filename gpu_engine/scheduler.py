@@ -20,7 +20,7 @@ from .cache import BlockManager
 from .encoder_cache import EncoderCache
 from .engine_config import EngineConfig
 from .inputs import VisionItem
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 class ScheduledChunk:

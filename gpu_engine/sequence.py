@@ -139,6 +139,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def slot_in_use(self) -> int:
+        """The state slot of an admitted sequence (the cache gives every admitted sequence one)."""
+        if self.state_slot is None:
+            raise RuntimeError(f"sequence {self.request_id} is scheduled but holds no state slot")
+        return self.state_slot
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget the cache, keep every generated token (they are re-prefilled)."""
         self.status = SeqStatus.WAITING

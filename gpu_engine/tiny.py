@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import json
 import struct
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -160,7 +160,8 @@ class Tokenizer:
         if "eos_token" in special_tokens:
             eos_id = backend.token_to_id(special_tokens["eos_token"])
             if eos_id is None:
-                raise TokenizerError(f"eos_token {special_tokens['eos_token']!r} of {config_file} is not in the vocabulary")
+                raise TokenizerError(f"eos_token {special_tokens['eos_token']!r} of {config_file} is not in the "
+                                     "vocabulary")
             eos_ids.append(eos_id)
         # generation_config.json may list more stop ids (Qwen: <|im_end|> and <|endoftext|>).
         gen_file = folder / "generation_config.json"

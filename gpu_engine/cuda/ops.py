@@ -109,7 +109,8 @@ def rope(ctx: GpuContext, x: DArray, n: int, heads: int, rot_dim: int, token_str
     _need(inv_freq, "f32", "inv_freq")
     _need(axis, "i32", "axis")
     if rot_dim % 2 or inv_freq.size != rot_dim // 2 or axis.size != rot_dim // 2 or pos.shape[-1] != n:
-        raise ShapeError(f"rope tables: rot_dim {rot_dim}, inv_freq {inv_freq.shape}, axis {axis.shape}, pos {pos.shape}")
+        raise ShapeError(f"rope tables: rot_dim {rot_dim}, inv_freq {inv_freq.shape}, axis {axis.shape}, "
+                         f"pos {pos.shape}")
     ctx.device.launch("rope", f"rope_{t}", n, 128, x.ptr, i64(token_stride), i32(head_stride), pos.ptr, i32(n),
                       inv_freq.ptr, axis.ptr, i32(n), i32(heads), i32(rot_dim))
 
@@ -161,7 +162,8 @@ def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache:
     _need(inv_freq, "f32", "inv_freq")
     n = slots.size
     if head_dim > 256 or rot_dim > head_dim or rot_dim % 2 or pos.shape[-1] != n:
-        raise ShapeError(f"qk_norm_rope_store: head_dim {head_dim} (max 256), rot_dim {rot_dim}, pos {pos.shape}, n {n}")
+        raise ShapeError(f"qk_norm_rope_store: head_dim {head_dim} (max 256), rot_dim {rot_dim}, pos {pos.shape}, "
+                         f"n {n}")
     ctx.device.launch("attention", f"qk_norm_rope_store_{t}", (n, heads + kv_heads), 128, q_out.ptr, k_cache.ptr,
                       v_cache.ptr, proj.ptr, i64(proj_stride), q_norm.ptr, k_norm.ptr, pos.ptr, i32(n), inv_freq.ptr,
                       axis.ptr, slots.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim), i32(rot_dim), f32(eps),
@@ -185,7 +187,8 @@ def flash_shared_bytes(head_dim: int) -> int:
 
 def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
     """Query tiles for flash_prefill: int32 [tiles, 2] = (first token in the batch, rows), never crossing chunks."""
-    tiles, base = [], 0
+    tiles: list[tuple[int, int]] = []
+    base = 0
     for n in chunk_lengths:
         tiles.extend((base + s, min(FLASH_TILE, n - s)) for s in range(0, n, FLASH_TILE))
         base += n
@@ -338,14 +341,14 @@ def conv1d_silu(ctx: GpuContext, out: DArray, out_stride: int, x: DArray, x_stri
     # a decode step of any batch has one token per sequence (27B, 32 sequences: 49 -> 11 us per layer, H200)
     parallel = method == "tokens" or (method == "auto" and token_seq is not None
                                       and n >= GDN_TWO_PASS_MIN_TOKENS * seqs)
-    if parallel and token_seq is None:
-        raise ShapeError("conv1d method 'tokens' needs token_seq")
     blocks = (conv_dim + 127) // 128
     if not parallel:
         ctx.device.launch("deltanet", f"conv1d_silu_{t}", (blocks, seqs), 128, out.ptr, i64(out_stride), x.ptr,
                           i64(x_stride), w.ptr, conv_state.ptr, cu_seqlens.ptr, state_slots.ptr, fresh.ptr,
                           i32(conv_dim), i32(K))
         return
+    if token_seq is None:
+        raise ShapeError("conv1d method 'tokens' needs token_seq")
     _need(token_seq, "i32", "token_seq")
     lp = conv_runs_launch(n, conv_dim, K, t, x.ptr, x_stride, out.ptr, out_stride, run)
     ctx.device.launch("deltanet", lp.kernel, lp.grid, lp.block, out.ptr, i64(out_stride), x.ptr, i64(x_stride),

@@ -40,7 +40,7 @@ from .embeddings import BlockPool, DeviceEmbeddings
 from .options import CudaOptions
 from .sampler import DeviceSampler, SamplerBuffers
 from .step import HostStep, StepTables, build_step, pack_tables, upload_tables
-from .text_model import Activations, CudaTextModel, DeviceCache, LayerCache
+from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
 from .vision import GpuVisionTower
 from .weights import upload_text_weights
 
@@ -85,7 +85,7 @@ class CudaRunner:
             self._encoded = BlockPool(self.ctx.arena.alloc(o.encoder_memory, "encoder-cache"), o.encoder_memory)
         self._after_weights = self.ctx.arena.mark()
         self.spec: CacheSpec | None = None
-        self.cache = DeviceCache({}, 0)
+        self.cache = DeviceCache(0)
         # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
         # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
         self.use_graphs = o.use_graphs
@@ -114,31 +114,30 @@ class CudaRunner:
         cfg, ctx = self.cfg, self.ctx
         ctx.device.sync()
         ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
-        self.cache, self._graphs, self._warm, self._graph_bytes = DeviceCache({}, spec.block_size), {}, set(), 0
-        layers = self.cache.layers
+        self.cache, self._graphs, self._warm, self._graph_bytes = DeviceCache(spec.block_size), {}, set(), 0
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 shape = (spec.num_kv_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
-                layers[i] = LayerCache(k=ctx.empty(shape, self.dtype, f"k{i}"), v=ctx.empty(shape, self.dtype, f"v{i}"))
+                self.cache.attention[i] = AttentionCache(ctx.empty(shape, self.dtype, f"k{i}"),
+                                                         ctx.empty(shape, self.dtype, f"v{i}"))
             else:
                 conv = ctx.empty((spec.num_state_slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
                                  self.dtype, f"conv{i}")
                 state = ctx.empty((spec.num_state_slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                                    cfg.linear_key_head_dim), "f32", f"state{i}")
-                layers[i] = LayerCache(conv=conv, state=state)
-        for c in layers.values():  # deterministic contents (fresh sequences never read them anyway)
-            for arr in (c.k, c.v, c.conv, c.state):
-                if arr is not None:
-                    ctx.device.memset(arr.ptr, 0, arr.nbytes)
+                self.cache.deltanet[i] = DeltaNetCache(conv, state)
+        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v)]
+        arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
+        for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
+            ctx.device.memset(arr.ptr, 0, arr.nbytes)
         self.spec = spec
 
     def copy_state_slot(self, src: int, dst: int) -> None:
         check_state_slots(allocated(self.spec), src, dst)
-        for c in self.cache.layers.values():
+        for c in self.cache.deltanet.values():
             for arr in (c.conv, c.state):
-                if arr is not None:
-                    row = arr.nbytes // arr.shape[0]
-                    self.ctx.device.copy(arr.ptr + dst * row, arr.ptr + src * row, row)
+                row = arr.nbytes // arr.shape[0]
+                self.ctx.device.copy(arr.ptr + dst * row, arr.ptr + src * row, row)
         self.ctx.device.sync()
 
     # ---- vision ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ context's stream, so a step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import TextConfig
 from . import deltanet_chunked, ops, rotary
@@ -21,19 +21,26 @@ FLASH_MIN_CHUNK = 32  # steps whose longest chunk has this many tokens use the t
 
 
 @dataclass
-class LayerCache:
-    """One layer's share of the runner's cache (full attention: k, v; linear attention: conv, state)."""
+class AttentionCache:
+    """A full-attention layer's share of the runner's cache: its paged keys and values."""
 
-    k: DArray | None = None  # [blocks, block_size, kv_heads, head_dim]
-    v: DArray | None = None
-    conv: DArray | None = None  # [slots, K-1, conv_dim]
-    state: DArray | None = None  # f32 [slots, Hv, dv, dk]
+    k: DArray  # [blocks, block_size, kv_heads, head_dim]
+    v: DArray
+
+
+@dataclass
+class DeltaNetCache:
+    """A linear-attention layer's share of the runner's cache: per state slot, the conv window and the state."""
+
+    conv: DArray  # [slots, K-1, conv_dim]
+    state: DArray  # f32 [slots, Hv, dv, dk]
 
 
 @dataclass
 class DeviceCache:
-    layers: dict[int, LayerCache]
     block_size: int
+    attention: dict[int, AttentionCache] = field(default_factory=dict)  # by layer index (full_attention layers)
+    deltanet: dict[int, DeltaNetCache] = field(default_factory=dict)  # by layer index (linear_attention layers)
 
 
 @dataclass
@@ -69,9 +76,9 @@ class CudaTextModel:
                 ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.input_norm, eps, True)
             scratch = ctx.arena.mark()
             if isinstance(layer.mixer, AttentionWeights):
-                self._attention(layer.mixer, a, t, n, longest_chunk, cache.layers[i], cache.block_size)
+                self._attention(layer.mixer, a, t, n, longest_chunk, cache.attention[i], cache.block_size)
             else:
-                self._deltanet(layer.mixer, a, t, n, longest_chunk, cache.layers[i])
+                self._deltanet(layer.mixer, a, t, n, longest_chunk, cache.deltanet[i])
             ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.post_norm, eps, True)  # x += mixer output; h = rms_norm(x)
             self._mlp(layer, a, n)
             if not keep_scratch:
@@ -94,7 +101,7 @@ class CudaTextModel:
         ctx.blas.linear(a.d.ptr, act.ptr, layer.down.ptr, n, hidden, inter, dtype=t)
 
     def _attention(self, w: AttentionWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
-                   cache: LayerCache, block_size: int) -> None:
+                   cache: AttentionCache, block_size: int) -> None:
         """Gated full attention over the paged KV cache: d = o_proj(attention(q, k, v) * sigmoid(gate))."""
         ctx, cfg, t = self.ctx, self.config, self.dtype
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -113,7 +120,7 @@ class CudaTextModel:
         ctx.blas.linear(a.d.ptr, out.ptr, w.o_proj.ptr, n, cfg.hidden_size, nh * hd, dtype=t)
 
     def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
-                  cache: LayerCache) -> None:
+                  cache: DeltaNetCache) -> None:
         """Gated DeltaNet: causal conv + SiLU, the gated delta rule over the slot's state, gated RMSNorm, out_proj."""
         ctx, cfg, t = self.ctx, self.config, self.dtype
         kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads

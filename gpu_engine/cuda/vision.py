@@ -108,7 +108,10 @@ class GpuVisionTower:
                              f"{dtype} head_dim {d.head_dim}")
         self.act = _BLOCK_ACTS[d.hidden_act]
         up = _Uploader(ctx, dtype)
-        put = lambda name: up.put("visual." + name, np.asarray(weights[name]))  # noqa: E731
+
+        def put(name: str) -> DArray:
+            return up.put("visual." + name, np.asarray(weights[name]))
+
         self.patch_w = up.put("visual.patch_embed", np.asarray(weights["patch_embed.proj.weight"]).reshape(
             d.hidden_size, d.patch_dim))
         self.patch_b = put("patch_embed.proj.bias")
@@ -129,7 +132,7 @@ class GpuVisionTower:
         t, h, w = grid_thw
         return t * h * w // self.dims.merge_unit
 
-    def _check(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], out: DArray) -> None:
+    def _check(self, pixel_values: np.ndarray, grid_thw: tuple[int, ...], out: DArray) -> None:
         d = self.dims
         if len(grid_thw) != 3 or min(grid_thw) < 1:
             raise VisionEncodeError(f"grid_thw must be three positive integers, got {grid_thw!r}")
@@ -140,17 +143,17 @@ class GpuVisionTower:
         if pixel_values.ndim != 2 or pixel_values.shape != (t * h * w, d.patch_dim):
             raise VisionEncodeError(f"pixel_values must be [{t * h * w}, {d.patch_dim}] for grid {grid_thw}, got "
                                     f"{pixel_values.shape}")
-        want = (self.num_tokens(grid_thw), d.out_hidden_size)
+        want = (self.num_tokens((t, h, w)), d.out_hidden_size)
         if out.shape != want or out.dtype != self.dtype:
             raise VisionEncodeError(f"output buffer {out.shape} {out.dtype}, expected {want} {self.dtype}")
 
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], out: DArray) -> DArray:
         """Encode one item into `out` [t*h*w / merge^2, out_hidden] (enqueued on the context's stream)."""
         pixel_values = np.asarray(pixel_values, np.float32)
-        grid_thw = tuple(int(g) for g in grid_thw)
-        self._check(pixel_values, grid_thw, out)
+        grid = tuple(int(g) for g in grid_thw)
+        self._check(pixel_values, grid, out)
         ctx, d, t_ = self.ctx, self.dims, self.dtype
-        t, h, w = grid_thw
+        t, h, w = grid
         n, H, seg = t * h * w, d.hidden_size, h * w
         geo = frame_geometry(h, w, d.spatial_merge_size, d.pos_grid_side)
         mark = ctx.arena.mark()

@@ -1,8 +1,8 @@
 """Launcher of kernels/vision_flash.cu: the vision tower's fused segment attention on the tensor cores (bf16).
 
 Same function as vision_ops.vision_attention (bidirectional attention inside consecutive segments of seg_len rows,
-q, k, v read in place from the fused qkv projection), without materialising scores: one block per (64-row query tile of a
-segment, head), keys streamed in steps of KEYS_PER_STEP with an online softmax.
+q, k, v read in place from the fused qkv projection), without materialising scores: one block per (64-row query tile
+of a segment, head), keys streamed in steps of KEYS_PER_STEP with an online softmax.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ CHUNK = 64  # tokens per block of the chunked form (any value gives the same res
 def recurrent_gated_delta(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """q, k [n, H, dk] (normalised, q scaled), v [n, H, dv], g, beta [n, H], state [H, dk, dv] -> out [n, H, dv], state."""
+    """q, k [n, H, dk] (normalised, q scaled), v [n, H, dv], g, beta [n, H], state [H, dk, dv]
+    -> out [n, H, dv], state."""
     s = state.astype(np.float32, copy=True)
     out = np.empty(v.shape, dtype=np.float32)
     for t in range(q.shape[0]):

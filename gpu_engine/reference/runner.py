@@ -14,12 +14,19 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
+from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..errors import RunnerInputError
 from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, sample_on_host
-from ..runner_rules import allocated, check_cache_spec, check_chunk, check_state_slots, kv_bytes_per_block, \
-    row_offsets, state_bytes_per_slot
+from ..runner_rules import (
+    allocated,
+    check_cache_spec,
+    check_chunk,
+    check_state_slots,
+    kv_bytes_per_block,
+    row_offsets,
+    state_bytes_per_slot,
+)
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes

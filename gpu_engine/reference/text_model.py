@@ -59,7 +59,8 @@ class TextModel:
                 h = deltanet_forward(h, self.mixers[i], cfg, cache.conv[i], cache.recurrent[i], recurrent=recurrent)
             else:
                 k_cache, v_cache = cache.kv[i]
-                h = attention_forward(h, self.mixers[i], cfg, cos, sin, k_cache, v_cache, cache.block_table, cache.start)
+                h = attention_forward(h, self.mixers[i], cfg, cos, sin, k_cache, v_cache, cache.block_table,
+                                      cache.start)
             x = x + h
             h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + mlp(h, self.mlps[i])

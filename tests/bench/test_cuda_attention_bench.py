@@ -2,11 +2,9 @@
 the table (the timings themselves need the GPU)."""
 from __future__ import annotations
 
+import cuda_attention_bench as bench
 import numpy as np
 import pytest
-
-from tests.bench import _paths  # noqa: F401
-import cuda_attention_bench as bench
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "70b"], ["--lengths", "0"], ["--reps", "0"], ["--lengths", ""]])

@@ -2,12 +2,10 @@
 the reference runner) and argument checks that must fail before any GPU is touched."""
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
-from tests.bench import _paths  # noqa: F401
 import cuda_bench
 import cuda_operator_bench
+import numpy as np
+import pytest
 
 from gpu_engine.config import ModelConfig
 from gpu_engine.reference.runner import ReferenceRunner

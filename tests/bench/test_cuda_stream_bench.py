@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.bench import _paths  # noqa: F401
 import cuda_stream_bench as csb
+import pytest
 from random_model_dir import write_random_model_dir
 from stream_requests import RequestTiming
 

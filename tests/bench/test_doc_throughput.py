@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from tests.bench import _paths  # noqa: F401
 import doc_throughput as dtp
+import pytest
 from limit_model import ModelCost, StepShape, limit_seconds
 
 from gpu_engine.config import ModelConfig
@@ -21,7 +19,7 @@ def _cost(**kw: object) -> ModelCost:
                 vision={"hidden": 8, "intermediate": 16, "depth": 2, "patch_dim": 12, "merge_unit": 4,
                         "out_hidden": 6})
     base.update(kw)
-    return ModelCost(**base)  # type: ignore[arg-type]
+    return ModelCost(**base)  # type: ignore[arg-type]  # **dict[str, object] of the right fields
 
 
 def test_chunk_flops_count_projections_head_attention_and_recurrence() -> None:
@@ -132,6 +130,7 @@ def test_bad_modes_and_arguments_are_refused() -> None:
 
 def test_a_request_that_ends_short_fails_the_run() -> None:
     from doc_workload import Unit
+
     from gpu_engine.params import RequestOutput
 
     unit = Unit(0, "pdf", None, 0)

@@ -5,11 +5,9 @@ import math
 import subprocess
 import sys
 
+import hf_reference_bench as hfb
 import pytest
 from ci_rule import require_module
-
-from tests.bench import _paths  # noqa: F401
-import hf_reference_bench as hfb
 
 torch = require_module("torch")
 require_module("transformers.models.qwen3_5")

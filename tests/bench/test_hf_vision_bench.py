@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import pytest
 from ci_rule import require_module
-
-from tests.bench import _paths  # noqa: F401
 from hf_vision_bench import measure
 
 require_module("torch")

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
-from tests.bench import _paths  # noqa: F401
 from qwen35_shapes import SHAPE_NAMES, model_shape
 
 from gpu_engine.config import ModelConfig

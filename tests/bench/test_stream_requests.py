@@ -5,8 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
-from tests.bench import _paths  # noqa: F401
 from stream_requests import RequestTiming, check_timings, make_stream, percentiles, summarize
 
 
@@ -53,7 +51,8 @@ def test_stream_text_length_range() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"n": 0}, {"n": 4, "mean_gap_s": -1.0}, {"n": 4, "text_words": (5, 2)},
-                                    {"n": 4, "min_side": 100, "max_side": 50}, {"n": 4, "min_side": 33, "max_side": 40}])
+                                    {"n": 4, "min_side": 100, "max_side": 50},
+                                    {"n": 4, "min_side": 33, "max_side": 40}])
 def test_stream_rejects_bad_parameters(kwargs: dict) -> None:
     n = kwargs.pop("n")
     with pytest.raises(ValueError):

@@ -80,7 +80,8 @@ def randomize(model: Any, seed: int) -> None:
                 p.copy_(torch.empty(shape).uniform_(0.05, 2.0, generator=gen).log())
             elif name.endswith("dt_bias"):
                 p.copy_(1.0 + 0.3 * torch.randn(shape, generator=gen))
-            elif name.endswith("linear_attn.norm.weight") or (".visual." in name and "norm" in name and name.endswith("weight")):
+            elif name.endswith("linear_attn.norm.weight") or (".visual." in name and "norm" in name
+                                                              and name.endswith("weight")):
                 p.copy_(1.0 + 0.2 * torch.randn(shape, generator=gen))
             elif "norm" in name and name.endswith("weight"):
                 p.copy_(0.2 * torch.randn(shape, generator=gen))  # zero-centred RMSNorm offset
@@ -262,7 +263,8 @@ def _rows_rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def logit_parity(ours: np.ndarray, hf_f32: np.ndarray, hf_f64: np.ndarray) -> LogitParity:
     assert ours.shape == hf_f32.shape == hf_f64.shape, (ours.shape, hf_f32.shape, hf_f64.shape)
-    return LogitParity(rel_err(ours, hf_f32), _rows_rel(ours, hf_f32), _rows_rel(ours, hf_f64), _rows_rel(hf_f32, hf_f64))
+    return LogitParity(rel_err(ours, hf_f32), _rows_rel(ours, hf_f32), _rows_rel(ours, hf_f64),
+                       _rows_rel(hf_f32, hf_f64))
 
 
 def assert_logit_parity(ours: np.ndarray, hf_f32: np.ndarray, hf_f64: np.ndarray) -> LogitParity:

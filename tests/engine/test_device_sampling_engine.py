@@ -12,14 +12,14 @@ import json
 
 import numpy as np
 import pytest
+from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer
+from test_engine_core_isolation import POISON, ChunkwiseRunner, make_engine
 
 from gpu_engine.engine import Engine
 from gpu_engine.engine_config import EngineConfig
 from gpu_engine.params import SamplingParams
 from gpu_engine.runner_api import StepBatch, StepOutput, sample_on_host
 from gpu_engine.tiny import make_tiny_checkpoint
-from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer
-from test_engine_core_isolation import POISON, ChunkwiseRunner, make_engine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer"}, "ok": {"type": "boolean"}},

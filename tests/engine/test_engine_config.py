@@ -42,12 +42,15 @@ CASES = {
     "theta_and_factor_at_text_level": variant(rope_theta=777.0, partial_rotary_factor=0.5,
                                               rope_parameters={"mrope_section": [2, 1, 1]}),
     "factor_inside_wins_over_text_level": variant(partial_rotary_factor=0.5,
-                                                   rope_parameters={"partial_rotary_factor": 1.0, "mrope_section": [4, 2, 2]}),
+                                                   rope_parameters={"partial_rotary_factor": 1.0,
+                                                                    "mrope_section": [4, 2, 2]}),
     "interval_3": variant(full_attention_interval=3),
-    "legacy_layer_names": variant(layer_types=["mamba", "attention", "mamba", "mamba", "attention", "linear_attention"]),
+    "legacy_layer_names": variant(layer_types=["mamba", "attention", "mamba", "mamba", "attention",
+                                               "linear_attention"]),
     "tie_top_level": {**variant(), "tie_word_embeddings": True},
     "tie_only_in_text_config_is_ignored": variant(tie_word_embeddings=True),
-    "vision_num_attention_heads_alias": {**variant(), "vision_config": {"depth": 1, "hidden_size": 48, "num_attention_heads": 3}},
+    "vision_num_attention_heads_alias": {**variant(),
+                                         "vision_config": {"depth": 1, "hidden_size": 48, "num_attention_heads": 3}},
     "no_sub_configs": {"model_type": "qwen3_5"},
 }
 
@@ -78,7 +81,8 @@ def test_values_match_transformers(case, tmp_path):
                  "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings"):
         assert getattr(v, name) == getattr(hv, name), name
     assert v.rope_theta == hv.rope_parameters["rope_theta"]
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings"):
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "tie_word_embeddings"):
         assert getattr(ours, name) == getattr(hf, name), name
 
 
@@ -106,7 +110,8 @@ def test_derived_sizes():
         (variant(hidden_act="gelu"), UnsupportedModelError, "hidden_act='gelu'"),
         (variant(rope_parameters={"rope_type": "yarn", "factor": 4.0}), UnsupportedModelError, "rope_type='yarn'"),
         (variant(rope_parameters={"mrope_interleaved": False}), UnsupportedModelError, "mrope_interleaved=False"),
-        (variant(layer_types=["linear_attention"] * 5 + ["sliding_attention"]), UnsupportedModelError, "layer_types[5]"),
+        (variant(layer_types=["linear_attention"] * 5 + ["sliding_attention"]), UnsupportedModelError,
+         "layer_types[5]"),
         (variant(layer_types=["linear_attention"] * 3), ConfigError, "3 entries but num_hidden_layers=6"),
         (variant(hidden_size="64"), ConfigError, "hidden_size must be an integer"),
         (variant(num_key_value_heads=3), ConfigError, "not a multiple"),

@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
+from test_engine_core_fakes import FakeRunner, tiny_tokenizer
 
 from gpu_engine.async_engine import AsyncEngine, EngineStoppedError
 from gpu_engine.engine import Engine, RequestError
 from gpu_engine.engine_config import EngineConfig
 from gpu_engine.params import SamplingParams
-from test_engine_core_fakes import FakeRunner, tiny_tokenizer
 
 
 class SlowRunner(FakeRunner):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models
+from test_engine_core_fakes import tiny_tokenizer
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
 
 from gpu_engine.tokenizer import IncrementalDetokenizer, Tokenizer, byte_level_token_bytes
-from test_engine_core_fakes import tiny_tokenizer
 
 TEXTS = ["plain ascii words", "€ 5,20 über café", "日本語のテキスト", "emoji 😀🧾 end", "mixed é€😀 x\n\ttabs"]
 

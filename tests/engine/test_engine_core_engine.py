@@ -91,7 +91,7 @@ def test_batched_equals_one_at_a_time(ckpt, oracle):
         steps.append([(c.seq_id, c.start, c.num_tokens) for c in batch.chunks])
         return forward(batch)
 
-    eng.runner.forward = recording_forward  # type: ignore[method-assign]
+    eng.runner.forward = recording_forward  # type: ignore[method-assign]  # spy on the runner
     outs = eng.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
     assert [o.token_ids for o in outs] == expected
     assert all(sum(n for _, _, n in step) <= cfg.max_batched_tokens and len(step) <= 6 for step in steps)
@@ -172,7 +172,8 @@ def test_long_video_stays_in_encoder_budget(ckpt, oracle):
     assert st["encoder_peak_bytes"] <= budget + one_item
     assert st["encoder_encodes"] >= len(items)
     # What reached one forward: at most a chunk's worth of tokens, hence of vision rows.
-    assert st["peak_step_tokens"] <= cfg.max_batched_tokens and 0 < st["peak_step_vision_rows"] <= cfg.max_batched_tokens
+    assert st["peak_step_tokens"] <= cfg.max_batched_tokens
+    assert 0 < st["peak_step_vision_rows"] <= cfg.max_batched_tokens
 
 
 def test_logprobs_match_independent_forward(ckpt, oracle):
@@ -251,8 +252,9 @@ def test_cli_generate_with_schema(ckpt, tmp_path):
 
 def test_cli_bench_writes_json(ckpt, tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "gpu_engine", "bench", "--model", str(ckpt), "--num-requests", "3", "--prompt-len", "8",
-           "--max-tokens", "4", "--max-num-seqs", "2", "--max-batched-tokens", "16", "--output", str(out)]
+    cmd = [sys.executable, "-m", "gpu_engine", "bench", "--model", str(ckpt), "--num-requests", "3",
+           "--prompt-len", "8", "--max-tokens", "4", "--max-num-seqs", "2", "--max-batched-tokens", "16",
+           "--output", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer, vision_prompt
 
 from gpu_engine.engine import Engine
 from gpu_engine.engine_config import EngineConfig
 from gpu_engine.params import SamplingParams
 from gpu_engine.runner_api import StepBatch, StepOutput
-from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer, vision_prompt
 
 POISON = 2064  # a token id the poisoned runner cannot process; clean prompts draw from [0, 2000) (+ image 2060)
 
@@ -67,7 +67,8 @@ def clean_prompts(rng, n):
     out = []
     for i in range(n):
         if i % 4 == 1:
-            out.append(vision_prompt(rng, [int(rng.integers(2, 8)), ("image", int(rng.integers(3, 9)), f"im{i}{rng.random()}"),
+            out.append(vision_prompt(rng, [int(rng.integers(2, 8)),
+                                           ("image", int(rng.integers(3, 9)), f"im{i}{rng.random()}"),
                                            int(rng.integers(1, 6))]))
         else:
             out.append(text_prompt(rng.integers(0, 2000, size=int(rng.integers(1, 40)))))
@@ -182,7 +183,7 @@ def test_poisoned_request_on_the_reference_runner(tmp_path):
             offsets.append(offsets[-1] + out.logits.shape[0])
         return StepOutput(logits=np.concatenate(rows), row_offsets=offsets)
 
-    eng.runner.forward = chunkwise_forward  # type: ignore[method-assign]
+    eng.runner.forward = chunkwise_forward  # type: ignore[method-assign]  # a runner failing per chunk
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     outs = eng.generate(prompts[:2] + [poisoned] + prompts[2:], params[:2] + [params[0]] + params[2:])
     assert outs[2].finish_reason == "error" and "FloatingPointError" in outs[2].error

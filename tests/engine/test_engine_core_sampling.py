@@ -5,13 +5,18 @@ Tolerances: masks are compared exactly (random float logits have no ties); log-p
 """
 from __future__ import annotations
 
+import llguidance.numpy as llnp
 import numpy as np
 import pytest
 
-import llguidance.numpy as llnp
 from gpu_engine.params import SamplingParams
 from gpu_engine.sampling import (
-    SamplingRows, apply_penalties, bitmask_to_bool, filter_logits, log_softmax, sample,
+    SamplingRows,
+    apply_penalties,
+    bitmask_to_bool,
+    filter_logits,
+    log_softmax,
+    sample,
 )
 
 V = 97
@@ -63,7 +68,8 @@ def test_filter_masks_match_reference(k, p, min_p):
 
 def test_filter_mixed_rows_are_independent():
     x = fresh_logits(4)
-    ks, ps, mps = np.array([0, 3, 0, 7]), np.array([1.0, 1.0, 0.6, 0.8], np.float32), np.array([0, 0, 0, 0.1], np.float32)
+    ks = np.array([0, 3, 0, 7])
+    ps, mps = np.array([1.0, 1.0, 0.6, 0.8], np.float32), np.array([0, 0, 0, 0.1], np.float32)
     out = filter_logits(x, ks, ps, mps)
     for i in range(4):
         assert np.array_equal(np.isfinite(out[i]), ref_keep(x[i].astype(np.float64), ks[i], ps[i], mps[i]))

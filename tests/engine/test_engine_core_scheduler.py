@@ -5,13 +5,13 @@ import time
 
 import numpy as np
 import pytest
+from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer, vision_prompt
 
 from gpu_engine.cache import BlockManager
 from gpu_engine.engine import Engine, RequestError
 from gpu_engine.engine_config import EngineConfig, EngineConfigError
 from gpu_engine.params import SamplingParams
 from gpu_engine.sequence import Sequence
-from test_engine_core_fakes import FakeRunner, text_prompt, tiny_tokenizer, vision_prompt
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,8 @@ def test_vision_hash_keeps_different_images_apart(tok):
     assert np.array_equal(a.token_ids, b.token_ids)  # identical token ids, different pixels
     del text
     bm = BlockManager(64, 4, 2, 4, True, False, lambda s, d: None)
-    seqs = [Sequence(i, str(i), p, SamplingParams(), np.random.default_rng(0), frozenset()) for i, p in enumerate((a, b, c))]
+    seqs = [Sequence(i, str(i), p, SamplingParams(), np.random.default_rng(0), frozenset())
+            for i, p in enumerate((a, b, c))]
     for s in seqs:
         bm.update_hashes(s)
     # Blocks before the image agree, every block from the image on differs for a vs b and agrees for a vs c.
@@ -261,7 +262,7 @@ def test_bad_requests_are_rejected(tok):
     with pytest.raises(RequestError, match="stop_token_ids"):
         eng.add_request([1, 2], SamplingParams(max_tokens=3, stop_token_ids=[-1]))
     with pytest.raises(RequestError, match="list of strings"):
-        eng.add_request([1, 2], SamplingParams(max_tokens=3, stop="END"))  # type: ignore[arg-type]
+        eng.add_request([1, 2], SamplingParams(max_tokens=3, stop="END"))  # type: ignore[arg-type]  # the wrong type on purpose
     with pytest.raises(RequestError, match="encoder_cache_bytes"):
         eng.add_request(vision_prompt(np.random.default_rng(0), [1, ("image", 8, "x")]), SamplingParams(max_tokens=3))
     with pytest.raises(RequestError, match="no processor"):

@@ -59,7 +59,8 @@ def test_weights_land_under_our_names_with_values(tiny):
     expected = random_weights(config, seed=3)
     np.testing.assert_array_equal(weights.text["layers.0.linear_attn.in_proj_qkv.weight"],
                                   expected["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])
-    np.testing.assert_array_equal(weights.vision["blocks.1.attn.qkv.weight"], expected["model.visual.blocks.1.attn.qkv.weight"])
+    np.testing.assert_array_equal(weights.vision["blocks.1.attn.qkv.weight"],
+                                  expected["model.visual.blocks.1.attn.qkv.weight"])
     np.testing.assert_array_equal(weights.lm_head, expected["lm_head.weight"])
     assert weights.mtp == {}
     assert all(a.dtype == np.float32 for a in weights.text.values())
@@ -181,7 +182,7 @@ def test_integrity_errors(copy_of):
         gpu_engine.load(folder)
     # SHA256SUMS that does not cover the weights
     write_sums(folder)
-    lines = [l for l in (folder / "SHA256SUMS").read_text().splitlines() if "model.safetensors" not in l]
+    lines = [line for line in (folder / "SHA256SUMS").read_text().splitlines() if "model.safetensors" not in line]
     (folder / "SHA256SUMS").write_text("\n".join(lines) + "\n")
     with pytest.raises(IntegrityError, match="do not cover model.safetensors"):
         gpu_engine.load(folder)

@@ -32,10 +32,10 @@ import pytest
 from ci_rule import require_module
 from PIL import Image
 
+from gpu_engine.frame_resize import resize_like_torch_uint8
 from gpu_engine.preprocessing import ImageProcessor, smart_resize_image, smart_resize_video
 from gpu_engine.processing_errors import ProcessorError
 from gpu_engine.processor import Processor
-from gpu_engine.frame_resize import resize_like_torch_uint8
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 
 torch = require_module("torch")
@@ -43,12 +43,12 @@ transformers = require_module("transformers")
 av = require_module("av")
 torch.set_num_threads(1)
 
-import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as hf_image  # noqa: E402
-import transformers.models.qwen3_5.modeling_qwen3_5 as hf_modeling  # noqa: E402
-import transformers.models.qwen3_vl.video_processing_qwen3_vl as hf_video  # noqa: E402  (a plain import works without torchvision)
-from transformers.models.auto.image_processing_auto import AutoImageProcessor  # noqa: E402
-from transformers.models.auto.processing_auto import AutoProcessor  # noqa: E402
-from transformers.video_utils import VideoMetadata  # noqa: E402
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as hf_image
+import transformers.models.qwen3_5.modeling_qwen3_5 as hf_modeling
+import transformers.models.qwen3_vl.video_processing_qwen3_vl as hf_video  # a plain import works without torchvision
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
+from transformers.models.auto.processing_auto import AutoProcessor
+from transformers.video_utils import VideoMetadata
 
 IMAGE_ATOL = 1e-6  # also the video patch tolerance (module docstring)
 

@@ -67,8 +67,9 @@ def test_delta_rules_match_transformers_torch_versions(n, initial):
     v = rng.standard_normal((n, heads, dv)).astype(np.float32)
     g = -rng.uniform(0.0, 2.0, size=(n, heads)).astype(np.float32)
     beta = rng.uniform(0.0, 1.0, size=(n, heads)).astype(np.float32)
-    state = rng.standard_normal((heads, dk, dv)).astype(np.float32) if initial else np.zeros((heads, dk, dv), np.float32)
-    t = lambda a: torch.from_numpy(a)[None]  # noqa: E731
+    state = (rng.standard_normal((heads, dk, dv)).astype(np.float32) if initial
+             else np.zeros((heads, dk, dv), np.float32))
+    t = lambda a: torch.from_numpy(a)[None]
     expected, exp_state = qwen.torch_chunk_gated_delta_rule(
         t(q_raw), t(k_raw), t(v), g=t(g), beta=t(beta), initial_state=torch.from_numpy(state)[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,

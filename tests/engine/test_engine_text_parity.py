@@ -6,8 +6,9 @@ positions <= 1e-4, and at EVERY position either <= 1e-4, or rel-L2(ours, hf_f64)
 distance at that position is float32 rounding of the size transformers itself has there. Why the second branch:
 random models have rare ill-conditioned positions (e.g. a DeltaNet head whose output nearly cancels before its
 gated RMSNorm) where two correct float32 implementations with different op order can be > 1e-4 apart (measured
-numbers in engine_hf_models.LogitParity.accepted). Greedy generations are token-identical. Chunked vs whole prefill: <= 1e-5 over all logits and <= 1e-4 per position (same code; float32
-matmuls of other batch shapes round differently).
+numbers in engine_hf_models.LogitParity.accepted). Greedy generations are token-identical. Chunked vs whole
+prefill: <= 1e-5 over all logits and <= 1e-4 per position (same code; float32 matmuls of other batch shapes round
+differently).
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from ci_rule import require_module
 torch = require_module("torch")
 require_module("transformers")
 
-import gpu_engine  # noqa: E402
-from engine_hf_models import (  # noqa: E402
+from engine_hf_models import (
     HF_CONFIGS,
     assert_logit_parity,
     build_hf_checkpoint,
@@ -27,9 +27,11 @@ from engine_hf_models import (  # noqa: E402
     float64_logits,
     rel_err,
 )
-from gpu_engine.errors import RunnerInputError  # noqa: E402
-from gpu_engine.reference.runner import ReferenceRunner  # noqa: E402
-from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch  # noqa: E402
+
+import gpu_engine
+from gpu_engine.errors import RunnerInputError
+from gpu_engine.reference.runner import ReferenceRunner
+from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
 torch.set_num_threads(1)
 
@@ -139,7 +141,8 @@ def test_batched_chunks_with_scattered_blocks_and_decode_equal_recompute(pair):
         chunks = []
         for sid in (0, 1):
             p = len(seqs[sid]) + k
-            chunks.append(SeqChunk(sid, decode[sid][k:k + 1], np.full((3, 1), p), p, tables[sid], slots[sid], logits="all"))
+            chunks.append(SeqChunk(sid, decode[sid][k:k + 1], np.full((3, 1), p), p, tables[sid], slots[sid],
+                                   logits="all"))
         out = runner.forward(StepBatch(chunks))
         assert out.row_offsets == [0, 1, 2]
         for i, sid in enumerate((0, 1)):

@@ -17,12 +17,12 @@ from ci_rule import require_module
 
 torch = require_module("torch")
 require_module("transformers")
-from safetensors.numpy import load_file  # noqa: E402
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig  # noqa: E402
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel  # noqa: E402
+from safetensors.numpy import load_file
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-from gpu_engine.reference.vision_tower import (  # noqa: E402
+from gpu_engine.reference.vision_tower import (
     VisionConfigError,
     VisionInputError,
     VisionTower,
@@ -31,7 +31,7 @@ from gpu_engine.reference.vision_tower import (  # noqa: E402
     split_frame_groups,
     vision_weight_shapes,
 )
-from gpu_engine.vision_geometry import merge_window_coords  # noqa: E402
+from gpu_engine.vision_geometry import merge_window_coords
 
 torch.set_num_threads(1)
 SEED = int(os.environ.get("DOCPIPE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))

@@ -9,8 +9,8 @@ transformers' video processor's within 1e-6: test_engine_processor).
 
 Tolerances (engine_hf_models.assert_logit_parity; test_engine_text_parity says why): relative L2 error over all
 positions' logits <= 1e-4, and at every position <= 1e-4 or, against a float64 transformers run, within twice
-transformers-float32's own distance from it (+1e-5). Greedy 24-token generations (image, video) are token-identical. Chunked prefill
-(chunk boundaries inside the placeholder spans) vs whole: <= 1e-5 over all logits.
+transformers-float32's own distance from it (+1e-5). Greedy 24-token generations (image, video) are token-identical.
+Chunked prefill (chunk boundaries inside the placeholder spans) vs whole: <= 1e-5 over all logits.
 """
 from __future__ import annotations
 
@@ -21,10 +21,7 @@ from ci_rule import require_module
 torch = require_module("torch")
 require_module("transformers")
 
-from PIL import Image  # noqa: E402
-
-import gpu_engine  # noqa: E402
-from engine_hf_models import (  # noqa: E402
+from engine_hf_models import (
     HF_CONFIGS,
     assert_logit_parity,
     build_hf_vlm_checkpoint,
@@ -34,6 +31,9 @@ from engine_hf_models import (  # noqa: E402
     random_frames,
     rel_err,
 )
+from PIL import Image
+
+import gpu_engine
 
 torch.set_num_threads(1)
 
@@ -78,7 +78,8 @@ def check(pair, hf64, messages, images=(), chunk_sizes=(7,)):
 def test_one_image(pair, hf64):
     rng = np.random.default_rng(1)
     image = random_image(rng, 45, 77)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is it?"}]}]
     prompt = check(pair, hf64, messages, [image], chunk_sizes=(1, 7, 64))
     assert len(prompt.vision_items) == 1
 
@@ -111,7 +112,8 @@ def test_mixed_multi_turn_conversation(pair, hf64):
         {"role": "system", "content": "You read documents."},
         {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Total?"}]},
         {"role": "assistant", "content": "The total is 42."},
-        {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "video", "video": frames, "fps": 2.0}]},
+        {"role": "user", "content": [{"type": "text", "text": "And here?"},
+                                     {"type": "video", "video": frames, "fps": 2.0}]},
     ]
     prompt = check(pair, hf64, messages, [image], chunk_sizes=(3, 16))
     assert [item.kind for item in prompt.vision_items][0] == "image" and prompt.vision_items[-1].kind == "video"

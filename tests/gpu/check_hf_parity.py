@@ -32,8 +32,9 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers may look for hub kernels; the GPU machine is offline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engine_hf_models (tiny HF configs)
 
-from engine_hf_models import build_hf_vlm_checkpoint, hf_vlm_inputs, random_frames  # noqa: E402
-from tests.gpu.harness import fresh_seed, rel_err, write_json  # noqa: E402
+from engine_hf_models import build_hf_vlm_checkpoint, hf_vlm_inputs, random_frames
+
+from tests.gpu.harness import fresh_seed, rel_err, write_json
 
 LOGIT_TOL = 1e-4
 _MODE = {"device": "cuda", "reference": False}  # --cpu-harness: "cpu" and the numpy ReferenceRunner
@@ -74,7 +75,7 @@ def _require() -> None:
     require_gpu()
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 - only checks that it is installed
     except ImportError as exc:
         raise CudaUnavailable(f"torch / transformers not installed: {exc}") from exc
     if not torch.cuda.is_available():

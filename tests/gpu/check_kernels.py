@@ -356,7 +356,7 @@ class Checker:
             xw = conv_dim + extra
             x = self.rand((total, xw), t)
             exp_out, exp_state = [], conv_state.astype(np.float64).copy()
-            for i, (f, n) in enumerate(seqs):
+            for i, (f, _n) in enumerate(seqs):
                 st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
                 o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
                 exp_out.append(o)

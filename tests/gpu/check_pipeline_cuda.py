@@ -41,9 +41,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make `tests.gpu` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.gpu.pipeline_results import (DocRow, compare_runs, comparison_json, merged_preview, problems,
-                                        read_run)
-from tests.gpu.pipeline_services import (Service, ServiceError, install_docpipe_command, start_redis, tail)
+from tests.gpu.pipeline_results import DocRow, compare_runs, comparison_json, merged_preview, problems, read_run
+from tests.gpu.pipeline_services import Service, ServiceError, install_docpipe_command, start_redis, tail
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPU machine has no PyAV (its wheel does not fit the size budget), so videos are left out there.

@@ -6,10 +6,10 @@ Scenario per config (fresh random block tables, prompts and M-RoPE positions eac
 in two chunks (the second continues the first through the KV cache and DeltaNet state), sequence B is prefilled
 in one chunk with a slice of vision embeddings scattered into it, then both decode greedily together for a few
 batched steps, each runner feeding back its own argmax (the CUDA runner's forward() switches to its own decode
-graph from the second decode step; the last three steps replay an explicitly captured graph). Compared: logits of every step (rel. err, top-1
-agreement) and the greedy tokens. Pass: fp32 logits rel. err <= 1e-4 and identical greedy tokens; bf16 logits
-rel. err <= BF16_SANITY against the reference run on the same bf16-rounded weights, both fed the reference's greedy
-tokens (top-1 agreement and whether the bf16 argmax matched every forced token are reported).
+graph from the second decode step; the last three steps replay an explicitly captured graph). Compared: logits of
+every step (rel. err, top-1 agreement) and the greedy tokens. Pass: fp32 logits rel. err <= 1e-4 and identical
+greedy tokens; bf16 logits rel. err <= BF16_SANITY against the reference run on the same bf16-rounded weights, both
+fed the reference's greedy tokens (top-1 agreement and whether the bf16 argmax matched every forced token are reported).
 Skips (exit 0) without a GPU.
 """
 from __future__ import annotations

@@ -68,9 +68,9 @@ def random_vision_weights(cfg: SimpleNamespace, rng: np.random.Generator) -> dic
 
 
 def check_towers(rng: np.random.Generator) -> list[VisionResult]:
+    from gpu_engine.cuda import vision, vision_flash
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.context import GpuContext
-    from gpu_engine.cuda import vision, vision_flash
     from gpu_engine.cuda.vision import GpuVisionTower
     from gpu_engine.reference.vision_tower import VisionTower
 

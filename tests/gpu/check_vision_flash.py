@@ -48,7 +48,7 @@ def reference_f64(qkv: np.ndarray, heads: int, head_dim: int, seg_len: int, scal
     return out
 
 
-def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:  # noqa: ANN001
+def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.vision_flash import vision_flash_attention
 
@@ -72,7 +72,7 @@ def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:  # noqa: AN
     return results
 
 
-def time_layer(ctx, rng: np.random.Generator) -> dict:  # noqa: ANN001
+def time_layer(ctx, rng: np.random.Generator) -> dict:
     """Median device ms of the 1024^2 image's attention (4096 rows, 16 heads, head_dim 72), by CUDA events."""
     from gpu_engine.cuda.vision_flash import vision_flash_attention
 
@@ -80,7 +80,7 @@ def time_layer(ctx, rng: np.random.Generator) -> dict:  # noqa: ANN001
     mark = ctx.arena.mark()
     qkv = ctx.to_device(rng.standard_normal((n, 3 * heads * hd), dtype=np.float32), "bf16", "time.qkv")
     out = ctx.empty((n, heads * hd), "bf16", "time.out")
-    launch = lambda: vision_flash_attention(ctx, out, qkv, heads, hd, n, hd ** -0.5)  # noqa: E731
+    launch = lambda: vision_flash_attention(ctx, out, qkv, heads, hd, n, hd ** -0.5)
     for _ in range(3):
         launch()
     ctx.device.sync()

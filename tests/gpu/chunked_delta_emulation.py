@@ -6,8 +6,8 @@ transposed), same chunk-slot numbering, same two passes:
   q (times 1/sqrt(dk)) and k, A = strictly-lower(beta_i exp(G_i - G_j) k_i.k_j), T = (I + A)^-1 by forward
   substitution, W = T diag(beta e^G) K, U = T diag(beta) V, Qd = diag(e^G) Q, KdT = (diag(e^(G_last - G)) K)^T,
   P = lower-incl(Q K^T * e^(G_i - G_j)), gc = e^(G_last);
-- scan, per sequence, value head and dv slice of 32 or 16 columns (sequential over the chunks): V' = U - W S, O = Qd S + P V',
-  S = gc S + Kd^T V'.
+- scan, per sequence, value head and dv slice of 32 or 16 columns (sequential over the chunks): V' = U - W S,
+  O = Qd S + P V', S = gc S + Kd^T V'.
 Every exponent is G_i - G_j with i >= j (or G itself), so nothing grows.
 
 With `bf16=True` values are rounded to bf16 exactly where the kernel stores or feeds bf16 into the tensor cores

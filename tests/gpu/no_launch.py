@@ -12,7 +12,7 @@ class NoLaunch:
 
     info = SimpleNamespace(sm_count=132)
 
-    def launch(self, *args, **kwargs):  # noqa: ANN002, ANN003
+    def launch(self, *args, **kwargs):
         raise AssertionError(f"launch reached with bad arguments: {args[:2]}")
 
 

@@ -36,10 +36,10 @@ def emulate_runs(x: np.ndarray, w: np.ndarray, state: np.ndarray, cu: np.ndarray
                     win[j] = x[src]
                 elif not fresh[s]:
                     win[j] = state[slots[s], K - 1 - (start - src)]
-            for t in range(t, end):
-                a = wr[km - 1] * x[t] + (wr[km - K:km - 1] * win[km - K:]).sum(axis=0)
-                out[t] = a / (1 + np.exp(-a))
-                win = np.concatenate([win[1:], x[t][None]])
+            for tok in range(t, end):
+                a = wr[km - 1] * x[tok] + (wr[km - K:km - 1] * win[km - K:]).sum(axis=0)
+                out[tok] = a / (1 + np.exp(-a))
+                win = np.concatenate([win[1:], x[tok][None]])
             t = end
             s += 1
     return out
@@ -58,7 +58,7 @@ def test_runs_match_reference_conv(run: int, K: int) -> None:
     w = rng.standard_normal((C, K)) * 0.5
     state = rng.standard_normal((5, K - 1, C))
     expected = []
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         st = np.zeros((K - 1, C)) if fresh[i] else state[slots[i]]
         expected.append(ref.causal_conv1d_silu(x[cu[i]:cu[i + 1]], w, st)[0])
     got = emulate_runs(x, w, state, cu, slots, fresh, run, 4 if K <= 4 else 8)

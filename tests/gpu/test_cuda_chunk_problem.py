@@ -1,4 +1,5 @@
-"""gpu_engine.runner_rules.chunk_problem: the batch validation both runners (numpy reference, CUDA) share; on the CPU."""
+"""gpu_engine.runner_rules.chunk_problem: the batch validation both runners (numpy reference, CUDA) share; on the
+CPU."""
 from __future__ import annotations
 
 import re

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ci_rule import require_module
 import torch
+from ci_rule import require_module
 
 from gpu_engine.cuda import rotary
 from gpu_engine.cuda.arena import ALIGN, Arena
 from gpu_engine.cuda.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from gpu_engine.cuda.device import ModuleCache, expand_source, KERNEL_DIR
+from gpu_engine.cuda.device import KERNEL_DIR, ModuleCache, expand_source
 from gpu_engine.cuda.errors import ArenaExhausted
 from tests.gpu import references as ref
 
@@ -94,7 +94,7 @@ def test_gated_delta_rule_reference_matches_transformers() -> None:
     A_log, dt_bias = np.log(rng.uniform(0.5, 4, vh)), rng.standard_normal(vh) * 0.5
     S0 = rng.standard_normal((vh, dk, dv)) * 0.3
     ours_o, ours_s = ref.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, S0)
-    T = lambda arr: torch.from_numpy(np.asarray(arr, np.float32))  # noqa: E731
+    T = lambda arr: torch.from_numpy(np.asarray(arr, np.float32))
     g = -T(A_log).exp() * torch.nn.functional.softplus(T(a) + T(dt_bias))
     rep = vh // kh
     hf_o, hf_s = qwen.torch_recurrent_gated_delta_rule(

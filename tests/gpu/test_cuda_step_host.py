@@ -24,7 +24,7 @@ CFG = SimpleNamespace(vocab_size=50, hidden_size=6, full_attention_layers=[1])
 def chunk(seq: int, start: int, n: int, table: list[int], slot: int, logits: str = "last", **kw) -> SeqChunk:
     pos = np.tile(np.arange(start, start + n), (3, 1))
     return SeqChunk(seq_id=seq, token_ids=np.arange(n) + seq, positions=pos, start=start,
-                    block_table=np.array(table, np.int32), state_slot=slot, logits=logits, **kw)  # type: ignore[arg-type]
+                    block_table=np.array(table, np.int32), state_slot=slot, logits=logits, **kw)  # type: ignore[arg-type]  # logits: str here
 
 
 def test_a_prefill_chunk_and_a_decode_token_are_laid_out_row_after_row():

@@ -69,36 +69,36 @@ class FakeDevice:
             self._bytes(ptr, 4 * v.size)[:] = v.view(np.uint8)
 
     # -- kernels -----------------------------------------------------------------------------------------------
-    def launch(self, family: str, name: str, grid, block, *args) -> None:  # noqa: ANN001
+    def launch(self, family: str, name: str, grid, block, *args) -> None:
         kernel, t = name.rsplit("_", 1)
         a = [int(x) if isinstance(x, (int, np.integer)) else float(x) for x in args]
         getattr(self, "k_" + kernel)(t, *a)
 
-    def k_layernorm(self, t, out, x, w, b, rows, dim, eps):  # noqa: ANN001
+    def k_layernorm(self, t, out, x, w, b, rows, dim, eps):
         xv = self.read(x, rows * dim, t).reshape(rows, dim)
         mean = xv.mean(1, keepdims=True)
         var = ((xv - mean) ** 2).mean(1, keepdims=True)
         self.write(out, (xv - mean) / np.sqrt(var + eps) * self.read(w, dim, t) + self.read(b, dim, t), t)
 
-    def k_bias_act(self, t, out, x, bias, rows, cols, act):  # noqa: ANN001
+    def k_bias_act(self, t, out, x, bias, rows, cols, act):
         from gpu_engine.reference.vision_tower import gelu_exact, gelu_tanh
 
         v = self.read(x, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t)
         v = {0: lambda z: z, 1: gelu_tanh, 2: gelu_exact}[act](v)
         self.write(out, v, t)
 
-    def k_bias_residual(self, t, x, y, bias, rows, cols):  # noqa: ANN001
+    def k_bias_residual(self, t, x, y, bias, rows, cols):
         v = self.read(x, rows * cols, t).reshape(rows, cols)
         self.write(x, v + self.read(y, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t), t)
 
-    def k_patch_pos(self, t, x, bias, table, taps, weights, rows, cols):  # noqa: ANN001
+    def k_patch_pos(self, t, x, bias, table, taps, weights, rows, cols):
         tp = self.read(taps, rows * 4, "i32").reshape(rows, 4)
         wt = self.read(weights, rows * 4, "f32").reshape(rows, 4)
         tab = self.read(table, (tp.max() + 1) * cols, t).reshape(-1, cols)
         pos = (wt[:, :, None] * tab[tp]).sum(1)
         self.write(x, self.read(x, rows * cols, t).reshape(rows, cols) + self.read(bias, cols, t) + pos, t)
 
-    def k_rope(self, t, x, tok_stride, head_stride, pos, pos_row_stride, inv, axis, n, heads, rot):  # noqa: ANN001
+    def k_rope(self, t, x, tok_stride, head_stride, pos, pos_row_stride, inv, axis, n, heads, rot):
         half = rot // 2
         inv_v = self.read(inv, half, "f32").astype(np.float32)
         ax = self.read(axis, half, "i32")
@@ -113,17 +113,17 @@ class FakeDevice:
                 self.write(ptr, np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
                                                 x2 * np.cos(ang) + x1 * np.sin(ang)]), t)
 
-    def k_softmax_rows(self, t, out, scores, rows, cols, scale):  # noqa: ANN001
+    def k_softmax_rows(self, t, out, scores, rows, cols, scale):
         z = self.read(scores, rows * cols, "f32").reshape(rows, cols) * scale
         e = np.exp(z - z.max(1, keepdims=True))
         self.write(out, e / e.sum(1, keepdims=True), t)
 
-    def k_cast_from_f32(self, t, out, x, n):  # noqa: ANN001
+    def k_cast_from_f32(self, t, out, x, n):
         self.write(out, self.read(x, n, "f32"), t)
 
     k_softmax_rows_cached = k_softmax_rows  # same function; the GPU check compares the two kernels
 
-    def k_vision_attention(self, t, out, qkv, n, heads, hd, seg, scale):  # noqa: ANN001
+    def k_vision_attention(self, t, out, qkv, n, heads, hd, seg, scale):
         W = heads * hd
         v = self.read(qkv, n * 3 * W, t).reshape(n, 3, heads, hd)
         res = np.empty((n, heads, hd))
@@ -146,11 +146,11 @@ class FakeBlas:
         self.dev, self.epilogues = dev, epilogues
         self.calls: list[tuple[int, int, int, bool, bool, str]] = []
 
-    def _rows(self, ptr, rows, cols, ld, dtype):  # noqa: ANN001
+    def _rows(self, ptr, rows, cols, ld, dtype):
         flat = self.dev.read(ptr, (rows - 1) * ld + cols, dtype)
         return np.stack([flat[r * ld : r * ld + cols] for r in range(rows)])
 
-    def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, w_ld=None,  # noqa: ANN001
+    def linear(self, y, x, w, m, n, k, *, dtype="bf16", y_dtype=None, x_ld=None, y_ld=None, w_ld=None,
                w_layout="nk", accumulate=False, batch=1, strides=(0, 0, 0), bias=0, act="none"):
         from gpu_engine.cuda.gemm import EpilogueUnsupported, epilogue_name
 

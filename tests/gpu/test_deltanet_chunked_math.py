@@ -77,7 +77,7 @@ def test_matches_transformers_chunk_and_recurrent() -> None:
     batch["fresh"][:] = 0
     out, state = emu.chunked_gated_delta_rule(**batch)
     rep = vh // kh
-    t = lambda x: torch.tensor(x, dtype=torch.float32)[None]  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.float32)[None]
     q = t(np.repeat(batch["q"], rep, axis=1))
     k = t(np.repeat(batch["k"], rep, axis=1))
     g = -np.exp(batch["A_log"]) * np.log1p(np.exp(batch["a"] + batch["dt_bias"]))
@@ -119,7 +119,7 @@ def test_bf16_rounding_budget() -> None:
     batch = _batch(rng, [40, 400], 1, 2, 128, 128, num_slots=2, a_shift=-4.0)
     exact_out, exact_state = emu.chunked_gated_delta_rule(**batch)
     out, state = emu.chunked_gated_delta_rule(**batch, bf16=True)
-    rel = lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y)  # noqa: E731
+    rel = lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y)
     assert 1e-4 < rel(out, exact_out) < 5e-3  # it does round (the flag works) but not by much
     assert rel(state, exact_state) < 5e-3
 

@@ -73,7 +73,7 @@ def test_causal_skip_reads_no_key_past_the_tile(rng) -> None:
                            case.token_pos, tiles, case.heads, case.kv_heads, case.scale, trace=trace)
     bn = keys_per_step(256)
     for t, (first, count) in enumerate(tiles):
-        p_first, p_last = case.token_pos[first], case.token_pos[first + count - 1]
+        p_last = case.token_pos[first + count - 1]
         assert trace.max_key_loaded[t] == p_last
         assert trace.key_tiles[(t, 0)] == p_last // bn + 1
     # only tiles reaching past the first query are masked: per (tile, head) at most ceil(count / bn) + 1
@@ -118,7 +118,7 @@ class RecordingDevice:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def launch(self, family, name, grid, block, *args, shmem=0, stream=None):  # noqa: ANN001
+    def launch(self, family, name, grid, block, *args, shmem=0, stream=None):
         self.calls.append((family, name, grid, block, shmem))
 
 

@@ -41,48 +41,48 @@ class RecordingLt:
         self.log.append(("create", what, self._next))
         return self._next
 
-    def matmul_desc_create(self, compute, scale) -> int:  # noqa: ANN001
+    def matmul_desc_create(self, compute, scale) -> int:
         return self._new("desc")
 
-    def matrix_layout_create(self, dtype, rows, cols, ld) -> int:  # noqa: ANN001
+    def matrix_layout_create(self, dtype, rows, cols, ld) -> int:
         return self._new("layout")
 
     def matmul_preference_create(self) -> int:
         return self._new("pref")
 
-    def get_matmul_desc_attribute_dtype(self, attr):  # noqa: ANN001
+    def get_matmul_desc_attribute_dtype(self, attr):
         return np.int64
 
     get_matrix_layout_attribute_dtype = get_matmul_preference_attribute_dtype = get_matmul_desc_attribute_dtype
 
-    def matmul_desc_set_attribute(self, desc, attr, ptr, nbytes) -> None:  # noqa: ANN001
+    def matmul_desc_set_attribute(self, desc, attr, ptr, nbytes) -> None:
         value = int(np.ctypeslib.ctypes.c_int64.from_address(ptr).value)
         self.log.append(("desc_set", desc, _Attr(attr).name, value))
 
-    def matrix_layout_set_attribute(self, *args) -> None:  # noqa: ANN002
+    def matrix_layout_set_attribute(self, *args) -> None:
         pass
 
-    def matmul_preference_set_attribute(self, *args) -> None:  # noqa: ANN002
+    def matmul_preference_set_attribute(self, *args) -> None:
         pass
 
     def MatmulHeuristicResult(self, wanted: int) -> SimpleNamespace:  # noqa: N802 - the binding's name
         buf = np.zeros(max(wanted, 1) * 64, np.uint8)
         return SimpleNamespace(buf=buf, ptr=buf.ctypes.data)
 
-    def matmul_algo_get_heuristic(self, handle, desc, a, b, c, d, pref, wanted, results, count_ptr) -> None:  # noqa: ANN001
+    def matmul_algo_get_heuristic(self, handle, desc, a, b, c, d, pref, wanted, results, count_ptr) -> None:
         self.log.append(("heuristic", desc))
         (np.ctypeslib.ctypes.c_int32).from_address(count_ptr).value = self.found
 
-    def matmul_preference_destroy(self, pref) -> None:  # noqa: ANN001
+    def matmul_preference_destroy(self, pref) -> None:
         pass
 
-    def matrix_layout_destroy(self, layout) -> None:  # noqa: ANN001
+    def matrix_layout_destroy(self, layout) -> None:
         self.log.append(("destroy", layout))
 
-    def matmul_desc_destroy(self, desc) -> None:  # noqa: ANN001
+    def matmul_desc_destroy(self, desc) -> None:
         self.log.append(("destroy", desc))
 
-    def matmul(self, handle, desc, alpha, a, al, b, bl, beta, c, cl, d, dl, algo, ws, wsb, stream) -> None:  # noqa: ANN001
+    def matmul(self, handle, desc, alpha, a, al, b, bl, beta, c, cl, d, dl, algo, ws, wsb, stream) -> None:
         self.log.append(("matmul", desc, float(np.ctypeslib.ctypes.c_float.from_address(beta).value), c, d))
 
 

@@ -71,7 +71,7 @@ def test_padded_k_columns_must_be_zero(rng) -> None:
 
 def test_host_constants_match_the_kernel_source() -> None:
     src = KERNEL.read_text()
-    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))  # noqa: E731
+    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))
     assert define("VF_ROWS") == vision_flash.TILE_ROWS and define("VF_BN") == vision_flash.KEYS_PER_STEP
     assert define("VF_THREADS") == 128
     pad = define("VF_PAD")
@@ -92,7 +92,7 @@ class RecordingDevice:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def launch(self, family, name, grid, block, *args, shmem=0, stream=None):  # noqa: ANN001
+    def launch(self, family, name, grid, block, *args, shmem=0, stream=None):
         self.calls.append((family, name, grid, block, [type(a).__name__ for a in args], shmem))
 
 

@@ -25,7 +25,7 @@ class FlashFakeDevice(FakeDevice):
         super().__init__(nbytes)
         self.attention_launches: list[str] = []
 
-    def launch(self, family: str, name: str, grid, block, *args, shmem: int = 0) -> None:  # noqa: ANN001
+    def launch(self, family: str, name: str, grid, block, *args, shmem: int = 0) -> None:
         if "attention" in name or family == "vision_flash":
             self.attention_launches.append(name)
         if family != "vision_flash":
@@ -41,7 +41,7 @@ class FlashFakeDevice(FakeDevice):
         self.write(out, vision_flash_emulated(values, heads, head_dim, seg, scale), "bf16")
 
 
-def flash_context(nbytes: int = 64 << 20):  # noqa: ANN201
+def flash_context(nbytes: int = 64 << 20):
     ctx = fake_context(nbytes)
     ctx.device = FlashFakeDevice(nbytes)
     ctx.blas.dev = ctx.device
