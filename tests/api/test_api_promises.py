@@ -334,3 +334,25 @@ def test_without_keys_callers_are_told_apart_by_address_and_refusals_are_rate_li
         limited.admit(_scope("/v1/documents"), {b"x-api-key": key.encode()})
     for _ in range(3):
         assert limited.admit(_scope("/healthz"), {b"x-api-key": key.encode()}) is not None
+
+
+def test_form_fields_heads_exact_budget_and_a_discard_after_the_spool_file_went(tmp_path: Path) -> None:
+    from api.auth import key_id
+    from pipeline.ingest import HashedFile
+
+    body = (b"--" + BOUNDARY + b"\r\nContent-Disposition: form-data; name=\"schema\"\r\n\r\ninvoice\r\n"
+            + _multipart([("exact.bin", b"e" * MEMORY_FILE_BYTES)]))
+    memory = MemoryBudget(MEMORY_FILE_BYTES)  # exactly one 1 MiB file fits
+    form = _receive(body, tmp_path / "spool", memory)
+    assert form.fields == {"schema": "invoice"}  # a part without filename is a text field, not a file
+    [(field, exact)] = form.files
+    assert field == "file" and exact.filename == "exact.bin" and exact.path is None
+    assert memory.used == MEMORY_FILE_BYTES and exact.head == b"e" * HashedFile.HEAD_BYTES
+    form.discard()
+    large = _receive(_multipart([("big.bin", b"\x01\x02" * MEMORY_FILE_BYTES)]), tmp_path / "spool", memory)
+    [(_, big)] = large.files
+    assert big.head == (b"\x01\x02" * MEMORY_FILE_BYTES)[: HashedFile.HEAD_BYTES] and big.path is not None
+    big.path.unlink()  # already moved into the blob store (or swept): discarding must not fail on it
+    large.discard()
+    assert memory.used == 0 and large.files == []
+    assert key_id("some-key") == "key-" + __import__("hashlib").sha256(b"some-key").hexdigest()[:12]
