@@ -4,6 +4,7 @@ a scripted client: the behaviour under test is the pipeline's bookkeeping, not t
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,50 @@ def test_merge_of_one_unit_no_units_absent_fields_and_unknown_rules() -> None:
     assert merge_units([_u({"a": 1}), _u({"a": 2})], {}, {}).data == {"a": 1}  # no properties at all: best
     with pytest.raises(ValueError, match="unknown merge rule 'average' for field 'a'"):
         merge_units([_u({"a": 1}), _u({"a": 2})], {}, {"a": "average"})
+
+
+# --- confidence, exactly (pipeline/confidence.py) ------------------------------------------------------------------
+def test_leaf_spans_with_whitespace_empty_containers_and_escaped_keys() -> None:
+    from pipeline.confidence import escape_pointer_token, leaf_spans
+
+    text = ' {\n "a" : [ ] ,\t"b":{ },"c" :[1 , {"d~e/f": "x"}],"g":null } '
+    assert [(p, text[a:b]) for p, a, b in leaf_spans(text)] == [("/c/0", "1"), ("/c/1/d~0e~1f", '"x"'),
+                                                                  ("/g", "null")]
+    assert escape_pointer_token("a~/b") == "a~0~1b"
+    assert leaf_spans('"just a string"') == [("", 0, 15)] and leaf_spans("[]") == [] and leaf_spans("{}") == []
+    for bad, message in (("", "unexpected end of JSON text"), ('{"a" 1}', "expected ':' at character 5"),
+                         ('{"a":1 "b":2}', "expected '}' at character 7"), ("[1 2]", "expected ']' at character 3"),
+                         ("{1:2}", "expected '\"' at character 1"), ("[1] x", "extra data after the JSON value at "
+                                                                              "character 4")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            leaf_spans(bad)
+
+
+def test_align_tokens_exact_spans_mismatches_and_partial_characters() -> None:
+    from pipeline.confidence import align_tokens
+
+    assert align_tokens("abcd", ["ab", "", "cd"]) == [(0, 2), (2, 2), (2, 4)]
+    assert align_tokens("abcd", ["ab", "cx"]) is None  # a token that is not the text
+    assert align_tokens("abcd", ["ab", "c"]) is None  # tokens stop short of the text
+    assert align_tokens("abc", ["ab", "cd"]) is None  # tokens run past it
+    # an "é" (2 bytes) split over two tokens shown as U+FFFD, then more text
+    assert align_tokens("xéy", ["x", "\ufffd", "\ufffd", "y"]) == [(0, 1), (1, 2), (1, 2), (2, 3)]
+    # the partial tokens end the text
+    assert align_tokens("xé", ["x", "\ufffd", "\ufffd"]) == [(0, 1), (1, 2), (1, 2)]
+    # a token holding the end of one character and the next plain one
+    assert align_tokens("éz", ["\ufffd", "\ufffdz"]) == [(0, 1), (0, 2)]
+    # a real U+FFFD in the text is an ordinary character
+    assert align_tokens("a\ufffdb", ["a", "\ufffd", "b"]) == [(0, 1), (1, 2), (2, 3)]
+    # partial bytes cannot stand for more than 4 characters before the next plain one
+    assert align_tokens("x" + "é" * 5 + "y", ["x", "\ufffd", "y"]) is None
+
+
+def test_field_confidence_skips_empty_tokens_and_reports_nothing_without_tokens() -> None:
+    from pipeline.confidence import field_confidence
+
+    conf = field_confidence('{"a":1}', ['{"a":', "", "1", "}"], [-0.1, -5.0, -0.4, -0.2])
+    assert conf.fields == {"/a": pytest.approx(math.exp(-0.4), rel=1e-12)}  # the empty token overlaps nothing
+    assert conf.overall == pytest.approx(math.exp((-0.1 - 5.0 - 0.4 - 0.2) / 4), rel=1e-12)
+    empty = field_confidence("", [], [])
+    assert (empty.overall, empty.fields) == (None, {})
+    assert empty.as_json() == {"overall": None, "fields": {}}
