@@ -5,6 +5,10 @@ starts (`documents.render_attempts`). A file that kills its reader process each 
 through `task_reject_on_worker_lost`) is counted each time, and once `job_max_attempts` renders were started
 without one finishing, the document ends `failed` with that reason and so do its queued jobs.
 
+Files taken in by a queue worker (staged submissions, watch folders) go the same way: `receive_counted` writes the
+document and its job first (`pipeline.ingest.receive_file`), then renders under the cap, so a file that kills
+the worker while it is read is counted there too.
+
 Extraction (the `gpu` stage): claiming a job charges it an attempt (pipeline.jobs). When a run dies without
 releasing its job (the process was killed, or hung past its lease), the next claim cannot tell which of the jobs
 that ran in that process caused it. So a run that died among others is refunded its attempt and its job is marked
@@ -21,6 +25,7 @@ from contextlib import contextmanager
 from sqlalchemy import select
 
 from .context import Pipeline
+from .ingest import IngestOutcome, Source, outcome_after_render, receive_file, record_once
 from .models import Document, DocumentStatus
 from .rendering import fail_document_jobs, job_document, render_document
 
@@ -54,6 +59,17 @@ def render_for_job_capped(p: Pipeline, job_id: int) -> str:
     if not charge_render(p, document_id):
         return DocumentStatus.failed.value
     return render_document(p, document_id)
+
+
+def receive_counted(p: Pipeline, source: Source, *, name: str, schema: str | None = None,
+                    batch_id: int | None = None) -> IngestOutcome:
+    """Receive a file, render it under the render cap, then record it in `batch_id` once (a message delivered
+    again after its worker died records nothing twice). The outcome says `failed` for an unreadable file."""
+    out = receive_file(p, source, name=name, schema=schema)
+    if out.job_id is not None:
+        render_for_job_capped(p, out.job_id)
+        out = outcome_after_render(p, out)
+    return record_once(p, batch_id, out)
 
 
 class RunGate:

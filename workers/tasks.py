@@ -20,9 +20,8 @@ from celery import Task
 from celery.exceptions import Retry
 from sqlalchemy import select
 
-from pipeline.attempts import render_for_job_capped
+from pipeline.attempts import receive_counted, render_for_job_capped
 from pipeline.errors import NotFoundError
-from pipeline.ingest import outcome_after_render, receive_file, record_once
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
 
@@ -183,13 +182,9 @@ def ingest(self: Task, stage_id: str) -> dict[str, Any]:
         return {"stage_id": stage_id, "outcome": "gone"}
     try:
         # Rows first, then the render: a file that kills this process while it is read is counted on its
-        # document each time the message comes back, and ends `failed` at the cap instead of looping. The batch
-        # item is written after the render (with its outcome), once, however often the message came.
-        out = receive_file(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema)
-        if out.job_id is not None:
-            render_for_job_capped(p, out.job_id)
-            out = outcome_after_render(p, out)
-        record_once(p, staged.batch_id, out)
+        # document each time the message comes back, and ends `failed` at the cap instead of looping.
+        out = receive_counted(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema,
+                              batch_id=staged.batch_id)
         found = job_state(p, out.job_id) if out.job_id is not None else None
         if found and found[0] == JobState.queued.value:  # a duplicate whose job already ran needs nothing
             enqueue_job(out.job_id, settings=p.settings, worker_settings=ws)

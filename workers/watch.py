@@ -20,8 +20,9 @@ from pathlib import Path
 import redis
 from sqlalchemy import select
 
+from pipeline.attempts import receive_counted
 from pipeline.context import Pipeline
-from pipeline.ingest import EXCLUDED_DIRS, IngestOutcome, create_batch, ingest_file, stable_files
+from pipeline.ingest import EXCLUDED_DIRS, IngestOutcome, create_batch, stable_files
 from pipeline.models import Job, JobState
 
 from .locks import RedisLock
@@ -103,7 +104,7 @@ def scan_folder(p: Pipeline, folder: Path, client: redis.Redis, *, lock_ttl_s: f
                 continue
             if batch_id is None:
                 batch_id = create_batch(p, f"watch:{root}")
-            out = ingest_file(p, path, name=rel, batch_id=batch_id)
+            out = receive_counted(p, path, name=rel, batch_id=batch_id)  # a file that kills us is counted
             report.outcomes.append(out)
             if out.job_id is not None and _job_needs_run(p, out.job_id):
                 report.jobs_to_run.append(out.job_id)
