@@ -356,3 +356,94 @@ def test_form_fields_heads_exact_budget_and_a_discard_after_the_spool_file_went(
     large.discard()
     assert memory.used == 0 and large.files == []
     assert key_id("some-key") == "key-" + __import__("hashlib").sha256(b"some-key").hexdigest()[:12]
+
+
+# --- the multipart framing limits and refusals, each with its code and message -----------------------------------
+def _part(headers: bytes, data: bytes = b"v") -> bytes:
+    return b"--" + BOUNDARY + b"\r\n" + headers + b"\r\n\r\n" + data + b"\r\n"
+
+
+def _field(name: str, value: bytes = b"v") -> bytes:
+    return _part(b'Content-Disposition: form-data; name="' + name.encode() + b'"', value)
+
+
+def _file(name: str, data: bytes = b"d") -> bytes:
+    return _part(b'Content-Disposition: form-data; name="file"; filename="' + name.encode() + b'"', data)
+
+
+END = b"--" + BOUNDARY + b"--\r\n"
+
+
+def _refusal(body: bytes, tmp_path: Path, *, content_type: bytes | None = None, max_files: int = 2,
+             max_file_bytes: int = 1000, chunks: list[bytes] | None = None):  # type: ignore[no-untyped-def]
+    from api.errors import ApiError
+
+    pieces = list(chunks) if chunks is not None else [body]
+    memory = MemoryBudget(1 << 20)
+
+    async def receive() -> dict[str, object]:
+        if not pieces:
+            return {"type": "http.disconnect"}
+        piece = pieces.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces) or chunks is not None}
+
+    ctype = content_type if content_type is not None else b"multipart/form-data; boundary=" + BOUNDARY
+    scope = {"type": "http", "method": "POST", "path": "/v1/documents", "headers": [(b"content-type", ctype)]}
+    spool = tmp_path / "spool"
+    with pytest.raises(ApiError) as err:
+        asyncio.run(receive_form(Request(scope, receive), spool, memory, max_file_bytes=max_file_bytes,
+                                 max_files=max_files))
+    # an aborted upload leaves no spool file and no memory behind
+    assert memory.used == 0 and (not spool.exists() or list(spool.iterdir()) == [])
+    return err.value
+
+
+@pytest.mark.parametrize("body, status, code, detail", [
+    (b"".join(_file(f"f{i}") for i in range(3)) + END, 400, "too_many_files", "At most 2 file(s) per request."),
+    (b"".join(_field(f"k{i}") for i in range(33)) + END, 400, "too_many_fields",
+     "At most 32 form fields per request."),
+    (b"".join(_field("same") for _ in range(35)) + END, 400, "too_many_parts",
+     "At most 34 parts per multipart request (2 file(s) and 32 fields)."),
+    (_field("schema", b"s" * (64 * 1024 + 1)) + END, 400, "field_too_large",
+     "Form field 'schema' exceeds 65536 bytes."),
+    (_part(b"Content-Disposition: form-data") + END, 400, "malformed_multipart",
+     "Every form part needs a Content-Disposition name."),
+    (_part(b'Content-Disposition: form-data; name="f"' + b"".join(b"\r\nX-H%d: 1" % i for i in range(8))) + END,
+     400, "too_many_part_headers", "A form part has more than 8 headers."),
+    (_part(b'Content-Disposition: form-data; name="f"\r\nX-Big: ' + b"h" * 4100) + END, 413,
+     "multipart_headers_too_large", "The headers of one form part exceed 4096 bytes; a file part needs only "
+     "Content-Disposition and Content-Type."),
+    (_file("big.bin", b"x" * 1001) + END, 413, "payload_too_large",
+     "The request body exceeds the limit of 1000 bytes; send a smaller file."),
+    (b"--" + BOUNDARY + b'\r\nContent-Disposition: form-data; name="file"; filename="cut.bin"\r\n\r\nxyz', 400,
+     "malformed_multipart", "The multipart body ended in the middle of a file."),
+])
+def test_multipart_refusals(tmp_path: Path, body: bytes, status: int, code: str, detail: str) -> None:
+    err = _refusal(body, tmp_path)
+    assert (err.status, err.code, err.detail) == (status, code, detail)
+
+
+def test_multipart_refusals_of_the_request_itself(tmp_path: Path) -> None:
+    err = _refusal(END, tmp_path, content_type=b"application/json")
+    assert (err.status, err.code, err.detail) == (415, "unsupported_media_type", "Send the upload as "
+                                                                                  "multipart/form-data.")
+    err = _refusal(END, tmp_path, content_type=b"multipart/form-data")
+    assert (err.status, err.code) == (400, "malformed_multipart") and "no boundary" in err.detail
+    err = _refusal(END, tmp_path, content_type=b"multipart/form-data; boundary=" + b"b" * 71)
+    assert (err.status, err.code, err.extra) == (400, "multipart_boundary_too_long", {"limit_bytes": 70})
+    assert err.detail.startswith("The multipart boundary is 71 bytes long; at most 70 are allowed")
+    ok_boundary = b"b" * 70  # exactly the RFC's maximum is accepted
+    body = b"--" + ok_boundary + b'\r\nContent-Disposition: form-data; name="k"\r\n\r\nv\r\n--' + ok_boundary + b"--\r\n"
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data; boundary=" + ok_boundary)]}
+    form = asyncio.run(receive_form(Request(scope, receive), tmp_path, MemoryBudget(10), max_file_bytes=10,
+                                    max_files=1))
+    assert form.fields == {"k": "v"}
+    # a client that goes away mid-file: 400 client_disconnected, and the partial spool file is removed
+    partial = [_file("gone.bin", b"y" * (MEMORY_FILE_BYTES + 5000))[:-40]]  # spooled; no closing boundary
+    err = _refusal(b"", tmp_path, chunks=partial, max_file_bytes=4 * MEMORY_FILE_BYTES)
+    assert (err.status, err.code) == (400, "client_disconnected")
