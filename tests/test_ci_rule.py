@@ -1,9 +1,8 @@
 """The shared CI rule (tests/ci_rule.py): which CI values count, and what a missing service or module becomes."""
 from __future__ import annotations
 
-import pytest
-
 import ci_rule
+import pytest
 
 
 @pytest.mark.parametrize("value, on", [("true", True), ("1", True), ("yes", True), ("TRUE", True), ("Yes", True),

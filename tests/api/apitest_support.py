@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from ci_rule import missing
 import uvicorn
+from ci_rule import missing
 
 from api.app import create_app
 from api.limits import ApiLimits

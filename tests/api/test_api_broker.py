@@ -8,9 +8,8 @@ import time
 import uuid
 
 import pytest
-from ci_rule import missing
-
 from apitest_support import database_url, live_server, test_settings
+from ci_rule import missing
 from test_api_http import listed_document_ids, random_png, upload
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
@@ -97,7 +96,6 @@ def test_200_concurrent_uploads_lose_nothing(tmp_path_factory: pytest.TempPathFa
     import asyncio
 
     import httpx
-
     from apitest_support import KEY
 
     db, client = _claim_redis_db()

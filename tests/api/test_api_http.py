@@ -11,9 +11,8 @@ from urllib.parse import urlparse
 
 import jsonschema
 import pytest
-from PIL import Image
-
 from apitest_support import KEY, LiveServer, sample_files, server, wait_finished  # noqa: F401 (fixture)
+from PIL import Image
 
 
 def random_png(width: int = 64, height: int = 48) -> bytes:

@@ -433,7 +433,8 @@ def test_multipart_refusals_of_the_request_itself(tmp_path: Path) -> None:
     assert (err.status, err.code, err.extra) == (400, "multipart_boundary_too_long", {"limit_bytes": 70})
     assert err.detail.startswith("The multipart boundary is 71 bytes long; at most 70 are allowed")
     ok_boundary = b"b" * 70  # exactly the RFC's maximum is accepted
-    body = b"--" + ok_boundary + b'\r\nContent-Disposition: form-data; name="k"\r\n\r\nv\r\n--' + ok_boundary + b"--\r\n"
+    body = (b"--" + ok_boundary + b'\r\nContent-Disposition: form-data; name="k"\r\n\r\nv\r\n--' + ok_boundary
+            + b"--\r\n")
 
     async def receive() -> dict[str, object]:
         return {"type": "http.request", "body": body, "more_body": False}

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ci_rule import missing
-
 from apitest_support import KEY, LiveServer, sample_files, sqlite_server  # noqa: F401 (fixture)
+from ci_rule import missing
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

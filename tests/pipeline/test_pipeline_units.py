@@ -329,12 +329,12 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(make_pipeline) -> None:
 
 
 def test_model_key_without_the_weights(make_pipeline, tmp_path: Path) -> None:
+    from pipeline_test_support import png_bytes
     from sqlalchemy import func, select
 
     from pipeline.errors import ModelNotAvailableError
     from pipeline.ingest import ingest_file
     from pipeline.models import Document
-    from pipeline_test_support import png_bytes
 
     missing = make_pipeline(model_dir=tmp_path / "no-such-model")
     with pytest.raises(ModelNotAvailableError, match="DOCPIPE_MODEL_ID"):

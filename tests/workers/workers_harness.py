@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from ci_rule import missing
 import redis
+from ci_rule import missing
 from PIL import Image
 from sqlalchemy import func, select
 
