@@ -448,3 +448,33 @@ def test_multipart_refusals_of_the_request_itself(tmp_path: Path) -> None:
     partial = [_file("gone.bin", b"y" * (MEMORY_FILE_BYTES + 5000))[:-40]]  # spooled; no closing boundary
     err = _refusal(b"", tmp_path, chunks=partial, max_file_bytes=4 * MEMORY_FILE_BYTES)
     assert (err.status, err.code) == (400, "client_disconnected")
+
+
+def test_multipart_limits_accept_their_exact_maximum_and_count_across_chunks(tmp_path: Path) -> None:
+    # exactly 2 files + 32 fields (the part cap), 8 headers in a part, 4096 header bytes: all accepted
+    def values(form: ReceivedForm) -> tuple[dict[str, str], list[str]]:
+        return form.fields, [f.filename for _, f in form.files]
+
+    many = b"".join(_field(f"k{i}") for i in range(32)) + _file("a.bin") + _file("b.bin") + END
+    fields, files = values(_receive(many, tmp_path, MemoryBudget(1 << 20)))
+    assert len(fields) == 32 and files == ["a.bin", "b.bin"]
+    eight = _part(b'Content-Disposition: form-data; name="f"' + b"".join(b"\r\nX-H%d: 1" % i for i in range(7))) + END
+    assert values(_receive(eight, tmp_path, MemoryBudget(10)))[0] == {"f": "v"}
+    disposition = b'Content-Disposition: form-data; name="f"'
+    used = len(b"Content-Disposition") + len(b'form-data; name="f"') + len(b"X-Pad")
+    exact = _part(disposition + b"\r\nX-Pad: " + b"p" * (4096 - used)) + END
+    assert values(_receive(exact, tmp_path, MemoryBudget(10)))[0] == {"f": "v"}
+    # several headers, each well under the parser's own per-header limit, count together
+    spread = _part(disposition + b"".join(b"\r\nX-P%d: " % i + b"p" * 1500 for i in range(3))) + END
+    err = _refusal(spread, tmp_path)
+    assert (err.status, err.code) == (413, "multipart_headers_too_large")
+    # header names and values split over many small chunks are put back together
+    body = _field("schema", b"invoice") + _file("tiny.bin", b"0123456789") + END
+    form = _receive(body, tmp_path, MemoryBudget(1 << 20), chunk=7)
+    assert form.fields == {"schema": "invoice"} and [(n, f.filename, f.data) for n, f in form.files] == [
+        ("file", "tiny.bin", b"0123456789")]
+    # a name that is not UTF-8 is kept, replaced, not refused; a part with no Content-Disposition is refused
+    odd = _part(b'Content-Disposition: form-data; name="\xffx"', b"1") + END
+    assert _receive(odd, tmp_path, MemoryBudget(10)).fields == {"\ufffdx": "1"}
+    err = _refusal(_part(b"Content-Type: text/plain") + END, tmp_path)
+    assert (err.code, err.detail) == ("malformed_multipart", "Every form part needs a Content-Disposition name.")
