@@ -118,18 +118,23 @@ class _FakePipeline:
 
 
 class _GatedPipeline:
-    """A real Pipeline (bundled tiny model, reference runner) whose engine load waits until `release` is set, so
-    the loading state can be observed without a race."""
+    """A Pipeline stand-in whose engine (the bundled tiny model, reference runner) loads only once `release` is set,
+    so the loading state can be observed without a race. The engine is built for this test alone: the test shuts it
+    down, and the process-wide engine that `Pipeline.client` shares with every other test must keep running."""
 
-    def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
-        self.real = real
-        self.settings = real.settings
+    def __init__(self, settings) -> None:  # type: ignore[no-untyped-def]
+        self.settings = settings
         self.release = threading.Event()
+        self.built = None
 
     @property
     def client(self):  # type: ignore[no-untyped-def]
+        from pipeline.engine_client import EngineClient
+
         self.release.wait(60)
-        return self.real.client
+        if self.built is None:
+            self.built = EngineClient.from_settings(self.settings)
+        return self.built
 
 
 def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -137,11 +142,9 @@ def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ig
 
     from api.engine_access import EngineAccess, EngineUnavailable
     from gpu_engine.params import SamplingParams
-    from pipeline.context import Pipeline
     from pipeline.settings import Settings
 
-    real = Pipeline(Settings(data_dir=tmp_path / "data", engine_max_num_seqs=2))
-    gated = _GatedPipeline(real)
+    gated = _GatedPipeline(Settings(data_dir=tmp_path / "data", engine_max_num_seqs=2))
     access = EngineAccess(gated, preload=True)  # type: ignore[arg-type]
     try:
         access.start()
@@ -152,9 +155,9 @@ def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ig
         gated.release.set()
         assert _wait(lambda: access.status() is None, timeout=120)
         engine = access.async_engine()
-        assert engine is real.client.async_engine and engine.is_running
+        assert gated.built is not None and engine is gated.built.async_engine and engine.is_running
         before = access.stats()
-        assert before is not None and before["model_fingerprint"] == real.client.model_fingerprint
+        assert before is not None and before["model_fingerprint"] == gated.built.model_fingerprint
         out = engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(out.token_ids) == 3
         # /metrics sees the engine's own counters move
@@ -163,7 +166,8 @@ def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ig
         assert access.status() is not None and "step loop has stopped" in access.status()
     finally:
         gated.release.set()
-        real.close()
+        if gated.built is not None:
+            gated.built.close()
 
 
 def test_engine_access_reports_a_failed_load() -> None:
