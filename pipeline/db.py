@@ -164,7 +164,10 @@ class Database:
         """Apply the packaged Alembic migrations up to `revision`."""
         from alembic import command
 
-        command.upgrade(alembic_config(self.url), revision)
+        # SQLite: processes starting at once migrate one at a time, on the writer lock. BEGIN IMMEDIATE alone did
+        # not serialise them once migrations rebuild tables in batch mode (two processes both applied 0002->0003).
+        with self._write_lock or nullcontext():
+            command.upgrade(alembic_config(self.url), revision)
 
     def dispose(self) -> None:
         self.engine.dispose()
