@@ -138,6 +138,10 @@ def test_two_processes_take_uploads_into_one_database(two_process_server: Served
     with httpx.Client(base_url=served.base, headers={"X-API-Key": served.key}, timeout=30) as c:
         ids = [upload(c, random_png()).json()["job"]["id"] for _ in range(6)]
     assert len(set(ids)) == 6  # one database behind both processes: distinct jobs, nothing lost
+    # Publishing runs on each process's publisher thread, after the answer: wait for it, then count exactly.
+    deadline = time.monotonic() + 30
+    while served.redis.llen("ingest") < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert served.redis.llen("ingest") == 6
 
 
