@@ -29,7 +29,7 @@ _EXPORTS = {
     "Settings": "settings",
     "get_settings": "settings",
     "ingest_file": "ingest",
-    "ingest_folder": "ingest",
+    "ingest_folder": "walk",
     "create_batch": "ingest",
     "IngestOutcome": "ingest",
     "receive_file": "ingest",

@@ -8,7 +8,7 @@ Two ways in, one set of rows:
 * `ingest_file` — store, sniff *and render* now (the CLI, folder ingestion, the ingest queue's staged files, and
   uploads that carry a PDF password, which is never stored): the document is `ingested` or `failed` on return.
 
-`ingest_folder` walks a folder (the CLI now, scheduled watch folders later). Each file's outcome is recorded —
+`pipeline.walk.ingest_folder` walks a folder (the CLI, watch folders) through `ingest_file`. Each file's outcome is recorded —
 `new` (its job was queued by this intake), `duplicate` (same content, schema and model already had a job: its
 results are reused), `failed` (the file cannot be read; the reason is stored on the document row), or
 `unstable` (folder walks only: still being written, taken on a later walk) — and a bad file never raises. Bad
@@ -30,7 +30,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, ClassVar, Iterator, Literal
+from typing import Any, BinaryIO, ClassVar, Literal
 
 from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -49,8 +49,6 @@ from .storable_text import storable_name
 from .tenancy import DEFAULT_TENANT
 
 Outcome = Literal["new", "duplicate", "failed", "unstable"]
-# Folders a watch-folder run moves processed files into; never ingested themselves.
-EXCLUDED_DIRS = frozenset({"done", "failed"})
 
 
 @dataclass
@@ -116,7 +114,8 @@ def resolve_schema_name(p: Pipeline, schema: str | None, kind: str | None) -> st
     return "video" if kind == "video" else p.settings.default_schema
 
 
-def _schema_ref(p: Pipeline, name: str, tenant: str) -> SchemaRef:
+def schema_ref(p: Pipeline, name: str, tenant: str) -> SchemaRef:
+    """The latest version of schema `name` visible to `tenant` (UnknownSchemaError if none)."""
     with p.db.read_session() as s:
         return latest_schema_ref(s, name, tenant)
 
@@ -327,7 +326,7 @@ def record_refused(p: Pipeline, batch_id: int | None, label: str, error: Excepti
 def _check_arguments(p: Pipeline, schema: str | None, tenant: str) -> SchemaRef | None:
     """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
     Returns the named schema (None when no schema was named), so it need not be looked up again."""
-    named = _schema_ref(p, schema, tenant) if schema is not None else None
+    named = schema_ref(p, schema, tenant) if schema is not None else None
     p.model_key  # noqa: B018
     return named
 
@@ -335,7 +334,7 @@ def _check_arguments(p: Pipeline, schema: str | None, tenant: str) -> SchemaRef 
 def _with_job(p: Pipeline, batch_id: int | None, label: str, started: float, document_id: int, kind: str | None,
               schema: str | None, pages: int, rendered: bool, tenant: str, cap: JobCap | None) -> IngestOutcome:
     """The outcome for bytes that are already a usable document: its job for this schema, got or created."""
-    schema_id = _schema_ref(p, resolve_schema_name(p, schema, kind), tenant).id
+    schema_id = schema_ref(p, resolve_schema_name(p, schema, kind), tenant).id
     job_id, created = _get_or_create_job(p, document_id, schema_id, cap)
     out = IngestOutcome(label, "new" if created else "duplicate", document_id=document_id, job_id=job_id,
                         pages=pages, seconds=time.perf_counter() - started, rendered=rendered, known=True)
@@ -390,7 +389,7 @@ def _receive_stored(p: Pipeline, source: Source, sha: str, size: int, label: str
         return _failed(p, batch_id, label, refusal, started, document_id)
     if out is None:  # a failed document read again
         assert sniffed is not None
-        schema_id = (named or _schema_ref(p, resolve_schema_name(p, schema, sniffed.kind), tenant)).id
+        schema_id = (named or schema_ref(p, resolve_schema_name(p, schema, sniffed.kind), tenant)).id
         document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id,
                                                      tenant=tenant, cap=cap)
         assert job is not None
@@ -474,7 +473,7 @@ def ingest_file(
         return _with_job(p, batch_id, label, started, existing.id, existing.kind, schema,
                          existing.page_count, existing.status == DocumentStatus.ingested.value, tenant, cap)
     rendered, error = try_render(p, p.blobs.path(sha), label, password)
-    schema_id = (_schema_ref(p, resolve_schema_name(p, schema, rendered.kind), tenant).id
+    schema_id = (schema_ref(p, resolve_schema_name(p, schema, rendered.kind), tenant).id
                  if rendered is not None else None)
     try:
         document_id, requeued, job = _store_document(p, sha, size, label, rendered=rendered, error=error,
@@ -489,83 +488,3 @@ def ingest_file(
                         job_id=job[0], pages=len(rendered.pages), seconds=time.perf_counter() - started,
                         rendered=True, known=existing is not None)
     return _record(p, batch_id, out)
-
-
-def _snapshot(folder: Path, excluded: frozenset[str]) -> dict[Path, tuple[int, int]]:
-    found: dict[Path, tuple[int, int]] = {}
-    for root, dirs, files in os.walk(folder):
-        here = Path(root)
-        # skip hidden folders and, at the top, the done/ and failed/ folders files are moved into
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (here == folder and d in excluded))
-        for fname in sorted(files):
-            if fname.startswith("."):
-                continue  # hidden and partial files (.part, editors' temp files) are not documents
-            path = here / fname
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            found[path] = (st.st_size, st.st_mtime_ns)
-    return found
-
-
-def stable_files(folder: Path, stable_seconds: float, excluded: frozenset[str] = EXCLUDED_DIRS
-                 ) -> tuple[list[Path], list[Path]]:
-    """(stable, unstable) files under `folder`: a file is stable when its size and mtime did not change over
-    `stable_seconds` (waits once, and only if some file was modified more recently than that)."""
-    first = _snapshot(folder, excluded)
-    now_ns = time.time_ns()
-    young = [p for p, (_, mtime) in first.items() if now_ns - mtime < stable_seconds * 1e9]
-    if not young:
-        return sorted(first), []
-    time.sleep(stable_seconds)
-    second = _snapshot(folder, excluded)
-    stable = sorted(p for p, sig in first.items() if second.get(p) == sig)
-    unstable = sorted(p for p in first if second.get(p) != first[p])
-    return stable, unstable
-
-
-def ingest_folder(
-    p: Pipeline,
-    folder: str | os.PathLike[str],
-    *,
-    schema: str | None = None,
-    batch_id: int | None = None,
-    stable_seconds: float | None = None,
-    include: Callable[[Path], bool] | None = None,
-) -> list[IngestOutcome]:
-    """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths);
-    one outcome per file."""
-    return list(iter_folder(p, folder, schema=schema, batch_id=batch_id, stable_seconds=stable_seconds,
-                            include=include))
-
-
-def iter_folder(
-    p: Pipeline,
-    folder: str | os.PathLike[str],
-    *,
-    schema: str | None = None,
-    batch_id: int | None = None,
-    stable_seconds: float | None = None,
-    include: Callable[[Path], bool] | None = None,
-) -> Iterator[IngestOutcome]:
-    """`ingest_folder`, one outcome at a time (callers can start a file's job while the next file is read).
-    Argument errors (not a folder, unknown schema) are raised before the first outcome."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise NotADirectoryError(f"{root} is not a folder")
-    if schema is not None:
-        _schema_ref(p, schema, DEFAULT_TENANT)
-    wait = p.settings.stable_seconds if stable_seconds is None else stable_seconds
-    stable, unstable = stable_files(root, wait)
-    if include is not None:
-        stable = [f for f in stable if include(f)]
-        unstable = [f for f in unstable if include(f)]
-
-    def outcomes() -> Iterator[IngestOutcome]:
-        for path in stable:
-            yield ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
-        for path in unstable:
-            yield IngestOutcome(str(path.relative_to(root)), "unstable")
-
-    return outcomes()

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from .context import Pipeline
-from .ingest import IngestOutcome, create_batch, ingest_file, iter_folder
+from .ingest import IngestOutcome, create_batch, ingest_file
+from .walk import iter_folder
 from .jobs import run_job
 from .queries import document_repaired, get_job
 from .schemas import get_schema

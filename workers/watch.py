@@ -22,7 +22,8 @@ from sqlalchemy import select
 
 from pipeline.attempts import receive_counted
 from pipeline.context import Pipeline
-from pipeline.ingest import EXCLUDED_DIRS, IngestOutcome, create_batch, stable_files
+from pipeline.ingest import IngestOutcome, create_batch
+from pipeline.walk import EXCLUDED_DIRS, stable_files
 from pipeline.models import Job, JobState
 
 from .locks import RedisLock

@@ -20,7 +20,8 @@ from sqlalchemy import func, select
 
 from pipeline import models
 from pipeline.errors import UnknownSchemaError
-from pipeline.ingest import ingest_file, ingest_folder
+from pipeline.ingest import ingest_file
+from pipeline.walk import ingest_folder
 from pipeline.jobs import run_job
 from pipeline.processing import process_paths
 from pipeline.queries import batch_items, batch_progress, get_results

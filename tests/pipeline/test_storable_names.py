@@ -12,7 +12,8 @@ import pytest
 from PIL import Image
 
 from pipeline.context import Pipeline
-from pipeline.ingest import create_batch, ingest_folder
+from pipeline.ingest import create_batch
+from pipeline.walk import ingest_folder
 from pipeline.models import Batch
 from pipeline.storable_text import storable, storable_name
 
