@@ -478,3 +478,66 @@ def test_multipart_limits_accept_their_exact_maximum_and_count_across_chunks(tmp
     assert _receive(odd, tmp_path, MemoryBudget(10)).fields == {"\ufffdx": "1"}
     err = _refusal(_part(b"Content-Type: text/plain") + END, tmp_path)
     assert (err.code, err.detail) == ("malformed_multipart", "Every form part needs a Content-Disposition name.")
+
+
+def test_spooled_and_kept_files_carry_size_digest_head_and_a_sweepable_name(tmp_path: Path) -> None:
+    import hashlib
+
+    from api.uploads import sweep_spool
+    from pipeline.ingest import HashedFile
+
+    head_plus = bytes(range(256)) * ((HashedFile.HEAD_BYTES + 50) // 256 + 1)
+    head_plus = head_plus[: HashedFile.HEAD_BYTES + 50]
+    big = b"B" * (MEMORY_FILE_BYTES + 10)
+    body = (_field("note", b"caf\xe9") + _file("exact.bin", b"m" * 1000) + _file("head.bin", head_plus) + END)
+    spool = tmp_path / "deep" / "spool"  # made on first use, parents too
+    form = _receive(body, spool, MemoryBudget(1 << 20), chunk=7)  # heads and values span many chunks
+    assert form.fields == {"note": "caf\ufffd"}  # a value that is not UTF-8 is replaced, not refused
+    (_, exact), (_, headed) = form.files
+    assert exact.size == 1000 and exact.sha256 == hashlib.sha256(b"m" * 1000).hexdigest()
+    assert headed.head == head_plus[: HashedFile.HEAD_BYTES] and headed.size == len(head_plus)
+    # a file of exactly max_file_bytes (here 64 MiB by _receive) is accepted; the spool file is named for the sweep
+    spilled = _receive(_multipart([("big.bin", big)]), spool, MemoryBudget(1 << 20))
+    [(_, on_disk)] = spilled.files
+    assert on_disk.path is not None and on_disk.path.name.startswith("upload-") and on_disk.path.suffix == ".part"
+    assert on_disk.size == len(big) and on_disk.sha256 == hashlib.sha256(big).hexdigest()
+    import os
+
+    os.utime(on_disk.path, (0, 0))  # a leftover of a crashed process: swept
+    assert sweep_spool(spool, older_than_s=60) == 1 and not on_disk.path.exists()
+
+
+def test_a_file_of_exactly_the_size_limit_is_accepted(tmp_path: Path) -> None:
+    data = b"L" * 1000
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": _multipart([("limit.bin", data)]), "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data; boundary=" + BOUNDARY)]}
+    form = asyncio.run(receive_form(Request(scope, receive), tmp_path, MemoryBudget(1 << 20), max_file_bytes=1000,
+                                    max_files=1))
+    assert form.files[0][1].size == 1000
+
+
+def test_a_stalled_upload_is_cut_off_with_408_and_leaves_nothing(tmp_path: Path) -> None:
+    from api.errors import ApiError
+
+    sent = [_file("slow.bin", b"s" * (MEMORY_FILE_BYTES + 100))[:-10]]  # spooled, then the client goes quiet
+
+    async def receive() -> dict[str, object]:
+        if sent:
+            return {"type": "http.request", "body": sent.pop(), "more_body": True}
+        await asyncio.sleep(3600)  # never sends again
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data; boundary=" + BOUNDARY)]}
+    memory = MemoryBudget(1 << 22)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(receive_form(Request(scope, receive), tmp_path / "spool", memory, max_file_bytes=1 << 22,
+                                 max_files=1, idle_timeout_s=0.3))
+    assert (err.value.status, err.value.code) == (408, "upload_stalled")
+    assert err.value.detail.startswith("No upload data arrived for 0 s; the upload was abandoned. Send it again.")
+    assert err.value.headers == {"Connection": "close"}
+    assert memory.used == 0 and list((tmp_path / "spool").iterdir()) == []
