@@ -227,6 +227,7 @@ def test_the_declared_refusal_is_a_problem_document_that_closes_the_connection()
     assert refused.headers["connection"] == "close"  # the unread body must not be read as the next request
     body = json.loads(refused.body)
     assert body["code"] == "payload_too_large" and body["limit_bytes"] == 100 and body["instance"] == "/v1/upload"
+    assert body["detail"] == "The request body exceeds the limit of 100 bytes; send a smaller file."
 
 
 def test_counting_passes_every_message_through_and_counts_only_request_bodies() -> None:
@@ -541,3 +542,38 @@ def test_a_stalled_upload_is_cut_off_with_408_and_leaves_nothing(tmp_path: Path)
     assert err.value.detail.startswith("No upload data arrived for 0 s; the upload was abandoned. Send it again.")
     assert err.value.headers == {"Connection": "close"}
     assert memory.used == 0 and list((tmp_path / "spool").iterdir()) == []
+
+
+def test_the_gate_messages_tenants_and_per_key_and_per_address_buckets() -> None:
+    from api.errors import ApiError, RateLimited
+
+    tenant_key, admin_key, plain = "t" * 20, "a" * 20, "p" * 20
+    gate = _gate([f"acme:{tenant_key}", f"*:{admin_key}", plain], burst=1)
+    acme = gate.admit(_scope("/v1/documents"), {b"x-api-key": tenant_key.encode()})
+    admin = gate.admit(_scope("/v1/documents"), {b"x-api-key": admin_key.encode()})
+    other = gate.admit(_scope("/v1/documents"), {b"x-api-key": plain.encode()})  # its own bucket: not limited
+    assert acme is not None and (acme.access.tenant, acme.access.admin, acme.tenant) == ("acme", False, "acme")
+    assert admin is not None and admin.access.admin and other is not None and not other.access.admin
+    with pytest.raises(ApiError) as err:
+        _gate([plain]).admit(_scope("/v1/x"), {})
+    assert err.value.detail == ("This server requires an API key: send 'Authorization: Bearer <key>' or "
+                                "'X-API-Key: <key>'.")
+    with pytest.raises(ApiError) as err:
+        _gate([plain]).admit(_scope("/v1/x"), {b"x-api-key": b"nope-nope-nope-nope"})
+    assert err.value.detail == "The API key is not valid for this server."
+    # refused guesses are charged per client address (not per port, not all together)
+    guarded = _gate([plain], burst=1)
+    with pytest.raises(ApiError):
+        guarded.admit({"type": "http", "path": "/v1/x", "client": ("10.0.0.1", 7)}, {b"x-api-key": b"g" * 20})
+    with pytest.raises(RateLimited):
+        guarded.admit({"type": "http", "path": "/v1/x", "client": ("10.0.0.1", 8)}, {b"x-api-key": b"g" * 20})
+    with pytest.raises(ApiError) as err:
+        guarded.admit({"type": "http", "path": "/v1/x", "client": ("10.0.0.2", 7)}, {b"x-api-key": b"g" * 20})
+    assert err.value.status == 403
+    # no client address in the scope (a test client, a unix socket): one "local" caller
+    anon = _gate([]).admit({"type": "http", "path": "/v1/x"}, {})
+    assert anon is not None and anon.key_id == "addr-local"
+    with pytest.raises(ApiError):
+        guarded.admit({"type": "http", "path": "/v1/x"}, {b"x-api-key": b"g" * 20})
+    with pytest.raises(RateLimited):  # the second local guess: the "local" bucket is spent
+        guarded.admit({"type": "http", "path": "/v1/x"}, {b"x-api-key": b"g" * 20})

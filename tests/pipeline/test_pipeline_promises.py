@@ -357,3 +357,27 @@ def test_field_confidence_skips_empty_tokens_and_reports_nothing_without_tokens(
     empty = field_confidence("", [], [])
     assert (empty.overall, empty.fields) == (None, {})
     assert empty.as_json() == {"overall": None, "fields": {}}
+
+
+def test_fail_job_fails_only_that_queued_job_for_good(make_pipeline: Any) -> None:
+    from pipeline.jobs import fail_job
+
+    p = make_pipeline(client=Scripted())
+    first, second = _colour_job(p, png_bytes(), name="f1.png"), _colour_job(p, png_bytes(), name="f2.png")
+    _set(p, second, owner="host:1", lease_until=None)
+    assert fail_job(p, first, "bad input: " + "x" * 3000) is True
+    job, untouched = _job(p, first), _job(p, second)
+    assert job.state == "failed" and job.error == ("bad input: " + "x" * 3000)[:2000]
+    assert job.finished_at is not None and job.updated_at == job.finished_at  # one moment, both stamped
+    assert job.owner is None and job.lease_until is None
+    assert untouched.state == "queued" and untouched.finished_at is None and untouched.owner == "host:1"
+    assert fail_job(p, first, "again") is False and _job(p, first).error.startswith("bad input")  # not queued
+    _take_over(p, second)  # claimed meanwhile: left to its run
+    assert fail_job(p, second, "too late") is False and _job(p, second).state == "running"
+
+
+def _set(p: Any, job_id: int, **values: Any) -> None:
+    with p.db.session() as s:
+        job = s.get(models.Job, job_id)
+        for name, value in values.items():
+            setattr(job, name, value)
