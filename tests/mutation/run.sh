@@ -18,6 +18,18 @@ find "$work" -mindepth 1 -maxdepth 1 ! -name mutants -exec rm -rf {} +
 git -C "$repo" archive --format=tar HEAD | tar -x -C "$work"
 git -C "$repo" rev-parse HEAD > "$work/COMMIT"
 cp "$repo/tests/mutation/setup.cfg" "$work/setup.cfg"
+# mutmut copies a source file into mutants/ only when it is not there yet: drop the copies of the files it does not
+# mutate, so they come fresh from this commit (the mutated modules and their verdicts stay).
+if [ -d "$work/mutants" ]; then
+  mutated=$(sed -n '/^only_mutate =/,/^[a-z]/p' "$work/setup.cfg" | grep '^    ' | sed 's/^ *//')
+  for package in pipeline api workers vision gpu_engine; do
+    [ -d "$work/mutants/$package" ] || continue
+    find "$work/mutants/$package" -type f ! -name '*.meta' | while read -r file; do
+      rel=${file#"$work/mutants/"}
+      grep -qxF "$rel" <<<"$mutated" || rm -f "$file"
+    done
+  done
+fi
 cd "$work"
 # One BLAS thread per mutant process: two mutants run at once on a 2-core machine.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
