@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pipeline import models
 from pipeline.engine_client import EngineReply, EngineRequest
 from pipeline.ingest import ingest_file
 from pipeline.jobs import JobRun, _claim, run_job
+from pipeline.models import utcnow
 from pipeline.schemas import register_schema
 from pipeline.settings import Settings
 
@@ -381,3 +383,84 @@ def _set(p: Any, job_id: int, **values: Any) -> None:
         job = s.get(models.Job, job_id)
         for name, value in values.items():
             setattr(job, name, value)
+
+
+# --- owners, releases and staleness (pipeline/jobs.py) -------------------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_owner_is_dead_only_when_this_host_can_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from pipeline import jobs
+
+    host = socket.gethostname()
+    dead = _dead_pid()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert jobs.owner_is_dead(f"{host}:{dead}") is True
+        for owner in (None, "", "no-colon", f"{host}:{alive.pid}", f"{host}:{os.getpid()}", f"elsewhere:{dead}",
+                      f"{host}:x{dead}", f"{host}:"):
+            assert jobs.owner_is_dead(owner) is False, owner
+        monkeypatch.setattr(socket, "gethostname", lambda: "rack:7")  # a host name with a colon in it
+        assert jobs.owner_is_dead(f"rack:7:{dead}") is True and jobs.owner_is_dead(f"rack:7:{alive.pid}") is False
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_failed_run_requeues_until_its_attempts_are_spent_and_an_interrupt_costs_none(make_pipeline: Any) -> None:
+    def boom(n: int) -> None:
+        raise RuntimeError("boom")
+
+    p = make_pipeline(client=Scripted(before_reply=boom), job_max_attempts=2)
+    job_id = _colour_job(p, png_bytes(), name="boom.png")
+    with pytest.raises(RuntimeError, match="boom"):
+        run_job(p, job_id)
+    job = _job(p, job_id)
+    assert (job.state, job.attempts, job.error, job.finished_at, job.owner) == ("queued", 1, "RuntimeError: boom",
+                                                                                 None, None)
+    with pytest.raises(RuntimeError, match="boom"):
+        run_job(p, job_id)
+    job = _job(p, job_id)
+    assert (job.state, job.attempts) == ("failed", 2) and job.finished_at is not None
+    assert job.error == "gave up after 2 attempts; last error: RuntimeError: boom"
+
+    def interrupt(n: int) -> None:
+        raise KeyboardInterrupt
+
+    q = make_pipeline(client=Scripted(before_reply=interrupt), job_max_attempts=2)
+    other = _colour_job(q, png_bytes(), name="stop.png")
+    for _ in range(3):  # an interrupted run is not the job's fault: it never counts
+        with pytest.raises(KeyboardInterrupt):
+            run_job(q, other)
+    job = _job(q, other)
+    assert (job.state, job.attempts, job.error) == ("queued", 0, "interrupted")
+
+
+def test_stale_jobs_are_lapsed_leases_dead_owners_and_long_queued_ones(make_pipeline: Any) -> None:
+    import socket
+
+    from pipeline.jobs import stale_jobs
+
+    p = make_pipeline(client=Scripted())
+    ids = [_colour_job(p, png_bytes(), name=f"s{i}.png") for i in range(6)]
+    now = utcnow()
+    host = socket.gethostname()
+    _set(p, ids[0], state="running", owner="w:1", lease_until=now - timedelta(seconds=5))  # lease passed
+    _set(p, ids[1], state="running", owner="w:1", lease_until=None)  # never had one
+    _set(p, ids[2], state="running", owner=f"{host}:{_dead_pid()}", lease_until=now + timedelta(hours=1))  # dead
+    _set(p, ids[3], state="running", owner="w:1", lease_until=now + timedelta(hours=1))  # healthy
+    _set(p, ids[4], state="queued", updated_at=now - timedelta(seconds=600))  # queued for 10 minutes
+    _set(p, ids[5], state="queued", updated_at=now + timedelta(hours=1))  # just touched
+    assert sorted(stale_jobs(p, queued_for_s=300)) == sorted(ids[:3] + [ids[4]])
+    assert sorted(stale_jobs(p, queued_for_s=3600)) == sorted(ids[:3])
