@@ -498,14 +498,16 @@ def test_spooled_and_kept_files_carry_size_digest_head_and_a_sweepable_name(tmp_
     assert exact.size == 1000 and exact.sha256 == hashlib.sha256(b"m" * 1000).hexdigest()
     assert headed.head == head_plus[: HashedFile.HEAD_BYTES] and headed.size == len(head_plus)
     # a file of exactly max_file_bytes (here 64 MiB by _receive) is accepted; the spool file is named for the sweep
-    spilled = _receive(_multipart([("big.bin", big)]), spool, MemoryBudget(1 << 20))
-    [(_, on_disk)] = spilled.files
-    assert on_disk.path is not None and on_disk.path.name.startswith("upload-") and on_disk.path.suffix == ".part"
+    spilled = _receive(_multipart([("big.bin", big), ("big2.bin", big)]), spool, MemoryBudget(1 << 20))
+    [(_, on_disk), (_, second)] = spilled.files  # the first makes the spool folder, the second finds it
+    for f in (on_disk, second):
+        assert f.path is not None and f.path.name.startswith("upload-") and f.path.suffix == ".part"
     assert on_disk.size == len(big) and on_disk.sha256 == hashlib.sha256(big).hexdigest()
     import os
 
-    os.utime(on_disk.path, (0, 0))  # a leftover of a crashed process: swept
-    assert sweep_spool(spool, older_than_s=60) == 1 and not on_disk.path.exists()
+    for f in (on_disk, second):
+        os.utime(f.path, (0, 0))  # leftovers of a crashed process: swept
+    assert sweep_spool(spool, older_than_s=60) == 2 and not on_disk.path.exists() and not second.path.exists()
 
 
 def test_a_file_of_exactly_the_size_limit_is_accepted(tmp_path: Path) -> None:
