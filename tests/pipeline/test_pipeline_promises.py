@@ -464,3 +464,12 @@ def test_stale_jobs_are_lapsed_leases_dead_owners_and_long_queued_ones(make_pipe
     _set(p, ids[5], state="queued", updated_at=now + timedelta(hours=1))  # just touched
     assert sorted(stale_jobs(p, queued_for_s=300)) == sorted(ids[:3] + [ids[4]])
     assert sorted(stale_jobs(p, queued_for_s=3600)) == sorted(ids[:3])
+
+
+def test_merge_best_compares_means_not_sums_over_different_leaf_counts() -> None:
+    from pipeline.merge import merge_units
+
+    # page 0: one leaf at 0.6 (mean 0.6); page 1: three leaves at 0.5 (mean 0.5, but sum and sum*count larger)
+    units = [_u({"p": {"a": 1}}, {"/p/a": 0.6}),
+             _u({"p": {"a": 2, "b": 3, "c": 4}}, {"/p/a": 0.5, "/p/b": 0.5, "/p/c": 0.5})]
+    assert merge_units(units, {}, {}).data == {"p": {"a": 1}}
