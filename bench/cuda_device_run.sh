@@ -11,13 +11,13 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 date -u +%FT%TZ
 T=${CHECK_TIMEOUT:-170}
-timeout "$T" python3 -m tests.gpu.check_vision --json "$OUT/cuda_vision.json" >"$OUT/vision.log" 2>&1 &
+timeout "$T" python3 -m tests.cuda_runner.check_vision --json "$OUT/cuda_vision.json" >"$OUT/vision.log" 2>&1 &
 p1=$!
-timeout "$T" python3 -m tests.gpu.check_runner --json "$OUT/cuda_runner.json" >"$OUT/runner.log" 2>&1 &
+timeout "$T" python3 -m tests.cuda_runner.check_runner --json "$OUT/cuda_runner.json" >"$OUT/runner.log" 2>&1 &
 p2=$!
-timeout "$T" python3 -m tests.gpu.check_hf_parity --json "$OUT/cuda_hf_parity.json" >"$OUT/hf.log" 2>&1 &
+timeout "$T" python3 -m tests.cuda_runner.check_hf_parity --json "$OUT/cuda_hf_parity.json" >"$OUT/hf.log" 2>&1 &
 p3=$!
-timeout "$T" python3 -m tests.gpu.check_kernels --json "$OUT/cuda_check.json" >"$OUT/kernels.log" 2>&1 &
+timeout "$T" python3 -m tests.cuda_runner.check_kernels --json "$OUT/cuda_check.json" >"$OUT/kernels.log" 2>&1 &
 p4=$!
 wait $p1; r1=$?
 wait $p2; r2=$?

@@ -3,7 +3,7 @@
 #                              print the card
 #   step NAME SECONDS CMD...   run CMD with a time limit; '@J' in CMD becomes $OUT/work/NAME.json; log in NAME.log
 #   pack                       tar $OUT/work into $OUT/results.tgz (only 8 files come back; one archive holds all)
-# Example: source bench/device.sh; setup; step flash 120 python3 -m tests.gpu.check_flash --json @J; pack
+# Example: source bench/device.sh; setup; step flash 120 python3 -m tests.cuda_runner.check_flash --json @J; pack
 # shellcheck shell=bash
 OUT=${OUT:-/tmp/out}
 WORK="$OUT/work"

@@ -13,7 +13,7 @@ Optional epilogue (bias=..., act=...): Y = act(X @ W^T (+ Y) + bias) with bias[n
 dtype, fused into the GEMM's store (cuBLASLt EPILOGUE_BIAS / GELU_BIAS / GELU; in cuBLASLt's column-major view D
 is [n, m], and its bias runs along D's rows, i.e. one value per output feature). With accumulate=True the bias
 is added after the residual: Y = Y + X @ W^T + bias. act="gelu_tanh" is cuBLASLt's GELU epilogue, which we take
-to be the tanh form (tests/gpu/check_kernels.py measures it against both GELU forms; see the report of the
+to be the tanh form (tests/cuda_runner/check_kernels.py measures it against both GELU forms; see the report of the
 commit that added it). An epilogue cuBLASLt has no algorithm for raises EpilogueUnsupported before anything is
 launched, so callers can fall back to separate kernels.
 

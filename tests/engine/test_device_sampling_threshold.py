@@ -8,7 +8,7 @@ search starting 40 below the max (restarting from the top-k key if that guess fa
 log(min_p); kept = key >= the largest of the three. Sums are float32 like the kernel's (in another order than
 numpy's), so a top-p cut may differ only where the cumulative mass lies within float rounding of top_p: such rows
 are counted and must be rare and truly at a boundary (|mass - top_p| < 1e-5). Everything else is exact.
-The GPU check (tests/gpu/check_sampling.py) runs the kernel itself against the same numpy sampler.
+The GPU check (tests/cuda_runner/check_sampling.py) runs the kernel itself against the same numpy sampler.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // Chunked (WY-form) gated delta rule for bf16 prefill, on the tensor cores (mma.sync m16n8k16, fp32 accumulate).
 // Same function, inputs and state layout as gated_delta_rule in deltanet.cu (read its header for the math and the
-// varlen conventions); tests/gpu/chunked_delta_emulation.py is this file's algorithm in numpy, step by step.
+// varlen conventions); tests/cuda_runner/chunked_delta_emulation.py is this file's algorithm in numpy, step by step.
 //
 // Chunks of GC_C = 64 tokens. Chunk slots: chunk c of sequence s lives in slot floor(cu[s] / 64) + s + c (disjoint
 // across sequences, fewer than tokens / 64 + seqs in all), so neither kernel needs a host-built table.

@@ -1,6 +1,6 @@
 """Check the chunked (WY-form, tensor-core) gated delta rule against the float64 token-by-token reference.
 
-Run on a GPU machine:   python3 -m tests.gpu.check_deltanet_chunked [--json out.json] [--seed N]
+Run on a GPU machine:   python3 -m tests.cuda_runner.check_deltanet_chunked [--json out.json] [--seed N]
 Without a GPU or cuda-python it prints why and exits 0 (skip). Exit 1 if any check fails.
 
 Same rules as check_kernels: fresh random inputs each run (seed printed), bf16 inputs rounded before upload and the
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.gpu import chunked_delta_emulation as emu
-from tests.gpu.harness import Result, check_main, rel_err, result_table, run_checks
+from tests.cuda_runner import chunked_delta_emulation as emu
+from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks
 
 TOL = 1e-2
 

@@ -1,6 +1,6 @@
 """Whole-model parity on the GPU: CudaRunner vs transformers' Qwen3_5ForConditionalGeneration on the same card.
 
-    python3 -m tests.gpu.check_hf_parity [--json out.json] [--skip-1b]
+    python3 -m tests.cuda_runner.check_hf_parity [--json out.json] [--skip-1b]
 
 1. Tiny random config (built with transformers, weights at O(1) scales, saved and loaded by our loader), float32
    on both sides (TF32 off in torch): for a text prompt, one image and a video given as a frame list, the
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # engin
 
 from engine_hf_models import build_hf_vlm_checkpoint, hf_vlm_inputs, random_frames
 
-from tests.gpu.harness import fresh_seed, rel_err, write_json
+from tests.cuda_runner.harness import fresh_seed, rel_err, write_json
 
 LOGIT_TOL = 1e-4
 _MODE = {"device": "cuda", "reference": False}  # --cpu-harness: "cpu" and the numpy ReferenceRunner

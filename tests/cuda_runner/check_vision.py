@@ -1,6 +1,6 @@
 """GPU vision tower check: GpuVisionTower vs the numpy reference tower (gpu_engine/reference/vision_tower.py).
 
-    python3 -m tests.gpu.check_vision [--json out.json] [--seed N]
+    python3 -m tests.cuda_runner.check_vision [--json out.json] [--seed N]
 
 Fresh random weights (natural scales: matrices / sqrt(fan_in), norm weights 1 + 0.2 N, biases 0.1 N, position
 table N(0, 1)) and pixels N(0, 1) every run; non-square grids, a two-frame-group item (attention segments), and a
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.gpu.harness import check_main, fresh_seed, rel_err
+from tests.cuda_runner.harness import check_main, fresh_seed, rel_err
 
 TOL = {"f32": 1e-4, "bf16": 1e-2}
 CONFIGS = {

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: does the pipeline's GPU worker (`docpipe worker --queues gpu`, Celery + Redis) run with
-# DOCPIPE_RUNNER=cuda and nothing else changed? tests/gpu/check_pipeline_cuda.py does the work; this script puts
+# DOCPIPE_RUNNER=cuda and nothing else changed? tests/cuda_runner/check_pipeline_cuda.py does the work; this script puts
 # its dependencies in place on the GPU machine, which has torch/numpy/pillow/tokenizers/jinja2/cuda-python/typer
 # but not the rest of docpipe's runtime dependencies, and no redis-server:
 #   .whl/*.whl           the missing dependencies (and nvmath-python), installed into /tmp/site
 #   .whl/fallback/*.whl  installed only where the machine's own copy is older than we need (typing_extensions)
 #   .redis/*.tar.xz      Debian 12's redis-server 7.0.15 with the non-glibc libraries it links
-#     bash tests/gpu/check_pipeline_cuda.sh        (carry [".whl", ".redis"]; $OUT collects summary.json + logs)
+#     bash tests/cuda_runner/check_pipeline_cuda.sh        (carry [".whl", ".redis"]; $OUT collects summary.json + logs)
 # Extra arguments go to the driver, e.g. `--runners cuda` to skip the reference runs.
 set -u
 cd "$(dirname "$0")/../.."
@@ -55,7 +55,7 @@ export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cat "$OUT/check.log"
 archive=$(ls .redis/redis-*.tar.xz 2>/dev/null | head -n 1)
 # SIGTERM first: the driver stops its workers and keeps their logs; KILL 40 s later if that hangs.
-timeout -k 40 "${CHECK_TIMEOUT:-500}" python3 -m tests.gpu.check_pipeline_cuda --out "$OUT" \
+timeout -k 40 "${CHECK_TIMEOUT:-500}" python3 -m tests.cuda_runner.check_pipeline_cuda --out "$OUT" \
     ${archive:+--redis-archive "$archive"} "$@" 2>&1 | tee -a "$OUT/check.log"
 rc=${PIPESTATUS[0]}
 { date -u +%FT%TZ; echo "exit code: check_pipeline_cuda=$rc"; } | tee -a "$OUT/check.log"

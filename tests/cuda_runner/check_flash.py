@@ -1,6 +1,6 @@
 """Check the tensor-core prefill attention (ops.flash_prefill) against a float64 numpy reference.
 
-Run on a GPU machine:   python3 -m tests.gpu.check_flash [--json out.json] [--seed N]
+Run on a GPU machine:   python3 -m tests.cuda_runner.check_flash [--json out.json] [--seed N]
 Without a GPU or cuda-python it prints why and exits 0 (skip). Exit 1 if any case fails.
 
 Every case draws fresh random inputs (the seed is printed), fills the whole paged cache with random garbage
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.gpu import references as ref
-from tests.gpu.harness import Result, check_main, rel_err, result_table, run_checks
+from tests.cuda_runner import references as ref
+from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks
 
 TOL = 1e-2
 

@@ -15,11 +15,11 @@ bf16 (CudaRunner's default; the engine passes no dtype) while the reference runn
 model's random weights greedy decoding can take another token where two logits nearly tie: those comparisons are
 reported, never failed.
 
-    python3 -m tests.gpu.check_pipeline_cuda --out DIR [--runners cuda,reference] [--redis-archive .redis/X.tar.xz]
+    python3 -m tests.cuda_runner.check_pipeline_cuda --out DIR [--runners cuda,reference] [--redis-archive .redis/X.tar.xz]
 
 Without a GPU (or without cuda-python / nvmath) and with cuda among the runners it prints SKIP and exits 0;
 `--runners reference` runs the whole flow on the CPU. Exit 1 if any run failed. Writes DIR/summary.json and one
-log per run (DIR/<run>.log); tests/gpu/check_pipeline_cuda.sh runs it on the GPU machine.
+log per run (DIR/<run>.log); tests/cuda_runner/check_pipeline_cuda.sh runs it on the GPU machine.
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make `tests.gpu` importable
+if __package__ in (None, ""):  # run as a file: make `tests.cuda_runner` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.gpu.pipeline_results import DocRow, compare_runs, comparison_json, merged_preview, problems, read_run
-from tests.gpu.pipeline_services import Service, ServiceError, install_docpipe_command, start_redis, tail
+from tests.cuda_runner.pipeline_results import DocRow, compare_runs, comparison_json, merged_preview, problems, read_run
+from tests.cuda_runner.pipeline_services import Service, ServiceError, install_docpipe_command, start_redis, tail
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPU machine has no PyAV (its wheel does not fit the size budget), so videos are left out there.

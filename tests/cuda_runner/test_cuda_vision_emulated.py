@@ -3,7 +3,7 @@
 The device is emulated: memory is one numpy byte buffer addressed by integers, and each vision kernel / the
 cuBLASLt linear is a few lines of numpy with the semantics documented in kernels/vision.cu, rope.cu and gemm.py
 (bf16 storage is emulated by rounding every stored value). What this cannot see is the CUDA code itself — the
-GPU check (tests/gpu/check_vision.py) covers that — but every address the tower computes is exercised here, on
+GPU check (tests/cuda_runner/check_vision.py) covers that — but every address the tower computes is exercised here, on
 non-square grids and a two-frame-group item, against the numpy reference tower.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from gpu_engine.cuda.bf16 import round_to_bf16
 from gpu_engine.cuda.context import GpuContext
 from gpu_engine.cuda.vision import GpuVisionTower
 from gpu_engine.reference.vision_tower import VisionTower
-from tests.gpu.check_vision import CONFIGS, random_vision_weights
+from tests.cuda_runner.check_vision import CONFIGS, random_vision_weights
 
 BASE = 1 << 32
 

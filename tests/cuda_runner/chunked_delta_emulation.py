@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.gpu import references as ref
+from tests.cuda_runner import references as ref
 
 CHUNK = 64
 DV_SLICE = 32

@@ -1,4 +1,4 @@
-"""The vision flash attention's tiling (emulated in numpy, tests/gpu/vision_flash_emulation.py) against float64
+"""The vision flash attention's tiling (emulated in numpy, tests/cuda_runner/vision_flash_emulation.py) against float64
 segment attention, the launcher's argument checks and grid, the host constants against the kernel source, and the
 tower's dispatch (auto -> flash in bf16 only). Runs without a GPU; check_vision_flash runs the kernel itself."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from gpu_engine.cuda import vision_flash
 from gpu_engine.cuda.bf16 import round_to_bf16
 from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import ShapeError
-from tests.gpu.harness import rel_err
-from tests.gpu.no_launch import arr, no_launch_ctx
-from tests.gpu.vision_flash_emulation import segment_attention_f64, vision_flash_emulated
+from tests.cuda_runner.harness import rel_err
+from tests.cuda_runner.no_launch import arr, no_launch_ctx
+from tests.cuda_runner.vision_flash_emulation import segment_attention_f64, vision_flash_emulated
 
 KERNEL = Path(vision_flash.__file__).parent / "kernels" / "vision_flash.cu"
 

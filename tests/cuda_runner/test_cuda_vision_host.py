@@ -15,7 +15,7 @@ from gpu_engine.cuda.embeddings import BlockPool, DeviceEmbeddings
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.vision import frame_geometry
 from gpu_engine.reference.vision_tower import VisionTower, vision_weight_shapes
-from tests.gpu.no_launch import arr, no_launch_ctx
+from tests.cuda_runner.no_launch import arr, no_launch_ctx
 
 
 def _tower(rng: np.random.Generator, hidden: int = 16, heads: int = 2, side: int = 5) -> VisionTower:

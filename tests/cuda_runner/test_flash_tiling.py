@@ -1,4 +1,4 @@
-"""The flash_prefill tiling (emulated in numpy, tests/gpu/flash_emulation.py) against the float64 attention reference,
+"""The flash_prefill tiling (emulated in numpy, tests/cuda_runner/flash_emulation.py) against the float64 attention reference,
 the host tiles, and the launcher's argument checks. Runs without a GPU; check_flash runs the kernel itself."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from gpu_engine.cuda import ops
 from gpu_engine.cuda.errors import ShapeError
-from tests.gpu import references as ref
-from tests.gpu.check_flash import CASES, attention_f64, expected, make_case
-from tests.gpu.flash_emulation import Trace, flash_prefill_emulated, keys_per_step
-from tests.gpu.harness import rel_err
-from tests.gpu.no_launch import arr, no_launch_ctx
+from tests.cuda_runner import references as ref
+from tests.cuda_runner.check_flash import CASES, attention_f64, expected, make_case
+from tests.cuda_runner.flash_emulation import Trace, flash_prefill_emulated, keys_per_step
+from tests.cuda_runner.harness import rel_err
+from tests.cuda_runner.no_launch import arr, no_launch_ctx
 
 KERNEL = Path(ops.__file__).parent / "kernels" / "flash_prefill.cu"
 

@@ -6,7 +6,7 @@ import pytest
 
 from gpu_engine.cuda import deltanet_chunked as dc
 from gpu_engine.cuda.errors import ShapeError
-from tests.gpu.no_launch import arr, no_launch_ctx
+from tests.cuda_runner.no_launch import arr, no_launch_ctx
 
 KH, VH, DK, DV, N, SEQS = 2, 4, 128, 64, 100, 2
 STRIDE = 2 * KH * DK + VH * DV

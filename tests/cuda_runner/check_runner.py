@@ -1,6 +1,6 @@
 """Whole-model check on the GPU: CudaRunner vs the numpy ReferenceRunner on tiny random Qwen3.5 checkpoints.
 
-    python3 -m tests.gpu.check_runner [--json out.json] [--seed N]
+    python3 -m tests.cuda_runner.check_runner [--json out.json] [--seed N]
 
 Scenario per config (fresh random block tables, prompts and M-RoPE positions each run): sequence A is prefilled
 in two chunks (the second continues the first through the KV cache and DeltaNet state), sequence B is prefilled
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch, VisionSlice
-from tests.gpu.harness import check_main, fresh_seed, rel_err
+from tests.cuda_runner.harness import check_main, fresh_seed, rel_err
 
 CONFIGS = {
     "tiny (hd 32, dk 16)": {},

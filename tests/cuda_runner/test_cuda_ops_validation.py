@@ -8,8 +8,8 @@ import pytest
 from gpu_engine.cuda import ops
 from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import ShapeError
-from tests.gpu import logits_checks
-from tests.gpu.no_launch import arr, no_launch_ctx
+from tests.cuda_runner import logits_checks
+from tests.cuda_runner.no_launch import arr, no_launch_ctx
 
 
 @pytest.fixture()

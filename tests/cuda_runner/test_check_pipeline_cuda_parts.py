@@ -1,6 +1,6 @@
 """CPU tests of check_pipeline_cuda's parts: judging and comparing runs, the schema it reads, the `docpipe` command
 it installs for an uninstalled checkout, and its throw-away Redis. The whole flow itself runs with
-`python3 -m tests.gpu.check_pipeline_cuda --out DIR --runners reference` (about 2 minutes here)."""
+`python3 -m tests.cuda_runner.check_pipeline_cuda --out DIR --runners reference` (about 2 minutes here)."""
 from __future__ import annotations
 
 import os
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.check_pipeline_cuda import EXTRACT_DONE, REPO, sample_files
-from tests.gpu.pipeline_results import DocRow, UnitRow, compare_runs, first_difference, problems
-from tests.gpu.pipeline_services import ServiceError, install_docpipe_command, redis_ping, start_redis
+from tests.cuda_runner.check_pipeline_cuda import EXTRACT_DONE, REPO, sample_files
+from tests.cuda_runner.pipeline_results import DocRow, UnitRow, compare_runs, first_difference, problems
+from tests.cuda_runner.pipeline_services import ServiceError, install_docpipe_command, redis_ping, start_redis
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -175,12 +175,12 @@ def test_missing_redis_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_driver_skips_without_gpu_unless_reference(tmp_path: Path) -> None:
-    from tests.gpu.check_pipeline_cuda import gpu_unavailable
+    from tests.cuda_runner.check_pipeline_cuda import gpu_unavailable
 
     reason = gpu_unavailable()
     if reason is None:
         pytest.skip("a GPU is usable here: the skip path cannot be exercised")
-    done = subprocess.run([sys.executable, "-m", "tests.gpu.check_pipeline_cuda", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "tests.cuda_runner.check_pipeline_cuda", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("SKIP:"), done.stdout + done.stderr
     assert "skipped" in (tmp_path / "summary.json").read_text()

@@ -1,6 +1,6 @@
 """Check every CUDA kernel (and the cuBLASLt GEMM) against float64 numpy references on fresh random inputs.
 
-Run on a GPU machine:   python3 -m tests.gpu.check_kernels [--json out.json] [--seed N]
+Run on a GPU machine:   python3 -m tests.cuda_runner.check_kernels [--json out.json] [--seed N]
 Without a GPU or cuda-python it prints why and exits 0 (skip). Exit 1 if any check fails.
 
 Rules: inputs are fresh random draws each run (the seed is printed so a failure can be replayed); bf16 inputs
@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from tests.gpu import logits_checks
-from tests.gpu import references as ref
-from tests.gpu.harness import Result, check_main, fresh_seed, rel_err, result_table
+from tests.cuda_runner import logits_checks
+from tests.cuda_runner import references as ref
+from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table
 
 TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
 

@@ -11,7 +11,7 @@ import pytest
 
 from gpu_engine.cuda import ops
 from gpu_engine.cuda.errors import ShapeError
-from tests.gpu import references as ref
+from tests.cuda_runner import references as ref
 
 
 def emulate_runs(x: np.ndarray, w: np.ndarray, state: np.ndarray, cu: np.ndarray, slots: np.ndarray,

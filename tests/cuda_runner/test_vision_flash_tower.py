@@ -1,5 +1,5 @@
 """GpuVisionTower's flash dispatch without a GPU: on the emulated device of test_cuda_vision_emulated, with the
-vision_flash kernel emulated by its tiling (tests/gpu/vision_flash_emulation.py). Checks that "auto" picks the fused
+vision_flash kernel emulated by its tiling (tests/cuda_runner/vision_flash_emulation.py). Checks that "auto" picks the fused
 kernel for bf16 towers with a supported head dim (and only there), that the launch arguments address the right
 buffers (the tower output matches the numpy reference tower), and that "flash" is refused where it cannot run."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from gpu_engine.cuda.bf16 import round_to_bf16
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.vision import GpuVisionTower
 from gpu_engine.reference.vision_tower import VisionTower
-from tests.gpu.check_vision import CONFIGS, random_vision_weights
-from tests.gpu.test_cuda_vision_emulated import FakeDevice, fake_context
-from tests.gpu.vision_flash_emulation import vision_flash_emulated
+from tests.cuda_runner.check_vision import CONFIGS, random_vision_weights
+from tests.cuda_runner.test_cuda_vision_emulated import FakeDevice, fake_context
+from tests.cuda_runner.vision_flash_emulation import vision_flash_emulated
 
 
 class FlashFakeDevice(FakeDevice):

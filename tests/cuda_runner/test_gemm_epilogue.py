@@ -1,7 +1,7 @@
 """gemm.py's epilogue arguments (bias / act) and plan logic, without a GPU or nvmath.
 
 cuBLASLt is replaced by a recorder that keeps the order of descriptor attributes and heuristic queries; what it
-cannot show is cuBLASLt's arithmetic (tests/gpu/check_kernels.py's "gemm ... +bias" rows do that on a GPU).
+cannot show is cuBLASLt's arithmetic (tests/cuda_runner/check_kernels.py's "gemm ... +bias" rows do that on a GPU).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """CPU checks of the chunked (WY-form) gated delta rule that kernels/deltanet_chunked.cu implements, through its
-float64 numpy emulation (tests/gpu/chunked_delta_emulation.py): exact algebra against the token-by-token reference
+float64 numpy emulation (tests/cuda_runner/chunked_delta_emulation.py): exact algebra against the token-by-token reference
 and transformers, the chunk-slot numbering, and the bf16 rounding budget the GPU check's tolerance relies on."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from ci_rule import require_module
 
-from tests.gpu import chunked_delta_emulation as emu
+from tests.cuda_runner import chunked_delta_emulation as emu
 
 
 def _batch(rng: np.random.Generator, lens: list[int], kh: int, vh: int, dk: int, dv: int, num_slots: int,

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def test_gpu_check_passes(script: str, what: str) -> None:
     from gpu_engine.cuda.errors import CudaUnavailable
 
-    check = importlib.import_module(f"tests.gpu.{script}")
+    check = importlib.import_module(f"tests.cuda_runner.{script}")
     try:
         results, _ = check.run_all()
     except CudaUnavailable as exc:

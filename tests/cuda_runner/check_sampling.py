@@ -1,6 +1,6 @@
 """GPU sampler (kernels/sampling.cu sample_rows_f32 via gpu_engine/cuda/sampler.py) vs the numpy sampler.
 
-    python3 -m tests.gpu.check_sampling [--json out.json] [--seed N]
+    python3 -m tests.cuda_runner.check_sampling [--json out.json] [--seed N]
 
 Fresh random logits each run (the seed is printed), vocab 248320 and small vocabs, 1..128 rows, per row a random
 mix of greedy / temperature / top-k / top-p / min-p, grammar bitmasks on some rows (one with a single allowed
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tests.gpu.harness import check_main, fresh_seed
+from tests.cuda_runner.harness import check_main, fresh_seed
 
 BIG_VOCAB = 248_320
 LP_TOL = 1e-4

@@ -1,6 +1,6 @@
 """GPU check of the vision tower's fused flash attention (kernels/vision_flash.cu) against float64 attention.
 
-    python3 -m tests.gpu.check_vision_flash [--json out.json] [--seed N]
+    python3 -m tests.cuda_runner.check_vision_flash [--json out.json] [--seed N]
 
 Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is peaky enough that a wrong max,
 mask or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.gpu.harness import check_main, fresh_seed, rel_err
-from tests.gpu.vision_flash_emulation import segment_attention_f64
+from tests.cuda_runner.harness import check_main, fresh_seed, rel_err
+from tests.cuda_runner.vision_flash_emulation import segment_attention_f64
 
 TOL = 1e-2
 # (head_dim, heads, seg_len, segments)

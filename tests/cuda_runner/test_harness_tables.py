@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tests.gpu import check_deltanet_chunked, check_flash, check_kernels
-from tests.gpu.harness import Result, check_main, passed, result_table
+from tests.cuda_runner import check_deltanet_chunked, check_flash, check_kernels
+from tests.cuda_runner.harness import Result, check_main, passed, result_table
 
 ROWS = [Result("short", "bf16", 1.23e-3, 1e-2, True), Result("broken", "f32", math.nan, 1e-4, False, "boom")]
 

@@ -12,7 +12,7 @@ from gpu_engine.cuda.arena import ALIGN, Arena
 from gpu_engine.cuda.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from gpu_engine.cuda.device import KERNEL_DIR, ModuleCache, expand_source
 from gpu_engine.cuda.errors import ArenaExhausted
-from tests.gpu import references as ref
+from tests.cuda_runner import references as ref
 
 torch.set_num_threads(1)
 qwen = require_module("transformers.models.qwen3_5.modeling_qwen3_5")
