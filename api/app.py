@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,10 +18,10 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import select
 
+from pipeline.attempts import render_for_job_capped
 from pipeline.context import Pipeline
 from pipeline.dispatch import broker_dispatcher
 from pipeline.jobs import run_job, stale_jobs
-from pipeline.attempts import render_for_job_capped
 from pipeline.models import Document, Job, JobState
 from pipeline.settings import Settings
 
@@ -30,10 +30,10 @@ from .context import ApiContext
 from .engine_access import EngineAccess
 from .errors import install_error_handlers
 from .limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
-from .processes import shared_rate_buckets
 from .metrics import HttpMetrics, Metrics
 from .middleware import ApiMiddleware
 from .openai_compat import ChatBackend, chat_router
+from .processes import shared_rate_buckets
 from .queries import active_job_ids
 from .routes import batches, documents, health, jobs, schemas
 from .runners import BrokerRunner, EmbeddedRunner, JobRunner
@@ -109,9 +109,9 @@ def create_app(settings: Settings | None = None, *, limits: ApiLimits | None = N
     runner = _job_runner(pipeline)
     metrics = Metrics()
 
-    def still_active(job_ids: object) -> set[int]:
+    def still_active(job_ids: Iterable[int]) -> set[int]:
         with pipeline.db.read_session() as s:
-            return active_job_ids(s, list(job_ids))  # type: ignore[call-overload]
+            return active_job_ids(s, list(job_ids))
 
     ctx = ApiContext(
         pipeline=pipeline,

@@ -26,7 +26,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    addresses = {info[4][0] for info in infos}
+    addresses = {str(info[4][0]) for info in infos}  # an IPv4/IPv6 sockaddr starts with the host string
     return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
 
 
@@ -112,7 +112,7 @@ def serve(
         buckets = SharedBuckets(key_id(e.key) for e in settings.api_key_entries())
         raise typer.Exit(Supervisor(options, sockets, workers, rate_buckets=buckets).run())
     else:
-        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
+        uvicorn.run(create_app(settings), **options)
 
 
 def register(app: typer.Typer) -> None:

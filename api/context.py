@@ -34,8 +34,8 @@ class ApiContext:
 # Both dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker thread, and two
 # thread hops per request to read an attribute cost more CPU than many a route itself (GIL hand-offs).
 async def get_ctx(request: Request) -> ApiContext:
-    return request.app.state.ctx  # type: ignore[no-any-return]
+    return request.app.state.ctx
 
 
 async def get_principal(request: Request) -> Principal:
-    return request.state.principal  # type: ignore[no-any-return]
+    return request.state.principal

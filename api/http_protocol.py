@@ -38,7 +38,7 @@ class GuardedH11Protocol(H11Protocol):
 
     _header_deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # TCP: a Transport
         if len(self.connections) >= self.max_connections:
             transport.abort()  # over the cap: not registered, nothing read, the socket closed at once
             return

@@ -121,11 +121,12 @@ def _too_many_jobs(exc: QuotaExceededError) -> RateLimited:
 def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str | None, who: Principal,
              batch_id: int | None = None) -> IngestOutcome:
     spooled = f.hashed()
-    owner = {"tenant": who.tenant, "cap": _job_cap(ctx, who)}
+    tenant, cap = who.tenant, _job_cap(ctx, who)
     if password is not None:  # rendered now: the password is never stored or queued
         return ingest_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, password=password,
-                           batch_id=batch_id, **owner)
-    return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id, **owner)
+                           batch_id=batch_id, tenant=tenant, cap=cap)
+    return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id,
+                        tenant=tenant, cap=cap)
 
 
 def _unreadable(out: IngestOutcome) -> ApiError:

@@ -176,10 +176,10 @@ class JobQuota:
     costs an upload no query.
     """
 
-    def __init__(self, per_key: int, still_active: Callable[[Iterable[str]], set[str]]) -> None:
+    def __init__(self, per_key: int, still_active: Callable[[Iterable[int]], set[int]]) -> None:
         self._per_key = per_key
         self._still_active = still_active
-        self._jobs: dict[str, set[str]] = {}
+        self._jobs: dict[str, set[int]] = {}  # key -> the job ids it submitted
         self._lock = threading.Lock()
 
     def fits_without_lookup(self, key: str, adding: int = 1) -> bool:
@@ -208,6 +208,6 @@ class JobQuota:
                     5.0,
                 )
 
-    def record(self, key: str, job_ids: Iterable[str]) -> None:
+    def record(self, key: str, job_ids: Iterable[int]) -> None:
         with self._lock:
             self._jobs.setdefault(key, set()).update(job_ids)

@@ -113,7 +113,7 @@ def _counting_protocol(base: type) -> type:
     """`base` (uvicorn's h11 protocol or our guarded one), publishing this process's connection count as
     connections open and close."""
 
-    class CountingH11Protocol(base):  # type: ignore[valid-type,misc]
+    class CountingH11Protocol(base):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if _share is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Connection, Row, bindparam, select
@@ -67,10 +68,11 @@ def load_document(s: Session, doc_id: int, access: Access, *, pages: bool = Fals
 
 @dataclass(frozen=True)
 class DocumentSummary:
-    """A document's columns and its jobs' (each with its schema's name and version) as plain rows."""
+    """A document's columns and its jobs' (each with its schema's name and version) as plain rows: the summary
+    queries' Rows, or (intake.inserted_out) namespaces of the same names built from the rows intake inserted."""
 
-    document: Row[Any]
-    jobs: list[Row[Any]]
+    document: Row[*tuple[Any, ...]] | SimpleNamespace
+    jobs: list[Row[*tuple[Any, ...]]] | list[SimpleNamespace]
 
 
 # Built once (their cache keys are memoised): the upload route's read constructs no statement.
@@ -140,7 +142,7 @@ def batch_job_states(s: Session, batch: Batch) -> dict[int, str]:
     ids = [i.job_id for i in batch.items if i.job_id is not None]
     if not ids:
         return {}
-    return dict(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids))).all())  # type: ignore[arg-type]
+    return dict(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids))).all())
 
 
 def active_job_ids(s: Session, job_ids: list[int]) -> set[int]:

@@ -152,7 +152,7 @@ class BrokerRunner:
 
     mode = "broker"
 
-    def __init__(self, enqueue: Callable[[int], object], ping: Callable[[], None]) -> None:
+    def __init__(self, enqueue: Callable[[int], object], ping: Callable[[], object]) -> None:
         self._enqueue = enqueue
         self._ping = ping
 

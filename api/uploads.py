@@ -286,8 +286,9 @@ async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, 
         return builder.form
     except ApiError:
         raise
-    except ClientDisconnect:
-        raise ApiError(400, "client_disconnected", "The client closed the connection before the upload finished.")
+    except ClientDisconnect as exc:
+        raise ApiError(400, "client_disconnected",
+                       "The client closed the connection before the upload finished.") from exc
     except MultipartParseError as exc:
         raise _header_limit_error(exc) or ApiError(400, "malformed_multipart", "The multipart body could not be "
                                                    f"parsed: {exc}") from exc
@@ -302,10 +303,10 @@ def _parser(boundary: bytes, callbacks: dict[str, Any]) -> MultipartParser:
     """The parser, with our header limits where its version takes them (older releases have none; our callbacks
     count the same limits either way)."""
     try:
-        return MultipartParser(boundary, callbacks,  # type: ignore[arg-type]
+        return MultipartParser(boundary, callbacks,  # type: ignore[arg-type]  # callbacks: a plain dict
                                max_header_size=MAX_PART_HEADER_BYTES, max_header_count=MAX_PART_HEADERS)
     except TypeError:
-        return MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+        return MultipartParser(boundary, callbacks)  # type: ignore[arg-type]  # callbacks: a plain dict
 
 
 def _header_limit_error(exc: MultipartParseError) -> ApiError | None:

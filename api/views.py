@@ -167,7 +167,7 @@ def job_out(job: Job) -> JobOut:
 
 def _status(doc_status: str, latest_job_state: str | None) -> Status:
     """The pipeline's one status rule (`pipeline.queries.status_word`): its words are the job states."""
-    return status_word(doc_status, latest_job_state)  # type: ignore[return-value]
+    return status_word(doc_status, latest_job_state)  # type: ignore[return-value]  # its words are Status's
 
 
 def document_status(doc: Document) -> Status:

@@ -54,7 +54,7 @@ _EXPORTS = {
     "list_schemas": "schemas",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """Content-addressed blob store on disk: a blob's name is the sha256 of its bytes (`blobs/ab/cdef...`).
 
 Writes are atomic (temporary file in the same directory, fsync, rename), so a reader never sees half a file and a
-crash leaves at worst an orphaned temporary file. Originals are always fsynced; derived blobs may skip it. Writing the same bytes twice is a no-op: storage dedupes itself.
+crash leaves at worst an orphaned temporary file. Originals are always fsynced; derived blobs may skip it. Writing
+the same bytes twice is a no-op: storage dedupes itself.
 """
 from __future__ import annotations
 

@@ -250,8 +250,8 @@ def schemas_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.
 
     p = _pipeline()
     with p.db.read_session() as s:
-        rows = [{"name": r.name, "version": r.version, "builtin": r.builtin,
-                 "fields": list(r.json_schema.get("properties", {}))} for r in list_schemas(s)]
+        rows: list[dict[str, Any]] = [{"name": r.name, "version": r.version, "builtin": r.builtin,
+                                       "fields": list(r.json_schema.get("properties", {}))} for r in list_schemas(s)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2, ensure_ascii=False))
         return

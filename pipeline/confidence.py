@@ -21,7 +21,7 @@ import math
 import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # CPython has it; typeshed does not list it
 
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()

@@ -11,19 +11,25 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 try:
     import fcntl
 except ImportError:  # Windows: writers of other processes wait in SQLite's busy handler
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None: the lock below checks which
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 log = logging.getLogger(__name__)
+
+
+def rows_matched(result: Result[*tuple[Any, ...]]) -> int:
+    """Rows an UPDATE or DELETE matched: Session.execute types every result as Result, and a DML statement's is
+    a CursorResult, which has the count."""
+    return cast(CursorResult, result).rowcount
 
 
 def normalise_url(url: str) -> str:

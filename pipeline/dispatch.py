@@ -27,7 +27,7 @@ class Dispatcher:
     # Publish a queued job (its document may still need rendering); best effort, and it must return at once
     # (callers are request threads): docpipe's broker dispatcher hands the id to a publishing thread.
     send: Callable[[int], object]
-    ping: Callable[[], None]  # raises when the broker cannot be reached (for readiness checks)
+    ping: Callable[[], object]  # raises when the broker cannot be reached (for readiness checks); result unused
 
 
 def broker_dispatcher(settings: Settings, entry_points: Iterable[Any] | None = None) -> Dispatcher:

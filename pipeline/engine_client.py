@@ -22,7 +22,6 @@ from gpu_engine.params import SamplingParams
 
 from .settings import Settings
 
-
 _GRACE_S = 30.0
 
 

@@ -137,7 +137,8 @@ def interpret_reply(reply: EngineReply, json_schema: dict[str, Any], max_tokens:
     if reply.error or reply.finish_reason == "error":
         return UnitOutcome(False, None, None, reply.text or None, f"engine error: {reply.error or 'unknown'}")
     if reply.finish_reason == "abort":
-        return UnitOutcome(False, None, None, reply.text or None, "the engine aborted the request (timeout or shutdown)")
+        return UnitOutcome(False, None, None, reply.text or None,
+                           "the engine aborted the request (timeout or shutdown)")
     try:
         data = json.loads(reply.text, parse_float=_finite_float)
     except _NonFiniteNumber as exc:

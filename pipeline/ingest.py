@@ -8,8 +8,8 @@ Two ways in, one set of rows:
 * `ingest_file` — store, sniff *and render* now (the CLI, folder ingestion, the ingest queue's staged files, and
   uploads that carry a PDF password, which is never stored): the document is `ingested` or `failed` on return.
 
-`pipeline.walk.ingest_folder` walks a folder (the CLI, watch folders) through `ingest_file`. Each file's outcome is recorded —
-`new` (its job was queued by this intake), `duplicate` (same content, schema and model already had a job: its
+`pipeline.walk.ingest_folder` walks a folder (the CLI, watch folders) through `ingest_file`. Each file's outcome is
+recorded — `new` (its job was queued by this intake), `duplicate` (same content, schema and model already had a job: its
 results are reused), `failed` (the file cannot be read; the reason is stored on the document row), or
 `unstable` (folder walks only: still being written, taken on a later walk) — and a bad file never raises. Bad
 arguments (an unknown schema) do raise.
@@ -30,9 +30,9 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar, Literal
+from typing import Any, BinaryIO, ClassVar, Literal, cast
 
-from sqlalchemy import Connection, bindparam, insert, select
+from sqlalchemy import Connection, Table, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -139,9 +139,9 @@ def _store_original(p: Pipeline, source: Source, label: str) -> tuple[str, int]:
             raise vision.LimitExceededError(
                 f"{label} is {path.stat().st_size} bytes, more than the limit of {limit} (DOCPIPE_MAX_FILE_BYTES)")
         return p.blobs.put_file(path)
-    stream = source if hasattr(source, "read") else io.BytesIO(source)  # type: ignore[arg-type]
+    stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     try:
-        return p.blobs.put_stream(stream, max_bytes=limit)  # type: ignore[arg-type]
+        return p.blobs.put_stream(stream, max_bytes=limit)
     except ValueError as exc:
         raise vision.LimitExceededError(f"{label}: {exc} (DOCPIPE_MAX_FILE_BYTES)") from None
 
@@ -327,7 +327,7 @@ def _check_arguments(p: Pipeline, schema: str | None, tenant: str) -> SchemaRef 
     """Fail fast, before any work, on a bad schema name or a model that cannot be identified on this host.
     Returns the named schema (None when no schema was named), so it need not be looked up again."""
     named = schema_ref(p, schema, tenant) if schema is not None else None
-    p.model_key  # noqa: B018
+    p.model_key  # noqa: B018 - read for its check: raises when the model cannot be identified
     return named
 
 
@@ -401,8 +401,9 @@ def _receive_stored(p: Pipeline, source: Source, sha: str, size: int, label: str
 
 # Built once (their cache keys are memoised): an upload executes them without constructing statements.
 # RETURNING every column: the outcome carries the rows as stored (defaults included) without reading them back.
-_INSERT_DOCUMENT = insert(Document.__table__).returning(*Document.__table__.c)
-_INSERT_JOB = insert(Job.__table__).returning(*Job.__table__.c)
+_DOCUMENTS, _JOBS = cast(Table, Document.__table__), cast(Table, Job.__table__)  # typed as FromClause, always a Table
+_INSERT_DOCUMENT = insert(_DOCUMENTS).returning(*_DOCUMENTS.c)
+_INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
 
 
 def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,

@@ -25,7 +25,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any, Callable, cast, overload
 
 import jsonschema
 from sqlalchemy import select, update
@@ -33,6 +33,7 @@ from sqlalchemy.exc import IntegrityError
 
 from .attempts import RUN_GATE, render_for_job_capped
 from .context import Pipeline
+from .db import rows_matched
 from .errors import JobStateError, NotFoundError
 from .extraction import (
     UnitInput,
@@ -73,6 +74,10 @@ def owner_is_dead(owner: str | None) -> bool:
     return False
 
 
+@overload
+def aware(moment: datetime) -> datetime: ...
+@overload
+def aware(moment: None) -> None: ...
 def aware(moment: datetime | None) -> datetime | None:
     """SQLite hands datetimes back without a zone; we only ever store UTC."""
     if moment is not None and moment.tzinfo is None:
@@ -232,7 +237,7 @@ def _write_unit(
     """Store one unit result and renew the lease; False when this run no longer owns the job."""
     now = utcnow()
     with p.db.session() as s:
-        renewed = s.execute(
+        renewed = rows_matched(s.execute(
             update(Job)
             .where(_fenced(job_id, claim.token))
             .values(
@@ -242,7 +247,7 @@ def _write_unit(
                 completion_tokens=Job.completion_tokens + completion_tokens,
                 model_seconds=Job.model_seconds + model_seconds,
             )
-        ).rowcount
+        ))
         if not renewed:
             return False
         try:
@@ -290,7 +295,8 @@ def _finish(p: Pipeline, job_id: int, claim: _Claim, unit_names: list[str], prov
                   if u not in rows or not rows[u].ok]
         if ok_rows and DOCUMENT_UNIT not in rows:
             merged = merge_units(
-                [UnitData(r.data, (r.confidence or {}).get("fields", {})) for r in ok_rows],
+                [UnitData(cast(dict[str, Any], r.data), (r.confidence or {}).get("fields", {}))  # ok: the object
+                 for r in ok_rows],
                 claim.json_schema, claim.merge_rules,
             )
             problems = list(jsonschema.Draft202012Validator(claim.json_schema).iter_errors(merged.data))
@@ -468,12 +474,12 @@ def fail_job(p: Pipeline, job_id: int, reason: str) -> bool:
     a job another process claimed meanwhile is left to it. True when this call failed the job."""
     now = utcnow()
     with p.db.session() as s:
-        changed = s.execute(
+        changed = rows_matched(s.execute(
             update(Job)
             .where(Job.id == job_id, Job.state == JobState.queued.value)
             .values(state=JobState.failed.value, error=reason[:2000], finished_at=now, updated_at=now,
                     owner=None, lease_until=None)
-        ).rowcount
+        ))
     return bool(changed)
 
 

@@ -13,14 +13,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .context import Pipeline
 from .ingest import IngestOutcome, create_batch, ingest_file
-from .walk import iter_folder
 from .jobs import run_job
 from .queries import document_repaired, get_job
 from .schemas import get_schema
+from .walk import iter_folder
 
 FAILED_STATES = frozenset({"failed", "partial"})
 
@@ -58,6 +58,16 @@ class ProcessReport:
                 "ok": self.ok, "files": [asdict(f) for f in self.files]}
 
 
+class ProgressCallbacks(Protocol):
+    """What process_paths reports to a progress display (the CLI's rich bar; Progress, the default, is silent)."""
+
+    def file_ingested(self, outcome: IngestOutcome) -> None: ...
+
+    def unit_done(self, name: str, unit: str, ok: bool, pages: int) -> None: ...
+
+    def file_done(self, report: FileReport) -> None: ...
+
+
 class Progress:
     """Callbacks for a progress display; the default does nothing."""
 
@@ -87,7 +97,7 @@ def process_paths(
     schema: str | None = None,
     password: str | None = None,
     source: str = "cli",
-    progress: Progress | None = None,
+    progress: ProgressCallbacks | None = None,
     include: Callable[[Path], bool] | None = None,
 ) -> ProcessReport:
     """Ingest every file (folders recursively; `include` filters files found in folders) as one batch and run

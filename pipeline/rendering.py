@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 import vision
 
 from .context import Pipeline
+from .db import rows_matched
 from .errors import NotFoundError
 from .extraction import png_bytes
 from .models import Document, DocumentStatus, Job, JobState, Page, utcnow
@@ -130,12 +131,12 @@ def write_render(s: Session, doc: Document, rendered: Rendered | None, error: Ex
 def fail_document_jobs(s: Session, document_id: int, reason: str) -> int:
     """Fail every queued job of an unreadable document with the document's reason (they can never run)."""
     now = utcnow()
-    return s.execute(
+    return rows_matched(s.execute(
         update(Job)
         .where(Job.document_id == document_id, Job.state == JobState.queued.value)
         .values(state=JobState.failed.value, error=reason[:2000], finished_at=now, updated_at=now,
                 owner=None, lease_until=None)
-    ).rowcount
+    ))
 
 
 def requeue_document_jobs(s: Session, document_id: int) -> list[int]:

@@ -116,7 +116,8 @@ def validate_schema_definition(name: str, json_schema: Any, merge_rules: dict[st
     """Raise InvalidSchemaError (with the reason) unless this schema can be used for extraction."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise InvalidSchemaError(
-            f"schema name {name!r} is not allowed: use 1-64 lowercase letters, digits, '_' or '-', starting with a letter"
+            f"schema name {name!r} is not allowed: use 1-64 lowercase letters, digits, '_' or '-', starting with a "
+            "letter"
         )
     if not isinstance(json_schema, dict):
         raise InvalidSchemaError(f"schema {name!r} must be a JSON object, got {type(json_schema).__name__}")

@@ -26,8 +26,8 @@ Errors (all subclasses of `MediaError`, each message says what was found and wha
 `UnsupportedMediaError` (`AmbiguousMediaError` for polyglots, `NoVideoStreamError`), `EncryptedDocumentError`
 (`WrongPasswordError`), `CorruptMediaError` (`EmptyMediaError`, `DecoderCrashedError`), `LimitExceededError`
 (`DecodeTimeoutError`, `RenderTimeoutError`). Video decoding runs in a separate process with time and memory
-limits, so a crashing decoder raises `DecoderCrashedError` instead of killing the caller. `open_isolated(path, ...)` does the same for
-PDF pages and images (a render process, killed when `MediaLimits.page_render_timeout_s` or
+limits, so a crashing decoder raises `DecoderCrashedError` instead of killing the caller. `open_isolated(path, ...)`
+does the same for PDF pages and images (a render process, killed when `MediaLimits.page_render_timeout_s` or
 `document_render_timeout_s` is spent): use it wherever a slow file must not stall the calling process.
 """
 
@@ -35,8 +35,8 @@ from .document import MediaDocument
 from .errors import (
     AmbiguousMediaError,
     CorruptMediaError,
-    DecodeTimeoutError,
     DecoderCrashedError,
+    DecodeTimeoutError,
     EmptyMediaError,
     EncryptedDocumentError,
     LimitExceededError,

@@ -28,7 +28,9 @@ def _cmyk_to_rgb(img: Image.Image) -> Image.Image:
     if icc:
         try:
             source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
-            return ImageCms.profileToProfile(img, source, _SRGB, outputMode="RGB")
+            converted = ImageCms.profileToProfile(img, source, _SRGB, outputMode="RGB")
+            if converted is not None:  # None only with inPlace=True
+                return converted
         except (ImageCms.PyCMSError, OSError, ValueError):
             pass  # a broken profile is common; the plain conversion is still a usable picture
     return img.convert("RGB")
@@ -65,7 +67,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if mode == "F":
         return _grey_array_to_rgb(np.asarray(img), sixteen_bit=False)
     if mode == "LAB":
-        return ImageCms.applyTransform(
+        rgb = ImageCms.applyTransform(
             img, ImageCms.buildTransform(ImageCms.createProfile("LAB"), _SRGB, "LAB", "RGB")
         )
+        if rgb is not None:  # None only with inPlace=True
+            return rgb
     return img.convert("RGB")  # 1, L, RGBX, YCbCr, HSV: Pillow's conversion is correct

@@ -32,7 +32,7 @@ class MediaDocument(abc.ABC):
     @abc.abstractmethod
     def pages(self) -> Iterator[MediaPage]: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a deliberate no-op default, not abstract
         """Release resources; the default has none."""
 
     def __enter__(self) -> "MediaDocument":

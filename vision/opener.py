@@ -47,9 +47,10 @@ def identify(
 ) -> tuple[bytes | Path, str, Sniffed]:
     """(the source as bytes or a Path, the name for messages, what the content is). Checks the size limit."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        source: bytes | Path = bytes(path_or_bytes)
-        size = len(source)
-        head = source[:SNIFF_BYTES]
+        data = bytes(path_or_bytes)
+        source: bytes | Path = data
+        size = len(data)
+        head = data[:SNIFF_BYTES]
         label = name or "the input"
     else:
         source = Path(path_or_bytes)

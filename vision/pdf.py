@@ -29,8 +29,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-import pymupdf
 import PIL
+import pymupdf
 from PIL import Image
 
 from .document import MediaDocument
@@ -274,4 +274,4 @@ class PdfDocument(MediaDocument):
 
     def close(self) -> None:
         # Drop our reference; MuPDF closes the file when the last page with unread text is gone too.
-        self._doc = None  # type: ignore[assignment]
+        self._doc = None  # type: ignore[assignment]  # only pages() reads it after close, and checks

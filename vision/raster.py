@@ -53,9 +53,10 @@ def _decoding(what: str) -> Iterator[None]:
             f"{what} claims a pixel count Pillow refuses as a decompression bomb ({exc}). Reduce the image size, "
             f"or raise both MediaLimits.max_image_pixels and PIL.Image.MAX_IMAGE_PIXELS."
         ) from exc
-    except Exception as exc:  # noqa: BLE001 — see docstring
+    except Exception as exc:  # noqa: BLE001 — Pillow raises many kinds for a broken file (see docstring)
         # UnidentifiedImageError's text names a Python object; say what it means instead
-        detail = "the header cannot be parsed" if isinstance(exc, UnidentifiedImageError) else f"{type(exc).__name__}: {exc}"
+        detail = ("the header cannot be parsed" if isinstance(exc, UnidentifiedImageError)
+                  else f"{type(exc).__name__}: {exc}")
         raise CorruptMediaError(
             f"{what} cannot be decoded ({detail}); the file is truncated or damaged — export or upload it again."
         ) from exc

@@ -23,7 +23,7 @@ def _configure_from_settings(sender: Celery, **_: Any) -> None:
 
 def get_app() -> Celery:
     """The configured app, with its tasks registered."""
-    import workers.tasks  # noqa: F401  (registers the tasks on `app`)
+    import workers.tasks  # noqa: F401 - imported to register the tasks on `app`
 
     app.loader.import_default_modules()
     return app

@@ -49,6 +49,8 @@ class LockedScheduler(Scheduler):
     """In-memory scheduler (our entries are plain intervals, so there is nothing worth persisting) that sends
     only while this process holds the beat lock."""
 
+    max_interval: float  # celery's Scheduler sets it (seconds between ticks at most); capped below
+
     def __init__(self, app: Celery, *args: Any, **kwargs: Any) -> None:
         ws = process_config().worker_settings
         self.lock = RedisLock(redis_client(app.conf.broker_url), BEAT_LOCK_KEY, ws.beat_lock_ttl_s)

@@ -159,10 +159,9 @@ def submit(
     from pipeline.errors import UnknownSchemaError
     from pipeline.ingest import create_batch
     from pipeline.schemas import get_schema
+    from pipeline.walk import TextFileFilter
 
     from .enqueue import enqueue_ingest
-
-    from pipeline.walk import TextFileFilter
 
     text_files = TextFileFilter()
     files = _expand(paths, text_files)

@@ -60,7 +60,8 @@ class WorkerSettings(BaseSettings):
     # --- beat ----------------------------------------------------------------------------------------------------
     watch_interval_s: float = Field(10.0, gt=0, description="How often beat scans the watch folders.")
     retention_interval_s: float = Field(3600.0, gt=0, description="How often beat runs the retention purge.")
-    beat_lock_ttl_s: float = Field(30.0, gt=0, description="The single-beat lock expires this long after its holder died.")
+    beat_lock_ttl_s: float = Field(30.0, gt=0,
+                                   description="The single-beat lock expires this long after its holder died.")
     # --- worker processes ----------------------------------------------------------------------------------------
     ingest_concurrency: int | None = Field(None, ge=1, description="Ingest worker processes; None = CPU count.")
     ingest_max_tasks_per_child: int = Field(

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from pipeline.settings import Settings
 
 from . import staging
-from .config import TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, QUEUE_GPU, QUEUE_INGEST, WorkerSettings, celery_config
+from .config import QUEUE_GPU, QUEUE_INGEST, TASK_EXTRACT, TASK_INGEST, TASK_PREPARE, WorkerSettings, celery_config
 from .markers import ingest_task_id, job_task_id
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def enqueue_job(job_id: int, *, settings: Settings | None = None, worker_setting
     running job this message may take over."""
     settings, ws = _settings(settings, worker_settings)
     app = producer(settings, ws)
-    kwargs = {"takeover_from": takeover_from} if takeover_from else {}
+    kwargs: dict[str, object] = {"takeover_from": takeover_from} if takeover_from else {}
     if _publish(app, TASK_EXTRACT, [int(job_id)], QUEUE_GPU, job_task_id(job_id), countdown, kwargs):
         return True
     log.warning("job %s stays queued in the database; the broker is unreachable: the reconciler will send it "

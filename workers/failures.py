@@ -10,6 +10,7 @@ and ends `failed` with the last error once `job_max_attempts` runs were spent.
 from __future__ import annotations
 
 import random
+
 from sqlalchemy import select
 
 from pipeline.context import Pipeline

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from pipeline.jobs import this_owner
 
-from .markers import PREFIX
+from .markers import PREFIX, reply_text
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Heartbeat:
 
 
 def registered(client: redis.Redis) -> set[str]:
-    return {m.decode() for m in client.smembers(WORKERS_KEY)}
+    return {reply_text(m) for m in client.smembers(WORKERS_KEY)}
 
 
 def dead_owners(client: redis.Redis, owners: set[str]) -> set[str]:

@@ -10,6 +10,8 @@ import uuid
 
 import redis
 
+from .markers import reply_text
+
 # KEYS[1] = lock key, ARGV[1] = token, ARGV[2] = ttl ms. Returns 1 when the caller holds the lock afterwards.
 _ACQUIRE_OR_EXTEND = """
 local current = redis.call('GET', KEYS[1])
@@ -49,4 +51,4 @@ class RedisLock:
 
     def holder(self) -> str | None:
         value = self.client.get(self.key)
-        return value.decode() if value is not None else None
+        return reply_text(value) if value is not None else None

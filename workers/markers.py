@@ -40,6 +40,11 @@ def redis_client(url: str) -> redis.Redis:
         return client
 
 
+def reply_text(value: bytes | str) -> str:
+    """A Redis reply as text (redis-py types replies as bytes | str; our clients do not decode responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def job_task_id(job_id: int) -> str:
     return f"job-{int(job_id)}-{uuid.uuid4().hex[:12]}"
 
@@ -60,7 +65,7 @@ def waiting(client: redis.Redis, queue: str) -> dict[str, set[str]]:
         while True:
             chunk = client.lrange(key, start, start + _CHUNK - 1)
             for raw in chunk:
-                match = _TASK_ID.search(raw)
+                match = _TASK_ID.search(raw) if isinstance(raw, bytes) else None  # replies are not decoded
                 if match:
                     found[match.group(1).decode()].add(match.group(2).decode())
             if len(chunk) < _CHUNK:

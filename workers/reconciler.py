@@ -18,7 +18,6 @@ import logging
 from dataclasses import dataclass, field
 
 import redis
-
 from sqlalchemy import select
 
 from pipeline.context import Pipeline

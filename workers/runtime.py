@@ -89,9 +89,9 @@ def _on_process_init(**_: object) -> None:
             client = redis_client(cfg.settings.broker_url)
             _heartbeat = Heartbeat(client, cfg.worker_settings.heartbeat_interval_s).start()
         if cfg.build_engine:
-            client = p.client  # loads the weights and starts the engine's step loop, once per process
+            engine = p.client  # loads the weights and starts the engine's step loop, once per process
             log.info("engine ready in pid %d: model %s (%s runner), CUDA_VISIBLE_DEVICES=%s", os.getpid(),
-                     client.model_fingerprint[:16], cfg.settings.runner,
+                     engine.model_fingerprint[:16], cfg.settings.runner,
                      os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
     except Exception as exc:
         # Celery logs and ignores exceptions from signal handlers. A worker without its database or engine

@@ -16,7 +16,7 @@ from pipeline.queries import jobs_by_state
 from .beat import BEAT_LOCK_KEY
 from .config import QUEUES
 from .liveness import dead_owners, registered
-from .markers import queue_keys
+from .markers import queue_keys, reply_text
 from .watch import stats_key
 
 _UNACKED = "unacked"  # kombu's Redis transport: messages delivered to a worker and not yet acknowledged
@@ -49,14 +49,14 @@ def queue_status(client: redis.Redis, watch_folders: list[Path]) -> QueueStatus:
         watch = {}
         for folder in watch_folders:
             raw = client.hgetall(stats_key(Path(folder).expanduser().resolve()))
-            stats = {k.decode(): v.decode() for k, v in raw.items()}
+            stats = {reply_text(k): reply_text(v) for k, v in raw.items()}
             if "last_scan" in stats:
                 stats["last_scan_ago_s"] = f"{time.time() - float(stats['last_scan']):.0f}"
             watch[str(folder)] = stats
         owners = registered(client)
         dead = dead_owners(client, owners)
-        return QueueStatus(True, None, depths, int(client.hlen(_UNACKED)), holder.decode() if holder else None, watch,
-                           {owner: owner not in dead for owner in sorted(owners)})
+        return QueueStatus(True, None, depths, int(client.hlen(_UNACKED)), reply_text(holder) if holder else None,
+                           watch, {owner: owner not in dead for owner in sorted(owners)})
     except RedisError as exc:
         return QueueStatus(False, f"{type(exc).__name__}: {exc}")
 

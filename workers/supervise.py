@@ -34,7 +34,8 @@ def parse_gpus(text: str) -> list[str]:
         try:
             listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True)
         except (OSError, subprocess.SubprocessError) as exc:
-            raise GpuListError(f"--gpus all needs nvidia-smi to list the GPUs ({exc}); give indices: --gpus 0,1") from None
+            raise GpuListError(f"--gpus all needs nvidia-smi to list the GPUs ({exc}); give indices: "
+                               "--gpus 0,1") from None
         gpus = [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]
     else:
         gpus = [part.strip() for part in text.split(",") if part.strip()]

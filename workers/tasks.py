@@ -186,7 +186,8 @@ def ingest(self: Task, stage_id: str) -> dict[str, Any]:
         out = receive_counted(p, staged.payload_path(data_dir), name=staged.name, schema=staged.schema,
                               batch_id=staged.batch_id)
         found = job_state(p, out.job_id) if out.job_id is not None else None
-        if found and found[0] == JobState.queued.value:  # a duplicate whose job already ran needs nothing
+        # a duplicate whose job already ran needs nothing
+        if out.job_id is not None and found and found[0] == JobState.queued.value:
             enqueue_job(out.job_id, settings=p.settings, worker_settings=ws)
     except Exception as exc:
         if is_permanent(exc):  # e.g. the schema was deleted since submission: keep nothing half-done

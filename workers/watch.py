@@ -23,11 +23,11 @@ from sqlalchemy import select
 from pipeline.attempts import receive_counted
 from pipeline.context import Pipeline
 from pipeline.ingest import IngestOutcome, create_batch
-from pipeline.walk import EXCLUDED_DIRS, stable_files
 from pipeline.models import Job, JobState
+from pipeline.walk import EXCLUDED_DIRS, stable_files
 
 from .locks import RedisLock
-from .markers import PREFIX
+from .markers import PREFIX, reply_text
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ def scan_folder(p: Pipeline, folder: Path, client: redis.Redis, *, lock_ttl_s: f
         action = p.settings.watch_action
         stable, unstable = stable_files(root, p.settings.stable_seconds, EXCLUDED_DIRS)
         report.unstable = len(unstable)
-        seen = {k.decode(): v.decode() for k, v in client.hgetall(seen_key(root)).items()} if action == "leave" else {}
+        seen = ({reply_text(k): reply_text(v) for k, v in client.hgetall(seen_key(root)).items()}
+                if action == "leave" else {})
         batch_id: int | None = None
         for path in stable:
             rel = str(path.relative_to(root))

@@ -7,13 +7,13 @@ from starlette.concurrency import run_in_threadpool
 
 from pipeline.tenancy import Access
 
-from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..intake import accept_batch, upload_form_openapi
 from ..queries import batch_job_states, load_batch
 from ..uploads import receive_form
 from ..views import BatchItemOut, BatchOut, utc
+from . import RowId
 
 router = APIRouter(tags=["batches"])
 

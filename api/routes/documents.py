@@ -9,15 +9,23 @@ from fastapi import APIRouter, Depends, Query, Request, status
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from . import PageIndex, RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..errors import ApiError
 from ..intake import accept_upload, upload_form_openapi
 from ..queries import DocumentFilter, delete_document, list_documents, load_document, page_blob, result_job
 from ..uploads import receive_form
-from ..views import DeletedOut, DocumentDetail, DocumentPage, ResultOut, UploadOut, document_detail, \
-    document_out, result_out
+from ..views import (
+    DeletedOut,
+    DocumentDetail,
+    DocumentPage,
+    ResultOut,
+    UploadOut,
+    document_detail,
+    document_out,
+    result_out,
+)
+from . import PageIndex, RowId
 
 router = APIRouter(tags=["documents"])
 
@@ -29,10 +37,10 @@ router = APIRouter(tags=["documents"])
 async def documents_upload(request: Request) -> Response:
     """Upload one file (form field `file`) with an optional `schema` and PDF `password`.
 
-    The body is counted as it arrives and stored by its sha256 (held in memory while small); the type is sniffed from its magic bytes (422
-    `unreadable_file` for an unsupported type). 202 when a job was queued (new bytes, or known bytes with another
-    schema): pages are rendered by the job, so `page_count` is 0 until then. 200 with the existing document and
-    job when nothing new was needed.
+    The body is counted as it arrives and stored by its sha256 (held in memory while small); the type is sniffed
+    from its magic bytes (422 `unreadable_file` for an unsupported type). 202 when a job was queued (new bytes, or
+    known bytes with another schema): pages are rendered by the job, so `page_count` is 0 until then. 200 with the
+    existing document and job when nothing new was needed.
     """
     # The context and caller are read here rather than through Depends: the busiest route skips FastAPI's
     # dependency solving (measurable CPU per upload on a small machine; same values as get_ctx/get_principal).

@@ -4,12 +4,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, status
 from starlette.concurrency import run_in_threadpool
 
-from . import RowId
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..intake import retry_job
 from ..queries import load_job
 from ..views import JobOut, job_out
+from . import RowId
 
 router = APIRouter(tags=["jobs"])
 

@@ -6,11 +6,11 @@ from fastapi import APIRouter, Depends, status
 from pipeline.errors import UnknownSchemaError
 from pipeline.schemas import get_schema, list_schemas, register_schema
 
-from . import Version
 from ..auth import Principal
 from ..context import ApiContext, get_ctx, get_principal
 from ..errors import NotFound
 from ..views import SchemaIn, SchemaList, SchemaOut, schema_out
+from . import Version
 
 router = APIRouter(tags=["schemas"])
 

@@ -21,7 +21,10 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     # Our own engine factory: the same SQLite pragmas (foreign keys, WAL) apply while migrating.
-    engine = make_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:  # pipeline.db.migrate always sets it
+        raise RuntimeError("alembic: sqlalchemy.url is not set; migrate through pipeline.db")
+    engine = make_engine(url)
     with engine.connect() as connection:
         # render_as_batch: SQLite cannot ALTER most things in place; batch mode rebuilds tables for it.
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)

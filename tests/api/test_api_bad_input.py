@@ -12,14 +12,14 @@ from typing import Any
 
 import httpx
 import pytest
+from apitest_support import LiveServer, database_url, live_server, test_settings
 from PIL import Image
+from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 
 from api.bounds import MAX_ROW_ID, MAX_SEED
 from api.queries import encode_cursor
 from api.uploads import MAX_BOUNDARY_BYTES, MAX_PART_HEADER_BYTES, MAX_PART_HEADERS
-from apitest_support import LiveServer, database_url, live_server, test_settings
 from pipeline.schemas import SCHEMA_BUDGET
-from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 
 OBJECT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
 
@@ -46,7 +46,7 @@ def assert_problem(response: httpx.Response, status: int, code: str) -> dict[str
     body = response.json()
     assert body["status"] == status and body["code"] == code, body
     assert body["detail"] and "Traceback" not in response.text
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 def nested_schema(levels: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def _slow_pdf(pages: int) -> bytes:
     return doc.tobytes()
 
 
-def _until(predicate, what: str, timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
+def _until(predicate, what: str, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -61,7 +61,7 @@ def test_an_upload_that_fails_after_storing_its_bytes_leaves_no_blob(slow_render
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import pipeline.ingest
 
-    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def broken(*args, **kwargs):
         raise RuntimeError("the database went away mid-upload")
 
     live = slow_render_server

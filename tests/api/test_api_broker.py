@@ -18,7 +18,7 @@ REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 CLAIM_KEY = "docpipe:test:claim"  # the same claim the workers' tests use, so suites never share a database
 
 
-def _claim_redis_db():  # type: ignore[no-untyped-def]
+def _claim_redis_db():
     """A Redis client on a database number nobody else uses now (skip, or fail on CI, without Redis)."""
     import redis
 

@@ -37,7 +37,7 @@ LIMITS = ApiLimits(**{**OPEN_LIMITS.__dict__, "max_images_per_request": 16, "max
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def server(tmp_path_factory: pytest.TempPathFactory):
     with live_server(test_settings(tmp_path_factory.mktemp("api-chat-budget")), limits=LIMITS) as live:
         yield live
 
@@ -66,7 +66,7 @@ def video_url(path: Path) -> str:
     return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def chat(c: httpx.Client, model_id: str, content: list | str, **extra) -> httpx.Response:  # type: ignore[type-arg]
+def chat(c: httpx.Client, model_id: str, content: list | str, **extra) -> httpx.Response:
     return c.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 2, "temperature": 0,
                                                 "messages": [{"role": "user", "content": content}], **extra})
 

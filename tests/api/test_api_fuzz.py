@@ -17,10 +17,9 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from apitest_support import LiveServer, server  # noqa: F401 (fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from apitest_support import LiveServer, server  # noqa: F401 (fixture)
 
 FUZZ = settings(max_examples=30, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

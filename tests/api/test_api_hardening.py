@@ -9,7 +9,7 @@ from apitest_support import free_port, live_server, test_settings
 from test_api_http import random_png, upload
 
 
-def test_json_answers_carry_nosniff_and_no_store(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_json_answers_carry_nosniff_and_no_store(tmp_path) -> None:
     with live_server(test_settings(tmp_path)) as live, live.client() as c:
         for response in (c.get("/v1/schemas"), c.get("/v1/documents/999999"), c.get("/healthz"),
                          live.client(key=None).get("/v1/schemas")):  # an answer, a 404, health, a refused key
@@ -19,7 +19,7 @@ def test_json_answers_carry_nosniff_and_no_store(tmp_path) -> None:  # type: ign
         assert page.headers["x-content-type-options"] == "nosniff"
 
 
-def test_an_upload_does_not_wait_for_an_unreachable_broker(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_upload_does_not_wait_for_an_unreachable_broker(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The publish blocks (as one does for ~2 s per upload while Redis is down) until the upload has answered:
     before, the upload's own thread published, so it could not answer until the publish gave up."""
     import workers.dispatch

@@ -24,15 +24,15 @@ def random_png(width: int = 64, height: int = 48) -> bytes:
     return buf.getvalue()
 
 
-def upload(client, data: bytes, name: str = "x.png", **form):  # type: ignore[no-untyped-def]
+def upload(client, data: bytes, name: str = "x.png", **form):
     return client.post("/v1/documents", files={"file": (name, data, "application/octet-stream")}, data=form)
 
 
-def answer_id(response) -> int:  # type: ignore[no-untyped-def]
+def answer_id(response) -> int:
     return int(response.json()["document"]["id"])
 
 
-def assert_problem(response, status: int, code: str) -> dict:  # type: ignore[no-untyped-def]
+def assert_problem(response, status: int, code: str) -> dict:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
     body = response.json()
@@ -169,7 +169,7 @@ def _raw_request(base: str, head_lines: list[str], chunks: list[bytes]) -> tuple
     return int(data.split(b" ", 2)[1]), data
 
 
-def listed_document_ids(c) -> list[int]:  # type: ignore[no-untyped-def]
+def listed_document_ids(c) -> list[int]:
     """Every document id GET /v1/documents lists, page by page."""
     ids: list[int] = []
     cursor = None
@@ -181,7 +181,7 @@ def listed_document_ids(c) -> list[int]:  # type: ignore[no-untyped-def]
             return ids
 
 
-def _doc_count(c) -> int:  # type: ignore[no-untyped-def]
+def _doc_count(c) -> int:
     return len(listed_document_ids(c))
 
 
@@ -194,7 +194,7 @@ def test_oversize_upload_with_honest_length_is_413(server: LiveServer) -> None:
         assert _doc_count(c) == before
 
 
-def _spool_files(server: LiveServer) -> list:  # type: ignore[type-arg]
+def _spool_files(server: LiveServer) -> list:
     spool = server.app.state.ctx.spool_dir
     return list(spool.iterdir()) if spool.exists() else []
 
@@ -204,7 +204,7 @@ def test_oversize_streamed_body_is_cut_at_the_limit(server: LiveServer, lie: str
     """Chunked bodies (no Content-Length, or one claiming a small size) are counted as received."""
     limit = server.app.state.ctx.limits.max_upload_bytes
     payload = _multipart(limit + 256 * 1024)
-    head = [f"POST /v1/documents HTTP/1.1", f"Host: {urlparse(server.base).netloc}", f"X-API-Key: {KEY}",
+    head = ["POST /v1/documents HTTP/1.1", f"Host: {urlparse(server.base).netloc}", f"X-API-Key: {KEY}",
             "Content-Type: multipart/form-data; boundary=XbOuNdArY", "Transfer-Encoding: chunked"]
     if lie == "chunked_with_small_length":
         head.append("Content-Length: 1000")

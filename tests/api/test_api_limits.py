@@ -6,12 +6,13 @@ import io
 import random
 import socket
 import time
-from urllib.parse import urlparse
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 import typer
+from apitest_support import KEY, OTHER_KEY, live_server, test_settings
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -22,13 +23,12 @@ from api.limits import ApiLimits, EngineSlots, JobQuota, RateLimiter
 from api.media import MediaBudget, decode_image
 from api.queries import decode_cursor, encode_cursor
 from gpu_engine.data_url import DataUrlError, parse_data_url
-from apitest_support import KEY, OTHER_KEY, live_server, test_settings
 
 # --- over HTTP --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def tight_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def tight_server(tmp_path_factory: pytest.TempPathFactory):
     limits = ApiLimits(rate_per_minute=60, burst=5, max_inflight_jobs=2, max_inflight_engine=1,
                        max_upload_bytes=1024 * 1024, max_completion_tokens=64, upload_idle_timeout_s=1)
     # max_tokens=4: every extraction is cut short, so jobs end `failed` (used by the retry test).
@@ -44,7 +44,7 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
-def test_rate_limit_per_key_with_retry_after(tight_server) -> None:  # type: ignore[no-untyped-def]
+def test_rate_limit_per_key_with_retry_after(tight_server) -> None:
     with tight_server.client(key=OTHER_KEY) as c:
         codes = [c.get("/v1/schemas").status_code for _ in range(8)]
         assert codes[:5] == [200] * 5 and 429 in codes[5:]
@@ -57,7 +57,7 @@ def test_rate_limit_per_key_with_retry_after(tight_server) -> None:  # type: ign
         assert other.get("/v1/schemas").status_code == 200
 
 
-def _patient(c: httpx.Client, method: str, path: str, **kw):  # type: ignore[no-untyped-def]
+def _patient(c: httpx.Client, method: str, path: str, **kw):
     """One request, waiting out the request-rate limit (429 rate_limited) as a well-behaved client does."""
     while True:
         r = c.request(method, path, **kw)
@@ -66,7 +66,7 @@ def _patient(c: httpx.Client, method: str, path: str, **kw):  # type: ignore[no-
         time.sleep(int(r.headers["Retry-After"]))
 
 
-def test_in_flight_job_cap_and_retry(tight_server) -> None:  # type: ignore[no-untyped-def]
+def test_in_flight_job_cap_and_retry(tight_server) -> None:
     with tight_server.client(key=KEY, timeout=60) as c:
         # The cap is 2 queued/running jobs per key: a batch of 3 new files cannot fit, whatever runs now.
         files = [("files", (f"f{i}.png", _png())) for i in range(3)]
@@ -86,7 +86,7 @@ def test_in_flight_job_cap_and_retry(tight_server) -> None:  # type: ignore[no-u
         assert r.json()["state"] in ("queued", "running", "failed") and r.json()["attempts"] <= 1
 
 
-def test_engine_requests_are_capped_per_key(tight_server) -> None:  # type: ignore[no-untyped-def]
+def test_engine_requests_are_capped_per_key(tight_server) -> None:
     """One chat request per key at a time: while a stream is open, a second request from the key gets 429."""
     time.sleep(3)  # let OTHER_KEY's request budget (drained by the rate-limit test) refill
     headers = {"Authorization": f"Bearer {OTHER_KEY}"}
@@ -106,7 +106,7 @@ def test_engine_requests_are_capped_per_key(tight_server) -> None:  # type: igno
         assert again.status_code == 200, again.text  # the slot was given back when the stream ended
 
 
-def test_a_stalled_upload_is_cut_off(tight_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_stalled_upload_is_cut_off(tight_server) -> None:
     """Headers and part of the body, then silence: 408 after the idle timeout, no file left behind."""
     time.sleep(2)  # request budget
     url = urlparse(tight_server.base)
@@ -260,7 +260,8 @@ def test_data_urls() -> None:
     with pytest.raises(BodyTooLarge):
         decode_image(url, "image", 49, budget)
     for bad, code in [("https://x/y.png", "remote_url_refused"), ("file:///etc/passwd", "remote_url_refused"),
-                      ("data:image/png;base64", "invalid_media_url"), ("data:image/png;base64,@@@", "invalid_media_url"),
+                      ("data:image/png;base64", "invalid_media_url"),
+                      ("data:image/png;base64,@@@", "invalid_media_url"),
                       ("javascript:alert(1)", "invalid_media_url")]:
         with pytest.raises(ApiError) as err:
             decode_image(bad, "image", 100, budget)

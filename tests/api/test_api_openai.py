@@ -11,10 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from apitest_support import KEY, OPEN_LIMITS, SAMPLES, LiveServer, live_server, test_settings
 from PIL import Image
 
 from api.limits import ApiLimits
-from apitest_support import KEY, OPEN_LIMITS, SAMPLES, LiveServer, live_server, test_settings
 from gpu_engine.params import SamplingParams
 
 SCHEMA = {
@@ -34,7 +34,7 @@ def data_url(width: int = 32, height: int = 32, fmt: str = "PNG") -> str:
 
 
 @pytest.fixture(scope="module")
-def sqlite_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def sqlite_server(tmp_path_factory: pytest.TempPathFactory):
     # Room for long answers (the disconnect test); other tests ask for a few tokens.
     limits = ApiLimits(**{**OPEN_LIMITS.__dict__, "max_completion_tokens": 4096})
     with live_server(test_settings(tmp_path_factory.mktemp("api-openai")), limits=limits) as live:
@@ -206,7 +206,7 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, model_id: str) -> 
     assert err.value.body["code"] == "unsupported_parameter"
 
 
-def test_the_served_model_name_is_docpipe_model_id_when_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_served_model_name_is_docpipe_model_id_when_set(tmp_path) -> None:
     """Clients send `model`: the name GET /v1/models lists is DOCPIPE_MODEL_ID if set, else the checkpoint folder."""
     from api.engine_access import EngineAccess
     from pipeline.context import Pipeline

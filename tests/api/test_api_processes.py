@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-
-from api.processes import Supervisor, bind_sockets, reuse_port_supported
 from apitest_support import REPO, free_port
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 from test_api_http import random_png, upload
 from test_api_serve import LAUNCH
+
+from api.processes import Supervisor, bind_sockets, reuse_port_supported
 
 linux_only = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux-only")
 
@@ -221,9 +221,9 @@ def test_an_api_keys_request_rate_is_one_budget_across_the_processes(two_process
 
 def _take_tokens(buckets: object, name: str, tries: int, admitted: object) -> None:
     for _ in range(tries):
-        if buckets.take(name, time.monotonic(), 1e-9, 8.0) is None:  # type: ignore[attr-defined]
-            with admitted.get_lock():  # type: ignore[attr-defined]
-                admitted.value += 1  # type: ignore[attr-defined]
+        if buckets.take(name, time.monotonic(), 1e-9, 8.0) is None:  # type: ignore[attr-defined]  # the shared buckets' proxy
+            with admitted.get_lock():  # type: ignore[attr-defined]  # a multiprocessing.Value
+                admitted.value += 1  # type: ignore[attr-defined]  # a multiprocessing.Value
 
 
 def test_shared_buckets_are_one_budget_for_several_processes() -> None:

@@ -75,7 +75,7 @@ class _BodyReader:
         self.read = 0
         self.refused: BaseException | None = None
 
-    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+    async def __call__(self, scope: dict, receive, send) -> None:
         from api.errors import BodyTooLarge
 
         self.calls += 1
@@ -175,7 +175,7 @@ def test_api_keys_are_compared_as_fixed_length_digests_with_no_early_exit(monkey
 
 
 # --- the OpenAI endpoint: refused and honoured parameters ---------------------------------------------------------
-def _engine_request(**body: object):  # type: ignore[no-untyped-def]
+def _engine_request(**body: object):
     from api.limits import ApiLimits
     from api.openai_compat import ChatBackend, build_engine_request
     from api.openai_schema import ChatCompletionRequest
@@ -255,7 +255,7 @@ def test_counting_passes_every_message_through_and_counts_only_request_bodies() 
     assert err.value.extra == {"limit_bytes": 100}
 
 
-async def _one_more(make, messages):  # type: ignore[no-untyped-def]
+async def _one_more(make, messages):
     async def receive() -> dict[str, object]:
         return messages.pop(0)
 
@@ -263,7 +263,7 @@ async def _one_more(make, messages):  # type: ignore[no-untyped-def]
 
 
 # --- authentication: who is let in, from the headers alone ---------------------------------------------------------
-def _gate(keys: list[str], burst: int = 100):  # type: ignore[no-untyped-def]
+def _gate(keys: list[str], burst: int = 100):
     from api.auth import Gate, KeyRing
     from api.limits import RateLimiter
 
@@ -376,7 +376,7 @@ END = b"--" + BOUNDARY + b"--\r\n"
 
 
 def _refusal(body: bytes, tmp_path: Path, *, content_type: bytes | None = None, max_files: int = 2,
-             max_file_bytes: int = 1000, chunks: list[bytes] | None = None):  # type: ignore[no-untyped-def]
+             max_file_bytes: int = 1000, chunks: list[bytes] | None = None):
     from api.errors import ApiError
 
     pieces = list(chunks) if chunks is not None else [body]

@@ -8,7 +8,7 @@ from api.runners import EmbeddedRunner
 from pipeline.errors import NotFoundError
 
 
-def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+def _wait(predicate, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -77,7 +77,7 @@ def test_duplicate_submissions_of_a_waiting_job_run_it_once() -> None:
     assert ran == [1, 2]
 
 
-def test_sweep_spool_removes_only_old_leftovers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sweep_spool_removes_only_old_leftovers(tmp_path) -> None:
     import os
 
     from api.uploads import sweep_spool
@@ -100,7 +100,7 @@ class _FakePipeline:
         self.fail = fail
 
     @property
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self):
         self.release.wait(10)
         if self.fail:
             raise FileNotFoundError("no config.json in /models/x")
@@ -108,7 +108,7 @@ class _FakePipeline:
         class _Engine:
             is_running = True
 
-            def stats(self) -> dict:  # type: ignore[type-arg]
+            def stats(self) -> dict:
                 return {"running": 3, "waiting": 1, "kv_usage": 0.25}
 
         class _Client:
@@ -122,13 +122,13 @@ class _GatedPipeline:
     so the loading state can be observed without a race. The engine is built for this test alone: the test shuts it
     down, and the process-wide engine that `Pipeline.client` shares with every other test must keep running."""
 
-    def __init__(self, settings) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings) -> None:
         self.settings = settings
         self.release = threading.Event()
         self.built = None
 
     @property
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self):
         from pipeline.engine_client import EngineClient
 
         self.release.wait(60)
@@ -137,7 +137,7 @@ class _GatedPipeline:
         return self.built
 
 
-def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_engine_access_reports_loading_then_ready(tmp_path) -> None:
     import pytest
 
     from api.engine_access import EngineAccess, EngineUnavailable
@@ -145,7 +145,7 @@ def test_engine_access_reports_loading_then_ready(tmp_path) -> None:  # type: ig
     from pipeline.settings import Settings
 
     gated = _GatedPipeline(Settings(data_dir=tmp_path / "data", engine_max_num_seqs=2))
-    access = EngineAccess(gated, preload=True)  # type: ignore[arg-type]
+    access = EngineAccess(gated, preload=True)  # type: ignore[arg-type]  # a stand-in pipeline
     try:
         access.start()
         assert access.status() == "loading the model" and access.stats() is None
@@ -175,7 +175,7 @@ def test_engine_access_reports_a_failed_load() -> None:
 
     fake = _FakePipeline(fail=True)
     fake.release.set()
-    access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]
+    access = EngineAccess(fake, preload=True)  # type: ignore[arg-type]  # a stand-in pipeline
     access.start()
     assert _wait(lambda: access.status() is not None and access.status().startswith("failed to load"))
     assert "config.json" in (access.status() or "")
@@ -217,7 +217,7 @@ def test_unexpected_errors_become_problem_documents() -> None:
     from api.metrics import HttpMetrics, Metrics
     from api.middleware import ApiMiddleware
 
-    def boom(request):  # type: ignore[no-untyped-def]
+    def boom(request):
         raise RuntimeError("secret internal detail")
 
     # Placed as in create_app: inside Starlette's last-resort handler, which would answer and then re-raise.

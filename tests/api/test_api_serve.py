@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import typer
-
 from apitest_support import REPO, free_port
+
 from pipeline.cli import load_plugins
 
 ENTRY_POINT = metadata.EntryPoint(name="serve", value="api.cli:register", group="docpipe.commands")

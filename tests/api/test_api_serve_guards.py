@@ -22,7 +22,7 @@ from api.cli import server_options
 from api.http_protocol import KEEP_ALIVE_TIMEOUT_S, GuardedH11Protocol
 
 
-async def hello(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+async def hello(scope, receive, send) -> None:
     assert scope["type"] == "http"
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})

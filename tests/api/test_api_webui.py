@@ -49,7 +49,7 @@ for (const type of ["dragover", "drop"]) {
 """
 
 
-def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_server: LiveServer,  # type: ignore[no-untyped-def]
+def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_server: LiveServer,
                                                                tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -90,7 +90,7 @@ def test_upload_watch_it_finish_and_see_fields_beside_the_page(browser, sqlite_s
     wait.until(lambda d: d.find_element(By.ID, "fields").get_attribute("data-state") == "succeeded")
     wait.until(lambda d: d.execute_script("return document.getElementById('page-image').naturalWidth") > 0)
 
-    def read_fields(d):  # type: ignore[no-untyped-def]  # (names, confidences), read in one go from the current DOM
+    def read_fields(d):  # (names, confidences), read in one go from the current DOM
         rows = d.find_elements(By.CSS_SELECTOR, "#field-rows tr.field-row")
         return rows and ([r.find_element(By.CSS_SELECTOR, ".field-name").text for r in rows],
                          [r.find_element(By.CSS_SELECTOR, ".conf").text for r in rows])

@@ -15,7 +15,8 @@ bf16 (CudaRunner's default; the engine passes no dtype) while the reference runn
 model's random weights greedy decoding can take another token where two logits nearly tie: those comparisons are
 reported, never failed.
 
-    python3 -m tests.cuda_runner.check_pipeline_cuda --out DIR [--runners cuda,reference] [--redis-archive .redis/X.tar.xz]
+    python3 -m tests.cuda_runner.check_pipeline_cuda --out DIR [--runners cuda,reference] \
+        [--redis-archive .redis/X.tar.xz]
 
 Without a GPU (or without cuda-python / nvmath) and with cuda among the runners it prints SKIP and exits 0;
 `--runners reference` runs the whole flow on the CPU. Exit 1 if any run failed. Writes DIR/summary.json and one

@@ -1,5 +1,5 @@
-"""Launchers of tests/cuda_runner/kernels/logits_checks.cu: argmax, log_softmax and the grammar bitmask as single kernels
-on fp32 logits, which check_kernels compares with numpy. The engine never launches them (it samples with
+"""Launchers of tests/cuda_runner/kernels/logits_checks.cu: argmax, log_softmax and the grammar bitmask as single
+kernels on fp32 logits, which check_kernels compares with numpy. The engine never launches them (it samples with
 sample_rows_f32, gpu_engine/cuda/sampler.py), so they live here and not in the shipped package."""
 from __future__ import annotations
 

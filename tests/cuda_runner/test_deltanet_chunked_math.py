@@ -1,6 +1,7 @@
 """CPU checks of the chunked (WY-form) gated delta rule that kernels/deltanet_chunked.cu implements, through its
-float64 numpy emulation (tests/cuda_runner/chunked_delta_emulation.py): exact algebra against the token-by-token reference
-and transformers, the chunk-slot numbering, and the bf16 rounding budget the GPU check's tolerance relies on."""
+float64 numpy emulation (tests/cuda_runner/chunked_delta_emulation.py): exact algebra against the token-by-token
+reference and transformers, the chunk-slot numbering, and the bf16 rounding budget the GPU check's tolerance relies
+on."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
-"""The flash_prefill tiling (emulated in numpy, tests/cuda_runner/flash_emulation.py) against the float64 attention reference,
-the host tiles, and the launcher's argument checks. Runs without a GPU; check_flash runs the kernel itself."""
+"""The flash_prefill tiling (emulated in numpy, tests/cuda_runner/flash_emulation.py) against the float64 attention
+reference, the host tiles, and the launcher's argument checks. Runs without a GPU; check_flash runs the kernel
+itself."""
 from __future__ import annotations
 
 import re

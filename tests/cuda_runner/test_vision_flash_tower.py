@@ -1,6 +1,6 @@
 """GpuVisionTower's flash dispatch without a GPU: on the emulated device of test_cuda_vision_emulated, with the
-vision_flash kernel emulated by its tiling (tests/cuda_runner/vision_flash_emulation.py). Checks that "auto" picks the fused
-kernel for bf16 towers with a supported head dim (and only there), that the launch arguments address the right
+vision_flash kernel emulated by its tiling (tests/cuda_runner/vision_flash_emulation.py). Checks that "auto" picks the
+fused kernel for bf16 towers with a supported head dim (and only there), that the launch arguments address the right
 buffers (the tower output matches the numpy reference tower), and that "flash" is refused where it cannot run."""
 from __future__ import annotations
 

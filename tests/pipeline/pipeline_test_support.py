@@ -62,7 +62,7 @@ def png_bytes(width: int = 64, height: int = 48, colour: tuple[int, int, int] | 
     """A fresh random-coloured PNG (fresh content = a new document every time)."""
     from PIL import Image
 
-    colour = colour or tuple(secrets.randbelow(256) for _ in range(3))  # type: ignore[assignment]
+    colour = colour or tuple(secrets.randbelow(256) for _ in range(3))  # type: ignore[assignment]  # an RGB 3-tuple
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), colour).save(buffer, "PNG")
     return buffer.getvalue()

@@ -25,7 +25,7 @@ def test_the_entry_point_named_broker_builds_the_dispatcher(tmp_path, monkeypatc
 
     import types
     module = types.ModuleType("fake_dispatch_plugin")
-    module.factory = factory  # type: ignore[attr-defined]
+    module.factory = factory  # type: ignore[attr-defined]  # a stand-in module
     monkeypatch.setitem(__import__("sys").modules, "fake_dispatch_plugin", module)
     eps = [metadata.EntryPoint("other", "fake_dispatch_plugin:nothing", DISPATCH_GROUP),
            metadata.EntryPoint("broker", "fake_dispatch_plugin:factory", DISPATCH_GROUP)]

@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import pymupdf as fitz
 import jsonschema
+import pymupdf as fitz
 import pytest
 from pipeline_test_support import REPO, png_bytes, run_at_once
 from sqlalchemy import func, select
@@ -21,11 +21,11 @@ from sqlalchemy import func, select
 from pipeline import models
 from pipeline.errors import UnknownSchemaError
 from pipeline.ingest import ingest_file
-from pipeline.walk import ingest_folder
 from pipeline.jobs import run_job
 from pipeline.processing import process_paths
 from pipeline.queries import batch_items, batch_progress, get_results
 from pipeline.schemas import register_schema
+from pipeline.walk import ingest_folder
 
 TABLES = (models.Document, models.Page, models.Job, models.Result, models.Schema, models.Batch, models.BatchItem)
 

@@ -19,12 +19,12 @@ from pipeline.settings import Settings
 
 def _doc(p: Pipeline, doc_id: int) -> Document:
     with p.db.read_session() as s:
-        return s.get(Document, doc_id)  # type: ignore[return-value]
+        return s.get(Document, doc_id)  # type: ignore[return-value]  # the row exists
 
 
 def _job(p: Pipeline, job_id: int) -> Job:
     with p.db.read_session() as s:
-        return s.get(Job, job_id)  # type: ignore[return-value]
+        return s.get(Job, job_id)  # type: ignore[return-value]  # the row exists
 
 
 def _pages(p: Pipeline, doc_id: int) -> int:

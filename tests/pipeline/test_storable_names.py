@@ -13,9 +13,9 @@ from PIL import Image
 
 from pipeline.context import Pipeline
 from pipeline.ingest import create_batch
-from pipeline.walk import ingest_folder
 from pipeline.models import Batch
 from pipeline.storable_text import storable, storable_name
+from pipeline.walk import ingest_folder
 
 
 def _png() -> bytes:
@@ -47,5 +47,5 @@ def test_a_folder_with_a_non_utf8_file_name_is_ingested(database_url: str, tmp_p
     outcomes = ingest_folder(p, folder, batch_id=batch_id, stable_seconds=0)
     assert sorted((o.name, o.outcome) for o in outcomes) == [("plain.png", "new"), ("scan-\ufffd\ufffd.png", "new")]
     with p.db.read_session() as s:
-        source = s.get(Batch, batch_id).source  # type: ignore[union-attr]
+        source = s.get(Batch, batch_id).source  # type: ignore[union-attr]  # the batch exists
     assert source.endswith("scan-\ufffd\ufffd.png")

@@ -75,7 +75,7 @@ def test_slow_page_is_stopped_at_its_budget_and_the_next_page_renders(tmp_path: 
     path = _write(tmp_path, "slow.pdf", data)
     with vision.open_isolated(path, limits=FAST_BUDGET) as doc:
         pages = list(doc.pages())
-        spent = doc.seconds_spent  # type: ignore[attr-defined]
+        spent = doc.seconds_spent  # type: ignore[attr-defined]  # the isolated document\'s own
     assert [p.ok for p in pages] == [True, False, True]
     assert isinstance(pages[1].error, RenderTimeoutError)
     assert "page 2 of slow.pdf" in str(pages[1].error) and "page_render_timeout_s" in str(pages[1].error)
@@ -87,7 +87,7 @@ def test_document_budget_ends_rendering_with_the_rest_unrendered(tmp_path: Path)
     path = _write(tmp_path, "many-slow.pdf", hostile.nested_xobject_pdf(40, SLOW_DEPTH, 10, cheap_first=True))
     with vision.open_isolated(path, limits=limits) as doc:
         pages = list(doc.pages())
-        spent = doc.seconds_spent  # type: ignore[attr-defined]
+        spent = doc.seconds_spent  # type: ignore[attr-defined]  # the isolated document\'s own
     assert len(pages) == 40 and pages[0].ok
     assert spent <= limits.document_render_timeout_s + 0.5  # the budget, plus the last wait's bookkeeping
     last = pages[-1].error
@@ -130,11 +130,11 @@ def test_isolated_document_errors_keep_their_class(tmp_path: Path) -> None:
 ])
 def test_hostile_files_end_inside_their_budget(tmp_path: Path, name: str, make: object) -> None:
     limits = MediaLimits(page_render_timeout_s=2.0, document_render_timeout_s=20.0)
-    path = _write(tmp_path, name, make())  # type: ignore[operator]
+    path = _write(tmp_path, name, make())  # type: ignore[operator]  # make: a zero-argument factory
     try:
         with vision.open_isolated(path, limits=limits) as doc:
             pages = list(doc.pages())
-            spent = doc.seconds_spent  # type: ignore[attr-defined]
+            spent = doc.seconds_spent  # type: ignore[attr-defined]  # the isolated document\'s own
     except vision.MediaError as exc:
         assert str(exc)  # a reason a person can read
         return
@@ -157,12 +157,12 @@ def test_a_clean_render_process_serves_the_next_document_and_a_killed_one_does_n
         list(first.pages())
         pid = first._child.proc.pid  # type: ignore[attr-defined]  # which process served it
     with vision.open_isolated(plain) as second:
-        assert second._child.proc.pid == pid  # type: ignore[attr-defined]
+        assert second._child.proc.pid == pid  # type: ignore[attr-defined]  # the same process
         assert all(p.ok for p in second.pages())
     slow = _write(tmp_path, "slow.pdf", hostile.nested_xobject_pdf(1, SLOW_DEPTH, 10))
     limits = MediaLimits(page_render_timeout_s=1.0, document_render_timeout_s=30.0, max_page_draw_ops=10**9)
     with vision.open_isolated(slow, limits=limits) as doc:
-        assert doc._child.proc.pid == pid  # type: ignore[attr-defined]
+        assert doc._child.proc.pid == pid  # type: ignore[attr-defined]  # still the same process
         assert isinstance(next(iter(doc.pages())).error, RenderTimeoutError)
     with vision.open_isolated(plain, limits=limits) as after:
         assert after._child.proc.pid != pid  # type: ignore[attr-defined]  # the killed process is gone
@@ -174,7 +174,7 @@ def test_a_normal_2000_page_scan_renders_inside_the_default_budgets(tmp_path: Pa
     path = _write(tmp_path, "long.pdf", hostile.cheap_pages_pdf(2000))
     with vision.open_isolated(path, options=vision.RenderOptions(pdf_dpi=50.0)) as doc:
         pages = list(doc.pages())
-        spent = doc.seconds_spent  # type: ignore[attr-defined]
+        spent = doc.seconds_spent  # type: ignore[attr-defined]  # the isolated document\'s own
     assert len(pages) == 2000 and all(p.ok for p in pages)
     assert spent < MediaLimits().document_render_timeout_s
 

@@ -219,7 +219,8 @@ def test_large_images_are_downscaled_to_the_page_pixel_cap(rng):
 def test_formats_pillow_reads_but_we_do_not_accept(rng, fmt):
     if fmt == "PSD":
         # Pillow cannot write PSD; a minimal header is enough for type detection
-        data = b"8BPS\x00\x01" + b"\x00" * 6 + b"\x00\x03" + b"\x00\x00\x00\x10" * 2 + b"\x00\x08\x00\x03" + b"\x00" * 64
+        data = (b"8BPS\x00\x01" + b"\x00" * 6 + b"\x00\x03" + b"\x00\x00\x00\x10" * 2 + b"\x00\x08\x00\x03"
+                + b"\x00" * 64)
     else:
         data = encoded(random_rgb(rng, 16, 16), fmt)
     with pytest.raises(UnsupportedMediaError, match="which is not accepted"):

@@ -56,5 +56,6 @@ def test_500_page_pdf_iterates_in_bounded_memory(tmp_path):
     all_pages_mib = 500 * page_mib  # ~1.3 GiB if pages were kept
     growth = r["after"] - r["before"]
     # A few pages' worth (pixmap + PIL copy + MuPDF caches) is fine; anything proportional to the page count is not.
-    print(f"peak RSS growth over 499 pages: {growth:.1f} MiB (one page {page_mib:.1f} MiB, all {all_pages_mib:.0f} MiB)")
+    print(f"peak RSS growth over 499 pages: {growth:.1f} MiB (one page {page_mib:.1f} MiB, "
+          f"all {all_pages_mib:.0f} MiB)")
     assert growth < 20 * page_mib, (growth, page_mib, all_pages_mib)

@@ -50,7 +50,8 @@ def test_phone_photo_opens():
 
 @pytest.mark.parametrize("dedupe, expected", [(False, 12), (True, None)])
 def test_pan_video(dedupe, expected):
-    with open_media(SAMPLES / "pan.mp4", options=RenderOptions(frame_sampler=QwenFrameSampler(), dedupe_frames=dedupe)) as doc:
+    options = RenderOptions(frame_sampler=QwenFrameSampler(), dedupe_frames=dedupe)
+    with open_media(SAMPLES / "pan.mp4", options=options) as doc:
         assert doc.metadata["duration"] == pytest.approx(6.0, abs=0.1)
         frames = list(doc.pages())
     if expected is not None:

@@ -33,7 +33,8 @@ def test_text_file_named_pdf_is_refused_naming_what_it_is(tmp_path, rng):
     fake = tmp_path / "invoice.pdf"
     words = random_words(rng)
     fake.write_text(f"Dear customer,\n{words}\n")
-    with pytest.raises(UnsupportedMediaError, match=r"invoice\.pdf is not an accepted media type: found plain text") as e:
+    with pytest.raises(UnsupportedMediaError,
+                       match=r"invoice\.pdf is not an accepted media type: found plain text") as e:
         open_media(fake)
     assert "Dear customer" in str(e.value)
     assert "Accepted: PDF" in str(e.value)

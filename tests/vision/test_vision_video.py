@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from vision_media_factory import document_like, gradient_frames, write_audio_only_mp4, write_video
 
+from gpu_engine.frame_sampling import QwenFrameSampler
 from vision import (
     CorruptMediaError,
     DecoderCrashedError,
@@ -24,7 +25,6 @@ from vision import (
     RenderOptions,
     open_media,
 )
-from gpu_engine.frame_sampling import QwenFrameSampler
 from vision.video import isolate
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ from ci_rule import missing
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness module next to this file
 
-from workers_harness import (  # noqa: E402
+from workers_harness import (
     REDIS_HOST,
     REDIS_PORT,
     Cluster,

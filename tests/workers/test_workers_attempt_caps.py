@@ -43,7 +43,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _document_row(cluster, job_id: int):  # type: ignore[no-untyped-def]
+def _document_row(cluster, job_id: int):
     from pipeline.models import Document, Job
 
     with cluster.pipeline.db.read_session() as s:
@@ -89,7 +89,7 @@ def test_a_submitted_file_that_kills_the_ingest_worker_each_time_ends_failed(red
     assert publish_ingest(staged.stage_id, settings=cluster.settings(), worker_settings=cluster.worker_settings())
     worker = cluster.start_worker("ingest", "--concurrency", "1")
 
-    def outcome():  # type: ignore[no-untyped-def]
+    def outcome():
         with p.db.read_session() as s:
             return s.execute(select(Document.status, Document.render_attempts, Job.state, Job.error)
                              .join(Job, Job.document_id == Document.id)).first()
@@ -124,7 +124,7 @@ def test_a_gpu_crash_is_charged_only_to_the_job_that_caused_it(redis_url, make_c
 
     from pipeline.models import Job
 
-    def job(job_id: int):  # type: ignore[no-untyped-def]
+    def job(job_id: int):
         with cluster.pipeline.db.read_session() as s:
             return s.execute(select(Job.state, Job.runs, Job.attempts, Job.error).where(Job.id == job_id)).one()
 

@@ -7,7 +7,6 @@ import time
 
 import redis
 from sqlalchemy import func, select
-
 from workers_harness import note_schema, png
 
 

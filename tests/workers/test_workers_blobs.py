@@ -10,7 +10,7 @@ from test_workers_attempt_caps import _slow_pdf
 from workers_harness import note_schema
 
 
-def _blob_files(data_dir) -> list:  # type: ignore[no-untyped-def]
+def _blob_files(data_dir) -> list:
     root = data_dir / "blobs"
     return sorted(f for f in root.rglob("*") if f.is_file() and not f.name.startswith(".")) if root.exists() else []
 
@@ -71,7 +71,7 @@ def test_the_sweep_removes_old_blobs_no_row_names(tmp_path):
     assert any(entry["task"] == TASK_SWEEP for entry in schedule.values())  # swept with or without retention
 
 
-def kept_sha(p, document_id: int) -> str:  # type: ignore[no-untyped-def]
+def kept_sha(p, document_id: int) -> str:
     from pipeline.models import Document
 
     with p.db.read_session() as s:

@@ -11,12 +11,11 @@ from typing import Any, Iterator
 import pytest
 import redis
 from celery import Celery
+from workers_harness import free_port
 
 from pipeline.settings import Settings
 from workers.broker import SlotReleasingQoS, Transport
 from workers.config import WorkerSettings, celery_config
-
-from workers_harness import free_port
 
 
 @dataclass

@@ -29,7 +29,8 @@ def test_sigkill_the_worker_three_times_every_document_succeeds_exactly_once(red
         done_before = cluster.job_states().get("succeeded", 0)
         cluster.wait_for(f"a job running after {done_before} succeeded (kill {kill + 1})",
                          lambda: cluster.job_states().get("running", 0) > 0
-                         and cluster.job_states().get("succeeded", 0) > done_before, timeout=60, poll=0.05)
+                         and cluster.job_states().get("succeeded", 0) > done_before,  # noqa: B023 - waited on here
+                         timeout=60, poll=0.05)
         cluster.kill(worker, signal.SIGKILL)
         assert worker.popen.returncode == -signal.SIGKILL
         worker = cluster.start_worker("gpu")

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from workers_harness import FLAG_SCHEMA, png
 
 

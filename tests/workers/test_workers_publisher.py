@@ -8,7 +8,7 @@ import time
 from workers.publisher import BackgroundPublisher
 
 
-def wait_for(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"

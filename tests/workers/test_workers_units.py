@@ -11,12 +11,11 @@ from typing import Iterator
 import pytest
 import redis
 from typer.testing import CliRunner
+from workers_harness import FLAG_SCHEMA, png
 
 from pipeline.settings import Settings
 from workers.config import WorkerConfigError, WorkerSettings, celery_config, check_consistency
 from workers.failures import backoff_seconds, is_permanent
-
-from workers_harness import FLAG_SCHEMA, png
 
 
 @pytest.fixture(autouse=True)
@@ -304,10 +303,11 @@ def test_retention_purges_old_finished_documents_and_only_blobs_no_one_else_uses
     import io
 
     from PIL import Image, PngImagePlugin
+    from sqlalchemy import func, select
+
     from pipeline.context import Pipeline
     from pipeline.ingest import ingest_file
     from pipeline.models import Document, Job, Page, Result, utcnow
-    from sqlalchemy import func, select
     from pipeline.retention import purge_older_than
 
     p = Pipeline(Settings(data_dir=tmp_path / "data"))
@@ -348,8 +348,9 @@ def test_a_gpu_worker_whose_engine_cannot_be_built_exits_before_taking_jobs(redi
     import subprocess
     import sys
 
-    from workers.runtime import EXIT_CANNOT_START
     from workers_harness import REPO
+
+    from workers.runtime import EXIT_CANNOT_START
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("DOCPIPE_")}
     env.update(PYTHONPATH=str(REPO), DOCPIPE_DATA_DIR=str(tmp_path / "data"), DOCPIPE_BROKER_URL=redis_url,

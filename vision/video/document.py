@@ -214,7 +214,7 @@ class VideoDocument(MediaDocument):
         for source_index, page in self._decoded(self._plan):
             if page is None:
                 page = self._missing(source_index)
-            elif dedupe is not None and not dedupe.keep(page.image):
+            elif dedupe is not None and page.image is not None and not dedupe.keep(page.image):
                 continue
             page.index = count
             count += 1

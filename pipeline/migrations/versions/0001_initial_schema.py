@@ -1,13 +1,12 @@
 """initial schema: documents, pages, schemas, batches, batch items, jobs, results
 
 Revision ID: 0001
-Revises: 
+Revises:
 """
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 
 revision = '0001'
 down_revision = None
