@@ -6,8 +6,8 @@ would draw for minutes ends the upload with the budget's reason."""
 from __future__ import annotations
 
 import fitz  # PyMuPDF
-import pytest
 import hostile_media as hostile
+import pytest
 from apitest_support import KEY, live_server, test_settings
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 from test_api_hostile import BUDGET, MARGIN_S, SLOW_DEPTH, Probes
