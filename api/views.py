@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 # SQLite returns datetimes without a zone; everything is stored in UTC, so the API says so (`utc`).
-from pipeline.jobs import aware as utc
+from pipeline.leases import aware as utc
 from pipeline.models import Document, Job, Page, Result, Schema
 from pipeline.queries import status_word
 

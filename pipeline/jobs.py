@@ -13,19 +13,17 @@ job run twice (crash, broker redelivery, two workers) ends with exactly one resu
 
 Ownership. Claiming a job increments `runs`; that number is the run's fencing token. Every later write of the
 run checks `runs == token AND state == 'running'`: a run that was taken over stops writing. A running job may
-be taken over when its lease passed, when its owner process (host:pid) is gone from this host, or when the caller
-says `takeover=True` (e.g. a broker redelivery after the worker died). Each claim is charged an attempt; after
-`job_max_attempts` the job is failed with the last error (a poison document never loops). A run that died among
-other runs is refunded and its job runs alone next (see pipeline.attempts): a crash costs only its cause.
+be taken over when its lease passed, when its owner process (host:pid) is gone from this host (pipeline.leases),
+or when the caller says `takeover=True` (e.g. a broker redelivery after the worker died). Each claim is charged an
+attempt; after `job_max_attempts` the job is failed with the last error (a poison document never loops). A run that
+died among other runs is refunded and its job runs alone next (see pipeline.attempts): a crash costs only its cause.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, cast, overload
+from datetime import datetime, timedelta
+from typing import Any, Callable, cast
 
 import jsonschema
 from sqlalchemy import select, update
@@ -44,45 +42,12 @@ from .extraction import (
     sampling_params,
     sampling_record,
 )
+from .leases import aware, run_lapsed, this_owner
 from .merge import UnitData, merge_units
 from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
 from .quotas import JobCap, take_job_slots
 
 DOCUMENT_UNIT = "document"
-
-
-def this_owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def owner_is_dead(owner: str | None) -> bool:
-    """True only when we can tell: the owner ran on this host and its process no longer exists."""
-    if not owner or ":" not in owner:
-        return False
-    host, _, pid_text = owner.rpartition(":")
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-@overload
-def aware(moment: datetime) -> datetime: ...
-@overload
-def aware(moment: None) -> None: ...
-def aware(moment: datetime | None) -> datetime | None:
-    """SQLite hands datetimes back without a zone; we only ever store UTC."""
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment
 
 
 @dataclass
@@ -122,9 +87,8 @@ class _NeedsIsolation(Exception):
 
 
 def _taken_over(takeover: bool, lease: datetime | None, owner: str | None, now: datetime) -> bool:
-    """Whether a `running` job's run may be taken over: asked for, its lease passed, or its owner is gone."""
-    lease = aware(lease)
-    return takeover or lease is None or lease <= now or owner_is_dead(owner)
+    """Whether a `running` job's run may be taken over: asked for, or its run lapsed (pipeline.leases)."""
+    return takeover or run_lapsed(lease, owner, now)
 
 
 def _needs_isolation(p: Pipeline, job_id: int, takeover: bool) -> bool:
@@ -496,8 +460,7 @@ def stale_jobs(p: Pipeline, *, queued_for_s: float) -> list[int]:
     out = []
     for job_id, state, lease, owner, updated in rows:
         if state == JobState.running.value:
-            lease = aware(lease)
-            if lease is None or lease <= now or owner_is_dead(owner):
+            if run_lapsed(lease, owner, now):
                 out.append(job_id)
         elif aware(updated) <= now - timedelta(seconds=queued_for_s):
             out.append(job_id)

@@ -18,7 +18,7 @@ import threading
 import redis
 from redis.exceptions import RedisError
 
-from pipeline.jobs import this_owner
+from pipeline.leases import this_owner
 
 from .markers import PREFIX, reply_text
 

@@ -15,7 +15,7 @@ from test_api_http import assert_problem, random_png, upload
 
 from gpu_engine.params import SamplingParams
 from pipeline import models
-from pipeline.jobs import this_owner
+from pipeline.leases import this_owner
 from pipeline.models import utcnow
 
 PASSWORD = "pw-" + "7f3a9c1e5b"  # distinctive, so a stored copy would be found by a byte search

@@ -114,7 +114,7 @@ def test_a_duplicate_delivery_of_a_job_running_here_does_not_wait_to_be_alone(ma
     from datetime import timedelta
 
     from pipeline.attempts import RUN_GATE
-    from pipeline.jobs import this_owner
+    from pipeline.leases import this_owner
     from pipeline.models import utcnow
 
     p = make_pipeline(client=engine_client)

@@ -401,21 +401,43 @@ def test_owner_is_dead_only_when_this_host_can_tell(monkeypatch: pytest.MonkeyPa
     import subprocess
     import sys
 
-    from pipeline import jobs
+    from pipeline import leases
 
     host = socket.gethostname()
     dead = _dead_pid()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert jobs.owner_is_dead(f"{host}:{dead}") is True
+        assert leases.owner_is_dead(f"{host}:{dead}") is True
         for owner in (None, "", "no-colon", f"{host}:{alive.pid}", f"{host}:{os.getpid()}", f"elsewhere:{dead}",
                       f"{host}:x{dead}", f"{host}:"):
-            assert jobs.owner_is_dead(owner) is False, owner
+            assert leases.owner_is_dead(owner) is False, owner
         monkeypatch.setattr(socket, "gethostname", lambda: "rack:7")  # a host name with a colon in it
-        assert jobs.owner_is_dead(f"rack:7:{dead}") is True and jobs.owner_is_dead(f"rack:7:{alive.pid}") is False
+        assert leases.owner_is_dead(f"rack:7:{dead}") is True and leases.owner_is_dead(f"rack:7:{alive.pid}") is False
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_run_lapses_without_a_lease_past_its_lease_or_with_a_dead_owner() -> None:
+    import random
+    import socket
+    from datetime import timezone
+
+    from pipeline import leases
+
+    now = utcnow()
+    live = leases.this_owner()
+    ahead = timedelta(seconds=random.randint(1, 10**6))
+    assert leases.run_lapsed(None, live, now) is True
+    assert leases.run_lapsed(now - ahead, live, now) is True
+    assert leases.run_lapsed(now, live, now) is True  # a lease ends at its time, not after it
+    assert leases.run_lapsed(now + ahead, live, now) is False
+    assert leases.run_lapsed(now + ahead, f"{socket.gethostname()}:{_dead_pid()}", now) is True
+    # SQLite returns naive datetimes: they are UTC, and compare as such
+    naive = (now + ahead).replace(tzinfo=None)
+    assert leases.aware(naive) == now + ahead and leases.aware(naive).tzinfo is timezone.utc
+    assert leases.run_lapsed(naive, live, now) is False
+    assert leases.aware(None) is None
 
 
 def test_a_failed_run_requeues_until_its_attempts_are_spent_and_an_interrupt_costs_none(make_pipeline: Any) -> None:
