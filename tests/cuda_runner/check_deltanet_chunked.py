@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 from tests.cuda_runner import chunked_delta_emulation as emu
-from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks
+from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks, run_guarded
 
 TOL = 1e-2
 
@@ -64,18 +63,7 @@ class Checker:
         self.results.append(Result(name, "bf16", err, TOL, bool(np.isfinite(err) and err <= TOL), note))
 
     def run(self, case: Case) -> None:
-        mark = self.ctx.arena.mark()
-        try:
-            self._case(case)
-        except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others
-            traceback.print_exc()
-            self.results.append(Result(case.name, "bf16", float("nan"), TOL, False,
-                                       f"{type(exc).__name__}: {exc}"[:200]))
-        finally:
-            try:
-                self.ctx.device.sync()
-            finally:
-                self.ctx.arena.release(mark)
+        run_guarded(self.ctx, self.results, case.name, "bf16", TOL, lambda: self._case(case))
 
     def _case(self, case: Case) -> None:
         from gpu_engine.cuda import deltanet_chunked, ops

@@ -12,13 +12,12 @@ in the cache); several sequences in one launch; block sizes 16 and 64.
 from __future__ import annotations
 
 import sys
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 from tests.cuda_runner import references as ref
-from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks
+from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks, run_guarded
 
 TOL = 1e-2
 
@@ -155,18 +154,14 @@ class FlashChecker:
 
     def run(self, name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
             seqs: list[tuple[int, int]]) -> None:
-        mark = self.ctx.arena.mark()
         label = f"{name} (bs {block_size})"
-        try:
+
+        def one() -> None:
             case = make_case(self.rng, heads, kv_heads, head_dim, block_size, seqs)
             err = rel_err(self.launch(case), expected(case))
             self.results.append(Result(label, "bf16", err, TOL, bool(np.isfinite(err) and err <= TOL)))
-        except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others
-            traceback.print_exc()
-            self.results.append(Result(label, "bf16", float("nan"), TOL, False, f"{type(exc).__name__}: {exc}"[:200]))
-        finally:
-            self.ctx.device.sync()
-            self.ctx.arena.release(mark)
+
+        run_guarded(self.ctx, self.results, label, "bf16", TOL, one)
 
 
 def run_all(seed: int | None = None) -> tuple[list[Result], dict]:

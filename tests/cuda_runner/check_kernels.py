@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from typing import Callable
 
 import numpy as np
 
 from tests.cuda_runner import logits_checks
 from tests.cuda_runner import references as ref
-from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table
+from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
 
 TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
 
@@ -57,18 +56,7 @@ class Checker:
         self.results.append(Result(name, dtype, err, tol, ok, note))
 
     def run(self, name: str, dtype: str, fn: Callable[[str], None]) -> None:
-        mark = self.ctx.arena.mark()
-        try:
-            fn(dtype)
-        except Exception as exc:  # noqa: BLE001 - one broken kernel must not hide the others
-            traceback.print_exc()
-            self.results.append(Result(name, dtype, float("nan"), TOL.get(dtype, 0.0), False,
-                                       f"{type(exc).__name__}: {exc}"[:200]))
-        finally:
-            try:
-                self.ctx.device.sync()
-            finally:
-                self.ctx.arena.release(mark)
+        run_guarded(self.ctx, self.results, name, dtype, TOL.get(dtype, 0.0), lambda: fn(dtype))
 
     # checks ----------------------------------------------------------------------------------------------
     def rmsnorm(self, t: str) -> None:

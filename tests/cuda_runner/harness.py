@@ -5,13 +5,15 @@ info)` (raising CudaUnavailable where there is no GPU) and `format_table(results
 the script: skip with exit 0 without a GPU, print the info and the table, write JSON on request, exit 1 if any
 result failed. check_hf_parity has its own command line (--cpu-harness) and uses the metric and `write_json`.
 The kernel-level checks (check_kernels, check_flash, check_deltanet_chunked) share the `Result` row, its table
-(`result_table`), and check_flash / check_deltanet_chunked the loop around their cases (`run_checks`).
+(`result_table`), the guard around one case (`run_guarded`), and check_flash / check_deltanet_chunked the loop
+around their cases (`run_checks`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -77,6 +79,23 @@ def result_table(results: Sequence[Result], *, width: int = 40, first: str = "ch
     lines.append(f"{sum(r.ok for r in results)}/{len(results) - skipped} passed"
                  + (f", {skipped} skipped" if skipped else ""))
     return "\n".join(lines)
+
+
+def run_guarded(ctx: Any, results: list[Result], name: str, dtype: str, tol: float, fn: Callable[[], None]) -> None:
+    """Run one case `fn` between an arena mark and its release. An exception becomes a failed row `name` (its
+    traceback printed), so one broken kernel does not hide the others; the device is synced and the case's buffers
+    released whatever happens (released even when the sync raises: the next case must not run out of arena)."""
+    mark = ctx.arena.mark()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others
+        traceback.print_exc()
+        results.append(Result(name, dtype, float("nan"), tol, False, f"{type(exc).__name__}: {exc}"[:200]))
+    finally:
+        try:
+            ctx.device.sync()
+        finally:
+            ctx.arena.release(mark)
 
 
 def run_checks(seed: int | None, budget_bytes: int, make_checker: Callable[[Any, np.random.Generator], Any],

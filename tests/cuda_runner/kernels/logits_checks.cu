@@ -6,6 +6,20 @@
 //                  mask [rows, words] of 32-bit words, word i/32, bit i%32.
 #include "common.cuh"
 
+// (best, best_i) across the warp: the largest value, the smallest index among equal ones. Every lane ends with the
+// warp's answer. NaN never compares greater, so it never replaces a number.
+__device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (ov > best || (ov == best && oi < best_i)) {
+            best = ov;
+            best_i = oi;
+        }
+    }
+}
+
 extern "C" __global__ void argmax_f32(int* out, const float* logits, int rows, int vocab) {
     pdl_entry();
     __shared__ float s_val[32];
@@ -22,15 +36,7 @@ extern "C" __global__ void argmax_f32(int* out, const float* logits, int rows, i
             best_i = i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (ov > best || (ov == best && oi < best_i)) {
-            best = ov;
-            best_i = oi;
-        }
-    }
+    warp_argmax(best, best_i);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (lane == 0) {
         s_val[warp] = best;
@@ -40,15 +46,7 @@ extern "C" __global__ void argmax_f32(int* out, const float* logits, int rows, i
     if (warp == 0) {
         best = lane < nwarps ? s_val[lane] : NEG_INF;
         best_i = lane < nwarps ? s_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (ov > best || (ov == best && oi < best_i)) {
-                best = ov;
-                best_i = oi;
-            }
-        }
+        warp_argmax(best, best_i);
         if (lane == 0) out[r] = best_i == 0x7fffffff ? 0 : best_i;  // all -inf/NaN row: token 0, never garbage
     }
 }
