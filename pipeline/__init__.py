@@ -9,7 +9,7 @@ stays cheap):
     ingest_file(p, path_or_bytes_or_stream, name=, schema=, password=, batch_id=) -> IngestOutcome  # + render
     receive_file(p, source, name=, schema=, batch_id=) -> IngestOutcome  # store + sniff only; job renders later
     render_document(p, document_id) -> status           # render a `received` document (ingest queue)
-    ingest_folder(p, folder, schema=, batch_id=, stable_seconds=) -> list[IngestOutcome]
+    iter_folder(p, folder, schema=, batch_id=, stable_seconds=) -> Iterator[IngestOutcome]  # a folder's files
     create_batch(p, source) -> batch id
     run_job(p, job_id, takeover=False) -> JobRun        # idempotent; resumes after a crash
     retry_job(p, job_id); stale_jobs(p, queued_for_s=)  # API retry; reconciler
@@ -29,7 +29,7 @@ _EXPORTS = {
     "Settings": "settings",
     "get_settings": "settings",
     "ingest_file": "ingest",
-    "ingest_folder": "walk",
+    "iter_folder": "walk",
     "create_batch": "ingest",
     "IngestOutcome": "ingest",
     "receive_file": "ingest",

@@ -8,7 +8,7 @@ Two ways in, one set of rows:
 * `ingest_file` — store, sniff *and render* now (the CLI, folder ingestion, the ingest queue's staged files, and
   uploads that carry a PDF password, which is never stored): the document is `ingested` or `failed` on return.
 
-`pipeline.walk.ingest_folder` walks a folder (the CLI, watch folders) through `ingest_file`. Each file's outcome is
+`pipeline.walk.iter_folder` walks a folder (the CLI, watch folders) through `ingest_file`. Each file's outcome is
 recorded — `new` (its job was queued by this intake), `duplicate` (same content, schema and model already had a job: its
 results are reused), `failed` (the file cannot be read; the reason is stored on the document row), or
 `unstable` (folder walks only: still being written, taken on a later walk) — and a bad file never raises. Bad

@@ -75,21 +75,6 @@ def stable_files(folder: Path, stable_seconds: float, excluded: frozenset[str] =
     return stable, unstable
 
 
-def ingest_folder(
-    p: Pipeline,
-    folder: str | os.PathLike[str],
-    *,
-    schema: str | None = None,
-    batch_id: int | None = None,
-    stable_seconds: float | None = None,
-    include: Callable[[Path], bool] | None = None,
-) -> list[IngestOutcome]:
-    """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths);
-    one outcome per file."""
-    return list(iter_folder(p, folder, schema=schema, batch_id=batch_id, stable_seconds=stable_seconds,
-                            include=include))
-
-
 def iter_folder(
     p: Pipeline,
     folder: str | os.PathLike[str],
@@ -99,8 +84,9 @@ def iter_folder(
     stable_seconds: float | None = None,
     include: Callable[[Path], bool] | None = None,
 ) -> Iterator[IngestOutcome]:
-    """`ingest_folder`, one outcome at a time (callers can start a file's job while the next file is read).
-    Argument errors (not a folder, unknown schema) are raised before the first outcome."""
+    """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths), one
+    outcome per file, yielded as each is read (callers can start a file's job while the next is read; `list()` it
+    for all of them). Argument errors (not a folder, unknown schema) are raised by the call itself."""
     root = Path(folder)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")

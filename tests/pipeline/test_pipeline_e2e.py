@@ -25,7 +25,7 @@ from pipeline.jobs import run_job
 from pipeline.processing import process_paths
 from pipeline.queries import batch_items, batch_progress, get_results
 from pipeline.schemas import register_schema
-from pipeline.walk import ingest_folder
+from pipeline.walk import iter_folder
 
 TABLES = (models.Document, models.Page, models.Job, models.Result, models.Schema, models.Batch, models.BatchItem)
 
@@ -233,7 +233,7 @@ def test_unknown_schema_is_refused_before_any_work(make_pipeline: Any, engine_cl
         ingest_file(p, png_bytes(), schema="nope")
     (tmp_path / "in").mkdir()
     with pytest.raises(UnknownSchemaError):
-        ingest_folder(p, tmp_path / "in", schema="nope")
+        iter_folder(p, tmp_path / "in", schema="nope")  # raised by the call, before any outcome
     assert row_counts(p) == before
 
 
@@ -275,11 +275,11 @@ def test_folder_ingestion_skips_files_being_written(make_pipeline: Any, engine_c
 
     writer = threading.Thread(target=finish_writing)
     writer.start()
-    outcomes = ingest_folder(p, folder, stable_seconds=0.6)
+    outcomes = list(iter_folder(p, folder, stable_seconds=0.6))
     writer.join()
     by_name = {o.name: o.outcome for o in outcomes}
     assert by_name == {"a.png": "new", "growing.png": "unstable"}
-    later = {o.name: o.outcome for o in ingest_folder(p, folder, stable_seconds=0.0)}
+    later = {o.name: o.outcome for o in iter_folder(p, folder, stable_seconds=0.0)}
     assert later == {"a.png": "duplicate", "growing.png": "new"}
 
 

@@ -15,7 +15,7 @@ from pipeline.context import Pipeline
 from pipeline.ingest import create_batch
 from pipeline.models import Batch
 from pipeline.storable_text import storable, storable_name
-from pipeline.walk import ingest_folder
+from pipeline.walk import iter_folder
 
 
 def _png() -> bytes:
@@ -44,7 +44,7 @@ def test_a_folder_with_a_non_utf8_file_name_is_ingested(database_url: str, tmp_p
     (folder / "plain.png").write_bytes(_png())
     p = make_pipeline(database_url)
     batch_id = create_batch(p, f"folder:{os.fsdecode(raw)}")
-    outcomes = ingest_folder(p, folder, batch_id=batch_id, stable_seconds=0)
+    outcomes = list(iter_folder(p, folder, batch_id=batch_id, stable_seconds=0))
     assert sorted((o.name, o.outcome) for o in outcomes) == [("plain.png", "new"), ("scan-\ufffd\ufffd.png", "new")]
     with p.db.read_session() as s:
         source = s.get(Batch, batch_id).source  # type: ignore[union-attr]  # the batch exists
