@@ -1,8 +1,14 @@
 """Launcher of kernels/vision_flash.cu: the vision tower's fused segment attention on the tensor cores (bf16).
 
 Same function as vision_ops.vision_attention (bidirectional attention inside consecutive segments of seg_len rows,
-q, k, v read in place from the fused qkv projection), without materialising scores: one block per (64-row query tile
-of a segment, head), keys streamed in steps of KEYS_PER_STEP with an online softmax.
+q, k, v read in place from the fused qkv projection), without materialising scores: one block per (query tile of a
+segment, head), keys streamed in steps with an online softmax.
+
+Variants (VARIANTS: name -> m-tiles per warp, keys per step): "m1" is the first kernel (64 query rows a block, 64 keys
+a step); "m2n32" / "m2n64" give each warp two m-tiles (128 rows a block), so every K / V fragment read from shared
+memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step to stay
+within 255 registers without spills at head_dim 72 / 80 (nvcc -Xptxas -v: 230 / 240 registers; "m2n64" spills there).
+DEFAULT_VARIANT is what the tower uses; head dims without an m2 instantiation (128) run "m1".
 """
 from __future__ import annotations
 
@@ -13,8 +19,11 @@ from .errors import ShapeError
 from .ops import _need
 
 HEAD_DIMS = (64, 72, 80, 128)  # instantiated in kernels/vision_flash.cu
-TILE_ROWS = 64  # query rows per block (VF_ROWS in the kernel: 4 warps x 16)
-KEYS_PER_STEP = 64  # VF_BN in the kernel
+TILE_ROWS = 64  # query rows per block of the m1 variant (VF_ROWS in the kernel: 4 warps x 16)
+KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
+VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32)}  # name -> (m-tiles per warp, keys per step)
+M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
+DEFAULT_VARIANT = "m2n32"
 _PAD = 8  # bf16 elements of padding per shared-memory row (VF_PAD)
 _MAX_GRID_X = 2**31 - 1
 _MAX_HEADS = 65535  # heads are gridDim.y
@@ -25,10 +34,28 @@ def padded_head_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of vision_flash_bf16_hd<head_dim> (VisionFlashShape<HD>::SMEM_BYTES, which the kernel
-    checks): two K and two V buffers of KEYS_PER_STEP rows, each row padded_head_dim + 8 bf16."""
-    return 2 * 4 * KEYS_PER_STEP * (padded_head_dim(head_dim) + _PAD)
+def shared_bytes(head_dim: int, keys: int = KEYS_PER_STEP) -> int:
+    """Dynamic shared memory of a vision_flash kernel (VisionFlashShape<HD, BN>::SMEM_BYTES, which the kernel
+    checks): two K and two V buffers of `keys` rows, each row padded_head_dim + 8 bf16."""
+    return 2 * 4 * keys * (padded_head_dim(head_dim) + _PAD)
+
+
+def resolve_variant(head_dim: int, variant: str | None = None) -> str:
+    """The variant that runs for this head dim: `variant` (DEFAULT_VARIANT when None), "m1" where no m2 kernel
+    exists for head_dim."""
+    name = DEFAULT_VARIANT if variant is None else variant
+    if name not in VARIANTS:
+        raise ShapeError(f"vision_flash variant must be one of {sorted(VARIANTS)}, got {name!r}")
+    return name if name == "m1" or head_dim in M2_HEAD_DIMS else "m1"
+
+
+def kernel_name(head_dim: int, variant: str) -> str:
+    m, keys = VARIANTS[variant]
+    return f"vision_flash_bf16_hd{head_dim}" if m == 1 else f"vision_flash_bf16_hd{head_dim}_m{m}_n{keys}"
+
+
+def tile_rows(variant: str) -> int:
+    return TILE_ROWS * VARIANTS[variant][0]
 
 
 def supported(dtype: str, head_dim: int) -> bool:
@@ -36,16 +63,16 @@ def supported(dtype: str, head_dim: int) -> bool:
     return dtype == "bf16" and head_dim in HEAD_DIMS
 
 
-def tiles_per_segment(seg_len: int) -> int:
-    return -(-seg_len // TILE_ROWS)
+def tiles_per_segment(seg_len: int, rows: int = TILE_ROWS) -> int:
+    return -(-seg_len // rows)
 
 
 def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int, head_dim: int, seg_len: int,
-                           scale: float) -> None:
+                           scale: float, variant: str | None = None) -> None:
     """out [n, heads*head_dim] = softmax(scale * q k^T) v inside each segment of seg_len rows; qkv [n, 3*heads*
     head_dim] bf16 (q | k | v per row). Rows are copied in 16-byte pieces: qkv must be 16-byte aligned (head_dim is
     a multiple of 8, so every head's columns are too) and out 4-byte aligned. scale > 0 (the kernel's running max
-    starts at -inf and is scaled by it)."""
+    starts at -inf and is scaled by it). `variant`: a VARIANTS name (None: DEFAULT_VARIANT, see resolve_variant)."""
     for arr, what in ((out, "out"), (qkv, "qkv")):
         _need(arr, "bf16", f"vision_flash_attention {what}")
     n = qkv.shape[0]
@@ -58,10 +85,11 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
                          f"{head_dim}, seg_len {seg_len} must divide n >= 1, scale {scale} must be > 0")
     if qkv.ptr % 16 or out.ptr % 4:
         raise ShapeError("vision_flash_attention needs a 16-byte aligned qkv and a 4-byte aligned out")
-    tiles = tiles_per_segment(seg_len)
+    name = resolve_variant(head_dim, variant)
+    tiles = tiles_per_segment(seg_len, tile_rows(name))
     blocks = n // seg_len * tiles
     if blocks > _MAX_GRID_X:
         raise ShapeError(f"vision_flash_attention: {blocks} query tiles exceed the grid")
-    ctx.device.launch("vision_flash", f"vision_flash_bf16_hd{head_dim}", (blocks, heads), 128, out.ptr, qkv.ptr,
+    ctx.device.launch("vision_flash", kernel_name(head_dim, name), (blocks, heads), 128, out.ptr, qkv.ptr,
                       np.int32(heads), np.int32(seg_len), np.int32(tiles), np.float32(scale),
-                      shmem=shared_bytes(head_dim))
+                      shmem=shared_bytes(head_dim, VARIANTS[name][1]))

@@ -34,16 +34,17 @@ def random_qkv(rng: np.random.Generator, n: int, heads: int, head_dim: int, spre
     return round_to_bf16(np.concatenate([q, k, v], axis=1).astype(np.float32))
 
 
+@pytest.mark.parametrize("variant", sorted(vision_flash.VARIANTS))
 @pytest.mark.parametrize("head_dim", vision_flash.HEAD_DIMS)
 @pytest.mark.parametrize("seg_len,segments", [(1, 5), (17, 3), (64, 2), (100, 3), (130, 2)])
-def test_emulated_tiling_matches_float64_attention(rng, head_dim, seg_len, segments) -> None:
+def test_emulated_tiling_matches_float64_attention(rng, head_dim, seg_len, segments, variant) -> None:
     heads = 3
     qkv = random_qkv(rng, seg_len * segments, heads, head_dim)
     scale = head_dim ** -0.5
-    got = vision_flash_emulated(qkv, heads, head_dim, seg_len, scale)
+    got = vision_flash_emulated(qkv, heads, head_dim, seg_len, scale, variant=variant)
     assert np.all(np.isfinite(got))
     err = rel_err(got, segment_attention_f64(qkv, heads, head_dim, seg_len, scale))
-    assert err <= 1e-2, f"hd {head_dim} seg {seg_len}: {err:.2e}"
+    assert err <= 1e-2, f"hd {head_dim} seg {seg_len} {variant}: {err:.2e}"
 
 
 def test_emulated_long_segment(rng) -> None:
@@ -77,6 +78,10 @@ def test_host_constants_match_the_kernel_source() -> None:
     pad = define("VF_PAD")
     assert "HDP = (HD + 15) / 16 * 16" in src and "SMEM_BYTES = 2 * 4 * KV_TILE" in src
     assert tuple(int(h) for h in re.findall(r"^DEFINE\((\d+), \d\)$", src, re.MULTILINE)) == vision_flash.HEAD_DIMS
+    m2 = {(int(h), int(k)) for h, k in re.findall(r"^DEFINE2\((\d+), (\d+), \d\)$", src, re.MULTILINE)}
+    keys = {k for m, k in vision_flash.VARIANTS.values() if m == 2}
+    assert m2 == {(hd, k) for hd in vision_flash.M2_HEAD_DIMS for k in keys}
+    assert all(m in (1, 2) for m, _ in vision_flash.VARIANTS.values())  # the kernel instantiates MT 1 and 2
     for hd in vision_flash.HEAD_DIMS:
         assert hd % 8 == 0  # 16-byte row pieces; V is never padded
         assert vision_flash.shared_bytes(hd) == 2 * 4 * vision_flash.KEYS_PER_STEP * (
@@ -99,10 +104,34 @@ class RecordingDevice:
 @pytest.mark.parametrize("n,seg,blocks", [(8192, 4096, 128), (51, 17, 3), (200, 100, 4), (5, 1, 5)])
 def test_launch_grid_and_arguments(n, seg, blocks) -> None:
     ctx = SimpleNamespace(device=RecordingDevice())
-    vision_flash.vision_flash_attention(ctx, arr((n, 16 * 72)), arr((n, 3 * 16 * 72)), 16, 72, seg, 72 ** -0.5)
+    vision_flash.vision_flash_attention(ctx, arr((n, 16 * 72)), arr((n, 3 * 16 * 72)), 16, 72, seg, 72 ** -0.5,
+                                        variant="m1")
     assert ctx.device.calls == [("vision_flash", "vision_flash_bf16_hd72", (blocks, 16), 128,
                                  ["int", "int", "int32", "int32", "int32", "float32"],
                                  vision_flash.shared_bytes(72))]
+
+
+@pytest.mark.parametrize("variant,name,blocks,keys", [
+    ("m2n32", "vision_flash_bf16_hd72_m2_n32", 64, 32), ("m2n64", "vision_flash_bf16_hd72_m2_n64", 64, 64)])
+def test_two_m_tile_variants_launch_128_row_tiles(variant, name, blocks, keys) -> None:
+    ctx = SimpleNamespace(device=RecordingDevice())
+    n, seg = 8192, 4096  # 32 tiles of 128 rows per segment
+    vision_flash.vision_flash_attention(ctx, arr((n, 16 * 72)), arr((n, 3 * 16 * 72)), 16, 72, seg, 72 ** -0.5,
+                                        variant=variant)
+    (call,) = ctx.device.calls
+    assert call[1:3] == (name, (blocks, 16)) and call[5] == vision_flash.shared_bytes(72, keys)
+    assert call[4] == ["int", "int", "int32", "int32", "int32", "float32"]
+
+
+def test_default_variant_and_fallback_to_m1() -> None:
+    ctx = SimpleNamespace(device=RecordingDevice())
+    vision_flash.vision_flash_attention(ctx, arr((200, 16 * 72)), arr((200, 3 * 16 * 72)), 16, 72, 100, 0.1)
+    assert ctx.device.calls[-1][1] == vision_flash.kernel_name(72, vision_flash.DEFAULT_VARIANT)
+    vision_flash.vision_flash_attention(ctx, arr((200, 4 * 128)), arr((200, 3 * 4 * 128)), 4, 128, 100, 0.1)
+    assert ctx.device.calls[-1][1:3] == ("vision_flash_bf16_hd128", (4, 4))  # no m2 kernel at hd 128: 64-row tiles
+    with pytest.raises(ShapeError, match="variant"):
+        vision_flash.vision_flash_attention(ctx, arr((200, 16 * 72)), arr((200, 3 * 16 * 72)), 16, 72, 100, 0.1,
+                                            variant="m3")
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -4,11 +4,13 @@ fused kernel for bf16 towers with a supported head dim (and only there), that th
 buffers (the tower output matches the numpy reference tower), and that "flash" is refused where it cannot run."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from gpu_engine.cuda import vision_flash
 from gpu_engine.cuda.bf16 import round_to_bf16
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.vision import GpuVisionTower
@@ -33,12 +35,15 @@ class FlashFakeDevice(FakeDevice):
             return
         out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
         scale = float(args[5])
-        head_dim = int(name.rsplit("hd", 1)[1])
+        head_dim = int(re.fullmatch(r"vision_flash_bf16_hd(\d+)(_m\d+_n\d+)?", name).group(1))
+        variant = next(v for v in vision_flash.VARIANTS if vision_flash.kernel_name(head_dim, v) == name)
         blocks, grid_heads = grid
-        assert grid_heads == heads and tiles == -(-seg // 64) and blocks % tiles == 0
+        rows = vision_flash.tile_rows(variant)
+        assert grid_heads == heads and tiles == -(-seg // rows) and blocks % tiles == 0
+        assert shmem == vision_flash.shared_bytes(head_dim, vision_flash.VARIANTS[variant][1])
         n = blocks // tiles * seg
         values = self.read(qkv, n * 3 * heads * head_dim, "bf16").reshape(n, -1)
-        self.write(out, vision_flash_emulated(values, heads, head_dim, seg, scale), "bf16")
+        self.write(out, vision_flash_emulated(values, heads, head_dim, seg, scale, variant=variant), "bf16")
 
 
 def flash_context(nbytes: int = 64 << 20):
@@ -68,7 +73,7 @@ def test_bf16_tower_runs_flash_and_matches_reference(mode: str) -> None:
         got = ctx.to_host(out)
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert np.all(np.isfinite(got)) and err <= 1e-2, (grid, err)
-        assert ctx.device.attention_launches == ["vision_flash_bf16_hd72"] * cfg.depth
+        assert ctx.device.attention_launches == [vision_flash.kernel_name(72, vision_flash.DEFAULT_VARIANT)] * cfg.depth
         ctx.arena.release(mark)
 
 

@@ -18,14 +18,16 @@ LOG2E = 1.4426950408889634
 
 
 def vision_flash_emulated(qkv: np.ndarray, heads: int, head_dim: int, seg_len: int, scale: float, *,
-                          mask_tail: bool = True, pad_with: float = 0.0) -> np.ndarray:
+                          mask_tail: bool = True, pad_with: float = 0.0, variant: str = "m1") -> np.ndarray:
     """qkv [n, 3*heads*head_dim] (bf16 values as float32) -> out [n, heads*head_dim] (bf16 values as float32).
-    mask_tail=False and pad_with != 0 break the kernel's rules on purpose (the tests show those would be caught)."""
+    mask_tail=False and pad_with != 0 break the kernel's rules on purpose (the tests show those would be caught).
+    `variant` (vision_flash.VARIANTS) sets the query tile rows and the keys per step."""
     n = qkv.shape[0]
-    hdp, rows, bn = vision_flash.padded_head_dim(head_dim), vision_flash.TILE_ROWS, vision_flash.KEYS_PER_STEP
+    hdp, rows = vision_flash.padded_head_dim(head_dim), vision_flash.tile_rows(variant)
+    bn = vision_flash.VARIANTS[variant][1]
     assert n % seg_len == 0
     view = qkv.astype(np.float32).reshape(n, 3, heads, head_dim)
-    padded_rows = vision_flash.tiles_per_segment(seg_len) * rows
+    padded_rows = vision_flash.tiles_per_segment(seg_len, rows) * rows
     sl = np.float32(scale * LOG2E)
     out = np.full((n, heads, head_dim), np.nan, np.float32)  # poisoned: every stored row must be written
     for s0 in range(0, n, seg_len):

@@ -28,24 +28,24 @@
 #define VF_BN 64       // keys per step; vision_flash.KEYS_PER_STEP must match
 #define VF_PAD 8       // bf16 elements of padding per shared-memory row (16 bytes)
 
-template <int HD> struct VisionFlashShape {
+template <int HD, int BN = VF_BN> struct VisionFlashShape {
     static constexpr int HDP = (HD + 15) / 16 * 16;   // Q K^T width (zero-padded)
     static constexpr int LD = HDP + VF_PAD;           // shared row stride, elements
-    static constexpr int KV_TILE = VF_BN * LD;        // elements of one K (or V) buffer
+    static constexpr int KV_TILE = BN * LD;           // elements of one K (or V) buffer
     static constexpr int SMEM_BYTES = 2 * 4 * KV_TILE;  // K[2] + V[2]: must equal vision_flash.shared_bytes(HD)
 };
 
 // Async copy of key rows [key0, key0 + VF_BN) of one head into K/V buffers at ks/vs (shared addresses).
 // Rows at or past `keys` (the segment's key count) and K's padded columns are zero-filled.
-template <int HD>
+template <int HD, int BN>
 __device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_t* k_head, const bf16_t* v_head,
                                            long long row_stride, int key0, int keys) {
-    using S = VisionFlashShape<HD>;
+    using S = VisionFlashShape<HD, BN>;
     constexpr int K_CHUNKS = S::HDP / 8, V_CHUNKS = HD / 8;   // 16-byte pieces per row
 #pragma unroll
-    for (int i = 0; i < (VF_BN * K_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
+    for (int i = 0; i < (BN * K_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
         const int c = threadIdx.x + i * VF_THREADS;
-        if (c < VF_BN * K_CHUNKS) {
+        if (c < BN * K_CHUNKS) {
             const int r = c / K_CHUNKS, d8 = (c % K_CHUNKS) * 8;
             const bool valid = key0 + r < keys && d8 < HD;
             const bf16_t* src = k_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
@@ -53,9 +53,9 @@ __device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_
         }
     }
 #pragma unroll
-    for (int i = 0; i < (VF_BN * V_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
+    for (int i = 0; i < (BN * V_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
         const int c = threadIdx.x + i * VF_THREADS;
-        if (c < VF_BN * V_CHUNKS) {
+        if (c < BN * V_CHUNKS) {
             const int r = c / V_CHUNKS, d8 = (c % V_CHUNKS) * 8;
             const bool valid = key0 + r < keys;
             const bf16_t* src = v_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
@@ -64,55 +64,63 @@ __device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_
     }
 }
 
-template <int HD>
+template <int HD, int MT, int BN>
 __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg,
                                   float scale) {
-    using S = VisionFlashShape<HD>;
-    constexpr int LD = S::LD, KSTEPS = S::HDP / 16, NT_S = VF_BN / 8, NT_O = HD / 8;
+    using S = VisionFlashShape<HD, BN>;
+    constexpr int LD = S::LD, KSTEPS = S::HDP / 16, NT_S = BN / 8, NT_O = HD / 8;
+    constexpr int ROWS = VF_ROWS * MT;   // query rows per block: 4 warps x MT m-tiles of 16
     extern __shared__ __align__(16) bf16_t smem[];
 
     pdl_entry();
     if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
 
     const int h = blockIdx.y;
-    const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * VF_ROWS;
+    const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * ROWS;
     const long long seg_first = (long long)segment * seg_len;   // first row of the segment
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const long long width = (long long)heads * HD, row_stride = 3 * width;
     const float sl = scale * 1.4426950408889634f;   // scores -> exp2 domain
 
-    // this warp's rows g and g+8 (segment-relative query indices); rows past the segment are zero queries
-    const int ra = q0 + warp * 16 + g, rb = ra + 8;
-    const bool va = ra < seg_len, vb = rb < seg_len;
-
     const bf16_t* k_head = qkv + seg_first * row_stride + width + (long long)h * HD;
     const bf16_t* v_head = qkv + seg_first * row_stride + 2 * width + (long long)h * HD;
     const unsigned ks_base = smem_addr(smem), vs_base = ks_base + (unsigned)(2 * S::KV_TILE * 2);
 
-    const int n_kt = (seg_len + VF_BN - 1) / VF_BN;
-    vf_load_kv<HD>(ks_base, vs_base, k_head, v_head, row_stride, 0, seg_len);
+    const int n_kt = (seg_len + BN - 1) / BN;
+    vf_load_kv<HD, BN>(ks_base, vs_base, k_head, v_head, row_stride, 0, seg_len);
     cp_async_commit();
 
-    // Q A-fragments: dims kk*16 + 2*tig (+1) and +8; pairs at or past HD are the zero padding
-    unsigned qa[KSTEPS][4];
-    {
+    // m-tile mt of this warp: rows g and g+8 of its 16 (segment-relative query indices); rows past the segment are
+    // zero queries. Q A-fragments: dims kk*16 + 2*tig (+1) and +8; pairs at or past HD are the zero padding.
+    // MT > 1: each K / V fragment read from shared memory feeds MT mma (half the ldmatrix traffic per mma at MT 2),
+    // and the block's key tiles serve twice the query rows (half the L2 traffic).
+    unsigned qa[MT][KSTEPS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = q0 + (warp * MT + mt) * 16 + g, rb = ra + 8;
+        const bool va = ra < seg_len, vb = rb < seg_len;
         const unsigned* qra = (const unsigned*)(qkv + (seg_first + (va ? ra : 0)) * row_stride + (long long)h * HD);
         const unsigned* qrb = (const unsigned*)(qkv + (seg_first + (vb ? rb : 0)) * row_stride + (long long)h * HD);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const bool lo_in = kk * 16 + 8 <= HD, hi_in = kk * 16 + 16 <= HD;   // compile-time per kk
-            qa[kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
-            qa[kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
-            qa[kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
-            qa[kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
+            qa[mt][kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
+            qa[mt][kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
+            qa[mt][kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
+            qa[mt][kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
         }
     }
 
-    float o[NT_O][4];
+    float o[MT][NT_O][4];
+    float m_a[MT], m_b[MT], l_a[MT], l_b[MT];
 #pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+        m_a[mt] = m_b[mt] = NEG_INF;
+        l_a[mt] = l_b[mt] = 0.0f;
+    }
 
     // per-lane ldmatrix offsets (elements within a buffer)
     const int mat = lane >> 3, mrow = lane & 7;
@@ -120,10 +128,10 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
     const int v_lane = ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;   // V: (keys lo, hi) x 2 dim n-tiles
 
     for (int j = 0; j < n_kt; ++j) {
-        const int kt = j * VF_BN, buf = j & 1;
+        const int kt = j * BN, buf = j & 1;
         if (j + 1 < n_kt) {
             const unsigned next = (unsigned)((buf ^ 1) * S::KV_TILE * 2);
-            vf_load_kv<HD>(ks_base + next, vs_base + next, k_head, v_head, row_stride, kt + VF_BN, seg_len);
+            vf_load_kv<HD, BN>(ks_base + next, vs_base + next, k_head, v_head, row_stride, kt + BN, seg_len);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -133,79 +141,111 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
         const unsigned buf_off = (unsigned)(buf * S::KV_TILE * 2);
         const unsigned k_buf = ks_base + buf_off, v_buf = vs_base + buf_off;
 
-        // ---- scores: 16 rows x VF_BN keys
-        float s[NT_S][4];
+        // ---- scores: MT x 16 rows x BN keys
+        float s[MT][NT_S][4];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
             for (int np = 0; np < NT_S / 2; ++np) {
                 unsigned b[4];
                 ldsm_x4(b, k_buf + (unsigned)((k_lane + np * 16 * LD + kk * 16) * 2));
-                mma_bf16(s[2 * np], qa[kk], b[0], b[1]);
-                mma_bf16(s[2 * np + 1], qa[kk], b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * np], qa[mt][kk], b[0], b[1]);
+                    mma_bf16(s[mt][2 * np + 1], qa[mt][kk], b[2], b[3]);
+                }
             }
         }
 
         // ---- keys past the segment end (last tile only), row maxima
-        if (kt + VF_BN > seg_len) {
+        if (kt + BN > seg_len) {
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    if (kt + nt * 8 + tig * 2 + c >= seg_len) {
-                        s[nt][c] = NEG_INF;
-                        s[nt][2 + c] = NEG_INF;
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        if (kt + nt * 8 + tig * 2 + c >= seg_len) {
+                            s[mt][nt][c] = NEG_INF;
+                            s[mt][nt][2 + c] = NEG_INF;
+                        }
                     }
-                }
         }
         // mx is finite: key tile 0 holds the segment's first key (m = -inf only before it, where corr is 0)
-        float base_a, base_b;
-        softmax_rescale<false>(s, sl, m_a, m_b, l_a, l_b, o, base_a, base_b);
+        float base_a[MT], base_b[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            softmax_rescale<false>(s[mt], sl, m_a[mt], m_b[mt], l_a[mt], l_b[mt], o[mt], base_a[mt], base_b[mt]);
         // ---- P (bf16 A fragments: score n-tiles 2k, 2k+1 make k-step k) and O += P V
 #pragma unroll
-        for (int k2 = 0; k2 < VF_BN / 16; ++k2) {
-            unsigned pf[4];
-            softmax_p_fragment(s, k2, sl, base_a, base_b, l_a, l_b, pf);
+        for (int k2 = 0; k2 < BN / 16; ++k2) {
+            unsigned pf[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                softmax_p_fragment(s[mt], k2, sl, base_a[mt], base_b[mt], l_a[mt], l_b[mt], pf[mt]);
 #pragma unroll
             for (int dp = 0; dp < NT_O / 2; ++dp) {
                 unsigned b[4];
                 ldsm_x4_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + dp * 16) * 2));
-                mma_bf16(o[2 * dp], pf, b[0], b[1]);
-                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][2 * dp], pf[mt], b[0], b[1]);
+                    mma_bf16(o[mt][2 * dp + 1], pf[mt], b[2], b[3]);
+                }
             }
             if constexpr (NT_O % 2) {   // the last 8 dims (HD % 16 == 8): lanes 0-15 address keys lo, hi
                 unsigned b[2];
                 ldsm_x2_trans(b, v_buf + (unsigned)((v_lane + k2 * 16 * LD + (NT_O - 1) * 8) * 2));
-                mma_bf16(o[NT_O - 1], pf, b[0], b[1]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_bf16(o[mt][NT_O - 1], pf[mt], b[0], b[1]);
             }
         }
         __syncthreads();  // this buffer is refilled by the next iteration's copy
     }
 
     // ---- normalise, store
-    softmax_row_sums(l_a, l_b);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        if (!(half ? vb : va)) continue;
-        const long long tok = seg_first + (half ? rb : ra);
-        const float inv_l = 1.0f / (half ? l_b : l_a);
-        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
+    for (int mt = 0; mt < MT; ++mt) {
+        softmax_row_sums(l_a[mt], l_b[mt]);
+        const int ra = q0 + (warp * MT + mt) * 16 + g, rb = ra + 8;
 #pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt)
-            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
+        for (int half = 0; half < 2; ++half) {
+            if ((half ? rb : ra) >= seg_len) continue;
+            const long long tok = seg_first + (half ? rb : ra);
+            const float inv_l = 1.0f / (half ? l_b[mt] : l_a[mt]);
+            unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt)
+                oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[mt][nt][half * 2] * inv_l, o[mt][nt][half * 2 + 1] * inv_l);
+        }
     }
 }
 
-// blocks per SM the register budget is sized for: 3 keeps hd <= 80 spill-free (168 registers), 2 for hd 128
+// MT = 1 (64 query rows a block): blocks per SM the register budget is sized for: 3 keeps hd <= 80 spill-free
+// (168 registers), 2 for hd 128. MT = 2 (128 rows a block, the tower's default where instantiated): 2 blocks.
 #define DEFINE(HD, MIN_BLOCKS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(VF_THREADS, MIN_BLOCKS) vision_flash_bf16_hd##HD(                \
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {                \
-        vision_flash_impl<HD>(out, qkv, heads, seg_len, tiles_per_seg, scale);                                    \
+        vision_flash_impl<HD, 1, VF_BN>(out, qkv, heads, seg_len, tiles_per_seg, scale);                                 \
+    }
+#define DEFINE2(HD, BN, MIN_BLOCKS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(VF_THREADS, MIN_BLOCKS) vision_flash_bf16_hd##HD##_m2_n##BN(     \
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {                \
+        vision_flash_impl<HD, 2, BN>(out, qkv, heads, seg_len, tiles_per_seg, scale);                                 \
     }
 DEFINE(64, 3)
 DEFINE(72, 3)
 DEFINE(80, 3)
 DEFINE(128, 2)
+DEFINE2(64, 64, 2)
+DEFINE2(72, 64, 2)
+DEFINE2(80, 64, 2)
+DEFINE2(64, 32, 2)
+DEFINE2(72, 32, 2)
+DEFINE2(80, 32, 2)
 #undef DEFINE
+#undef DEFINE2
