@@ -22,7 +22,8 @@ from pipeline.attempts import render_for_job_capped
 from pipeline.context import Pipeline
 from pipeline.dispatch import broker_dispatcher
 from pipeline.jobs import run_job, stale_jobs
-from pipeline.models import Document, Job, JobState
+from pipeline.models import Job, JobState
+from pipeline.render_owner import render_owner
 from pipeline.settings import Settings
 
 from .auth import Gate, KeyRing
@@ -76,11 +77,9 @@ def limits_from_settings(settings: Settings) -> ApiLimits:
 
 
 def job_owner(pipeline: Pipeline, job_id: int) -> str:
-    """Whose job this is, for the embedded runner's fair queue: its document's tenant. (The one place that
-    decides what "owner" means for render fairness; the runner only compares the labels.)"""
-    with pipeline.db.read_session() as s:
-        return s.scalar(select(Document.tenant).join(Job, Job.document_id == Document.id)
-                        .where(Job.id == job_id)) or ""
+    """Whose job this is, for the embedded runner's fair queue: the API key that uploaded its document, else
+    its tenant (pipeline.render_owner decides; the runner only compares the labels)."""
+    return render_owner(pipeline, job_id).lane
 
 
 def _job_runner(pipeline: Pipeline) -> JobRunner:

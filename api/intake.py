@@ -126,7 +126,7 @@ def _take_in(ctx: ApiContext, f: SpooledFile, schema: str | None, password: str 
         return ingest_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, password=password,
                            batch_id=batch_id, tenant=tenant, cap=cap)
     return receive_file(ctx.pipeline, spooled, name=_display_name(f), schema=schema, batch_id=batch_id,
-                        tenant=tenant, cap=cap)
+                        tenant=tenant, cap=cap, key_id=who.key_id if who.authenticated else None)
 
 
 def _unreadable(out: IngestOutcome) -> ApiError:

@@ -198,7 +198,8 @@ def _received_fields(sniffed: Sniffed) -> dict[str, Any]:
 def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sniffed | None = None,
                     rendered: Rendered | None = None, error: Exception | None = None,
                     schema_id: int | None = None, tenant: str = DEFAULT_TENANT,
-                    cap: JobCap | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
+                    cap: JobCap | None = None,
+                    key_id: str | None = None) -> tuple[int, list[int], tuple[int, bool] | None]:
     """Insert (or, for a previously failed file, refresh) the document row: `received` when only `sniffed`,
     else the render's outcome (`ingested` with pages, or `failed` with `error`). With `schema_id`, the job is got
     or created in the same transaction (one commit per upload instead of two). Returns (document id, ids of the
@@ -215,7 +216,7 @@ def _store_document(p: Pipeline, sha: str, size: int, name: str, *, sniffed: Sni
             try:
                 with _savepoint(p, s):
                     doc = Document(sha256=sha, tenant=tenant, original_name=name[:1024], size_bytes=size,
-                                   **received)
+                                   uploaded_by=key_id, **received)
                     s.add(doc)
                     s.flush()
             except IntegrityError:  # the other intake committed first (PostgreSQL; SQLite serialises writers)
@@ -350,11 +351,13 @@ def receive_file(
     batch_id: int | None = None,
     tenant: str = DEFAULT_TENANT,
     cap: JobCap | None = None,
+    key_id: str | None = None,
 ) -> IngestOutcome:
     """Store and sniff one file, then get or create its job, without rendering: the document is `received` (or
     known already) and the job `queued`. A file whose magic bytes are not an accepted type is refused here
     (`failed`, no job). Raises for bad arguments or configuration before any work, QuotaExceededError when a new
-    job would pass `cap`; whatever raises after the bytes were stored leaves no blob that no row names.
+    job would pass `cap`; whatever raises after the bytes were stored leaves no blob that no row names. `key_id`:
+    the uploading API key's id, stored on a new document (render fairness is per key).
 
     This is an HTTP upload's whole cost: new bytes and known usable bytes take one write transaction; only a
     refused file or a previously failed document takes the longer way (`_store_document`)."""
@@ -366,7 +369,7 @@ def receive_file(
     except (OSError, vision.MediaError) as exc:  # unreadable source, or larger than the limit: nothing stored
         return _failed(p, batch_id, label, exc, started)
     try:
-        return _receive_stored(p, source, sha, size, label, schema, named, batch_id, tenant, cap, started)
+        return _receive_stored(p, source, sha, size, label, schema, named, batch_id, tenant, cap, started, key_id)
     except Exception:
         drop_unreferenced(p, {sha})  # a failed or refused upload leaves no blob behind
         raise
@@ -374,24 +377,24 @@ def receive_file(
 
 def _receive_stored(p: Pipeline, source: Source, sha: str, size: int, label: str, schema: str | None,
                     named: SchemaRef | None, batch_id: int | None, tenant: str, cap: JobCap | None,
-                    started: float) -> IngestOutcome:
-    """`receive_file` once the bytes are in the blob store: sniff, then the rows."""
+                    started: float, key_id: str | None = None) -> IngestOutcome:
+    """`receive_file` once the bytes are in the blob store: sniff, then the rows (`key_id`: the uploader's)."""
     sniffed: Sniffed | None = None
     refusal: vision.MediaError | None = None
     try:
         sniffed = _sniff_original(p, source, sha, size, label)
     except vision.MediaError as exc:
         refusal = exc
-    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named, tenant, cap)
+    out = _receive_usable_or_new(p, sha, size, label, sniffed, schema, named, tenant, cap, key_id)
     if out is None and sniffed is None:
         assert refusal is not None
-        document_id, _, _ = _store_document(p, sha, size, label, error=refusal, tenant=tenant)
+        document_id, _, _ = _store_document(p, sha, size, label, error=refusal, tenant=tenant, key_id=key_id)
         return _failed(p, batch_id, label, refusal, started, document_id)
     if out is None:  # a failed document read again
         assert sniffed is not None
         schema_id = (named or schema_ref(p, resolve_schema_name(p, schema, sniffed.kind), tenant)).id
         document_id, requeued, job = _store_document(p, sha, size, label, sniffed=sniffed, schema_id=schema_id,
-                                                     tenant=tenant, cap=cap)
+                                                     tenant=tenant, cap=cap, key_id=key_id)
         assert job is not None
         out = IngestOutcome(label, "new" if job[1] or job[0] in requeued else "duplicate", document_id=document_id,
                             job_id=job[0], known=True)
@@ -408,7 +411,7 @@ _INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
 
 def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed: Sniffed | None,
                            schema: str | None, named: SchemaRef | None, tenant: str,
-                           cap: JobCap | None) -> IngestOutcome | None:
+                           cap: JobCap | None, key_id: str | None = None) -> IngestOutcome | None:
     """In one write transaction: the job of a known usable document (got or created), or a new `received`
     document with its `queued` job (Core INSERTs: no ORM unit of work for two plain rows). None when these
     bytes need `_store_document`: a failed document, or no document and a refused file. `named`: the schema
@@ -437,7 +440,7 @@ def _receive_usable_or_new(p: Pipeline, sha: str, size: int, label: str, sniffed
                 with _savepoint(p, conn):  # on the connection: a Session savepoint starts only with its next use
                     document = dict(conn.execute(_INSERT_DOCUMENT, {
                         "sha256": sha, "tenant": tenant, "original_name": label[:1024], "size_bytes": size,
-                        **_received_fields(sniffed)}).one()._mapping)
+                        "uploaded_by": key_id, **_received_fields(sniffed)}).one()._mapping)
             except IntegrityError:
                 continue
             job = dict(conn.execute(_INSERT_JOB, {"document_id": document["id"], "schema_id": job_schema.id,

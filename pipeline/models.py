@@ -65,6 +65,9 @@ class Document(Base):
     media_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     # MuPDF had to rebuild a damaged file (e.g. truncated): its pages may be incomplete or missing
     repaired: Mapped[bool] = mapped_column(Boolean, default=False)
+    # the id (api.auth.key_id, never the key) of the API key that uploaded it; None from the CLI, watch folders,
+    # staged submissions and an API without keys. Render fairness is per key (api.fair_queue, workers.render_slots)
+    uploaded_by: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
     pages: Mapped[list[Page]] = relationship(
