@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,11 +247,11 @@ def _hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], params: byte
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
 class ImageProcessor:
     """Still images -> patches (the image is repeated to fill one temporal patch), like Qwen2VLImageProcessor."""
 
-    def __init__(self, params: _PixelParams) -> None:
-        self.params = params
+    params: _PixelParams
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "preprocessor_config.json") -> ImageProcessor:
@@ -284,31 +284,24 @@ class ImageProcessor:
         return ProcessedImage(pixel_values, grid, _hash(pixel_values, grid, p.fingerprint("image")))
 
 
+@dataclass(frozen=True)
 class VideoProcessor:
-    """Video frames -> frame groups of patches + timestamps, like Qwen3VLVideoProcessor."""
+    """Video frames -> frame groups of patches + timestamps, like Qwen3VLVideoProcessor. The fields are the
+    video_preprocessor_config.json keys of the same names; sampling by `fps` and by `num_frames` exclude each other."""
 
-    def __init__(
-        self,
-        params: _PixelParams,
-        *,
-        fps: float | None = 2.0,
-        num_frames: int | None = None,
-        min_frames: int = 4,
-        max_frames: int = 768,
-        do_sample_frames: bool = True,
-        cap_pixels_per_frame: bool = False,
-        max_video_tokens: int = 768,
-    ) -> None:
-        if do_sample_frames and fps is not None and num_frames is not None:
+    params: _PixelParams
+    _: KW_ONLY
+    fps: float | None = 2.0
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    do_sample_frames: bool = True
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+    def __post_init__(self) -> None:
+        if self.do_sample_frames and self.fps is not None and self.num_frames is not None:
             raise ProcessorError("video processor config sets both fps and num_frames; they are mutually exclusive")
-        self.params = params
-        self.fps = fps
-        self.num_frames = num_frames
-        self.min_frames = min_frames
-        self.max_frames = max_frames
-        self.do_sample_frames = do_sample_frames
-        self.cap_pixels_per_frame = cap_pixels_per_frame
-        self.max_video_tokens = max_video_tokens
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "video_preprocessor_config.json") -> VideoProcessor:

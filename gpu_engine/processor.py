@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,31 +121,31 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dic
     return normalized, media
 
 
+@dataclass(eq=False)  # identity, as before: two processors are the same only if they are one object
 class Processor:
     """Messages (or token ids) -> ProcessedPrompt: expanded token ids, M-RoPE positions and vision items."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        image_processor: ImageProcessor,
-        video_processor: VideoProcessor,
-        *,
-        image_token_id: int,
-        video_token_id: int,
-        spatial_merge_size: int,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.video_processor = video_processor
-        self.image_token_id = image_token_id
-        self.video_token_id = video_token_id
-        self.spatial_merge_size = spatial_merge_size
-        image_token, video_token = tokenizer.id_to_token(image_token_id), tokenizer.id_to_token(video_token_id)
+    tokenizer: Tokenizer
+    image_processor: ImageProcessor
+    video_processor: VideoProcessor
+    _: KW_ONLY
+    image_token_id: int
+    video_token_id: int
+    spatial_merge_size: int
+    # the placeholder and vision start/end strings, looked up in the vocabulary at construction
+    image_token: str = field(init=False)
+    video_token: str = field(init=False)
+    vision_start_token: str = field(init=False)
+    vision_end_token: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        tokenizer = self.tokenizer
+        image_token = tokenizer.id_to_token(self.image_token_id)
+        video_token = tokenizer.id_to_token(self.video_token_id)
         if image_token is None or video_token is None:  # fail early, as for the vision start/end tokens below
-            raise TokenizerError(f"image_token_id {image_token_id} or video_token_id {video_token_id} is not in the "
-                                 "vocabulary")
-        self.image_token: str = image_token
-        self.video_token: str = video_token
+            raise TokenizerError(f"image_token_id {self.image_token_id} or video_token_id {self.video_token_id} is "
+                                 "not in the vocabulary")
+        self.image_token, self.video_token = image_token, video_token
         self.vision_start_token = tokenizer.special_tokens.get("vision_bos_token", "<|vision_start|>")
         self.vision_end_token = tokenizer.special_tokens.get("vision_eos_token", "<|vision_end|>")
         tokenizer.token_to_id(self.vision_start_token)  # fail early if the vocabulary lacks them

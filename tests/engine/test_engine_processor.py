@@ -611,6 +611,36 @@ def test_missing_processor_config(tmp_path: Path) -> None:
         Processor.from_pretrained(tmp_path)
 
 
+def test_video_config_with_both_fps_and_num_frames(tmp_path: Path) -> None:
+    """Sampling by rate and by count exclude each other (transformers raises too); without sampling both may stay."""
+    from gpu_engine.preprocessing import VideoProcessor
+
+    _write_folder(tmp_path)
+    cfg = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    count = int(np.random.default_rng().integers(4, 64))
+    cfg.update(fps=2.0, num_frames=count)
+    with pytest.raises(ProcessorError, match="both fps and num_frames"):
+        VideoProcessor.from_dict(cfg)
+    cfg.update(do_sample_frames=False)
+    unsampled = VideoProcessor.from_dict(cfg)
+    assert (unsampled.num_frames, unsampled.do_sample_frames) == (count, False)
+    assert list(unsampled.sample_indices(count + 3, 30.0)) == list(range(count + 3))  # every frame, no sampling
+
+
+def test_placeholder_ids_outside_the_vocabulary(ours: Processor) -> None:
+    from gpu_engine.tokenizer import TokenizerError
+
+    outside = ours.tokenizer.vocab_size + int(np.random.default_rng().integers(0, 1000))
+    for image_id, video_id in ((outside, ours.video_token_id), (ours.image_token_id, outside)):
+        with pytest.raises(TokenizerError, match=f"{outside}.*not in the vocabulary"):
+            Processor(ours.tokenizer, ours.image_processor, ours.video_processor, image_token_id=image_id,
+                      video_token_id=video_id, spatial_merge_size=ours.spatial_merge_size)
+    again = Processor(ours.tokenizer, ours.image_processor, ours.video_processor, image_token_id=ours.image_token_id,
+                      video_token_id=ours.video_token_id, spatial_merge_size=ours.spatial_merge_size)
+    assert (again.image_token, again.video_token) == (ours.image_token, ours.video_token) == ("<|image_pad|>",
+                                                                                            "<|video_pad|>")
+
+
 def test_model_config_disagreement(folder: Path, ours: Processor) -> None:
     vision = types.SimpleNamespace(spatial_merge_size=MERGE)
     wrong_ids = types.SimpleNamespace(image_token_id=1, video_token_id=2, vision=vision)
