@@ -4,7 +4,8 @@ Intake has two halves. Receiving (`pipeline.ingest.receive_file`) is cheap and r
 request): store the bytes, sniff the type by magic bytes, write a `received` document and a `queued` job.
 Rendering (`render_document`, here) costs 16-32 ms of CPU per page, in an isolated render process under the
 budgets of `vision.MediaLimits` (a page over `page_render_timeout_s` fails alone; a document past
-`document_render_timeout_s` keeps the pages it has, or fails when it has none). It runs in the job's own time:
+`document_render_timeout_s` keeps the pages it has, or fails when it has none; a document none of whose pages
+rendered fails with its first page's reason). It runs in the job's own time:
 on the `ingest` queue in broker mode, in the job thread in embedded mode, and `run_job` renders a still-`received`
 document itself before claiming the job, so no path can skip it.
 
@@ -56,8 +57,9 @@ class Rendered:
 def render_pages(p: Pipeline, path: Path, name: str, password: str | None) -> Rendered:
     """Render every page; PNG encoding and blob writes run on a small thread pool (zlib releases the GIL) so the
     next page renders meanwhile. At most `_ENCODE_AHEAD` encoded-but-unstored pages are held at once.
-    Raises `vision.MediaError` for an unreadable file."""
+    Raises `vision.MediaError` for an unreadable file, and for a file none of whose pages rendered."""
     pages: list[dict[str, Any]] = []
+    first_error: vision.MediaError | None = None
 
     def store(image: Any) -> str:
         key = p.blobs.put_bytes(png_bytes(image), durable=False)  # derived: re-renderable from the original
@@ -81,6 +83,8 @@ def render_pages(p: Pipeline, path: Path, name: str, password: str | None) -> Re
                                    "error": str(page.error) if page.error else None,
                                    "blob": None, "width": None, "height": None, "text": page.text}
             future = None
+            if first_error is None and page.error is not None:
+                first_error = page.error
             if page.ok and page.image is not None:
                 row["width"], row["height"] = page.image.size
                 future = pool.submit(store, page.image)
@@ -89,8 +93,19 @@ def render_pages(p: Pipeline, path: Path, name: str, password: str | None) -> Re
                 finish(*pending.popleft())
         while pending:
             finish(*pending.popleft())
+        if pages and not any(pg["blob"] for pg in pages):
+            raise _nothing_rendered(name, len(pages), first_error)
         metadata = json.loads(json.dumps(doc.metadata, default=str))  # plain JSON for the database
         return Rendered(kind=doc.kind, media_type=doc.media_type, metadata=metadata, pages=pages)
+
+
+def _nothing_rendered(name: str, count: int, first: vision.MediaError | None) -> vision.MediaError:
+    """A document without a single rendered page is unreadable, like one past its budget with none: there is
+    nothing to extract from, and a password upload could not render it again later. Its reason is the first page's,
+    with that page's error class (a page stopped at its budget is a `RenderTimeoutError`)."""
+    if first is None:
+        return vision.CorruptMediaError(f"{name} has no page that could be rendered; export it again.")
+    return type(first)(f"none of the {count} pages of {name} could be rendered; the first one's reason: {first}")
 
 
 def try_render(p: Pipeline, path: Path, name: str, password: str | None) -> tuple[Rendered | None, Exception | None]:

@@ -56,6 +56,17 @@ def test_drawing_work_over_the_cap_fails_the_page_without_drawing_it(make_pipeli
     assert pages[0].error is None and "max_page_draw_ops" in (pages[1].error or "")
 
 
+def test_a_document_none_of_whose_pages_rendered_fails_with_the_first_pages_reason(make_pipeline: Any) -> None:
+    p = make_pipeline()  # default budgets: the count refuses every page, none is drawn, the budgets are unspent
+    out = receive_file(p, hostile.nested_xobject_pdf(3, 7, 10), name="all-forms.pdf")
+    assert render_document(p, out.document_id) == "failed"
+    doc, pages, jobs = _rows(p, out.document_id)
+    assert doc.error_type == "LimitExceededError" and not pages
+    assert "none of the 3 pages of all-forms.pdf" in (doc.error or "") and "page 1 of" in (doc.error or "")
+    assert "max_page_draw_ops" in (doc.error or "")
+    assert [j.state for j in jobs] == ["failed"] and jobs[0].error == doc.error
+
+
 def test_the_repair_flag_reaches_the_document_row(make_pipeline: Any) -> None:
     p = make_pipeline()
     cut = receive_file(p, hostile.truncated_pdf(), name="cut.pdf")

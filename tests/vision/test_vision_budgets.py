@@ -2,6 +2,7 @@
 (`open_isolated`) that stops a page or a document at its time budget. Inputs come from tests/hostile_media.py."""
 from __future__ import annotations
 
+import secrets
 import sys
 from pathlib import Path
 
@@ -42,6 +43,28 @@ def test_nested_forms_are_refused_by_their_drawing_count_before_drawing() -> Non
         assert isinstance(page.error, vision.LimitExceededError)
         assert "max_page_draw_ops" in str(page.error) and "laughs.pdf" in str(page.error)
         assert "74,444,441 operations" in str(page.error)  # 10**7 leaves + 4 operators per form call, by level
+
+
+@pytest.mark.parametrize("user_password", [True, False], ids=["user-password", "owner-password-only"])
+def test_drawing_count_reads_the_decrypted_streams_of_an_encrypted_pdf(tmp_path: Path, user_password: bool) -> None:
+    plain = hostile.nested_xobject_pdf(2, REFUSED_DEPTH, 10, cheap_first=True)
+    password = secrets.token_urlsafe(8)
+    with pymupdf.open(stream=plain, filetype="pdf") as doc:
+        locked = doc.tobytes(encryption=pymupdf.PDF_ENCRYPT_AES_256, owner_pw=password + "-owner",
+                             user_pw=password if user_password else "")
+    path = _write(tmp_path, "locked.pdf", locked)
+    # In the render process, as uploads are rendered; a count of still-encrypted streams would find no
+    # operator, and the page would be drawn until the time budget stopped it.
+    limits = MediaLimits(page_render_timeout_s=10.0, document_render_timeout_s=30.0)  # the default count
+    with vision.open_isolated(path, password=password if user_password else None, limits=limits) as iso, \
+            vision.open_media(plain, name="locked.pdf") as local:
+        locked_pages, plain_pages = list(iso.pages()), list(local.pages())
+    assert iso.metadata["encrypted"] is True
+    assert locked_pages[0].ok and locked_pages[0].draw_ops == plain_pages[0].draw_ops
+    refused = locked_pages[1]
+    assert isinstance(refused.error, vision.LimitExceededError) and refused.image is None
+    assert "max_page_draw_ops" in str(refused.error) and "74,444,441 operations" in str(refused.error)
+    assert refused.draw_ops == plain_pages[1].draw_ops
 
 
 def test_drawing_count_of_ordinary_pages_is_far_below_the_default(rng: np.random.Generator) -> None:
