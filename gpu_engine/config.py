@@ -11,6 +11,8 @@ PreTrainedConfig.convert_rope_params_to_dict / standardize_rope_params):
 - `tie_word_embeddings` of the top level decides tying for Qwen3_5ForConditionalGeneration; the text_config copy
   is not used. `image_token_id` and friends are top-level keys.
 - eos ids: generation_config.json, else the top level, else text_config (GenerationConfig.from_model_config).
+- `quantization_config` (top level): only fine-grained FP8 as Qwen publishes it (quant_method "fp8", fmt "e4m3",
+  activation_scheme "dynamic", weight_block_size [128, 128]); anything else is refused by name (Fp8Config).
 - Missing keys take the transformers dataclass defaults (so a sparse config.json means what it means there).
 """
 from __future__ import annotations
@@ -161,6 +163,38 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """config.json's `quantization_config` of a block-FP8 checkpoint (transformers' FineGrainedFP8Config keys)."""
+
+    weight_block_size: tuple[int, int]  # (rows, columns) of a weight block sharing one scale
+    modules_to_not_convert: tuple[str, ...]  # transformers' patterns (prefix regex, or a name suffix)
+    activation_scheme: str = "dynamic"  # activations quantised per token and 128-wide group, at run time
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> Fp8Config:
+        src = f"{source} quantization_config"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{src} must be an object, got {type(raw).__name__}")
+        wanted = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        for key, value in wanted.items():
+            if raw.get(key, value) != value:
+                raise UnsupportedModelError(f"{src}: {key}={raw[key]!r} is not supported (only {value!r})")
+        if raw.get("scale_fmt", "float") != "float":
+            raise UnsupportedModelError(f"{src}: scale_fmt={raw['scale_fmt']!r} is not supported (only 'float')")
+        block = raw.get("weight_block_size")
+        if (not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in block)):
+            raise ConfigError(f"{src}: weight_block_size must be a list of two integers, got {block!r}")
+        if block != [128, 128]:
+            raise UnsupportedModelError(f"{src}: weight_block_size={block} is not supported (only [128, 128], "
+                                        "the block the FP8 kernels are written for)")
+        skip = raw.get("modules_to_not_convert") or []
+        if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+            raise ConfigError(f"{src}: modules_to_not_convert must be a list of module names, got {skip!r}")
+        return cls(weight_block_size=(block[0], block[1]), modules_to_not_convert=tuple(skip))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     text: TextConfig
@@ -172,6 +206,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    quantization: Fp8Config | None = None  # the checkpoint's own block-FP8 format, when it has one
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
@@ -200,6 +235,7 @@ class ModelConfig:
         vision = _parse_vision(vision_raw, source)
         top = {**_TOP_DEFAULTS, **{k: raw[k] for k in _TOP_DEFAULTS if k in raw}}
         eos = _eos_ids(generation_config or {}, raw, text_raw, source)
+        quant = raw.get("quantization_config")
         return cls(
             model_type=model_type,
             text=text,
@@ -211,6 +247,7 @@ class ModelConfig:
             tie_word_embeddings=_bool(top, "tie_word_embeddings", source),
             eos_token_ids=eos,
             raw=raw,
+            quantization=None if quant is None else Fp8Config.from_dict(quant, source),
         )
 
 

@@ -1,10 +1,13 @@
 """Checkpoint loading: safetensors (single file or sharded), memory-mapped, no torch; integrity and fingerprint.
 
-Reading: every file is first opened with `safetensors.safe_open(..., framework="np")`, which validates the header
-against the file (a truncated or corrupt file fails there). Tensor bytes are then viewed through one `np.memmap`
-per file at the offsets of the safetensors header (8-byte little-endian header length, JSON header, data), because
-numpy has no bfloat16 and safetensors' numpy API refuses BF16 tensors. F32 tensors stay zero-copy views of the
-mapped file; F16 and BF16 are converted to float32 (BF16 = the high 16 bits of a float32).
+Reading (gpu_engine/tensors.py): every file is memory-mapped, its tensors are views of the mapping; F32, F16, BF16
+and F8_E4M3 are read. `ModelWeights` hands the reference runner float32 (converted on first read, see Tensors),
+while a runner that uploads bf16 reads the stored bits with `raw_tensor` / `ModelWeights.raw_lm_head`, with no
+float32 copy of the model on the host.
+
+Block FP8 (gpu_engine/fp8_checkpoint.py): with a `quantization_config` in config.json, each converted Linear's
+F8_E4M3 weight is joined with its `weight_scale_inv` and checked (dtype, shape of the 128x128 grid, values);
+`quantize="fp8"` turns a BF16 checkpoint's eligible Linears into the same format at load.
 
 Names: transformers writes `model.language_model.*`, `model.visual.*`, `lm_head.weight` for
 Qwen3_5ForConditionalGeneration; upstream checkpoints add `mtp.*`. Older VL layouts (`model.layers.*`, `visual.*`,
@@ -13,25 +16,24 @@ implies; all problems are reported in one CheckpointError.
 
 Fingerprint (`checkpoint_fingerprint`): sha256 of the UTF-8 text made of one line per file,
 `<file name>\\0<sha256 hex of the file>\\n`, for config.json followed by the weight files in sorted name order.
-It changes whenever the config or any weight byte changes and does not depend on the folder's location.
+It changes whenever the config or any weight byte changes (FP8 scales included: they are weight-file bytes) and
+does not depend on the folder's location. A model quantised at load adds a last line `quantize\0<recipe>\n`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
-from safetensors import safe_open
 
 from .config import ModelConfig, ModelLoadError
+from .fp8_checkpoint import QUANTIZE_VARIANT, pair_fp8, quantize_checkpoint
+from .tensors import CheckpointError, StoredTensor, Tensors, raw_tensor, read_safetensors
 
-
-class CheckpointError(ModelLoadError):
-    """Weight files are missing, unreadable, or do not match config.json (names / shapes)."""
+QUANTIZE_CHOICES = (None, "fp8")
 
 
 class IntegrityError(ModelLoadError):
@@ -58,14 +60,49 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 
-@dataclass
 class ModelWeights:
-    """float32 numpy tensors, keyed relative to their component prefix."""
+    """The model's tensors, keyed relative to their component prefix; reading one gives float32.
 
-    text: dict[str, np.ndarray]  # e.g. "layers.0.linear_attn.in_proj_qkv.weight", "embed_tokens.weight"
-    vision: dict[str, np.ndarray]  # e.g. "blocks.0.attn.qkv.weight"
-    lm_head: np.ndarray  # [vocab, hidden]; the embedding matrix itself when tied
-    mtp: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. "fc.weight" (kept for speculative decoding)
+    text: e.g. "layers.0.linear_attn.in_proj_qkv.weight", "embed_tokens.weight"; vision: e.g.
+    "blocks.0.attn.qkv.weight"; mtp: e.g. "fc.weight" (kept for speculative decoding). Plain dicts of arrays
+    work too (benchmarks build them).
+    lm_head: the [vocab, hidden] matrix, or a Tensors holding it under "weight"; None ties it to the embedding.
+    """
+
+    def __init__(
+        self,
+        text: Mapping[str, np.ndarray],
+        vision: Mapping[str, np.ndarray],
+        lm_head: np.ndarray | Tensors | None,
+        mtp: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        self.text, self.mtp = text, mtp if mtp is not None else {}
+        # Read by name only, everywhere; typed dict for cuda/vision.py's GpuVisionTower, whose signature still says
+        # dict though it reads a Mapping (change it to Mapping there, then drop this cast).
+        self.vision = cast(dict[str, np.ndarray], vision)
+        self._head = lm_head
+
+    @property
+    def tied(self) -> bool:
+        return self._head is None
+
+    @property
+    def lm_head(self) -> np.ndarray:
+        """float32 [vocab, hidden] (the embedding matrix itself when tied)."""
+        if self._head is None:
+            return self.text["embed_tokens.weight"]
+        return self._head["weight"] if isinstance(self._head, Tensors) else self._head
+
+    def raw_lm_head(self) -> np.ndarray:
+        """The head as stored (uint16 bf16 bits for a BF16 checkpoint), with no float32 copy."""
+        if self._head is None:
+            return raw_tensor(self.text, "embed_tokens.weight")
+        return self._head.raw("weight") if isinstance(self._head, Tensors) else self._head
+
+    def fp8_names(self) -> list[str]:
+        """`group/name` of every block-FP8 weight (empty for a BF16 / F32 model)."""
+        groups = {"text": self.text, "vision": self.vision, "mtp": self.mtp, "lm_head": self._head}
+        return [f"{g}/{n}" for g, t in groups.items() if isinstance(t, Tensors) for n in t.fp8_names()]
 
 
 # ------------------------------------------------------------------------------------------------ expected shapes
@@ -225,61 +262,21 @@ def verify_digests(folder: Path, expected: Mapping[str, str], *, required: list[
     return actual
 
 
-def checkpoint_fingerprint(folder: Path, files: list[str], known: Mapping[str, str] | None = None) -> str:
+def checkpoint_fingerprint(
+    folder: Path, files: list[str], known: Mapping[str, str] | None = None, *, quantized: str | None = None
+) -> str:
     """sha256 over config.json + weight files (see the module docstring for the exact recipe)."""
     known = known or {}
     lines = []
     for name in ["config.json", *sorted(files)]:
         digest = known.get(name) or sha256_file(folder / name)
         lines.append(f"{name}\0{digest}\n")
+    if quantized is not None:
+        lines.append(f"quantize\0{quantized}\n")
     return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
 
 
-# ------------------------------------------------------------------------------------------------ tensors
-
-_NP_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """One tensor as it sits in the mapped file (converted to float32 only after the whole checkpoint checks out)."""
-
-    dtype: str  # safetensors dtype name
-    raw: np.ndarray  # read-only view of the file bytes, numpy dtype per _NP_DTYPES (BF16 as uint16)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.raw.shape)
-
-    def to_float32(self) -> np.ndarray:
-        if self.dtype == "F32":
-            return self.raw  # zero-copy view of the mapped file
-        if self.dtype == "F16":
-            return self.raw.astype(np.float32)
-        return (self.raw.astype(np.uint32) << 16).view(np.float32)  # BF16 is the upper half of an IEEE float32
-
-
-def _read_file(path: Path) -> dict[str, _Stored]:
-    """Index one safetensors file: every tensor as a view into one read-only memory map of the file."""
-    try:
-        with safe_open(str(path), framework="np") as f:  # validates header and sizes against the file
-            names = list(f.keys())
-    except Exception as exc:  # safetensors raises its own SafetensorError for truncated / corrupt files
-        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
-    with open(path, "rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    tensors: dict[str, _Stored] = {}
-    for name in names:
-        info = header[name]
-        dtype = _NP_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 are "
-                                  "supported")
-        begin, end = info["data_offsets"]
-        tensors[name] = _Stored(info["dtype"], data[begin:end].view(dtype).reshape(tuple(info["shape"])))
-    return tensors
+# ------------------------------------------------------------------------------------------------ weights
 
 
 def load_weights(
@@ -287,8 +284,14 @@ def load_weights(
     config: ModelConfig,
     *,
     expected_digests: Mapping[str, str] | None = None,
+    quantize: str | None = None,
 ) -> tuple[ModelWeights, str]:
-    """Verify (SHA256SUMS or `expected_digests`), read and validate the weights; returns (weights, fingerprint)."""
+    """Verify (SHA256SUMS or `expected_digests`), read and validate the weights; returns (weights, fingerprint).
+
+    quantize="fp8": a checkpoint without its own quantization_config gets its eligible Linears quantised to
+    128x128-block FP8 here (gpu_engine/fp8_checkpoint.py); an FP8 checkpoint is used as it is."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
     folder = Path(folder)
     files = weight_files(folder)
     digests: dict[str, str] = {}
@@ -297,13 +300,14 @@ def load_weights(
         expected = read_sums_file(folder / SUMS_FILE)
     if expected is not None:
         digests = verify_digests(folder, expected, required=["config.json", *files])
-    fingerprint = checkpoint_fingerprint(folder, files, digests)
+    at_load = quantize == "fp8" and config.quantization is None
+    fingerprint = checkpoint_fingerprint(folder, files, digests, quantized=QUANTIZE_VARIANT if at_load else None)
 
-    found: dict[str, _Stored] = {}
+    found: dict[str, StoredTensor] = {}
     source: dict[str, str] = {}  # our name -> the checkpoint's name, for messages
     unknown: list[str] = []
     for file in files:
-        for name, tensor in _read_file(folder / file).items():
+        for name, tensor in read_safetensors(folder / file).items():
             ours = _our_name(name)
             if ours is None:
                 unknown.append(name)
@@ -316,15 +320,17 @@ def load_weights(
     # A tied checkpoint may still carry a (duplicate) lm_head; transformers ties it to the embedding anyway.
     if config.tie_word_embeddings:
         found.pop("lm_head/weight", None)
+        found.pop("lm_head/weight_scale_inv", None)
+    entries, fp8_problems = pair_fp8(found, source, config.quantization)
     want = expected_shapes(config)
-    missing = sorted(checkpoint_name(n) for n in want if n not in found)
-    unexpected = sorted(unknown + [source[n] for n in found if n not in want and not n.startswith("mtp/")])
+    missing = sorted(checkpoint_name(n) for n in want if n not in entries)
+    unexpected = sorted(unknown + [source[n] for n in entries if n not in want and not n.startswith("mtp/")])
     misshaped = sorted(
-        f"{source[n]}: {tuple(found[n].shape)} (expected {want[n]})"
+        f"{source[n]}: {tuple(entries[n].shape)} (expected {want[n]})"
         for n in want
-        if n in found and tuple(found[n].shape) != want[n]
+        if n in entries and tuple(entries[n].shape) != want[n]
     )
-    if missing or unexpected or misshaped:
+    if missing or unexpected or misshaped or fp8_problems:
         parts = []
         if missing:
             parts.append("missing: " + ", ".join(missing))
@@ -332,11 +338,14 @@ def load_weights(
             parts.append("unexpected: " + ", ".join(unexpected))
         if misshaped:
             parts.append("wrong shape: " + "; ".join(misshaped))
+        if fp8_problems:
+            parts.append("block FP8: " + "; ".join(sorted(fp8_problems)))
         raise CheckpointError(f"{folder}: weights do not match config.json ({'; '.join(parts)})")
+    if at_load:
+        quantize_checkpoint(entries, source)
 
-    def group(g: str) -> dict[str, np.ndarray]:
-        return {n[len(g) + 1:]: t.to_float32() for n, t in found.items() if n.startswith(g + "/")}
+    def group(g: str) -> Tensors:
+        return Tensors({n[len(g) + 1:]: t for n, t in entries.items() if n.startswith(g + "/")})
 
-    text = group("text")
-    lm_head = text["embed_tokens.weight"] if config.tie_word_embeddings else found["lm_head/weight"].to_float32()
-    return ModelWeights(text=text, vision=group("vision"), lm_head=lm_head, mtp=group("mtp")), fingerprint
+    head = None if config.tie_word_embeddings else group("lm_head")
+    return ModelWeights(text=group("text"), vision=group("vision"), lm_head=head, mtp=group("mtp")), fingerprint

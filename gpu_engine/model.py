@@ -42,26 +42,40 @@ def load(
     *,
     expected_digests: dict[str, str] | None = None,
     cuda_options: CudaOptions | None = None,
+    quantize: str | None = None,
+    fp8_activations: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner.
     `cuda_options`: settings of the cuda runner; None reads them from the DOCPIPE_CUDA_* variables
-    (CudaOptions.from_env)."""
+    (CudaOptions.from_env). `quantize="fp8"`: a BF16 checkpoint's eligible Linears become 128x128-block FP8 at load
+    (gpu_engine/fp8_checkpoint.py); `fp8_activations`: the reference runner also quantises those Linears' inputs
+    as the FP8 kernels do. The cuda runner refuses FP8 models until its FP8 kernels exist (issue 15)."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     if cuda_options is not None and runner != "cuda":
         raise ValueError(f"cuda_options are for runner='cuda' (got runner={runner!r})")
+    if fp8_activations and runner != "reference":
+        raise ValueError(f"fp8_activations is an option of runner='reference' (got runner={runner!r})")
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
-    weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests)
+    if runner == "cuda" and (config.quantization is not None or quantize == "fp8"):
+        what = "an FP8 checkpoint" if config.quantization is not None else "quantize='fp8'"
+        raise RunnerUnavailableError(
+            f"runner='cuda' cannot run {what} yet: its block-FP8 GEMMs are not written (issue 15). Use "
+            "runner='reference' (numpy, exact dequantisation) or a BF16 checkpoint without quantize."
+        )
+    weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests, quantize=quantize)
     return LoadedModel(config=config, fingerprint=fingerprint, path=folder,
-                       runner=_make_runner(runner, config, weights, cuda_options))
+                       runner=_make_runner(runner, config, weights, cuda_options, fp8_activations))
 
 
-def _make_runner(name: str, config: ModelConfig, weights: ModelWeights, options: CudaOptions | None) -> Runner:
+def _make_runner(
+    name: str, config: ModelConfig, weights: ModelWeights, options: CudaOptions | None, fp8_activations: bool
+) -> Runner:
     if name == "reference":
         from .reference.runner import ReferenceRunner
 
-        return ReferenceRunner(config, weights)
+        return ReferenceRunner(config, weights, fp8_activations=fp8_activations)
     try:
         from .cuda.runner import CudaRunner
     except ImportError as exc:

@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..fp8 import fake_quantize_activations
+
+
+class Fp8InputWeight(np.ndarray):
+    """The dequantised float32 weight of a block-FP8 Linear, tagged so that `linear` first sends its input through
+    the dynamic FP8 activation quantisation (per token, per 128 input features), as the FP8 kernels do. Made by
+    `array.view(Fp8InputWeight)` only when the reference runner is asked to emulate that (fp8_activations)."""
+
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """x @ weight.T (+ bias), the nn.Linear convention (weight is [out, in])."""
+    if isinstance(weight, Fp8InputWeight):
+        x, weight = fake_quantize_activations(x), weight.view(np.ndarray)
     y = x @ weight.T
     return y + bias if bias is not None else y
 

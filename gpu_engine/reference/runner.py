@@ -38,10 +38,14 @@ class ReferenceRunner:
     # on to drive the engine's runner-sampling path.
     samples_on_device = False
 
-    def __init__(self, model_config: ModelConfig, weights: ModelWeights) -> None:
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False) -> None:
+        """fp8_activations: emulate the dynamic FP8 activation quantisation in the block-FP8 Linears of the text
+        model (the oracle for the FP8 kernels); refused for a model without FP8 weights, where it would mean nothing."""
+        if fp8_activations and not weights.fp8_names():
+            raise ValueError("fp8_activations=True needs block-FP8 weights (an FP8 checkpoint, or quantize='fp8')")
         self.config = model_config
         self.weights = weights
-        self.text = TextModel(model_config.text, weights)
+        self.text = TextModel(model_config.text, weights, fp8_activations=fp8_activations)
         self.spec: CacheSpec | None = None
         self.k_cache: dict[int, np.ndarray] = {}
         self.v_cache: dict[int, np.ndarray] = {}

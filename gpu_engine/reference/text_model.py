@@ -14,7 +14,7 @@ from ..config import TextConfig
 from ..loader import ModelWeights
 from .attention import attention_forward
 from .deltanet import deltanet_forward
-from .ops import linear, mrope_cos_sin, rms_norm, silu
+from .ops import Fp8InputWeight, linear, mrope_cos_sin, rms_norm, silu
 
 
 @dataclass
@@ -29,16 +29,20 @@ class SequenceCache:
 
 
 class TextModel:
-    def __init__(self, config: TextConfig, weights: ModelWeights) -> None:
+    def __init__(self, config: TextConfig, weights: ModelWeights, *, fp8_activations: bool = False) -> None:
+        """fp8_activations: the block-FP8 Linears quantise their inputs as the dynamic scheme does (an emulation of
+        the FP8 kernels); without it they multiply the exact float32 input by the exactly dequantised weight."""
         self.config = config
-        self.embed = weights.text["embed_tokens.weight"]
-        self.final_norm = weights.text["norm.weight"]
-        self.lm_head = weights.lm_head
+        fp8 = set(weights.fp8_names()) if fp8_activations else set()
+        text = {n: (w.view(Fp8InputWeight) if f"text/{n}" in fp8 else w) for n, w in weights.text.items()}
+        self.embed = text["embed_tokens.weight"]
+        self.final_norm = text["norm.weight"]
+        self.lm_head = weights.lm_head.view(Fp8InputWeight) if "lm_head/weight" in fp8 else weights.lm_head
         self.layers: list[dict[str, np.ndarray]] = []  # per layer, names relative to "layers.{i}."
         self.mixers: list[dict[str, np.ndarray]] = []  # relative to linear_attn. / self_attn.
         self.mlps: list[dict[str, np.ndarray]] = []
         for i, kind in enumerate(config.layer_types):
-            layer = _sub(weights.text, f"layers.{i}.")
+            layer = _sub(text, f"layers.{i}.")
             self.layers.append(layer)
             self.mixers.append(_sub(layer, "linear_attn." if kind == "linear_attention" else "self_attn."))
             self.mlps.append(_sub(layer, "mlp."))
