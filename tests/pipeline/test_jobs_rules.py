@@ -1,0 +1,260 @@
+"""pipeline/jobs.py rule by rule (the mutation pass of issue #22, tests/MUTATION.md): claims, units, the final
+state, retries and staleness, on a SQLite file with a scripted model (the bookkeeping is under test, not the model).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pymupdf as fitz
+import pytest
+from pipeline_test_support import png_bytes
+from sqlalchemy import select
+
+from pipeline import models
+from pipeline.engine_client import EngineReply, EngineRequest
+from pipeline.errors import JobStateError, NotFoundError
+from pipeline.ingest import ingest_file
+from pipeline.jobs import JobRun, _Claim, _claim, _summarise, _units, retry_job, run_job, stale_jobs
+from pipeline.models import utcnow
+from pipeline.schemas import register_schema
+
+COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+
+
+class Replies:
+    """Answers request n with `texts[n]` (a JSON text; token per character, logprob -0.5 each)."""
+
+    model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-rules-1", "engine-rules-1"
+
+    def __init__(self, *texts: str) -> None:
+        self.texts = list(texts)
+        self.seen = 0
+
+    def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+        for _ in requests:
+            text = self.texts[min(self.seen, len(self.texts) - 1)]
+            self.seen += 1
+            yield EngineReply(text=text, finish_reason="stop", token_texts=list(text),
+                              token_logprobs=[-0.5] * len(text), prompt_tokens=7, completion_tokens=len(text))
+
+
+def _pdf(folder: Path, pages: int) -> Path:
+    doc = fitz.open()
+    for n in range(pages):
+        doc.new_page(width=200, height=200).insert_text((20, 40), f"page {n}")
+    path = folder / f"doc{pages}.pdf"
+    doc.save(path)
+    return path
+
+
+def _job_of(p: Any, source: Any, **kw: Any) -> int:
+    with p.db.session() as s:
+        register_schema(s, "colour", COLOUR)
+    return ingest_file(p, source, schema="colour", **kw).job_id
+
+
+def _job(p: Any, job_id: int) -> models.Job:
+    with p.db.read_session() as s:
+        job = s.get(models.Job, job_id)
+        s.expunge(job)
+        return job
+
+
+def _set(p: Any, job_id: int, **values: Any) -> None:
+    with p.db.session() as s:
+        job = s.get(models.Job, job_id)
+        for name, value in values.items():
+            setattr(job, name, value)
+
+
+def _units_stored(p: Any, job_id: int) -> set[str]:
+    with p.db.read_session() as s:
+        return set(s.scalars(select(models.Result.unit).where(models.Result.job_id == job_id)))
+
+
+# --- summaries and units ----------------------------------------------------------------------------------------
+def test_summary_of_failed_units_and_its_limit() -> None:
+    assert _summarise([("page:0", "bad"), ("video", "none")]) == "page 0: bad; video: none"
+    assert _summarise([]) == ""
+    exact = [("u", "x" * 7)]  # "u: xxxxxxx" is 10 characters
+    assert _summarise(exact, limit=10) == "u: xxxxxxx"
+    assert _summarise(exact, limit=9) == "u: xxxxx…" and len(_summarise(exact, limit=9)) == 9
+    long = _summarise([("page:1", "y" * 3000)])
+    assert len(long) == 2000 and long.endswith("y…") and long.startswith("page 1: yyy")
+
+
+def _claim_with(kind: str | None, pages: list[dict[str, Any]]) -> _Claim:
+    return _Claim(token=1, document_id=1, schema_name="s", schema_version=1, json_schema={}, prompt="",
+                  merge_rules={}, kind=kind, pages=pages)
+
+
+def _page(index: int, blob: str | None = "b", error: str | None = None) -> dict[str, Any]:
+    return {"index": index, "kind": "image", "blob": blob, "timestamp": None, "text": None, "error": error}
+
+
+def test_units_of_pages_failed_and_runnable() -> None:
+    pages = [_page(0), _page(1, error="too big"), _page(2, blob=None), _page(3)]
+    names, failed, runnable = _units(_claim_with("pdf", pages))
+    assert names == ["page:0", "page:1", "page:2", "page:3"]
+    assert failed == [("page:1", 1, "too big"), ("page:2", 2, "the page was not rendered")]
+    assert runnable == [{"unit": "page:0", "page_index": 0, "pages": [pages[0]]},
+                        {"unit": "page:3", "page_index": 3, "pages": [pages[3]]}]
+    assert _units(_claim_with("pdf", [])) == ([], [], [])
+
+
+def test_a_video_is_one_unit_of_its_good_frames() -> None:
+    frames = [_page(0), _page(1, error="bad frame"), _page(2, blob=None), _page(3)]
+    names, failed, runnable = _units(_claim_with("video", frames))
+    assert (names, failed) == (["video"], [])
+    assert runnable == [{"unit": "video", "page_index": None, "pages": [frames[0], frames[3]]}]
+    bad = [_page(0, error="e1"), _page(1, blob=None), _page(2, error="e2")]
+    assert _units(_claim_with("video", bad)) == (["video"], [("video", None, "e1; e2")], [])
+    assert _units(_claim_with("video", [_page(0, blob=None)])) == (
+        ["video"], [("video", None, "no frames were decoded")], [])
+
+
+# --- claims -----------------------------------------------------------------------------------------------------
+def test_a_claim_stamps_owner_lease_attempt_and_run(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'), job_lease_s=120)
+    job_id = _job_of(p, png_bytes(), name="c.png")
+    before = utcnow()
+    claim = _claim(p, job_id, takeover=False)
+    assert isinstance(claim, _Claim) and claim.token == 1
+    job = _job(p, job_id)
+    assert (job.state, job.attempts, job.runs) == ("running", 1, 1)
+    from pipeline.leases import aware, this_owner
+
+    assert job.owner == this_owner()
+    lease = aware(job.lease_until)
+    assert before + timedelta(seconds=119) <= lease <= utcnow() + timedelta(seconds=120)
+    assert aware(job.started_at) >= before - timedelta(seconds=1)
+    assert claim.schema_name == "colour" and claim.json_schema == COLOUR and claim.done_units == set()
+    assert [pg["index"] for pg in claim.pages] == [0]
+    # a second claim while this one is healthy declines and says whose it is
+    again = _claim(p, job_id, takeover=False)
+    assert isinstance(again, JobRun) and not again.ran and again.state == "running"
+    assert again.note.startswith(f"running in {this_owner()} (lease until ") and again.note.endswith(" UTC)")
+    assert _job(p, job_id).runs == 1
+
+
+def test_a_claim_of_a_finished_job_or_an_unknown_one(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="d.png")
+    assert run_job(p, job_id).state == "succeeded"
+    done = _claim(p, job_id, takeover=True)
+    assert isinstance(done, JobRun) and (done.state, done.ran, done.note) == ("succeeded", False, "already finished")
+    with pytest.raises(NotFoundError):
+        _claim(p, 10**6, takeover=False)
+
+
+def test_the_attempt_cap_fails_the_job_at_the_claim(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'), job_max_attempts=3)
+    job_id = _job_of(p, png_bytes(), name="e.png")
+    _set(p, job_id, attempts=2, error="RuntimeError: x")
+    assert isinstance(_claim(p, job_id, takeover=False), _Claim)  # the third attempt may run
+    _set(p, job_id, state="queued")
+    capped = _claim(p, job_id, takeover=False)
+    assert isinstance(capped, JobRun) and (capped.state, capped.note) == ("failed", "attempt cap reached")
+    job = _job(p, job_id)
+    assert job.error == "gave up after 3 attempts; last error: RuntimeError: x"
+    assert job.owner is None and job.lease_until is None and job.finished_at is not None
+    assert job.updated_at == job.finished_at
+    other = _job_of(p, png_bytes(colour=(1, 2, 3)), name="f.png")
+    _set(p, other, attempts=3, error=None)
+    assert isinstance(_claim(p, other, takeover=False), JobRun)
+    assert _job(p, other).error == "gave up after 3 attempts; last error: the worker died"
+
+
+# --- the final state --------------------------------------------------------------------------------------------
+def test_pages_all_good_some_bad_or_all_bad(make_pipeline: Any, tmp_path: Path) -> None:
+    good = make_pipeline(client=Replies('{"colour":"red"}', '{"colour":"blue"}'))
+    job_id = _job_of(good, _pdf(tmp_path, 2))
+    run = run_job(good, job_id)
+    assert (run.state, run.ran, run.units_total, run.units_done_now) == ("succeeded", True, 2, 2)
+    assert _job(good, job_id).error is None and _units_stored(good, job_id) == {"page:0", "page:1", "document"}
+
+    half = make_pipeline(client=Replies('{"colour":"red"}', "not json"))
+    job_id = _job_of(half, _pdf(tmp_path, 2))
+    run = run_job(half, job_id)
+    assert run.state == "partial"
+    assert _job(half, job_id).error.startswith("page 1: ")
+
+    bad = make_pipeline(client=Replies("not json"))
+    job_id = _job_of(bad, _pdf(tmp_path, 2))
+    assert run_job(bad, job_id).state == "failed"
+    job = _job(bad, job_id)
+    assert job.error.startswith("page 0: ") and "; page 1: " in job.error
+    assert _units_stored(bad, job_id) == {"page:0", "page:1"}  # no document result without a good page
+    assert job.owner is None and job.lease_until is None and job.finished_at is not None
+
+
+# --- retries ----------------------------------------------------------------------------------------------------
+def test_retry_puts_a_failed_job_back_with_everything_cleared(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies("not json"))
+    job_id = _job_of(p, png_bytes(), name="r.png")
+    assert run_job(p, job_id).state == "failed"
+    _set(p, job_id, isolated=True)
+    retry_job(p, job_id)
+    job = _job(p, job_id)
+    assert (job.state, job.error, job.attempts, job.isolated) == ("queued", None, 0, False)
+    assert (job.owner, job.lease_until, job.finished_at) == (None, None, None)
+    assert (job.prompt_tokens, job.completion_tokens, job.model_seconds) == (0, 0, 0.0)
+    assert _units_stored(p, job_id) == set()
+    p.client.texts = ['{"colour":"green"}']
+    assert run_job(p, job_id).state == "succeeded"
+
+
+def test_retry_refuses_jobs_that_are_not_failed_or_partial(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="q.png")
+    with pytest.raises(JobStateError) as caught:
+        retry_job(p, job_id)
+    assert str(caught.value) == f"job {job_id} is queued; only failed or partial jobs can be retried"
+    run_job(p, job_id)
+    with pytest.raises(JobStateError, match="is succeeded;"):
+        retry_job(p, job_id)
+    with pytest.raises(NotFoundError):
+        retry_job(p, 10**6)
+
+
+def test_retry_of_a_job_whose_document_failed_reads_the_file_again(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="g.png")
+    with p.db.session() as s:
+        job = s.get(models.Job, job_id)
+        job.state, job.error = "failed", "decoder timed out"
+        doc = job.document
+        doc.status, doc.error, doc.error_type, doc.render_attempts = "failed", "decoder timed out", "Timeout", 3
+    retry_job(p, job_id)
+    with p.db.read_session() as s:
+        doc = s.get(models.Job, job_id).document
+        assert (doc.status, doc.error, doc.error_type, doc.render_attempts) == ("received", None, None, 0)
+    assert run_job(p, job_id).state == "succeeded"
+
+
+def test_retry_within_a_tenant_cap(make_pipeline: Any) -> None:
+    from pipeline.quotas import QuotaExceededError
+
+    p = make_pipeline(client=Replies("not json"))
+    first = _job_of(p, png_bytes(), name="t1.png")
+    run_job(p, first)
+    second = _job_of(p, png_bytes(colour=(9, 9, 9)), name="t2.png")  # queued: one active job
+    with pytest.raises(QuotaExceededError):
+        retry_job(p, first, cap_limit=1)
+    assert _job(p, first).state == "failed"
+    retry_job(p, first, cap_limit=2)
+    assert _job(p, first).state == "queued" and _job(p, second).state == "queued"
+
+
+# --- staleness --------------------------------------------------------------------------------------------------
+def test_a_queued_job_is_stale_from_exactly_queued_for_s(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="h.png")
+    _set(p, job_id, updated_at=utcnow() - timedelta(seconds=100))
+    assert stale_jobs(p, queued_for_s=99) == [job_id]
+    assert stale_jobs(p, queued_for_s=101) == []
+    _set(p, job_id, state="succeeded")
+    assert stale_jobs(p, queued_for_s=0) == []
