@@ -4,6 +4,11 @@ Job states, queue depth, pages/s and tokens/s are computed from the database whe
 true for the whole deployment (embedded thread or any number of Celery workers), not just for this process.
 Engine figures (batch size, cache use, TTFT and latency percentiles, prefill/decode token counters) exist only
 where an engine runs in this process.
+
+Who sees what: an admin key (or a server without keys) scrapes everything above. A tenant's key gets the same job,
+queue, page and token figures counted over its tenant's documents only (`tenant_metrics`), and none of the
+deployment's own figures (HTTP traffic, the engine, this server's in-process queue), which would show other
+tenants' activity.
 """
 from __future__ import annotations
 
@@ -12,15 +17,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import Scope
 
 from pipeline.db import Database
-from pipeline.models import Result
+from pipeline.models import Document, Result
 from pipeline.queries import count_jobs_by_state
+from pipeline.tenancy import EVERYONE, Access
 
 RATE_WINDOW_S = 60.0
 
@@ -32,14 +38,16 @@ class PipelineSnapshot:
     tokens_per_s: float
 
 
-def pipeline_snapshot(db: Database, window_s: float = RATE_WINDOW_S) -> PipelineSnapshot:
+def pipeline_snapshot(db: Database, window_s: float = RATE_WINDOW_S, access: Access = EVERYONE) -> PipelineSnapshot:
+    """The pipeline's figures over the documents `access` sees (every tenant's by default)."""
     since = datetime.now(timezone.utc) - timedelta(seconds=window_s)
+    recent = (select(func.count(), func.coalesce(func.sum(Result.completion_tokens), 0))
+              .where(Result.created_at >= since, Result.unit != "document"))
+    if not access.admin:
+        recent = recent.join(Document, Document.id == Result.document_id).where(access.owns(Document.tenant))
     with db.read_session() as s:
-        states = count_jobs_by_state(s)  # the read model's one count (every state, all tenants)
-        pages, tokens = s.execute(
-            select(func.count(), func.coalesce(func.sum(Result.completion_tokens), 0))
-            .where(Result.created_at >= since, Result.unit != "document")
-        ).one()
+        states = count_jobs_by_state(s, access)  # the read model's one count (every state)
+        pages, tokens = s.execute(recent).one()
     return PipelineSnapshot(
         jobs_by_state=states,
         pages_per_s=pages / window_s,
@@ -84,6 +92,22 @@ def engine_metrics(stats: dict[str, Any]) -> Iterable[Metric]:
     yield finished
 
 
+def pipeline_metrics(snap: PipelineSnapshot, scope: str) -> Iterable[Metric]:
+    """The pipeline's families from a snapshot; `scope` says whose documents it counts (for the help text)."""
+    jobs = GaugeMetricFamily("docpipe_jobs", f"Jobs by state ({scope}, from the database)", labels=["state"])
+    for state, count in snap.jobs_by_state.items():
+        jobs.add_metric([state], count)
+    yield jobs
+    yield GaugeMetricFamily("docpipe_queue_depth", f"Jobs waiting to run (state queued; {scope})",
+                            value=snap.jobs_by_state.get("queued", 0))
+    yield GaugeMetricFamily("docpipe_pages_per_second",
+                            f"Page/segment results written per second over the last {RATE_WINDOW_S:.0f} s ({scope})",
+                            value=snap.pages_per_s)
+    yield GaugeMetricFamily("docpipe_tokens_per_second",
+                            f"Generated tokens per second in extraction over the last {RATE_WINDOW_S:.0f} s "
+                            f"({scope})", value=snap.tokens_per_s)
+
+
 class _ScrapeCollector(Collector):
     def __init__(self, db: Database, local_queue: Callable[[], int],
                  engine_stats: Callable[[], dict[str, Any] | None]):
@@ -92,25 +116,27 @@ class _ScrapeCollector(Collector):
         self.engine_stats = engine_stats
 
     def collect(self) -> Iterable[Metric]:
-        snap = pipeline_snapshot(self.db)
-        jobs = GaugeMetricFamily("docpipe_jobs", "Jobs by state (whole deployment, from the database)",
-                                 labels=["state"])
-        for state, count in snap.jobs_by_state.items():
-            jobs.add_metric([state], count)
-        yield jobs
-        yield GaugeMetricFamily("docpipe_queue_depth", "Jobs waiting to run (state queued)",
-                                value=snap.jobs_by_state.get("queued", 0))
+        yield from pipeline_metrics(pipeline_snapshot(self.db), "whole deployment")
         yield GaugeMetricFamily("docpipe_embedded_queue_depth",
                                 "Job ids waiting in this server's in-process worker queue", value=self.local_queue())
-        yield GaugeMetricFamily("docpipe_pages_per_second",
-                                f"Page/segment results written per second over the last {RATE_WINDOW_S:.0f} s",
-                                value=snap.pages_per_s)
-        yield GaugeMetricFamily("docpipe_tokens_per_second",
-                                f"Generated tokens per second in extraction over the last {RATE_WINDOW_S:.0f} s",
-                                value=snap.tokens_per_s)
         stats = self.engine_stats()
         if stats is not None:
             yield from engine_metrics(stats)
+
+
+class _TenantCollector(Collector):
+    def __init__(self, db: Database, access: Access) -> None:
+        self.db, self.access = db, access
+
+    def collect(self) -> Iterable[Metric]:
+        yield from pipeline_metrics(pipeline_snapshot(self.db, access=self.access), f"tenant {self.access.tenant}")
+
+
+def tenant_metrics(db: Database, access: Access) -> bytes:
+    """The exposition text a tenant's key scrapes: its tenant's pipeline figures only (see the module docstring)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_TenantCollector(db, access))
+    return generate_latest(registry)
 
 
 @dataclass

@@ -31,6 +31,7 @@ PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 KEY = "test-key-" + uuid.uuid4().hex  # fresh per run
 OTHER_KEY = "other-key-" + uuid.uuid4().hex
+ADMIN_KEY = "admin-key-" + uuid.uuid4().hex  # sees every tenant's rows and the deployment's /metrics
 
 # Small, fast extraction on the bundled tiny model: bounded strings/arrays keep every answer well under max_tokens.
 FAST = dict(
@@ -130,8 +131,9 @@ def database_url(backend: str, data_dir: Path) -> Iterator[str | None]:
 
 
 def test_settings(data_dir: Path, db_url: str | None = None, **overrides: Any) -> Settings:
-    values: dict[str, Any] = dict(FAST, data_dir=data_dir, database_url=db_url, api_keys=[KEY, OTHER_KEY],
-                                  broker_url=None, max_file_bytes=OPEN_LIMITS.max_upload_bytes)
+    values: dict[str, Any] = dict(FAST, data_dir=data_dir, database_url=db_url,
+                                  api_keys=[KEY, OTHER_KEY, f"*:{ADMIN_KEY}"], broker_url=None,
+                                  max_file_bytes=OPEN_LIMITS.max_upload_bytes)
     values.update(overrides)
     return Settings(**values)
 

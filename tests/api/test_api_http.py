@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import jsonschema
 import pytest
-from apitest_support import KEY, LiveServer, sample_files, server, wait_finished  # noqa: F401 (fixture)
+from apitest_support import ADMIN_KEY, KEY, LiveServer, sample_files, server, wait_finished  # noqa: F401 (fixture)
 from PIL import Image
 
 
@@ -424,19 +424,28 @@ def test_batch_upload_and_progress(server: LiveServer) -> None:
 
 
 def test_readyz_and_metrics(server: LiveServer) -> None:
-    with server.client() as c:
+    deployment = ("docpipe_http_requests_total", "docpipe_embedded_queue_depth", "docpipe_engine_batch_size",
+                  "docpipe_engine_kv_cache_usage", "docpipe_engine_prefill_tokens_total",
+                  "docpipe_engine_decode_tokens_total", "docpipe_engine_requests_finished_total{reason=\"stop\"}")
+    pipeline = ("docpipe_jobs{state=\"succeeded\"}", "docpipe_queue_depth", "docpipe_pages_per_second",
+                "docpipe_tokens_per_second")
+    with server.client(ADMIN_KEY) as c, server.client(KEY) as tenant:
+        up = upload(tenant, random_png())  # at least one succeeded job, whichever tests ran before
+        assert up.status_code == 202 and wait_finished(tenant, up.json()["document"]["id"])["state"] == "succeeded"
         ready = c.get("/readyz").json()
         assert ready["status"] == "ready"
         assert ready["checks"]["database"] == "ok" and ready["checks"]["jobs"].startswith("ok")
         text = c.get("/metrics").text
-        for name in ("docpipe_jobs{state=\"succeeded\"}", "docpipe_queue_depth", "docpipe_pages_per_second",
-                     "docpipe_tokens_per_second", "docpipe_http_requests_total", "docpipe_engine_batch_size",
-                     "docpipe_engine_kv_cache_usage", "docpipe_engine_prefill_tokens_total",
-                     "docpipe_engine_decode_tokens_total", "docpipe_engine_requests_finished_total{reason=\"stop\"}"):
+        for name in pipeline + deployment:
             assert name in text, name
-        succeeded = float(next(line.split()[-1] for line in text.splitlines()
-                               if line.startswith('docpipe_jobs{state="succeeded"}')))
-        assert succeeded >= 1
+        # A tenant's key: the pipeline's figures (its tenant's, see test_api_tenant_counts), none of the deployment's
+        mine = tenant.get("/metrics").text
+        assert all(name in mine for name in pipeline), mine
+        assert not [name for name in deployment if name in mine], mine
+        for shown in (text, mine):
+            succeeded = float(next(line.split()[-1] for line in shown.splitlines()
+                                   if line.startswith('docpipe_jobs{state="succeeded"}')))
+            assert succeeded >= 1
 
 
 def test_small_uploads_stay_in_memory_and_large_ones_spill_to_disk(server: LiveServer) -> None:
