@@ -101,7 +101,7 @@ def claim_redis_db() -> tuple[int, object] | None:
 def start_server(data_dir: Path, broker_url: str | None, processes: int = 1) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               DOCPIPE_DATA_DIR=str(data_dir), DOCPIPE_API_KEYS=KEY,
+               DOCPIPE_DATA_DIR=str(data_dir), DOCPIPE_API_KEYS=f"*:{KEY}",  # admin: /metrics shows the HTTP histogram
                DOCPIPE_API_RATE_LIMIT_PER_MINUTE="10000000", DOCPIPE_API_MAX_INFLIGHT_PER_KEY="100000",
                DOCPIPE_MAX_TOKENS="256", DOCPIPE_GRAMMAR_MAX_STRING_LENGTH="8", DOCPIPE_GRAMMAR_MAX_ARRAY_ITEMS="1")
     env.pop("DOCPIPE_BROKER_URL", None)
