@@ -4,9 +4,10 @@ A quantised Linear weight W [out, in] is stored as e4m3fn values Q (one byte eac
 scale per block of `block` = (128, 128) elements, scale_inv [ceil(out/128), ceil(in/128)]; the blocks on the
 bottom and right edges may be smaller (ragged). The weight is W = Q * scale_inv[block of the element].
 
-Quantising (at load, from a BF16 checkpoint) follows transformers 5.17's Fp8Quantize, block by block:
+Quantising (at load, from a BF16 checkpoint) follows transformers 5.17's Fp8Quantize bit for bit, block by block:
 scale = 448 / amax(|W_block|) (1 for an all-zero block), Q = e4m3(clamp(W_block * scale, -448, 448)) rounded to
-nearest even, scale_inv = float32(1 / scale). Unlike Fp8Quantize, ragged edge blocks are quantised too (it leaves
+nearest even, scale_inv = float32(1 / scale). The division is torch's `448.0 / tensor`, i.e. reciprocal(amax) * 448
+in two float32 roundings (Tensor.__rtruediv__), not the correctly rounded quotient. Unlike Fp8Quantize, ragged edge blocks are quantised too (it leaves
 such a tensor in BF16); their amax is taken over the elements the block holds.
 
 Activations (activation_scheme "dynamic") are quantised per token and per `group` = 128 consecutive input
@@ -67,7 +68,8 @@ def quantize(weight: np.ndarray, block: tuple[int, int] = BLOCK) -> tuple[np.nda
     padded[: w.shape[0], : w.shape[1]] = w
     tiles = padded.reshape(rows, block[0], cols, block[1])
     amax = np.abs(tiles).max(axis=(1, 3))
-    scale = np.where(amax > 0, np.float32(E4M3_MAX) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
+    reciprocal = (np.float32(1.0) / np.where(amax > 0, amax, np.float32(1.0))).astype(np.float32)
+    scale = np.where(amax > 0, reciprocal * np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
     bits = float32_to_e4m3(tiles * scale[:, None, :, None]).reshape(padded.shape)[: w.shape[0], : w.shape[1]]
     return np.ascontiguousarray(bits), (np.float32(1.0) / scale).astype(np.float32)
 
