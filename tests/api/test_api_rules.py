@@ -1,0 +1,91 @@
+"""api/auth.py and api/uploads.py pieces no faster test reached (the mutation pass of issue #22,
+tests/MUTATION.md): the gate's refusal document, the spool sweep, a spooled file's pipeline view, the parser's own
+header-limit errors. In memory or in a tmp folder, no server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from python_multipart.exceptions import MultipartParseError
+
+from api.auth import refusal_response
+from api.errors import ApiError
+from api.uploads import SpooledFile, _header_limit_error, sweep_spool
+
+
+def _body(response: object) -> dict[str, object]:
+    return json.loads(response.body)  # type: ignore[attr-defined]  # a JSONResponse
+
+
+def test_a_401_refusal_names_the_scheme_and_keeps_the_errors_headers() -> None:
+    exc = ApiError(401, "missing_api_key", "Send an API key.", headers={"X-Trace": "t1"}, extra={"hint": "Bearer"})
+    response = refusal_response(exc, "/v1/documents")
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == 'Bearer realm="docpipe"'
+    assert response.headers["x-trace"] == "t1"
+    assert response.headers["content-type"] == "application/problem+json"
+    body = _body(response)
+    assert (body["status"], body["code"], body["detail"], body["instance"]) == (
+        401, "missing_api_key", "Send an API key.", "/v1/documents")
+    assert body["hint"] == "Bearer" and body["type"] == "https://docpipe.dev/problems/missing_api_key"
+    assert exc.headers == {"X-Trace": "t1"}  # the error's own headers are not changed for the next refusal
+
+
+def test_other_refusals_carry_no_authentication_challenge() -> None:
+    exc = ApiError(429, "rate_limited", "Slow down.", headers={"Retry-After": "3"})
+    response = refusal_response(exc, "/v1/jobs")
+    assert response.status_code == 429 and response.headers["retry-after"] == "3"
+    assert "www-authenticate" not in response.headers
+    body = _body(response)
+    assert (body["code"], body["detail"], body["instance"], body["status"]) == (
+        "rate_limited", "Slow down.", "/v1/jobs", 429)
+    forbidden = refusal_response(ApiError(403, "forbidden", "Not yours."), "/admin")
+    assert "www-authenticate" not in forbidden.headers and _body(forbidden)["instance"] == "/admin"
+
+
+def test_the_sweep_removes_only_old_partial_uploads_and_chat_media(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    assert sweep_spool(spool, 60) == 0  # no folder yet
+    spool.mkdir()
+    old = time.time() - 600
+    names = {"upload-a.part": True, "chat-video-b.mp4": True, "keep.txt": False, "uploaded.part": False}
+    for name in names:
+        path = spool / name
+        path.write_bytes(b"x")
+        os.utime(path, (old, old))
+    recent = spool / "upload-new.part"
+    recent.write_bytes(b"y")  # another process's upload in flight
+    folder = spool / "upload-dir"
+    folder.mkdir()
+    os.utime(folder, (old, old))
+    assert sweep_spool(spool, 60) == 2
+    left = {p.name for p in spool.iterdir()}
+    assert left == {"keep.txt", "uploaded.part", "upload-new.part", "upload-dir"}
+    assert sweep_spool(spool, 60) == 0
+    assert sweep_spool(spool, -10) == 1  # older than "ten seconds in the future": the recent one too
+    assert not recent.exists()
+
+
+def test_a_spooled_file_is_handed_to_the_pipeline_as_received(tmp_path: Path) -> None:
+    on_disk = SpooledFile(filename="a.pdf", size=5, sha256="ab" * 32, head=b"%PDF-", path=tmp_path / "p")
+    view = on_disk.hashed()
+    assert (view.sha256, view.size, view.path, view.data, view.head) == ("ab" * 32, 5, tmp_path / "p", None, b"%PDF-")
+    in_memory = SpooledFile(filename="b.png", size=3, sha256="cd" * 32, head=b"abc", data=b"abc")
+    view = in_memory.hashed()
+    assert (view.sha256, view.size, view.path, view.data, view.head) == ("cd" * 32, 3, None, b"abc", b"abc")
+
+
+def test_the_parsers_own_header_limits_are_answered_as_ours() -> None:
+    size = _header_limit_error(MultipartParseError("Maximum header size exceeded: 4097 > 4096"))
+    assert size is not None
+    assert (size.status, size.code, size.extra) == (413, "multipart_headers_too_large", {"limit_bytes": 4096})
+    assert size.detail == ("The headers of one form part exceed 4096 bytes; a file part needs only "
+                           "Content-Disposition and Content-Type.")
+    count = _header_limit_error(MultipartParseError("Maximum header count exceeded: 9 > 8"))
+    assert count is not None
+    assert (count.status, count.code, count.detail) == (400, "too_many_part_headers",
+                                                        "A form part has more than 8 headers.")
+    assert _header_limit_error(MultipartParseError("Did not find boundary character 'x' at index 2")) is None
