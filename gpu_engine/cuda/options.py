@@ -28,12 +28,19 @@ class CudaOptions:
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
     encoder_memory: int = 256 << 20  # bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY)
     module_cache: Path | None = None  # compiled kernels on disk; None: ~/.cache/docpipe/cuda_modules
+    # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
+    # vision_flash.DEFAULT_VARIANT.
+    vision_flash: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ShapeError(f"dtype must be 'bf16' or 'f32', got {self.dtype!r}")
         if not 0.05 <= self.memory_fraction <= 0.98:
             raise ShapeError(f"DOCPIPE_CUDA_MEMORY_FRACTION must be in [0.05, 0.98], got {self.memory_fraction}")
+        from .vision_flash import VARIANTS
+
+        if self.vision_flash is not None and self.vision_flash not in VARIANTS:
+            raise ShapeError(f"DOCPIPE_CUDA_VISION_FLASH must be one of {sorted(VARIANTS)}, got {self.vision_flash!r}")
         for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -54,6 +61,8 @@ class CudaOptions:
             read["use_pdl"] = env["DOCPIPE_CUDA_PDL"] == "1"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
             read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
+        if env.get("DOCPIPE_CUDA_VISION_FLASH"):
+            read["vision_flash"] = env["DOCPIPE_CUDA_VISION_FLASH"]
         if "DOCPIPE_CUDA_CACHE" in env:
             read["module_cache"] = Path(env["DOCPIPE_CUDA_CACHE"])
         unknown = set(overrides) - {f.name for f in fields(cls)}

@@ -81,7 +81,8 @@ class CudaRunner:
             self._no_vision = (f"the vision tower's out_hidden_size {model_config.vision.out_hidden_size} differs from "
                                f"the text hidden_size {cfg.hidden_size}: this checkpoint cannot encode images")
         elif weights.vision:
-            self.vision = GpuVisionTower(self.ctx, model_config.vision, weights.vision, o.dtype)
+            self.vision = GpuVisionTower(self.ctx, model_config.vision, weights.vision, o.dtype,
+                                         flash_variant=o.vision_flash)
             self._encoded = BlockPool(self.ctx.arena.alloc(o.encoder_memory, "encoder-cache"), o.encoder_memory)
         self._after_weights = self.ctx.arena.mark()
         self.spec: CacheSpec | None = None

@@ -92,12 +92,13 @@ class GpuVisionTower:
     """Vision weights uploaded once (runner dtype; biases and norms too), encode() per item."""
 
     def __init__(self, ctx: GpuContext, vision_config: Any, weights: dict[str, np.ndarray], dtype: str,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", flash_variant: str | None = None) -> None:
         from ..reference.vision_tower import VisionDims, _check_weights, vision_weight_shapes
 
         if attention not in ATTENTION_MODES:
             raise ShapeError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.ctx, self.dtype, self.attention = ctx, dtype, attention
+        self.flash_variant = flash_variant  # vision_flash.VARIANTS name; None: its DEFAULT_VARIANT
         self.dims = d = VisionDims.from_config(vision_config)
         _check_weights(vision_weight_shapes(vision_config), weights)
         if d.head_dim > 256:
@@ -230,7 +231,7 @@ class GpuVisionTower:
         ctx, d, t = self.ctx, self.dims, self.dtype
         H, hd, scale = d.hidden_size, d.head_dim, d.head_dim ** -0.5
         if self.attention == "flash" or (self.attention == "auto" and self.flash):
-            vision_flash.vision_flash_attention(ctx, out, qkv, d.num_heads, hd, seg, scale)
+            vision_flash.vision_flash_attention(ctx, out, qkv, d.num_heads, hd, seg, scale, self.flash_variant)
             return
         use_gemm = self.attention == "gemm" or (self.attention == "auto" and seg >= GEMM_ATTENTION_MIN)
         if not use_gemm:

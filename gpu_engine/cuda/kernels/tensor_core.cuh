@@ -46,6 +46,14 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return r;
 }
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz): exp2f without fast-math adds a range test and two multiplies per call to
+// keep denormal results, which the softmax does not need (a probability below 2^-126 flushes to 0, exp2(-inf) = 0).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // ---- online softmax over mma score blocks (flash_prefill.cu, vision_flash.cu). A warp holds 16 query rows of an
 // (8 * NT_S)-key score block as m16n8 accumulators s[nt][0..3]: lane rows a = lane / 4 (elements 0, 1) and
 // b = a + 8 (elements 2, 3), each row spread over the 4 lanes of its group. Scores times `sl` are in the exp2 domain.
@@ -75,7 +83,7 @@ __device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float
         base_a = mx_a * sl;
         base_b = mx_b * sl;
     }
-    const float corr_a = exp2f(m_a * sl - base_a), corr_b = exp2f(m_b * sl - base_b);
+    const float corr_a = exp2_ftz(m_a * sl - base_a), corr_b = exp2_ftz(m_b * sl - base_b);
     m_a = mx_a;
     m_b = mx_b;
     l_a *= corr_a;
@@ -96,8 +104,8 @@ __device__ __forceinline__ void softmax_p_fragment(const float (&s)[NT_S][4], in
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int nt = 2 * k2 + half;
-        const float p0 = exp2f(fmaf(s[nt][0], sl, -base_a)), p1 = exp2f(fmaf(s[nt][1], sl, -base_a));
-        const float p2 = exp2f(fmaf(s[nt][2], sl, -base_b)), p3 = exp2f(fmaf(s[nt][3], sl, -base_b));
+        const float p0 = exp2_ftz(fmaf(s[nt][0], sl, -base_a)), p1 = exp2_ftz(fmaf(s[nt][1], sl, -base_a));
+        const float p2 = exp2_ftz(fmaf(s[nt][2], sl, -base_b)), p3 = exp2_ftz(fmaf(s[nt][3], sl, -base_b));
         l_a += p0 + p1;
         l_b += p2 + p3;
         pf[half * 2 + 0] = pack_bf16(p0, p1);

@@ -35,31 +35,39 @@ template <int HD, int BN = VF_BN> struct VisionFlashShape {
     static constexpr int SMEM_BYTES = 2 * 4 * KV_TILE;  // K[2] + V[2]: must equal vision_flash.shared_bytes(HD)
 };
 
-// Async copy of key rows [key0, key0 + VF_BN) of one head into K/V buffers at ks/vs (shared addresses).
-// Rows at or past `keys` (the segment's key count) and K's padded columns are zero-filled.
+// Async copy of one key row's K and V (the first HD columns of each) into this thread's row of a K/V buffer pair:
+// VF_THREADS / BN threads share a row, thread p of them copying the 16-byte pieces p, p + TPR, ... (so a warp's
+// copies of one instruction cover whole 32-byte sectors of consecutive pieces). All offsets are compile-time
+// immediates from two per-thread bases: the copy of a tile is a straight run of cp.async, no index arithmetic.
+// valid = false (rows at or past the segment's end) zero-fills the row (src is then not read). K's padded columns
+// (HDP > HD) are written once by vf_zero_k_pad, never here.
 template <int HD, int BN>
-__device__ __forceinline__ void vf_load_kv(unsigned ks, unsigned vs, const bf16_t* k_head, const bf16_t* v_head,
-                                           long long row_stride, int key0, int keys) {
-    using S = VisionFlashShape<HD, BN>;
-    constexpr int K_CHUNKS = S::HDP / 8, V_CHUNKS = HD / 8;   // 16-byte pieces per row
+__device__ __forceinline__ void vf_load_kv(unsigned ks_row, unsigned vs_row, const bf16_t* k_src, const bf16_t* v_src,
+                                           bool valid) {
+    constexpr int CH = HD / 8, TPR = VF_THREADS / BN;   // 16-byte pieces per row; threads per row
+    static_assert(VF_THREADS % BN == 0, "BN must divide the block's threads");
+    const int p = threadIdx.x % TPR;
+    const int bytes = valid ? 16 : 0;
 #pragma unroll
-    for (int i = 0; i < (BN * K_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
-        const int c = threadIdx.x + i * VF_THREADS;
-        if (c < BN * K_CHUNKS) {
-            const int r = c / K_CHUNKS, d8 = (c % K_CHUNKS) * 8;
-            const bool valid = key0 + r < keys && d8 < HD;
-            const bf16_t* src = k_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
-            cp_async16(ks + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+    for (int j = 0; j < (CH + TPR - 1) / TPR; ++j) {
+        if (CH % TPR == 0 || j * TPR + p < CH) {
+            cp_async16(ks_row + (unsigned)(j * TPR * 16), k_src + j * TPR * 8, bytes);
+            cp_async16(vs_row + (unsigned)(j * TPR * 16), v_src + j * TPR * 8, bytes);
         }
     }
-#pragma unroll
-    for (int i = 0; i < (BN * V_CHUNKS + VF_THREADS - 1) / VF_THREADS; ++i) {
-        const int c = threadIdx.x + i * VF_THREADS;
-        if (c < BN * V_CHUNKS) {
-            const int r = c / V_CHUNKS, d8 = (c % V_CHUNKS) * 8;
-            const bool valid = key0 + r < keys;
-            const bf16_t* src = v_head + (valid ? (long long)(key0 + r) * row_stride + d8 : 0);
-            cp_async16(vs + (unsigned)((r * S::LD + d8) * 2), src, valid ? 16 : 0);
+}
+
+// Zero K's padded columns [HD, HDP) in both K buffers, once per block (the copies never touch them); made visible to
+// the ldmatrix reads by the first loop iteration's barrier.
+template <int HD, int BN>
+__device__ __forceinline__ void vf_zero_k_pad(bf16_t* smem) {
+    using S = VisionFlashShape<HD, BN>;
+    if constexpr (S::HDP > HD) {
+        constexpr int PIECES = (S::HDP - HD) / 8;   // 16-byte pieces per row (HD is a multiple of 8)
+        for (int c = threadIdx.x; c < 2 * BN * PIECES; c += VF_THREADS) {
+            const int row = c / PIECES, piece = c - row * PIECES;   // row of the two buffers (BN rows each)
+            const int buf = row / BN, r = row - buf * BN;
+            *reinterpret_cast<uint4*>(smem + buf * S::KV_TILE + r * S::LD + HD + piece * 8) = make_uint4(0, 0, 0, 0);
         }
     }
 }
@@ -88,7 +96,14 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
     const unsigned ks_base = smem_addr(smem), vs_base = ks_base + (unsigned)(2 * S::KV_TILE * 2);
 
     const int n_kt = (seg_len + BN - 1) / BN;
-    vf_load_kv<HD, BN>(ks_base, vs_base, k_head, v_head, row_stride, 0, seg_len);
+    // this thread's copy slot: key row kr of every tile, pieces from kp (vf_load_kv)
+    const int kr = threadIdx.x / (VF_THREADS / BN), kp = threadIdx.x % (VF_THREADS / BN);
+    const unsigned slot = (unsigned)((kr * LD + kp * 8) * 2);
+    const bf16_t* k_src = k_head + (long long)kr * row_stride + kp * 8;   // advanced by BN rows per tile
+    const long long tile_step = (long long)BN * row_stride;
+    vf_zero_k_pad<HD, BN>(smem);
+    vf_load_kv<HD, BN>(ks_base + slot, vs_base + slot, kr < seg_len ? k_src : k_head,
+                       kr < seg_len ? k_src + width : v_head, kr < seg_len);
     cp_async_commit();
 
     // m-tile mt of this warp: rows g and g+8 of its 16 (segment-relative query indices); rows past the segment are
@@ -130,8 +145,11 @@ __device__ void vision_flash_impl(bf16_t* out, const bf16_t* qkv, int heads, int
     for (int j = 0; j < n_kt; ++j) {
         const int kt = j * BN, buf = j & 1;
         if (j + 1 < n_kt) {
-            const unsigned next = (unsigned)((buf ^ 1) * S::KV_TILE * 2);
-            vf_load_kv<HD, BN>(ks_base + next, vs_base + next, k_head, v_head, row_stride, kt + BN, seg_len);
+            const unsigned next = (unsigned)((buf ^ 1) * S::KV_TILE * 2) + slot;
+            k_src += tile_step;
+            const bool valid = kt + BN + kr < seg_len;
+            vf_load_kv<HD, BN>(ks_base + next, vs_base + next, valid ? k_src : k_head, valid ? k_src + width : v_head,
+                               valid);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
