@@ -19,7 +19,7 @@ the jobs that shared a worker with it lose nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import select
@@ -30,33 +30,48 @@ from .models import Document, DocumentStatus
 from .rendering import fail_document_jobs, job_document, render_document
 
 
-def _render_gave_up(attempts: int) -> str:
+def _render_gave_up(attempts: int, last: str | None) -> str:
     return (f"gave up after {attempts} attempts to read the file: the process reading it stopped each time (it "
-            "crashes or hangs the reader); the file cannot be processed")
+            "crashes or hangs the reader); the file cannot be processed" + (f"; last: {last}" if last else ""))
 
 
-def charge_render(p: Pipeline, document_id: int) -> bool:
+def note_render_stopped(p: Pipeline, job_id: int, reason: str) -> None:
+    """Say on the job's still `received` document why its last render stopped (a queue task's time limit), so
+    the reason reaches the document and its jobs if the render cap ends it (a finished render clears it)."""
+    document_id, status = job_document(p, job_id)
+    if status != DocumentStatus.received.value:
+        return
+    with p.db.session() as s:
+        doc = s.get(Document, document_id, with_for_update=True)
+        if doc is not None and doc.status == DocumentStatus.received.value:
+            doc.error = reason[:2000]
+
+
+def charge_render(p: Pipeline, document_id: int, stop_note: str | None = None) -> bool:
     """Count one render of a `received` document; False (and the document and its queued jobs `failed`) when
-    the cap was spent already. True also when the document is no longer `received` (nothing to charge)."""
+    the cap was spent already. True also when the document is no longer `received` (nothing to charge).
+    `stop_note`: what most likely stopped the earlier renders when none left a reason (a queue task's hard time
+    limit), named in the cap's reason."""
     with p.db.session() as s:
         doc = s.scalars(select(Document).where(Document.id == document_id).with_for_update()).first()
         if doc is None or doc.status != DocumentStatus.received.value:
             return True
         if doc.render_attempts >= p.settings.job_max_attempts:
             doc.status = DocumentStatus.failed.value
-            doc.error, doc.error_type = _render_gave_up(doc.render_attempts), "RenderAttemptsExceeded"
+            doc.error = _render_gave_up(doc.render_attempts, doc.error or stop_note)
+            doc.error_type = "RenderAttemptsExceeded"
             fail_document_jobs(s, document_id, doc.error)
             return False
         doc.render_attempts += 1
         return True
 
 
-def render_for_job_capped(p: Pipeline, job_id: int) -> str:
+def render_for_job_capped(p: Pipeline, job_id: int, stop_note: str | None = None) -> str:
     """`pipeline.rendering.render_for_job` with the render attempt cap: the document's status afterwards."""
     document_id, status = job_document(p, job_id)
     if status != DocumentStatus.received.value:
         return status
-    if not charge_render(p, document_id):
+    if not charge_render(p, document_id, stop_note):
         return DocumentStatus.failed.value
     return render_document(p, document_id)
 
@@ -81,11 +96,25 @@ class RunGate:
         self._running = 0
         self._alone = False
         self._waiting_alone = 0
+        self._waiting: set[int] = set()  # threads waiting to be let in (a time limit does not run for them)
+
+    def is_waiting(self, thread_id: int) -> bool:
+        with self._cond:
+            return thread_id in self._waiting
+
+    def _wait_for(self, ready: Callable[[], bool]) -> None:
+        """Condition.wait_for, with the calling thread counted as waiting meanwhile (call with _cond held)."""
+        me = threading.get_ident()
+        self._waiting.add(me)
+        try:
+            self._cond.wait_for(ready)
+        finally:
+            self._waiting.discard(me)
 
     @contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            self._cond.wait_for(lambda: not self._alone and not self._waiting_alone)
+            self._wait_for(lambda: not self._alone and not self._waiting_alone)
             self._running += 1
         try:
             yield
@@ -99,7 +128,7 @@ class RunGate:
         with self._cond:
             self._waiting_alone += 1
             try:
-                self._cond.wait_for(lambda: not self._alone and self._running == 0)
+                self._wait_for(lambda: not self._alone and self._running == 0)
             finally:
                 self._waiting_alone -= 1
             self._alone = True

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from gpu_engine.params import SamplingParams
 
@@ -93,8 +93,10 @@ class EngineClient:
         return self._async_engine
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "EngineClient":
-        """Build the engine described by the settings (loads the weights: call once per process)."""
+    def from_settings(cls, settings: Settings, *,
+                      front: Callable[[Any], Any] | None = None) -> "EngineClient":
+        """Build the engine described by the settings (loads the weights: call once per process). `front`
+        wraps the AsyncEngine the client submits to (the GPU worker's watchdog counts each run's requests)."""
         import gpu_engine
 
         config_kwargs: dict[str, Any] = {
@@ -108,8 +110,9 @@ class EngineClient:
         engine = gpu_engine.Engine.from_pretrained(
             model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs)
         )
+        async_engine = gpu_engine.AsyncEngine(engine)
         return cls(
-            gpu_engine.AsyncEngine(engine),
+            front(async_engine) if front is not None else async_engine,
             model_dir=model_dir,
             fingerprint=engine.model_fingerprint,
             timeout_s=settings.request_timeout_s,

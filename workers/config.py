@@ -67,9 +67,24 @@ class WorkerSettings(BaseSettings):
     ingest_max_tasks_per_child: int = Field(
         200, ge=1, description="Recycle an ingest process after this many tasks (bounds leaks in media decoders)."
     )
+    ingest_renders_per_key: int | None = Field(
+        4, ge=1, description="Documents one API key may have rendering at once across all ingest workers (its "
+        "further prepare messages wait while other keys' render); None = no cap. Documents without a key (CLI, "
+        "watch folders, an API without keys) count per tenant."
+    )
     ingest_renders_per_tenant: int | None = Field(
-        None, ge=1, description="Documents one tenant may have rendering at once across all ingest workers (its "
-        "further prepare messages wait while other tenants' run); None = no cap."
+        None, ge=1, description="Documents one tenant may have rendering at once, all its keys together; None = "
+        "no cap beyond the per-key one."
+    )
+    # --- time limits (derived from the budgets; the margins are what a task may need beyond them) ---------------
+    ingest_time_limit_margin_s: float = Field(
+        120.0, gt=0, description="The ingest tasks' soft time limit is the document render budget plus this "
+        "(storing the pages of a large document); the hard limit half of it later."
+    )
+    gpu_time_limit_margin_s: float = Field(
+        10.0, gt=0, lt=15, description="A GPU run without progress for the request timeout plus this passes its "
+        "soft limit, plus twice this its hard limit (below 15 s: both come before the engine client's own "
+        "request timeout + 30 s wait)."
     )
 
     @model_validator(mode="after")
@@ -122,13 +137,11 @@ def redis_url(settings: Settings) -> str:
     return url
 
 
-RENDER_MARGIN_S = 120.0  # past the render budget: storing the pages of a large document, a slow database
-
-
-def render_time_limits(settings: Settings) -> dict[str, float]:
+def render_time_limits(settings: Settings, ws: WorkerSettings) -> dict[str, float]:
     """Celery's soft and hard time limits of a task that renders one document, from its render budget."""
-    soft = settings.document_render_timeout_s + RENDER_MARGIN_S
-    return {"soft_time_limit": soft, "time_limit": soft + RENDER_MARGIN_S / 2}
+    margin = ws.ingest_time_limit_margin_s
+    soft = settings.document_render_timeout_s + margin
+    return {"soft_time_limit": soft, "time_limit": soft + margin / 2}
 
 
 def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
@@ -183,9 +196,10 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
         # `queued` in the database and the reconciler sends it later.
         "task_publish_retry": True,
         "task_publish_retry_policy": {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
-        # Celery's time limits need signals and a prefork child; the GPU worker's thread pool ignores them.
-        # Extraction time is bounded inside the engine instead (SamplingParams.timeout_s = request_timeout_s),
-        # and a run's lease (job_lease_s, renewed per page) bounds how long a dead run keeps its job.
+        # Celery's time limits need signals and a prefork child; the GPU worker's thread pool ignores them. The
+        # GPU task's soft and hard limits are enforced by the worker's watchdog instead (workers.gpu_watch, from
+        # request_timeout_s), and a run's lease (job_lease_s, renewed per page) bounds how long a dead run keeps
+        # its job.
         "task_time_limit": None,
         "task_soft_time_limit": None,
         # The ingest tasks render (prefork: the limits apply). The render budget stops a slow file inside the task
@@ -193,7 +207,7 @@ def celery_config(settings: Settings, ws: WorkerSettings) -> dict[str, Any]:
         # database writes of 2,000 pages). Soft: the task raises and is retried; hard: the child is killed and the
         # reconciler sends the job again. Each render is counted on the document (pipeline.attempts), so a file
         # that keeps hitting them ends `failed` after job_max_attempts, with the reason.
-        "task_annotations": {name: render_time_limits(settings) for name in (TASK_PREPARE, TASK_INGEST)},
+        "task_annotations": {name: render_time_limits(settings, ws) for name in (TASK_PREPARE, TASK_INGEST)},
         "worker_max_tasks_per_child": ws.ingest_max_tasks_per_child,
         # No remote control: it listens on a Redis pub/sub connection, and when Redis restarts, redis-py silently
         # reconnects that connection and then blocks the worker's event loop reading a subscription the new

@@ -1,11 +1,13 @@
-"""Per-tenant render slots shared by every ingest worker (broker mode), kept in Redis.
+"""Render slots shared by every ingest worker (broker mode), kept in Redis: per API key, and optionally per tenant.
 
-At most `limit` documents of one tenant render at once, across all ingest workers. A `prepare` message that
-finds its tenant's slots taken does not render: it is retried a moment later (`docpipe.prepare`), so the workers
-meanwhile take the messages of other tenants behind it. One tenant's expensive uploads thus hold at most `limit`
-ingest processes, however many they send.
+At most `limit` documents of one label render at once, across all ingest workers. `RenderCaps` takes one slot of
+the document's key (`ingest_renders_per_key`; documents without a key count per tenant, pipeline.render_owner)
+and, when set, one of its tenant (`ingest_renders_per_tenant`). A `prepare` message that finds a slot taken does
+not render: it is retried a moment later (`docpipe.prepare`), so the workers meanwhile take the messages of other
+keys behind it. One key's expensive uploads thus hold at most `ingest_renders_per_key` ingest processes, however
+many they send, whether the other keys belong to its tenant or to another.
 
-A slot is a member of the sorted set `docpipe:render:<tenant>` scored with its expiry; expired members are dropped
+A slot is a member of the sorted set `docpipe:render:<label>` scored with its expiry; expired members are dropped
 before every count, so the slot of a worker killed mid-render frees itself after `ttl_s` (the ingest task's hard
 time limit: no render can legitimately hold it longer).
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+from pipeline.render_owner import RenderOwner
 
 from .markers import PREFIX
 
@@ -54,3 +58,38 @@ class RenderSlots:
         """Who holds the tenant's slots now (for tests and `docpipe status`)."""
         self._client.zremrangebyscore(self.key(tenant), "-inf", time.time())
         return [h.decode() for h in self._client.zrange(self.key(tenant), 0, -1)]
+
+
+class RenderCaps:
+    """The key's slot, then the tenant's (if capped); both or neither."""
+
+    def __init__(self, client: Any, *, per_key: int | None, per_tenant: int | None, ttl_s: float) -> None:
+        self._key = RenderSlots(client, limit=per_key, ttl_s=ttl_s) if per_key else None
+        self._tenant = RenderSlots(client, limit=per_tenant, ttl_s=ttl_s) if per_tenant else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None or self._tenant is not None
+
+    def _slots(self, owner: RenderOwner) -> list[tuple[RenderSlots, str]]:
+        out = []
+        if self._key is not None:
+            out.append((self._key, owner.lane))
+        if self._tenant is not None:
+            out.append((self._tenant, f"tenant-all:{owner.tenant}"))
+        return out
+
+    def acquire(self, owner: RenderOwner, holder: str) -> str | None:
+        """None when `holder` got every slot it needs, else the label whose slots are all taken."""
+        taken: list[tuple[RenderSlots, str]] = []
+        for slots, label in self._slots(owner):
+            if not slots.acquire(label, holder):
+                for got, got_label in taken:
+                    got.release(got_label, holder)
+                return label
+            taken.append((slots, label))
+        return None
+
+    def release(self, owner: RenderOwner, holder: str) -> None:
+        for slots, label in self._slots(owner):
+            slots.release(label, holder)

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 from celery import signals
 
+from pipeline.attempts import RUN_GATE
 from pipeline.context import Pipeline
+from pipeline.engine_client import EngineClient
 from pipeline.settings import Settings
 
 from .config import WorkerSettings
+from .gpu_watch import GpuWatchdog, Watch, WatchedEngine, exit_process, gpu_time_limits
 from .liveness import Heartbeat
 from .markers import redis_client
+from .stuck_runs import release_and_retry
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class ProcessConfig:
 _config: ProcessConfig | None = None
 _pipeline: Pipeline | None = None
 _heartbeat: Heartbeat | None = None
+_watchdog: GpuWatchdog | None = None
 _lock = threading.Lock()
 
 
@@ -53,9 +58,9 @@ def configure_process(settings: Settings | None = None, worker_settings: WorkerS
 
 def reset_process() -> None:
     """Forget the configuration and Pipeline of this process (the next use reads the environment again)."""
-    global _config, _pipeline
+    global _config, _pipeline, _watchdog
     with _lock:
-        _config, _pipeline = None, None
+        _config, _pipeline, _watchdog = None, None, None
 
 
 def process_config() -> ProcessConfig:
@@ -67,13 +72,41 @@ def process_config() -> ProcessConfig:
 
 
 def pipeline() -> Pipeline:
-    """This process's Pipeline, built on first use (tasks run on many threads: built once, under a lock)."""
+    """This process's Pipeline, built on first use (tasks run on many threads: built once, under a lock). A GPU
+    worker's engine is built here too, with the watchdog counting each run's requests (workers.gpu_watch)."""
     global _pipeline
     cfg = process_config()
     with _lock:
         if _pipeline is None:
-            _pipeline = Pipeline(cfg.settings)
+            client = None
+            if cfg.build_engine:
+                watchdog = _gpu_watchdog_locked(cfg)
+                client = EngineClient.from_settings(cfg.settings, front=lambda e: WatchedEngine(e, watchdog))
+            _pipeline = Pipeline(cfg.settings, client=client)
         return _pipeline
+
+
+def gpu_watchdog() -> GpuWatchdog | None:
+    """The GPU task's time limits in this process: a GPU worker's watchdog, None elsewhere (a library caller
+    running the task function in its own process keeps its own limits)."""
+    cfg = process_config()
+    if not cfg.build_engine:
+        return None
+    with _lock:
+        return _gpu_watchdog_locked(cfg)
+
+
+def _gpu_watchdog_locked(cfg: ProcessConfig) -> GpuWatchdog:
+    global _watchdog
+    if _watchdog is None:
+        limits = gpu_time_limits(cfg.settings.request_timeout_s, cfg.worker_settings.gpu_time_limit_margin_s)
+
+        def on_hard(watch: Watch, reason: str) -> None:
+            release_and_retry(pipeline(), cfg.worker_settings, watch.job_id, reason)
+            exit_process(f"job {watch.job_id}: {reason}")
+
+        _watchdog = GpuWatchdog(limits, on_hard=on_hard, idle=RUN_GATE.is_waiting)
+    return _watchdog
 
 
 EXIT_CANNOT_START = 3

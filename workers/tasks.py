@@ -17,13 +17,14 @@ import logging
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from sqlalchemy import select
 
-from pipeline.attempts import receive_counted, render_for_job_capped
+from pipeline.attempts import note_render_stopped, receive_counted, render_for_job_capped
 from pipeline.errors import NotFoundError
 from pipeline.jobs import fail_job, run_job
 from pipeline.models import JobState
+from pipeline.render_owner import render_owner
 
 from . import runtime, staging
 from .app import app
@@ -42,7 +43,7 @@ from .enqueue import enqueue_job
 from .failures import backoff_seconds, is_permanent, job_state
 from .liveness import dead_owners
 from .markers import redis_client
-from .render_slots import RenderSlots
+from .render_slots import RenderCaps
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,28 @@ def _owner_still_dead(p: Any, job_id: int, owner: str) -> bool:
     return owner in dead_owners(_redis(), {owner})
 
 
+def _unrendered(p: Any, job_id: int) -> bool:
+    """Whether run_job must render the job's document first (its time then counts in the render budget)."""
+    from pipeline.models import Document, DocumentStatus, Job
+
+    with p.db.read_session() as s:
+        status = s.scalar(select(Document.status).join(Job, Job.document_id == Document.id).where(Job.id == job_id))
+    return status == DocumentStatus.received.value
+
+
 @app.task(name=TASK_EXTRACT, bind=True, max_retries=None)
 def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[str, Any]:
     p = runtime.pipeline()
     ws = runtime.process_config().worker_settings
     try:
         takeover = bool(takeover_from) and _owner_still_dead(p, job_id, takeover_from or "")
-        run = run_job(p, job_id, takeover=takeover)
+        watchdog = runtime.gpu_watchdog()
+        if watchdog is None:
+            run = run_job(p, job_id, takeover=takeover)
+        else:  # the soft and hard time limits of a thread-pool task (workers.gpu_watch)
+            allowance = p.settings.document_render_timeout_s if _unrendered(p, job_id) else 0.0
+            with watchdog.watch(job_id, allowance_s=allowance):
+                run = run_job(p, job_id, takeover=takeover)
     except NotFoundError:
         log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
         return {"job_id": job_id, "state": "missing"}
@@ -114,18 +130,12 @@ def extract(self: Task, job_id: int, takeover_from: str | None = None) -> dict[s
 
 
 class _WaitForSlot(Exception):
-    """The job's tenant has `ingest_renders_per_tenant` documents rendering already (workers.render_slots)."""
+    """The job's key (or tenant) has all its render slots taken already (workers.render_slots)."""
 
 
-def job_tenant(p: Any, job_id: int) -> str:
-    """The tenant of the job's document: whose render slots it takes."""
-    from pipeline.models import Document, Job
-
-    with p.db.read_session() as s:
-        tenant = s.scalar(select(Document.tenant).join(Job, Job.document_id == Document.id).where(Job.id == job_id))
-    if tenant is None:
-        raise NotFoundError("job", job_id)
-    return tenant
+def _render_caps(p: Any, ws: WorkerSettings) -> RenderCaps:
+    return RenderCaps(_redis(), per_key=ws.ingest_renders_per_key, per_tenant=ws.ingest_renders_per_tenant,
+                      ttl_s=render_time_limits(p.settings, ws)["time_limit"])
 
 
 @app.task(name=TASK_PREPARE, bind=True, max_retries=None)
@@ -133,23 +143,26 @@ def prepare(self: Task, job_id: int) -> dict[str, Any]:
     """Rendering on the CPU queue, so GPU workers only extract. A bad file is not an exception here: rendering
     records it (document `failed`, its queued jobs `failed` with the reason). Each render is counted on the
     document before it starts, so a file that kills this process every time (the message comes back after each
-    death) ends `failed` after `job_max_attempts` renders. Only infrastructure errors (the database is
-    unreachable) raise, and are retried with backoff."""
+    death) or keeps passing the task's time limits ends `failed` after `job_max_attempts` renders, with that
+    reason. Only infrastructure errors (the database is unreachable) raise, and are retried with backoff."""
     p = runtime.pipeline()
     ws = runtime.process_config().worker_settings
-    cap = ws.ingest_renders_per_tenant
-    slots = RenderSlots(_redis(), limit=cap, ttl_s=render_time_limits(p.settings)["time_limit"]) if cap else None
+    limits = render_time_limits(p.settings, ws)
+    caps = _render_caps(p, ws)
     holder = f"job-{job_id}"
     try:
-        tenant = job_tenant(p, job_id) if slots is not None else ""
-        if slots is not None and not slots.acquire(tenant, holder):  # the tenant's renders all run: others first
-            log.info("job %s waits: tenant %r has %d document(s) rendering", job_id, tenant, cap)
+        owner = render_owner(p, job_id) if caps.enabled else None
+        full = caps.acquire(owner, holder) if owner is not None else None
+        if full is not None:  # that key's (or tenant's) renders all run: other keys' first
+            log.info("job %s waits: %s has all its render slots taken", job_id, full)
             raise _WaitForSlot()
         try:
-            document_status = render_for_job_capped(p, job_id)
+            document_status = render_for_job_capped(p, job_id, stop_note=(
+                f"its render task was killed at the hard time limit ({limits['time_limit']:.0f} s: the document "
+                "render budget + 1.5 x DOCPIPE_INGEST_TIME_LIMIT_MARGIN_S), or its process died"))
         finally:
-            if slots is not None:
-                slots.release(tenant, holder)
+            if owner is not None:
+                caps.release(owner, holder)
         found = job_state(p, job_id)
     except _WaitForSlot:
         # not a failure: a later delivery of the same message, counted in no attempt
@@ -157,6 +170,14 @@ def prepare(self: Task, job_id: int) -> dict[str, Any]:
     except NotFoundError:
         log.warning("job %s no longer exists (deleted or purged); message dropped", job_id)
         return {"job_id": job_id, "state": "missing"}
+    except SoftTimeLimitExceeded:
+        # Rendering (or storing its pages) outlived the render budget's backstop. The render was counted on the
+        # document; the next delivery renders again, and the render cap ends a file that always does this.
+        reason = (f"its render task passed the soft time limit ({limits['soft_time_limit']:.0f} s: the document "
+                  "render budget + DOCPIPE_INGEST_TIME_LIMIT_MARGIN_S)")
+        log.warning("job %s: %s; retried", job_id, reason)
+        note_render_stopped(p, job_id, reason)
+        raise _retry(self, SoftTimeLimitExceeded(reason), _next_backoff(self, ws)) from None
     except Exception as exc:
         if self.request.retries >= ws.transient_max_retries:
             log.error("job %s: giving up on preparing it in this message (%s); the reconciler sends it again",
