@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
 
 
 class BindRefused(Exception):
@@ -46,15 +49,15 @@ def settings_problems(exc: Any) -> str:
         include_input=False, include_url=False))
 
 
-def server_options(host: str, port: int, log_level: str) -> dict[str, Any]:
+def server_options(host: str, port: int, log_level: str, settings: Settings) -> dict[str, Any]:
     """uvicorn's settings for `docpipe serve`. h11 pinned: httptools (picked by "auto" where installed) answers some
     malformed framings itself, with plain text, before the app can send its problem document; and our guarded h11
-    protocol adds the header deadline and the connection cap (api/http_protocol.py). The loop stays "auto":
-    uvloop where installed."""
-    from .http_protocol import KEEP_ALIVE_TIMEOUT_S, GuardedH11Protocol
+    protocol adds the header deadline and the connection cap (api/http_protocol.py), from `settings` like the
+    keep-alive timeout. The loop stays "auto": uvloop where installed."""
+    from .http_protocol import guarded_protocol
 
     return {"host": host, "port": port, "log_level": log_level, "server_header": False, "proxy_headers": False,
-            "http": GuardedH11Protocol, "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S}
+            "http": guarded_protocol(settings), "timeout_keep_alive": settings.api_keep_alive_timeout_s}
 
 
 def serve(
@@ -95,7 +98,7 @@ def serve(
     typer.echo(f"docpipe serve: http://{bind_host}:{bind_port}/  mode: {mode}  "
                f"auth: {'API keys' if settings.api_keys else 'none (loopback)'}"
                + (f"  processes: {workers}" if workers > 1 else ""))
-    options = server_options(bind_host, bind_port, log_level)
+    options = server_options(bind_host, bind_port, log_level, settings)
     if workers > 1:
         # Each process builds its own app from the same DOCPIPE_* environment. Uploads are CPU-bound Python
         # (one core per process). The API keys' request rates are shared (api.limits.SharedBuckets); job quotas

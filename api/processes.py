@@ -19,6 +19,7 @@ starting (a broken set-up) stops the server with an error instead of looping.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import signal
 import socket
@@ -140,7 +141,10 @@ def run_server_process(options: dict[str, Any], sock: socket.socket, counts: Any
         _share = ConnectionShare(counts, index)
         _share.set_mine(0)
         http = options.get("http", "h11")
-        if http == "h11" or isinstance(http, type):
+        if isinstance(http, functools.partial) and isinstance(http.func, type):  # api.http_protocol's, limits bound
+            options = {**options, "http": functools.partial(_counting_protocol(http.func), *http.args,
+                                                            **http.keywords)}
+        elif http == "h11" or isinstance(http, type):
             from uvicorn.protocols.http.h11_impl import H11Protocol
 
             options = {**options, "http": _counting_protocol(H11Protocol if http == "h11" else http)}

@@ -122,6 +122,14 @@ class Settings(BaseSettings):
                                           "keys together; checked atomically with the upload).")
     ready_max_queued_jobs: int = Field(
         1000, ge=1, description="/readyz answers 503 (queue saturated) when more jobs than this are queued.")
+    api_header_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="`docpipe serve`: a request line and headers must arrive within this of the "
+        "connection opening (or of the previous response), else the connection is closed.")
+    api_keep_alive_timeout_s: int = Field(
+        5, ge=1, le=300, description="`docpipe serve`: an idle keep-alive connection is closed after this.")
+    api_max_connections: int | None = Field(
+        None, ge=16, le=65536, description="`docpipe serve`: open connections per server process; more are closed "
+        "at accept. None = half the process's file-descriptor limit, at most 4096.")
     retention_days: int | None = Field(None, ge=1, description="Purge documents older than this; None = keep.")
 
     @field_validator("watch_folders", "api_keys", mode="before")

@@ -1,8 +1,12 @@
 """`docpipe serve` facing the network (issue 21 items 7 and 9): partial-header connections are closed after the
-header deadline, connections over the cap are refused at accept, and a refused setting never prints its value."""
+header deadline, connections over the cap are refused at accept, idle keep-alive connections are closed after their
+timeout, all three from the settings (DOCPIPE_API_HEADER_TIMEOUT_S, _MAX_CONNECTIONS, _KEEP_ALIVE_TIMEOUT_S), and a
+refused setting never prints its value."""
 from __future__ import annotations
 
 import os
+import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -19,7 +23,8 @@ from apitest_support import REPO, free_port
 from test_api_serve import LAUNCH
 
 from api.cli import server_options
-from api.http_protocol import KEEP_ALIVE_TIMEOUT_S, GuardedH11Protocol
+from api.http_protocol import GuardedH11Protocol, default_max_connections
+from pipeline.settings import Settings
 
 
 async def hello(scope, receive, send) -> None:
@@ -28,16 +33,16 @@ async def hello(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-class QuickGuard(GuardedH11Protocol):
-    header_timeout_s = 1.0  # the 10 s of `docpipe serve`, scaled down
-    max_connections = 40
+# The 10 s / 5 s / fd-limit defaults of `docpipe serve`, scaled down, through the settings it reads.
+QUICK = Settings(api_header_timeout_s=1.0, api_max_connections=40, api_keep_alive_timeout_s=1)
 
 
 @contextmanager
-def guarded_server() -> Iterator[int]:
+def guarded_server(settings: Settings = QUICK) -> Iterator[int]:
     port = free_port()
-    config = uvicorn.Config(hello, host="127.0.0.1", port=port, log_level="warning", http=QuickGuard,
-                            lifespan="off")
+    options = server_options("127.0.0.1", port, "warning", settings)
+    config = uvicorn.Config(hello, host="127.0.0.1", port=port, log_level="warning", http=options["http"],
+                            timeout_keep_alive=options["timeout_keep_alive"], lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -95,7 +100,7 @@ def test_partial_header_connections_are_closed_after_the_deadline() -> None:
 
 def test_connections_over_the_cap_are_closed_at_once() -> None:
     with guarded_server() as port:
-        held = [partial(port) for _ in range(QuickGuard.max_connections)]
+        held = [partial(port) for _ in range(QUICK.api_max_connections or 0)]
         try:
             time.sleep(0.3)
             extra = partial(port)
@@ -110,10 +115,45 @@ def test_connections_over_the_cap_are_closed_at_once() -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).text == "ok"
 
 
-def test_docpipe_serve_uses_the_guarded_protocol() -> None:
-    options = server_options("127.0.0.1", 8000, "info")
-    assert options["http"] is GuardedH11Protocol and options["timeout_keep_alive"] == KEEP_ALIVE_TIMEOUT_S
-    assert GuardedH11Protocol.header_timeout_s == 10.0 and GuardedH11Protocol.max_connections >= 64
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
+    with guarded_server() as port:
+        sock = partial(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            assert not closed_by_server(sock, 0.3)  # kept alive for a while (1 s here)
+            assert closed_by_server(sock, 3.0)  # long before the default 5 s
+        finally:
+            sock.close()
+
+
+def test_docpipe_serve_takes_its_connection_limits_from_the_settings() -> None:
+    defaults = server_options("127.0.0.1", 8000, "info", Settings())
+    assert defaults["timeout_keep_alive"] == 5 and defaults["http"].func is GuardedH11Protocol
+    assert defaults["http"].keywords == {"header_timeout_s": 10.0, "max_connections": default_max_connections()}
+    header, keep_alive, cap = random.uniform(0.5, 60.0), random.randint(1, 300), random.randint(16, 5000)
+    env = {"DOCPIPE_API_HEADER_TIMEOUT_S": str(header), "DOCPIPE_API_KEEP_ALIVE_TIMEOUT_S": str(keep_alive),
+           "DOCPIPE_API_MAX_CONNECTIONS": str(cap)}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        options = server_options("127.0.0.1", 8000, "info", Settings())
+    assert options["timeout_keep_alive"] == keep_alive
+    assert options["http"].keywords == {"header_timeout_s": header, "max_connections": cap}
+    # `docpipe serve --workers N` hands the options to spawned processes: the factory pickles, limits included
+    again = pickle.loads(pickle.dumps(options["http"]))
+    assert again.func is GuardedH11Protocol and again.keywords == options["http"].keywords
+
+
+@pytest.mark.parametrize("name, value", [("api_header_timeout_s", 0), ("api_header_timeout_s", -1.0),
+                                         ("api_header_timeout_s", 301), ("api_keep_alive_timeout_s", 0),
+                                         ("api_keep_alive_timeout_s", 1.5), ("api_max_connections", 15),
+                                         ("api_max_connections", 65537), ("api_max_connections", "many")])
+def test_bad_connection_limits_are_refused_by_name(name: str, value: object) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=name):
+        Settings(**{name: value})
 
 
 def test_a_short_key_does_not_print_the_other_keys(tmp_path: Path) -> None:
