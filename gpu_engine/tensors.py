@@ -2,7 +2,8 @@
 
 `read_safetensors` maps one file: every tensor is a read-only view of one `np.memmap` at the offsets of the
 safetensors header (8-byte little-endian header length, JSON header, data), because numpy has no bfloat16 or
-float8 and safetensors' numpy API refuses them. BF16 is kept as its uint16 bit pattern, F8_E4M3 as uint8.
+float8 (safetensors' numpy API reads them only once ml_dtypes has registered the names, and copies them). BF16 is
+kept as its uint16 bit pattern, F8_E4M3 as uint8.
 
 `Tensors` is a component's tensors by name. Reading an entry gives float32: F32 a view of the mapped file, F16 and
 BF16 widened (BF16 = the high 16 bits of a float32), block-FP8 weights dequantised exactly. The float32 copy is made
