@@ -24,10 +24,17 @@ def allocated(spec: CacheSpec | None) -> CacheSpec:
     return spec
 
 
+def slot_problem(spec: CacheSpec, slot: int) -> str | None:
+    """The one state-slot range rule: what is wrong with `slot` for cache `spec`, or None."""
+    if not 0 <= slot < spec.num_state_slots:
+        return f"state slot {slot} out of range [0, {spec.num_state_slots})"
+    return None
+
+
 def check_state_slots(spec: CacheSpec, *slots: int) -> None:
     for slot in slots:
-        if not 0 <= slot < spec.num_state_slots:
-            raise RunnerInputError(f"state slot {slot} out of range [0, {spec.num_state_slots})")
+        if problem := slot_problem(spec, slot):
+            raise RunnerInputError(problem)
 
 
 def kv_bytes_per_block(cfg: TextConfig, block_size: int, itemsize: int) -> int:
@@ -79,8 +86,8 @@ def chunk_problem(chunk: SeqChunk, spec: CacheSpec, *, vocab_size: int, hidden_s
             return f"{where}: block table has {table.shape[0]} blocks, needs {needed}"
         if table[:needed].min() < 0 or table[:needed].max() >= spec.num_kv_blocks:
             return f"{where}: block ids must be in [0, {spec.num_kv_blocks})"
-    if not 0 <= chunk.state_slot < spec.num_state_slots:
-        return f"{where}: state slot {chunk.state_slot} out of range [0, {spec.num_state_slots})"
+    if slot := slot_problem(spec, chunk.state_slot):
+        return f"{where}: {slot}"
     if chunk.logits not in ("none", "last", "all"):
         return f"{where}: logits must be 'none', 'last' or 'all', got {chunk.logits!r}"
     for piece in chunk.vision:

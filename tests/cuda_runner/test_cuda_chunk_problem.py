@@ -58,3 +58,16 @@ def test_bad_chunks_are_named(changes: dict, words: str) -> None:
     found = problem(chunk(rng, n=n, **changes))
     assert found is not None and found.startswith("sequence 3: ")
     assert re.search(words, found), found
+
+
+def test_state_slot_copies_are_range_checked_by_the_same_rule() -> None:
+    """copy_state's check (check_state_slots) and the batch check name an out-of-range slot in the same words."""
+    from gpu_engine.errors import RunnerInputError
+    from gpu_engine.runner_rules import check_state_slots
+
+    slots = int(np.random.default_rng().integers(1, 9))
+    spec = CacheSpec(num_kv_blocks=8, block_size=4, num_state_slots=slots)
+    check_state_slots(spec, 0, slots - 1)  # both ends of the range
+    for bad in (slots, -1):
+        with pytest.raises(RunnerInputError, match=re.escape(f"state slot {bad} out of range [0, {slots})")):
+            check_state_slots(spec, 0, bad)
