@@ -18,6 +18,8 @@ find "$work" -mindepth 1 -maxdepth 1 ! -name mutants -exec rm -rf {} +
 git -C "$repo" archive --format=tar HEAD | tar -x -C "$work"
 git -C "$repo" rev-parse HEAD > "$work/COMMIT"
 cp "$repo/tests/mutation/setup.cfg" "$work/setup.cfg"
+# The fast direct tests first in every mutant's run (tests/mutation/fast_first.py; also_copy puts it in mutants/).
+cp "$repo/tests/mutation/fast_first.py" "$work/conftest.py"
 # mutmut copies a source file into mutants/ only when it is not there yet: drop the copies of the files it does not
 # mutate, so they come fresh from this commit (the mutated modules and their verdicts stay).
 if [ -d "$work/mutants" ]; then

@@ -25,20 +25,28 @@ COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "requi
 
 
 class Replies:
-    """Answers request n with `texts[n]` (a JSON text; token per character, logprob -0.5 each)."""
+    """Answers request n with `texts[n]` (a JSON text; token per character, logprob `logprobs[n]` each, -0.5 by
+    default); `short` drops the last reply of every batch (a broken client). Records each batch's size."""
 
     model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-rules-1", "engine-rules-1"
 
-    def __init__(self, *texts: str) -> None:
+    def __init__(self, *texts: str, logprobs: Sequence[float] = (), short: bool = False) -> None:
         self.texts = list(texts)
+        self.logprobs = list(logprobs)
+        self.short = short
         self.seen = 0
+        self.batches: list[int] = []
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
-        for _ in requests:
+        self.batches.append(len(requests))
+        for n, _ in enumerate(requests):
+            if self.short and n == len(requests) - 1:
+                return
             text = self.texts[min(self.seen, len(self.texts) - 1)]
+            lp = self.logprobs[self.seen] if self.seen < len(self.logprobs) else -0.5
             self.seen += 1
             yield EngineReply(text=text, finish_reason="stop", token_texts=list(text),
-                              token_logprobs=[-0.5] * len(text), prompt_tokens=7, completion_tokens=len(text))
+                              token_logprobs=[lp] * len(text), prompt_tokens=7, completion_tokens=len(text))
 
 
 def _pdf(folder: Path, pages: int) -> Path:
@@ -258,3 +266,148 @@ def test_a_queued_job_is_stale_from_exactly_queued_for_s(make_pipeline: Any) -> 
     assert stale_jobs(p, queued_for_s=101) == []
     _set(p, job_id, state="succeeded")
     assert stale_jobs(p, queued_for_s=0) == []
+
+
+# --- what is stored -------------------------------------------------------------------------------------------
+def _rows(p: Any, job_id: int) -> dict[str, models.Result]:
+    with p.db.read_session() as s:
+        rows = list(s.scalars(select(models.Result).where(models.Result.job_id == job_id)))
+        for r in rows:
+            s.expunge(r)
+    return {r.unit: r for r in rows}
+
+
+TAGS = {"type": "object", "properties": {"colour": {"type": "string"}, "tags": {"type": "array",
+        "items": {"type": "string"}}}, "required": ["colour"]}
+
+
+def test_every_column_of_the_page_and_document_results(make_pipeline: Any, tmp_path: Path) -> None:
+    import math
+
+    from pipeline.extraction import sampling_params, sampling_record
+
+    texts = ['{"colour":"red","tags":["a"]}', '{"colour":"blue","tags":["b","c"]}']
+    p = make_pipeline(client=Replies(*texts, logprobs=[-0.2, -0.7]))
+    with p.db.session() as s:
+        schema = register_schema(s, "tags", TAGS)
+        version = schema.version
+    job_id = ingest_file(p, _pdf(tmp_path, 2), schema="tags").job_id
+    units: list[tuple[str, bool, int]] = []
+    run = run_job(p, job_id, on_unit=lambda unit, ok, pages: units.append((unit, ok, pages)))
+    assert units == [("page:0", True, 1), ("page:1", True, 1)]
+    assert (run.state, run.ran, run.units_total, run.units_done_now) == ("succeeded", True, 2, 2)
+    assert run.model_seconds >= 0 and run.overhead_seconds > 0
+    rows = _rows(p, job_id)
+    sampling = sampling_record(sampling_params(TAGS, p.settings))
+    for page, (text, lp) in enumerate(zip(texts, (-0.2, -0.7))):
+        row = rows[f"page:{page}"]
+        assert (row.page_index, row.ok, row.raw_text, row.error) == (page, True, text, None)
+        assert row.data == __import__("json").loads(text)
+        assert row.confidence["overall"] == pytest.approx(math.exp(lp), rel=1e-12)
+        assert row.confidence["fields"]["/colour"] == pytest.approx(math.exp(lp), rel=1e-12)
+        assert (row.model_fingerprint, row.engine_version) == ("fp-rules-1", "engine-rules-1")
+        assert (row.schema_name, row.schema_version, row.sampling) == ("tags", version, sampling)
+        assert (row.prompt_tokens, row.completion_tokens) == (7, len(text))
+        assert row.document_id == _job(p, job_id).document_id
+    doc = rows["document"]
+    assert (doc.page_index, doc.ok, doc.raw_text, doc.error) == (None, True, None, None)
+    assert doc.data == {"colour": "red", "tags": ["a", "b", "c"]}  # best colour (page 0 is likelier), tags concat
+    assert doc.confidence["overall"] == pytest.approx(math.exp(-0.7), rel=1e-12)  # the lowest page overall
+    assert doc.confidence["fields"]["/colour"] == pytest.approx(math.exp(-0.2), rel=1e-12)
+    assert (doc.prompt_tokens, doc.completion_tokens) == (14, len(texts[0]) + len(texts[1]))
+    assert (doc.model_fingerprint, doc.engine_version, doc.schema_name, doc.schema_version, doc.sampling) == (
+        "fp-rules-1", "engine-rules-1", "tags", version, sampling)
+    assert doc.document_id == rows["page:0"].document_id
+    job = _job(p, job_id)
+    assert (job.prompt_tokens, job.completion_tokens) == (14, len(texts[0]) + len(texts[1]))
+    assert job.model_seconds == pytest.approx(run.model_seconds, abs=1e-6)
+    assert job.model_seconds >= 0
+
+
+def test_a_merged_result_that_breaks_the_schema_is_stored_as_not_ok(make_pipeline: Any, tmp_path: Path) -> None:
+    one = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$"}}, "required": ["s"]}
+    p = make_pipeline(client=Replies('{"s":"x"}', '{"s":"y"}'))
+    with p.db.session() as s:
+        register_schema(s, "one", one, merge_rules={"s": "join"})
+    job_id = ingest_file(p, _pdf(tmp_path, 2), schema="one").job_id
+    assert run_job(p, job_id).state == "succeeded"  # every page answered; the merge is the document's problem
+    doc = _rows(p, job_id)["document"]
+    assert doc.ok is False and doc.data["s"].startswith("x") and doc.data["s"].endswith("y")  # joined
+    assert doc.error.startswith("merged result does not match the schema: ") and "does not match" in doc.error
+
+
+def test_pages_are_sent_in_windows_of_engine_max_num_seqs(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'), engine_max_num_seqs=2)
+    job_id = _job_of(p, _pdf(tmp_path, 5))
+    assert run_job(p, job_id).state == "succeeded"
+    assert p.client.batches == [2, 2, 1]
+    q = make_pipeline(client=Replies('{"colour":"red"}'), engine_max_num_seqs=1)
+    job_id = _job_of(q, _pdf(tmp_path, 2))
+    assert run_job(q, job_id).state == "succeeded" and q.client.batches == [1, 1]
+
+
+def test_a_client_that_gives_fewer_replies_than_requests_fails_the_run(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}', short=True), engine_max_num_seqs=3)
+    job_id = _job_of(p, _pdf(tmp_path, 3))
+    with pytest.raises(RuntimeError) as caught:
+        run_job(p, job_id)
+    assert str(caught.value) == "the engine client gave 2 replies for 3 requests"
+    job = _job(p, job_id)
+    assert (job.state, job.error) == ("queued", "RuntimeError: the engine client gave 2 replies for 3 requests")
+    assert _units_stored(p, job_id) == {"page:0", "page:1"}  # what came back is kept
+
+
+def test_a_rerun_resumes_after_the_stored_units_and_an_unrendered_page_fails_alone(make_pipeline: Any,
+                                                                                  tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}', short=True), engine_max_num_seqs=3)
+    job_id = _job_of(p, _pdf(tmp_path, 3))
+    with pytest.raises(RuntimeError):
+        run_job(p, job_id)
+    with p.db.session() as s:
+        page = s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id,
+                                                   models.Page.index == 2)).one()
+        page.error = "the page was too large to render"
+    p.client.short = False
+    before = p.client.seen
+    run = run_job(p, job_id)
+    assert p.client.seen == before  # pages 0 and 1 are stored, page 2 never reaches the model
+    assert (run.state, run.units_total, run.units_done_now) == ("partial", 3, 0)
+    row = _rows(p, job_id)["page:2"]
+    assert (row.ok, row.error, row.data, row.raw_text, row.confidence) == (
+        False, "the page was too large to render", None, None, None)
+    assert _job(p, job_id).error == "page 2: the page was too large to render"
+
+
+# --- runs that died ----------------------------------------------------------------------------------------------
+def _dead_owner() -> str:
+    import socket
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return f"{socket.gethostname()}:{child.pid}"
+
+
+def test_a_run_that_died_among_others_is_refunded_and_runs_alone(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'), job_max_attempts=2)
+    job_id = _job_of(p, png_bytes(), name="dead.png")
+    _set(p, job_id, state="running", owner=_dead_owner(), attempts=2, runs=2,
+         lease_until=utcnow() + timedelta(hours=1))
+    run = run_job(p, job_id)  # its last attempt died with others: refunded, so it may run (alone)
+    assert run.state == "succeeded"
+    job = _job(p, job_id)
+    assert (job.attempts, job.runs, job.isolated) == (2, 3, True)
+
+
+def test_a_run_that_died_alone_keeps_its_attempt_and_says_so(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'), job_max_attempts=2)
+    job_id = _job_of(p, png_bytes(), name="alone.png")
+    _set(p, job_id, state="running", owner=_dead_owner(), attempts=2, runs=2, isolated=True,
+         lease_until=utcnow() + timedelta(hours=1))
+    run = run_job(p, job_id)
+    assert (run.state, run.ran, run.note) == ("failed", False, "attempt cap reached")
+    job = _job(p, job_id)
+    assert job.error == ("gave up after 2 attempts; last error: the worker process stopped while running this "
+                         "job alone")
+    assert (job.attempts, job.runs) == (2, 2)
