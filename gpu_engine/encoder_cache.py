@@ -11,10 +11,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 from .inputs import VisionItem
 from .runner_api import VisionSlice
+
+MIN_ENCODER_BUDGET = 64 * 1024**2  # the smallest default budget (the old fixed default)
+DEFAULT_ENCODER_TOKENS = 16384  # the largest image the Qwen3.5 processors make (16,777,216 pixels) is 16,384 tokens
+
+
+def default_encoder_budget(runner: Any) -> int:
+    """The encoder-cache budget when EngineConfig.encoder_cache_bytes is None: a runner's on-device region where
+    it has one (CudaRunner.encoder_region_bytes, so that cached embeddings stay on the GPU), else room for the
+    largest image the processors make (DEFAULT_ENCODER_TOKENS rows of the runner's embeddings); never below
+    MIN_ENCODER_BUDGET. A 12 MP phone photo is 11,844 tokens: 92.5 MiB at 9B in bf16, 185 MiB in float32."""
+    region = int(getattr(runner, "encoder_region_bytes", 0) or 0)
+    if region > 0:
+        return max(MIN_ENCODER_BUDGET, region)
+    one_row = int(runner.embedding_nbytes(cast(VisionItem, SimpleNamespace(num_tokens=1))))  # bytes per token
+    return max(MIN_ENCODER_BUDGET, DEFAULT_ENCODER_TOKENS * one_row)
 
 
 def check_embeddings(item: VisionItem, emb: Any) -> None:

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from .cache import BlockManager
-from .cache_sizing import size_cache
+from .cache_sizing import cache_budget, size_cache
 from .cuda.options import CudaOptions
-from .encoder_cache import EncoderCache
+from .encoder_cache import EncoderCache, default_encoder_budget
 from .engine_config import EngineConfig
 from .errors import RequestError
 from .failure_isolation import FailureIsolation
@@ -87,7 +87,7 @@ class Engine:
 
         cfg = self.config
         sizing = size_cache(cfg, int(runner.kv_bytes_per_block(block_size=cfg.block_size)),
-                            int(runner.state_bytes_per_slot()), model_max_len)
+                            int(runner.state_bytes_per_slot()), model_max_len, budget=cache_budget(cfg, runner))
         self.cache_bytes = sizing.cache_bytes
         runner.allocate_cache(sizing.spec)
         self.max_model_len = sizing.max_model_len
@@ -101,7 +101,10 @@ class Engine:
             has_linear_state=sizing.state_bytes_per_slot > 0,
             copy_state_slot=runner.copy_state_slot,
         )
-        self.encoder = EncoderCache(cfg.encoder_cache_bytes, runner.encode_vision, runner.embedding_nbytes)
+        encoder_bytes = cfg.encoder_cache_bytes
+        if encoder_bytes is None:
+            encoder_bytes = default_encoder_budget(runner)
+        self.encoder = EncoderCache(encoder_bytes, runner.encode_vision, runner.embedding_nbytes)
         self.scheduler = Scheduler(cfg, self.blocks, self.encoder)
         self.outputs = OutputProcessor(tokenizer, vocab_size)
         self.isolation = FailureIsolation(runner, vocab_size)
@@ -171,7 +174,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         processed = self.prepare_prompt(prompt)
         check_request(processed, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                      max_logprobs=self.config.max_logprobs, encoder_cache_bytes=self.config.encoder_cache_bytes,
+                      max_logprobs=self.config.max_logprobs, encoder_cache_bytes=self.encoder.budget_bytes,
                       item_bytes=self.encoder.item_bytes)
         matcher = None
         if is_constrained(params):

@@ -2,7 +2,9 @@
 
 Memory is bounded by configuration, never by luck: the KV cache and the linear-attention state slots are sized
 from `kv_cache_bytes` (or an explicit `num_kv_blocks`), vision embeddings from `encoder_cache_bytes`, and a
-step never holds more than `max_batched_tokens` tokens for `max_num_seqs` sequences.
+step never holds more than `max_batched_tokens` tokens for `max_num_seqs` sequences. Left unset, the two byte
+budgets come from the runner (cache_sizing.cache_budget, encoder_cache.default_encoder_budget): on the CUDA runner
+the GPU memory left after the weights and its on-device encoder region; elsewhere the small defaults below.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import EngineError
 
-DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2  # runners that do not size a cache themselves (the numpy reference)
 
 
 class EngineConfigError(EngineError, ValueError):
@@ -23,13 +25,15 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # tokens per forward step, decode tokens + prefill chunks together
     block_size: int = 16  # tokens per paged KV block (also the prefix-cache granularity)
     # Cache memory: a byte budget (KV blocks + state slots are carved from it) or an explicit block count;
-    # at most one of the two; neither -> DEFAULT_KV_CACHE_BYTES.
+    # at most one of the two; neither -> the runner's own budget (CudaRunner.cache_budget: free memory after the
+    # weights) or, for runners without one, DEFAULT_KV_CACHE_BYTES.
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     # Linear-attention state slots: one per running sequence, the rest hold prefix-cache snapshots.
     # None -> 2 * max_num_seqs (half of them snapshots).
     num_state_slots: int | None = None
-    encoder_cache_bytes: int = 64 * 1024**2  # vision embeddings kept between chunks / requests (hard cap)
+    # Vision embeddings kept between chunks / requests (hard cap); None -> encoder_cache.default_encoder_budget.
+    encoder_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     enable_jump_forward: bool = True  # feed grammar-forced token runs into the next forward as one chunk
     max_model_len: int | None = None  # prompt + generated tokens; None -> what the KV cache can hold
@@ -43,8 +47,10 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name} must be a positive int, got {value!r}")
 
-        for name in ("max_num_seqs", "max_batched_tokens", "block_size", "encoder_cache_bytes"):
+        for name in ("max_num_seqs", "max_batched_tokens", "block_size"):
             positive(name)
+        if self.encoder_cache_bytes is not None:
+            positive("encoder_cache_bytes")
         if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
             raise EngineConfigError(
                 "give at most one of kv_cache_bytes and num_kv_blocks "

@@ -26,7 +26,9 @@ class CudaOptions:
     use_graphs: bool = True  # decode steps replay CUDA graphs (DOCPIPE_CUDA_GRAPHS=0 turns that off)
     graph_memory: int = 2 << 30  # bytes the captured graphs may own; past it new decode shapes run eagerly
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
-    encoder_memory: int = 256 << 20  # bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY)
+    # Bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY), also the engine's default encoder
+    # budget on this runner: 1 GiB holds 65,536 tokens of 27B-class embeddings (a 12 MP photo at 9B is 92.5 MiB).
+    encoder_memory: int = 1 << 30
     module_cache: Path | None = None  # compiled kernels on disk; None: ~/.cache/docpipe/cuda_modules
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.

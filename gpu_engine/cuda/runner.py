@@ -37,6 +37,7 @@ from ..runner_rules import (
 from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings
+from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .options import CudaOptions
 from .sampler import DeviceSampler, SamplerBuffers
 from .step import HostStep, StepTables, build_step, pack_tables, upload_tables
@@ -85,6 +86,7 @@ class CudaRunner:
                                          flash_variant=o.vision_flash)
             self._encoded = BlockPool(self.ctx.arena.alloc(o.encoder_memory, "encoder-cache"), o.encoder_memory)
         self._after_weights = self.ctx.arena.mark()
+        self._free_after_weights = self.ctx.arena.free_bytes
         self.spec: CacheSpec | None = None
         self.cache = DeviceCache(0)
         # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
@@ -109,10 +111,33 @@ class CudaRunner:
     def embedding_nbytes(self, item: VisionItem) -> int:
         return item.num_tokens * self.cfg.hidden_size * ITEMSIZE[self.dtype]
 
+    @property
+    def encoder_region_bytes(self) -> int:
+        """The on-device encoder-cache region (0 without a tower): the engine's default encoder-cache budget, so
+        that cached embeddings stay on the device."""
+        return self.options.encoder_memory if self._encoded is not None else 0
+
+    def cache_budget(self, max_num_seqs: int, max_batched_tokens: int) -> CacheBudget:
+        """What the engine's cache may take when it is given no kv_cache_bytes (memory_plan.py): the arena left
+        after the weights, less graphs, one step's activations and one vision encode."""
+        item = ITEMSIZE[self.dtype]
+        return default_cache_budget(
+            self.ctx.arena.capacity, self._free_after_weights, self.graph_memory_cap,
+            step_reserve_bytes(self.cfg, max_batched_tokens, max_num_seqs, item),
+            vision_reserve_bytes(self.vision.dims if self.vision is not None else None, item))
+
     # ---- cache -----------------------------------------------------------------------------------------------
     def allocate_cache(self, spec: CacheSpec) -> None:
         check_cache_spec(spec)
         cfg, ctx = self.cfg, self.ctx
+        need = (spec.num_kv_blocks * self.kv_bytes_per_block(spec.block_size)
+                + spec.num_state_slots * self.state_bytes_per_slot())
+        if need > self._free_after_weights:
+            raise RunnerInputError(
+                f"the cache ({spec.num_kv_blocks} KV blocks + {spec.num_state_slots} state slots = {need} bytes) does "
+                f"not fit the {self._free_after_weights} bytes of the GPU memory budget left after the weights "
+                f"(arena {ctx.arena.capacity} bytes): lower kv_cache_bytes / max_num_seqs, or raise "
+                "DOCPIPE_CUDA_MEMORY_FRACTION / CudaOptions.memory_budget")
         ctx.device.sync()
         ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
         self.cache, self._graphs, self._warm, self._graph_bytes = DeviceCache(spec.block_size), {}, set(), 0
