@@ -188,7 +188,9 @@ class Fp8Config:
         if block != [128, 128]:
             raise UnsupportedModelError(f"{src}: weight_block_size={block} is not supported (only [128, 128], "
                                         "the block the FP8 kernels are written for)")
-        skip = raw.get("modules_to_not_convert") or []
+        # Without a list transformers keeps the output embedding (get_keys_to_not_convert): lm_head.
+        skip = raw.get("modules_to_not_convert")
+        skip = ["lm_head"] if skip is None else skip
         if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
             raise ConfigError(f"{src}: modules_to_not_convert must be a list of module names, got {skip!r}")
         return cls(weight_block_size=(block[0], block[1]), modules_to_not_convert=tuple(skip))

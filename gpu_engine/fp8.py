@@ -7,8 +7,9 @@ bottom and right edges may be smaller (ragged). The weight is W = Q * scale_inv[
 Quantising (at load, from a BF16 checkpoint) follows transformers 5.17's Fp8Quantize bit for bit, block by block:
 scale = 448 / amax(|W_block|) (1 for an all-zero block), Q = e4m3(clamp(W_block * scale, -448, 448)) rounded to
 nearest even, scale_inv = float32(1 / scale). The division is torch's `448.0 / tensor`, i.e. reciprocal(amax) * 448
-in two float32 roundings (Tensor.__rtruediv__), not the correctly rounded quotient. Unlike Fp8Quantize, ragged edge blocks are quantised too (it leaves
-such a tensor in BF16); their amax is taken over the elements the block holds.
+in two float32 roundings (Tensor.__rtruediv__), not the correctly rounded quotient. Unlike Fp8Quantize, ragged
+edge blocks are quantised too (it leaves such a tensor in BF16); their amax is taken over the elements the block
+holds.
 
 Activations (activation_scheme "dynamic") are quantised per token and per `group` = 128 consecutive input
 features: s = max(amax(|x_group|), 1e-10) / 448, x ~ e4m3(x_group / s) * s (the per-token-group scheme of the

@@ -287,3 +287,11 @@ def test_cuda_runner_refuses_fp8_before_reading_weights(fp8_dir, tmp_path, monke
     monkeypatch.undo()
     with pytest.raises(ValueError, match="fp8_activations=True needs block-FP8 weights"):
         gpu_engine.load(bf16, fp8_activations=True)
+
+
+def test_quantization_config_without_a_list_keeps_lm_head_as_transformers_does():
+    from gpu_engine.config import Fp8Config
+
+    raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert Fp8Config.from_dict(raw, "c").modules_to_not_convert == ("lm_head",)
+    assert Fp8Config.from_dict({**raw, "modules_to_not_convert": []}, "c").modules_to_not_convert == ()
