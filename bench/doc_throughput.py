@@ -131,14 +131,16 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
     random bf16 weights from memory (see in_memory_engine) unless --load-weights asks for the folder's."""
     from gpu_engine import Engine, EngineConfig
 
+    # 0 GiB leaves a budget to the engine's defaults (cache_sizing.cache_budget, encoder_cache.default_encoder_budget)
+    kv = int(args.kv_cache_gib * (1 << 30)) or None
+    enc = int(args.encoder_cache_gib * (1 << 30)) or None
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                          encoder_cache_bytes=int(args.encoder_cache_gib * (1 << 30)))
+                          kv_cache_bytes=kv, encoder_cache_bytes=enc)
     if runner != "cuda":
         return Engine.from_pretrained(folder, runner=runner, config=config)
     from gpu_engine.cuda.options import CudaOptions
 
-    options = CudaOptions.from_env(encoder_memory=int(args.encoder_cache_gib * (1 << 30)))
+    options = CudaOptions.from_env(**({"encoder_memory": enc} if enc else {}))
     if args.load_weights:
         return Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options)
     return in_memory_engine(folder, config, options, args.seed)
@@ -368,6 +370,8 @@ def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, cei
         "steps", "prompt_tokens_computed", "decode_tokens", "forced_tokens", "sampled_tokens", "preemptions",
         "chunked_output_tokens") if isinstance(stats1.get(k), (int, float))}
     row["peak_step_tokens"] = stats1.get("peak_step_tokens")
+    for key in ("cache_bytes", "max_model_len", "encoder_cache_budget_bytes"):
+        row[f"engine_{key}"] = stats1.get(key)
     arena = getattr(getattr(engine.runner, "ctx", None), "arena", None)
     if arena is not None:
         row["peak_device_memory_bytes"] = int(arena.peak)
@@ -552,8 +556,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--submitters", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-gib", type=float, default=24.0)
-    parser.add_argument("--encoder-cache-gib", type=float, default=2.0)
+    parser.add_argument("--kv-cache-gib", type=float, default=24.0, help="0: the engine's default (runner-sized)")
+    parser.add_argument("--encoder-cache-gib", type=float, default=2.0, help="0: the engine's and runner's defaults")
     parser.add_argument("--image-max-pixels", type=int, default=QWEN_IMAGE_MAX_PIXELS)
     parser.add_argument("--photo-size", type=int, nargs=2, default=(4032, 3024))
     parser.add_argument("--video-size", type=int, nargs=2, default=(960, 540))
