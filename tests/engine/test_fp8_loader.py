@@ -295,3 +295,42 @@ def test_quantization_config_without_a_list_keeps_lm_head_as_transformers_does()
     raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert Fp8Config.from_dict(raw, "c").modules_to_not_convert == ("lm_head",)
     assert Fp8Config.from_dict({**raw, "modules_to_not_convert": []}, "c").modules_to_not_convert == ()
+
+
+def test_sharded_fp8_checkpoint_with_scales_in_other_shards(copy_of):
+    folder = copy_of()
+    tensors = stored(folder)
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(2):  # alternate names: a weight and its scale (adjacent when sorted) land in different shards
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        part = {n: tensors[n] for n in names[i::2]}
+        write_tagged_safetensors(folder / file, part)
+        weight_map.update({n: file for n in part})
+    name = T + "layers.0.mlp.up_proj.weight"
+    assert weight_map[name] != weight_map[name + "_scale_inv"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_sums(folder)
+    weights, _ = load_weights(folder, ModelConfig.from_pretrained(folder))
+    np.testing.assert_array_equal(weights.text.fp8("layers.0.mlp.up_proj.weight").bits, tensors[name][1])
+    assert len(weights.fp8_names()) == 25
+
+
+def test_mtp_linears_follow_the_same_rule(copy_of):
+    folder = copy_of()
+    rng = np.random.default_rng()
+    bits, scale = fp8.quantize(rng.standard_normal((192, 192)).astype(np.float32))
+
+    def add_mtp(t):
+        t["mtp.layers.0.mlp.up_proj.weight"] = ("F8_E4M3", bits)
+        t["mtp.layers.0.mlp.up_proj.weight_scale_inv"] = ("F32", scale)
+        t["mtp.fc.weight"] = ("BF16", np.full((192, 384), 0x3F80, np.uint16))
+        t["mtp.norm.weight"] = ("BF16", np.zeros(192, np.uint16))
+
+    rewrite(folder, add_mtp)
+    assert "mtp.fc.weight is stored BF16, but modules_to_not_convert does not list mtp.fc" in load_error(folder)
+    edit_config(folder, lambda q: q["modules_to_not_convert"].append("mtp.fc"))
+    weights, _ = load_weights(folder, ModelConfig.from_pretrained(folder))
+    np.testing.assert_array_equal(weights.mtp["layers.0.mlp.up_proj.weight"], fp8.dequantize(bits, scale))
+    assert weights.mtp.stored_dtype("fc.weight") == "BF16" and "mtp/layers.0.mlp.up_proj.weight" in weights.fp8_names()
