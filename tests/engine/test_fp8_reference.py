@@ -1,11 +1,12 @@
 """The reference runner on block-FP8 models: exact dequantisation, the activation-quantisation emulation, and the
 whole tiny FP8 model against the BF16 model it was quantised from.
 
-Tolerance of FP8 vs BF16 (the tiny random model, 64 text positions): relative L2 of all logits <= 0.4 with FP8
-weights, <= 0.45 with the activations quantised too, and the same top-1 token at >= 50% of positions. Measured
-0.19-0.25 and 0.22-0.31 (top-1 56-81%) over seeds 0-3: this random model amplifies weight noise about 7x (random 3%
-relative noise on the same Linears moves its logits 19%), and e4m3 rounding is 2.6% relative per weight. The exact
-checks below carry the correctness; this one bounds the damage FP8 does and catches a mis-scaled block.
+Tolerance of FP8 vs BF16 (the tiny random model, 64 text positions): relative L2 of all logits <= 0.5, with FP8
+weights and with the activations quantised too, and the same top-1 token at >= 50% of positions. Measured over
+seeds 0-29: mean 0.17 / max 0.33 with FP8 weights, mean 0.21 / max 0.34 with FP8 activations too, top-1 >= 61%.
+This random model amplifies weight noise about 7x (random 3% relative noise on the same Linears moves its logits
+19%), and e4m3 rounding is 2.6% relative per weight. The exact checks below carry the correctness; this one bounds
+the damage FP8 does and catches a mis-scaled block (that is off by far more than 1).
 """
 from __future__ import annotations
 
@@ -72,13 +73,13 @@ def test_fp8_model_is_exactly_the_model_of_its_dequantised_weights(pair, tmp_pat
     np.testing.assert_array_equal(model.logits(prompt), gpu_engine.load(dense).logits(prompt))
 
 
-@pytest.mark.parametrize("emulate, bound", [(False, 0.4), (True, 0.45)])
-def test_fp8_model_stays_near_the_bf16_model_it_came_from(pair, emulate, bound):
+@pytest.mark.parametrize("emulate", [False, True])
+def test_fp8_model_stays_near_the_bf16_model_it_came_from(pair, emulate):
     bf16_dir, fp8_dir = pair
     prompt = ids(64)
     want = gpu_engine.load(bf16_dir).logits(prompt)
     got = gpu_engine.load(fp8_dir, fp8_activations=emulate).logits(prompt)
-    assert rel(got, want) <= bound
+    assert rel(got, want) <= 0.5
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.5
 
 
