@@ -38,6 +38,7 @@ _config: ProcessConfig | None = None
 _pipeline: Pipeline | None = None
 _heartbeat: Heartbeat | None = None
 _watchdog: GpuWatchdog | None = None
+_watched = False  # this process's engine was built here, behind the watchdog (WatchedEngine)
 _lock = threading.Lock()
 
 
@@ -47,8 +48,9 @@ def configure_process(settings: Settings | None = None, worker_settings: WorkerS
 
     `pipeline` hands over a ready Pipeline, e.g. one built with another ExtractionClient (a remote engine);
     its settings then win over `settings`."""
-    global _config, _pipeline
+    global _config, _pipeline, _watched
     with _lock:
+        _watched = False
         if pipeline is not None:
             settings = pipeline.settings
         _config = ProcessConfig(settings or Settings(), worker_settings or WorkerSettings(), build_engine)
@@ -58,9 +60,9 @@ def configure_process(settings: Settings | None = None, worker_settings: WorkerS
 
 def reset_process() -> None:
     """Forget the configuration and Pipeline of this process (the next use reads the environment again)."""
-    global _config, _pipeline, _watchdog
+    global _config, _pipeline, _watchdog, _watched
     with _lock:
-        _config, _pipeline, _watchdog = None, None, None
+        _config, _pipeline, _watchdog, _watched = None, None, None, False
 
 
 def process_config() -> ProcessConfig:
@@ -74,7 +76,7 @@ def process_config() -> ProcessConfig:
 def pipeline() -> Pipeline:
     """This process's Pipeline, built on first use (tasks run on many threads: built once, under a lock). A GPU
     worker's engine is built here too, with the watchdog counting each run's requests (workers.gpu_watch)."""
-    global _pipeline
+    global _pipeline, _watched
     cfg = process_config()
     with _lock:
         if _pipeline is None:
@@ -83,17 +85,16 @@ def pipeline() -> Pipeline:
                 watchdog = _gpu_watchdog_locked(cfg)
                 client = EngineClient.from_settings(cfg.settings, front=lambda e: WatchedEngine(e, watchdog))
             _pipeline = Pipeline(cfg.settings, client=client)
+            _watched = client is not None
         return _pipeline
 
 
 def gpu_watchdog() -> GpuWatchdog | None:
-    """The GPU task's time limits in this process: a GPU worker's watchdog, None elsewhere (a library caller
-    running the task function in its own process keeps its own limits)."""
-    cfg = process_config()
-    if not cfg.build_engine:
-        return None
+    """The GPU task's time limits in this process: the watchdog of a GPU worker whose engine it built (it sees
+    that engine's requests), None elsewhere (a library caller running the task function, or a Pipeline handed
+    over with another client, e.g. a remote engine, keeps its own limits)."""
     with _lock:
-        return _gpu_watchdog_locked(cfg)
+        return _watchdog if _watched else None
 
 
 def _gpu_watchdog_locked(cfg: ProcessConfig) -> GpuWatchdog:
