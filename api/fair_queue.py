@@ -1,13 +1,14 @@
 """The embedded runner's queue: one lane per owner, served in turn, and a cap on each owner's renders at once.
 
-Why: with one FIFO queue, an owner who uploads ten expensive documents takes every job thread for as long as their
+Why: with one FIFO queue, a key that uploads ten expensive documents takes every job thread for as long as their
 renders last, and everyone else's upload waits behind them. Here the threads take from the owners' lanes in
 rotation (an owner with one waiting job is served as soon as a thread frees, however long another owner's lane
 is), and an owner with `per_owner` documents rendering gets no further job until one of them finished rendering,
 so at least `threads - per_owner` threads stay free for the others.
 
-The owner is an opaque label (`EmbeddedRunner` asks `owner_of(job_id)`; the app gives the document's tenant).
-Jobs without a known owner share the lane "".
+The owner is an opaque label (`EmbeddedRunner` asks `owner_of(job_id)`; the app gives the key that uploaded the
+document, or its tenant for a document without a key: pipeline.render_owner). Jobs without a known owner share
+the lane "".
 """
 from __future__ import annotations
 
