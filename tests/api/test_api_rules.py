@@ -4,16 +4,31 @@ header-limit errors. In memory or in a tmp folder, no server.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from pathlib import Path
 
+import pytest
 from python_multipart.exceptions import MultipartParseError
+from starlette.requests import Request
 
-from api.auth import refusal_response
+from api.auth import Gate, KeyRing, Principal, refusal_response
 from api.errors import ApiError
-from api.uploads import SpooledFile, _header_limit_error, sweep_spool
+from api.limits import RateLimiter
+from api.uploads import (
+    MAX_FIELD_BYTES,
+    MEMORY_FILE_BYTES,
+    MemoryBudget,
+    SpooledFile,
+    _FormBuilder,
+    _header_limit_error,
+    receive_form,
+    sweep_spool,
+)
+
+BOUNDARY = b"rules-boundary"
 
 
 def _body(response: object) -> dict[str, object]:
@@ -89,3 +104,65 @@ def test_the_parsers_own_header_limits_are_answered_as_ours() -> None:
     assert (count.status, count.code, count.detail) == (400, "too_many_part_headers",
                                                         "A form part has more than 8 headers.")
     assert _header_limit_error(MultipartParseError("Did not find boundary character 'x' at index 2")) is None
+
+
+def test_without_keys_a_caller_is_an_unauthenticated_address() -> None:
+    gate = Gate(KeyRing([]), RateLimiter(60, 100))
+    assert gate.admit({"type": "http", "path": "/v1/jobs", "client": ("10.2.3.4", 999)}, {}) == Principal(
+        key_id="addr-10.2.3.4", authenticated=False)
+    assert gate.admit({"type": "http", "path": "/v1/jobs"}, {}) == Principal(key_id="addr-local",
+                                                                             authenticated=False)
+
+
+def test_the_sweep_keeps_a_file_of_exactly_the_age_and_tolerates_a_sweeper_that_was_faster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    at_cutoff, older = spool / "upload-edge.part", spool / "upload-old.part"
+    for path, mtime in ((at_cutoff, 1_000_000), (older, 999_999)):
+        path.write_bytes(b"x")
+        os.utime(path, (mtime, mtime))
+    monkeypatch.setattr(time, "time", lambda: 1_000_060.0)
+    real_unlink = Path.unlink
+
+    def raced(self: Path, missing_ok: bool = False) -> None:
+        os.remove(self)  # another API process sharing the data dir swept it first
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", raced)
+    assert sweep_spool(spool, 60) == 1  # older than 60 s: only the one 61 s old
+    assert [p.name for p in spool.iterdir()] == ["upload-edge.part"]
+
+
+def _form_request(body: bytes) -> Request:
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data; boundary=" + BOUNDARY)]}, receive)
+
+
+def test_a_field_of_exactly_the_field_limit_is_accepted(tmp_path: Path) -> None:
+    value = b"v" * MAX_FIELD_BYTES
+    body = (b"--" + BOUNDARY + b'\r\nContent-Disposition: form-data; name="k"\r\n\r\n' + value + b"\r\n--" + BOUNDARY
+            + b"--\r\n")
+    form = asyncio.run(receive_form(_form_request(body), tmp_path, MemoryBudget(10), max_file_bytes=10, max_files=1))
+    assert form.fields == {"k": value.decode()}
+
+
+def test_an_abort_after_the_spool_file_went_is_quiet(tmp_path: Path) -> None:
+    memory = MemoryBudget(MEMORY_FILE_BYTES)
+    builder = _FormBuilder(tmp_path, 8 * MEMORY_FILE_BYTES, 1, memory)
+    builder.on_part_begin()
+    for field_, value in ((b"Content-Disposition", b'form-data; name="f"; filename="a.bin"'),):
+        builder.on_header_field(field_, 0, len(field_))
+        builder.on_header_value(value, 0, len(value))
+        builder.on_header_end()
+    builder.on_headers_finished()
+    chunk = b"z" * (MEMORY_FILE_BYTES + 1)
+    builder.on_part_data(chunk, 0, len(chunk))  # past the memory share: on disk now
+    spooled = list(tmp_path.iterdir())
+    assert len(spooled) == 1 and memory.used == 0
+    spooled[0].unlink()  # e.g. swept by another process while the upload stalled
+    builder.abort()
+    assert list(tmp_path.iterdir()) == [] and builder.open_part is None
