@@ -14,6 +14,12 @@ from typing import Any
 from .errors import ShapeError
 
 DTYPES = ("bf16", "f32")
+DEFAULT_ENCODER_MEMORY = 1 << 30
+
+
+def encoder_region_bytes(option: int | None, memory_budget: int) -> int:
+    """The encoder region a runner with `memory_budget` bytes takes for CudaOptions.encoder_memory = `option`."""
+    return option if option is not None else min(DEFAULT_ENCODER_MEMORY, memory_budget // 4)
 
 
 @dataclass(frozen=True)
@@ -27,8 +33,9 @@ class CudaOptions:
     graph_memory: int = 2 << 30  # bytes the captured graphs may own; past it new decode shapes run eagerly
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
     # Bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY), also the engine's default encoder
-    # budget on this runner: 1 GiB holds 65,536 tokens of 27B-class embeddings (a 12 MP photo at 9B is 92.5 MiB).
-    encoder_memory: int = 1 << 30
+    # budget on this runner; None: encoder_region_bytes(budget) = DEFAULT_ENCODER_MEMORY (1 GiB: 65,536 tokens of
+    # 27B-class embeddings; a 12 MP photo at 9B is 92.5 MiB), at most a quarter of the memory budget.
+    encoder_memory: int | None = None
     module_cache: Path | None = None  # compiled kernels on disk; None: ~/.cache/docpipe/cuda_modules
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.

@@ -38,7 +38,7 @@ from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
 from .embeddings import BlockPool, DeviceEmbeddings
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
-from .options import CudaOptions
+from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
 from .step import HostStep, StepTables, build_step, pack_tables, upload_tables
 from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
@@ -84,7 +84,8 @@ class CudaRunner:
         elif weights.vision:
             self.vision = GpuVisionTower(self.ctx, model_config.vision, weights.vision, o.dtype,
                                          flash_variant=o.vision_flash)
-            self._encoded = BlockPool(self.ctx.arena.alloc(o.encoder_memory, "encoder-cache"), o.encoder_memory)
+            region = encoder_region_bytes(o.encoder_memory, budget)
+            self._encoded = BlockPool(self.ctx.arena.alloc(region, "encoder-cache"), region)
         self._after_weights = self.ctx.arena.mark()
         self._free_after_weights = self.ctx.arena.free_bytes
         self.spec: CacheSpec | None = None
@@ -115,7 +116,7 @@ class CudaRunner:
     def encoder_region_bytes(self) -> int:
         """The on-device encoder-cache region (0 without a tower): the engine's default encoder-cache budget, so
         that cached embeddings stay on the device."""
-        return self.options.encoder_memory if self._encoded is not None else 0
+        return self._encoded.capacity if self._encoded is not None else 0
 
     def cache_budget(self, max_num_seqs: int, max_batched_tokens: int) -> CacheBudget:
         """What the engine's cache may take when it is given no kv_cache_bytes (memory_plan.py): the arena left

@@ -11,7 +11,7 @@ from test_engine_core_fakes import FakeRunner, tiny_tokenizer, vision_prompt
 
 from gpu_engine.cache_sizing import cache_budget, size_cache
 from gpu_engine.cuda import memory_plan
-from gpu_engine.cuda.options import CudaOptions
+from gpu_engine.cuda.options import DEFAULT_ENCODER_MEMORY, CudaOptions, encoder_region_bytes
 from gpu_engine.encoder_cache import DEFAULT_ENCODER_TOKENS, MIN_ENCODER_BUDGET, default_encoder_budget
 from gpu_engine.engine import Engine, RequestError
 from gpu_engine.engine_config import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineConfigError
@@ -96,8 +96,17 @@ def test_engine_checks_requests_against_its_default_encoder_budget(tok) -> None:
 
 def test_cuda_default_encoder_region_holds_a_12_mp_photo_at_27b() -> None:
     photo_tokens, hidden_27b = 11844, 5120
-    assert photo_tokens * hidden_27b * 2 < CudaOptions().encoder_memory
-    assert DEFAULT_ENCODER_TOKENS * hidden_27b * 2 < CudaOptions().encoder_memory  # the largest image too
+    assert CudaOptions().encoder_memory is None  # sized from the memory budget
+    h200 = encoder_region_bytes(None, 119 * GIB)
+    assert h200 == DEFAULT_ENCODER_MEMORY
+    assert photo_tokens * hidden_27b * 2 < h200
+    assert DEFAULT_ENCODER_TOKENS * hidden_27b * 2 < h200  # the largest image too
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 256 << 20, 3 << 30])
+def test_cuda_default_encoder_region_takes_at_most_a_quarter_of_a_small_budget(budget: int) -> None:
+    assert encoder_region_bytes(None, budget) == min(DEFAULT_ENCODER_MEMORY, budget // 4)
+    assert encoder_region_bytes(12345, budget) == 12345  # an explicit size is kept
 
 
 TEXT_9B = SimpleNamespace(hidden_size=4096, intermediate_size=12288, vocab_size=248320)
