@@ -6,9 +6,11 @@ segment, head), keys streamed in steps with an online softmax.
 
 Variants (VARIANTS: name -> m-tiles per warp, keys per step): "m1" is the first kernel (64 query rows a block, 64 keys
 a step); "m2n32" / "m2n64" give each warp two m-tiles (128 rows a block), so every K / V fragment read from shared
-memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step to stay
-within 255 registers without spills at head_dim 72 / 80 (nvcc -Xptxas -v: 230 / 240 registers; "m2n64" spills there).
-DEFAULT_VARIANT is what the tower uses; head dims without an m2 instantiation (128) run "m1".
+memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step (nvcc
+13.0 -Xptxas -v: 214 / 228 registers at head_dim 72 / 80, no spills; "m2n64" takes 254 / 255 and spills at 80).
+On the H200 (bench/results/cuda/vision_flash_bench.json, 16 heads x 72) m2n32 ran 208 / 225 / 258 TFLOP/s at 4096 /
+8580 / 47376 rows, m2n64 205-242, m1 143-170: DEFAULT_VARIANT is m2n32. Head dims without an m2 instantiation (128)
+run "m1".
 """
 from __future__ import annotations
 

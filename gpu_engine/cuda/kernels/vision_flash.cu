@@ -4,15 +4,17 @@
 // Layout: qkv [n, 3 * heads * HD] (q | k | v per row, rotary already applied), out [n, heads * HD]. Attention runs
 // inside consecutive segments of seg_len rows (one frame group each); every query sees every key of its segment.
 //
-// Grid: x = segment * tiles_per_segment + query tile (64 rows, the last one of a segment may be short),
+// Grid: x = segment * tiles_per_segment + query tile (64 * MT rows, the last one of a segment may be short),
 // y = head. Neighbouring blocks are the query tiles of one (segment, head): they stream the same keys at about
-// the same time, so all but the first read them from L2. A block has 4 warps, each owning 16 query rows and the
-// whole head width of O. Q lives in registers (A fragments straight from global memory).
+// the same time, so all but the first read them from L2. A block has 4 warps, each owning MT m-tiles of 16 query
+// rows and the whole head width of O (MT = 2: each K / V fragment from shared memory feeds two mma). Q lives in
+// registers (A fragments straight from global memory).
 //
 // Head dims that are not a multiple of 16 (Qwen3.5's 72) are padded to HDP = the next multiple of 16 for Q K^T:
 // the padded Q fragment halves are zero registers and the padded K columns are zero-filled in shared memory, so
 // they add exactly 0 to the scores. V is not padded: O has HD / 8 n-tiles, the last one (HD % 16 == 8) read with
-// an ldmatrix x2.trans. Keys stream through shared memory BN at a time with cp.async into two buffers; rows are
+// an ldmatrix x2.trans. Keys stream through shared memory BN at a time with cp.async into two buffers (each thread
+// copies fixed 16-byte pieces of one key row: vf_load_kv); rows are
 // padded by 16 bytes (LD = HDP + 8 elements: an odd number of 16-byte units, so ldmatrix reads of 8 rows are
 // conflict-free). Keys past the segment end in the last key tile are zero-filled and their scores set to -inf;
 // query rows past the segment end are zero queries that are never stored. Key tile 0 always holds the segment's
