@@ -166,3 +166,50 @@ def test_an_abort_after_the_spool_file_went_is_quiet(tmp_path: Path) -> None:
     spooled[0].unlink()  # e.g. swept by another process while the upload stalled
     builder.abort()
     assert list(tmp_path.iterdir()) == [] and builder.open_part is None
+
+
+def _part(headers: bytes, value: bytes = b"v") -> bytes:
+    return b"--" + BOUNDARY + b"\r\n" + headers + b"\r\n\r\n" + value + b"\r\n"
+
+
+END = b"--" + BOUNDARY + b"--\r\n"
+
+
+def test_exactly_max_files_plus_max_fields_parts_are_accepted(tmp_path: Path) -> None:
+    body = (b"".join(_part(b'Content-Disposition: form-data; name="k%d"' % i) for i in range(32))
+            + b"".join(_part(b'Content-Disposition: form-data; name="f"; filename="%d.bin"' % i) for i in range(2))
+            + END)
+    form = asyncio.run(receive_form(_form_request(body), tmp_path, MemoryBudget(100), max_file_bytes=10,
+                                    max_files=2))
+    assert len(form.fields) == 32 and [f.filename for _, f in form.files] == ["0.bin", "1.bin"]
+    form.discard()
+
+
+def test_a_file_name_that_is_not_utf8_is_replaced_not_refused(tmp_path: Path) -> None:
+    body = _part(b'Content-Disposition: form-data; name="f"; filename="\xffa.bin"', b"data") + END
+    form = asyncio.run(receive_form(_form_request(body), tmp_path, MemoryBudget(100), max_file_bytes=10,
+                                    max_files=1))
+    assert [(name, f.filename, f.data) for name, f in form.files] == [("f", "\ufffda.bin", b"data")]
+    form.discard()
+
+
+def _headers(builder: _FormBuilder, headers: list[tuple[bytes, bytes]]) -> None:
+    for name, value in headers:
+        builder.on_header_field(name, 0, len(name))
+        builder.on_header_value(value, 0, len(value))
+        builder.on_header_end()
+
+
+def test_the_form_builder_counts_part_headers_itself(tmp_path: Path) -> None:
+    """Older python-multipart releases have no header limits: the callbacks enforce ours whatever the parser."""
+    builder = _FormBuilder(tmp_path, 10, 1, MemoryBudget(100))
+    disposition = [(b"Content-Disposition", b'form-data; name="k"')]
+    for _ in range(2):  # the count starts again with every part
+        builder.on_part_begin()
+        _headers(builder, disposition + [(b"X-H%d" % i, b"1") for i in range(7)])  # 8 headers: the maximum
+        builder.on_headers_finished()
+        assert builder.part.name == "k" and builder.header_count == 8
+    builder.on_part_begin()
+    with pytest.raises(ApiError) as caught:
+        _headers(builder, disposition + [(b"X-H%d" % i, b"1") for i in range(8)])
+    assert (caught.value.status, caught.value.code) == (400, "too_many_part_headers")
