@@ -3,7 +3,8 @@
 # may hold other sessions' half-done edits). Prepare here:
 #   git archive HEAD > .snap14/head.tar; (.whl14/: the wheels the machine lacks: nvmath-python, llguidance, pymupdf,
 #   pillow-heif, filetype, jsonschema + referencing + rpds-py + jsonschema-specifications, pydantic + pydantic-core
-#   + pydantic-settings + annotated-types + typing-inspection + python-dotenv)
+#   + pydantic-settings + annotated-types + typing-inspection + python-dotenv, SQLAlchemy (pipeline.tenancy), ImageHash
+#   (vision's video dedupe); pip download --python-version 3.12 as the device README says, versions from constraints.txt)
 # then run with carry [".snap14", ".whl14"]:  bash bench/doc_device_run.sh "<commit>" "9b:fixed256,grammar:128" ...
 # Each argument after the commit is shape:modes:units[:extra args], one bench process each, logs/JSON in $OUT.
 # SNAP=<tar under .snap14/> picks another snapshot (default head.tar), TAG=<name> prefixes the output files, so one
