@@ -91,31 +91,34 @@ class ChildProcess:
         except (BrokenPipeError, OSError):
             raise self._died() from None
 
-    def read(self, timeout_s: float) -> tuple[dict[str, Any], bytes, float]:
+    def read(self, timeout_s: float) -> tuple[dict[str, Any], bytearray, float]:
         """The next message and the seconds spent waiting for it. Raises ChildTimeout (child killed) when the
         whole message did not arrive within `timeout_s`, ChildDied when the child is gone."""
         started = time.monotonic()
         deadline = started + max(timeout_s, 0.0)
         raw_len = self._read_exact(4, deadline)
         header = json.loads(self._read_exact(struct.unpack(">I", raw_len)[0], deadline))
-        payload = self._read_exact(header["nbytes"], deadline) if header["nbytes"] else b""
+        payload = self._read_exact(header["nbytes"], deadline) if header["nbytes"] else bytearray()
         return header, payload, time.monotonic() - started
 
-    def _read_exact(self, n: int, deadline: float) -> bytes:
-        chunks: list[bytes] = []
-        need = n
-        while need:
+    def _read_exact(self, n: int, deadline: float) -> bytearray:
+        # Read into one buffer of the final size: a page's pixels (megabytes) cost one allocation, not a list of
+        # chunks and a join, so the heap a request leaves behind is one block that trimming gives back.
+        buffer = bytearray(n)
+        view = memoryview(buffer)
+        got = 0
+        while got < n:
             remaining = deadline - time.monotonic()
             ready = select.select([self._fd], [], [], remaining)[0] if remaining > 0 else []
             if not ready:
                 self.close()
                 raise ChildTimeout()
-            chunk = os.read(self._fd, min(need, 1 << 20))
-            if not chunk:
+            count = os.readv(self._fd, [view[got:]])
+            if not count:
                 raise self._died()  # EOF: the child exited or was killed
-            chunks.append(chunk)
-            need -= len(chunk)
-        return b"".join(chunks)
+            got += count
+        view.release()
+        return buffer  # bytes-like (callers only read it); not copied into bytes, which would double the memory
 
     def _died(self) -> ChildDied:
         code = self.proc.wait()

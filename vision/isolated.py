@@ -111,7 +111,7 @@ class IsolatedDocument(MediaDocument):
             f"limit if the file is trusted."
         )
 
-    def _ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    def _ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytearray]:
         """One request to the child within what is left of both budgets. Raises ChildTimeout / ChildDied (the
         child is then gone) and RenderTimeoutError when the document budget was already spent."""
         if self._child is None:
@@ -249,7 +249,7 @@ class IsolatedDocument(MediaDocument):
         return MediaPage(index=number, kind="page", image=None, source_size=(0.0, 0.0), frame_index=number,
                          error=error)
 
-    def _page(self, header: dict[str, Any], payload: bytes) -> MediaPage:
+    def _page(self, header: dict[str, Any], payload: bytearray) -> MediaPage:
         image = Image.frombytes("RGB", tuple(header["size"]), payload) if header["size"] else None
         text_error = _media_error(header["text_error"]) if header["text_error"] else None
 

@@ -152,7 +152,7 @@ class VideoDocument(MediaDocument):
     def page_count(self) -> int:
         return len(self._plan)
 
-    def _frame_page(self, header: dict[str, Any], payload: bytes) -> MediaPage:
+    def _frame_page(self, header: dict[str, Any], payload: bytearray) -> MediaPage:
         image = Image.frombytes("RGB", (header["width"], header["height"]), payload)
         return MediaPage(
             index=0,  # set by pages(), which knows the output position
