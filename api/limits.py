@@ -36,11 +36,12 @@ class ApiLimits:
     max_prompt_bytes: int = 1024 * 1024  # UTF-8 text of one chat request; a token is >= 1 byte, so >= the tokens
     max_completion_tokens: int = 4096  # largest max_tokens a chat request may ask for (bounds engine time)
     upload_idle_timeout_s: int = 60  # an upload that sends nothing for this long is cut off (408)
+    image_decode_timeout_s: float = 20.0  # one chat image's decode, in a render process (a page's render budget)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) < 1:
-                raise ValueError(f"ApiLimits.{name} must be >= 1, got {getattr(self, name)}")
+            if getattr(self, name) <= 0:  # the counts are ints, so this is >= 1 for them
+                raise ValueError(f"ApiLimits.{name} must be > 0, got {getattr(self, name)}")
 
 
 def _take_token(tokens: float, last: float, now: float, rate: float, burst: float) -> tuple[float, float | None]:

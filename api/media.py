@@ -2,15 +2,20 @@
 per-request budget before any pixel is decoded.
 
 Only inline data is accepted (gpu_engine.data_url: no server-side fetches). An image's size is read from its
-header (`vision.image_size`) and charged to the request's budget before `vision.open_media` decodes it; a video is
-probed by vision's isolated decoder process, its frames are planned with the engine's sampling rule
-(`gpu_engine.frame_sampling`) and charged, and only then decoded (in that process, so a crashing decoder costs a
-400, not the server). The engine then gets decoded frames with their timestamps and samples nothing again.
-Called on a worker thread (see openai_compat): decoding never runs on the event loop.
+header (`vision.image_size`) and charged to the request's budget before it is decoded, in vision's isolated render
+process (`vision.open_isolated`, like a document's pages): Pillow holds the GIL while it decodes, so in this process
+a slow image would stall every thread, the event loop included; there it costs at most
+`ApiLimits.image_decode_timeout_s` (a crash or the memory limit costs a 400). A video is probed by vision's isolated
+decoder process, its frames are planned with the engine's sampling rule (`gpu_engine.frame_sampling`) and charged,
+and only then decoded (in that process, so a crashing decoder costs a 400, not the server). The engine then gets
+decoded frames with their timestamps and samples nothing again.
+Called on a worker thread (see openai_compat): nothing here runs on the event loop.
 """
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import dataclass, replace
 
 from PIL import Image
@@ -21,9 +26,11 @@ from vision import (
     CorruptMediaError,
     LimitExceededError,
     MediaLimits,
+    MediaPage,
     RenderOptions,
     UnsupportedMediaError,
     image_size,
+    open_isolated,
     open_media,
 )
 from vision import MediaError as VisionError
@@ -35,6 +42,9 @@ MAX_IMAGE_PIXELS = 50_000_000  # about 7000 x 7000 per image; larger images are 
 # isolated process for at most a minute, and images and frames come out at most 4 Mpx (the model's processor
 # shrinks them further).
 CHAT_MEDIA_LIMITS = MediaLimits(max_image_pixels=MAX_IMAGE_PIXELS, max_page_pixels=4_000_000, decode_timeout_s=60.0)
+
+# Beyond the image's own decode budget: starting a render process when none is warm (seconds when overloaded).
+RENDER_START_ALLOWANCE_S = 30.0
 
 _PATH = re.compile(r"(?<![\w.])(?:/[\w.@+-]+){2,}/?")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
@@ -103,8 +113,9 @@ def _refusal(kind: str, what: str, exc: VisionError) -> MediaError:
     return MediaError(f"invalid_{kind}", f"{what} could not be read: {detail}")
 
 
-def decode_image(url: str, what: str, max_bytes: int, budget: MediaBudget) -> Image.Image:
-    """A decoded RGB image from a data: URL, charged to `budget` (from its header) before it is decoded."""
+def decode_image(url: str, what: str, max_bytes: int, budget: MediaBudget, timeout_s: float) -> Image.Image:
+    """A decoded RGB image from a data: URL, charged to `budget` (from its header) before it is decoded in a
+    render process, within `timeout_s` (see the module docstring)."""
     data = _payload(url, max_bytes)
     try:
         size = image_size(data, name=what)
@@ -112,13 +123,27 @@ def decode_image(url: str, what: str, max_bytes: int, budget: MediaBudget) -> Im
             raise MediaError("image_too_large", f"{what} is {size.width}x{size.height} pixels; the limit is "
                                                 f"{MAX_IMAGE_PIXELS:,} pixels per image. Downscale it.")
         budget.charge(what, 1, size.pixels)
-        with open_media(data, limits=_vision_limits(max_bytes), name=what) as doc:
-            page = next(iter(doc.pages()))
+        page = _decode_isolated(data, what, replace(_vision_limits(max_bytes), page_render_timeout_s=timeout_s,
+                                                    document_render_timeout_s=timeout_s + RENDER_START_ALLOWANCE_S))
     except VisionError as exc:
         raise _refusal("image", what, exc) from exc
     if page.image is None:
-        raise MediaError("invalid_image", f"{what}: {page.error}")
+        raise _refusal("image", what, page.error) if page.error is not None else \
+            MediaError("invalid_image", f"{what} decoded to nothing; the file is damaged.")
     return page.image
+
+
+def _decode_isolated(data: bytes, what: str, limits: MediaLimits) -> MediaPage:
+    """The image's one page, decoded by a render process (which reads a file: a private temporary one, removed
+    afterwards)."""
+    fd, path = tempfile.mkstemp(prefix="docpipe-chat-", suffix=".img")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        with open_isolated(path, limits=limits, name=what, text=False) as doc:
+            return next(iter(doc.pages()))
+    finally:
+        os.unlink(path)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,9 @@ def _trim_soon(trim: Callable[[int], int]) -> None:
     try:
         for delay in TRIM_AFTER_S:
             time.sleep(delay)
+            # What a request left in reference cycles (its images among them, seen in the tests) is freed
+            # only by the cyclic collector, which may not run for a long while in a server that allocates little.
+            gc.collect()
             trim(0)  # releases the GIL (ctypes): the event loop keeps running while glibc walks its arenas
     finally:
         _busy.release()

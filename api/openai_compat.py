@@ -126,12 +126,13 @@ def _engine_messages(messages: list[ChatMessage], limits: ApiLimits) -> list[dic
             if role != "user":
                 raise ApiError(400, "media_not_in_user_message", "Images and videos must be in user messages.")
             if part.type == "image_url":
-                parts.append({"type": "image", "image": decode_image(part.image_url.url, what, max_bytes, budget)})
+                image = decode_image(part.image_url.url, what, max_bytes, budget, limits.image_decode_timeout_s)
+                parts.append({"type": "image", "image": image})
             elif part.type == "video_url":
                 video = decode_video(part.video_url.url, what, part.fps or 2.0, max_bytes, budget)
                 parts.append({"type": "video", "video": video.frames, "timestamps": video.timestamps})
             else:  # frames: the engine samples them at `fps`, as transformers does with a frame list
-                frames = [decode_image(url, f"{what}, frame {i}", max_bytes, budget)
+                frames = [decode_image(url, f"{what}, frame {i}", max_bytes, budget, limits.image_decode_timeout_s)
                           for i, url in enumerate(part.video)]
                 parts.append({"type": "video", "video": frames, "fps": part.fps})
         out.append({"role": role, "content": parts})

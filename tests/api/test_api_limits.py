@@ -258,23 +258,24 @@ def test_data_urls() -> None:
     assert too_large.value.reason == "too_large"
     budget = MediaBudget(max_parts=16, max_pixels=10**9)
     with pytest.raises(BodyTooLarge):
-        decode_image(url, "image", 49, budget)
+        decode_image(url, "image", 49, budget, 20.0)
     for bad, code in [("https://x/y.png", "remote_url_refused"), ("file:///etc/passwd", "remote_url_refused"),
                       ("data:image/png;base64", "invalid_media_url"),
                       ("data:image/png;base64,@@@", "invalid_media_url"),
                       ("javascript:alert(1)", "invalid_media_url")]:
         with pytest.raises(ApiError) as err:
-            decode_image(bad, "image", 100, budget)
+            decode_image(bad, "image", 100, budget, 20.0)
         assert err.value.code == code, bad
     img = Image.new("RGB", (7, 5), (10, 20, 30))
     buf = io.BytesIO()
     img.save(buf, "PNG")
     decoded = decode_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), "image", 10_000,
-                           budget)
+                           budget, 20.0)
     assert decoded.size == (7, 5) and decoded.getpixel((3, 2)) == (10, 20, 30)
     assert (budget.parts, budget.pixels) == (1, 35)  # charged from the header
     with pytest.raises(ApiError) as err:
-        decode_image("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "image", 10_000, budget)
+        decode_image("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "image", 10_000, budget,
+                     20.0)
     assert err.value.code == "invalid_image"
 
 
