@@ -213,3 +213,15 @@ def test_the_form_builder_counts_part_headers_itself(tmp_path: Path) -> None:
     with pytest.raises(ApiError) as caught:
         _headers(builder, disposition + [(b"X-H%d" % i, b"1") for i in range(8)])
     assert (caught.value.status, caught.value.code) == (400, "too_many_part_headers")
+
+
+def test_a_multipart_content_type_without_a_boundary_says_so(tmp_path: Path) -> None:
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": END, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data")]}, receive)
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(receive_form(request, tmp_path, MemoryBudget(10), max_file_bytes=10, max_files=1))
+    assert (caught.value.status, caught.value.code, caught.value.detail) == (
+        400, "malformed_multipart", "The multipart Content-Type has no boundary.")
