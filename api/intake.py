@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from pipeline.ingest import IngestOutcome, InsertedRows, create_batch, ingest_file, receive_file, record_refused
@@ -32,7 +31,7 @@ from pipeline.storable_text import clean_display_name
 from .auth import Principal
 from .context import ApiContext
 from .errors import ApiError, RateLimited
-from .queries import DocumentSummary, document_summary, load_job
+from .queries import DocumentRow, DocumentSummary, JobRow, document_summary, load_job
 from .uploads import ReceivedForm, SpooledFile
 from .views import DocumentOut, JobOut, UploadOut, job_out, summary_out
 
@@ -169,8 +168,8 @@ def accept_upload(ctx: ApiContext, form: ReceivedForm, who: Principal) -> tuple[
 def inserted_out(rows: InsertedRows) -> DocumentOut:
     """The upload's answer from the rows intake inserted (a `received` document with one `queued` job) and the
     job's schema, which intake looked up to queue the job."""
-    job = SimpleNamespace(**rows.job, schema_name=rows.schema.name, schema_version=rows.schema.version)
-    return summary_out(DocumentSummary(SimpleNamespace(**rows.document), [job]))
+    job = JobRow.of({**rows.job, "schema_name": rows.schema.name, "schema_version": rows.schema.version})
+    return summary_out(DocumentSummary(DocumentRow.of(rows.document), [job]))
 
 
 def accept_batch(ctx: ApiContext, form: ReceivedForm, who: Principal) -> tuple[int, list[int]]:

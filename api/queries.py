@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, Self
 
-from sqlalchemy import Connection, Row, bindparam, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from pipeline.models import Batch, Document, Job, JobState, Page, Schema
@@ -67,12 +68,57 @@ def load_document(s: Session, doc_id: int, access: Access, *, pages: bool = Fals
 
 
 @dataclass(frozen=True)
-class DocumentSummary:
-    """A document's columns and its jobs' (each with its schema's name and version) as plain rows: the summary
-    queries' Rows, or (intake.inserted_out) namespaces of the same names built from the rows intake inserted."""
+class _FromMapping:
+    @classmethod
+    def of(cls, row: Mapping[Any, Any]) -> Self:
+        """From a mapping holding (at least) its fields: a summary query's row, or an INSERT's RETURNING."""
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
-    document: Row[*tuple[Any, ...]] | SimpleNamespace
-    jobs: list[Row[*tuple[Any, ...]]] | list[SimpleNamespace]
+
+@dataclass(frozen=True)
+class DocumentRow(_FromMapping):
+    """The document columns an upload's answer shows."""
+
+    id: int
+    original_name: str
+    sha256: str
+    media_type: str | None
+    kind: str | None
+    size_bytes: int
+    page_count: int
+    status: str
+    error: str | None
+    error_type: str | None
+    repaired: bool | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class JobRow(_FromMapping):
+    """A job's columns as an upload's answer shows them, with its schema's name and version."""
+
+    id: int
+    document_id: int
+    schema_name: str
+    schema_version: int
+    state: str
+    attempts: int
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    model_seconds: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class DocumentSummary:
+    """A document and its jobs as plain rows: read by `document_summary`, or (api.intake.inserted_out) taken from
+    the rows intake inserted, so that an upload's answer needs no ORM objects and no read back."""
+
+    document: DocumentRow
+    jobs: list[JobRow]
 
 
 # Built once (their cache keys are memoised): the upload route's read constructs no statement.
@@ -94,7 +140,7 @@ def document_summary(s: Session | Connection, doc_id: int) -> DocumentSummary:
     if doc is None:
         raise NotFound("document", doc_id)
     jobs = s.execute(_SUMMARY_JOBS, {"doc_id": doc_id}).all()
-    return DocumentSummary(doc, list(jobs))
+    return DocumentSummary(DocumentRow.of(doc._mapping), [JobRow.of(j._mapping) for j in jobs])
 
 
 def load_job(s: Session, job_id: int, access: Access, *, results: bool = False) -> Job:
