@@ -17,7 +17,8 @@ import numpy as np
 
 from ..config import TextConfig
 from ..loader import ModelWeights
-from .bf16 import f32_to_bf16_bits
+from ..tensors import raw_tensor
+from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from .context import DArray, GpuContext
 from .errors import CudaBackendError
 
@@ -67,6 +68,11 @@ def _device_bits(arr: np.ndarray, dtype: str) -> np.ndarray:
     return f32_to_bf16_bits(arr) if dtype == "bf16" else np.ascontiguousarray(arr, np.float32)
 
 
+def _float32(arr: np.ndarray) -> np.ndarray:
+    """float32 of a host weight: uint16 arrays are bf16 bit patterns (the loader's raw form)."""
+    return bf16_bits_to_f32(arr) if arr.dtype == np.uint16 else np.ascontiguousarray(arr, np.float32)
+
+
 class _Uploader:
     def __init__(self, ctx: GpuContext, dtype: str) -> None:
         self.ctx, self.dtype, self.nbytes = ctx, dtype, 0
@@ -74,7 +80,7 @@ class _Uploader:
     def put(self, name: str, *parts: np.ndarray, dtype: str | None = None) -> DArray:
         """Upload the row-wise concatenation of `parts` (converted to the runner dtype unless dtype='f32')."""
         dtype = dtype or self.dtype
-        host = [(_device_bits(p, dtype) if dtype != "f32" else np.ascontiguousarray(p, np.float32)) for p in parts]
+        host = [(_device_bits(p, dtype) if dtype != "f32" else _float32(p)) for p in parts]
         data = host[0] if len(host) == 1 else np.concatenate(host, axis=0)
         arr = self.ctx.empty(data.shape, dtype, name)
         self.ctx.device.upload(arr.ptr, data)
@@ -85,10 +91,13 @@ class _Uploader:
 def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights, dtype: str) -> TextWeights:
     if cfg.attention_bias:
         raise CudaBackendError("attention_bias=True is not supported by the CUDA runner yet (Qwen3.5 has none)")
-    w = weights.text
+    text = weights.text
+    # bf16: the stored bits as they are (a view of the mapped file, no float32 copy); f32: float32 from the loader
+    w = {n: raw_tensor(text, n) for n in text} if dtype == "bf16" else text
+    head = weights.raw_lm_head() if dtype == "bf16" else weights.lm_head
     up = _Uploader(ctx, dtype)
     embed = up.put("embed_tokens", w["embed_tokens.weight"])
-    tied = weights.lm_head is w["embed_tokens.weight"] or np.shares_memory(weights.lm_head, w["embed_tokens.weight"])
+    tied = weights.tied or np.shares_memory(head, w["embed_tokens.weight"])
     layers = []
     for i, kind in enumerate(cfg.layer_types):
         p = f"layers.{i}."
@@ -122,5 +131,5 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
             down=up.put(p + "mlp.down", w[p + "mlp.down_proj.weight"]),
         ))
     final_norm = up.put("norm", w["norm.weight"])
-    lm_head = embed if tied else up.put("lm_head", weights.lm_head)
+    lm_head = embed if tied else up.put("lm_head", head)
     return TextWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, nbytes=up.nbytes)
