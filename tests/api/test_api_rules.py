@@ -225,3 +225,44 @@ def test_a_multipart_content_type_without_a_boundary_says_so(tmp_path: Path) -> 
         asyncio.run(receive_form(request, tmp_path, MemoryBudget(10), max_file_bytes=10, max_files=1))
     assert (caught.value.status, caught.value.code, caught.value.detail) == (
         400, "malformed_multipart", "The multipart Content-Type has no boundary.")
+
+
+def _refused(request: Request, tmp_path: Path) -> ApiError:
+    memory = MemoryBudget(1 << 20)
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(receive_form(request, tmp_path / "spool", memory, max_file_bytes=1 << 22, max_files=1))
+    assert memory.used == 0 and not (tmp_path / "spool").exists()
+    return caught.value
+
+
+def test_a_body_the_parser_cannot_read_is_a_400_that_says_so(tmp_path: Path) -> None:
+    err = _refused(_form_request(b"garbage"), tmp_path)
+    assert (err.status, err.code) == (400, "malformed_multipart")
+    assert err.detail.startswith("The multipart body could not be parsed: ") and len(err.detail) > 41
+
+
+def test_any_other_error_of_the_parser_is_a_400_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from python_multipart.multipart import MultipartParser
+
+    def refuse(self: MultipartParser, data: bytes) -> int:
+        raise ValueError("bad framing")  # python-multipart raises ValueError for some malformed input
+
+    monkeypatch.setattr(MultipartParser, "write", refuse)
+    err = _refused(_form_request(END), tmp_path)
+    assert (err.status, err.code, err.detail) == (400, "malformed_multipart",
+                                                  "The multipart body could not be parsed: bad framing")
+
+
+def test_a_client_that_leaves_mid_upload_is_told_what_happened(tmp_path: Path) -> None:
+    pieces = [_part(b'Content-Disposition: form-data; name="f"; filename="a.bin"', b"x" * 100)[:-20]]
+
+    async def receive() -> dict[str, object]:
+        if pieces:
+            return {"type": "http.request", "body": pieces.pop(), "more_body": True}
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": [
+        (b"content-type", b"multipart/form-data; boundary=" + BOUNDARY)]}, receive)
+    err = _refused(request, tmp_path)
+    assert (err.status, err.code, err.detail) == (400, "client_disconnected",
+                                                  "The client closed the connection before the upload finished.")
