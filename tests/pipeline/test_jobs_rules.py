@@ -224,8 +224,10 @@ def test_retry_refuses_jobs_that_are_not_failed_or_partial(make_pipeline: Any) -
     run_job(p, job_id)
     with pytest.raises(JobStateError, match="is succeeded;"):
         retry_job(p, job_id)
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError) as missing:
         retry_job(p, 10**6)
+    assert str(missing.value) == "no job with id 1000000"
+    assert (missing.value.kind, missing.value.ident) == ("job", 10**6)
 
 
 def test_retry_of_a_job_whose_document_failed_reads_the_file_again(make_pipeline: Any) -> None:
@@ -411,3 +413,14 @@ def test_a_run_that_died_alone_keeps_its_attempt_and_says_so(make_pipeline: Any)
     assert job.error == ("gave up after 2 attempts; last error: the worker process stopped while running this "
                          "job alone")
     assert (job.attempts, job.runs) == (2, 2)
+
+
+def test_fail_job_leaves_no_owner_or_lease_behind(make_pipeline: Any) -> None:
+    from pipeline.jobs import fail_job
+
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="left.png")
+    _set(p, job_id, owner="old-host:5", lease_until=utcnow())  # left over by hand: fail_job clears both anyway
+    assert fail_job(p, job_id, "bad input") is True
+    job = _job(p, job_id)
+    assert (job.state, job.owner, job.lease_until, job.error) == ("failed", None, None, "bad input")
