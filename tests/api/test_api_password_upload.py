@@ -1,10 +1,10 @@
-"""A password upload in broker mode (issue 21 item 2): the PDF is rendered during the request (the password is
-used once and never stored or queued), so the request's render must neither stall the server nor run unbounded.
-It renders on a worker thread, in vision's isolated render process under the render budgets of issue 19
-(pipeline/rendering.py -> vision.open_isolated): the probes answer within a second throughout, a page that would
-draw for minutes is stopped at the page budget, a document of such pages at the document budget, a page whose
-nested forms count too many drawing operations is refused before it is drawn (the count reads the decrypted
-streams), and each ends the upload with its budget's reason.
+"""A password upload (issue 21 item 2), in broker mode and in embedded mode, which take the same path: the PDF is
+rendered during the request (the password is used once and never stored or queued), so the request's render must
+neither stall the server nor run unbounded. It renders on a worker thread, in vision's isolated render process
+under the render budgets of issue 19 (pipeline/rendering.py -> vision.open_isolated): the probes answer within a
+second throughout, a page that would draw for minutes is stopped at the page budget, a document of such pages at
+the document budget, a page whose nested forms count too many drawing operations is refused before it is drawn
+(the count reads the decrypted streams), and each ends the upload with its budget's reason.
 
 Why the slow upload once passed on a quiet machine: its 3 pages were each stopped at the 1.5 s page budget, which
 left the 6 s document budget unspent, and a document whose every page failed was `ingested` with 3 failed pages
@@ -23,7 +23,7 @@ from typing import Any
 import hostile_media as hostile
 import pymupdf
 import pytest
-from apitest_support import KEY, LiveServer, live_server, test_settings
+from apitest_support import KEY, LiveServer, live_server, test_settings, wait_finished
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
 from test_api_hostile import BUDGET, MARGIN_S, SLOW_DEPTH, Probes
 from test_api_http import upload
@@ -42,8 +42,14 @@ def encrypted(pdf: bytes, password: str) -> bytes:
         doc.close()
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any]]:
+@pytest.fixture(scope="module", params=["broker", "embedded"])
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[LiveServer, Any]]:
+    """A server in broker mode (the issue's setting) with the Redis client of its database, or embedded (None)."""
+    if request.param == "embedded":
+        with live_server(test_settings(tmp_path_factory.mktemp("api-password-embedded"), **DRAW_OPS)) as live:
+            yield live, None
+        return
     db, client = _claim_redis_db()
     settings = test_settings(tmp_path_factory.mktemp("api-password"),
                              broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}", **DRAW_OPS)
@@ -133,15 +139,19 @@ def test_the_password_is_neither_stored_nor_queued(broker: tuple[LiveServer, Any
         r = upload(c, doc.tobytes(encryption=pymupdf.PDF_ENCRYPT_AES_256, user_pw=password, owner_pw=password),
                    "secret.pdf", password=password)
         assert r.status_code == 202 and r.json()["document"]["page_count"] == 2, r.text
-        deadline = time.monotonic() + 30  # published by a thread after the answer
-        while client.llen("gpu") + client.llen("ingest") == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert client.llen("gpu") + client.llen("ingest") >= 1, client.keys()
+        if client is None:  # embedded: the job runs here; wait for it, so its rows are written too
+            assert wait_finished(c, r.json()["document"]["id"])["state"] in ("succeeded", "partial")
+        else:
+            deadline = time.monotonic() + 30  # published by a thread after the answer
+            while client.llen("gpu") + client.llen("ingest") == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.llen("gpu") + client.llen("ingest") >= 1, client.keys()
     secret = password.encode()
-    queued = list(_redis_texts(client))
-    job_id = r.json()["job"]["id"]
-    assert any(t.startswith(b"[[%d]" % job_id) for t in queued), queued  # the scan reads the messages' bodies
-    assert not [t[:200] for t in queued if secret in t]
+    if client is not None:
+        queued = list(_redis_texts(client))
+        job_id = r.json()["job"]["id"]
+        assert any(t.startswith(b"[[%d]" % job_id) for t in queued), queued  # the scan reads the messages' bodies
+        assert not [t[:200] for t in queued if secret in t]
     data_dir = Path(live.settings.data_dir)
     files = [f for f in data_dir.rglob("*") if f.is_file()]
     assert any(f.suffix in (".db", ".sqlite", ".sqlite3") or "wal" in f.name for f in files), files
