@@ -64,8 +64,7 @@ class Watch:
     thread_id: int
     allowance_s: float  # added to the first interval only (a render the run must do first)
     last_progress: float = field(default_factory=time.monotonic)
-    handles: list[Any] = field(default_factory=list)
-    answered: int = 0
+    handles: list[Any] = field(default_factory=list)  # its engine requests not answered yet
     reason: str | None = None  # set when the soft limit fired
 
     def check(self) -> None:
@@ -108,10 +107,11 @@ class GpuWatchdog:
 
     def submitted(self, handle: Any) -> None:
         """The calling thread's run submitted an engine request (progress)."""
-        w = self.current()
-        if w is not None:
-            w.handles.append(handle)
-            w.last_progress = time.monotonic()
+        with self._lock:
+            w = self._watches.get(threading.get_ident())
+            if w is not None:
+                w.handles.append(handle)
+                w.last_progress = time.monotonic()
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -129,9 +129,11 @@ class GpuWatchdog:
             watches = list(self._watches.values())
         for w in watches:
             if w.reason is None:  # past the soft limit nothing counts as progress (its aborts end requests too)
-                answered = sum(1 for h in w.handles if h.done())
-                if answered > w.answered or self._idle(w.thread_id):
-                    w.answered, w.last_progress, w.allowance_s = answered, now, 0.0
+                with self._lock:  # answered requests are dropped: a 2,000-page run keeps no replies alive here
+                    running = [h for h in w.handles if not h.done()]
+                    answered, w.handles = len(w.handles) > len(running), running
+                if answered or self._idle(w.thread_id):
+                    w.last_progress, w.allowance_s = now, 0.0
                     continue
             silent = now - w.last_progress - w.allowance_s
             if w.reason is None and silent > self.limits.soft_s:

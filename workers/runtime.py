@@ -103,7 +103,11 @@ def _gpu_watchdog_locked(cfg: ProcessConfig) -> GpuWatchdog:
         limits = gpu_time_limits(cfg.settings.request_timeout_s, cfg.worker_settings.gpu_time_limit_margin_s)
 
         def on_hard(watch: Watch, reason: str) -> None:
-            release_and_retry(pipeline(), cfg.worker_settings, watch.job_id, reason)
+            # The release needs the database; the exit must come whatever it does, so it waits one margin at most.
+            release = threading.Thread(target=release_and_retry, name="docpipe-release-stuck-run", daemon=True,
+                                       args=(pipeline(), cfg.worker_settings, watch.job_id, reason))
+            release.start()
+            release.join(cfg.worker_settings.gpu_time_limit_margin_s)
             exit_process(f"job {watch.job_id}: {reason}")
 
         _watchdog = GpuWatchdog(limits, on_hard=on_hard, idle=RUN_GATE.is_waiting)
