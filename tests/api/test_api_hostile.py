@@ -72,7 +72,7 @@ class Probes:
 
 @pytest.fixture(scope="module")
 def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    # Two tenants, one key each: fairness is per tenant (a tenant's keys share its budget, as with the job cap).
+    # Two tenants, one key each (fairness is per key: two keys of one tenant are tested in test_api_fair_keys).
     settings = test_settings(tmp_path_factory.mktemp("api-hostile"), api_keys=[f"alice:{KEY}", f"bob:{OTHER_KEY}"],
                              **BUDGET)
     with live_server(settings) as live:
@@ -119,7 +119,7 @@ def test_one_tenants_slow_documents_do_not_hold_another_tenants_upload(hostile_s
             assert wait_finished(alice, doc_id, timeout=4 * BUDGET["document_render_timeout_s"] + MARGIN_S)[
                 "state"] == "failed"
         # With one queue for everyone, alice's first two documents would take both job threads and bob would
-        # wait for one of them; with a lane per tenant and one render per tenant at a time he does not.
+        # wait for one of them; with a lane per key and one render per key at a time he does not.
         assert _finished_at(bob, bob_job) < _finished_at(alice, slow_jobs[1][1])
 
 
