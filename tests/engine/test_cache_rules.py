@@ -426,8 +426,12 @@ def test_a_snapshot_of_an_evicted_block_frees_its_slot() -> None:
     b, _ = run(bm, mem, b_ids[:4])
     bm.free(b)
     assert bm.stats()["state_snapshots"] == 2
-    c, _ = run(bm, mem, list(range(40, 52)), upto=12)  # 3 blocks: 2 free + evicts a's
-    assert bm.stats()["state_snapshots"] == 2  # a's snapshot went with its block; c's took its slot
+    c = seq(list(range(40, 52)))
+    admit(bm, mem, c)
+    bm.allocate(c, 12)  # 3 blocks: the 2 never cached, then a's (the least recently freed) is evicted
+    assert bm.stats()["state_snapshots"] == 1  # a's snapshot went with its block
+    compute(bm, mem, c, 12)
+    assert bm.stats()["state_snapshots"] == 2  # c's took the freed slot
     assert bm.match_prefix(seq(b_ids)).num_tokens == 4  # b's snapshot was not the one dropped
     bm.free(c)
     assert sorted({dst for _, dst in mem.copies}) == [1, 2]
@@ -505,3 +509,40 @@ def test_random_workloads_keep_the_books_and_serve_the_right_prefixes(seed: int,
     stats = bm.stats()
     assert (stats["prefix_hit_tokens"], stats["prefix_miss_tokens"]) == (hits, misses)
     assert hits > 0, (hits, misses)
+
+
+def test_a_duplicate_block_is_not_offered_later_when_the_cached_copy_was_evicted() -> None:
+    bm, mem = manager(4, max_num_seqs=3, num_state_slots=3, linear=False)
+    ids = list(range(800, 809))
+    a, b = seq(ids), seq(ids)
+    admit(bm, mem, a)
+    admit(bm, mem, b)
+    compute(bm, mem, a, 4)
+    compute(bm, mem, b, 4)  # b's block 0 duplicates a's: not cached
+    bm.free(a)
+    c = seq([1, 2, 3])
+    admit(bm, mem, c)
+    compute(bm, mem, c, 3)  # takes one of the two never-cached blocks
+    d = seq([4, 5, 6, 7, 8])
+    admit(bm, mem, d)
+    bm.allocate(d, 5)  # the last never-cached block, then a's block 0, the only cached copy of the prefix
+    assert bm.num_cached_blocks == 0
+    bm.free(c)
+    bm.free(d)
+    compute(bm, mem, b, 8)  # b's new full block 1 is offered; its block 0 was computed earlier and is not
+    assert bm.num_cached_blocks == 1
+    assert bm.match_prefix(seq(ids)).num_tokens == 0  # the chain starts at an uncached block
+
+
+def test_no_snapshot_before_anything_is_computed_even_when_the_prompt_is_cached() -> None:
+    bm, mem = manager(16, max_num_seqs=2, num_state_slots=4)
+    ids = list(range(900, 913))
+    a = seq(ids)
+    admit(bm, mem, a)
+    compute(bm, mem, a, 12, snapshot=False)  # KV cached for 3 blocks, no state kept
+    bm.free(a)
+    b = seq(ids)
+    hit = admit(bm, mem, b)
+    assert hit.num_tokens == 0  # no snapshot: nothing reusable for a hybrid model
+    bm.snapshot_state(b)  # at 0 tokens: there is no state to keep
+    assert mem.copies == [] and bm.stats()["state_snapshots"] == 0
