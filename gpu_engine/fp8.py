@@ -20,14 +20,23 @@ e4m3fn conversion is ml_dtypes' (round to nearest even; it maps out-of-range val
 """
 from __future__ import annotations
 
-import ml_dtypes
+from functools import cache
+
 import numpy as np
 
 E4M3_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = (128, 128)  # the only weight block the engine supports (the official checkpoints' weight_block_size)
 GROUP = 128  # input features per dynamic activation scale
 _ACT_FLOOR = 1e-10
-_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@cache
+def _e4m3() -> np.dtype:
+    """ml_dtypes' float8_e4m3fn, imported on first use: the import costs seconds of CPU, which every process that
+    imports the loader (the ingest workers among them) would pay for BF16 checkpoints too."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
@@ -38,13 +47,13 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[
 
 def e4m3_to_float32(bits: np.ndarray) -> np.ndarray:
     """uint8 e4m3fn bit patterns -> float32 (exact: every e4m3 value is a float32)."""
-    return np.asarray(bits, dtype=np.uint8).view(_E4M3).astype(np.float32)
+    return np.asarray(bits, dtype=np.uint8).view(_e4m3()).astype(np.float32)
 
 
 def float32_to_e4m3(x: np.ndarray) -> np.ndarray:
     """float32 -> uint8 e4m3fn bit patterns, saturating at +-448, round to nearest even."""
     clamped = np.clip(np.asarray(x, dtype=np.float32), -E4M3_MAX, E4M3_MAX)
-    return clamped.astype(_E4M3).view(np.uint8)
+    return clamped.astype(_e4m3()).view(np.uint8)
 
 
 def expand_scales(scale_inv: np.ndarray, shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> np.ndarray:
