@@ -7,6 +7,7 @@ in its settings) is what stops it, in seconds.
 from __future__ import annotations
 
 import io
+import random
 import struct
 import zipfile
 import zlib
@@ -126,6 +127,16 @@ def png_bomb(side: int = 12_000) -> bytes:
     body = b"".join(raw.compress(row) for _ in range(side)) + raw.flush()
     ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", body) + _chunk(b"IEND", b"")
+
+
+def slow_png(width: int, height: int) -> bytes:
+    """16 bits per channel with alpha: 8 bytes a pixel to inflate and convert, a few hundred KB on the wire.
+    About 3 s to decode at 5000x5000 on a loaded 2-core machine, well over a second on a quiet one."""
+    deflate = zlib.compressobj(1)
+    row = b"\0" + random.randbytes(8) * width  # filter byte, then one random pixel repeated
+    idat = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
 def many_frame_gif(frames: int) -> bytes:

@@ -16,6 +16,7 @@ import zlib
 from functools import partial
 from pathlib import Path
 
+import hostile_media as hostile
 import httpx
 import pytest
 from apitest_support import (
@@ -139,18 +140,6 @@ def test_a_crashing_video_decoder_costs_a_400_not_the_server(server: LiveServer,
         assert chat(c, model_id, [part, {"type": "text", "text": "What happens?"}]).status_code == 200
 
 
-def slow_png(width: int, height: int) -> bytes:
-    """16 bits per channel with alpha: 8 bytes a pixel to inflate and convert, a few hundred KB on the wire.
-    About 3 s to decode at 5000x5000 on a loaded 2-core machine, well over a second on a quiet one."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    ihdr = struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0)
-    deflate = zlib.compressobj(1)
-    row = b"\0" + random.randbytes(8) * width  # filter byte, then one random pixel repeated
-    idat = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-
-
 DECODE_BUDGET_S = 0.3  # per image; the crafted one needs several times this even on a fast machine
 
 
@@ -164,7 +153,7 @@ def quick_server(tmp_path_factory: pytest.TempPathFactory):
 def test_an_image_built_to_decode_slowly_is_stopped_while_healthz_answers(quick_server: LiveServer) -> None:
     from test_api_hostile import Probes
 
-    url = "data:image/png;base64," + base64.b64encode(slow_png(5000, 5000)).decode()
+    url = "data:image/png;base64," + base64.b64encode(hostile.slow_png(5000, 5000)).decode()
     with quick_server.client() as c:
         model = str(c.get("/v1/models").json()["data"][0]["id"])
         with Probes(quick_server.base) as probes:

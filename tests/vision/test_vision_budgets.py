@@ -126,6 +126,23 @@ def test_document_budget_fails_a_document_without_any_rendered_page(tmp_path: Pa
         list(doc.pages())
 
 
+def test_an_image_that_decodes_slowly_is_stopped_at_the_page_budget(tmp_path: Path) -> None:
+    """Issue 19 item 1 for images: decode time is bounded like a PDF page's drawing. A 5000x5000 16-bit RGBA PNG
+    (a few hundred KB) takes seconds to decode; under a 0.3 s page budget the render process is stopped and the
+    image ends with the budget's reason, well inside the document budget."""
+    limits = MediaLimits(page_render_timeout_s=0.3, document_render_timeout_s=20.0)
+    path = _write(tmp_path, "slow.png", hostile.slow_png(5000, 5000))
+    with pytest.raises(RenderTimeoutError, match="slow.png.*page_render_timeout_s"):
+        with vision.open_isolated(path, limits=limits) as doc:
+            pages = list(doc.pages())
+            for page in pages:  # an image document may also report its one page as failed
+                if page.error is not None:
+                    raise page.error
+    # The same image under the default budgets decodes (it is slow, not broken).
+    with vision.open_isolated(path) as doc:
+        assert [p.ok for p in doc.pages()] == [True]
+
+
 def test_render_process_crash_is_a_media_error_not_a_crash_of_ours(tmp_path: Path) -> None:
     path = _write(tmp_path, "any.pdf", pdf_bytes(["hello"]))
     tiny = MediaLimits(decode_memory_bytes=32 * 1024 * 1024)  # Python cannot even load MuPDF in this
