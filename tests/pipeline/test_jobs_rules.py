@@ -3,6 +3,8 @@ state, retries and staleness, on a SQLite file with a scripted model (the bookke
 """
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -424,3 +426,33 @@ def test_fail_job_leaves_no_owner_or_lease_behind(make_pipeline: Any) -> None:
     assert fail_job(p, job_id, "bad input") is True
     job = _job(p, job_id)
     assert (job.state, job.owner, job.lease_until, job.error) == ("failed", None, None, "bad input")
+
+
+# --- leases (pipeline/leases.py) --------------------------------------------------------------------------------
+def test_asking_whether_a_live_owner_is_dead_does_not_disturb_it() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from pipeline.leases import owner_is_dead
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert owner_is_dead(f"{socket.gethostname()}:{child.pid}") is False
+        time.sleep(0.2)  # a signal other than 0 would have ended it by now
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_owner_we_may_not_signal_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from pipeline import leases
+
+    def not_ours(pid: int, signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")  # another user's process: it exists
+
+    monkeypatch.setattr(leases.os, "kill", not_ours)
+    assert leases.owner_is_dead(f"{socket.gethostname()}:{os.getpid() + 1}") is False
