@@ -38,9 +38,11 @@ class Replies:
         self.short = short
         self.seen = 0
         self.batches: list[int] = []
+        self.requests: list[EngineRequest] = []
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
         self.batches.append(len(requests))
+        self.requests.extend(requests)
         for n, _ in enumerate(requests):
             if self.short and n == len(requests) - 1:
                 return
@@ -456,3 +458,23 @@ def test_an_owner_we_may_not_signal_is_alive(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(leases.os, "kill", not_ours)
     assert leases.owner_is_dead(f"{socket.gethostname()}:{os.getpid() + 1}") is False
+
+
+def test_each_page_request_carries_its_image_number_and_text_layer(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, _pdf(tmp_path, 2))
+    assert run_job(p, job_id).state == "succeeded"
+    with p.db.read_session() as s:
+        pages = list(s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id)
+                               .order_by(models.Page.index)))
+        for pg in pages:
+            s.expunge(pg)
+    assert len(p.client.requests) == 2
+    for request, page in zip(p.client.requests, pages):
+        content = request.messages[0]["content"]
+        images = [c["image"] for c in content if c["type"] == "image"]
+        assert len(images) == 1 and images[0].size == (page.width, page.height)
+        prompt = content[-1]["text"]
+        assert f"This is page {page.index + 1}." in prompt
+        assert f"Text layer of this page (may be incomplete or out of reading order):\npage {page.index}" in prompt
+        assert p.images.get(page.image_blob) is not None  # decoded once, kept for a rerun
