@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 from apitest_support import LiveServer, live_server, test_settings
 from test_api_broker import REDIS_HOST, REDIS_PORT, _claim_redis_db
-from test_api_http import assert_problem, random_png, upload
+from test_api_http import random_png, upload
+from test_api_tenants import assert_hidden_from
 
 ALPHA = "alpha-key-" + uuid.uuid4().hex
 BETA = "beta-key-" + uuid.uuid4().hex
@@ -42,17 +43,7 @@ def test_another_tenants_queued_rows_are_not_found_on_every_route(broker: LiveSe
         batch_id = batch.json()["id"]
         assert a.post("/v1/schemas", json={"name": "memo", "json_schema": MEMO}).status_code == 201
 
-        assert_problem(b.get(f"/v1/documents/{doc_id}"), 404, "document_not_found")
-        assert_problem(b.get(f"/v1/documents/{doc_id}/result"), 404, "document_not_found")
-        assert_problem(b.get(f"/v1/documents/{doc_id}/pages/0.png"), 404, "document_not_found")
-        assert_problem(b.get(f"/v1/jobs/{job_id}"), 404, "job_not_found")
-        assert_problem(b.post(f"/v1/jobs/{job_id}/retry"), 404, "job_not_found")
-        assert_problem(b.get(f"/v1/batches/{batch_id}"), 404, "batch_not_found")
-        assert_problem(b.get("/v1/schemas/memo"), 404, "schema_not_found")
-        assert_problem(b.delete(f"/v1/documents/{doc_id}"), 404, "document_not_found")
-        assert doc_id not in [d["id"] for d in b.get("/v1/documents").json()["items"]]
-        assert "memo" not in [s["name"] for s in b.get("/v1/schemas").json()["items"]]
-        assert_problem(upload(b, random_png(), schema="memo"), 422, "unknown_schema")
+        assert_hidden_from(b, doc_id, job_id, batch_id, schema="memo")
 
         # The owner and the admin see the queued rows; the same bytes are beta's own document.
         assert a.get(f"/v1/documents/{doc_id}").status_code == 200
