@@ -274,6 +274,18 @@ def test_a_queued_job_is_stale_from_exactly_queued_for_s(make_pipeline: Any) -> 
     assert stale_jobs(p, queued_for_s=0) == []
 
 
+def test_a_queued_job_untouched_for_exactly_queued_for_s_is_stale(make_pipeline: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import jobs
+
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="edge.png")
+    now = utcnow().replace(microsecond=0)
+    _set(p, job_id, updated_at=now - timedelta(seconds=100))
+    monkeypatch.setattr(jobs, "utcnow", lambda: now)
+    assert stale_jobs(p, queued_for_s=100) == [job_id]
+
+
 # --- what is stored -------------------------------------------------------------------------------------------
 def _rows(p: Any, job_id: int) -> dict[str, models.Result]:
     with p.db.read_session() as s:
@@ -478,3 +490,40 @@ def test_each_page_request_carries_its_image_number_and_text_layer(make_pipeline
         assert f"This is page {page.index + 1}." in prompt
         assert f"Text layer of this page (may be incomplete or out of reading order):\npage {page.index}" in prompt
         assert p.images.get(page.image_blob) is not None  # decoded once, kept for a rerun
+
+
+def test_a_retry_waits_for_a_concurrent_claim_and_then_sees_it(make_pipeline: Any, pg_url: str) -> None:
+    """On PostgreSQL the retry reads the job under a row lock: a claim committed meanwhile is seen, not undone."""
+    import threading
+
+    p = make_pipeline(database_url=pg_url, client=Replies("not json"))
+    job_id = _job_of(p, png_bytes(), name="race.png")
+    assert run_job(p, job_id).state == "failed"
+    locked, started = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def claimer() -> None:  # holds the row, as a claim does, and moves the job on before committing
+        with p.db.session() as s:
+            job = s.get(models.Job, job_id, with_for_update=True)
+            locked.set()
+            started.wait(10)
+            time.sleep(0.3)  # let the retry reach its read of the row
+            job.state = "running"
+
+    def retry() -> None:
+        started.set()
+        try:
+            retry_job(p, job_id)
+            outcome["result"] = "retried"
+        except JobStateError as exc:
+            outcome["result"] = str(exc)
+
+    holder = threading.Thread(target=claimer)
+    holder.start()
+    assert locked.wait(10)
+    worker = threading.Thread(target=retry)
+    worker.start()
+    holder.join(20)
+    worker.join(20)
+    assert outcome["result"] == f"job {job_id} is running; only failed or partial jobs can be retried"
+    assert _job(p, job_id).state == "running"
