@@ -32,7 +32,9 @@ class Replies:
 
     model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-rules-1", "engine-rules-1"
 
-    def __init__(self, *texts: str, logprobs: Sequence[float] = (), short: bool = False) -> None:
+    def __init__(self, *texts: str, logprobs: Sequence[float] = (), short: bool = False,
+                 bare: frozenset[int] = frozenset()) -> None:
+        self.bare = bare  # replies (by number) that come without tokens, so without confidences
         self.texts = list(texts)
         self.logprobs = list(logprobs)
         self.short = short
@@ -48,9 +50,10 @@ class Replies:
                 return
             text = self.texts[min(self.seen, len(self.texts) - 1)]
             lp = self.logprobs[self.seen] if self.seen < len(self.logprobs) else -0.5
+            tokens = [] if self.seen in self.bare else list(text)
             self.seen += 1
-            yield EngineReply(text=text, finish_reason="stop", token_texts=list(text),
-                              token_logprobs=[lp] * len(text), prompt_tokens=7, completion_tokens=len(text))
+            yield EngineReply(text=text, finish_reason="stop", token_texts=tokens,
+                              token_logprobs=[lp] * len(tokens), prompt_tokens=7, completion_tokens=len(text))
 
 
 def _pdf(folder: Path, pages: int) -> Path:
@@ -527,3 +530,19 @@ def test_a_retry_waits_for_a_concurrent_claim_and_then_sees_it(make_pipeline: An
     worker.join(20)
     assert outcome["result"] == f"job {job_id} is running; only failed or partial jobs can be retried"
     assert _job(p, job_id).state == "running"
+
+
+def test_a_documents_overall_is_the_lowest_known_page_overall_or_none(make_pipeline: Any, tmp_path: Path) -> None:
+    import math
+
+    mixed = make_pipeline(client=Replies('{"colour":"red"}', logprobs=[-0.4], bare=frozenset({1})))
+    job_id = _job_of(mixed, _pdf(tmp_path, 2))
+    assert run_job(mixed, job_id).state == "succeeded"
+    rows = _rows(mixed, job_id)
+    assert rows["page:1"].confidence == {"overall": None, "fields": {}}  # no tokens: nothing known
+    assert rows["document"].confidence["overall"] == pytest.approx(math.exp(-0.4), rel=1e-12)
+
+    bare = make_pipeline(client=Replies('{"colour":"red"}', bare=frozenset({0, 1})))
+    job_id = _job_of(bare, _pdf(tmp_path, 2))
+    assert run_job(bare, job_id).state == "succeeded"
+    assert _rows(bare, job_id)["document"].confidence == {"overall": None, "fields": {}}
