@@ -546,3 +546,47 @@ def test_a_documents_overall_is_the_lowest_known_page_overall_or_none(make_pipel
     job_id = _job_of(bare, _pdf(tmp_path, 2))
     assert run_job(bare, job_id).state == "succeeded"
     assert _rows(bare, job_id)["document"].confidence == {"overall": None, "fields": {}}
+
+
+def test_every_stored_unit_renews_the_lease_from_that_moment(make_pipeline: Any, tmp_path: Path) -> None:
+    from pipeline.leases import aware
+
+    p = make_pipeline(client=Replies('{"colour":"red"}'), job_lease_s=300)
+    job_id = _job_of(p, _pdf(tmp_path, 2))
+    seen: list[tuple[Any, Any]] = []
+
+    def on_unit(unit: str, ok: bool, pages: int) -> None:
+        job = _job(p, job_id)
+        seen.append((aware(job.lease_until), aware(job.updated_at)))
+
+    assert run_job(p, job_id, on_unit=on_unit).state == "succeeded"
+    assert len(seen) == 2
+    for lease, updated in seen:
+        assert lease - updated == timedelta(seconds=300)  # renewed by the write, from the write's moment
+    assert seen[1][1] > seen[0][1]
+
+
+def test_units_that_fail_before_the_model_count_no_tokens(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="never.png")
+    with p.db.session() as s:
+        for page in s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id)):
+            page.error, page.image_blob = "could not be rendered", None
+    run = run_job(p, job_id)
+    assert (run.state, run.units_done_now) == ("failed", 0) and p.client.seen == 0
+    row = _rows(p, job_id)["page:0"]
+    assert (row.prompt_tokens, row.completion_tokens) == (0, 0)
+    job = _job(p, job_id)
+    assert (job.prompt_tokens, job.completion_tokens, job.model_seconds) == (0, 0, 0.0)
+    assert job.error == "page 0: could not be rendered"
+
+
+def test_a_document_without_pages_fails_its_job_saying_so(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="empty.png")
+    with p.db.session() as s:
+        for page in s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id)):
+            s.delete(page)
+    run = run_job(p, job_id)
+    assert (run.state, run.units_total) == ("failed", 0)
+    assert _job(p, job_id).error == "the document has no pages"
