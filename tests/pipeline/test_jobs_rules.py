@@ -590,3 +590,49 @@ def test_a_document_without_pages_fails_its_job_saying_so(make_pipeline: Any) ->
     run = run_job(p, job_id)
     assert (run.state, run.units_total) == ("failed", 0)
     assert _job(p, job_id).error == "the document has no pages"
+
+
+def test_a_run_stops_at_its_first_refused_write(make_pipeline: Any, tmp_path: Path) -> None:
+    class TakenOver(Replies):
+        def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+            for n, reply in enumerate(super().run(requests)):
+                if n == 0:  # another worker takes the job while this run waits for its first reply
+                    assert not isinstance(_claim(p, job_id, takeover=True, alone=True), JobRun)
+                yield reply
+
+    p = make_pipeline(client=TakenOver('{"colour":"red"}'))
+    job_id = _job_of(p, _pdf(tmp_path, 3))
+    units: list[str] = []
+    run = run_job(p, job_id, on_unit=lambda unit, ok, pages: units.append(unit))
+    assert (run.ran, run.note) == (False, "taken over by another attempt")
+    assert units == [] and p.client.seen == 1  # no unit counted, no further reply waited for
+    assert _units_stored(p, job_id) == set()
+
+
+def test_a_page_is_decoded_once_and_kept_for_later_runs(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="twice.png")
+    reads: list[str] = []
+    get_bytes = p.blobs.get_bytes
+
+    def counted(key: str) -> bytes:
+        reads.append(key)
+        return get_bytes(key)
+
+    p.blobs.get_bytes = counted  # type: ignore[method-assign]  # count the blob reads of the runs below
+    assert run_job(p, job_id).state == "succeeded"
+    assert reads == []  # the page decoded when it was rendered is served from the image cache
+    p.client.texts = ["not json"]
+    with p.db.session() as s:
+        job = s.get(models.Job, job_id)
+        job.state = "failed"
+    retry_job(p, job_id)
+    assert run_job(p, job_id).state == "failed"
+    assert reads == []
+    from pipeline.image_cache import ImageCache
+
+    p.images = ImageCache(p.images.max_bytes)  # as in another process: read from the blob store once, then kept
+    retry_job(p, job_id)
+    assert run_job(p, job_id).state == "failed" and len(reads) == 1
+    retry_job(p, job_id)
+    assert run_job(p, job_id).state == "failed" and len(reads) == 1
