@@ -636,3 +636,35 @@ def test_a_page_is_decoded_once_and_kept_for_later_runs(make_pipeline: Any) -> N
     assert run_job(p, job_id).state == "failed" and len(reads) == 1
     retry_job(p, job_id)
     assert run_job(p, job_id).state == "failed" and len(reads) == 1
+
+
+def test_a_job_running_healthily_elsewhere_is_left_to_it_unless_a_takeover_is_asked(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="busy.png")
+    _set(p, job_id, state="running", owner="other-host:1", attempts=1, runs=1,
+         lease_until=utcnow() + timedelta(hours=1))
+    run = run_job(p, job_id)
+    assert (run.ran, run.state) == (False, "running") and run.note.startswith("running in other-host:1")
+    assert _job(p, job_id).runs == 1 and p.client.seen == 0
+    assert run_job(p, job_id, takeover=True).state == "succeeded"
+
+
+def test_a_lease_that_lapses_between_the_look_and_the_claim_is_run_alone(make_pipeline: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import jobs
+
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="lapsing.png")
+    _set(p, job_id, state="running", owner="other-host:1", attempts=1, runs=1,
+         lease_until=utcnow() + timedelta(minutes=30))
+    calls = []
+
+    def clock() -> Any:  # the first look sees the lease running; from the claim on, it has passed
+        calls.append(1)
+        return utcnow() + (timedelta(0) if len(calls) == 1 else timedelta(hours=1))
+
+    monkeypatch.setattr(jobs, "utcnow", clock)
+    run = run_job(p, job_id)
+    assert run.state == "succeeded"
+    job = _job(p, job_id)
+    assert (job.isolated, job.attempts, job.runs) == (True, 1, 2)  # taken over, refunded, run alone
