@@ -575,7 +575,7 @@ def test_units_that_fail_before_the_model_count_no_tokens(make_pipeline: Any) ->
     run = run_job(p, job_id)
     assert (run.state, run.units_done_now) == ("failed", 0) and p.client.seen == 0
     row = _rows(p, job_id)["page:0"]
-    assert (row.prompt_tokens, row.completion_tokens) == (0, 0)
+    assert (row.prompt_tokens, row.completion_tokens, row.page_index, row.ok) == (0, 0, 0, False)
     job = _job(p, job_id)
     assert (job.prompt_tokens, job.completion_tokens, job.model_seconds) == (0, 0, 0.0)
     assert job.error == "page 0: could not be rendered"
@@ -668,3 +668,20 @@ def test_a_lease_that_lapses_between_the_look_and_the_claim_is_run_alone(make_pi
     assert run.state == "succeeded"
     job = _job(p, job_id)
     assert (job.isolated, job.attempts, job.runs) == (True, 1, 2)  # taken over, refunded, run alone
+
+
+def test_a_run_taken_over_before_it_stores_a_failed_page_stops_there(make_pipeline: Any) -> None:
+    class TakenAtStart(Replies):
+        @property
+        def model_fingerprint(self) -> str:  # read once the claim is made, before any unit is stored
+            assert not isinstance(_claim(p, job_id, takeover=True, alone=True), JobRun)
+            return "fp-rules-1"
+
+    p = make_pipeline(client=TakenAtStart('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="gone.png")
+    with p.db.session() as s:
+        for page in s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id)):
+            page.error, page.image_blob = "could not be rendered", None
+    run = run_job(p, job_id)
+    assert run == JobRun(job_id, "running", ran=False, note="taken over by another attempt")
+    assert _units_stored(p, job_id) == set() and _job(p, job_id).runs == 2
