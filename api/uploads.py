@@ -292,6 +292,8 @@ async def receive_form(request: Request, spool_dir: Path, memory: MemoryBudget, 
     except MultipartParseError as exc:
         raise _header_limit_error(exc) or ApiError(400, "malformed_multipart", "The multipart body could not be "
                                                    f"parsed: {exc}") from exc
+    except OSError:
+        raise  # our spool's disk failing (full, unwritable) is the server's error: a 5xx with an incident id
     except Exception as exc:  # python-multipart raises its own parse errors (and ValueError) on malformed input
         raise ApiError(400, "malformed_multipart", f"The multipart body could not be parsed: {exc}") from exc
     finally:

@@ -253,6 +253,28 @@ def test_any_other_error_of_the_parser_is_a_400_too(tmp_path: Path, monkeypatch:
                                                   "The multipart body could not be parsed: bad framing")
 
 
+def test_a_spool_disk_error_is_the_servers_not_a_malformed_upload(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file over the in-memory size goes to the spool folder; when that disk fails (here: full), the error is
+    raised as it is (the app answers it 500 with an incident id), never 400 malformed_multipart, and nothing stays
+    behind."""
+    import errno
+
+    import api.uploads
+
+    def full(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(api.uploads.tempfile, "mkstemp", full)
+    body = _part(b'Content-Disposition: form-data; name="file"; filename="big.bin"',
+                 os.urandom(MEMORY_FILE_BYTES + 1)) + END
+    memory = MemoryBudget(1 << 22)
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(receive_form(_form_request(body), tmp_path / "spool", memory, max_file_bytes=1 << 22,
+                                 max_files=1))
+    assert memory.used == 0
+
+
 def test_a_client_that_leaves_mid_upload_is_told_what_happened(tmp_path: Path) -> None:
     pieces = [_part(b'Content-Disposition: form-data; name="f"; filename="a.bin"', b"x" * 100)[:-20]]
 
