@@ -65,22 +65,9 @@ def check(ctx, rng: np.random.Generator, variant: str) -> list[dict]:
     return rows
 
 
-def time_launch(ctx, fn) -> float:
-    for _ in range(3):
-        fn()
-    ctx.device.sync()
-    samples = []
-    for _ in range(10):
-        start, stop = ctx.device.event(), ctx.device.event()
-        ctx.device.stream.record(start)
-        fn()
-        ctx.device.stream.record(stop)
-        stop.sync()
-        samples.append(stop - start)
-    return float(np.median(samples))
-
-
 def timing(ctx, rng: np.random.Generator, variants: list[str]) -> list[dict]:
+    from cuda_bench import time_ms  # (CUDA events, warm-up, median)
+
     from gpu_engine.cuda.vision_flash import vision_flash_attention
 
     heads, hd, rows = 16, 72, []
@@ -89,7 +76,8 @@ def timing(ctx, rng: np.random.Generator, variants: list[str]) -> list[dict]:
         qkv = ctx.to_device(rng.standard_normal((seg, 3 * heads * hd), dtype=np.float32), "bf16", "t.qkv")
         out = ctx.empty((seg, heads * hd), "bf16", "t.out")
         for v in variants:
-            ms = time_launch(ctx, lambda v=v: vision_flash_attention(ctx, out, qkv, heads, hd, seg, hd ** -0.5, v))
+            ms = time_ms(ctx, lambda v=v: vision_flash_attention(ctx, out, qkv, heads, hd, seg, hd ** -0.5, v),
+                         reps=10)
             tflops = 4.0 * seg * seg * hd * heads / ms / 1e9
             rows.append({"variant": v, "seg_len": seg, "ms": ms, "tflops": tflops})
             print(f"time  {v:<6} seg {seg:>5} x 16 heads hd72: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s", flush=True)
