@@ -34,8 +34,8 @@ class ScheduledChunk:
         self.num_tokens = num_tokens
         self.end = start + num_tokens
         self.vision_items = vision_items
-        # Only a chunk that reaches the sequence's last token produces a token to sample.
-        self.wants_logits = self.end == seq.num_tokens
+        # Only a chunk that reaches the sequence's last token produces a token to sample (past it: drafts to verify).
+        self.wants_logits = self.end >= seq.num_tokens
         # One generated token past the prompt: its positions are start + rope_delta on all three axes.
         self.is_decode = num_tokens == 1 and start >= seq.prompt_len
 
@@ -92,7 +92,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_tokens - seq.num_computed == 1 and seq.num_computed >= seq.prompt_len:
+            if seq.num_tokens_with_drafts - seq.num_computed == 1 and seq.num_computed >= seq.prompt_len:
                 n = 1  # plain decode (the common case, kept cheap)
                 if seq.num_computed % self.config.block_size:  # its block exists already
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, []))
@@ -146,7 +146,7 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         """Tokens of `seq` to run from `start` this step (0: cannot advance now)."""
-        remaining = seq.num_tokens - start
+        remaining = seq.num_tokens_with_drafts - start  # speculative drafts count against the token budget
         n = min(remaining, budget)
         if n == 0 or start >= seq.prompt_len:
             return n  # decode / jump-forward run: no vision, no snapshot boundary

@@ -46,6 +46,14 @@ class Sequence:
     num_preemptions: int = 0
     admitted_once: bool = False
 
+    # Speculative decoding: drafts of this step sit in the token buffer right after the real tokens (never in
+    # output_ids); the scheduler runs them with the last real token as one verify window (speculative/).
+    num_drafts: int = 0
+    draft_tokens: int = 0  # drafts sent to verification over the request's life
+    accepted_draft_tokens: int = 0  # of those, accepted
+    verify_steps: int = 0  # verify windows run
+    mtp_drafts: list[int] = field(default_factory=list)  # MTP head's proposal for the next step (speculative/)
+
     matcher: Any = None  # llguidance.LLMatcher when the request is constrained
     logprobs: list[TokenLogprob] | None = None
     detok: Any = None  # incremental detokenizer
@@ -76,8 +84,22 @@ class Sequence:
         return self._tokens[: self.num_tokens]
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
-        """token_ids[start:end] as one view (the hot path builds one per sequence per step)."""
-        return self._tokens[start:min(end, self.num_tokens)]
+        """token_ids[start:end] as one view (the hot path builds one per sequence per step); drafts included."""
+        return self._tokens[start:min(end, self.num_tokens + self.num_drafts)]
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        """The end of what the scheduler may run: the real tokens, then this step's drafts."""
+        return self.num_tokens + self.num_drafts
+
+    def set_drafts(self, tokens: list[int]) -> None:
+        """This step's drafts (at most remaining_tokens - 1: the verify step adds one token of its own)."""
+        n = min(len(tokens), max(0, self.remaining_tokens - 1))
+        self._tokens[self.num_tokens:self.num_tokens + n] = tokens[:n]
+        self.num_drafts = n
+
+    def drafts(self) -> list[int]:
+        return self._tokens[self.num_tokens:self.num_tokens + self.num_drafts].tolist()
 
     @property
     def output_ids(self) -> np.ndarray:
@@ -152,4 +174,6 @@ class Sequence:
         self.block_table = []
         self.state_slot = None
         self.num_committed_blocks = 0
+        self.num_drafts = 0
+        self.mtp_drafts = []
         self.num_preemptions += 1
