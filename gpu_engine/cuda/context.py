@@ -16,8 +16,8 @@ from .device import CudaDevice, ModuleCache
 from .errors import ArenaExhausted, ShapeError
 from .gemm import CublasLt
 
-ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "u32": 4}
-_HOST_DTYPE = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u32": np.uint32}
+ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "u32": 4, "u8": 1}  # u8: FP8 (e4m3) bytes, carried raw
+_HOST_DTYPE = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u32": np.uint32, "u8": np.uint8}
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt workspace; Hopper kernels ask for up to 32 MiB
 
 
