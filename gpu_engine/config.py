@@ -1,4 +1,4 @@
-"""ModelConfig: a checkpoint folder's config.json for `qwen3_5`, parsed exactly as transformers 5.17 reads it.
+"""ModelConfig: a checkpoint folder's config.json for `qwen3_5` and `qwen3_5_moe`, parsed as transformers 5.17 reads it.
 
 Where each value comes from (transformers' Qwen3_5Config / Qwen3_5TextConfig / Qwen3_5VisionConfig and
 PreTrainedConfig.convert_rope_params_to_dict / standardize_rope_params):
@@ -14,6 +14,10 @@ PreTrainedConfig.convert_rope_params_to_dict / standardize_rope_params):
 - `quantization_config` (top level): only fine-grained FP8 as Qwen publishes it (quant_method "fp8", fmt "e4m3",
   activation_scheme "dynamic", weight_block_size [128, 128]); anything else is refused by name (Fp8Config).
 - Missing keys take the transformers dataclass defaults (so a sparse config.json means what it means there).
+- `qwen3_5_moe` (Qwen3_5MoeTextConfig): every layer's MLP is routed experts + a gated shared expert (MoeConfig);
+  there is no dense MLP (intermediate_size 0). Its router always renormalises the top-k and every layer is sparse,
+  so `norm_topk_prob` false, `decoder_sparse_step` != 1 or a non-empty `mlp_only_layers` (keys transformers
+  drops) are refused rather than run differently from what their author meant.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ class UnsupportedModelError(ModelLoadError):
     """config.json is well formed but describes something this engine does not implement."""
 
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5",)
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _TEXT_ACTS = ("silu", "swish")  # the MLP and the DeltaNet conv both use hidden_act; both names mean SiLU
 _VISION_ACTS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
 _LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "conv": "linear_attention"}
@@ -62,6 +67,10 @@ _TEXT_DEFAULTS: dict[str, Any] = {
     "linear_num_key_heads": 16,
     "linear_num_value_heads": 32,
 }
+# Qwen3_5MoeTextConfig (35B-A3B) defaults where they differ from the dense ones, and its expert keys.
+_MOE_TEXT_DEFAULTS: dict[str, Any] = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2}
+_MOE_DEFAULTS: dict[str, Any] = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                                 "shared_expert_intermediate_size": 512}
 # Qwen3_5VisionConfig defaults.
 _VISION_DEFAULTS: dict[str, Any] = {
     "depth": 27,
@@ -87,12 +96,23 @@ _TOP_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Every decoder layer's MLP of a qwen3_5_moe model (HF field names): softmax router over num_experts, the
+    top num_experts_per_tok renormalised to sum 1, plus one shared expert scaled by sigmoid(shared_expert_gate)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each routed expert's SwiGLU width
+    shared_expert_intermediate_size: int
+
+
+@dataclass(frozen=True)
 class TextConfig:
     """The language model (HF field names)."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense SwiGLU width; 0 for an MoE model, which has no dense MLP (see moe)
     num_hidden_layers: int
     layer_types: tuple[str, ...]
     num_attention_heads: int
@@ -112,6 +132,7 @@ class TextConfig:
     partial_rotary_factor: float
     mrope_section: tuple[int, int, int]
     mrope_interleaved: bool
+    moe: MoeConfig | None = None  # set for qwen3_5_moe: every layer's MLP is a mixture of experts
 
     @property
     def rotary_dim(self) -> int:
@@ -233,7 +254,12 @@ class ModelConfig:
             )
         text_raw = _sub_dict(raw, "text_config", source)
         vision_raw = _sub_dict(raw, "vision_config", source)
-        text = _parse_text(text_raw, source)
+        text_type = text_raw.get("model_type", _TEXT_MODEL_TYPES[model_type])
+        if text_type in _TEXT_MODEL_TYPES.values() and text_type != _TEXT_MODEL_TYPES[model_type]:
+            # the other family's text model: half of a hand-edited config (transformers would ignore the key)
+            raise ConfigError(f"{source}: text_config.model_type={text_type!r} does not belong to "
+                              f"model_type={model_type!r} (expected {_TEXT_MODEL_TYPES[model_type]!r})")
+        text = _parse_text(text_raw, source, moe=model_type == "qwen3_5_moe")
         vision = _parse_vision(vision_raw, source)
         top = {**_TOP_DEFAULTS, **{k: raw[k] for k in _TOP_DEFAULTS if k in raw}}
         eos = _eos_ids(generation_config or {}, raw, text_raw, source)
@@ -358,17 +384,33 @@ def _rope(text_raw: dict[str, Any], source: str) -> tuple[str, float, float, tup
     return rope_type, theta, factor, (section[0], section[1], section[2]), True
 
 
-def _parse_text(text_raw: dict[str, Any], source: str) -> TextConfig:
-    d = {**_TEXT_DEFAULTS, **{k: text_raw[k] for k in _TEXT_DEFAULTS if k in text_raw}}
+def _parse_moe(text_raw: dict[str, Any], src: str) -> MoeConfig:
+    d = {**_MOE_DEFAULTS, **{k: text_raw[k] for k in _MOE_DEFAULTS if k in text_raw}}
+    ints = {k: _int(d, k, src, minimum=1) for k in _MOE_DEFAULTS}
+    if ints["num_experts_per_tok"] > ints["num_experts"]:
+        raise ConfigError(f"{src}: num_experts_per_tok={ints['num_experts_per_tok']} is more than "
+                          f"num_experts={ints['num_experts']}")
+    # Qwen3_5MoeTextConfig drops these Qwen3-Next keys: its router always renormalises, every layer is sparse.
+    for key, meant in (("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+        if key in text_raw and text_raw[key] != meant:
+            raise UnsupportedModelError(f"{src}: {key}={text_raw[key]!r} is not supported: qwen3_5_moe (as "
+                                        f"transformers 5.17 runs it) always behaves as {key}={meant!r}")
+    return MoeConfig(**ints)
+
+
+def _parse_text(text_raw: dict[str, Any], source: str, *, moe: bool = False) -> TextConfig:
+    defaults = {**_TEXT_DEFAULTS, **_MOE_TEXT_DEFAULTS} if moe else _TEXT_DEFAULTS
+    d = {**defaults, **{k: text_raw[k] for k in defaults if k in text_raw}}
     src = f"{source} text_config"
     ints = {
         k: _int(d, k, src, minimum=1)
         for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "linear_conv_kernel_dim",
             "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
         )
     }
+    ints["intermediate_size"] = 0 if moe else _int(d, "intermediate_size", src, minimum=1)
     if d["hidden_act"] not in _TEXT_ACTS:
         raise UnsupportedModelError(f"{src}: hidden_act={d['hidden_act']!r} is not supported (supported: {_TEXT_ACTS})")
     if ints["num_attention_heads"] % ints["num_key_value_heads"]:
@@ -396,6 +438,7 @@ def _parse_text(text_raw: dict[str, Any], source: str) -> TextConfig:
         partial_rotary_factor=factor,
         mrope_section=section,
         mrope_interleaved=interleaved,
+        moe=_parse_moe(text_raw, src) if moe else None,
     )
 
 

@@ -12,7 +12,8 @@ F8_E4M3 weight is joined with its `weight_scale_inv` and checked (dtype, shape o
 Names: transformers writes `model.language_model.*`, `model.visual.*`, `lm_head.weight` for
 Qwen3_5ForConditionalGeneration; upstream checkpoints add `mtp.*`. Older VL layouts (`model.layers.*`, `visual.*`,
 `language_model.model.*`) are mapped too. Everything is checked against the name -> shape table that ModelConfig
-implies; all problems are reported in one CheckpointError.
+implies; all problems are reported in one CheckpointError. A qwen3_5_moe layer's experts may be stored fused or one
+tensor per expert (gpu_engine/moe_layout.py); each layer is checked against the layout it holds.
 
 Fingerprint (`checkpoint_fingerprint`): sha256 of the UTF-8 text made of one line per file,
 `<file name>\\0<sha256 hex of the file>\\n`, for config.json followed by the weight files in sorted name order.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from .config import ModelConfig, ModelLoadError
 from .fp8_checkpoint import QUANTIZE_VARIANT, pair_fp8, quantize_checkpoint
+from .moe_layout import moe_shapes, per_expert_layers
 from .tensors import CheckpointError, StoredTensor, Tensors, raw_tensor, read_safetensors
 
 QUANTIZE_CHOICES = (None, "fp8")
@@ -108,8 +110,9 @@ class ModelWeights:
 # ------------------------------------------------------------------------------------------------ expected shapes
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, as `group/name` -> shape (group: text, vision, lm_head)."""
+def expected_shapes(config: ModelConfig, per_expert: Collection[int] = ()) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, as `group/name` -> shape (group: text, vision, lm_head). An MoE model's experts
+    are fused (what transformers writes) except in the text layers listed in `per_expert`."""
     t, v = config.text, config.vision
     h = t.hidden_size
     out: dict[str, tuple[int, ...]] = {
@@ -120,9 +123,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"text/layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "mlp.gate_proj.weight"] = (t.intermediate_size, h)
-        out[p + "mlp.up_proj.weight"] = (t.intermediate_size, h)
-        out[p + "mlp.down_proj.weight"] = (h, t.intermediate_size)
+        if t.moe is not None:
+            out.update(moe_shapes(p + "mlp.", t.moe, h, per_expert=i in per_expert))
+        else:
+            out[p + "mlp.gate_proj.weight"] = (t.intermediate_size, h)
+            out[p + "mlp.up_proj.weight"] = (t.intermediate_size, h)
+            out[p + "mlp.down_proj.weight"] = (h, t.intermediate_size)
         if kind == "linear_attention":
             nv = t.linear_num_value_heads
             a = p + "linear_attn."
@@ -322,7 +328,7 @@ def load_weights(
         found.pop("lm_head/weight", None)
         found.pop("lm_head/weight_scale_inv", None)
     entries, fp8_problems = pair_fp8(found, source, config.quantization)
-    want = expected_shapes(config)
+    want = expected_shapes(config, per_expert_layers(entries) if config.text.moe is not None else ())
     missing = sorted(checkpoint_name(n) for n in want if n not in entries)
     unexpected = sorted(unknown + [source[n] for n in entries if n not in want and not n.startswith("mtp/")])
     misshaped = sorted(

@@ -20,6 +20,11 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     return y + bias if bias is not None else y
 
 
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """The SwiGLU MLP: down(silu(gate(x)) * up(x)), weights [out, in]."""
+    return linear(silu(linear(x, gate)) * linear(x, up), down)
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Zero-centred RMSNorm of Qwen3.5: the stored weight is an offset from 1, so the scale is (1 + weight)."""
     x = x.astype(np.float32, copy=False)

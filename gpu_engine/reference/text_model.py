@@ -1,11 +1,12 @@
 """The Qwen3.5 language model in numpy float32: embeddings, decoder layers by `layer_types`, final norm, lm head.
 
 Each decoder layer: x += mixer(rms_norm(x)) with the mixer a Gated DeltaNet (linear_attention) or gated full
-attention (full_attention); then x += SwiGLU-MLP(rms_norm(x)).
+attention (full_attention); then x += mlp(rms_norm(x)) with the MLP a SwiGLU (qwen3_5) or a mixture of experts
+(qwen3_5_moe, reference/moe.py).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,8 @@ from ..config import TextConfig
 from ..loader import ModelWeights
 from .attention import attention_forward
 from .deltanet import deltanet_forward
-from .ops import Fp8InputWeight, linear, mrope_cos_sin, rms_norm, silu
+from .moe import MoeMlp
+from .ops import Fp8InputWeight, linear, mrope_cos_sin, rms_norm, swiglu
 
 
 @dataclass
@@ -40,12 +42,13 @@ class TextModel:
         self.lm_head = weights.lm_head.view(Fp8InputWeight) if "lm_head/weight" in fp8 else weights.lm_head
         self.layers: list[dict[str, np.ndarray]] = []  # per layer, names relative to "layers.{i}."
         self.mixers: list[dict[str, np.ndarray]] = []  # relative to linear_attn. / self_attn.
-        self.mlps: list[dict[str, np.ndarray]] = []
+        self.mlps: list[Callable[[np.ndarray], np.ndarray]] = []  # [n, hidden] -> [n, hidden]
         for i, kind in enumerate(config.layer_types):
             layer = _sub(text, f"layers.{i}.")
             self.layers.append(layer)
             self.mixers.append(_sub(layer, "linear_attn." if kind == "linear_attention" else "self_attn."))
-            self.mlps.append(_sub(layer, "mlp."))
+            mlp = _sub(layer, "mlp.")
+            self.mlps.append(DenseMlp(mlp) if config.moe is None else MoeMlp(config.moe, mlp))
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         return self.embed[token_ids].astype(np.float32)
@@ -67,16 +70,21 @@ class TextModel:
                                       cache.start)
             x = x + h
             h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + mlp(h, self.mlps[i])
+            x = x + self.mlps[i](h)
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return linear(hidden, self.lm_head).astype(np.float32, copy=False)
 
 
-def mlp(x: np.ndarray, w: Mapping[str, np.ndarray]) -> np.ndarray:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return linear(silu(linear(x, w["gate_proj.weight"])) * linear(x, w["up_proj.weight"]), w["down_proj.weight"])
+class DenseMlp:
+    """A qwen3_5 layer's MLP: SwiGLU of `mlp.{gate,up,down}_proj.weight`."""
+
+    def __init__(self, w: Mapping[str, np.ndarray]) -> None:
+        self.gate, self.up, self.down = w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return swiglu(x, self.gate, self.up, self.down)
 
 
 def _sub(w: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
