@@ -190,6 +190,19 @@ class BlockManager:
             self._free_seq_slots.append(seq.state_slot)
             seq.state_slot = None
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq.num_computed` (speculative decoding: the KV of rejected drafts). They were never
+        offered to the prefix cache: commit() only hashes blocks of computed tokens."""
+        keep = -(-seq.num_computed // self.block_size)
+        for b in reversed(seq.block_table[keep:]):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if b in self._block_to_hash:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        del seq.block_table[keep:]
+
     # ---- after a forward ----
     def commit(self, seq: Sequence) -> None:
         """Offer the newly computed full blocks of `seq` to the prefix cache."""
