@@ -3,25 +3,29 @@
 `make_tiny_moe_checkpoint` writes the folder of gpu_engine/tiny.py (tokenizer, chat template, processor configs,
 SHA256SUMS) with a `qwen3_5_moe` config.json — 6 experts, top-2, deliberately odd expert and shared widths — and
 deterministic random weights: fused 3-D experts as transformers saves them (layout="fused"), or one tensor per
-expert as the MTP layer and the official FP8 releases store them (layout="per_expert"). Both layouts of the same
-arguments hold the same numbers, so they must give the same logits. transformers' Qwen3_5MoeForConditionalGeneration
-loads the fused folder as is.
+expert as the MTP layer and the official FP8 releases store them (layout="per_expert", written by
+`to_per_expert_layout`, which converts any fused folder, e.g. one transformers saved). Both layouts of the same
+arguments hold the same numbers, so they give the same logits; transformers' Qwen3_5MoeForConditionalGeneration
+loads either folder as is.
 """
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .config import ModelConfig
-from .loader import checkpoint_name, expected_shapes
+from .loader import INDEX_FILE, SUMS_FILE, checkpoint_name, expected_shapes, weight_files
+from .tensors import read_safetensors
 from .tiny import TINY_TEXT, _init, _write_weights, make_tiny_checkpoint, write_json, write_sums
+from .tiny_fp8 import write_tagged_safetensors
 
 LAYOUTS = ("fused", "per_expert")
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # TINY_TEXT's trunk (3 DeltaNet layers + 1 full attention) with a mixture of experts in every layer's MLP.
 TINY_MOE_TEXT: dict[str, Any] = {
     **{k: v for k, v in copy.deepcopy(TINY_TEXT).items() if k != "intermediate_size"},
@@ -58,39 +62,73 @@ def make_tiny_moe_checkpoint(
         del raw["text_config"]["intermediate_size"]
         write_json(config_path, raw)
     config = ModelConfig.from_pretrained(folder)
-    per_expert = range(config.text.num_hidden_layers) if layout == "per_expert" else range(0)
-    _write_weights(folder, moe_random_weights(config, seed=seed, per_expert=per_expert), dtype=dtype, shards=shards)
+    _write_weights(folder, moe_random_weights(config, seed=seed), dtype=dtype, shards=shards)
+    if layout == "per_expert":
+        to_per_expert_layout(folder)
     write_sums(folder)
     return folder
 
 
-def moe_random_weights(config: ModelConfig, *, seed: int = 0, per_expert: Iterable[int] = ()
-                       ) -> dict[str, np.ndarray]:
-    """Deterministic float32 weights under their checkpoint names; the text layers in `per_expert` store their
-    experts one tensor per expert. The numbers do not depend on the layout: each fused tensor is drawn and the
-    per-expert layers store its slices."""
-    moe = config.text.moe
-    if moe is None:
+def moe_random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic float32 weights under their checkpoint names, experts fused, activations O(1)."""
+    if config.text.moe is None:
         raise ValueError(f"model_type={config.model_type!r} has no experts: use gpu_engine.tiny.random_weights")
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for ours, shape in sorted(expected_shapes(config).items()):
         name = ours.split("/", 1)[1]
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        if name.endswith(_FUSED):
             # an nn.Linear per expert: scaled by its own fan-in (the last axis), not by the whole tensor's
             value = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         else:
             value = _init(name, shape, rng)
         out[checkpoint_name(ours)] = value
-    for layer in per_expert:
-        _split_experts(out, f"model.language_model.layers.{layer}.mlp.experts.", moe.moe_intermediate_size)
     return out
 
 
-def _split_experts(tensors: dict[str, np.ndarray], prefix: str, inter: int) -> None:
-    """Replace one layer's fused expert tensors by the per-expert ones (gate rows first, then up)."""
-    gate_up, down = tensors.pop(prefix + "gate_up_proj"), tensors.pop(prefix + "down_proj")
-    for e in range(gate_up.shape[0]):
-        tensors[prefix + f"{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :inter])
-        tensors[prefix + f"{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, inter:])
-        tensors[prefix + f"{e}.down_proj.weight"] = np.ascontiguousarray(down[e])
+def to_per_expert_layout(folder: str | Path) -> None:
+    """Rewrite a checkpoint folder's fused expert tensors as one tensor per expert (gate rows first, then up), in
+    place: each stays in its shard with its dtype, the index follows; SHA256SUMS, when present, is rewritten."""
+    folder = Path(folder)
+    moe = ModelConfig.from_pretrained(folder).text.moe
+    if moe is None:
+        raise ValueError(f"{folder} is not a mixture-of-experts checkpoint")
+    inter = moe.moe_intermediate_size
+    moved: dict[str, list[str]] = {}  # fused name -> its per-expert names
+    for file in weight_files(folder):
+        out: dict[str, tuple[str, np.ndarray]] = {}
+        for name, tensor in read_safetensors(folder / file).items():
+            raw = np.array(tensor.raw)  # a copy: the file is rewritten below
+            if not name.endswith(_FUSED):
+                out[name] = (tensor.dtype, raw)
+                continue
+            parts = _per_expert(name, raw, inter)
+            out.update({n: (tensor.dtype, value) for n, value in parts.items()})
+            moved[name] = list(parts)
+        tmp = folder / (file + ".tmp")
+        write_tagged_safetensors(tmp, out)
+        os.replace(tmp, folder / file)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        raw_index = json.loads(index.read_text())
+        weight_map = raw_index["weight_map"]
+        for fused, names in moved.items():
+            weight_map.update({n: weight_map[fused] for n in names})
+            del weight_map[fused]
+        write_json(index, raw_index)
+    if (folder / SUMS_FILE).is_file():
+        write_sums(folder)
+
+
+def _per_expert(fused_name: str, value: np.ndarray, inter: int) -> dict[str, np.ndarray]:
+    """`...experts.gate_up_proj` [E, 2I, H] -> `...experts.{e}.gate_proj.weight` (rows [:I]) and `.up_proj.weight`
+    (rows [I:]); `...experts.down_proj` [E, H, I] -> `...experts.{e}.down_proj.weight`."""
+    prefix, kind = fused_name.rsplit(".", 1)
+    out: dict[str, np.ndarray] = {}
+    for e in range(value.shape[0]):
+        if kind == "gate_up_proj":
+            out[f"{prefix}.{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :inter])
+            out[f"{prefix}.{e}.up_proj.weight"] = np.ascontiguousarray(value[e, inter:])
+        else:
+            out[f"{prefix}.{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+    return out
