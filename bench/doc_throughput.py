@@ -135,7 +135,8 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
     kv = int(args.kv_cache_gib * (1 << 30)) or None
     enc = int(args.encoder_cache_gib * (1 << 30)) or None
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                          kv_cache_bytes=kv, encoder_cache_bytes=enc)
+                          kv_cache_bytes=kv, encoder_cache_bytes=enc, min_prefill_tokens=args.min_prefill_tokens,
+                          max_prefill_hold_steps=args.max_prefill_hold_steps)
     if runner != "cuda":
         return Engine.from_pretrained(folder, runner=runner, config=config)
     from gpu_engine.cuda.options import CudaOptions
@@ -345,6 +346,7 @@ def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, cei
              submitters: int) -> dict[str, Any]:
     requests = [unit_request(u, spec.prompt, params, settings) for u in units]
     stats0 = engine.stats()
+    held0 = engine.scheduler.num_held_steps
     profile.reset()
     with NvmlSampler() as nvml:
         t0 = time.perf_counter()
@@ -370,6 +372,14 @@ def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, cei
         "steps", "prompt_tokens_computed", "decode_tokens", "forced_tokens", "sampled_tokens", "preemptions",
         "chunked_output_tokens") if isinstance(stats1.get(k), (int, float))}
     row["peak_step_tokens"] = stats1.get("peak_step_tokens")
+    row["held_prompt_steps"] = engine.scheduler.num_held_steps - held0
+    row["engine_state_slots"] = engine.config.state_slots
+    row["min_prefill_tokens"] = engine.config.min_prefill_tokens
+    row["max_prefill_hold_steps"] = engine.config.max_prefill_hold_steps
+    runner = engine.runner
+    if hasattr(runner, "graph_memory_cap"):  # the CUDA runner's decode graphs at the end of the run
+        row["cuda_graphs"] = {"captured": len(getattr(runner, "_graphs", {})),
+                              "bytes": getattr(runner, "_graph_bytes", 0), "cap_bytes": runner.graph_memory_cap}
     for key in ("cache_bytes", "max_model_len", "encoder_cache_budget_bytes"):
         row[f"engine_{key}"] = stats1.get(key)
     arena = getattr(getattr(engine.runner, "ctx", None), "arena", None)
@@ -556,6 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--submitters", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--min-prefill-tokens", type=int, default=0,
+                        help="EngineConfig.min_prefill_tokens: hold prompt chunks until this many are ready")
+    parser.add_argument("--max-prefill-hold-steps", type=int, default=4)
     parser.add_argument("--kv-cache-gib", type=float, default=24.0, help="0: the engine's default (runner-sized)")
     parser.add_argument("--encoder-cache-gib", type=float, default=2.0, help="0: the engine's and runner's defaults")
     parser.add_argument("--image-max-pixels", type=int, default=QWEN_IMAGE_MAX_PIXELS)

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from .errors import EngineError
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024**2  # runners that do not size a cache themselves (the numpy reference)
+# Prefix-cache snapshot slots by default: max_num_seqs of them up to this many. Each costs a whole linear-attention
+# state (9B: 49 MiB, 27B: 147 MiB), and a few dozen shared prefixes cover the common case; at max_num_seqs 256 the
+# old "as many as running sequences" took 12-37 GiB from the KV blocks.
+DEFAULT_MAX_SNAPSHOT_SLOTS = 32
 
 
 class EngineConfigError(EngineError, ValueError):
@@ -30,7 +34,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     # Linear-attention state slots: one per running sequence, the rest hold prefix-cache snapshots.
-    # None -> 2 * max_num_seqs (half of them snapshots).
+    # None -> max_num_seqs + min(max_num_seqs, DEFAULT_MAX_SNAPSHOT_SLOTS).
     num_state_slots: int | None = None
     # Vision embeddings kept between chunks / requests (hard cap); None -> encoder_cache.default_encoder_budget.
     encoder_cache_bytes: int | None = None
@@ -40,6 +44,12 @@ class EngineConfig:
     max_logprobs: int = 20  # largest SamplingParams.top_logprobs accepted
     json_whitespace_flexible: bool = False  # compact JSON (no free whitespace) keeps outputs short and finite
     seed: int = 0  # seeds requests that give no seed of their own (reproducible runs of the whole engine)
+    # Prompt chunks held back (0: never): a step that has decode rows carries prompt chunks only once at least
+    # this many prompt tokens are ready (running prompts' rest + waiting prompts that have a free slot), or after
+    # max_prefill_hold_steps steps held in a row. Each step pays the weight reads and, on the CUDA runner, an eager
+    # launch sequence when it carries prompt work (decode-only steps replay graphs): fewer, fuller prompt steps.
+    min_prefill_tokens: int = 0
+    max_prefill_hold_steps: int = 4
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -72,6 +82,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             positive("max_model_len")
+        if self.min_prefill_tokens < 0 or self.max_prefill_hold_steps < 0:
+            raise EngineConfigError(
+                f"min_prefill_tokens and max_prefill_hold_steps must be >= 0, got {self.min_prefill_tokens} and "
+                f"{self.max_prefill_hold_steps}"
+            )
         if self.max_logprobs < 0:
             raise EngineConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
@@ -81,4 +96,6 @@ class EngineConfig:
 
     @property
     def state_slots(self) -> int:
-        return self.num_state_slots if self.num_state_slots is not None else 2 * self.max_num_seqs
+        if self.num_state_slots is not None:
+            return self.num_state_slots
+        return self.max_num_seqs + min(self.max_num_seqs, DEFAULT_MAX_SNAPSHOT_SLOTS)

@@ -10,6 +10,8 @@ a jump-forward run). Each step:
    large requests are never starved by small ones.
 Chunks are also cut so that the vision items they overlap fit the encoder-cache budget, and (hybrid models with
 prefix caching) so that they end on the block boundaries where linear-attention state snapshots are taken.
+With `min_prefill_tokens` set, a step that has decode rows leaves prompt chunks (and admissions) out until that many
+prompt tokens are ready, for at most `max_prefill_hold_steps` steps in a row: prompt work comes in fuller steps.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Snapshots of linear-attention state are only useful (and only taken) on block boundaries.
         self._align = blocks.enable_prefix_caching and blocks.has_linear_state
+        self._held = 0  # steps in a row whose prompt chunks were held back (min_prefill_tokens)
+        self.num_held_steps = 0
 
     # ---- queue management ----
     def add(self, seq: Sequence) -> None:
@@ -87,6 +91,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
+        hold = self._hold_prompts()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -98,6 +103,8 @@ class Scheduler:
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, []))
                     budget -= 1
                     continue
+            elif hold and seq.num_computed < seq.prompt_len:
+                continue  # its prompt chunk waits for a fuller step
             else:
                 n = self._chunk_size(seq, seq.num_computed, budget)
             if n == 0:
@@ -114,7 +121,8 @@ class Scheduler:
             budget -= n
 
         # Admission only when nothing had to be preempted: memory is tight, let the running ones finish first.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (not hold and not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             hit = self.blocks.match_prefix(seq)
             n = self._chunk_size(seq, hit.num_tokens, budget)
@@ -130,6 +138,33 @@ class Scheduler:
             self._take(out, seq, n)
             budget -= n
         return out
+
+    def _hold_prompts(self) -> bool:
+        """Whether this step leaves prompt chunks and admissions out (min_prefill_tokens): only when some running
+        sequence is past its prompt (the step runs anyway), fewer than min_prefill_tokens prompt tokens are ready
+        (the rest of running prompts, then waiting ones while free slots last, cached prefixes counted too: an
+        estimate) and the prompts have not been held max_prefill_hold_steps steps in a row already."""
+        want = min(self.config.min_prefill_tokens, self.config.max_batched_tokens)
+        if want == 0:
+            return False
+        decoding, ready = False, 0
+        for seq in self.running:
+            if seq.num_computed < seq.prompt_len:
+                ready += seq.prompt_len - seq.num_computed
+            else:
+                decoding = True
+        free = self.config.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if ready >= want or free <= 0:
+                break
+            ready += seq.num_tokens - seq.num_computed
+            free -= 1
+        if not decoding or ready == 0 or ready >= want or self._held >= self.config.max_prefill_hold_steps:
+            self._held = 0
+            return False
+        self._held += 1
+        self.num_held_steps += 1
+        return True
 
     def _take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         self.blocks.allocate(seq, n)
