@@ -112,7 +112,7 @@ class ModelWeights:
 
 def expected_shapes(config: ModelConfig, per_expert: Collection[int] = ()) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, as `group/name` -> shape (group: text, vision, lm_head). An MoE model's experts
-    are fused (what transformers writes) except in the text layers listed in `per_expert`."""
+    are fused (the BF16 releases' layout, gpu_engine/moe_layout.py) except in the text layers listed in `per_expert`."""
     t, v = config.text, config.vision
     h = t.hidden_size
     out: dict[str, tuple[int, ...]] = {

@@ -4,9 +4,11 @@ Both layouts (names relative to a layer's `mlp.`; E experts, I = moe_intermediat
 - router `gate.weight` [E, H]; shared expert `shared_expert.{gate,up}_proj.weight` [S, H],
   `shared_expert.down_proj.weight` [H, S] and its gate `shared_expert_gate.weight` [1, H].
 Routed experts, either
-- fused (transformers' save_pretrained, the BF16 releases): `experts.gate_up_proj` [E, 2I, H] (rows [:I] the gate
-  projection, [I:] the up projection) and `experts.down_proj` [E, H, I], both without a `.weight` suffix; or
-- one tensor per expert (the MTP layer, the official FP8 releases, where each carries its weight_scale_inv):
+- fused (the BF16 releases; transformers' parameters, written by save_pretrained(save_original_format=False)):
+  `experts.gate_up_proj` [E, 2I, H] (rows [:I] the gate projection, [I:] the up projection) and
+  `experts.down_proj` [E, H, I], both without a `.weight` suffix; or
+- one tensor per expert (the MTP layer, the official FP8 releases, where each carries its weight_scale_inv, and
+  transformers 5.17's default save_pretrained, which writes the qwen2_moe names back):
   `experts.{e}.gate_proj.weight` [I, H], `experts.{e}.up_proj.weight` [I, H], `experts.{e}.down_proj.weight` [H, I].
 The loader decides per layer which one the checkpoint holds (`per_expert_layers`) and checks every name and shape of
 that one; a runner reads either through `routed_experts`.

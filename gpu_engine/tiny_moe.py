@@ -2,9 +2,9 @@
 
 `make_tiny_moe_checkpoint` writes the folder of gpu_engine/tiny.py (tokenizer, chat template, processor configs,
 SHA256SUMS) with a `qwen3_5_moe` config.json — 6 experts, top-2, deliberately odd expert and shared widths — and
-deterministic random weights: fused 3-D experts as transformers saves them (layout="fused"), or one tensor per
-expert as the MTP layer and the official FP8 releases store them (layout="per_expert", written by
-`to_per_expert_layout`, which converts any fused folder, e.g. one transformers saved). Both layouts of the same
+deterministic random weights: fused 3-D experts as the BF16 releases store them (layout="fused"), or one tensor per
+expert as the MTP layer, the official FP8 releases and transformers' default save_pretrained store them
+(layout="per_expert", written by `to_per_expert_layout`, which converts any fused folder). Both layouts of the same
 arguments hold the same numbers, so they give the same logits; transformers' Qwen3_5MoeForConditionalGeneration
 loads either folder as is.
 """
