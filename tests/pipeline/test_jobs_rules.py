@@ -4,8 +4,9 @@ state, retries and staleness, on a SQLite file with a scripted model (the bookke
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ class Replies:
     model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-rules-1", "engine-rules-1"
 
     def __init__(self, *texts: str, logprobs: Sequence[float] = (), short: bool = False,
-                 bare: frozenset[int] = frozenset()) -> None:
+                 bare: frozenset[int] = frozenset(), finish: str = "stop") -> None:
         self.bare = bare  # replies (by number) that come without tokens, so without confidences
+        self.finish = finish  # every reply's finish_reason
         self.texts = list(texts)
         self.logprobs = list(logprobs)
         self.short = short
@@ -52,7 +54,7 @@ class Replies:
             lp = self.logprobs[self.seen] if self.seen < len(self.logprobs) else -0.5
             tokens = [] if self.seen in self.bare else list(text)
             self.seen += 1
-            yield EngineReply(text=text, finish_reason="stop", token_texts=tokens,
+            yield EngineReply(text=text, finish_reason=self.finish, token_texts=tokens,
                               token_logprobs=[lp] * len(tokens), prompt_tokens=7, completion_tokens=len(text))
 
 
@@ -604,7 +606,7 @@ def test_a_run_stops_at_its_first_refused_write(make_pipeline: Any, tmp_path: Pa
     job_id = _job_of(p, _pdf(tmp_path, 3))
     units: list[str] = []
     run = run_job(p, job_id, on_unit=lambda unit, ok, pages: units.append(unit))
-    assert (run.ran, run.note) == (False, "taken over by another attempt")
+    assert run == JobRun(job_id, "running", ran=False, note="taken over by another attempt")
     assert units == [] and p.client.seen == 1  # no unit counted, no further reply waited for
     assert _units_stored(p, job_id) == set()
 
@@ -685,3 +687,95 @@ def test_a_run_taken_over_before_it_stores_a_failed_page_stops_there(make_pipeli
     run = run_job(p, job_id)
     assert run == JobRun(job_id, "running", ran=False, note="taken over by another attempt")
     assert _units_stored(p, job_id) == set() and _job(p, job_id).runs == 2
+
+
+def test_a_run_taken_over_after_its_last_unit_stores_no_document_result(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, _pdf(tmp_path, 2))
+
+    def on_unit(unit: str, ok: bool, pages: int) -> None:
+        if unit == "page:1":  # another worker takes the job once this run stored its last page, before it merges
+            assert not isinstance(_claim(p, job_id, takeover=True, alone=True), JobRun)
+
+    run = run_job(p, job_id, on_unit=on_unit)
+    assert run == JobRun(job_id, "running", ran=False, note="taken over by another attempt")
+    assert _units_stored(p, job_id) == {"page:0", "page:1"}  # the pages stay for the new run; no document result
+    job = _job(p, job_id)
+    assert (job.state, job.runs, job.finished_at) == ("running", 2, None)
+
+
+def test_an_answer_cut_at_max_tokens_says_so_with_the_limit(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"re', finish="length"), max_tokens=77)
+    job_id = _job_of(p, png_bytes(), name="cut.png")
+    assert run_job(p, job_id).state == "failed"
+    error = _rows(p, job_id)["page:0"].error
+    assert error is not None
+    assert error.startswith("the answer was cut at max_tokens=77 before the JSON ended; raise DOCPIPE_MAX_TOKENS")
+
+
+def test_a_video_job_sends_its_good_frames_with_their_timestamps(make_pipeline: Any) -> None:
+    """A video is one unit: one request with every decoded frame at its time, no page number, no text layer."""
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="clip.png")
+    with p.db.session() as s:  # the rendered image stands in for a video's decoded frames (no decoder needed)
+        first = s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id)).one()
+        first.document.kind, first.kind, first.timestamp = "video", "frame", 0.0
+        for index, (timestamp, error) in enumerate([(0.5, "could not decode"), (1.5, None)], start=1):
+            s.add(models.Page(document_id=first.document_id, index=index, kind="frame", timestamp=timestamp,
+                              width=first.width, height=first.height,
+                              image_blob=None if error else first.image_blob, error=error))
+    assert run_job(p, job_id).state == "succeeded"
+    [request] = p.client.requests
+    content = request.messages[0]["content"]
+    assert [c["type"] for c in content] == ["video", "text"]
+    assert content[0]["timestamps"] == [0.0, 1.5] and len(content[0]["video"]) == 2
+    assert "This is page" not in content[1]["text"] and "Text layer" not in content[1]["text"]
+    rows = _rows(p, job_id)
+    assert set(rows) == {"video", "document"} and rows["video"].page_index is None and rows["video"].ok
+
+
+# --- the process's run gate: two runs in one process ------------------------------------------------------------
+def _waits_to_run_alone(run: Callable[[], JobRun]) -> tuple[bool, JobRun]:
+    """Call `run` in a thread while this thread holds the process's run gate shared (another job of this process
+    is running): whether it waited at the gate to be alone, and its answer once this thread let go."""
+    from pipeline.attempts import RUN_GATE
+
+    answers: list[JobRun] = []
+    thread = threading.Thread(target=lambda: answers.append(run()))
+    with RUN_GATE.shared():
+        thread.start()
+        deadline = time.monotonic() + 30
+        while thread.is_alive() and not RUN_GATE.is_waiting(thread.ident or 0):
+            assert time.monotonic() < deadline, "the run neither finished nor waited at the gate"
+            time.sleep(0.002)
+        waited = thread.is_alive()  # still there: it is waiting for this thread's run to end
+    thread.join(30)
+    assert not thread.is_alive() and len(answers) == 1
+    return waited, answers[0]
+
+
+def test_only_a_run_that_must_be_alone_waits_for_the_other_runs_of_its_process(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    plain = _job_of(p, png_bytes(), name="plain.png")
+    waited, run = _waits_to_run_alone(lambda: run_job(p, plain))
+    assert (waited, run.state) == (False, "succeeded")  # runs beside the other one
+
+    marked = _job_of(p, png_bytes(colour=(1, 2, 3)), name="marked.png")
+    _set(p, marked, isolated=True)  # an earlier run of it died among others
+    waited, run = _waits_to_run_alone(lambda: run_job(p, marked))
+    assert (waited, run.state) == (True, "succeeded")
+
+    _set(p, plain, isolated=True)  # finished: nothing will run, so nothing waits, whatever the mark says
+    waited, run = _waits_to_run_alone(lambda: run_job(p, plain))
+    assert (waited, run.ran, run.note) == (False, False, "already finished")
+
+    busy = _job_of(p, png_bytes(colour=(4, 5, 6)), name="busy.png")
+    _set(p, busy, state="running", owner="other-host:1", attempts=1, runs=1,
+         lease_until=utcnow() + timedelta(hours=1))
+    waited, run = _waits_to_run_alone(lambda: run_job(p, busy))  # healthy elsewhere: declined at once
+    assert (waited, run.ran) == (False, False) and run.note.startswith("running in other-host:1")
+
+    _set(p, busy, lease_until=utcnow() - timedelta(seconds=1))  # its run lapsed: taken over, alone
+    waited, run = _waits_to_run_alone(lambda: run_job(p, busy))
+    assert (waited, run.state) == (True, "succeeded")
+    assert (_job(p, busy).isolated, _job(p, busy).runs) == (True, 2)
