@@ -201,7 +201,7 @@ class BlockManager:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
-        del seq.block_table[keep:]
+        seq.block_table = seq.block_table[:keep]  # a new list: Sequence.block_table_array() caches by identity
 
     # ---- after a forward ----
     def commit(self, seq: Sequence) -> None:
