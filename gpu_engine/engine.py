@@ -37,12 +37,12 @@ from .encoder_cache import EncoderCache, default_encoder_budget
 from .engine_config import EngineConfig
 from .errors import RequestError
 from .failure_isolation import FailureIsolation
-from .inputs import ProcessedPrompt, is_token_ids
+from .inputs import ProcessedPrompt
 from .metrics import LatencyWindow, StepMetrics, count_computed, engine_counters
 from .output_processor import OutputProcessor
 from .params import FinishReason, RequestOutput, SamplingParams
+from .prompts import Prompt, processed_prompt, prompt_batch
 from .request_checks import check_request
-from .rope_index import text_positions
 from .runner_api import Runner, SeqChunk, StepBatch
 from .runner_sampling import Rows, RunnerSampling, plan_runner_sampling, sampled_rows
 from .sampling import (
@@ -55,9 +55,8 @@ from .sampling import (
 )
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import SeqStatus, Sequence
+from .speculative import SpeculativeConfig, Speculator
 from .structured import GrammarError, StructuredOutput, is_constrained
-
-Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
 
 
 class Engine:
@@ -72,10 +71,12 @@ class Engine:
         model_fingerprint: str = "",
         eos_token_ids: SequenceABC[int] | None = None,
         model_max_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`tokenizer`: gpu_engine.tokenizer.Tokenizer (decode + tokenizer.json for grammars); `prepare`: messages ->
         ProcessedPrompt (the processor; None = token-id / ProcessedPrompt prompts only); `model_max_len`: the
-        model's own context limit (max_position_embeddings), a cap on top of EngineConfig.max_model_len."""
+        model's own context limit (max_position_embeddings), a cap on top of EngineConfig.max_model_len;
+        `speculative`: drafts per step and the cost rule (gpu_engine/speculative/)."""
         self.config = config or EngineConfig()
         self.runner = runner
         self.tokenizer = tokenizer
@@ -116,6 +117,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._counters = engine_counters()
+        self.spec = Speculator(speculative or SpeculativeConfig(), runner, self._counters)
         self._metrics = StepMetrics()
         self._latencies = LatencyWindow()  # time to first token and latency of the most recent finished requests
         # Uniforms drawn for a runner-sampled row whose token was never used (the sequence was preempted after a
@@ -132,6 +134,7 @@ class Engine:
         *,
         expected_digests: dict[str, str] | None = None,
         cuda_options: CudaOptions | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> Engine:
         """`cuda_options`: settings of the cuda runner (see gpu_engine.model.load)."""
         from .model import load
@@ -150,6 +153,7 @@ class Engine:
             model_fingerprint=loaded.fingerprint,
             eos_token_ids=eos,
             model_max_len=loaded.config.text.max_position_embeddings,
+            speculative=speculative,
         )
 
     @property
@@ -176,6 +180,8 @@ class Engine:
         check_request(processed, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       max_logprobs=self.config.max_logprobs, encoder_cache_bytes=self.encoder.budget_bytes,
                       item_bytes=self.encoder.item_bytes)
+        if problem := self.spec.problem(params):
+            raise RequestError(problem)
         matcher = None
         if is_constrained(params):
             try:
@@ -193,6 +199,8 @@ class Engine:
         )
         seq.deadline = seq.arrival_time + params.timeout_s if params.timeout_s is not None else None
         seq.matcher = matcher
+        if params.lookup_text:
+            seq.lookup_ids = np.asarray(self.tokenizer.encode(params.lookup_text, add_special_tokens=False), np.int64)
         self.outputs.start(seq)
         if matcher is not None and self.config.enable_jump_forward:
             # The grammar may force the first tokens (e.g. '{"name":"'): they are prefilled with the prompt.
@@ -210,26 +218,7 @@ class Engine:
     def prepare_prompt(self, prompt: Prompt) -> ProcessedPrompt:
         """Messages / token ids -> ProcessedPrompt (chat template, media decoding). Touches no engine state, so
         front ends may call it on their own threads (AsyncEngine does: media decoding never stalls the step loop)."""
-        if isinstance(prompt, ProcessedPrompt):
-            return prompt
-        if is_token_ids(prompt):
-            ids = np.asarray(prompt)
-            if ids.ndim != 1:
-                raise RequestError(f"token-id prompts must be a 1-D list of ints, got shape {ids.shape} {ids.dtype}")
-            ids = ids.astype(np.int64)
-            positions = text_positions(ids.size)
-            return ProcessedPrompt(token_ids=ids, positions=positions, rope_delta=0, vision_items=[])
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            if self._prepare is None:
-                raise RequestError("this engine has no processor: pass token ids or a ProcessedPrompt")
-            try:
-                return self._prepare(prompt)
-            except Exception as exc:  # the processor's own errors say what is wrong with the messages
-                raise RequestError(f"cannot prepare the messages: {exc}") from exc
-        raise RequestError(
-            "prompt must be a non-empty list of chat messages (dicts), a non-empty list of token ids, "
-            f"or a ProcessedPrompt; got {type(prompt).__name__}"
-        )
+        return processed_prompt(prompt, self._prepare)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes with the next step(). False if unknown."""
@@ -255,6 +244,7 @@ class Engine:
             for seq in [s for s in self._with_deadline.values() if s.deadline is not None and now > s.deadline]:
                 outputs.append(self._finish(seq, "error", f"timed out after {seq.params.timeout_s} s"))
 
+        self.spec.propose(self.scheduler.running, self.blocks)
         sched = self.scheduler.schedule()
         chunks: list[SeqChunk] = []
         scheduled: list[ScheduledChunk] = []
@@ -270,6 +260,7 @@ class Engine:
                 outputs.append(self._finish(sc.seq, "error", f"vision encoding failed: {exc}"))
                 continue
             seq = sc.seq
+            window = self.spec.is_window(sc)
             chunks.append(SeqChunk(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_slice(sc.start, sc.end),
@@ -279,7 +270,8 @@ class Engine:
                 block_table=seq.block_table_array(),
                 state_slot=seq.slot_in_use(),
                 vision=vision,
-                logits="last" if sc.wants_logits else "none",
+                logits="all" if window else "last" if sc.wants_logits else "none",
+                verify=window, keep_hidden=self.spec.uses_mtp(seq),
             ))
             scheduled.append(sc)
         self.encoder.release()
@@ -288,17 +280,23 @@ class Engine:
             if any(c.vision for c in chunks):
                 vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
                 self._metrics.peak_vision_rows = max(self._metrics.peak_vision_rows, vision_rows)
-            plan = self._runner_sampling(scheduled)
+            # verify windows pick their tokens on the host (speculative/verify.py)
+            plan = None if any(c.verify for c in chunks) else self._runner_sampling(scheduled)
             tf = time.perf_counter()
+            failed = False
             try:
                 result = self.runner.forward(StepBatch(chunks, sampling=plan.request if plan else None))
                 rows: Rows = result.logits if plan is None else sampled_rows(self.runner.name, result)
                 offsets = result.row_offsets
             except Exception as exc:
                 scheduled, rows, offsets = self._recover(chunks, scheduled, exc, outputs, plan)
+                failed = True  # the re-runs left no hidden states for the MTP head: it sees these positions never
             self._metrics.forward_s += time.perf_counter() - tf
             if scheduled:
                 outputs.extend(self._after_forward(scheduled, rows, offsets, plan))
+                if not failed and self.spec.has_mtp:
+                    self.spec.run_mtp(scheduled)
+        self.spec.end_step(self.scheduler.running)
         self._counters["steps"] += 1
         self._metrics.add(time.perf_counter() - t0)
         return outputs
@@ -338,8 +336,12 @@ class Engine:
     def _after_forward(self, scheduled: list[ScheduledChunk], logits: Rows, offsets: list[int],
                        plan: RunnerSampling | None = None) -> list[RequestOutput]:
         to_sample: list[tuple[Sequence, int]] = []
+        windows: list[tuple[ScheduledChunk, int]] = []
         for i, sc in enumerate(scheduled):
             seq = sc.seq
+            if self.spec.is_window(sc):
+                windows.append((sc, offsets[i]))
+                continue
             count_computed(self._counters, sc)
             seq.num_computed = sc.end
             if seq.num_computed % self.config.block_size == 0 or sc.num_tokens > 1:
@@ -348,8 +350,15 @@ class Engine:
                     self.blocks.snapshot_state(seq)
             if sc.wants_logits:
                 to_sample.append((seq, offsets[i]))
-        if not to_sample:
-            return []
+        outputs = self._sample_rows(to_sample, logits, plan) if to_sample else []
+        for sc, row in windows:  # after the plain rows: a window may free blocks (rejected drafts)
+            assert isinstance(logits, np.ndarray), "a step with verify windows is never sampled on the runner"
+            outputs.append(self.spec.verify(sc, logits, row, self.blocks, self._accept, self._finish,
+                                            lambda: self.structured))
+        return outputs
+
+    def _sample_rows(self, to_sample: list[tuple[Sequence, int]], logits: Rows,
+                     plan: RunnerSampling | None) -> list[RequestOutput]:
         seqs = [s for s, _ in to_sample]
         index = [r for _, r in to_sample]
         if isinstance(logits, SampleResult):  # the runner sampled: one row per chunk that wanted logits
@@ -451,21 +460,9 @@ class Engine:
 
         A request that fails while running comes back with finish_reason "error"; a request that is rejected up
         front raises RequestError (none of the prompts is then left queued)."""
-        if isinstance(prompts, ProcessedPrompt) or (isinstance(prompts, list) and prompts
-                                                    and isinstance(prompts[0], dict)):
-            prompts = [prompts]  # one chat conversation
-        elif is_token_ids(prompts):
-            prompts = [prompts]  # one token-id prompt
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(prompts)
-        else:
-            plist = list(params)
-            if len(plist) != len(prompts):
-                raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, plist):
+            for prompt, p in prompt_batch(prompts, params):
                 ids.append(self.add_request(prompt, p))
         except Exception:
             for rid in ids:
@@ -494,6 +491,7 @@ class Engine:
             **self._metrics.step_times(),
             **self._latencies.percentiles(),
             **self._metrics.work(),
+            **self.spec.stats(),
             "model_fingerprint": self.model_fingerprint,
         })
         return out

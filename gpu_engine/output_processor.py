@@ -79,6 +79,9 @@ class OutputProcessor:
             prompt_tokens=seq.prompt_len,
             cached_prompt_tokens=seq.cached_prompt_tokens,
             delta=delta,
+            draft_tokens=seq.draft_tokens,
+            accepted_draft_tokens=seq.accepted_draft_tokens,
+            verify_steps=seq.verify_steps,
         )
 
 

@@ -28,6 +28,11 @@ class SamplingParams:
     choice: list[str] | None = None
     # Wall-clock limit for this request, enforced by the engine (threads/solo worker pools ignore Celery's).
     timeout_s: float | None = None
+    # Speculative decoding (gpu_engine/speculative/): "auto", "off", "ngram" (prompt lookup) or "mtp" (the
+    # checkpoint's MTP head). Output is unchanged by it: greedy token for token, sampling in distribution.
+    speculative: str = "auto"
+    # Text the output is likely to copy (e.g. a PDF page's text layer): prompt lookup drafts from it too.
+    lookup_text: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,7 +71,21 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     delta: str = ""  # text added since the previous output of this request (streaming)
+    # Speculative decoding: drafts verified, drafts accepted, verify windows run.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts (None: nothing was drafted)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify window added on average: accepted drafts + the target's own token (None: no window)."""
+        return (self.accepted_draft_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else None

@@ -53,6 +53,11 @@ class SeqChunk:
     state_slot: int  # linear-attention state slot of this sequence
     vision: list[VisionSlice] = field(default_factory=list)
     logits: LogitsWanted = "last"
+    # Speculative decoding (runners with supports_verify): a verify window — the last real token then drafts. The
+    # runner keeps the linear-attention state after each of its tokens until the slot's next forward, so that
+    # rollback_state() can return the slot to the last accepted token.
+    verify: bool = False
+    keep_hidden: bool = False  # keep these rows' final-norm hidden states for mtp_draft() (runners with mtp_head)
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +143,21 @@ def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult
 
 
 @dataclass
+class MtpDraftRequest:
+    """Run the checkpoint's MTP head for one sequence after a step (runners with `mtp_head`): positions
+    [start, start + n) of the sequence's last forward (keep_hidden) are final; `next_tokens` [n] are the tokens at
+    start + 1 ... start + n. The head writes its own KV for those positions (the same block ids), then chains
+    `num_drafts` greedy drafts from the last one (0: only fill its KV, e.g. after a prompt chunk)."""
+
+    seq_id: int
+    start: int
+    next_tokens: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [3, n + num_drafts]: M-RoPE positions of start ... start + n + num_drafts - 1
+    block_table: np.ndarray  # int32, covering start + n tokens
+    num_drafts: int
+
+
+@dataclass
 class StepBatch:
     chunks: list[SeqChunk]
     sampling: SamplingRequest | None = None  # only for runners with samples_on_device = True
@@ -162,6 +182,13 @@ class Runner(Protocol):
     name: str
     # Optional attribute `samples_on_device: bool`: True when forward() honours StepBatch.sampling (the engine reads
     # it with getattr(runner, "samples_on_device", False) every step, so it can be switched at run time).
+    # Optional speculative-decoding capabilities (read with getattr, default False; gpu_engine/speculative/):
+    # `supports_verify: bool` — forward() honours SeqChunk.verify and the runner has
+    #     rollback_state(state_slot: int, keep_tokens: int) -> None: the slot's linear-attention state becomes the
+    #     one after the first `keep_tokens` tokens of its last verify window (called before the slot's next forward;
+    #     KV needs no rollback: rejected positions are rewritten before they are ever read);
+    # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
+    #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request.
 
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""

@@ -53,6 +53,7 @@ class Sequence:
     accepted_draft_tokens: int = 0  # of those, accepted
     verify_steps: int = 0  # verify windows run
     mtp_drafts: list[int] = field(default_factory=list)  # MTP head's proposal for the next step (speculative/)
+    lookup_ids: np.ndarray | None = None  # the tokens of params.lookup_text, for prompt lookup
 
     matcher: Any = None  # llguidance.LLMatcher when the request is constrained
     logprobs: list[TokenLogprob] | None = None

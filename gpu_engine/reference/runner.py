@@ -6,6 +6,10 @@ Cache layout (allocated once by `allocate_cache`):
   [num_state_slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim].
 
 Sequences of a step are run one after another: this runner is the oracle, so it stays plain.
+
+Speculative decoding (runner_api.py): a verify window runs one token at a time, exactly as decode steps would (so
+greedy output equals non-speculative decoding bit for bit), keeping the linear-attention state after each token for
+rollback_state(). A checkpoint with an MTP head (`mtp.*`) gets one more KV layer per block for it (mtp_draft()).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from ..config import ModelConfig
 from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, SeqChunk, StepBatch, StepOutput, sample_on_host
+from ..runner_api import CacheSpec, MtpDraftRequest, SeqChunk, StepBatch, StepOutput, sample_on_host
 from ..runner_rules import (
     allocated,
     check_cache_spec,
@@ -27,6 +31,7 @@ from ..runner_rules import (
     row_offsets,
     state_bytes_per_slot,
 )
+from .mtp import MtpHead
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes
@@ -37,6 +42,7 @@ class ReferenceRunner:
     # Off by default: the engine then samples the returned logits itself, which is the same code; tests switch it
     # on to drive the engine's runner-sampling path.
     samples_on_device = False
+    supports_verify = True  # SeqChunk.verify + rollback_state()
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False) -> None:
         """fp8_activations: emulate the dynamic FP8 activation quantisation in the block-FP8 Linears of the text
@@ -52,6 +58,14 @@ class ReferenceRunner:
         self.conv_state: dict[int, np.ndarray] = {}
         self.recurrent_state: dict[int, np.ndarray] = {}
         self._vision_tower: Any = None
+        # MTP head (checkpoints with mtp.*; MoE heads are not written yet): its own KV layer in every block.
+        self.mtp = (MtpHead(model_config.text, weights.mtp, self.text.embed, self.text.lm_head)
+                    if weights.mtp and getattr(model_config.text, "moe", None) is None else None)
+        self.mtp_head = self.mtp is not None
+        self.mtp_k = np.zeros(0, np.float32)
+        self.mtp_v = np.zeros(0, np.float32)
+        self._windows: dict[int, list[list[np.ndarray]]] = {}  # state slot -> states after each verified token
+        self._hidden: dict[int, tuple[int, np.ndarray]] = {}  # seq id -> (start, hidden rows) kept for mtp_draft
         # Optional override of the DeltaNet form (None: recurrent for 1 token, chunked otherwise). Tests set it.
         self.deltanet_recurrent: bool | None = None
 
@@ -60,7 +74,9 @@ class ReferenceRunner:
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
         """Bytes of one KV block over all full-attention layers; `block_size` is needed before allocate_cache."""
         size = block_size if block_size is not None else allocated(self.spec).block_size
-        return kv_bytes_per_block(self.config.text, size, _F32)
+        t = self.config.text
+        mtp = 2 * size * t.num_key_value_heads * t.head_dim * _F32 if self.mtp is not None else 0
+        return kv_bytes_per_block(t, size, _F32) + mtp
 
     def state_bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.config.text, _F32, _F32)
@@ -81,6 +97,11 @@ class ReferenceRunner:
         rec_shape = (spec.num_state_slots, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)
         self.conv_state = {i: np.zeros(conv_shape, np.float32) for i in t.linear_attention_layers}
         self.recurrent_state = {i: np.zeros(rec_shape, np.float32) for i in t.linear_attention_layers}
+        if self.mtp is not None:
+            self.mtp_k = np.zeros(kv_shape, np.float32)
+            self.mtp_v = np.zeros(kv_shape, np.float32)
+        self._windows.clear()
+        self._hidden.clear()
 
     def copy_state_slot(self, src: int, dst: int) -> None:
         check_state_slots(allocated(self.spec), src, dst)
@@ -94,9 +115,15 @@ class ReferenceRunner:
         spec = allocated(self.spec)
         rows: list[np.ndarray] = []
         offsets = row_offsets(batch.chunks)
+        self._windows.clear()  # verify windows and kept hidden states live until the next forward
+        self._hidden.clear()
         for i, chunk in enumerate(batch.chunks):
             check_chunk(chunk, spec, self.config.text)
-            hidden = self._run_chunk(chunk)
+            if chunk.verify and chunk.vision:
+                raise RunnerInputError(f"sequence {chunk.seq_id}: a verify window carries no vision rows")
+            hidden = self._run_verify(chunk) if chunk.verify else self._run_chunk(chunk)
+            if chunk.keep_hidden:
+                self._hidden[chunk.seq_id] = (chunk.start, hidden)
             rows.append(hidden[hidden.shape[0] - (offsets[i + 1] - offsets[i]):])  # all, the last or no rows
         hidden_rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, self.config.text.hidden_size), np.float32)
         logits = self.text.logits(hidden_rows)
@@ -126,6 +153,43 @@ class ReferenceRunner:
             recurrent={i: s[slot] for i, s in self.recurrent_state.items()},
         )
         return self.text.forward(embeds, chunk.positions, cache, recurrent=self.deltanet_recurrent)
+
+    def _run_verify(self, chunk: SeqChunk) -> np.ndarray:
+        """A verify window token by token (the arithmetic of decode steps), keeping the state after each token."""
+        rows, window = [], []
+        for i in range(chunk.num_tokens):
+            one = SeqChunk(seq_id=chunk.seq_id, token_ids=chunk.token_ids[i:i + 1],
+                           positions=chunk.positions[:, i:i + 1], start=chunk.start + i,
+                           block_table=chunk.block_table, state_slot=chunk.state_slot)
+            rows.append(self._run_chunk(one))
+            window.append([s[chunk.state_slot].copy() for s in (*self.conv_state.values(),
+                                                                  *self.recurrent_state.values())])
+        self._windows[chunk.state_slot] = window
+        return np.concatenate(rows, axis=0)
+
+    def rollback_state(self, state_slot: int, keep_tokens: int) -> None:
+        window = self._windows.get(state_slot)
+        if window is None or not 1 <= keep_tokens <= len(window):
+            have = 0 if window is None else len(window)
+            raise RunnerInputError(f"state slot {state_slot}: cannot keep {keep_tokens} tokens of a verify window "
+                                   f"of {have} (rollback_state comes right after the verify forward)")
+        states = window[keep_tokens - 1]
+        for dst, src in zip((*self.conv_state.values(), *self.recurrent_state.values()), states):
+            dst[state_slot] = src
+
+    def mtp_draft(self, requests: list[MtpDraftRequest]) -> list[list[int]]:
+        if self.mtp is None:
+            raise RunnerInputError("this checkpoint has no MTP head (mtp.* weights)")
+        out = []
+        for r in requests:
+            kept = self._hidden.pop(r.seq_id, None)
+            n = int(r.next_tokens.shape[0])
+            if kept is None or kept[0] != r.start or not 1 <= n <= kept[1].shape[0]:
+                raise RunnerInputError(f"sequence {r.seq_id}: mtp_draft needs the hidden states of positions "
+                                       f"[{r.start}, {r.start + n}) from its last forward (keep_hidden)")
+            out.append(self.mtp.draft(np.asarray(r.next_tokens, np.int64), kept[1][:n], r.positions, self.mtp_k,
+                                      self.mtp_v, np.asarray(r.block_table, np.int64), r.start, r.num_drafts))
+        return out
 
     # ------------------------------------------------------------------------------------------------ vision
 

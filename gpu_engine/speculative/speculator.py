@@ -1,0 +1,171 @@
+"""Speculator: the engine's side of speculative decoding — per request the drafter, per step the cost rule, the
+drafts written after each sequence's real tokens (the scheduler only counts them), and after the forward the
+verification of each window, the rollback of the rest (linear-attention state, KV blocks) and the MTP head's run.
+
+Drafters (`SamplingParams.speculative`): "ngram" is prompt lookup (prompt, output so far, and the request's
+lookup_text); "mtp" is the checkpoint's MTP head, run by the runner after each step; "auto" (the default) takes a
+prompt-lookup match when there is one and the MTP head's drafts otherwise (when the runner has one), and obeys the
+cost rule (config.py): a step speculates only while (drafting sequences) * (k + 1) <= max_step_tokens. "off" never
+drafts. Runners without verify (runner_api.py: supports_verify) run every request without speculation; a request
+that names a drafter such a runner cannot serve is refused at add_request.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..cache import BlockManager
+from ..params import SamplingParams
+from ..runner_api import MtpDraftRequest
+from ..scheduler import ScheduledChunk
+from ..sequence import SeqStatus, Sequence
+from .config import METHODS, SpeculativeConfig
+from .drafters import Auto, Drafter, MtpHead, PromptLookup
+from .verify import Accept, Finish, verify_window
+
+
+def spec_counters() -> dict[str, int]:
+    return {
+        "spec_verify_windows": 0,  # verify windows run (one per sequence per speculative step)
+        "spec_draft_tokens": 0,  # drafts verified
+        "spec_accepted_tokens": 0,  # drafts accepted
+        "spec_rejected_tokens": 0,  # drafts rejected (their KV freed, linear state rolled back)
+        "spec_auto_off_steps": 0,  # steps where the cost rule turned `auto` off
+        "spec_grammar_cut_tokens": 0,  # drafts cut before verification because the grammar refused them
+        "mtp_head_runs": 0,  # MTP head calls (KV fill + chained drafts)
+    }
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, runner: Any, counters: dict[str, int]) -> None:
+        self.config = config
+        self.runner = runner
+        self.can_verify = config.enabled and bool(getattr(runner, "supports_verify", False))
+        self.has_mtp = self.can_verify and bool(getattr(runner, "mtp_head", False))
+        self.counters = counters
+        counters.update(spec_counters())
+        lookup = PromptLookup(config)
+        mtp = MtpHead() if self.has_mtp else None
+        self.drafters: dict[str, Drafter] = {"ngram": lookup, "auto": Auto(lookup, mtp)}
+        if mtp is not None:
+            self.drafters["mtp"] = mtp
+        self.override: Drafter | None = None  # benchmarks / tests: one drafter for every speculating request
+
+    # ---- requests ----
+    def problem(self, params: SamplingParams) -> str | None:
+        """Why this engine cannot serve the request's choice of drafter, or None."""
+        method = params.speculative
+        if method not in METHODS:
+            return f"speculative must be one of {', '.join(METHODS)}, got {method!r}"
+        if method in ("ngram", "mtp") and not self.can_verify:
+            why = ("speculative decoding is off in this engine (SpeculativeConfig.num_tokens=0)"
+                   if not self.config.enabled else f"runner {self.runner.name!r} cannot verify drafts yet")
+            return f"speculative={method!r}: {why}; use 'auto' or 'off'"
+        if method == "mtp" and not self.has_mtp:
+            return "speculative='mtp': this checkpoint / runner has no MTP head; use 'ngram', 'auto' or 'off'"
+        return None
+
+    def uses_mtp(self, seq: Sequence) -> bool:
+        return self.has_mtp and seq.params.speculative in ("mtp", "auto")
+
+    # ---- before scheduling ----
+    def propose(self, running: list[Sequence], blocks: BlockManager) -> None:
+        """Write this step's drafts after the real tokens of the running sequences that decode."""
+        if not self.can_verify:
+            return
+        k = self.config.num_tokens
+        ready = [s for s in running if s.params.speculative != "off" and s.status is SeqStatus.RUNNING
+                 and s.num_uncomputed == 1 and s.num_computed >= s.prompt_len and s.remaining_tokens > 1]
+        auto_on = len(ready) * (k + 1) <= self.config.max_step_tokens
+        if not auto_on and any(s.params.speculative == "auto" for s in ready):
+            self.counters["spec_auto_off_steps"] += 1
+        free = blocks.num_free_blocks
+        for seq in ready:
+            method = seq.params.speculative
+            if method == "auto" and not auto_on:
+                continue
+            drafts = (self.override or self.drafters[method]).propose(seq, k)
+            if drafts and seq.matcher is not None:
+                ok = int(seq.matcher.validate_tokens(drafts))  # drafts the grammar refuses are never verified
+                self.counters["spec_grammar_cut_tokens"] += len(drafts) - ok
+                drafts = drafts[:ok]
+            if not drafts:
+                continue
+            extra = blocks.blocks_needed(seq, 1 + len(drafts)) - blocks.blocks_needed(seq, 1)
+            if extra > free:  # drafts never take blocks that would force a preemption
+                continue
+            free -= extra
+            seq.set_drafts(drafts)
+
+    # ---- the step's chunks ----
+    @staticmethod
+    def is_window(sc: ScheduledChunk) -> bool:
+        """The chunk runs drafts: the last real token then drafts (drafts are only written for decoding sequences)."""
+        return sc.end > sc.seq.num_tokens
+
+    # ---- after the forward ----
+    def verify(self, sc: ScheduledChunk, logits: np.ndarray, first_row: int, blocks: BlockManager, accept: Accept,
+               finish: Finish, structured: Callable[[], Any]) -> Any:
+        """Verify one window (rows first_row ... of `logits`, one per chunk token) and roll the rest back."""
+        seq = sc.seq
+        base = seq.num_tokens  # position of the first draft
+        drafts = seq.drafts()[:sc.end - base]  # a budget-cut chunk verifies the drafts it holds
+        seq.num_drafts = 0
+        last = first_row + (base - 1 - sc.start)
+        result = verify_window(seq, logits[last:last + len(drafts) + 1], drafts, accept, finish, structured)
+        self.counters["spec_verify_windows"] += 1
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += result.accepted
+        self.counters["spec_rejected_tokens"] += len(drafts) - result.accepted
+        seq.verify_steps += 1
+        seq.draft_tokens += len(drafts)
+        seq.accepted_draft_tokens += result.accepted
+        if seq.status is SeqStatus.RUNNING:
+            seq.num_computed = base + result.accepted  # the last real token and the accepted drafts
+            if seq.num_computed < sc.end:
+                self.runner.rollback_state(seq.slot_in_use(), seq.num_computed - sc.start)
+            blocks.trim(seq)
+            blocks.commit(seq)
+        return result.output
+
+    def run_mtp(self, scheduled: list[ScheduledChunk]) -> None:
+        """After a step: the MTP head sees every position of the MTP sequences that is now final (its KV), and
+        drafts for the sequences that decode next."""
+        requests, seqs = [], []
+        k = self.config.num_tokens
+        for sc in scheduled:
+            seq = sc.seq
+            seq.mtp_drafts = []
+            if not self.uses_mtp(seq) or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = seq.num_computed - sc.start
+            if n < 1 or seq.num_tokens <= seq.num_computed:
+                continue
+            drafts = k if seq.num_uncomputed == 1 and seq.num_computed >= seq.prompt_len else 0
+            requests.append(MtpDraftRequest(
+                seq_id=seq.seq_id, start=sc.start, next_tokens=seq.token_ids[sc.start + 1:sc.start + 1 + n].copy(),
+                positions=seq.positions(sc.start, n + max(0, drafts - 1)), block_table=seq.block_table_array(),
+                num_drafts=drafts))
+            seqs.append(seq)
+        if not requests:
+            return
+        self.counters["mtp_head_runs"] += len(requests)
+        for seq, drafts in zip(seqs, self.runner.mtp_draft(requests)):
+            seq.mtp_drafts = list(drafts)
+
+    @staticmethod
+    def end_step(running: list[Sequence]) -> None:
+        """Drafts live for one step: those of sequences that were not scheduled go."""
+        for seq in running:
+            seq.num_drafts = 0
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        drafted, windows = c["spec_draft_tokens"], c["spec_verify_windows"]
+        return {
+            "spec_acceptance_rate": c["spec_accepted_tokens"] / drafted if drafted else 0.0,
+            # tokens a verify window adds on average: the accepted drafts plus the target's own token
+            "spec_mean_accepted_length": (c["spec_accepted_tokens"] + windows) / windows if windows else 0.0,
+        }
