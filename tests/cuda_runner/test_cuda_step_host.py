@@ -77,3 +77,65 @@ def test_graph_width_padding_and_refusals():
 
 def test_step_tables_is_one_definition_for_host_and_device():
     assert StepTables.__dataclass_fields__.keys() >= {"ids", "pos", "kv_slots", "tiles", "sample_params"}
+
+
+def layout_chunk_by_chunk(batch: StepBatch, spec: CacheSpec, width: int) -> dict[str, list]:
+    """The tables as the step's rules define them, one chunk at a time (the pre-vectorised build_step's loop)."""
+    out: dict[str, list] = {k: [] for k in ("ids", "tok_seq", "tok_pos", "kv_slots", "logit_rows", "vis_rows")}
+    cu, base, tables = [], 0, []
+    for s, c in enumerate(batch.chunks):
+        n, p = c.num_tokens, np.arange(c.start, c.start + c.num_tokens)
+        table = np.asarray(c.block_table, np.int64)
+        out["kv_slots"] += (table[p // spec.block_size] * spec.block_size + p % spec.block_size).tolist()
+        out["ids"] += c.token_ids.tolist()
+        out["tok_seq"] += [s] * n
+        out["tok_pos"] += p.tolist()
+        if c.logits == "all":
+            out["logit_rows"] += list(range(base, base + n))
+        elif c.logits == "last":
+            out["logit_rows"].append(base + n - 1)
+        for piece in c.vision:
+            out["vis_rows"] += list(range(base + piece.chunk_offset, base + piece.chunk_offset + len(piece.embeddings)))
+        cu.append(base)
+        tables.append(np.maximum(table, 0).tolist() + [0] * (width - len(table)))
+        base += n
+    out["cu"] = cu + [base]
+    out["tables"] = tables
+    out["slots"] = [c.state_slot for c in batch.chunks]
+    out["fresh"] = [int(c.start == 0) for c in batch.chunks]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_step_layout_equals_the_chunk_by_chunk_rules(seed):
+    """Random steps of decode rows, prompt chunks (some fresh, some continuing, with vision rows) and every logits
+    kind (even seeds: decode rows only, every chunk "last"): build_step's whole-step arrays equal the
+    chunk-by-chunk layout."""
+    rng = np.random.default_rng(seed)
+    spec = CacheSpec(num_kv_blocks=64, block_size=4, num_state_slots=40)
+    chunks = []
+    for s in range(int(rng.integers(1, 30))):
+        decode = seed % 2 == 0 or rng.random() < 0.6
+        start = int(rng.integers(0, 40)) if decode or rng.random() < 0.5 else 0
+        n = 1 if decode else int(rng.integers(1, 70))
+        blocks = -(-(start + n) // 4) + int(rng.integers(0, 2))
+        table = rng.choice(64, size=blocks, replace=False).astype(np.int32)
+        if blocks > -(-(start + n) // 4):
+            table[-1] = -1  # an unused trailing entry: padded with block 0
+        vision = [VisionSlice(int(off), np.ones((int(rows), 6), np.float32))
+                  for off, rows in ([(rng.integers(0, n // 2), rng.integers(1, n // 2 + 1))] if n > 3 else [])]
+        kind = "last" if decode else str(rng.choice(["last", "all", "none"]))
+        c = chunk(s, start, n, table.tolist(), s, kind, vision=vision)
+        c.token_ids = rng.integers(0, 50, n)
+        chunks.append(c)
+    batch = StepBatch(chunks)
+    width = max(len(c.block_table) for c in chunks) + int(rng.integers(0, 3))
+    step = build_step(batch, spec, CFG, "bf16", table_width=width)
+    want = layout_chunk_by_chunk(batch, spec, width)
+    t = step.tables
+    for name, expected in want.items():
+        assert getattr(t, name).tolist() == expected, name
+    assert t.pos.tolist() == np.concatenate([c.positions for c in chunks], axis=1).tolist()
+    assert step.n == want["cu"][-1] and step.longest_chunk == max(c.num_tokens for c in chunks)
+    assert step.logit_rows == len(want["logit_rows"])
+    assert all(arr.dtype == np.int32 for _, arr in t.items())
