@@ -6,8 +6,12 @@ probabilities times the value rows of an attention head). Operands may be column
 strides x_ld / w_ld / y_ld); cuBLASLt is told the real alignment of the addresses, since it assumes 256 bytes.
 batch > 1 runs that many products in one call, operand i at its base + i * its batch stride (e.g. the heads of an
 attention layer). cuBLASLt is column-major, so this is the "TN" product D = op(A) B with
-A = W (transposed), B = X: the layout Hopper's FP8 kernels also require, so FP8 weights can follow by adding a
-weight dtype and its scale pointer to the plan (not done yet: only bf16 and fp32 are accepted today).
+A = W (transposed), B = X: the layout Hopper's FP8 kernels also require.
+
+Block-scaled FP8 (`linear_fp8`, issue 15): X and W in e4m3, W with one float32 scale per 128x128 block
+(cuBLASLt's BLK128x128_32F scale mode on A) and X with one per token per 128 input features (VEC128_32F on B),
+Y in bf16; cuBLAS >= 12.9 on sm_90. The scale tensors' layouts are fp8_ops.py's (weight_scale_layout /
+act_scale_layout); only the scale pointers change between calls of one plan.
 
 Optional epilogue (bias=..., act=...): Y = act(X @ W^T (+ Y) + bias) with bias[n] per output feature, in Y's
 dtype, fused into the GEMM's store (cuBLASLt EPILOGUE_BIAS / GELU_BIAS / GELU; in cuBLASLt's column-major view D
@@ -32,8 +36,9 @@ from .device import CudaDevice
 from .errors import CudaUnavailable, ShapeError
 
 # cudaDataType_t values (library_types.h); stable ABI numbers.
-CUDA_DTYPES = {"f32": 0, "bf16": 14}
-ITEMSIZE = {"f32": 4, "bf16": 2}
+CUDA_DTYPES = {"f32": 0, "bf16": 14, "e4m3": 28}
+ITEMSIZE = {"f32": 4, "bf16": 2, "e4m3": 1}
+SCALED_DTYPES = ("e4m3",)  # operand dtypes that only come block-scaled (linear_fp8)
 TUNE_MAX_M = 64  # shapes with at most this many rows get their algorithm chosen by timing
 TUNE_CANDIDATES = 16
 GEMM_ACTS = ("none", "gelu_tanh")
@@ -83,6 +88,7 @@ class GemmKey:
     w_stride: int = 0
     y_stride: int = 0
     epilogue: str = "none"  # a value of EPILOGUES: part of the key (the heuristic's algorithms differ per epilogue)
+    block_scaled: bool = False  # FP8: W by 128x128 blocks, X by 1x128 groups (linear_fp8)
 
 
 @dataclass
@@ -96,6 +102,7 @@ class _Plan:
     candidates: int
     timings_ms: list[float]
     epilogue: str = "none"
+    block_scaled: bool = False
 
 
 class CublasLt:
@@ -136,15 +143,34 @@ class CublasLt:
         plan = self._plans.get(key) or self._make_plan(key, y, x, w, bias, tune=not accumulate)
         self._matmul(plan, plan.algo_ptr, y, x, w, accumulate, stream, bias)
 
+    def linear_fp8(self, y: int, x: int, x_scales: int, w: int, w_scales: int, m: int, n: int, k: int, *,
+                   x_ld: int | None = None, y_ld: int | None = None, w_ld: int | None = None,
+                   stream: Any = None) -> None:
+        """Y[m, n] (bf16) = dequant(X)[m, k] @ dequant(W)[n, k]^T with X, W e4m3 (byte row strides x_ld / w_ld,
+        default k), `w_scales` the weight's 128x128 block scales and `x_scales` X's per-token 128-group scales, both
+        float32 in fp8_ops' layouts. No epilogue, no accumulation. Raises ShapeError when cuBLASLt (older than
+        12.9, or not Hopper) has no block-scaled algorithm."""
+        if min(x_scales, w_scales) <= 0 or (x_scales | w_scales) % 16:
+            raise ShapeError(f"FP8 scale tensors need 16-byte aligned addresses, got {x_scales:#x} / {w_scales:#x}")
+        if k % 16:
+            raise ShapeError(f"FP8 GEMMs need k a multiple of 16 (16-byte rows), got k={k}")
+        key = self._key(m, n, k, "e4m3", "bf16", x_ld, y_ld, w_ld, "nk", 1, (0, 0, 0), x, w, y, 0, "none",
+                        scaled=True)
+        plan = self._plans.get(key) or self._make_plan(key, y, x, w, 0, tune=True, scales=(w_scales, x_scales))
+        self._matmul(plan, plan.algo_ptr, y, x, w, False, stream, 0, (w_scales, x_scales))
+
     @staticmethod
     def _key(m: int, n: int, k: int, dtype: str, y_dtype: str | None, x_ld: int | None, y_ld: int | None,
              w_ld: int | None, w_layout: str, batch: int, strides: tuple[int, int, int], x: int, w: int, y: int,
-             bias: int, act: str) -> GemmKey:
-        """Validate one linear() request and return its plan key (pure: no cuBLASLt call)."""
+             bias: int, act: str, scaled: bool = False) -> GemmKey:
+        """Validate one linear() / linear_fp8() request and return its plan key (pure: no cuBLASLt call)."""
         y_dtype = y_dtype or dtype
         for name, dt in (("dtype", dtype), ("y_dtype", y_dtype)):
-            if dt not in CUDA_DTYPES:
-                raise ShapeError(f"{name}={dt!r} not supported (have {sorted(CUDA_DTYPES)}); FP8 is not done yet")
+            if dt not in CUDA_DTYPES or (name == "y_dtype" and dt in SCALED_DTYPES):
+                raise ShapeError(f"{name}={dt!r} not supported (have {sorted(CUDA_DTYPES)})")
+        if (dtype in SCALED_DTYPES) != scaled:
+            raise ShapeError(f"dtype={dtype!r}: e4m3 operands go through linear_fp8 (block-scaled), other dtypes "
+                             "through linear")
         if min(m, n, k) <= 0:
             raise ShapeError(f"GEMM sizes must be positive, got m={m} n={n} k={k}")
         if w_layout not in ("nk", "kn"):
@@ -162,15 +188,17 @@ class CublasLt:
         if epilogue != "none" and batch > 1:
             raise ShapeError("a GEMM epilogue (bias / act) is not supported with batch > 1")
         key = GemmKey(m, n, k, dtype, dtype, y_dtype, x_ld or k, y_ld or n, w_ld or packed_w, w_layout, align,
-                      batch, *(strides if batch > 1 else (0, 0, 0)), epilogue=epilogue)
+                      batch, *(strides if batch > 1 else (0, 0, 0)), epilogue=epilogue, block_scaled=scaled)
         if key.x_ld < k or key.y_ld < n or key.w_ld < packed_w:
             raise ShapeError(f"row strides too small: x_ld={key.x_ld} (k={k}), y_ld={key.y_ld} (n={n}), "
                              f"w_ld={key.w_ld} ({packed_w})")
         return key
 
     def _matmul(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, accumulate: bool, stream: Any,
-                bias: int = 0) -> None:
+                bias: int = 0, scales: tuple[int, int] = (0, 0)) -> None:
         beta = self._one if accumulate else self._zero
+        if plan.block_scaled:  # (A = W, B = X) scale pointers; the descriptor is shared by every layer of the shape
+            self._set_scales(plan.desc, scales)
         if plan.epilogue in ("bias", "gelu_bias"):  # the plan's descriptor is shared by every bias of this shape
             lt = self._lt
             self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, plan.desc,
@@ -185,7 +213,14 @@ class CublasLt:
         buf = np.array([value], dtype=dtype_of(attr))
         setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
-    def _make_plan(self, key: GemmKey, y: int, x: int, w: int, bias: int, tune: bool) -> _Plan:
+    def _set_scales(self, desc: int, scales: tuple[int, int]) -> None:
+        lt = self._lt
+        mda = lt.MatmulDescAttribute
+        for attr, ptr in ((mda.A_SCALE_POINTER, scales[0]), (mda.B_SCALE_POINTER, scales[1])):
+            self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, attr, ptr)
+
+    def _make_plan(self, key: GemmKey, y: int, x: int, w: int, bias: int, tune: bool,
+                   scales: tuple[int, int] = (0, 0)) -> _Plan:
         """Descriptors + algorithm for one shape. Small-m (decode) shapes are weight-streaming, where the
         heuristic's first choice is often not the fastest: time its top candidates once, on the real operands
         (beta = 0, so Y is only overwritten; never when the caller accumulates into Y), and keep the fastest.
@@ -204,6 +239,12 @@ class CublasLt:
             if bias:
                 self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc,
                           mda.BIAS_POINTER, bias)
+        if key.block_scaled:  # before the heuristic query: only block-scaled FP8 kernels can take these modes
+            modes = ((mda.A_SCALE_MODE, lt.MatmulMatrixScale.BLK128x128_32F),
+                     (mda.B_SCALE_MODE, lt.MatmulMatrixScale.VEC128_32F))
+            for attr, mode in modes:
+                self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, attr, int(mode))
+            self._set_scales(desc, scales)
         # column-major views: A = W^T storage [k, n] ld w_ld ("nk": op T) or W^T = [n, k] ld w_ld ("kn": op N);
         # B = X^T storage [k, m] ld x_ld; D = Y^T [n, m] ld y_ld
         a_rows, a_cols = (key.k, key.n) if key.w_layout == "nk" else (key.n, key.k)
@@ -226,8 +267,14 @@ class CublasLt:
         wanted = TUNE_CANDIDATES if tune and key.m <= TUNE_MAX_M else 1
         heuristics = lt.MatmulHeuristicResult(wanted)
         count = np.zeros(1, np.int32)
-        lt.matmul_algo_get_heuristic(self.handle, desc, a_layout, b_layout, d_layout, d_layout, pref, wanted,
-                                     heuristics.ptr, count.ctypes.data)
+        why = ""
+        try:
+            lt.matmul_algo_get_heuristic(self.handle, desc, a_layout, b_layout, d_layout, d_layout, pref, wanted,
+                                         heuristics.ptr, count.ctypes.data)
+        except lt.cuBLASLtError as exc:  # NOT_SUPPORTED: e.g. block-scaled FP8 on a cuBLAS older than 12.9
+            if not key.block_scaled:
+                raise
+            count[0], why = 0, f" ({exc}; cuBLASLt version {self.version})"
         lt.matmul_preference_destroy(pref)
         found = int(count[0])
         if found < 1:
@@ -237,23 +284,26 @@ class CublasLt:
             if key.epilogue != "none":
                 self._unsupported.add(key)
                 raise EpilogueUnsupported(f"cuBLASLt has no algorithm for {key}")
-            raise ShapeError(f"cuBLASLt has no algorithm for {key}")
+            raise ShapeError(f"cuBLASLt has no algorithm for {key}{why}")
         stride = lt.matmul_heuristic_result_dtype.itemsize
-        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristics, heuristics.ptr, found, [], key.epilogue)
+        plan = _Plan(desc, a_layout, b_layout, d_layout, heuristics, heuristics.ptr, found, [], key.epilogue,
+                     key.block_scaled)
         if found > 1:
-            plan.timings_ms = [self._time(plan, heuristics.ptr + i * stride, y, x, w, bias) for i in range(found)]
+            plan.timings_ms = [self._time(plan, heuristics.ptr + i * stride, y, x, w, bias, scales=scales)
+                               for i in range(found)]
             plan.algo_ptr = heuristics.ptr + int(np.argmin(plan.timings_ms)) * stride
         self._plans[key] = plan
         return plan
 
-    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, bias: int = 0, reps: int = 10) -> float:
+    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, bias: int = 0, reps: int = 10,
+              scales: tuple[int, int] = (0, 0)) -> float:
         dev = self.device
         for _ in range(2):
-            self._matmul(plan, algo_ptr, y, x, w, False, None, bias)
+            self._matmul(plan, algo_ptr, y, x, w, False, None, bias, scales)
         start, stop = dev.event(), dev.event()
         dev.stream.record(start)
         for _ in range(reps):
-            self._matmul(plan, algo_ptr, y, x, w, False, None, bias)
+            self._matmul(plan, algo_ptr, y, x, w, False, None, bias, scales)
         dev.stream.record(stop)
         stop.sync()
         return float(stop - start) / reps

@@ -5,7 +5,8 @@ Each decoder layer: x += mixer(rms_norm(x)) with the mixer a Gated DeltaNet (lin
 attention (full_attention); then x += SwiGLU-MLP(rms_norm(x)). On the GPU every residual add is fused into the
 norm that follows it (add_rmsnorm: x += d; h = rms_norm(x)), so a block leaves its output in `d` and the next
 norm adds it. All sequences of a step run together (varlen rows); everything here only enqueues work on the
-context's stream, so a step can be captured in a CUDA graph.
+context's stream, so a step can be captured in a CUDA graph. Every projection is a linear layer (linear.py:
+`layer(ctx, y, x, rows)` computes y = x W^T whatever W's format, bf16 or block-FP8).
 """
 from __future__ import annotations
 
@@ -93,12 +94,12 @@ class CudaTextModel:
 
     def _mlp(self, layer: LayerWeights, a: Activations, n: int) -> None:
         """SwiGLU: d = down(silu(gate(h)) * up(h)), gate and up as one GEMM."""
-        ctx, t, inter, hidden = self.ctx, self.dtype, self.config.intermediate_size, self.config.hidden_size
+        ctx, t, inter = self.ctx, self.dtype, self.config.intermediate_size
         gu = ctx.empty((n, 2 * inter), t, "gate_up")
-        ctx.blas.linear(gu.ptr, a.h.ptr, layer.gate_up.ptr, n, 2 * inter, hidden, dtype=t)
+        layer.gate_up(ctx, gu, a.h, n)
         act = ctx.empty((n, inter), t, "act")
         ops.silu_mul(ctx, act, gu)
-        ctx.blas.linear(a.d.ptr, act.ptr, layer.down.ptr, n, hidden, inter, dtype=t)
+        layer.down(ctx, a.d, act, n)
 
     def _attention(self, w: AttentionWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
                    cache: AttentionCache, block_size: int) -> None:
@@ -107,7 +108,7 @@ class CudaTextModel:
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         width = (2 * nh + 2 * kvh) * hd
         proj = ctx.empty((n, width), t, "qkv")
-        ctx.blas.linear(proj.ptr, a.h.ptr, w.qkv.ptr, n, width, cfg.hidden_size, dtype=t)
+        w.qkv(ctx, proj, a.h, n)
         q = ctx.empty((n, nh * hd), t, "q")
         ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m.pos, self.rope_inv,
                                self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
@@ -117,7 +118,7 @@ class CudaTextModel:
             ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5)
         else:  # decode steps, short chunks, fp32 runs
             ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5)
-        ctx.blas.linear(a.d.ptr, out.ptr, w.o_proj.ptr, n, cfg.hidden_size, nh * hd, dtype=t)
+        w.o_proj(ctx, a.d, out, n)
 
     def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
                   cache: DeltaNetCache) -> None:
@@ -128,7 +129,7 @@ class CudaTextModel:
         conv_dim, vdim = cfg.linear_conv_dim, cfg.linear_value_dim
         width = conv_dim + vdim + 2 * vh
         proj = ctx.empty((n, width), t, "in_proj")
-        ctx.blas.linear(proj.ptr, a.h.ptr, w.in_proj.ptr, n, width, cfg.hidden_size, dtype=t)
+        w.in_proj(ctx, proj, a.h, n)
         conv_out = ctx.empty((n, conv_dim), t, "conv_out")
         ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m.cu, m.slots, m.fresh,
                         token_seq=m.tok_seq)
@@ -143,4 +144,4 @@ class CudaTextModel:
             ops.gated_delta_rule(*gdn_args)
         normed = ctx.empty((n * vh, dv), t, "gated_norm")
         ops.rmsnorm_gated(ctx, normed, core.view((n * vh, dv)), proj.at(conv_dim), w.norm, cfg.rms_norm_eps, vh, width)
-        ctx.blas.linear(a.d.ptr, normed.ptr, w.out_proj.ptr, n, cfg.hidden_size, vdim, dtype=t)
+        w.out_proj(ctx, a.d, normed, n)

@@ -8,37 +8,45 @@ Fusions (each saves launches and re-reads of the activations):
 Norm weights, conv weights and GEMM weights take the runner's dtype; A_log and dt_bias stay fp32 (small, and
 transformers computes the decay in fp32). Arrays of dtype uint16 are taken as bf16 bit patterns as they are
 (the benchmark builds random bf16 weights that way, without a float32 copy of a multi-GB model).
+
+Every projection is a linear layer type (linear.py). Block-FP8 weights (an FP8 checkpoint, or quantize="fp8")
+stay FP8 on the device (Fp8Linear; bf16 runners only). A fusion joins FP8 parts into one matrix when their scale
+grids join (every part but the last ends on a 128-row block), else the parts sit side by side (ConcatLinear), as
+do FP8 and BF16 parts of one fusion (DeltaNet's qkv|z FP8, b|a BF16 in Qwen's FP8 releases).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import TextConfig
 from ..loader import ModelWeights
-from ..tensors import raw_tensor
+from ..tensors import Fp8Tensor, Tensors, raw_tensor
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from .context import DArray, GpuContext
 from .errors import CudaBackendError
+from .fp8_ops import BLOCK, upload_fp8_weight
+from .linear import DenseLinear, Fp8Linear, Linear, concat
 
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    qkv: DArray  # [2*H*hd + 2*KV*hd, hidden]
+    qkv: Linear  # [2*H*hd + 2*KV*hd, hidden]
     q_norm: DArray
     k_norm: DArray
-    o_proj: DArray  # [hidden, H*hd]
+    o_proj: Linear  # [hidden, H*hd]
 
 
 @dataclass(frozen=True)
 class DeltaNetWeights:
-    in_proj: DArray  # [conv_dim + value_dim + 2*Hv, hidden]: qkv | z | b | a
+    in_proj: Linear  # [conv_dim + value_dim + 2*Hv, hidden]: qkv | z | b | a
     conv: DArray  # [conv_dim, K]
     A_log: DArray  # f32 [Hv]
     dt_bias: DArray  # f32 [Hv]
     norm: DArray  # [dv] (plain scale)
-    out_proj: DArray  # [hidden, value_dim]
+    out_proj: Linear  # [hidden, value_dim]
 
 
 @dataclass(frozen=True)
@@ -47,8 +55,8 @@ class LayerWeights:
     input_norm: DArray
     post_norm: DArray
     mixer: AttentionWeights | DeltaNetWeights
-    gate_up: DArray  # [2*I, hidden]
-    down: DArray  # [hidden, I]
+    gate_up: Linear  # [2*I, hidden]
+    down: Linear  # [hidden, I]
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,64 @@ def _float32(arr: np.ndarray) -> np.ndarray:
     return bf16_bits_to_f32(arr) if arr.dtype == np.uint16 else np.ascontiguousarray(arr, np.float32)
 
 
+def _fp8_entry(text: object, name: str) -> Fp8Tensor | None:
+    """The block-FP8 form of `name`: from the loader's Tensors, or an Fp8Tensor put in a plain dict."""
+    if isinstance(text, Tensors):
+        return text.fp8(name)
+    value = text[name]  # type: ignore[index]
+    return value if isinstance(value, Fp8Tensor) else None
+
+
+def refuse_unsupported_fp8(weights: ModelWeights, dtype: str) -> None:
+    """What the CUDA runner cannot run in FP8 fails here, by name, before anything is uploaded: FP8 with an f32
+    runner, an FP8 vision tower, lm_head or embedding (Qwen's FP8 releases keep those BF16). The MTP layer is not
+    run by this runner, whatever its format."""
+    names = weights.fp8_names()  # the loader's "group/name"; a plain dict's Fp8Tensor entries count as text
+    if not isinstance(weights.text, Tensors):
+        names += [f"text/{n}" for n, v in weights.text.items() if isinstance(v, Fp8Tensor)]
+    text = [n for n in names if n.startswith("text/")]
+    if text and dtype != "bf16":
+        raise CudaBackendError(f"block-FP8 weights need the bf16 CUDA runner (dtype={dtype!r} was asked): the FP8 "
+                               "GEMMs read bf16 activations and write bf16")
+    for group, what in (("vision/", "the vision tower"), ("lm_head/", "lm_head"), ("text/embed_tokens", "embedding")):
+        found = [n for n in names if n.startswith(group)]
+        if found:
+            raise CudaBackendError(f"the CUDA runner has no FP8 path for {what}: {', '.join(found[:3])} (Qwen's FP8 "
+                                   "releases keep it BF16)")
+
+
 class _Uploader:
-    def __init__(self, ctx: GpuContext, dtype: str) -> None:
+    def __init__(self, ctx: GpuContext, dtype: str, text: object, w: Mapping[str, np.ndarray]) -> None:
         self.ctx, self.dtype, self.nbytes = ctx, dtype, 0
+        self.text, self.w = text, w
+
+    def linear(self, name: str, *parts: str) -> Linear:
+        """The projection made of the checkpoint weights `parts` (rows concatenated), as a linear layer type."""
+        pieces: list[DenseLinear | Fp8Linear] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            if not run:
+                return
+            fp8 = [_fp8_entry(self.text, p) for p in run]
+            label = name if len(run) == len(parts) else f"{name}[{run[0]}..]"
+            if fp8[0] is None:
+                pieces.append(DenseLinear(self.put(label, *(self.w[p] for p in run))))
+            else:
+                weight = upload_fp8_weight(self.ctx, label, [f for f in fp8 if f is not None])
+                self.nbytes += weight.nbytes
+                pieces.append(Fp8Linear(weight))
+            run.clear()
+
+        for part in parts:
+            fp8 = _fp8_entry(self.text, part)
+            if run:
+                prev = _fp8_entry(self.text, run[-1])
+                if (prev is None) != (fp8 is None) or (prev is not None and prev.shape[0] % BLOCK):
+                    flush()  # a change of format, or FP8 scale grids that do not join
+            run.append(part)
+        flush()
+        return concat(pieces)
 
     def put(self, name: str, *parts: np.ndarray, dtype: str | None = None) -> DArray:
         """Upload the row-wise concatenation of `parts` (converted to the runner dtype unless dtype='f32')."""
@@ -91,11 +154,12 @@ class _Uploader:
 def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights, dtype: str) -> TextWeights:
     if cfg.attention_bias:
         raise CudaBackendError("attention_bias=True is not supported by the CUDA runner yet (Qwen3.5 has none)")
+    refuse_unsupported_fp8(weights, dtype)
     text = weights.text
     # bf16: the stored bits as they are (a view of the mapped file, no float32 copy); f32: float32 from the loader
-    w = {n: raw_tensor(text, n) for n in text} if dtype == "bf16" else text
+    w = {n: raw_tensor(text, n) for n in text if _fp8_entry(text, n) is None} if dtype == "bf16" else text
     head = weights.raw_lm_head() if dtype == "bf16" else weights.lm_head
-    up = _Uploader(ctx, dtype)
+    up = _Uploader(ctx, dtype, text, w)
     embed = up.put("embed_tokens", w["embed_tokens.weight"])
     tied = weights.tied or np.shares_memory(head, w["embed_tokens.weight"])
     layers = []
@@ -105,30 +169,30 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
         if kind == "full_attention":
             a = p + "self_attn."
             mixer = AttentionWeights(
-                qkv=up.put(f"{a}qkv", w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+                qkv=up.linear(f"{a}qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                 q_norm=up.put(a + "q_norm", w[a + "q_norm.weight"]),
                 k_norm=up.put(a + "k_norm", w[a + "k_norm.weight"]),
-                o_proj=up.put(a + "o_proj", w[a + "o_proj.weight"]),
+                o_proj=up.linear(a + "o_proj", a + "o_proj.weight"),
             )
         else:
             a = p + "linear_attn."
             conv = w[a + "conv1d.weight"]
             mixer = DeltaNetWeights(
-                in_proj=up.put(f"{a}in_proj", w[a + "in_proj_qkv.weight"], w[a + "in_proj_z.weight"],
-                               w[a + "in_proj_b.weight"], w[a + "in_proj_a.weight"]),
+                in_proj=up.linear(f"{a}in_proj", a + "in_proj_qkv.weight", a + "in_proj_z.weight",
+                                  a + "in_proj_b.weight", a + "in_proj_a.weight"),
                 conv=up.put(a + "conv1d", conv.reshape(conv.shape[0], conv.shape[-1])),
                 A_log=up.put(a + "A_log", w[a + "A_log"], dtype="f32"),
                 dt_bias=up.put(a + "dt_bias", w[a + "dt_bias"], dtype="f32"),
                 norm=up.put(a + "norm", w[a + "norm.weight"]),
-                out_proj=up.put(a + "out_proj", w[a + "out_proj.weight"]),
+                out_proj=up.linear(a + "out_proj", a + "out_proj.weight"),
             )
         layers.append(LayerWeights(
             kind=kind,
             input_norm=up.put(p + "input_layernorm", w[p + "input_layernorm.weight"]),
             post_norm=up.put(p + "post_attention_layernorm", w[p + "post_attention_layernorm.weight"]),
             mixer=mixer,
-            gate_up=up.put(p + "mlp.gate_up", w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]),
-            down=up.put(p + "mlp.down", w[p + "mlp.down_proj.weight"]),
+            gate_up=up.linear(p + "mlp.gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=up.linear(p + "mlp.down", p + "mlp.down_proj.weight"),
         ))
     final_norm = up.put("norm", w["norm.weight"])
     lm_head = embed if tied else up.put("lm_head", head)
