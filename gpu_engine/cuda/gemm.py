@@ -156,8 +156,12 @@ class CublasLt:
             raise ShapeError(f"FP8 GEMMs need k a multiple of 16 (16-byte rows), got k={k}")
         key = self._key(m, n, k, "e4m3", "bf16", x_ld, y_ld, w_ld, "nk", 1, (0, 0, 0), x, w, y, 0, "none",
                         scaled=True)
-        plan = self._plans.get(key) or self._make_plan(key, y, x, w, 0, tune=True, scales=(w_scales, x_scales))
-        self._matmul(plan, plan.algo_ptr, y, x, w, False, stream, 0, (w_scales, x_scales))
+        try:
+            plan = self._plans.get(key) or self._make_plan(key, y, x, w, 0, tune=True, scales=(w_scales, x_scales))
+            self._matmul(plan, plan.algo_ptr, y, x, w, False, stream, 0, (w_scales, x_scales))
+        except self._lt.cuBLASLtError as exc:  # e.g. an algorithm the heuristic offered that refuses the shape
+            self._plans.pop(key, None)
+            raise ShapeError(f"cuBLASLt block-scaled FP8 matmul failed for {key}: {exc}") from exc
 
     @staticmethod
     def _key(m: int, n: int, k: int, dtype: str, y_dtype: str | None, x_ld: int | None, y_ld: int | None,
