@@ -30,7 +30,8 @@ class MoeMlp:
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids int64 [n, k] by falling probability, their renormalised weights float32 [n, k])."""
         probs = softmax(linear(x, self.router).astype(np.float32, copy=False), axis=-1)
-        # stable sort of -p: among equal probabilities the lower expert id comes first
+        # stable sort of -p: among equal probabilities the lower expert id comes first (torch.topk leaves ties
+        # unspecified; float32 router logits practically never tie)
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k]
         top = np.take_along_axis(probs, chosen, axis=-1)
         return chosen, (top / top.sum(axis=-1, keepdims=True)).astype(np.float32)
