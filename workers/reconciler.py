@@ -6,9 +6,9 @@ On every beat tick (`requeue_interval_s`) it sends again:
   * jobs `queued` and untouched for `requeue_queued_after_s` (their message was lost: a broker restarted without
     persistence, or a worker took it and died before running it);
   * staged intakes older than `requeue_queued_after_s` (submitted files whose ingest message was lost);
-unless a message for it is waiting in its queue right now (read from the broker, see workers.markers). A queued
-job whose document is still `received` (an upload not rendered yet) goes to the `ingest` queue to be prepared,
-every other job to `gpu`. Sending
+unless a message for it is waiting in either queue right now (read from the broker, see workers.markers; a
+`prepare` message sends its job on to `gpu` once rendered). A queued job whose document is still `received` (an
+upload not rendered yet) goes to the `ingest` queue to be prepared, every other job to `gpu`. Sending
 twice is harmless (`run_job` is idempotent and claims with compare-and-set; ingestion dedupes by content), so
 the reconciler errs on the side of sending.
 """
@@ -56,9 +56,11 @@ def reconcile(p: Pipeline, ws: WorkerSettings, client: redis.Redis) -> Reconcile
     takeovers = {job_id: owner for job_id, owner in running.items() if owner in dead and job_id not in stale}
     stages = staging.pending(p.settings.data_dir, ws.requeue_queued_after_s)
     unrendered = jobs_awaiting_render(p, stale)
-    # Read the queues after the database: a message published in between is seen, not sent twice.
+    # Read the queues after the database: a message published in between is seen, not sent twice. The ingest
+    # queue is read whenever a job may be sent, not only for unrendered ones: a job's `prepare` message waiting
+    # there counts whatever else is stale this tick.
     waiting_jobs = waiting(client, QUEUE_GPU)["job"] if stale or takeovers else set()
-    on_ingest = waiting(client, QUEUE_INGEST) if stages or unrendered else {"job": set(), "stage": set()}
+    on_ingest = waiting(client, QUEUE_INGEST) if stages or stale or takeovers else {"job": set(), "stage": set()}
     waiting_jobs |= on_ingest["job"]  # `prepare` messages name their job too
     waiting_stages = on_ingest["stage"]
     for job_id in [*stale, *takeovers]:
