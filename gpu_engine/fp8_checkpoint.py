@@ -4,7 +4,9 @@ What is quantised is decided as transformers 5.17 decides it (replace_with_fp8_l
 name `modules_to_not_convert` does not match. A pattern matches a module name when it matches at its start as a
 regular expression, or when the name ends with it (quantizers_utils.should_convert_module). The names are the
 checkpoint's own (the file's list is written in them). A Linear weight here is a 2-D `*.weight` that is not an
-embedding table; conv1d (3-D), patch_embed (5-D), norms and A_log / dt_bias (1-D) never are.
+embedding table nor an MoE router (`mlp.gate`: Qwen3_5MoeTopKRouter is no nn.Linear, so transformers never converts
+it); conv1d (3-D), patch_embed (5-D), norms and A_log / dt_bias (1-D) never are. A qwen3_5_moe checkpoint's experts
+are Linears when stored one tensor per expert (the official FP8 layout); fused 3-D expert tensors are not.
 
 Official checkpoints (`pair_fp8`): a converted Linear `X` stores `X.weight` as F8_E4M3 and `X.weight_scale_inv`
 (BF16 or F32) of shape [ceil(out/128), ceil(in/128)], every scale finite and positive. Every departure is one
@@ -27,13 +29,14 @@ from .tensors import Entry, Fp8Tensor, StoredTensor
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SCALE_DTYPES = ("BF16", "F32")
 # Not converted when quantising at load, as in Qwen's FP8 releases: the head and embeddings, the DeltaNet conv1d and
-# its two per-head projections, the whole vision tower, the MTP layer's fc, and (not Linears anyway) norms and the
-# DeltaNet decay parameters.
+# its two per-head projections, the whole vision tower, the MTP layer's fc, an MoE layer's shared-expert gate (one
+# [1, hidden] row, kept in BF16 as vLLM keeps it), and (not Linears anyway) norms and the DeltaNet decay parameters.
 QUANTIZE_SKIP = ("lm_head", "embed_tokens", "conv1d", "in_proj_a", "in_proj_b", "model.visual", "visual",
-                 "mtp.fc", "norm", "A_log", "dt_bias")
+                 "mtp.fc", "shared_expert_gate", "norm", "A_log", "dt_bias")
 # The fingerprint of a model quantised at load names the recipe, so its results are not taken for the BF16 model's.
 QUANTIZE_VARIANT = "fp8-e4m3-block128x128-at-load"
 _EMBEDDINGS = ("embed_tokens", "pos_embed")
+_ROUTER = ".mlp.gate"  # an MoE layer's router (the dense MLP's projections are mlp.gate_proj etc.)
 
 
 def is_linear_weight(checkpoint_name: str, shape: tuple[int, ...]) -> bool:
@@ -41,7 +44,7 @@ def is_linear_weight(checkpoint_name: str, shape: tuple[int, ...]) -> bool:
     if len(shape) != 2 or not checkpoint_name.endswith(".weight"):
         return False
     module = module_name(checkpoint_name)
-    return module.rsplit(".", 1)[-1] not in _EMBEDDINGS
+    return module.rsplit(".", 1)[-1] not in _EMBEDDINGS and not module.endswith(_ROUTER)
 
 
 def module_name(checkpoint_name: str) -> str:

@@ -11,6 +11,7 @@ saves the scales in the model dtype writes).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,13 @@ SCALE_DTYPES = ("BF16", "F32")
 
 
 def make_tiny_fp8_checkpoint(folder: str | Path, *, seed: int = 0, scale_dtype: str = "BF16",
-                             **tiny_args: Any) -> Path:
-    """Write a tiny FP8 checkpoint into `folder`; `tiny_args` go to make_tiny_checkpoint (not dtype / shards)."""
+                             base: Callable[..., Path] = make_tiny_checkpoint, **tiny_args: Any) -> Path:
+    """Write a tiny FP8 checkpoint into `folder`; `tiny_args` go to `base`, the BF16 writer (make_tiny_checkpoint,
+    or tiny_moe.make_tiny_moe_checkpoint with layout="per_expert" for the MoE releases), not dtype / shards."""
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
     folder = Path(folder)
-    make_tiny_checkpoint(folder, seed=seed, dtype="bfloat16", **tiny_args)
+    base(folder, seed=seed, dtype="bfloat16", **tiny_args)
     path = folder / SINGLE_FILE
     stored = {name: np.array(t.to_float32()) for name, t in read_safetensors(path).items()}
     out: dict[str, tuple[str, np.ndarray]] = {}
