@@ -186,3 +186,20 @@ def test_plain_text_is_told_from_binary_and_from_media() -> None:
     assert not is_plain_text(b"")
     assert not is_plain_text(b"%PDF-1.7 looks like text but is a PDF")
     assert not is_plain_text(_image("PNG"))
+
+
+def test_a_polyglot_is_reported_at_its_first_pdf_header() -> None:
+    png = _image("PNG")
+    head = png + b"%PDF-1.4\n" + b"\x00" * 16 + b"%PDF-1.7\n"  # two headers in the first KiB: the first one counts
+    with pytest.raises(AmbiguousMediaError) as caught:
+        sniff(head, name="poly.png")
+    assert str(caught.value) == (
+        f"poly.png starts as image/png but also carries a PDF header at byte {len(png)}, so it reads as two different "
+        "documents (a polyglot file). Re-export it from the original application as a single format.")
+
+
+def test_a_head_sniffed_without_a_name_is_called_input() -> None:
+    with pytest.raises(EmptyMediaError, match=r"^input is empty \(0 bytes\)"):
+        sniff(b"")
+    with pytest.raises(UnsupportedMediaError, match=r"^input is not an accepted media type: found plain text"):
+        sniff(b"just words")
