@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_bench import bench_copy  # noqa: E402
 from qwen35_shapes import model_shape  # noqa: E402
 
+from gpu_engine.cuda import ops  # noqa: E402
 from gpu_engine.cuda.bf16 import f32_to_bf16_bits  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
@@ -117,7 +118,16 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
             row["speedup_fp8_vs_bf16"] = row["bf16_us"] / best
         else:
             xq = act_buffers(ctx, m, k)
-            row["quant_us"] = graph_us(ctx, [lambda: quantize_activations(ctx, x, m, k, out=xq)], reps)
+            row["quant_us"] = graph_us(ctx, [partial(quantize_activations, ctx, x, m, k, out=xq)], reps)
+            if label == "down":  # the MLP's activation: silu_mul (bf16 path) vs silu_mul fused into the quantisation
+                gu = ctx.to_device(rng.standard_normal((m, 2 * k), dtype=np.float32), "bf16", "gu")
+                act = ctx.empty((m, k), "bf16", "act")
+                row["silu_mul_us"] = graph_us(ctx, [partial(ops.silu_mul, ctx, act, gu)], reps)
+                row["swiglu_quant_us"] = graph_us(
+                    ctx, [partial(quantize_activations, ctx, gu, m, k, out=xq, swiglu=True)], reps)
+                if "fp8_cublaslt_us" in row:
+                    row["mlp_down_speedup_fp8_vs_bf16"] = ((row["bf16_us"] + row["silu_mul_us"])
+                                                           / (row["fp8_cublaslt_us"] + row["swiglu_quant_us"]))
             flop = 2 * m * n * k
             row["bf16_TFLOPs"] = flop / row["bf16_us"] / 1e6
             if "fp8_cublaslt_us" in row:
@@ -142,6 +152,10 @@ def table(rows: list[dict]) -> str:
         if r["m"] == PREFILL_M:
             lines.append(f"{'':<10} {'':>5} TFLOP/s bf16 {r['bf16_TFLOPs']:.0f}, fp8 {r.get('fp8_TFLOPs', 0):.0f}, "
                          f"fp8+quant {r.get('fp8_with_quant_TFLOPs', 0):.0f} (quant {r['quant_us']:.0f} us)")
+            if "swiglu_quant_us" in r:
+                lines.append(f"{'':<10} {'':>5} silu_mul {r['silu_mul_us']:.0f} us, silu_mul+quant "
+                             f"{r['swiglu_quant_us']:.0f} us: (silu_mul + bf16) / (fused + fp8) = "
+                             f"{r.get('mlp_down_speedup_fp8_vs_bf16', float('nan')):.2f}")
     return "\n".join(lines)
 
 

@@ -49,8 +49,8 @@ def load(
     `cuda_options`: settings of the cuda runner; None reads them from the DOCPIPE_CUDA_* variables
     (CudaOptions.from_env). `quantize="fp8"`: a BF16 checkpoint's eligible Linears become 128x128-block FP8 at load
     (gpu_engine/fp8_checkpoint.py); `fp8_activations`: the reference runner also quantises those Linears' inputs
-    as the FP8 kernels do. The cuda runner refuses FP8 models until its FP8 kernels exist (issue 15), and MoE models
-    (qwen3_5_moe) until its grouped expert GEMMs exist (issue 17)."""
+    as the FP8 kernels do. The cuda runner runs FP8 models with dtype "bf16" only (its FP8 GEMMs read and write
+    bf16), and refuses MoE models (qwen3_5_moe) until its grouped expert GEMMs exist (issue 17)."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     if cuda_options is not None and runner != "cuda":
@@ -60,11 +60,13 @@ def load(
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     if runner == "cuda" and (config.quantization is not None or quantize == "fp8"):
-        what = "an FP8 checkpoint" if config.quantization is not None else "quantize='fp8'"
-        raise RunnerUnavailableError(
-            f"runner='cuda' cannot run {what} yet: its block-FP8 GEMMs are not written (issue 15). Use "
-            "runner='reference' (numpy, exact dequantisation) or a BF16 checkpoint without quantize."
-        )
+        dtype = (cuda_options or CudaOptions.from_env()).dtype
+        if dtype != "bf16":
+            what = "an FP8 checkpoint" if config.quantization is not None else "quantize='fp8'"
+            raise RunnerUnavailableError(
+                f"runner='cuda' runs {what} with dtype='bf16' only (its FP8 GEMMs read and write bf16), not "
+                f"dtype={dtype!r}. Use dtype='bf16', or runner='reference' (numpy, exact dequantisation)."
+            )
     if runner == "cuda" and config.text.moe is not None:
         raise RunnerUnavailableError(
             f"runner='cuda' cannot run model_type={config.model_type!r} (a mixture of experts) yet: its grouped "

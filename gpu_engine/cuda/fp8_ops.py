@@ -9,9 +9,11 @@ matmul reads them on sm_90 (the TN product of gemm.py: A = W, B = X):
   contiguous, ld = m rounded up to 4.
 Both are (row stride, column stride) pairs here, so the kernels would take another layout unchanged.
 
-`fp8_matmul` picks the path by the number of tokens: up to GEMV_MAX_M the weight-streaming kernel of fp8.cu
-(tensor-core mma.sync, the weight read once), above it cuBLASLt (falling back to the streaming kernel, 32 tokens
-a launch, where cuBLASLt has no block-scaled algorithm: correct, slow).
+`row_plan` picks the path by the number of tokens: up to GEMV_MAX_M the weight-streaming kernel of fp8.cu
+(tensor-core mma.sync, the weight read once), above it cuBLASLt on the rows up to a multiple of CUBLAS_M_MULTIPLE
+and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for some row counts, e.g. 33).
+Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
+`fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ i32, i64 = np.int32, np.int64
 BLOCK = 128
 GEMV_TOKENS = 8  # tokens per mma n-tile
 GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
-GEMV_MAX_M = 16  # decode steps up to this many tokens stream the weight with fp8_gemv (bench/fp8_gemm_bench.py)
+GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
+CUBLAS_M_MULTIPLE = 16  # rows cuBLASLt's block-scaled matmul is given come in multiples of this
 GEMV_ROWS = 16  # weight rows a block
 
 
@@ -121,20 +124,30 @@ def act_buffers(ctx: GpuContext, m: int, k: int) -> Fp8Activations:
                           ld, 1)
 
 
+def row_plan(m: int) -> list[tuple[int, int, str]]:
+    """(first row, rows, path) slices of an m-token FP8 GEMM (module docstring)."""
+    main = m - m % CUBLAS_M_MULTIPLE
+    if m <= GEMV_MAX_M or main == 0:
+        return [(0, m, "gemv")]
+    return [(0, main, "cublaslt")] + ([(main, m - main, "gemv")] if main < m else [])
+
+
 def quantize_activations(ctx: GpuContext, x: DArray, m: int, k: int, x_ld: int | None = None,
-                         out: Fp8Activations | None = None) -> Fp8Activations:
+                         out: Fp8Activations | None = None, swiglu: bool = False) -> Fp8Activations:
     """Per-token, per-128-group e4m3 quantisation of the bf16 rows x[:m, :k] (row stride x_ld) into `out`, by
-    default fresh arena buffers (the caller's scratch)."""
+    default fresh arena buffers (the caller's scratch). swiglu=True: x is a gate|up projection [m, 2k] and the
+    rows quantised are silu(gate) * up (rounded to bf16 first, as ops.silu_mul stores them)."""
     if x.dtype != "bf16":
         raise ShapeError(f"FP8 activation quantisation reads bf16, got {x.dtype}")
-    x_ld = x_ld or k
-    if k % 16 or x_ld % 4 or m < 1:
-        raise ShapeError(f"FP8 activations need k % 16 == 0 and 8-byte rows (k={k}, x_ld={x_ld}, m={m})")
+    x_ld = x_ld or (2 * k if swiglu else k)
+    if k % 16 or x_ld % 8 or m < 1:
+        raise ShapeError(f"FP8 activations need k % 16 == 0 and 16-byte rows (k={k}, x_ld={x_ld}, m={m})")
     xa = out or act_buffers(ctx, m, k)
     if xa.q.shape != (m, k) or xa.scales.shape[0] < groups(k):
         raise ShapeError(f"quantised-activation buffers {xa.q.shape} / {xa.scales.shape} for {m} rows of {k}")
-    ctx.device.launch("fp8", "fp8_quant_act_bf16", (m, -(-groups(k) // 4)), 128, x.ptr, i64(x_ld), xa.q.ptr,
-                      i64(k), xa.scales.ptr, i64(xa.g_stride), i64(xa.t_stride), i32(m), i32(k))
+    kernel = "fp8_silu_mul_quant_bf16" if swiglu else "fp8_quant_act_bf16"
+    ctx.device.launch("fp8", kernel, (m, -(-groups(k) // 8)), 128, x.ptr, i64(x_ld), xa.q.ptr, i64(k),
+                      xa.scales.ptr, i64(xa.g_stride), i64(xa.t_stride), i32(m), i32(k))
     return xa
 
 

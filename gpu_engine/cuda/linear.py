@@ -6,16 +6,24 @@
 - `ConcatLinear`: several of those side by side, each writing its columns of one output (a fused projection whose
   parts cannot share one matrix: DeltaNet's in_proj with FP8 qkv|z beside BF16 b|a, or FP8 parts whose scale
   grids do not join). Its FP8 parts quantise x once.
-All enqueue on the context's stream (graph-capturable); scratch comes from the arena, released by the caller.
+Each also takes its input as the MLP's gate|up output (`swiglu`: y = (silu(gate) * up) W^T), so that an FP8 down
+projection quantises the activation as it computes it. All enqueue on the context's stream (graph-capturable);
+scratch comes from the arena, released by the caller.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import ops
 from .context import DArray, GpuContext
 from .errors import ShapeError
-from .fp8_ops import Fp8Activations, Fp8Weight, fp8_matmul, quantize_activations
+from .fp8_ops import Fp8Activations, Fp8Weight, fp8_matmul, quantize_activations, row_plan
+
+
+def _rows(arr: DArray, first: int, ld: int) -> DArray:
+    """The rows from `first` on of a row-major buffer with row stride `ld` (same shape label: only ptr is read)."""
+    return DArray(arr.ptr + first * ld * arr.itemsize, arr.shape, arr.dtype)
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,12 @@ class DenseLinear:
         n, k = self.shape
         ctx.blas.linear(y.ptr, x.ptr, self.w.ptr, m, n, k, dtype=self.w.dtype, y_ld=y_ld)
 
+    def swiglu(self, ctx: GpuContext, y: DArray, gate_up: DArray, m: int) -> None:
+        """y = (silu(gate) * up) W^T with gate_up [m, 2 * in] (the MLP's down projection)."""
+        act = ctx.empty((m, self.shape[1]), self.w.dtype, "act")
+        ops.silu_mul(ctx, act, gate_up)
+        self(ctx, y, act, m)
+
 
 @dataclass(frozen=True)
 class Fp8Linear:
@@ -48,10 +62,22 @@ class Fp8Linear:
         return self.w.nbytes
 
     def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None) -> None:
-        self.apply(ctx, y, quantize_activations(ctx, x, m, self.shape[1]), y_ld)
+        self._run(ctx, y, x, m, y_ld, swiglu=False)
 
-    def apply(self, ctx: GpuContext, y: DArray, xa: Fp8Activations, y_ld: int | None = None) -> None:
-        fp8_matmul(ctx, y, xa, self.w, y_ld)
+    def swiglu(self, ctx: GpuContext, y: DArray, gate_up: DArray, m: int) -> None:
+        """y = (silu(gate) * up) W^T, the activation computed inside the FP8 quantisation (no bf16 round trip)."""
+        self._run(ctx, y, gate_up, m, None, swiglu=True)
+
+    def _run(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None, swiglu: bool) -> None:
+        n, k = self.shape
+        y_ld, x_ld = y_ld or n, 2 * k if swiglu else k
+        for first, rows, path in row_plan(m):
+            xa = quantize_activations(ctx, _rows(x, first, x_ld), rows, k, x_ld, swiglu=swiglu)
+            self.apply(ctx, _rows(y, first, y_ld), xa, y_ld, path)
+
+    def apply(self, ctx: GpuContext, y: DArray, xa: Fp8Activations, y_ld: int | None = None,
+              path: str = "auto") -> None:
+        fp8_matmul(ctx, y, xa, self.w, y_ld, path)
 
 
 @dataclass(frozen=True)
@@ -73,16 +99,24 @@ class ConcatLinear:
     def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None) -> None:
         n, k = self.shape
         y_ld = y_ld or n
-        xa: Fp8Activations | None = None
-        col = 0
+        cols, col = [], 0
         for part in self.parts:
-            out = DArray(y.ptr + col * y.itemsize, y.shape, y.dtype)  # columns col.. of every row (stride y_ld)
-            if isinstance(part, Fp8Linear):
-                xa = xa or quantize_activations(ctx, x, m, k)
-                part.apply(ctx, out, xa, y_ld)
-            else:
-                part(ctx, out, x, m, y_ld)
+            cols.append(DArray(y.ptr + col * y.itemsize, y.shape, y.dtype))  # columns col.. (row stride y_ld)
             col += part.shape[0]
+        for part, out in zip(self.parts, cols):
+            if isinstance(part, DenseLinear):
+                part(ctx, out, x, m, y_ld)
+        if any(isinstance(p, Fp8Linear) for p in self.parts):
+            for first, rows, path in row_plan(m):  # each row slice quantised once for every FP8 part
+                xa = quantize_activations(ctx, _rows(x, first, k), rows, k)
+                for part, out in zip(self.parts, cols):
+                    if isinstance(part, Fp8Linear):
+                        part.apply(ctx, _rows(out, first, y_ld), xa, y_ld, path)
+
+    def swiglu(self, ctx: GpuContext, y: DArray, gate_up: DArray, m: int) -> None:
+        act = ctx.empty((m, self.shape[1]), "bf16", "act")
+        ops.silu_mul(ctx, act, gate_up)
+        self(ctx, y, act, m)
 
 
 Linear = DenseLinear | Fp8Linear | ConcatLinear

@@ -108,9 +108,10 @@ def refuse_unsupported_fp8(weights: ModelWeights, dtype: str) -> None:
 
 
 class _Uploader:
-    def __init__(self, ctx: GpuContext, dtype: str, text: object, w: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, ctx: GpuContext, dtype: str, text: object = None, w: Mapping[str, np.ndarray] | None = None
+                 ) -> None:
         self.ctx, self.dtype, self.nbytes = ctx, dtype, 0
-        self.text, self.w = text, w
+        self.text, self.w = text, w or {}  # what linear() reads (the vision tower's uploads use put() alone)
 
     def linear(self, name: str, *parts: str) -> Linear:
         """The projection made of the checkpoint weights `parts` (rows concatenated), as a linear layer type."""

@@ -102,6 +102,50 @@ class Checker:
         self.record(f"quant_act m{m} k{k}", rel_err(deq, fp8.fake_quantize_activations(x)), 0.0,
                     f"bytes equal {same_q:.6f}, scales equal {same_s}")
 
+    def swiglu_quant(self, m: int, inter: int) -> None:
+        """The MLP activation quantised in one kernel vs silu_mul then quantisation (bit for bit), and vs numpy."""
+        from gpu_engine import fp8
+        from gpu_engine.cuda import ops
+        from gpu_engine.cuda.fp8_ops import act_buffers, quantize_activations
+
+        ctx = self.ctx
+        gu = self._round((self.rng.standard_normal((m, 2 * inter)) * 3.0).astype(np.float32))
+        gud = ctx.to_device(gu, "bf16", "gu")
+        fused, plain = act_buffers(ctx, m, inter), act_buffers(ctx, m, inter)
+        for buf in (fused.q, fused.scales, plain.q, plain.scales):
+            ctx.poison(buf)
+        quantize_activations(ctx, gud, m, inter, out=fused, swiglu=True)
+        act = ctx.empty((m, inter), "bf16", "act")
+        ops.silu_mul(ctx, act, gud)
+        quantize_activations(ctx, act, m, inter, out=plain)
+        qf, qp = ctx.to_host(fused.q), ctx.to_host(plain.q)
+        sf, sp = ctx.to_host(fused.scales)[:, :m], ctx.to_host(plain.scales)[:, :m]
+        deq = fp8.e4m3_to_float32(qf) * np.repeat(sf.T, 128, axis=1)[:, :inter]
+        same = bool(np.array_equal(qf, qp) and np.array_equal(sf, sp))
+        g, u = gu[:, :inter].astype(np.float64), gu[:, inter:].astype(np.float64)
+        act_ref = self._round((g / (1.0 + np.exp(-g)) * u).astype(np.float32))
+        self.record(f"silu_mul+quant m{m} I{inter}", rel_err(deq, fp8.fake_quantize_activations(act_ref)), GEMM_TOL,
+                    f"identical to silu_mul then quant: {same}")
+        if not same:
+            self.record(f"silu_mul+quant m{m} I{inter} == unfused", float("nan"), 0.0, "bytes or scales differ")
+
+    def cublas_rows(self, m: int, n: int = 256, k: int = 1152) -> None:
+        """Which row counts cuBLASLt's block-scaled matmul takes (a probe row each, never a verdict)."""
+        from gpu_engine.cuda.fp8_ops import upload_fp8_weight
+
+        ctx = self.ctx
+        wt = self.weight(n, k)
+        w = upload_fp8_weight(ctx, "w", [wt])
+        xa, xdeq, _ = self._acts(m, k)
+        y = ctx.empty((m, n), "bf16", "y")
+        ctx.poison(y)
+        try:
+            ctx.blas.linear_fp8(y.ptr, xa.q.ptr, xa.scales.ptr, w.bits.ptr, w.scales.ptr, m, n, k)
+            err, note = rel_err(ctx.to_host(y), xdeq @ wt.dequantize().astype(np.float64).T), "rows probe: ran"
+        except Exception as exc:  # noqa: BLE001 - a probe row
+            err, note = float("nan"), f"rows probe: {type(exc).__name__}: {exc}"[-150:]
+        self.results.append(Result(f"probe cuBLASLt m{m}", "fp8", err, GEMM_TOL, False, note, skipped=True))
+
     def _acts(self, m: int, k: int):
         """Host-quantised activations uploaded in fp8_ops' layout, and their float64 dequantised values."""
         from gpu_engine import fp8
@@ -174,7 +218,8 @@ class Checker:
                                            skipped=True))
 
     def linear_chain(self, m: int) -> None:
-        """Fp8Linear and a ConcatLinear of [FP8 128 rows | FP8 72 rows | BF16 40 rows] on bf16 input."""
+        """Fp8Linear (plain and with the SwiGLU input) and a ConcatLinear of [FP8 128 rows | FP8 72 rows | BF16 40
+        rows] on bf16 input; m = 37 runs cuBLASLt on 32 rows and the streaming kernel on 5."""
         from gpu_engine import fp8
         from gpu_engine.cuda.fp8_ops import upload_fp8_weight
         from gpu_engine.cuda.linear import ConcatLinear, DenseLinear, Fp8Linear
@@ -198,6 +243,14 @@ class Checker:
         fp8_parts[0](ctx, y1, xd, m)
         self.record(f"Fp8Linear m{m}", rel_err(ctx.to_host(y1), xq @ parts[0].dequantize().astype(np.float64).T),
                     GEMM_TOL)
+        gu = self._round((self.rng.standard_normal((m, 2 * k)) * 2.0).astype(np.float32))
+        y2 = ctx.empty((m, 128), "bf16", "y2")
+        ctx.poison(y2)
+        fp8_parts[0].swiglu(ctx, y2, ctx.to_device(gu, "bf16", "gu"), m)
+        g, u = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
+        act = fp8.fake_quantize_activations(self._round((g / (1.0 + np.exp(-g)) * u).astype(np.float32)))
+        self.record(f"Fp8Linear.swiglu m{m}", rel_err(ctx.to_host(y2), act.astype(np.float64)
+                                                      @ parts[0].dequantize().astype(np.float64).T), GEMM_TOL)
 
 
 def run_kernels(seed: int) -> tuple[list[Result], dict]:
@@ -215,8 +268,12 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
             c.run(f"gemm[gemv] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("gemv", m, n, k))
         for m, n, k in CUBLAS_CASES:
             c.run(f"gemm[cublaslt] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("cublaslt", m, n, k))
-        for m in (4, 300):
+        for m, inter in ((3, 128), (37, 17408), (300, 1152)):
+            c.run(f"silu_mul+quant m{m}", GEMM_TOL, lambda m=m, i=inter: c.swiglu_quant(m, i))
+        for m in (4, 37, 300):
             c.run(f"linear chain m{m}", GEMM_TOL, lambda m=m: c.linear_chain(m))
+        for m in (33, 34, 36, 40, 44, 48):
+            c.run(f"probe cuBLASLt m{m}", GEMM_TOL, lambda m=m: c.cublas_rows(m))
         info["kernel_seconds"] = round(time.perf_counter() - t0, 2)
         return c.results, info
     finally:

@@ -94,3 +94,17 @@ def test_the_cuda_runner_refuses_fp8_it_cannot_run(tiny_fp8) -> None:
     bad = ModelWeights(dict(plain, **{"embed_tokens.weight": embed}), weights.vision, weights.lm_head)
     with pytest.raises(CudaBackendError, match="no FP8 path for embedding: text/embed_tokens.weight"):
         upload_text_weights(RecordingContext(), config.text, bad, "bf16")
+
+
+def test_row_plan_streams_small_batches_and_gives_cublaslt_whole_multiples() -> None:
+    from gpu_engine.cuda.fp8_ops import CUBLAS_M_MULTIPLE, GEMV_MAX_M, row_plan
+
+    assert row_plan(1) == [(0, 1, "gemv")] and row_plan(GEMV_MAX_M) == [(0, GEMV_MAX_M, "gemv")]
+    assert row_plan(8192) == [(0, 8192, "cublaslt")]
+    m = 3 * CUBLAS_M_MULTIPLE + 5
+    assert row_plan(m) == [(0, m - 5, "cublaslt"), (m - 5, 5, "gemv")]
+    for m in range(GEMV_MAX_M + 1, 200):
+        plan = row_plan(m)
+        assert sum(rows for _, rows, _ in plan) == m and plan[0][0] == 0 and all(rows > 0 for _, rows, _ in plan)
+        assert all(rows % CUBLAS_M_MULTIPLE == 0 for _, rows, path in plan if path == "cublaslt")
+        assert all(rows <= 32 for _, rows, path in plan if path == "gemv")

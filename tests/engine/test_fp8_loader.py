@@ -270,18 +270,23 @@ def test_quantize_at_load_matches_the_official_layout(tmp_path):
         load_weights(bf16, config, quantize="int4")
 
 
-def test_cuda_runner_refuses_fp8_before_reading_weights(fp8_dir, tmp_path, monkeypatch):
+def test_cuda_runner_takes_fp8_in_bf16_and_refuses_f32_before_reading_weights(fp8_dir, tmp_path, monkeypatch):
     import gpu_engine.model
+    from gpu_engine.cuda.options import CudaOptions
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(gpu_engine.model, "load_weights", no_weights)
-    with pytest.raises(RunnerUnavailableError, match=r"runner='cuda' cannot run an FP8 checkpoint yet"):
-        gpu_engine.load(fp8_dir, runner="cuda")
+    f32 = CudaOptions(dtype="f32")
+    with pytest.raises(RunnerUnavailableError, match=r"runner='cuda' runs an FP8 checkpoint with dtype='bf16' only"):
+        gpu_engine.load(fp8_dir, runner="cuda", cuda_options=f32)
     bf16 = make_tiny_checkpoint(tmp_path / "bf16", seed=1)
-    with pytest.raises(RunnerUnavailableError, match=r"runner='cuda' cannot run quantize='fp8' yet"):
-        gpu_engine.load(bf16, runner="cuda", quantize="fp8")
+    with pytest.raises(RunnerUnavailableError, match=r"runner='cuda' runs quantize='fp8' with dtype='bf16' only"):
+        gpu_engine.load(bf16, runner="cuda", quantize="fp8", cuda_options=f32)
+    for folder, quantize in ((fp8_dir, None), (bf16, "fp8")):  # bf16: no refusal, the weights are read
+        with pytest.raises(AssertionError, match="weights were read"):
+            gpu_engine.load(folder, runner="cuda", quantize=quantize, cuda_options=CudaOptions(dtype="bf16"))
     with pytest.raises(ValueError, match="fp8_activations is an option of runner='reference'"):
         gpu_engine.load(fp8_dir, runner="cuda", fp8_activations=True)
     monkeypatch.undo()

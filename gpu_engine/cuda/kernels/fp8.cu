@@ -20,32 +20,66 @@ __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
 }
 
 // ---- dynamic activation quantisation --------------------------------------------------------------------
-// grid (rows, ceil(groups / 4)), 128 threads: warp w of block (r, b) quantises group 4 * b + w of row r,
-// 4 features a lane. q [rows, k] with row stride q_ld; scales[g * s_g + r * s_m].
-extern "C" __global__ void fp8_quant_act_bf16(const bf16_t* __restrict__ x, long long x_ld,
-                                              u8_t* __restrict__ q, long long q_ld, float* __restrict__ scales,
-                                              long long s_g, long long s_m, int rows, int k) {
+// grid (rows, ceil(groups / 8)), 128 threads: each half-warp quantises one 128-group of one row, 8 features a
+// lane (16-byte loads). q [rows, k] with row stride q_ld; scales[g * s_g + r * s_m].
+// SWIGLU: the features are silu(gate) * up, rounded to bf16 as silu_mul stores them (elementwise.cu), with gate at
+// column c and up at k + c of the row (the fused gate|up GEMM's output), so the MLP's activation goes straight to
+// FP8 without its bf16 round trip through memory.
+template <bool SWIGLU>
+__device__ __forceinline__ void quant_rows(const bf16_t* __restrict__ x, long long x_ld, u8_t* __restrict__ q,
+                                           long long q_ld, float* __restrict__ scales, long long s_g, long long s_m,
+                                           int rows, int k) {
     pdl_entry();
-    const int r = blockIdx.x, g = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int r = blockIdx.x, lane = threadIdx.x & 31, sub = lane & 15;
+    const int g = blockIdx.y * 8 + (threadIdx.x >> 4);
     const int groups = (k + 127) / 128;
-    if (r >= rows || g >= groups) return;
-    const int col = g * 128 + lane * 4;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (col < k) {  // k % 16 == 0, so a lane's 4 features are all in or all out
-        const uint2 raw = *reinterpret_cast<const uint2*>(x + (long long)r * x_ld + col);
-        v[0] = to_f((bf16_t)(raw.x & 0xffffu));
-        v[1] = to_f((bf16_t)(raw.x >> 16));
-        v[2] = to_f((bf16_t)(raw.y & 0xffffu));
-        v[3] = to_f((bf16_t)(raw.y >> 16));
+    if (r >= rows || g >= groups) return;  // whole half-warps leave together: the shuffles below stay in a half
+    const int col = g * 128 + sub * 8;
+    const bool in = col < k;  // k % 16 == 0: a lane's 8 features are all in or all out
+    float v[8];
+    const bf16_t* row = x + (long long)r * x_ld;
+    const uint4 raw = in ? *reinterpret_cast<const uint4*>(row + col) : make_uint4(0u, 0u, 0u, 0u);
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = to_f((bf16_t)(words[i] & 0xffffu));
+        v[2 * i + 1] = to_f((bf16_t)(words[i] >> 16));
     }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = warp_max(amax);
+    if (SWIGLU) {
+        const uint4 up = in ? *reinterpret_cast<const uint4*>(row + k + col) : make_uint4(0u, 0u, 0u, 0u);
+        const unsigned int uw[4] = {up.x, up.y, up.z, up.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = to_f(from_f<bf16_t>(silu(v[2 * i]) * to_f((bf16_t)(uw[i] & 0xffffu))));
+            v[2 * i + 1] = to_f(from_f<bf16_t>(silu(v[2 * i + 1]) * to_f((bf16_t)(uw[i] >> 16))));
+        }
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    // a half-warp's max (the two halves of a warp are two groups; a half that left early is a whole group)
+    const unsigned int mask = (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
     const float s = fmaxf(amax, ACT_FLOOR) / E4M3_MAX;  // IEEE division, as numpy's float32
-    if (col < k) {
-        const unsigned int lo = e4m3x2(v[0] / s, v[1] / s), hi = e4m3x2(v[2] / s, v[3] / s);
-        *reinterpret_cast<unsigned int*>(q + (long long)r * q_ld + col) = lo | (hi << 16);
+    if (in) {
+        uint2 out;
+        out.x = (unsigned int)e4m3x2(v[0] / s, v[1] / s) | ((unsigned int)e4m3x2(v[2] / s, v[3] / s) << 16);
+        out.y = (unsigned int)e4m3x2(v[4] / s, v[5] / s) | ((unsigned int)e4m3x2(v[6] / s, v[7] / s) << 16);
+        *reinterpret_cast<uint2*>(q + (long long)r * q_ld + col) = out;
     }
-    if (lane == 0) scales[(long long)g * s_g + (long long)r * s_m] = s;
+    if (sub == 0) scales[(long long)g * s_g + (long long)r * s_m] = s;
+}
+
+extern "C" __global__ void fp8_quant_act_bf16(const bf16_t* x, long long x_ld, u8_t* q, long long q_ld,
+                                              float* scales, long long s_g, long long s_m, int rows, int k) {
+    quant_rows<false>(x, x_ld, q, q_ld, scales, s_g, s_m, rows, k);
+}
+
+// k = the intermediate size; gate_up rows [gate (k) | up (k)] with row stride x_ld
+extern "C" __global__ void fp8_silu_mul_quant_bf16(const bf16_t* gate_up, long long x_ld, u8_t* q, long long q_ld,
+                                                   float* scales, long long s_g, long long s_m, int rows, int k) {
+    quant_rows<true>(gate_up, x_ld, q, q_ld, scales, s_g, s_m, rows, k);
 }
 
 // ---- small-batch GEMM: y[m, n] = sum_k deq(xq)[m, k] deq(W)[n, k], m <= 8 * NT ---------------------------------
@@ -136,7 +170,7 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
 }
 
 #define FP8_GEMV_ENTRY(NT)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 2)                                          \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, (NT) == 1 ? 3 : 2)                            \
         fp8_gemv_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
                             long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,         \
                             long long sw_nb, long long sw_kb, int m, int n, int k) {                                \
