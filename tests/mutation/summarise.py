@@ -3,10 +3,16 @@ of the mutants that survived, had no covering test, or were not reached before t
 `equivalent.txt` (next to this script: name, a tab, the reason) are counted and listed apart as "equivalent".
 
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation > /tmp/docpipe-mutation/summary.json
+    python3 tests/mutation/summarise.py /tmp/docpipe-mutation --previous tests/mutation/last_result.json
+
+With `--previous`, a module this run did not check at all (a fresh verdict cache, a run of other modules only)
+keeps its counts from the previous summary when its source is unchanged since that summary's commit; such a
+module says `checked_at` (that commit). Survivors now listed in equivalent.txt move to "equivalent" there too.
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections import Counter
 from datetime import datetime, timezone
@@ -63,5 +69,55 @@ def summarise(work: Path) -> dict[str, Any]:
     }
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _unchanged(module: str, since: str, until: str | None) -> bool:
+    """Whether `module` is the same at `until` (this run's commit) as at `since` (git says; unknown -> False)."""
+    if until is None:
+        return False
+    return subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", since, until, "--", module],
+                          capture_output=True).returncode == 0
+
+
+def carry_forward(current: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+    """`current` with each module it did not check at all taken from `previous` (same source, same mutant count)."""
+    equivalent = equivalents()
+    since = previous.get("commit") or ""
+    for module, entry in current["modules"].items():
+        old = previous.get("modules", {}).get(module)
+        if (old is None or set(entry["counts"]) != {"not checked"} or not since
+                or sum(old["counts"].values()) != entry["counts"]["not checked"]
+                or not _unchanged(module, since, current.get("commit"))):
+            continue
+        counts: Counter[str] = Counter(old["counts"])
+        survived = [n for n in old.get("survived", []) if n not in equivalent]
+        now_equivalent = sorted(old.get("equivalent", []) + [n for n in old.get("survived", []) if n in equivalent])
+        counts["equivalent"] += len(now_equivalent) - len(old.get("equivalent", []))
+        counts["survived"] = len(survived)
+        carried: dict[str, Any] = {**old, "counts": {k: n for k, n in sorted(counts.items()) if n},
+                                   "survived": survived, "equivalent": now_equivalent}
+        carried = {k: v for k, v in carried.items() if v != []}
+        carried["checked_at"] = old.get("checked_at", since)
+        current["modules"][module] = carried
+    total: Counter[str] = Counter()
+    for entry in current["modules"].values():
+        total.update(entry["counts"])
+    checked = sum(n for status, n in total.items() if status not in ("not checked", "equivalent"))
+    killed = total["killed"] + total["timeout"] + total["caught by type check"]
+    current["total"] = dict(sorted(total.items()))
+    current["score_of_checked"] = round(killed / checked, 3) if checked else None
+    return current
+
+
 if __name__ == "__main__":
-    print(json.dumps(summarise(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/docpipe-mutation")), indent=1))
+    args = sys.argv[1:]
+    previous_path = None
+    if "--previous" in args:
+        at = args.index("--previous")
+        previous_path = Path(args[at + 1])
+        del args[at : at + 2]
+    summary = summarise(Path(args[0] if args else "/tmp/docpipe-mutation"))
+    if previous_path is not None:
+        summary = carry_forward(summary, json.loads(previous_path.read_text()))
+    print(json.dumps(summary, indent=1))
