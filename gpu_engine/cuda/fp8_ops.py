@@ -11,7 +11,7 @@ Both are (row stride, column stride) pairs here, so the kernels would take anoth
 
 `row_plan` picks the path by the number of tokens: up to GEMV_MAX_M the weight-streaming kernel of fp8.cu
 (tensor-core mma.sync, the weight read once), above it cuBLASLt on the rows up to a multiple of CUBLAS_M_MULTIPLE
-and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for some row counts, e.g. 33).
+and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for m % 4 != 0).
 Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
 `fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
 """
@@ -31,7 +31,7 @@ BLOCK = 128
 GEMV_TOKENS = 8  # tokens per mma n-tile
 GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
 GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
-CUBLAS_M_MULTIPLE = 16  # rows cuBLASLt's block-scaled matmul is given come in multiples of this
+CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
 
 

@@ -101,8 +101,9 @@ def test_row_plan_streams_small_batches_and_gives_cublaslt_whole_multiples() -> 
 
     assert row_plan(1) == [(0, 1, "gemv")] and row_plan(GEMV_MAX_M) == [(0, GEMV_MAX_M, "gemv")]
     assert row_plan(8192) == [(0, 8192, "cublaslt")]
-    m = 3 * CUBLAS_M_MULTIPLE + 5
-    assert row_plan(m) == [(0, m - 5, "cublaslt"), (m - 5, 5, "gemv")]
+    m = 8 * CUBLAS_M_MULTIPLE + CUBLAS_M_MULTIPLE - 1
+    tail = CUBLAS_M_MULTIPLE - 1
+    assert row_plan(m) == [(0, m - tail, "cublaslt"), (m - tail, tail, "gemv")]
     for m in range(GEMV_MAX_M + 1, 200):
         plan = row_plan(m)
         assert sum(rows for _, rows, _ in plan) == m and plan[0][0] == 0 and all(rows > 0 for _, rows, _ in plan)

@@ -170,7 +170,7 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
 }
 
 #define FP8_GEMV_ENTRY(NT)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, (NT) == 1 ? 3 : 2)                            \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 2)                                          \
         fp8_gemv_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
                             long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,         \
                             long long sw_nb, long long sw_kb, int m, int n, int k) {                                \

@@ -1,0 +1,103 @@
+"""The whole decoder with block-FP8 weights on the CUDA runner: bench/cuda_bench.py's model benchmark (prefill 1024
+and 8192 tokens, batch-1 decode eager / graphs / replay, batched decode 8 and 32) with random FP8 Linears.
+
+    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json]
+
+The weights are cuda_bench's random bf16 tensors, except that every Linear quantize="fp8" would convert
+(fp8_checkpoint.QUANTIZE_SKIP honoured: lm_head, embeddings, conv1d, in_proj_a / in_proj_b stay bf16) is random
+e4m3 bytes (no NaN patterns) with random 128x128 block scales. decode_bytes / roofline_ms count the FP8 bytes.
+Compare with cuda_bench's BF16 run of the same shape (bench/results/cuda/cuda_bench.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cuda_bench  # noqa: E402
+
+from gpu_engine.cuda.context import GpuContext  # noqa: E402
+from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
+from gpu_engine.fp8_checkpoint import QUANTIZE_SKIP, is_linear_weight, module_name, skipped  # noqa: E402
+from gpu_engine.tensors import Fp8Tensor  # noqa: E402
+
+
+@dataclass(frozen=True)
+class SizedFp8(Fp8Tensor):
+    """An Fp8Tensor that answers cuda_bench's size questions (nbytes, size, ndim) like the array it replaces."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bits.nbytes + self.scale_inv.nbytes)
+
+    @property
+    def size(self) -> int:
+        return int(self.bits.size)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+def random_fp8_weights(config, rng: np.random.Generator):
+    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+    from gpu_engine.loader import ModelWeights, expected_shapes
+
+    block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
+    byte_block = rng.integers(0, 256, 1_000_003, dtype=np.uint8)
+    byte_block[(byte_block & 0x7F) == 0x7F] ^= 1  # no e4m3 NaN
+    shapes = {k.split("/", 1)[1]: v for k, v in expected_shapes(config).items() if k.startswith(("text/", "lm_head/"))}
+
+    def make(item: tuple[str, tuple[int, ...]]):
+        name, shape = item
+        if name.endswith("A_log"):
+            return np.log(np.random.default_rng().uniform(1.0, 16.0, shape)).astype(np.float32)
+        if name.endswith("dt_bias"):
+            return np.ones(shape, np.float32)
+        if name != "weight" and is_linear_weight(name, shape) and not skipped(module_name(name), QUANTIZE_SKIP):
+            grid = np.random.default_rng().uniform(0.5, 1.5, (-(-shape[0] // 128), -(-shape[1] // 128)))
+            return SizedFp8(np.resize(byte_block, shape), (grid * 1e-4).astype(np.float32), (128, 128), "F32")
+        return np.resize(block, shape)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        made = dict(zip(shapes, pool.map(make, shapes.items())))
+    lm_head = made.pop("weight", None)
+    return ModelWeights(text=made, vision={}, lm_head=made["embed_tokens.weight"] if lm_head is None else lm_head)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="27b")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    try:
+        ctx = GpuContext(budget_bytes=4 << 30)
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return 0
+    copy = cuda_bench.bench_copy(ctx, np.random.default_rng(0), 1 << 30)
+    version, device = ctx.blas.version, ctx.device.info.name
+    ctx.close()
+    cuda_bench.random_bf16_weights = random_fp8_weights  # bench_model builds its weights through this name
+    out = cuda_bench.bench_model(args.shape, np.random.default_rng(0), (1024, 8192), 20, copy["memcpy_GBps"],
+                                 (1, 8, 32))
+    out.update({"weights": "fp8 (random e4m3, 128x128 block scales)", "copy": copy, "cublaslt_version": version,
+                "device": device, "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
