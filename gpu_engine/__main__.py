@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .engine_config import EngineConfig
+from .errors import EngineError
 from .params import SamplingParams
 
 
@@ -180,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as exc:  # bad flag values (SamplingParams / EngineConfig) -> a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except EngineError as exc:
+        from .config import ModelLoadError
+        from .model import RunnerUnavailableError
+
+        if not isinstance(exc, (ModelLoadError, RunnerUnavailableError)):
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # a model folder or runner the person must change: no traceback
         return 2
 
 

@@ -4,6 +4,8 @@ names it), the fingerprint over the expert bytes, the cuda runner's refusal, and
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +155,15 @@ def test_cuda_runner_refuses_an_moe_model_before_reading_weights(fused, tmp_path
     (folder / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(RunnerUnavailableError, match=r"model_type='qwen3_5_moe' \(a mixture of experts\).*issue 17"):
         gpu_engine.load(folder, runner="cuda")
+
+
+def test_cli_says_why_it_cannot_run_an_moe_folder_on_cuda(fused):
+    """python -m gpu_engine with runner cuda: the refusal as one line and exit code 2, no traceback."""
+    cmd = [sys.executable, "-m", "gpu_engine", "generate", "--model", str(fused), "--runner", "cuda", "--prompt", "hi"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: runner='cuda' cannot run model_type='qwen3_5_moe'")
+    assert "Traceback" not in proc.stderr
 
 
 def test_engine_serves_an_moe_folder_like_a_dense_one(per_expert):
