@@ -182,3 +182,7 @@ def test_engine_serves_an_moe_folder_like_a_dense_one(per_expert):
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert engine.model_fingerprint == oracle.fingerprint  # what the pipeline records with every result
+    computed = engine.stats()["prompt_tokens_computed"]
+    again = engine.generate(prompts[3:], SamplingParams(max_tokens=12, ignore_eos=True))  # the prefix cache's turn
+    assert again[0].token_ids == expected[3]
+    assert engine.stats()["prompt_tokens_computed"] - computed < len(oracle.prepare(prompts[3])) // 2
