@@ -64,6 +64,10 @@ ENGINE_GAUGES = {
     "ttft_p95_s": ("docpipe_engine_ttft_p95_seconds", "Time to first token, 95th percentile of recent requests"),
     "latency_p50_s": ("docpipe_engine_latency_p50_seconds", "Request latency, median of recent requests"),
     "latency_p95_s": ("docpipe_engine_latency_p95_seconds", "Request latency, 95th percentile of recent requests"),
+    "spec_acceptance_rate": ("docpipe_engine_spec_acceptance_rate",
+                             "Speculative decoding: accepted / verified drafts since start"),
+    "spec_mean_accepted_length": ("docpipe_engine_spec_mean_accepted_length",
+                                  "Speculative decoding: tokens one verify window adds on average (drafts + 1)"),
 }
 # Monotonic counts: Prometheus' rate() of these gives prefill and decode tokens/s separately.
 ENGINE_COUNTERS = {
@@ -72,6 +76,9 @@ ENGINE_COUNTERS = {
     "decode_tokens": ("docpipe_engine_decode_tokens", "Tokens generated in single-token decode steps"),
     "prefix_hit_tokens": ("docpipe_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
     "preemptions": ("docpipe_engine_preemptions", "Sequences preempted for lack of cache"),
+    "spec_draft_tokens": ("docpipe_engine_spec_draft_tokens", "Speculative drafts verified"),
+    "spec_accepted_tokens": ("docpipe_engine_spec_accepted_tokens", "Speculative drafts accepted"),
+    "spec_verify_windows": ("docpipe_engine_spec_verify_windows", "Speculative verify windows run"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
