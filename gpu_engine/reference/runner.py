@@ -7,9 +7,9 @@ Cache layout (allocated once by `allocate_cache`):
 
 Sequences of a step are run one after another: this runner is the oracle, so it stays plain.
 
-Speculative decoding (runner_api.py): a verify window runs one token at a time, exactly as decode steps would (so
-greedy output equals non-speculative decoding bit for bit), keeping the linear-attention state after each token for
-rollback_state(). A checkpoint with an MTP head (`mtp.*`) gets one more KV layer per block for it (mtp_draft()).
+Speculative decoding (runner_api.py): a verify window runs one token at a time, exactly as decode steps would (its
+hidden states equal theirs bit for bit; the lm_head product over its rows rounds like any batch of decode rows),
+keeping the linear-attention state after each token for rollback_state(). A checkpoint with an MTP head (`mtp.*`) gets one more KV layer per block for it (mtp_draft()).
 """
 from __future__ import annotations
 
@@ -115,12 +115,14 @@ class ReferenceRunner:
         spec = allocated(self.spec)
         rows: list[np.ndarray] = []
         offsets = row_offsets(batch.chunks)
-        self._windows.clear()  # verify windows and kept hidden states live until the next forward
-        self._hidden.clear()
+        self._hidden.clear()  # kept hidden states live until the next forward
         for i, chunk in enumerate(batch.chunks):
             check_chunk(chunk, spec, self.config.text)
             if chunk.verify and chunk.vision:
                 raise RunnerInputError(f"sequence {chunk.seq_id}: a verify window carries no vision rows")
+            # a slot's verify window lives until the slot's next forward (failure isolation re-runs parts of a step:
+            # the window of a chunk is the one of its last run)
+            self._windows.pop(chunk.state_slot, None)
             hidden = self._run_verify(chunk) if chunk.verify else self._run_chunk(chunk)
             if chunk.keep_hidden:
                 self._hidden[chunk.seq_id] = (chunk.start, hidden)
