@@ -117,6 +117,7 @@ class Speculator:
         result = verify_window(seq, logits[last:last + len(drafts) + 1], drafts, accept, finish, structured)
         self.counters["spec_verify_windows"] += 1
         self.counters["decode_tokens"] += 1 + result.accepted  # the window's tokens that stay: decode throughput
+        self.counters["sampled_tokens"] += result.chosen
         self.counters["spec_draft_tokens"] += len(drafts)
         self.counters["spec_accepted_tokens"] += result.accepted
         self.counters["spec_rejected_tokens"] += len(drafts) - result.accepted

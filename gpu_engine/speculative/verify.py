@@ -23,6 +23,7 @@ Finish = Callable[[Sequence, FinishReason, str | None], RequestOutput]
 class Verified:
     output: RequestOutput
     accepted: int  # drafts accepted (their KV stays)
+    chosen: int  # tokens picked from the target's rows (accepted drafts + the target's own token)
 
 
 def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Accept, finish: Finish,
@@ -33,6 +34,7 @@ def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Ac
     table = SamplingRows.from_rows([seq.sampling_row])
     accepted = 0
     out: RequestOutput | None = None
+    i = 0
     for i in range(len(drafts) + 1):
         draft = drafts[i] if i < len(drafts) else None
         logits = np.array(rows[i:i + 1], dtype=np.float32, copy=True)
@@ -42,14 +44,14 @@ def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Ac
             allowed = apply_bitmask_rows(logits, [0], structured().bitmask([(seq.matcher, 0)], 1))
             if not allowed.any():
                 err = seq.matcher.get_error() or "the grammar allows no further token"
-                return Verified(finish(seq, "error", f"structured output failed: {err}"), accepted)
+                return Verified(finish(seq, "error", f"structured output failed: {err}"), accepted, i)
         token = choose(logits[0], table, draft, seq.rng)
         logprob, top = logprob_entries(logits[0], token, int(table.num_logprobs[0]))
         before = seq.num_tokens
         try:
             out = accept(seq, token, logprob, top)
         except Exception as exc:  # a request-level failure (grammar, detokenizer) ends that request only
-            return Verified(finish(seq, "error", f"{type(exc).__name__}: {exc}"), accepted)
+            return Verified(finish(seq, "error", f"{type(exc).__name__}: {exc}"), accepted, i)
         if token != draft:
             break
         accepted += 1
@@ -57,4 +59,4 @@ def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Ac
         if seq.is_finished or seq.num_tokens != before + 1:
             break
     assert out is not None  # the loop runs at least once
-    return Verified(out, accepted)
+    return Verified(out, accepted, i + 1)
