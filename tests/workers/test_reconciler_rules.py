@@ -171,3 +171,14 @@ def test_what_the_reconciler_logs_when_it_sends(redis_url: str, client: redis.Re
     assert [r.getMessage() for r in caplog.records if r.name == "workers.reconciler"] == [
         "reconciler sent again 0 job(s) [] and 1 staged intake(s) whose messages were lost or whose worker died"]
     p.close()
+
+
+def test_a_tick_with_nothing_stale_sends_nothing(redis_url: str, client: redis.Redis, tmp_path: Path) -> None:
+    from pipeline.ingest import ingest_file
+    from workers.reconciler import ReconcileReport, reconcile
+
+    p = _pipeline(tmp_path, redis_url)
+    ingest_file(p, png(seed=130), name="fresh.png", schema="flag")  # queued just now: its message may be on the way
+    assert reconcile(p, WS, client) == ReconcileReport()
+    assert client.llen("gpu") == 0 and client.llen("ingest") == 0
+    p.close()
