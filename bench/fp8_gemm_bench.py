@@ -38,6 +38,7 @@ from gpu_engine.cuda.fp8_ops import (  # noqa: E402
     fp8_gemv,
     quantize_activations,
     weight_scale_grid,
+    zero_counters,
 )
 
 ROTATE = 3
@@ -74,7 +75,7 @@ def fp8_weights(ctx: GpuContext, rng: np.random.Generator, n: int, k: int) -> li
         b = ctx.empty((n, k), "u8", f"w8.{i}")
         ctx.device.upload(b.ptr, bits)
         s = ctx.to_device(grid, "f32", f"w8s.{i}")
-        out.append(Fp8Weight(b, s, grid.shape[1], 1))
+        out.append(Fp8Weight(b, s, grid.shape[1], 1, zero_counters(ctx, n, f"w8.{i}")))
     return out
 
 
@@ -88,11 +89,12 @@ def bf16_weights(ctx: GpuContext, rng: np.random.Generator, n: int, k: int) -> l
     return out
 
 
-def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k: int, copy_gbps: float) -> list[dict]:
+def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k: int, copy_gbps: float,
+                sizes: tuple[int, ...]) -> list[dict]:
     rows = []
     w8 = fp8_weights(ctx, rng, n, k)
     w16 = bf16_weights(ctx, rng, n, k)
-    for m in (*DECODE_M, PREFILL_M):
+    for m in sizes:
         mark = ctx.arena.mark()
         x = ctx.to_device(rng.standard_normal((m, k), dtype=np.float32), "bf16", "x")
         xa = quantize_activations(ctx, x, m, k)
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--shape", default="27b")
+    parser.add_argument("--decode-only", action="store_true", help=f"only M in {DECODE_M}")
     args = parser.parse_args(argv)
     text, _, _ = model_shape(args.shape)
     hidden, inter = text["hidden_size"], text["intermediate_size"]
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                  "copy": copy, "rows": []}
     for label, n, k in shapes:
         mark = ctx.arena.mark()
-        out["rows"] += bench_shape(ctx, rng, label, n, k, copy_gbps)
+        out["rows"] += bench_shape(ctx, rng, label, n, k, copy_gbps,
+                                   DECODE_M if args.decode_only else (*DECODE_M, PREFILL_M))
         ctx.arena.release(mark)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
