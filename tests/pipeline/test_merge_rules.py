@@ -160,10 +160,11 @@ def test_join_skips_empty_repeated_and_non_text_parts_and_keeps_the_weakest_conf
     assert (unknown.data, unknown.fields) == ({"s": "a\nb"}, {})  # no part's confidence known: none claimed
 
 
-def test_join_of_nothing_keeps_the_first_pages_value() -> None:
-    units = [UnitData({"s": None}, {"/s": 0.3, "/s/x": 0.2, "/t": 0.9}), UnitData({"s": ""}, {"/s": 0.5})]
-    merged = _merge(units, {"s": STRING, "t": STRING}, {"s": "join"})
-    assert (merged.data, merged.fields) == ({"s": None}, {"/s": 0.3, "/s/x": 0.2})
+def test_join_of_nothing_keeps_the_first_pages_value_and_goes_on_to_the_next_field() -> None:
+    units = [UnitData({"s": None, "t": "a"}, {"/s": 0.3, "/s/x": 0.2, "/t": 0.9}),
+             UnitData({"s": "", "t": "b"}, {"/s": 0.5, "/t": 0.1})]
+    merged = _merge(units, {"s": STRING, "t": STRING, "u": STRING}, {"s": "join"})
+    assert (merged.data, merged.fields) == ({"s": None, "t": "a"}, {"/s": 0.3, "/s/x": 0.2, "/t": 0.9})
 
 
 def test_an_unknown_rule_is_refused_naming_it() -> None:
