@@ -33,30 +33,26 @@ def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Ac
     request; `structured()` the engine's StructuredOutput (bitmasks)."""
     table = SamplingRows.from_rows([seq.sampling_row])
     accepted = 0
-    out: RequestOutput | None = None
-    i = 0
-    for i in range(len(drafts) + 1):
-        draft = drafts[i] if i < len(drafts) else None
-        logits = np.array(rows[i:i + 1], dtype=np.float32, copy=True)
+    while True:  # ends at the first token that is not the draft (always at the last row: it has no draft)
+        draft = drafts[accepted] if accepted < len(drafts) else None
+        logits = np.array(rows[accepted:accepted + 1], dtype=np.float32, copy=True)
         if table.has_penalties:
             apply_penalties(logits, table, [seq.token_ids], [seq.output_ids])
         if seq.matcher is not None:
             allowed = apply_bitmask_rows(logits, [0], structured().bitmask([(seq.matcher, 0)], 1))
             if not allowed.any():
                 err = seq.matcher.get_error() or "the grammar allows no further token"
-                return Verified(finish(seq, "error", f"structured output failed: {err}"), accepted, i)
+                return Verified(finish(seq, "error", f"structured output failed: {err}"), accepted, accepted)
         token = choose(logits[0], table, draft, seq.rng)
         logprob, top = logprob_entries(logits[0], token, int(table.num_logprobs[0]))
         before = seq.num_tokens
         try:
             out = accept(seq, token, logprob, top)
         except Exception as exc:  # a request-level failure (grammar, detokenizer) ends that request only
-            return Verified(finish(seq, "error", f"{type(exc).__name__}: {exc}"), accepted, i)
+            return Verified(finish(seq, "error", f"{type(exc).__name__}: {exc}"), accepted, accepted)
         if token != draft:
-            break
+            return Verified(out, accepted, accepted + 1)
         accepted += 1
         # Finished, or the grammar forced tokens after the draft (jump-forward): the rest of the window is stale.
         if seq.is_finished or seq.num_tokens != before + 1:
-            break
-    assert out is not None  # the loop runs at least once
-    return Verified(out, accepted, i + 1)
+            return Verified(out, accepted, accepted)
