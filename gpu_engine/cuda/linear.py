@@ -122,6 +122,20 @@ class ConcatLinear:
 Linear = DenseLinear | Fp8Linear | ConcatLinear
 
 
+@dataclass(frozen=True)
+class SwigluMlp:
+    """A dense decoder layer's MLP: y = down(silu(gate(x)) * up(x)), gate and up as one projection. (An MoE layer's
+    MLP is moe.MoeLayer, called the same way.)"""
+
+    gate_up: Linear  # [2I, hidden]
+    down: Linear  # [hidden, I]
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> None:
+        gu = ctx.empty((m, self.gate_up.shape[0]), x.dtype, "gate_up")
+        self.gate_up(ctx, gu, x, m)
+        self.down.swiglu(ctx, y, gu, m)  # silu(gate) * up, then down (an FP8 down quantises it on the way)
+
+
 def concat(parts: Sequence[DenseLinear | Fp8Linear]) -> Linear:
     """One part as itself, several as a ConcatLinear."""
     return parts[0] if len(parts) == 1 else ConcatLinear(tuple(parts))

@@ -8,7 +8,9 @@ less a reserve for the rest, each term counted on the large side:
 - graphs: CudaOptions.graph_memory, the most the captured graphs may own;
 - one step's activations at max_batched_tokens tokens: STEP_BYTES_PER_TOKEN_FACTOR values of the larger of hidden
   and intermediate size per token (the residual stream and norm buffers, the fused projections' outputs, the
-  DeltaNet conv / chunk workspaces, the MLP's gate|up), and max_num_seqs rows of f32 logits with the sampler's copies;
+  DeltaNet conv / chunk workspaces, the MLP's gate|up), for a qwen3_5_moe model (intermediate_size 0) plus one MoE
+  layer's routing and expert scratch (moe_plan.scratch_bytes_per_token: k rows of I and H per token), and
+  max_num_seqs rows of f32 logits with the sampler's copies;
 - one vision encode of the largest image the processors make (MAX_IMAGE_PATCHES patches: its f32 and rounded pixels
   and the tower's activations);
 - MARGIN_BYTES for what is not counted (the step tables, cuBLASLt workspaces, alignment).
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .moe_plan import scratch_bytes_per_token
 
 # Qwen3-VL / Qwen3.5 image processors cap an image at 16,777,216 pixels: 65,536 patches of 16 x 16.
 MAX_IMAGE_PATCHES = 65536
@@ -48,7 +52,7 @@ class CacheBudget:
 def step_reserve_bytes(text: Any, tokens: int, rows: int, itemsize: int) -> int:
     """Upper estimate of one step's scratch at `tokens` tokens and `rows` logits rows."""
     width = max(int(text.hidden_size), int(text.intermediate_size))
-    return (tokens * STEP_BYTES_PER_TOKEN_FACTOR * width * itemsize
+    return (tokens * (STEP_BYTES_PER_TOKEN_FACTOR * width * itemsize + scratch_bytes_per_token(text, itemsize))
             + rows * int(text.vocab_size) * 4 * LOGIT_ROW_COPIES)
 
 

@@ -2,11 +2,12 @@
 `layer_types`, final norm, lm head.
 
 Each decoder layer: x += mixer(rms_norm(x)) with the mixer a Gated DeltaNet (linear_attention) or gated full
-attention (full_attention); then x += SwiGLU-MLP(rms_norm(x)). On the GPU every residual add is fused into the
-norm that follows it (add_rmsnorm: x += d; h = rms_norm(x)), so a block leaves its output in `d` and the next
-norm adds it. All sequences of a step run together (varlen rows); everything here only enqueues work on the
-context's stream, so a step can be captured in a CUDA graph. Every projection is a linear layer (linear.py:
-`layer(ctx, y, x, rows)` computes y = x W^T whatever W's format, bf16 or block-FP8).
+attention (full_attention); then x += MLP(rms_norm(x)), a SwiGLU or (qwen3_5_moe) a mixture of experts. On the
+GPU every residual add is fused into the norm that follows it (add_rmsnorm: x += d; h = rms_norm(x)), so a block
+leaves its output in `d` and the next norm adds it. All sequences of a step run together (varlen rows);
+everything here only enqueues work on the context's stream, so a step can be captured in a CUDA graph. Every
+projection is a linear layer (linear.py: `layer(ctx, y, x, rows)` computes y = x W^T whatever W's format, bf16 or
+block-FP8).
 """
 from __future__ import annotations
 
@@ -93,11 +94,9 @@ class CudaTextModel:
                              self.config.hidden_size, dtype=self.dtype, y_dtype="f32")
 
     def _mlp(self, layer: LayerWeights, a: Activations, n: int) -> None:
-        """SwiGLU: d = down(silu(gate(h)) * up(h)), gate and up as one GEMM."""
-        ctx, t, inter = self.ctx, self.dtype, self.config.intermediate_size
-        gu = ctx.empty((n, 2 * inter), t, "gate_up")
-        layer.gate_up(ctx, gu, a.h, n)
-        layer.down.swiglu(ctx, a.d, gu, n)  # silu(gate) * up, then down (an FP8 down quantises it on the way)
+        """d = MLP(h): SwiGLU with gate and up as one GEMM (linear.SwigluMlp), or routed + shared experts
+        (moe.MoeLayer)."""
+        layer.mlp(self.ctx, a.d, a.h, n)
 
     def _attention(self, w: AttentionWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
                    cache: AttentionCache, block_size: int) -> None:

@@ -4,7 +4,7 @@ Fusions (each saves launches and re-reads of the activations):
 - full attention: q_proj | k_proj | v_proj -> one [2*H*hd + 2*KV*hd, hidden] matrix (q_proj already holds the
   per-head (query, gate) pairs; their order is kept);
 - Gated DeltaNet: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a -> one matrix;
-- MLP: gate_proj | up_proj -> one matrix.
+- MLP: gate_proj | up_proj -> one matrix (an MoE layer's experts, router and shared expert: moe_weights.py).
 Norm weights, conv weights and GEMM weights take the runner's dtype; A_log and dt_bias stay fp32 (small, and
 transformers computes the decay in fp32). Arrays of dtype uint16 are taken as bf16 bit patterns as they are
 (the benchmark builds random bf16 weights that way, without a float32 copy of a multi-GB model).
@@ -28,7 +28,9 @@ from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from .context import DArray, GpuContext
 from .errors import CudaBackendError
 from .fp8_ops import BLOCK, upload_fp8_weight
-from .linear import DenseLinear, Fp8Linear, Linear, concat
+from .linear import DenseLinear, Fp8Linear, Linear, SwigluMlp, concat
+from .moe import MoeLayer
+from .moe_weights import refuse_fp8_experts, upload_moe_mlp
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,7 @@ class LayerWeights:
     input_norm: DArray
     post_norm: DArray
     mixer: AttentionWeights | DeltaNetWeights
-    gate_up: Linear  # [2*I, hidden]
-    down: Linear  # [hidden, I]
+    mlp: SwigluMlp | MoeLayer  # dense SwiGLU (gate|up, down), or a qwen3_5_moe layer's experts (moe.py)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,8 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
     if cfg.attention_bias:
         raise CudaBackendError("attention_bias=True is not supported by the CUDA runner yet (Qwen3.5 has none)")
     refuse_unsupported_fp8(weights, dtype)
+    if cfg.moe is not None:
+        refuse_fp8_experts(weights.fp8_names())
     text = weights.text
     # bf16: the stored bits as they are (a view of the mapped file, no float32 copy); f32: float32 from the loader
     w = {n: raw_tensor(text, n) for n in text if _fp8_entry(text, n) is None} if dtype == "bf16" else text
@@ -192,8 +195,9 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
             input_norm=up.put(p + "input_layernorm", w[p + "input_layernorm.weight"]),
             post_norm=up.put(p + "post_attention_layernorm", w[p + "post_attention_layernorm.weight"]),
             mixer=mixer,
-            gate_up=up.linear(p + "mlp.gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=up.linear(p + "mlp.down", p + "mlp.down_proj.weight"),
+            mlp=(upload_moe_mlp(up, cfg.moe, w, p + "mlp.") if cfg.moe is not None else
+                 SwigluMlp(up.linear(p + "mlp.gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                           up.linear(p + "mlp.down", p + "mlp.down_proj.weight"))),
         ))
     final_norm = up.put("norm", w["norm.weight"])
     lm_head = embed if tied else up.put("lm_head", head)

@@ -62,8 +62,8 @@ def test_projections_become_fp8_layers_joined_only_where_their_scale_grids_join(
     assert isinstance(delta.in_proj, ConcatLinear)
     assert [type(p) for p in delta.in_proj.parts] == [Fp8Linear, DenseLinear]
     assert [p.shape for p in delta.in_proj.parts] == [(192, 64), (8, 64)]
-    assert isinstance(tw.layers[0].gate_up, Fp8Linear) and tw.layers[0].gate_up.shape == (256, 64)
-    assert isinstance(tw.layers[0].down, Fp8Linear)
+    assert isinstance(tw.layers[0].mlp.gate_up, Fp8Linear) and tw.layers[0].mlp.gate_up.shape == (256, 64)
+    assert isinstance(tw.layers[0].mlp.down, Fp8Linear)
     text = weights.text
     q, k = text.fp8(T.format(3) + "self_attn.q_proj.weight"), text.fp8(T.format(3) + "self_attn.k_proj.weight")
     assert q is not None and k is not None

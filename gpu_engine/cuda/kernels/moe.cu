@@ -1,0 +1,351 @@
+// Mixture-of-experts kernels (qwen3_5_moe; host side gpu_engine/cuda/moe.py, tables gpu_engine/cuda/moe_plan.py):
+// the router's top-k, the routing plan built on the device (per-expert counts and offsets, the tile table of the
+// grouped GEMMs, token rows in expert order), the grouped expert GEMMs and the weighted combine.
+// Nothing here needs the host to read a count: every grid is sized from the token count alone (tiles past the
+// used ones have rows = 0 and return), so a decode step with its routing can be captured in a CUDA graph.
+#include "common.cuh"
+#include "tensor_core.cuh"
+
+// ---- router ------------------------------------------------------------------------------------------------
+// One warp per token. logits f32 [n, ld]: columns 0..E-1 the router's, column E the shared expert gate's.
+// p = softmax(logits[:E]); the k largest p by falling value, ties toward the lower expert id (reference/moe.py's
+// stable sort); w = p / sum(p of the k). ids i32 [n, k], weights f32 [n, k], shared f32 [n] = sigmoid(logit E).
+// Expert e lives in lane e % 32, slot e / 32 (E <= 1024: one bit a slot marks it taken).
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, int n, int E, int k,
+                                     int* __restrict__ ids, float* __restrict__ weights,
+                                     float* __restrict__ shared_gate) {
+    pdl_entry();
+    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (tok >= n) return;
+    const float* row = logits + (long long)tok * ld;
+    float mx = NEG_INF;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, row[e]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) sum += expf(row[e] - mx);
+    sum = warp_sum(sum);
+    unsigned taken = 0u;
+    float top_sum = 0.f, my_p = 0.f;
+    int my_id = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = -1.f;
+        int be = 0x7fffffff;
+        for (int e = lane, s = 0; e < E; e += 32, ++s) {
+            if (taken & (1u << s)) continue;
+            const float p = expf(row[e] - mx) / sum;
+            if (p > bv) { bv = p; be = e; }  // e rises within a lane: the first of equal p is the lower id
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+            if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
+        }
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        top_sum += bv;
+        if (lane == j) { my_p = bv; my_id = be; }
+    }
+    if (lane < k) {
+        ids[(long long)tok * k + lane] = my_id;
+        weights[(long long)tok * k + lane] = my_p / top_sum;
+    }
+    if (lane == 0) shared_gate[tok] = sigmoidf(row[E]);
+}
+
+// ---- routing plan ------------------------------------------------------------------------------------------
+// One block. ids [entries] (entry i = token i / k, slot i % k). Writes
+//   offsets [E + 1]: expert e's rows are offsets[e] .. offsets[e + 1] of the expert-sorted order;
+//   tiles [max_tiles, 3]: (expert, first sorted row, rows <= tile_m), experts in order; unused tiles rows = 0;
+//   sorted_token [entries]: the token of each sorted row; entry_row [entries]: the sorted row of each entry.
+// Within an expert the rows come in atomic order: each row's GEMM result does not depend on its neighbours, and
+// the combine reads by entry, so the order changes no value.
+extern "C" __global__ void moe_plan(const int* __restrict__ ids, int entries, int k, int E, int tile_m,
+                                    int max_tiles, int* __restrict__ offsets, int* __restrict__ tiles,
+                                    int* __restrict__ sorted_token, int* __restrict__ entry_row) {
+    pdl_entry();
+    extern __shared__ int sh[];
+    int* counts = sh;              // [E]
+    int* cursor = sh + E;          // [E]
+    int* tile_start = sh + 2 * E;  // [E + 1]
+    int* first = sh + 3 * E + 1;   // [E]
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int e = tid; e < E; e += nt) counts[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < entries; i += nt) {
+        const int e = ids[i];
+        if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int off = 0, t = 0;
+        for (int e = 0; e < E; ++e) {
+            first[e] = off;
+            cursor[e] = off;
+            tile_start[e] = t;
+            off += counts[e];
+            t += (counts[e] + tile_m - 1) / tile_m;
+        }
+        tile_start[E] = t;
+        offsets[E] = off;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += nt) {
+        offsets[e] = first[e];
+        for (int t = tile_start[e]; t < tile_start[e + 1]; ++t) {
+            const int r0 = (t - tile_start[e]) * tile_m;
+            tiles[3 * t] = e;
+            tiles[3 * t + 1] = first[e] + r0;
+            tiles[3 * t + 2] = min(tile_m, counts[e] - r0);
+        }
+    }
+    for (int t = tile_start[E] + tid; t < max_tiles; t += nt) {
+        tiles[3 * t] = 0;
+        tiles[3 * t + 1] = 0;
+        tiles[3 * t + 2] = 0;
+    }
+    for (int i = tid; i < entries; i += nt) {
+        const int e = ids[i];
+        if (e < 0 || e >= E) { entry_row[i] = -1; continue; }
+        const int pos = atomicAdd(&cursor[e], 1);
+        sorted_token[pos] = i / k;
+        entry_row[i] = pos;
+    }
+}
+
+// ---- grouped expert GEMM on the tensor cores (bf16, fp32 accumulate) ----------------------------------------
+// Block (blockIdx.x = output column block, blockIdx.y = tile): rows tile.first .. +tile.rows of the sorted order,
+// y[row, :] = x[src(row), :] @ W[expert]^T with W[expert] [N, K] row-major (nn.Linear's [out, in]); src(row) is
+// sorted_token[row] (gather: the gate|up GEMM reads the layer input) or row itself (row_src == nullptr: the down
+// GEMM reads the activations in sorted order). Each block streams its column slice of its expert's W once.
+// SWIGLU: W is [2I, K] (gate rows, then up rows); the block's B tile holds, per warp and 8-column fragment f, gate
+// rows (f < NT/2) and the up rows of the same features (f >= NT/2), so the epilogue writes
+// y[row, feature] = bf16(silu(bf16(gate)) * bf16(up)) (silu_mul's rounding) with y [rows, I].
+// Needs K % 8 == 0, x_ld % 8 == 0 and 16-byte aligned bases (16-byte cp.async rows); tile rows <= BM.
+template <int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N, bool SWIGLU>
+__device__ __forceinline__ void grouped_gemm(bf16_t* __restrict__ y, long long y_ld, const bf16_t* __restrict__ x,
+                                             long long x_ld, const int* __restrict__ row_src,
+                                             const bf16_t* __restrict__ w, int N, int K,
+                                             const int* __restrict__ tiles) {
+    pdl_entry();
+    constexpr int THREADS = WARPS_M * WARPS_N * 32, WM = BM / WARPS_M, WN = BN / WARPS_N;
+    constexpr int MT = WM / 16, NT = WN / 8, LDS = BK + 8, CH = BK / 8;
+    static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "warp tile");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* As = reinterpret_cast<bf16_t*>(smem_raw);
+    bf16_t* Bs = As + STAGES * BM * LDS;
+    int* srow = reinterpret_cast<int*>(Bs + STAGES * BN * LDS);  // [BM] source row of each tile row (-1: none)
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int expert = tile[0], row0 = tile[1], rows = tile[2];
+    if (rows <= 0) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int I = N / 2;  // SWIGLU: features
+    const int col0 = SWIGLU ? blockIdx.x * (BN / 2) : blockIdx.x * BN;
+    const bf16_t* wbase = w + (long long)expert * N * K;
+    for (int r = tid; r < BM; r += THREADS) srow[r] = r < rows ? (row_src ? row_src[row0 + r] : row0 + r) : -1;
+    __syncthreads();
+
+    auto b_row = [&](int j, bool& ok) -> int {  // weight row of B-tile row j
+        if constexpr (SWIGLU) {
+            const int wq = j / WN, jj = j % WN, f = jj / 8, half = NT / 2;
+            const int feat = col0 + wq * (WN / 2) + (f % half) * 8 + (jj & 7);
+            ok = feat < I;
+            return f < half ? feat : I + feat;
+        } else {
+            const int r = col0 + j;
+            ok = r < N;
+            return r;
+        }
+    };
+    auto load = [&](int stage, int k0) {
+        const unsigned a_base = smem_addr(As + stage * BM * LDS), b_base = smem_addr(Bs + stage * BN * LDS);
+        for (int c = tid; c < BM * CH; c += THREADS) {
+            const int r = c / CH, kc = (c % CH) * 8, src = srow[r];
+            const bool ok = src >= 0 && k0 + kc < K;
+            const bf16_t* p = x + (ok ? (long long)src * x_ld + k0 + kc : 0);
+            cp_async16(a_base + (unsigned)((r * LDS + kc) * 2), p, ok ? 16 : 0);
+        }
+        for (int c = tid; c < BN * CH; c += THREADS) {
+            const int j = c / CH, kc = (c % CH) * 8;
+            bool ok;
+            const int wr = b_row(j, ok);
+            ok = ok && k0 + kc < K;
+            const bf16_t* p = wbase + (ok ? (long long)wr * K + k0 + kc : 0);
+            cp_async16(b_base + (unsigned)((j * LDS + kc) * 2), p, ok ? 16 : 0);
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+
+    const int KT = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load(s, s * BK);
+        cp_async_commit();
+    }
+    const int mat = lane >> 3, mrow = lane & 7;
+    const int a_lane = (wm * WM + (lane & 15)) * LDS + (lane >> 4) * 8;
+    const int b_lane = (wn * WN + (mat >> 1) * 8 + mrow) * LDS + (mat & 1) * 8;
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage kt landed for all; everyone is done with the stage the next load overwrites
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load(nk % STAGES, nk * BK);
+        cp_async_commit();
+        const int stage = kt % STAGES;
+        const unsigned a_s = smem_addr(As + stage * BM * LDS), b_s = smem_addr(Bs + stage * BN * LDS);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], a_s + (unsigned)((a_lane + mt * 16 * LDS + kk * 16) * 2));
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned b[4];
+                ldsm_x4(b, b_s + (unsigned)((b_lane + np * 16 * LDS + kk * 16) * 2));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    const int g = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * WM + mt * 16 + g + 8 * h;
+            if (r >= rows) continue;
+            bf16_t* out = y + (long long)(row0 + r) * y_ld;
+            if constexpr (SWIGLU) {
+#pragma unroll
+                for (int nt = 0; nt < NT / 2; ++nt) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int feat = col0 + wn * (WN / 2) + nt * 8 + 2 * tig + c;
+                        if (feat >= I) continue;
+                        const float gv = to_f(from_f<bf16_t>(acc[mt][nt][2 * h + c]));
+                        const float uv = to_f(from_f<bf16_t>(acc[mt][nt + NT / 2][2 * h + c]));
+                        out[feat] = from_f<bf16_t>(silu(gv) * uv);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int col = col0 + wn * WN + nt * 8 + 2 * tig + c;
+                        if (col < N) out[col] = from_f<bf16_t>(acc[mt][nt][2 * h + c]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Tile shapes (moe_plan.py TILES mirrors them): "decode" (few rows an expert: 32-row tiles, the weight streamed in
+// 128-wide k steps, 3 stages) and "prefill" (128 x 128 tiles, 4 stages).
+#define MOE_GEMM_ENTRY(NAME, BM, BN, BK, ST, WMS, WNS, SW)                                                         \
+    extern "C" __global__ void __launch_bounds__(WMS * WNS * 32)                                                   \
+        NAME(bf16_t* y, long long y_ld, const bf16_t* x, long long x_ld, const int* row_src, const bf16_t* w,     \
+             int N, int K, const int* tiles) {                                                                     \
+        grouped_gemm<BM, BN, BK, ST, WMS, WNS, SW>(y, y_ld, x, x_ld, row_src, w, N, K, tiles);                   \
+    }
+MOE_GEMM_ENTRY(moe_gemm_decode_swiglu_bf16, 32, 64, 128, 3, 1, 4, true)
+MOE_GEMM_ENTRY(moe_gemm_decode_plain_bf16, 32, 64, 128, 3, 1, 4, false)
+MOE_GEMM_ENTRY(moe_gemm_prefill_swiglu_bf16, 128, 128, 32, 4, 2, 4, true)
+MOE_GEMM_ENTRY(moe_gemm_prefill_plain_bf16, 128, 128, 32, 4, 2, 4, false)
+
+// ---- grouped expert GEMM, plain arithmetic (f32 runners; bf16 shapes the tensor-core kernel cannot load, such as
+// an odd K). Same tables and meaning as grouped_gemm; 256 threads = 16 rows x 16 output columns (SWIGLU:
+// features), the tile's rows 16 at a time, k in steps of 16 through shared memory.
+template <typename T, bool SWIGLU>
+__device__ __forceinline__ void grouped_gemm_simple(T* __restrict__ y, long long y_ld, const T* __restrict__ x,
+                                                    long long x_ld, const int* __restrict__ row_src,
+                                                    const T* __restrict__ w, int N, int K,
+                                                    const int* __restrict__ tiles) {
+    pdl_entry();
+    __shared__ float xs[16][17], gs[16][17], us[16][17];
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int expert = tile[0], row0 = tile[1], rows = tile[2];
+    if (rows <= 0) return;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const int outs = SWIGLU ? N / 2 : N;
+    const int c0 = blockIdx.x * 16;
+    const T* wbase = w + (long long)expert * N * K;
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int r = r0 + ty;
+        const long long src = r < rows ? (row_src ? row_src[row0 + r] : row0 + r) : -1;
+        float ag = 0.f, au = 0.f;
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            const int kk = k0 + tx, wc = c0 + ty;  // this thread loads x[row ty][kk] and W rows of column ty
+            xs[ty][tx] = (src >= 0 && kk < K) ? to_f(x[src * x_ld + kk]) : 0.f;
+            gs[ty][tx] = (wc < outs && kk < K) ? to_f(wbase[(long long)wc * K + kk]) : 0.f;
+            if (SWIGLU) us[ty][tx] = (wc < outs && kk < K) ? to_f(wbase[(long long)(outs + wc) * K + kk]) : 0.f;
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+                ag = fmaf(xs[ty][q], gs[tx][q], ag);
+                if (SWIGLU) au = fmaf(xs[ty][q], us[tx][q], au);
+            }
+            __syncthreads();
+        }
+        const int col = c0 + tx;
+        if (r < rows && col < outs) {
+            float v = ag;
+            if (SWIGLU) v = silu(to_f(from_f<T>(ag))) * to_f(from_f<T>(au));
+            y[(long long)(row0 + r) * y_ld + col] = from_f<T>(v);
+        }
+    }
+}
+
+#define MOE_SIMPLE_ENTRY(NAME, T, SW)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                                              \
+        NAME(T* y, long long y_ld, const T* x, long long x_ld, const int* row_src, const T* w, int N, int K,      \
+             const int* tiles) {                                                                                   \
+        grouped_gemm_simple<T, SW>(y, y_ld, x, x_ld, row_src, w, N, K, tiles);                                   \
+    }
+MOE_SIMPLE_ENTRY(moe_gemm_simple_swiglu_f32, float, true)
+MOE_SIMPLE_ENTRY(moe_gemm_simple_plain_f32, float, false)
+MOE_SIMPLE_ENTRY(moe_gemm_simple_swiglu_bf16, bf16_t, true)
+MOE_SIMPLE_ENTRY(moe_gemm_simple_plain_bf16, bf16_t, false)
+
+// ---- combine -----------------------------------------------------------------------------------------------
+// out[t, c] = sum_j weights[t, j] * y_sorted[entry_row[t * k + j], c] + shared_gate[t] * shared_y[t, c], in fp32,
+// rounded once. One block per token.
+template <typename T>
+__device__ __forceinline__ void combine(T* __restrict__ out, const T* __restrict__ y_sorted,
+                                        const int* __restrict__ entry_row, const float* __restrict__ weights,
+                                        int k, const float* __restrict__ shared_gate, const T* __restrict__ shared_y,
+                                        int n, int H) {
+    pdl_entry();
+    const int t = blockIdx.x;
+    if (t >= n) return;
+    const float sg = shared_gate[t];
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float v = sg * to_f(shared_y[(long long)t * H + c]);
+        for (int j = 0; j < k; ++j) {
+            const int r = entry_row[t * k + j];
+            if (r >= 0) v = fmaf(weights[t * k + j], to_f(y_sorted[(long long)r * H + c]), v);
+        }
+        out[(long long)t * H + c] = from_f<T>(v);
+    }
+}
+
+extern "C" __global__ void moe_combine_f32(float* out, const float* y_sorted, const int* entry_row,
+                                           const float* weights, int k, const float* shared_gate,
+                                           const float* shared_y, int n, int H) {
+    combine<float>(out, y_sorted, entry_row, weights, k, shared_gate, shared_y, n, H);
+}
+extern "C" __global__ void moe_combine_bf16(bf16_t* out, const bf16_t* y_sorted, const int* entry_row,
+                                            const float* weights, int k, const float* shared_gate,
+                                            const bf16_t* shared_y, int n, int H) {
+    combine<bf16_t>(out, y_sorted, entry_row, weights, k, shared_gate, shared_y, n, H);
+}

@@ -1,0 +1,191 @@
+"""A qwen3_5_moe layer's MLP on the GPU, the CUDA mirror of reference/moe.py: `MoeLayer(ctx, y, x, m)` computes
+y = sum_k w_k SwiGLU_k(x) + sigmoid(x . w_shared_gate) SwiGLU_shared(x) for m token rows.
+
+The steps (kernels/moe.cu; tables moe_plan.py), all enqueued on the context's stream without a host sync, so a
+decode step with its routing is captured in a CUDA graph like any other:
+1. router logits f32 [m, E + 1] in one GEMM (the router's rows and shared_expert_gate's row, uploaded as one matrix);
+2. moe_route: softmax, top-k (ties toward the lower expert id), renormalised weights, sigmoid of the shared gate;
+3. moe_plan: per-expert counts and offsets, the tile table, token rows in expert order;
+4. the grouped gate|up GEMM (one launch for all experts, rows gathered from x, silu(gate) * up in its epilogue) and
+   the grouped down GEMM (one launch) into expert-sorted rows; each block streams its slice of one expert's weight
+   once, so a decode step reads each chosen expert's weights once;
+5. the shared expert through the dense linear layers (linear.py: BF16 or block-FP8);
+6. moe_combine: y = sum of the k weighted expert rows + gate * shared output, per token.
+Routed experts are bf16 / f32 stacks [E, 2I, H] and [E, H, I] (moe_weights.py); an FP8 expert stack would be
+another `ExpertStack` format behind the same grouped-GEMM call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .context import DArray, GpuContext
+from .errors import ShapeError
+from .linear import Linear
+from .moe_plan import (
+    MAX_EXPERTS,
+    MAX_TOP_K,
+    PLAN_THREADS,
+    SIMPLE_COLS,
+    GemmTile,
+    choose_tile,
+    max_tiles,
+    plan_shared_bytes,
+    tensor_core_fits,
+)
+
+i32, i64 = np.int32, np.int64
+
+
+@dataclass(frozen=True)
+class MoeBuffers:
+    """One call's routing scratch (arena, released by the caller): what the checks read back."""
+
+    logits: DArray  # f32 [m, ld]: router logits, then the shared gate's in column E
+    ids: DArray  # i32 [m, k]
+    weights: DArray  # f32 [m, k]
+    shared_gate: DArray  # f32 [m]
+    offsets: DArray  # i32 [E + 1]
+    tiles: DArray  # i32 [max_tiles, 3]
+    sorted_token: DArray  # i32 [m * k]
+    entry_row: DArray  # i32 [m * k]
+    act: DArray  # [m * k, I] silu(gate) * up of the sorted rows
+    expert_out: DArray  # [m * k, H] each sorted row's expert output
+    tile: GemmTile
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    num_experts: int
+    top_k: int
+    router: DArray  # [E + 1, H]: the router's rows, then shared_expert_gate's
+    gate_up: DArray  # [E, 2I, H] (gate rows, then up rows, per expert)
+    down: DArray  # [E, H, I]
+    shared_gate_up: Linear  # [2S, H]
+    shared_down: Linear  # [H, S]
+
+    def __post_init__(self) -> None:
+        e, two_i, h = self.gate_up.shape
+        if (e != self.num_experts or two_i % 2 or self.down.shape != (e, h, two_i // 2)
+                or self.router.shape != (e + 1, h)):
+            raise ShapeError(f"MoE weights disagree: router {self.router.shape}, gate_up {self.gate_up.shape}, "
+                             f"down {self.down.shape} for {self.num_experts} experts")
+        if not 0 < self.top_k <= min(e, MAX_TOP_K) or e > MAX_EXPERTS:
+            raise ShapeError(f"the CUDA MoE kernels take up to {MAX_EXPERTS} experts and top-k up to {MAX_TOP_K} "
+                             f"(<= experts); got {e} experts, top-{self.top_k}")
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.router.nbytes + self.gate_up.nbytes + self.down.nbytes + self.shared_gate_up.nbytes
+                + self.shared_down.nbytes)
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> None:
+        self.forward(ctx, y, x, m)
+
+    def forward(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> MoeBuffers:
+        """y [m, H] = the layer's MLP of x [m, H] (enqueue only; scratch from the arena, the caller releases it)."""
+        dtype, e, k, h, inter = x.dtype, self.num_experts, self.top_k, self.hidden, self.inter
+        if y.dtype != dtype or self.gate_up.dtype != dtype or x.shape[-1] != h:
+            raise ShapeError(f"MoE layer: x {x.shape} {x.dtype}, y {y.dtype}, experts {self.gate_up.dtype} (H {h})")
+        ld = -(-(e + 1) // 8) * 8
+        logits = ctx.empty((m, ld), "f32", "moe.logits")
+        ctx.blas.linear(logits.ptr, x.ptr, self.router.ptr, m, e + 1, h, dtype=dtype, y_dtype="f32", y_ld=ld)
+        ids, weights, gate = (ctx.empty((m, k), "i32", "moe.ids"), ctx.empty((m, k), "f32", "moe.weights"),
+                              ctx.empty((m,), "f32", "moe.shared_gate"))
+        route(ctx, ids, weights, gate, logits, e)
+        tile = choose_tile(m, k, e)
+        bufs = plan(ctx, ids, e, tile)
+        act = ctx.empty((m * k, inter), dtype, "moe.act")
+        out = ctx.empty((m * k, h), dtype, "moe.expert_out")
+        grouped_gemm(ctx, act, x, h, bufs.sorted_token, self.gate_up, bufs.tiles, tile, swiglu=True)
+        grouped_gemm(ctx, out, act, inter, None, self.down, bufs.tiles, tile, swiglu=False)
+        s = self.shared_gate_up.shape[0] // 2
+        shared_gu = ctx.empty((m, 2 * s), dtype, "moe.shared_gate_up")
+        self.shared_gate_up(ctx, shared_gu, x, m)
+        shared_y = ctx.empty((m, h), dtype, "moe.shared_out")
+        self.shared_down.swiglu(ctx, shared_y, shared_gu, m)
+        combine(ctx, y, out, bufs.entry_row, weights, gate, shared_y, m, k)
+        return MoeBuffers(logits, ids, weights, gate, bufs.offsets, bufs.tiles, bufs.sorted_token, bufs.entry_row,
+                          act, out, tile)
+
+
+@dataclass(frozen=True)
+class PlanBuffers:
+    offsets: DArray
+    tiles: DArray
+    sorted_token: DArray
+    entry_row: DArray
+
+
+def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, logits: DArray, experts: int) -> None:
+    """Top-k of softmax(logits[:, :E]) renormalised, and sigmoid(logits[:, E]); logits f32 [m, ld >= E + 1]."""
+    m, k = ids.shape
+    ld = logits.shape[1]
+    if logits.dtype != "f32" or ld < experts + 1 or logits.shape[0] < m or weights.shape != (m, k):
+        raise ShapeError(f"moe_route: logits {logits.shape} {logits.dtype}, ids {ids.shape}, weights {weights.shape}")
+    if not 0 < k <= min(experts, MAX_TOP_K) or experts > MAX_EXPERTS:
+        raise ShapeError(f"moe_route: top-{k} of {experts} experts (at most {MAX_EXPERTS}, k <= {MAX_TOP_K})")
+    ctx.device.launch("moe", "moe_route", -(-m // 4), 128, logits.ptr, i32(ld), i32(m), i32(experts), i32(k),
+                      ids.ptr, weights.ptr, shared_gate.ptr)
+
+
+def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile) -> PlanBuffers:
+    """The routing plan of ids [m, k] (moe_plan.py's docstring), built on the device in one block."""
+    m, k = ids.shape
+    entries = m * k
+    bound = max_tiles(entries, experts, tile.bm)
+    bufs = PlanBuffers(ctx.empty((experts + 1,), "i32", "moe.offsets"), ctx.empty((bound, 3), "i32", "moe.tiles"),
+                       ctx.empty((entries,), "i32", "moe.sorted_token"), ctx.empty((entries,), "i32", "moe.entry_row"))
+    ctx.device.launch("moe", "moe_plan", 1, PLAN_THREADS, ids.ptr, i32(entries), i32(k), i32(experts), i32(tile.bm),
+                      i32(bound), bufs.offsets.ptr, bufs.tiles.ptr, bufs.sorted_token.ptr, bufs.entry_row.ptr,
+                      shmem=plan_shared_bytes(experts))
+    return bufs
+
+
+def grouped_gemm(ctx: GpuContext, y: DArray, x: DArray, x_ld: int, row_src: DArray | None, w: DArray,
+                 tiles: DArray, tile: GemmTile, swiglu: bool, path: str = "auto") -> str:
+    """y[r] = x[row_src[r] or r] @ w[expert(r)]^T over the tile table (swiglu: silu(gate) * up of w's [2I] rows).
+    w [E, N, K]; y [rows, N or N/2] packed. path "auto" | "mma" | "simple"; returns the path taken."""
+    _, n, k = w.shape
+    outs = n // 2 if swiglu else n
+    if x.dtype != w.dtype or y.dtype != w.dtype or y.shape[-1] != outs or x_ld < k:
+        raise ShapeError(f"grouped GEMM: x {x.dtype} (ld {x_ld}), w {w.shape} {w.dtype}, y {y.shape} {y.dtype}")
+    if tiles.dtype != "i32" or tiles.shape[1:] != (3,):
+        raise ShapeError(f"grouped GEMM tiles must be i32 [T, 3], got {tiles.shape} {tiles.dtype}")
+    fits = tensor_core_fits(w.dtype, k, x_ld, x.ptr, w.ptr)
+    if path == "auto":
+        path = "mma" if fits else "simple"
+    if path == "mma" and not fits:
+        raise ShapeError(f"the tensor-core grouped GEMM needs bf16, K % 8 == 0 and 16-byte rows (K {k}, ld {x_ld})")
+    kind = "swiglu" if swiglu else "plain"
+    src = row_src.ptr if row_src is not None else 0
+    args = (y.ptr, i64(outs), x.ptr, i64(x_ld), src, w.ptr, i32(n), i32(k), tiles.ptr)
+    if path == "mma":
+        cols = tile.bn // 2 if swiglu else tile.bn
+        ctx.device.launch("moe", f"moe_gemm_{tile.name}_{kind}_bf16", (-(-outs // cols), tiles.shape[0]),
+                          tile.threads, *args, shmem=tile.shared_bytes())
+    elif path == "simple":
+        ctx.device.launch("moe", f"moe_gemm_simple_{kind}_{w.dtype}", (-(-outs // SIMPLE_COLS), tiles.shape[0]), 256,
+                          *args)
+    else:
+        raise ShapeError(f"unknown grouped GEMM path {path!r}")
+    return path
+
+
+def combine(ctx: GpuContext, y: DArray, expert_out: DArray, entry_row: DArray, weights: DArray, shared_gate: DArray,
+            shared_y: DArray, m: int, k: int) -> None:
+    """y[t] = sum_j weights[t, j] expert_out[entry_row[t, j]] + shared_gate[t] shared_y[t]."""
+    h = y.shape[-1]
+    if expert_out.shape[-1] != h or shared_y.shape[-1] != h or len({y.dtype, expert_out.dtype, shared_y.dtype}) != 1:
+        raise ShapeError(f"moe_combine: y {y.shape}, expert_out {expert_out.shape}, shared {shared_y.shape}")
+    ctx.device.launch("moe", f"moe_combine_{y.dtype}", m, 256, y.ptr, expert_out.ptr, entry_row.ptr, weights.ptr,
+                      i32(k), shared_gate.ptr, shared_y.ptr, i32(m), i32(h))

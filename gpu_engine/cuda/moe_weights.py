@@ -1,0 +1,55 @@
+"""Upload one qwen3_5_moe layer's MLP for the CUDA runner (weights.py calls `upload_moe_mlp` for every layer of an
+MoE model): the routed experts stacked as [E, 2I, H] (gate rows, then up rows) and [E, H, I] from either checkpoint
+layout (gpu_engine/moe_layout.py: the fused tensors as they are, one tensor per expert stacked on the host), the
+router and shared_expert_gate as one [E + 1, H] matrix (one GEMM gives both logits), the shared expert as linear
+layers (BF16 or block-FP8, like any projection). Routed experts in FP8 are refused by name: the grouped GEMM reads
+bf16 / f32 stacks only (an FP8 expert stack is the next format behind the same call).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..config import MoeConfig
+from .errors import CudaBackendError
+from .moe import MoeLayer
+
+if TYPE_CHECKING:
+    from .weights import _Uploader
+
+
+def refuse_fp8_experts(fp8_names: list[str]) -> None:
+    """Routed experts stored (or quantised at load) in FP8 cannot run on the CUDA runner yet."""
+    found = [n for n in fp8_names if ".mlp.experts." in n]
+    if found:
+        raise CudaBackendError(f"the CUDA runner has no FP8 path for routed experts yet: {', '.join(found[:3])} "
+                               f"({len(found)} tensors). Load the BF16 release, or use runner='reference'")
+
+
+def stacked_experts(w: Mapping[str, np.ndarray], prefix: str, moe: MoeConfig) -> tuple[np.ndarray, np.ndarray]:
+    """([E, 2I, H], [E, H, I]) of the layer at `prefix` (".. .mlp."), in the arrays' own dtype (uint16 bf16 bits
+    or float32). The fused layout is returned as stored (no copy)."""
+    if prefix + "experts.gate_up_proj" in w:
+        return w[prefix + "experts.gate_up_proj"], w[prefix + "experts.down_proj"]
+    e = moe.num_experts
+    gate_up = np.stack([np.concatenate([w[f"{prefix}experts.{i}.gate_proj.weight"],
+                                        w[f"{prefix}experts.{i}.up_proj.weight"]], axis=0) for i in range(e)])
+    down = np.stack([w[f"{prefix}experts.{i}.down_proj.weight"] for i in range(e)])
+    return gate_up, down
+
+
+def upload_moe_mlp(up: _Uploader, moe: MoeConfig, w: Mapping[str, np.ndarray], prefix: str) -> MoeLayer:
+    """The MoeLayer of the layer whose MLP tensors are named `prefix` + ... (e.g. "layers.3.mlp.")."""
+    gate_up, down = stacked_experts(w, prefix, moe)
+    return MoeLayer(
+        num_experts=moe.num_experts,
+        top_k=moe.num_experts_per_tok,
+        router=up.put(prefix + "router", w[prefix + "gate.weight"], w[prefix + "shared_expert_gate.weight"]),
+        gate_up=up.put(prefix + "experts.gate_up", gate_up),
+        down=up.put(prefix + "experts.down", down),
+        shared_gate_up=up.linear(prefix + "shared_expert.gate_up", prefix + "shared_expert.gate_proj.weight",
+                                 prefix + "shared_expert.up_proj.weight"),
+        shared_down=up.linear(prefix + "shared_expert.down", prefix + "shared_expert.down_proj.weight"),
+    )
