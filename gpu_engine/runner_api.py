@@ -147,7 +147,9 @@ class MtpDraftRequest:
     """Run the checkpoint's MTP head for one sequence after a step (runners with `mtp_head`): positions
     [start, start + n) of the sequence's last forward (keep_hidden) are final; `next_tokens` [n] are the tokens at
     start + 1 ... start + n. The head writes its own KV for those positions (the same block ids), then chains
-    `num_drafts` greedy drafts from the last one (0: only fill its KV, e.g. after a prompt chunk)."""
+    `num_drafts` greedy drafts from the last one (0: only fill its KV, e.g. after a prompt chunk). `start` may be
+    the chunk's start - 1: the last position of the slot's previous keep_hidden chunk, left for this step (a prompt
+    chunk's next token may be an image row only the next chunk has)."""
 
     seq_id: int
     start: int

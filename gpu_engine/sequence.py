@@ -53,6 +53,7 @@ class Sequence:
     accepted_draft_tokens: int = 0  # of those, accepted
     verify_steps: int = 0  # verify windows run
     mtp_drafts: list[int] = field(default_factory=list)  # MTP head's proposal for the next step (speculative/)
+    mtp_next: int = -1  # the first position the MTP head has not seen (-1: none seen in this admission)
     lookup_ids: np.ndarray | None = None  # the tokens of params.lookup_text, for prompt lookup
 
     matcher: Any = None  # llguidance.LLMatcher when the request is constrained
@@ -177,4 +178,5 @@ class Sequence:
         self.num_committed_blocks = 0
         self.num_drafts = 0
         self.mtp_drafts = []
+        self.mtp_next = -1
         self.num_preemptions += 1

@@ -60,12 +60,12 @@ class MtpHead:
                      if k.startswith("layers.0.self_attn.")}
         self.embed, self.lm_head = embed, lm_head
 
-    def layer(self, next_tokens: np.ndarray, hidden: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
+    def layer(self, next_embeds: np.ndarray, hidden: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
               v_cache: np.ndarray, block_table: np.ndarray, start: int) -> np.ndarray:
-        """Pairs (hidden [n, H], next_tokens [n]) at positions start ... start + n - 1 -> mtp.norm outputs [n, H];
-        writes the head's keys / values of those positions into k_cache / v_cache."""
+        """Pairs (hidden [n, H], the next tokens' input embeddings [n, H]) at positions start ... start + n - 1 ->
+        mtp.norm outputs [n, H]; writes the head's keys / values of those positions into k_cache / v_cache."""
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
-        e = rms_norm(self.embed[next_tokens].astype(np.float32), w["pre_fc_norm_embedding.weight"], eps)
+        e = rms_norm(next_embeds, w["pre_fc_norm_embedding.weight"], eps)
         h = rms_norm(hidden, w["pre_fc_norm_hidden.weight"], eps)
         x = linear(np.concatenate([e, h], axis=-1), w["fc.weight"])
         cos, sin = mrope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
@@ -80,12 +80,15 @@ class MtpHead:
         return linear(out, self.lm_head).astype(np.float32, copy=False)
 
     def draft(self, next_tokens: np.ndarray, hidden: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
-              v_cache: np.ndarray, block_table: np.ndarray, start: int, num_drafts: int) -> list[int]:
+              v_cache: np.ndarray, block_table: np.ndarray, start: int, num_drafts: int,
+              next_embeds: np.ndarray | None = None) -> list[int]:
         """Fill the head's KV for positions [start, start + n) (the paged cache), then chain `num_drafts` greedy
         drafts. Chained positions lie past the sequence's blocks: they attend over a scratch copy of its blocks,
-        and the paged cache is never written there (the real tokens of those positions overwrite it later)."""
+        and the paged cache is never written there (the real tokens of those positions overwrite it later).
+        `next_embeds`: the next tokens' input embeddings where they are not the token table's (vision rows)."""
         n = next_tokens.shape[0]
-        out = self.layer(next_tokens, hidden, positions[:, :n], k_cache, v_cache, block_table, start)
+        embeds = self.embed[next_tokens].astype(np.float32) if next_embeds is None else next_embeds
+        out = self.layer(embeds, hidden, positions[:, :n], k_cache, v_cache, block_table, start)
         if num_drafts == 0:
             return []
         drafts = [int(np.argmax(self.logits(out[-1:])[0]))]
@@ -103,7 +106,8 @@ class MtpHead:
         h = out[-1:]
         for j in range(num_drafts - 1):
             pos = base + j
-            h = self.layer(np.array([drafts[-1]]), h, positions[:, n + j:n + j + 1], k_scratch, v_scratch, table, pos)
+            e = self.embed[[drafts[-1]]].astype(np.float32)
+            h = self.layer(e, h, positions[:, n + j:n + j + 1], k_scratch, v_scratch, table, pos)
             drafts.append(int(np.argmax(self.logits(h)[0])))
         return drafts
 

@@ -9,7 +9,8 @@ Sequences of a step are run one after another: this runner is the oracle, so it 
 
 Speculative decoding (runner_api.py): a verify window runs one token at a time, exactly as decode steps would (its
 hidden states equal theirs bit for bit; the lm_head product over its rows rounds like any batch of decode rows),
-keeping the linear-attention state after each token for rollback_state(). A checkpoint with an MTP head (`mtp.*`) gets one more KV layer per block for it (mtp_draft()).
+keeping the linear-attention state after each token for rollback_state(). A checkpoint with an MTP head (`mtp.*`)
+gets one more KV layer per block for it (mtp_draft()).
 """
 from __future__ import annotations
 
@@ -65,7 +66,11 @@ class ReferenceRunner:
         self.mtp_k = np.zeros(0, np.float32)
         self.mtp_v = np.zeros(0, np.float32)
         self._windows: dict[int, list[list[np.ndarray]]] = {}  # state slot -> states after each verified token
-        self._hidden: dict[int, tuple[int, np.ndarray]] = {}  # seq id -> (start, hidden rows) kept for mtp_draft
+        # seq id -> (start, hidden rows, input rows, their token ids) of its last forward, kept for mtp_draft until
+        # the next forward; state slot -> the same for its last keep_hidden row: a prompt chunk's last position waits
+        # for the next chunk, whose first input row (an image's, maybe) is the head's "next token" there
+        self._hidden: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._last_row: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
         # Optional override of the DeltaNet form (None: recurrent for 1 token, chunked otherwise). Tests set it.
         self.deltanet_recurrent: bool | None = None
 
@@ -125,7 +130,7 @@ class ReferenceRunner:
             self._windows.pop(chunk.state_slot, None)
             hidden = self._run_verify(chunk) if chunk.verify else self._run_chunk(chunk)
             if chunk.keep_hidden:
-                self._hidden[chunk.seq_id] = (chunk.start, hidden)
+                self._keep_hidden(chunk, hidden)
             rows.append(hidden[hidden.shape[0] - (offsets[i + 1] - offsets[i]):])  # all, the last or no rows
         hidden_rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, self.config.text.hidden_size), np.float32)
         logits = self.text.logits(hidden_rows)
@@ -143,10 +148,7 @@ class ReferenceRunner:
             for layer in self.conv_state:
                 self.conv_state[layer][slot] = 0.0
                 self.recurrent_state[layer][slot] = 0.0
-        embeds = self.text.embed_tokens(chunk.token_ids)
-        for piece in chunk.vision:
-            emb = np.asarray(piece.embeddings, dtype=np.float32)
-            embeds[piece.chunk_offset:piece.chunk_offset + emb.shape[0]] = emb
+        embeds = self._embeds(chunk)
         cache = SequenceCache(
             start=chunk.start,
             block_table=np.asarray(chunk.block_table, dtype=np.int64),
@@ -155,6 +157,25 @@ class ReferenceRunner:
             recurrent={i: s[slot] for i, s in self.recurrent_state.items()},
         )
         return self.text.forward(embeds, chunk.positions, cache, recurrent=self.deltanet_recurrent)
+
+    def _keep_hidden(self, chunk: SeqChunk, hidden: np.ndarray) -> None:
+        embeds = self._embeds(chunk)  # the head embeds a next token as the trunk did: vision rows included
+        tokens = np.array(chunk.token_ids, np.int64)  # a copy: the engine's view is rewritten by accepted tokens
+        start, prev = chunk.start, self._last_row.get(chunk.state_slot)
+        if prev is not None and prev[0] == start - 1 and start > 0:
+            start = start - 1
+            hidden, embeds = np.concatenate([prev[1], hidden]), np.concatenate([prev[2], embeds])
+            tokens = np.concatenate([prev[3], tokens])
+        self._hidden[chunk.seq_id] = (start, hidden, embeds, tokens)
+        self._last_row[chunk.state_slot] = (chunk.start + chunk.num_tokens - 1, hidden[-1:], embeds[-1:], tokens[-1:])
+
+    def _embeds(self, chunk: SeqChunk) -> np.ndarray:
+        """The chunk's input embeddings: token embeddings, vision embeddings over the placeholders."""
+        embeds = self.text.embed_tokens(chunk.token_ids)
+        for piece in chunk.vision:
+            emb = np.asarray(piece.embeddings, dtype=np.float32)
+            embeds[piece.chunk_offset:piece.chunk_offset + emb.shape[0]] = emb
+        return embeds
 
     def _run_verify(self, chunk: SeqChunk) -> np.ndarray:
         """A verify window token by token (the arithmetic of decode steps), keeping the state after each token."""
@@ -186,11 +207,19 @@ class ReferenceRunner:
         for r in requests:
             kept = self._hidden.pop(r.seq_id, None)
             n = int(r.next_tokens.shape[0])
-            if kept is None or kept[0] != r.start or not 1 <= n <= kept[1].shape[0]:
+            if kept is None or not kept[0] <= r.start or r.start + n > kept[0] + kept[1].shape[0] or n < 1:
                 raise RunnerInputError(f"sequence {r.seq_id}: mtp_draft needs the hidden states of positions "
                                        f"[{r.start}, {r.start + n}) from its last forward (keep_hidden)")
-            out.append(self.mtp.draft(np.asarray(r.next_tokens, np.int64), kept[1][:n], r.positions, self.mtp_k,
-                                      self.mtp_v, np.asarray(r.block_table, np.int64), r.start, r.num_drafts))
+            first = r.start - kept[0]
+            hidden, rows, row_tokens = kept[1][first:first + n], kept[2][first + 1:], kept[3][first + 1:]
+            tokens = np.asarray(r.next_tokens, np.int64)
+            next_embeds = self.mtp.embed[tokens].astype(np.float32)
+            # a next token that ran in the kept rows (not a rejected draft's place) is embedded as it ran there
+            inside = min(n, rows.shape[0])
+            same = np.nonzero(row_tokens[:inside] == tokens[:inside])[0]
+            next_embeds[same] = rows[same]
+            out.append(self.mtp.draft(tokens, hidden, r.positions, self.mtp_k, self.mtp_v,
+                                      np.asarray(r.block_table, np.int64), r.start, r.num_drafts, next_embeds))
         return out
 
     # ------------------------------------------------------------------------------------------------ vision

@@ -142,13 +142,19 @@ class Speculator:
             seq.mtp_drafts = []
             if not self.uses_mtp(seq) or seq.status is not SeqStatus.RUNNING:
                 continue
-            n = seq.num_computed - sc.start
-            if n < 1 or seq.num_tokens <= seq.num_computed:
+            # A prompt chunk's last position waits for the next chunk (its next token may be an image row); the
+            # runner keeps that one row (runner_api.MtpDraftRequest).
+            start = sc.start - 1 if sc.start > 0 and seq.mtp_next == sc.start - 1 else sc.start
+            in_prompt = seq.num_computed < seq.prompt_len
+            end = seq.num_computed - 1 if in_prompt else seq.num_computed
+            seq.mtp_next = end
+            n = end - start
+            if n < 1 or seq.num_tokens <= end:
                 continue
-            drafts = k if seq.num_uncomputed == 1 and seq.num_computed >= seq.prompt_len else 0
+            drafts = k if seq.num_uncomputed == 1 and not in_prompt else 0
             requests.append(MtpDraftRequest(
-                seq_id=seq.seq_id, start=sc.start, next_tokens=seq.token_ids[sc.start + 1:sc.start + 1 + n].copy(),
-                positions=seq.positions(sc.start, n + max(0, drafts - 1)), block_table=seq.block_table_array(),
+                seq_id=seq.seq_id, start=start, next_tokens=seq.token_ids[start + 1:start + 1 + n].copy(),
+                positions=seq.positions(start, n + max(0, drafts - 1)), block_table=seq.block_table_array(),
                 num_drafts=drafts))
             seqs.append(seq)
         if not requests:

@@ -5,6 +5,7 @@ the whole sequence at once from an empty cache; the head costs one more KV layer
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from gpu_engine.loader import ModelWeights
 from gpu_engine.params import SamplingParams
 from gpu_engine.reference.mtp import MtpHead, random_mtp_weights
 from gpu_engine.reference.runner import ReferenceRunner
-from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
+from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch, VisionSlice
 from gpu_engine.sequence import Sequence
 from gpu_engine.speculative import SpeculativeConfig
 from gpu_engine.tiny import make_tiny_checkpoint
@@ -32,35 +33,49 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def with_mtp(folder: Path) -> ReferenceRunner:
+    return mtp_model(folder)[0]
+
+
+def mtp_model(folder: Path) -> tuple[ReferenceRunner, gpu_engine.LoadedModel]:
     loaded = gpu_engine.load(folder)
     assert isinstance(loaded.runner, ReferenceRunner)
     w = loaded.runner.weights
     weights = ModelWeights(w.text, w.vision, w.lm_head, mtp=random_mtp_weights(loaded.config.text, seed=3))
-    return ReferenceRunner(loaded.config, weights)
+    return ReferenceRunner(loaded.config, weights), loaded
 
 
 def mtp_engine(folder: Path, k: int = K) -> Engine:
-    runner = with_mtp(folder)
+    runner, loaded = mtp_model(folder)
     return Engine(runner, Tokenizer.from_pretrained(folder), vocab_size=runner.config.text.vocab_size,
-                  config=EngineConfig(max_num_seqs=3, block_size=4), speculative=SpeculativeConfig(num_tokens=k))
+                  config=EngineConfig(max_num_seqs=3, block_size=4), speculative=SpeculativeConfig(num_tokens=k),
+                  prepare=loaded.prepare)
 
 
-def from_scratch(runner: ReferenceRunner, tokens: list[int], k: int) -> list[int]:
-    """The head's drafts after `tokens` (the last one not yet in the cache), everything recomputed at once."""
+def from_scratch(runner: Any, seq: Sequence, k: int) -> list[int]:
+    """The head's drafts after `seq`'s tokens (the last one not yet in the cache), recomputed at once: the trunk
+    over every computed token (vision rows included), then the head over all of them from an empty cache."""
+    assert isinstance(runner, ReferenceRunner)
     fresh = ReferenceRunner(runner.config, runner.weights)
+    tokens = seq.token_ids
     n = len(tokens) - 1
-    fresh.allocate_cache(CacheSpec(num_kv_blocks=-(-(n + k) // 4) + 1, block_size=4, num_state_slots=1))
-    pos = np.broadcast_to(np.arange(n + k, dtype=np.int64), (3, n + k)).copy()
-    table = np.arange(-(-(n + k) // 4) + 1, dtype=np.int32)
-    out = fresh.forward(StepBatch([SeqChunk(seq_id=0, token_ids=np.array(tokens[:n]), positions=pos[:, :n], start=0,
-                                            block_table=table, state_slot=0, logits="all")]))
+    blocks = -(-(n + k) // 4) + 1
+    fresh.allocate_cache(CacheSpec(num_kv_blocks=blocks, block_size=4, num_state_slots=1))
+    pos = seq.positions(0, n + k)
+    table = np.arange(blocks, dtype=np.int32)
+    vision = [VisionSlice(it.token_start, runner.encode_vision(it)) for it in seq.prompt.vision_items]
+    whole = SeqChunk(seq_id=0, token_ids=tokens[:n + 1], positions=pos[:, :n + 1], start=0, block_table=table,
+                     state_slot=0, vision=vision)
+    embeds = fresh._embeds(whole)  # input rows of every token, vision merged: the head's "next token" rows
+    out = fresh.forward(StepBatch([SeqChunk(seq_id=0, token_ids=tokens[:n], positions=pos[:, :n], start=0,
+                                            block_table=table, state_slot=0, logits="all", vision=vision)]))
     assert out.hidden is not None  # the final-norm hidden states of every row
     head = fresh.mtp
     assert isinstance(head, MtpHead)
-    return head.draft(np.array(tokens[1:]), out.hidden, pos, fresh.mtp_k, fresh.mtp_v, table.astype(np.int64), 0, k)
+    return head.draft(tokens[1:], out.hidden, pos, fresh.mtp_k, fresh.mtp_v, table.astype(np.int64), 0, k,
+                      next_embeds=embeds[1:])
 
 
-def run_checking_drafts(eng: Engine, prompts: list[list[int]]) -> tuple[dict[str, list[int]], int]:
+def run_checking_drafts(eng: Engine, prompts: list[Any]) -> tuple[dict[str, list[int]], int]:
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True, speculative="mtp"), request_id=f"r{i}")
     done: dict[str, list[int]] = {}
@@ -71,7 +86,7 @@ def run_checking_drafts(eng: Engine, prompts: list[list[int]]) -> tuple[dict[str
                 done[out.request_id] = out.token_ids
         for seq in eng.scheduler.running:
             if seq.mtp_drafts:
-                want = from_scratch(eng.runner, [int(t) for t in seq.token_ids], len(seq.mtp_drafts))  # type: ignore[arg-type]
+                want = from_scratch(eng.runner, seq, len(seq.mtp_drafts))
                 assert seq.mtp_drafts == want, (seq.request_id, seq.num_tokens)
                 checked += 1
     return done, checked
@@ -119,5 +134,18 @@ def test_a_prompt_chunk_fills_the_head_and_the_last_one_drafts(folder: Path) -> 
     assert seq.num_computed == 20 and seq.mtp_drafts == [] and eng.stats()["mtp_head_runs"] == 1
     eng.step()
     assert seq.num_computed == len(PROMPTS[1]) and seq.num_tokens == len(PROMPTS[1]) + 1
-    assert seq.mtp_drafts == from_scratch(eng.runner, [int(t) for t in seq.token_ids], K)  # type: ignore[arg-type]
+    assert seq.mtp_drafts == from_scratch(eng.runner, seq, K)
     assert len(seq.mtp_drafts) == K
+
+
+def test_the_head_reads_vision_rows_as_the_trunk_did(folder: Path) -> None:
+    """Next to an image, the head's "next token" input is the vision embedding the trunk saw (as vLLM's drafter
+    merges multimodal embeddings), not the placeholder token's; prompt chunks split the image (chunked prefill)."""
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Read"}]}]
+    plain = mtp_engine(folder, k=0).generate(messages, SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    eng = mtp_engine(folder)
+    got, checked = run_checking_drafts(eng, [messages])
+    assert got["r0"] == plain and checked >= 3
