@@ -1,0 +1,171 @@
+"""One Qwen3.5-35B-A3B MoE layer on the GPU (cuda/moe.py MoeLayer, random bf16 weights at moe_model_shape("35b-a3b")),
+timed as issue 17 sets its targets:
+- prefill 8192 tokens: the layer's time against the dense bf16 GEMM rate measured here (cuBLASLt, a 65536 x 1024 x
+  2048 product: the gate|up work of 8192 tokens x 8 experts as one GEMM), by the layer's active FLOPs (router +
+  8 routed experts + shared expert);
+- decode batch 1 and 32: CUDA-graph replays of the layer, 8 calls a graph on 8 different inputs (so each call routes
+  to other experts and L2 holds little of them), against the roofline of the bytes a call must read (the distinct
+  chosen experts' weights + router + shared expert + activations) at the device-to-device copy bandwidth measured
+  here; also whether every chosen expert sits in one tile (its weights streamed once a step).
+    python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
+Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
+numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen35_shapes import moe_model_shape  # noqa: E402
+
+
+def _time_ms(ctx: Any, fn: Any, reps: int) -> float:
+    """Median over reps of fn() between device events (fn enqueues only)."""
+    dev, times = ctx.device, []
+    for _ in range(reps):
+        start, stop = dev.event(), dev.event()
+        dev.stream.record(start)
+        fn()
+        dev.stream.record(stop)
+        stop.sync()
+        times.append(float(stop - start))
+    return statistics.median(times)
+
+
+def _fill(ctx: Any, arr: Any, block: Any) -> None:
+    """arr <- the random block repeated (device-to-device copies)."""
+    done = 0
+    while done < arr.nbytes:
+        n = min(block.nbytes, arr.nbytes - done)
+        ctx.device.copy(arr.ptr + done, block.ptr, n)
+        done += n
+
+
+def run(reps: int) -> dict[str, Any]:
+    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
+    from gpu_engine.cuda.context import GpuContext
+    from gpu_engine.cuda.linear import DenseLinear
+    from gpu_engine.cuda.moe import MoeLayer
+
+    text, _, _ = moe_model_shape("35b-a3b")
+    e, k, h = text["num_experts"], text["num_experts_per_tok"], text["hidden_size"]
+    inter, s = text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
+    rng = np.random.default_rng(0)
+    ctx = GpuContext(budget_bytes=40 << 30)
+    out: dict[str, Any] = {"device": ctx.device.info.name, "shape": "35b-a3b", "experts": e, "top_k": k, "hidden": h,
+                           "moe_intermediate": inter, "shared": s}
+    try:
+        block = ctx.empty((16 << 20,), "bf16", "random-block")
+        ctx.device.upload(block.ptr, f32_to_bf16_bits((rng.standard_normal(16 << 20) * 0.03).astype(np.float32)))
+
+        def rand(shape: tuple[int, ...], name: str, scale: float = 0.03) -> Any:
+            if int(np.prod(shape)) > (1 << 22):
+                arr = ctx.empty(shape, "bf16", name)
+                _fill(ctx, arr, block)
+                return arr
+            return ctx.to_device((rng.standard_normal(shape) * scale).astype(np.float32), "bf16", name)
+
+        layer = MoeLayer(e, k, rand((e + 1, h), "router", 0.05), rand((e, 2 * inter, h), "gu"),
+                         rand((e, h, inter), "down"), DenseLinear(rand((2 * s, h), "sgu")),
+                         DenseLinear(rand((h, s), "sd")))
+        # ceilings: copy bandwidth (read + write) and the dense GEMM rate
+        big = ctx.empty((1 << 30,), "bf16", "copy")
+        _fill(ctx, big, block)
+        half = big.nbytes // 2
+        copy_ms = _time_ms(ctx, lambda: ctx.device.copy(big.ptr + half, big.ptr, half), reps)
+        bw = 2 * half / (copy_ms * 1e-3)
+        m_g, n_g, k_g = 65536, 2 * inter, h
+        gx, gy = rand((m_g, k_g), "gemm.x"), ctx.empty((m_g, n_g), "bf16", "gemm.y")
+        gw = rand((n_g, k_g), "gemm.w")
+        ctx.blas.linear(gy.ptr, gx.ptr, gw.ptr, m_g, n_g, k_g)
+        gemm_ms = _time_ms(ctx, lambda: ctx.blas.linear(gy.ptr, gx.ptr, gw.ptr, m_g, n_g, k_g), reps)
+        rate = 2 * m_g * n_g * k_g / (gemm_ms * 1e-3)
+        out.update(copy_GBps=bw / 1e9, gemm_TFLOPs=rate / 1e12)
+        flops_per_token = 2 * h * (e + 1) + k * 6 * h * inter + 6 * h * s
+
+        # prefill
+        m = 8192
+        x = rand((m, h), "x", 1.0)
+        y = ctx.empty((m, h), "bf16", "y")
+
+        def layer_once(xx: Any, yy: Any, rows: int) -> Any:
+            mark = ctx.arena.mark()
+            bufs = layer.forward(ctx, yy, xx, rows)
+            ctx.arena.release(mark)  # host bookkeeping only: stream order keeps the scratch valid for this call
+            return bufs
+
+        layer_once(x, y, m)
+        ctx.device.sync()
+        pre_ms = _time_ms(ctx, lambda: layer_once(x, y, m), reps)
+        out["prefill"] = {"tokens": m, "ms": pre_ms, "active_GFLOP": m * flops_per_token / 1e9,
+                          "TFLOPs": m * flops_per_token / (pre_ms * 1e-3) / 1e12,
+                          "vs_gemm_rate": m * flops_per_token / (pre_ms * 1e-3) / rate}
+
+        # decode
+        out["decode"] = []
+        expert_bytes = 3 * h * inter * 2
+        for batch in (1, 32):
+            xs = [ctx.to_device(rng.standard_normal((batch, h)).astype(np.float32), "bf16", f"x{i}")
+                  for i in range(8)]
+            ys = [ctx.empty((batch, h), "bf16", f"y{i}") for i in range(8)]
+            unique, tiles_max = [], 0
+            for xi, yi in zip(xs, ys):  # eager: plans, modules; the routing of each input
+                mark = ctx.arena.mark()
+                bufs = layer.forward(ctx, yi, xi, batch)
+                ids = ctx.to_host(bufs.ids)
+                tiles = ctx.to_host(bufs.tiles)
+                used = tiles[tiles[:, 2] > 0, 0]
+                tiles_max = max(tiles_max, int(np.bincount(used).max()))
+                unique.append(len(np.unique(ids)))
+                ctx.arena.release(mark)
+            mark = ctx.arena.mark()
+            graph = ctx.device.capture(lambda: [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)])
+            ctx.device.launch_graph(graph)
+            ms = _time_ms(ctx, lambda: ctx.device.launch_graph(graph), reps) / len(xs)
+            ctx.device.sync()
+            ctx.arena.release(mark)
+            nbytes = (statistics.mean(unique) * expert_bytes + (e + 1) * h * 2 + 3 * h * s * 2
+                      + batch * h * 2 * 2 + batch * k * (inter + h) * 2 * 2)
+            out["decode"].append({"batch": batch, "us": ms * 1e3, "distinct_experts": statistics.mean(unique),
+                                  "bytes_MB": nbytes / 1e6, "roofline_us": nbytes / bw * 1e6,
+                                  "vs_roofline": nbytes / bw / (ms * 1e-3), "max_tiles_per_expert": tiles_max})
+    finally:
+        ctx.close()
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    p = r["prefill"]
+    lines = [f"ceilings: copy {r['copy_GBps']:.0f} GB/s, dense bf16 GEMM {r['gemm_TFLOPs']:.0f} TFLOP/s "
+             f"({r['device']})",
+             f"prefill {p['tokens']} tokens: {p['ms']:.3f} ms, {p['active_GFLOP']:.0f} GFLOP active, "
+             f"{p['TFLOPs']:.0f} TFLOP/s = {p['vs_gemm_rate']:.2f} of the GEMM rate (target >= 0.5)"]
+    for d in r["decode"]:
+        lines.append(f"decode batch {d['batch']}: {d['us']:.1f} us, {d['distinct_experts']:.1f} experts, "
+                     f"{d['bytes_MB']:.1f} MB -> roofline {d['roofline_us']:.1f} us = {d['vs_roofline']:.2f} "
+                     f"(target >= 0.7), tiles per expert <= {d['max_tiles_per_expert']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    r = run(args.reps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    print(table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

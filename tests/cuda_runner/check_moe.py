@@ -1,0 +1,287 @@
+"""Check the CUDA MoE path on the GPU: each kernel of kernels/moe.cu against float64 numpy, the whole MoeLayer, then
+the tiny qwen3_5_moe models (both expert layouts) CudaRunner vs the reference runner.
+
+    python3 -m tests.cuda_runner.check_moe [--json out.json] [--seed N]
+
+Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - ref|| / ||ref||):
+- moe_route on random f32 logits with exact ties planted among each row's largest: the chosen ids equal the
+  reference rule (largest probability first, ties toward the lower id) exactly; weights and the shared gate's
+  sigmoid within 1e-5;
+- moe_plan: offsets and the tile table equal moe_plan.host_plan exactly, each expert's rows hold the same tokens
+  (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k;
+- the grouped GEMMs (tensor-core decode / prefill tiles, the plain kernel for f32 and odd K; gate|up with
+  silu * up, and down) against moe_plan.emulate_grouped_gemm over the device's own tables: bf16 1e-2, f32 1e-4;
+- MoeLayer.forward (router GEMM .. combine) against the float64 formula of reference/moe.py on the same rounded
+  weights and inputs, with the routing the device chose (its agreement with the float64 routing is required to be
+  total in f32 and reported in bf16, where rounding may flip a near tie).
+Model: make_tiny_moe_checkpoint (6 experts top-2, odd widths: the plain kernel for down; and an aligned config that
+takes the tensor-core kernels for both GEMMs), both layouts, check_runner's scenario (chunked prefill, vision slice,
+batched decode, graph replay) with its rule: f32 logits rel. err <= 1e-4 and identical greedy tokens, bf16 <=
+check_runner.BF16_SANITY on the reference's forced tokens.
+Skips (exit 0) without a GPU.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable
+
+import numpy as np
+
+from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
+
+TOL = {"bf16": 1e-2, "f32": 1e-4}
+ROUTE_CASES = ((1, 256, 8), (33, 6, 2), (1000, 256, 8), (7, 5, 3), (64, 512, 10))
+# (name, tokens, experts, top-k, hidden, intermediate, dtype, tile, path)
+GEMM_CASES = (
+    ("decode b1 35b-like", 1, 32, 8, 2048, 512, "bf16", "decode", "mma"),
+    ("decode b32 35b-like", 32, 32, 8, 2048, 512, "bf16", "decode", "mma"),
+    ("decode tile, 2 tiles an expert", 100, 4, 2, 256, 192, "bf16", "decode", "mma"),
+    ("prefill ragged K", 600, 8, 2, 512, 392, "bf16", "prefill", "mma"),
+    ("plain bf16 odd K", 40, 6, 2, 64, 21, "bf16", "decode", "simple"),
+    ("plain f32", 50, 6, 3, 96, 40, "f32", "decode", "simple"),
+)
+# (tokens, experts, top-k, hidden, intermediate, shared, dtype)
+LAYER_CASES = ((1, 16, 4, 256, 96, 80, "bf16"), (7, 16, 4, 256, 96, 80, "f32"), (300, 16, 4, 256, 96, 80, "bf16"),
+               (32, 64, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"))
+MODEL_CONFIGS = {
+    "tiny moe (E6 top-2, I21)": {},
+    "aligned moe (E8 top-3, I64)": {"hidden_size": 128, "num_experts": 8, "num_experts_per_tok": 3,
+                                    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96},
+}
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    from gpu_engine.cuda.bf16 import round_to_bf16
+
+    return round_to_bf16(np.asarray(x, np.float32))
+
+
+def route_reference(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, weights) by reference/moe.py's rule in float64: stable sort of -p (ties toward the lower id)."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(p, ids, axis=-1)
+    return ids, top / top.sum(axis=-1, keepdims=True)
+
+
+class Checker:
+    def __init__(self, ctx, rng: np.random.Generator) -> None:
+        self.ctx, self.rng = ctx, rng
+        self.results: list[Result] = []
+
+    def record(self, name: str, dtype: str, err: float, tol: float, note: str = "") -> None:
+        self.results.append(Result(name, dtype, err, tol, bool(np.isfinite(err) and err <= tol), note))
+
+    def run(self, name: str, dtype: str, fn: Callable[[], None]) -> None:
+        run_guarded(self.ctx, self.results, name, dtype, TOL[dtype], fn)
+
+    def ids(self, n: int, e: int, k: int) -> np.ndarray:
+        return np.stack([self.rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+
+    # ---- kernels ---------------------------------------------------------------------------------------------
+    def route(self, n: int, e: int, k: int) -> None:
+        from gpu_engine.cuda import moe
+
+        ctx, ld = self.ctx, -(-(e + 1) // 8) * 8
+        logits = (self.rng.standard_normal((n, ld)) * 2).astype(np.float32)
+        for r in range(0, n, 2):  # ties: the row's largest value copied to a lower and a higher expert id
+            top = int(np.argmax(logits[r, :e]))
+            for other in self.rng.choice(e, 2, replace=False):
+                logits[r, other] = logits[r, top]
+        d_logits = ctx.to_device(logits, "f32", "logits")
+        ids, w, g = ctx.empty((n, k), "i32", "ids"), ctx.empty((n, k), "f32", "w"), ctx.empty((n,), "f32", "g")
+        for arr in (ids, w, g):
+            ctx.poison(arr)
+        moe.route(ctx, ids, w, g, d_logits, e)
+        want_ids, want_w = route_reference(logits[:, :e], k)
+        got_ids = ctx.to_host(ids)
+        same = float(np.mean(np.all(got_ids == want_ids, axis=-1)))
+        gate = 1 / (1 + np.exp(-logits[:, e].astype(np.float64)))
+        err = max(rel_err(ctx.to_host(w), want_w), rel_err(ctx.to_host(g), gate))
+        self.record(f"route n{n} E{e} top-{k} (ties)", "f32", err if same == 1.0 else float("nan"), 1e-5,
+                    f"ids equal the reference rule in {same:.4f} of the rows")
+
+    def plan(self, n: int, e: int, k: int, tile_name: str) -> None:
+        from gpu_engine.cuda import moe
+        from gpu_engine.cuda.moe_plan import TILES, host_plan
+
+        ctx, tile = self.ctx, TILES[tile_name]
+        ids = self.ids(n, e, k)
+        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile)
+        want = host_plan(ids, e, tile.bm)
+        offsets, tiles = ctx.to_host(bufs.offsets), ctx.to_host(bufs.tiles)
+        sorted_token, entry_row = ctx.to_host(bufs.sorted_token), ctx.to_host(bufs.entry_row)
+        ok = np.array_equal(offsets, want.offsets) and np.array_equal(tiles, want.tiles)
+        ok = ok and all(sorted(sorted_token[a:b]) == sorted(want.sorted_token[a:b])
+                        for a, b in zip(want.offsets[:-1], want.offsets[1:]))
+        ok = ok and np.array_equal(sorted_token[entry_row], np.arange(n * k) // k)
+        self.record(f"plan n{n} E{e} top-{k} {tile_name}", "i32", 0.0 if ok else float("nan"), 0.0,
+                    f"{int(np.count_nonzero(tiles[:, 2]))} tiles of {tiles.shape[0]}")
+
+    def gemm(self, name: str, n: int, e: int, k: int, h: int, inter: int, dtype: str, tile_name: str,
+             path: str) -> None:
+        from gpu_engine.cuda import moe
+        from gpu_engine.cuda.moe_plan import TILES, emulate_grouped_gemm
+
+        ctx, tile, rows = self.ctx, TILES[tile_name], n * k
+        ids = self.ids(n, e, k)
+        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile)
+        rnd = _bf16 if dtype == "bf16" else (lambda a: np.asarray(a, np.float32))
+        x = rnd(self.rng.standard_normal((n, h)))
+        w_gu = rnd(self.rng.standard_normal((e, 2 * inter, h)) / np.sqrt(h))
+        w_down = rnd(self.rng.standard_normal((e, h, inter)) / np.sqrt(inter))
+        act = ctx.empty((rows, inter), dtype, "act")
+        out = ctx.empty((rows, h), dtype, "out")
+        ctx.poison(act)
+        ctx.poison(out)
+        d_gu, d_down = ctx.to_device(w_gu, dtype, "gu"), ctx.to_device(w_down, dtype, "down")
+        took = moe.grouped_gemm(ctx, act, ctx.to_device(x, dtype, "x"), h, bufs.sorted_token, d_gu, bufs.tiles,
+                                tile, swiglu=True, path=path)
+        took2 = moe.grouped_gemm(ctx, out, act, inter, None, d_down, bufs.tiles, tile, swiglu=False, path=path)
+        tiles, sorted_token = ctx.to_host(bufs.tiles), ctx.to_host(bufs.sorted_token)
+        act_host = ctx.to_host(act)
+        want_act = emulate_grouped_gemm(x, sorted_token, w_gu, tiles, rows, swiglu=True)
+        self.record(f"gemm gate_up+silu {name}", dtype, rel_err(act_host, want_act), TOL[dtype],
+                    f"{took} {tile_name} n{n} E{e} k{k} H{h} I{inter}")
+        want_out = emulate_grouped_gemm(act_host, None, w_down, tiles, rows, swiglu=False)  # on the device's act
+        self.record(f"gemm down {name}", dtype, rel_err(ctx.to_host(out), want_out), TOL[dtype], took2)
+
+    def layer(self, n: int, e: int, k: int, h: int, inter: int, s: int, dtype: str) -> None:
+        from gpu_engine.config import MoeConfig
+        from gpu_engine.cuda.linear import DenseLinear
+        from gpu_engine.cuda.moe import MoeLayer
+
+        ctx = self.ctx
+        rnd = _bf16 if dtype == "bf16" else (lambda a: np.asarray(a, np.float32))
+
+        def w(*shape: int) -> np.ndarray:
+            return rnd(self.rng.standard_normal(shape) / np.sqrt(shape[-1]))
+
+        host = {"gate.weight": w(e, h) * 4, "experts.gate_up_proj": w(e, 2 * inter, h),
+                "experts.down_proj": w(e, h, inter), "shared_expert.gate_proj.weight": w(s, h),
+                "shared_expert.up_proj.weight": w(s, h), "shared_expert.down_proj.weight": w(h, s),
+                "shared_expert_gate.weight": w(1, h)}
+        x = rnd(self.rng.standard_normal((n, h)))
+        put = ctx.to_device
+        layer = MoeLayer(e, k, put(np.concatenate([host["gate.weight"], host["shared_expert_gate.weight"]]), dtype,
+                                   "router"),
+                         put(host["experts.gate_up_proj"], dtype, "gu"), put(host["experts.down_proj"], dtype, "dn"),
+                         DenseLinear(put(np.concatenate([host["shared_expert.gate_proj.weight"],
+                                                         host["shared_expert.up_proj.weight"]]), dtype, "sgu")),
+                         DenseLinear(put(host["shared_expert.down_proj.weight"], dtype, "sd")))
+        y = ctx.empty((n, h), dtype, "y")
+        ctx.poison(y)
+        bufs = layer.forward(ctx, y, put(x, dtype, "x"), n)
+        ids, weights = ctx.to_host(bufs.ids), ctx.to_host(bufs.weights).astype(np.float64)
+        x64 = x.astype(np.float64)
+        logits = x64 @ host["gate.weight"].astype(np.float64).T
+        want_ids, want_w = route_reference(logits, k)
+        agree = np.all(ids == want_ids, axis=-1)
+        w_err = rel_err(weights[agree], want_w[agree]) if agree.any() else 0.0
+
+        def swiglu(v: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray) -> np.ndarray:
+            a, b = v @ g.astype(np.float64).T, v @ u.astype(np.float64).T
+            return (a / (1 + np.exp(-a)) * b) @ d.astype(np.float64).T
+
+        gu, dn = host["experts.gate_up_proj"], host["experts.down_proj"]
+        want = swiglu(x64, host["shared_expert.gate_proj.weight"], host["shared_expert.up_proj.weight"],
+                      host["shared_expert.down_proj.weight"])
+        want = want / (1 + np.exp(-(x64 @ host["shared_expert_gate.weight"].astype(np.float64).T)))
+        for ex in np.unique(ids):  # the device's routing (its weights checked apart above)
+            rows = np.nonzero(np.any(ids == ex, axis=-1))[0]
+            scale = np.sum(weights[rows] * (ids[rows] == ex), axis=-1)
+            want[rows] += scale[:, None] * swiglu(x64[rows], gu[ex, :inter], gu[ex, inter:], dn[ex])
+        need_all = dtype == "f32"
+        err = rel_err(ctx.to_host(y), want)
+        routing_ok = bool(agree.all()) or not need_all
+        self.record(f"MoeLayer n{n} E{e} top-{k} H{h} I{inter} S{s}", dtype,
+                    err if routing_ok and w_err <= 1e-4 else float("nan"), TOL[dtype],
+                    f"{bufs.tile.name} tiles; routing agrees in {agree.mean():.3f} of tokens, weights err {w_err:.1e}")
+
+
+def run_kernels(seed: int) -> tuple[list[Result], dict]:
+    from gpu_engine.cuda.context import GpuContext
+
+    ctx = GpuContext(budget_bytes=6 << 30)
+    info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch}
+    try:
+        c = Checker(ctx, np.random.default_rng(seed))
+        for n, e, k in ROUTE_CASES:
+            c.run(f"route n{n} E{e}", "f32", lambda n=n, e=e, k=k: c.route(n, e, k))
+        for n, e, k, tile in ((1, 256, 8, "decode"), (32, 256, 8, "decode"), (8192, 256, 8, "prefill"),
+                              (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
+            c.run(f"plan n{n} E{e}", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
+        for case in GEMM_CASES:
+            c.run(f"gemm {case[0]}", case[6], lambda case=case: c.gemm(*case))
+        for case in LAYER_CASES:
+            c.run(f"MoeLayer {case}", case[-1], lambda case=case: c.layer(*case))
+        return c.results, info
+    finally:
+        ctx.close()
+
+
+def run_model(seed: int) -> list[Result]:
+    from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.options import CudaOptions
+    from gpu_engine.cuda.runner import CudaRunner
+    from gpu_engine.loader import load_weights
+    from gpu_engine.reference.runner import ReferenceRunner
+    from gpu_engine.tiny_moe import make_tiny_moe_checkpoint
+    from tests.cuda_runner.check_runner import BF16_SANITY, _drive, _rounded
+
+    results = []
+    for name, text_cfg in MODEL_CONFIGS.items():
+        for layout in ("fused", "per_expert"):
+            with tempfile.TemporaryDirectory() as folder:
+                make_tiny_moe_checkpoint(folder, seed=seed % 1000, layout=layout, text_config=text_cfg)
+                config = ModelConfig.from_pretrained(folder)
+                weights, _ = load_weights(folder, config)
+            for dtype in ("f32", "bf16"):
+                ref_weights = weights if dtype == "f32" else _rounded(weights)
+                ref_steps, ref_greedy = _drive(ReferenceRunner(config, ref_weights), config, seed)
+                runner = CudaRunner(config, weights, CudaOptions(dtype=dtype, memory_budget=1 << 30))
+                try:
+                    steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
+                finally:
+                    runner.close()
+                worst = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
+                agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
+                same = greedy == ref_greedy
+                ok = (worst <= 1e-4 and same) if dtype == "f32" else worst <= BF16_SANITY
+                tol = 1e-4 if dtype == "f32" else BF16_SANITY
+                results.append(Result(f"model {name} {layout}", dtype, worst, tol, bool(ok),
+                                      f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}"))
+    return results
+
+
+def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
+    from gpu_engine.cuda.device import require_gpu
+
+    require_gpu()
+    seed = fresh_seed(seed)
+    results, info = run_kernels(seed)
+    mark = len(results)
+    try:
+        results += run_model(seed)
+    except Exception as exc:  # noqa: BLE001 - the kernel rows above still print
+        import traceback
+
+        traceback.print_exc()
+        results.append(Result("model", "-", float("nan"), 0.0, False, f"{type(exc).__name__}: {exc}"[:200]))
+    info["model_rows"] = len(results) - mark
+    return results, info
+
+
+def format_table(results: list[Result]) -> str:
+    return result_table(results, width=52)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
