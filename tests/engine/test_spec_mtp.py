@@ -149,3 +149,13 @@ def test_the_head_reads_vision_rows_as_the_trunk_did(folder: Path) -> None:
     eng = mtp_engine(folder)
     got, checked = run_checking_drafts(eng, [messages])
     assert got["r0"] == plain and checked >= 3
+
+
+def test_a_checkpoint_with_an_incomplete_head_loads_without_one(folder: Path) -> None:
+    loaded = gpu_engine.load(folder)
+    assert isinstance(loaded.runner, ReferenceRunner)
+    w = loaded.runner.weights
+    partial = random_mtp_weights(loaded.config.text)
+    del partial["fc.weight"]
+    runner = ReferenceRunner(loaded.config, ModelWeights(w.text, w.vision, w.lm_head, mtp=partial))
+    assert not runner.mtp_head and runner.kv_bytes_per_block(4) == loaded.runner.kv_bytes_per_block(4)
