@@ -38,7 +38,6 @@ from gpu_engine.cuda.fp8_ops import (  # noqa: E402
     fp8_gemv,
     quantize_activations,
     weight_scale_grid,
-    zero_counters,
 )
 
 ROTATE = 3
@@ -75,7 +74,7 @@ def fp8_weights(ctx: GpuContext, rng: np.random.Generator, n: int, k: int) -> li
         b = ctx.empty((n, k), "u8", f"w8.{i}")
         ctx.device.upload(b.ptr, bits)
         s = ctx.to_device(grid, "f32", f"w8s.{i}")
-        out.append(Fp8Weight(b, s, grid.shape[1], 1, zero_counters(ctx, n, f"w8.{i}")))
+        out.append(Fp8Weight(b, s, grid.shape[1], 1))
     return out
 
 

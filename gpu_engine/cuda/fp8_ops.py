@@ -33,9 +33,6 @@ GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
 GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
 CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
-GEMV_WARPS = 8  # warps a block (FP8_GEMV_WARPS), each on its own 128-groups
-GEMV_SPLIT_BLOCKS_PER_SM = 8  # fewer 16-row tiles than this many per SM: k is split over up to GEMV_MAX_SPLITS blocks
-GEMV_MAX_SPLITS = 4
 
 
 def _round_up(x: int, to: int) -> int:
@@ -54,7 +51,6 @@ class Fp8Weight:
     scales: DArray  # f32 [ceil(n/128), ld]
     scale_row_stride: int  # per 128-row block
     scale_col_stride: int  # per 128-column block
-    counters: DArray  # u32 [ceil(n/16)], zero between launches: the split-k streaming kernel's per-tile arrivals
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -118,23 +114,7 @@ def upload_fp8_weight(ctx: GpuContext, name: str, parts: Sequence[Fp8Tensor]) ->
     ctx.device.upload(d_bits.ptr, np.ascontiguousarray(bits))
     d_scales = ctx.empty(scales.shape, "f32", name + ".scale_inv")
     ctx.device.upload(d_scales.ptr, scales)
-    return Fp8Weight(d_bits, d_scales, scales.shape[1], 1, zero_counters(ctx, bits.shape[0], name))
-
-
-def zero_counters(ctx: GpuContext, n: int, name: str) -> DArray:
-    tiles = -(-n // GEMV_ROWS)
-    counters = ctx.empty((tiles,), "u32", name + ".tile_counters")
-    ctx.device.upload(counters.ptr, np.zeros(tiles, np.uint32))
-    return counters
-
-
-def gemv_splits(ctx: GpuContext, n: int, k: int) -> int:
-    """How many blocks share one 16-row tile's k: enough tiles to fill the GPU several times over, at least one
-    128-group per warp."""
-    tiles, target = -(-n // GEMV_ROWS), GEMV_SPLIT_BLOCKS_PER_SM * ctx.device.info.sm_count
-    if tiles >= target:
-        return 1
-    return max(1, min(GEMV_MAX_SPLITS, groups(k) // GEMV_WARPS, -(-target // tiles)))
+    return Fp8Weight(d_bits, d_scales, scales.shape[1], 1)
 
 
 def act_buffers(ctx: GpuContext, m: int, k: int) -> Fp8Activations:
@@ -181,14 +161,12 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
     if y.dtype != "bf16":
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
     y_ld = y_ld or n
-    nt, row_tiles = -(-tokens // GEMV_TOKENS), -(-n // GEMV_ROWS)
-    splits = gemv_splits(ctx, n, k)
-    partial = ctx.empty((splits, row_tiles, nt * 4 * 32), "f32", "fp8.gemv_partial") if splits > 1 else None
-    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{nt}", (row_tiles, splits), GEMV_WARPS * 32,
+    tiles = -(-tokens // GEMV_TOKENS)
+    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),
                       w.bits.ptr, i64(k), w.scales.ptr, i64(w.scale_row_stride), i64(w.scale_col_stride),
-                      i32(tokens), i32(n), i32(k), partial.ptr if partial else 0, w.counters.ptr)
+                      i32(tokens), i32(n), i32(k))
 
 
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,

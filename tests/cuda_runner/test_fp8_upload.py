@@ -110,13 +110,3 @@ def test_row_plan_streams_small_batches_and_gives_cublaslt_whole_multiples() -> 
         assert all(rows % CUBLAS_M_MULTIPLE == 0 for _, rows, path in plan if path == "cublaslt")
         assert all(rows <= 32 for _, rows, path in plan if path == "gemv")
 
-
-def test_the_streaming_kernel_splits_k_only_for_projections_with_few_row_tiles() -> None:
-    from gpu_engine.cuda.fp8_ops import gemv_splits
-
-    h200 = SimpleNamespace(device=SimpleNamespace(info=SimpleNamespace(sm_count=132)))
-    assert gemv_splits(h200, 5120, 17408) == 4  # 27B down: 320 tiles, 136 groups
-    assert gemv_splits(h200, 34816, 5120) == 1  # gate|up: 2176 tiles fill the GPU
-    assert gemv_splits(h200, 16384, 5120) == 2  # DeltaNet in_proj
-    assert gemv_splits(h200, 1024, 2048) == 2  # 16 groups: two a warp at most
-    assert gemv_splits(h200, 256, 64) == 1  # one group: nothing to split

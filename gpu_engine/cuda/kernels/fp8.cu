@@ -89,10 +89,6 @@ extern "C" __global__ void fp8_silu_mul_quant_bf16(const bf16_t* gate_up, long l
 // the total (the scales are constant over a group). Within a group the k order is free as long as both operands
 // use the same one: lane (gid, tig) loads 16 contiguous bytes of its W rows and of its token row at
 // 16 * tig and 64 + 16 * tig, and feeds them to the mma as its k-slots, so every load is a 16-byte vector.
-// Split k (gridDim.y = splits > 1, for projections with few 16-row tiles and a long k, e.g. the MLP's down): block
-// (tile, s) takes the groups s * WARPS + w, step WARPS * splits, stores its sums in `partial`, and the last block of
-// the tile to finish (counters[tile], left at 0 for the next launch) adds the splits' sums in split order
-// (deterministic) and writes y.
 #define FP8_GEMV_WARPS 8
 
 __device__ __forceinline__ void mma_e4m3(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
@@ -113,10 +109,8 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
                                          long long xq_ld, const float* __restrict__ sx, long long sx_g,
                                          long long sx_m, const u8_t* __restrict__ w, long long w_ld,
                                          const float* __restrict__ sw, long long sw_nb, long long sw_kb, int m,
-                                         int n, int k, float* __restrict__ partial,
-                                         unsigned int* __restrict__ counters) {
+                                         int n, int k) {
     pdl_entry();
-    const int splits = gridDim.y;
     __shared__ float red[FP8_GEMV_WARPS][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int n0 = blockIdx.x * 16;
@@ -129,7 +123,7 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
 #pragma unroll 2
-    for (int g = blockIdx.y * FP8_GEMV_WARPS + warp; g < groups; g += FP8_GEMV_WARPS * splits) {
+    for (int g = warp; g < groups; g += FP8_GEMV_WARPS) {
         const int c0 = g * 128 + tig * 16, c1 = c0 + 64;
         const uint4 w00 = load16(w, r0, w_ld, c0, r0 < n && c0 < k), w01 = load16(w, r0, w_ld, c1, r0 < n && c1 < k);
         const uint4 w10 = load16(w, r1, w_ld, c0, r1 < n && c0 < k), w11 = load16(w, r1, w_ld, c1, r1 < n && c1 < k);
@@ -162,38 +156,15 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
         for (int i = 0; i < 4; ++i) red[warp][t * 4 + i][lane] = acc[t][i];
     __syncthreads();
     if (warp != 0) return;
-    float v[NT * 4];
-#pragma unroll
-    for (int j = 0; j < NT * 4; ++j) {
-        v[j] = 0.f;
-#pragma unroll
-        for (int wi = 0; wi < FP8_GEMV_WARPS; ++wi) v[j] += red[wi][j][lane];
-    }
-    if (splits > 1) {
-        float* mine = partial + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * (NT * 4 * 32);
-#pragma unroll
-        for (int j = 0; j < NT * 4; ++j) mine[j * 32 + lane] = v[j];
-        __threadfence();  // the sums are visible before the count says so
-        __syncwarp();
-        unsigned int last = 0;
-        if (lane == 0) last = atomicAdd(counters + blockIdx.x, 1u) == (unsigned int)(splits - 1);
-        if (!__shfl_sync(0xffffffffu, last, 0)) return;
-        __threadfence();
-#pragma unroll
-        for (int j = 0; j < NT * 4; ++j) {
-            float total = 0.f;
-            for (int sp = 0; sp < splits; ++sp)
-                total += __ldcg(partial + ((long long)sp * gridDim.x + blockIdx.x) * (NT * 4 * 32) + j * 32 + lane);
-            v[j] = total;
-        }
-        if (lane == 0) counters[blockIdx.x] = 0u;
-    }
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+            float v = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < FP8_GEMV_WARPS; ++wi) v += red[wi][t * 4 + i][lane];
             const int row = i < 2 ? r0 : r1, tok = t * 8 + tig * 2 + (i & 1);
-            if (row < n && tok < m) y[(long long)tok * y_ld + row] = from_f<bf16_t>(v[t * 4 + i]);
+            if (row < n && tok < m) y[(long long)tok * y_ld + row] = from_f<bf16_t>(v);
         }
     }
 }
@@ -202,9 +173,8 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
     extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 2)                                          \
         fp8_gemv_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
                             long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,         \
-                            long long sw_nb, long long sw_kb, int m, int n, int k, float* partial,                  \
-                            unsigned int* counters) {                                                               \
-        fp8_gemv<NT>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k, partial, counters);    \
+                            long long sw_nb, long long sw_kb, int m, int n, int k) {                                \
+        fp8_gemv<NT>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k);                       \
     }
 FP8_GEMV_ENTRY(1)
 FP8_GEMV_ENTRY(2)
