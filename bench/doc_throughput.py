@@ -136,7 +136,8 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
     enc = int(args.encoder_cache_gib * (1 << 30)) or None
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                           kv_cache_bytes=kv, encoder_cache_bytes=enc, min_prefill_tokens=args.min_prefill_tokens,
-                          max_prefill_hold_steps=args.max_prefill_hold_steps)
+                          max_prefill_hold_steps=args.max_prefill_hold_steps,
+                          enable_jump_forward=not args.no_jump_forward)
     if runner != "cuda":
         return Engine.from_pretrained(folder, runner=runner, config=config)
     from gpu_engine.cuda.options import CudaOptions
@@ -376,6 +377,7 @@ def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, cei
     row["engine_state_slots"] = engine.config.state_slots
     row["min_prefill_tokens"] = engine.config.min_prefill_tokens
     row["max_prefill_hold_steps"] = engine.config.max_prefill_hold_steps
+    row["enable_jump_forward"] = engine.config.enable_jump_forward
     runner = engine.runner
     if hasattr(runner, "graph_memory_cap"):  # the CUDA runner's decode graphs at the end of the run
         row["cuda_graphs"] = {"captured": len(getattr(runner, "_graphs", {})),
@@ -569,6 +571,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-prefill-tokens", type=int, default=0,
                         help="EngineConfig.min_prefill_tokens: hold prompt chunks until this many are ready")
     parser.add_argument("--max-prefill-hold-steps", type=int, default=4)
+    parser.add_argument("--no-jump-forward", action="store_true",
+                        help="EngineConfig.enable_jump_forward=False: grammar-forced tokens one per decode step (a "
+                             "step with a forced run is not a plain decode step: no CUDA graph)")
     parser.add_argument("--kv-cache-gib", type=float, default=24.0, help="0: the engine's default (runner-sized)")
     parser.add_argument("--encoder-cache-gib", type=float, default=2.0, help="0: the engine's and runner's defaults")
     parser.add_argument("--image-max-pixels", type=int, default=QWEN_IMAGE_MAX_PIXELS)
