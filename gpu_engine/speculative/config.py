@@ -19,11 +19,11 @@ class SpeculativeConfigError(EngineError, ValueError):
 class SpeculativeConfig:
     # Drafts per sequence per step (k; the verify window is k + 1 tokens). 0 turns speculation off engine-wide.
     num_tokens: int = 3
-    # The cost rule of `auto`: a step speculates only while (sequences that draft) * (k + 1) stays within this many
-    # tokens. A decode step is bound by reading the weights until the batch reaches the GEMMs' compute knee; up to
-    # there the k extra tokens per sequence ride along almost free, past it every rejected draft costs a full
-    # token's compute. 128 is a conservative knee for a 27B-class model on one H200 (a measurement for the CUDA
-    # runner, bench/; the reference runner runs tokens one by one, so it gains nothing either way).
+    # The cost rule of `auto`: a step's decoding sequences (one token each) plus all drafts of `auto` requests stay
+    # within this many tokens; past it `auto` sequences get fewer drafts, then none. A decode step is bound by
+    # reading the weights until its batch reaches the GEMMs' compute knee: up to there drafts ride along almost
+    # free, past it every rejected draft costs a full token's compute. 128 is a conservative knee for a 27B-class
+    # model on one H200 (to be measured for the CUDA runner, bench/; the reference runner gains nothing either way).
     max_step_tokens: int = 128
     # Prompt lookup: the longest / shortest tail n-gram matched against the prompt, output and lookup text.
     ngram_max: int = 4

@@ -5,9 +5,9 @@ verification of each window, the rollback of the rest (linear-attention state, K
 Drafters (`SamplingParams.speculative`): "ngram" is prompt lookup (prompt, output so far, and the request's
 lookup_text); "mtp" is the checkpoint's MTP head, run by the runner after each step; "auto" (the default) takes a
 prompt-lookup match when there is one and the MTP head's drafts otherwise (when the runner has one), and obeys the
-cost rule (config.py): a step speculates only while (drafting sequences) * (k + 1) <= max_step_tokens. "off" never
-drafts. Runners without verify (runner_api.py: supports_verify) run every request without speculation; a request
-that names a drafter such a runner cannot serve is refused at add_request.
+cost rule (config.py): `auto` drafts only with the tokens a step has left under max_step_tokens after one per
+decoding sequence. "off" never drafts. Runners without verify (runner_api.py: supports_verify) run every request
+without speculation; a request that names a drafter such a runner cannot serve is refused at add_request.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def spec_counters() -> dict[str, int]:
         "spec_draft_tokens": 0,  # drafts verified
         "spec_accepted_tokens": 0,  # drafts accepted
         "spec_rejected_tokens": 0,  # drafts rejected (their KV freed, linear state rolled back)
-        "spec_auto_off_steps": 0,  # steps where the cost rule turned `auto` off
+        "spec_auto_off_steps": 0,  # steps where the cost rule left an `auto` sequence without drafts
         "spec_grammar_cut_tokens": 0,  # drafts cut before verification because the grammar refused them
         "mtp_head_runs": 0,  # MTP head calls (KV fill + chained drafts)
     }
@@ -76,17 +76,21 @@ class Speculator:
         if not self.can_verify:
             return
         k = self.config.num_tokens
-        ready = [s for s in running if s.params.speculative != "off" and s.status is SeqStatus.RUNNING
-                 and s.num_uncomputed == 1 and s.num_computed >= s.prompt_len and s.remaining_tokens > 1]
-        auto_on = len(ready) * (k + 1) <= self.config.max_step_tokens
-        if not auto_on and any(s.params.speculative == "auto" for s in ready):
-            self.counters["spec_auto_off_steps"] += 1
+        decoding = [s for s in running if s.status is SeqStatus.RUNNING and s.num_uncomputed == 1
+                    and s.num_computed >= s.prompt_len]
+        # The cost rule: `auto` drafts only with the tokens the step has left under max_step_tokens.
+        room = self.config.max_step_tokens - len(decoding)
+        cut = False
         free = blocks.num_free_blocks
-        for seq in ready:
+        for seq in decoding:
             method = seq.params.speculative
-            if method == "auto" and not auto_on:
+            if method == "off" or seq.remaining_tokens <= 1:
                 continue
-            drafts = (self.override or self.drafters[method]).propose(seq, k)
+            want = k if method != "auto" else min(k, max(room, 0))
+            if want == 0:
+                cut = True
+                continue
+            drafts = (self.override or self.drafters[method]).propose(seq, want)
             if drafts and seq.matcher is not None:
                 ok = int(seq.matcher.validate_tokens(drafts))  # drafts the grammar refuses are never verified
                 self.counters["spec_grammar_cut_tokens"] += len(drafts) - ok
@@ -98,6 +102,9 @@ class Speculator:
                 continue
             free -= extra
             seq.set_drafts(drafts)
+            room -= seq.num_drafts
+        if cut:
+            self.counters["spec_auto_off_steps"] += 1
 
     # ---- the step's chunks ----
     @staticmethod

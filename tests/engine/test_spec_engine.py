@@ -225,10 +225,20 @@ def test_auto_turns_speculation_off_for_large_batches(folder: Path, plain: dict[
     eng = Engine.from_pretrained(folder, config=EngineConfig(max_num_seqs=5, block_size=4),
                                  speculative=SpeculativeConfig(num_tokens=3, max_step_tokens=8))
     eng.spec.override = Replay(plain, 0.0, VOCAB)
-    got = run(eng, GREEDY)  # 5 sequences * 4 tokens > 8: no speculation until only 2 are left
+    windows: list[int] = []  # per step: decoding sequences + drafts
+    propose = eng.spec.propose
+
+    def spy(running: list[Any], blocks: Any) -> None:
+        propose(running, blocks)
+        decoding = [s for s in running if s.num_uncomputed == 1 and s.num_computed >= s.prompt_len]
+        windows.append(len(decoding) + sum(s.num_drafts for s in decoding))
+
+    eng.spec.propose = spy  # type: ignore[method-assign]
+    got = run(eng, GREEDY)  # 5 decoding sequences leave room for 3 drafts of 8 tokens, 4 for 4, ...
     st = eng.stats()
     assert {r: o.token_ids for r, o in got.items()} == plain
-    assert st["spec_auto_off_steps"] > 0
+    assert st["spec_auto_off_steps"] > 0 and st["spec_draft_tokens"] > 0
+    assert max(windows) <= 8 and 8 in windows
     eng = Engine.from_pretrained(folder, config=EngineConfig(max_num_seqs=5, block_size=4),
                                  speculative=SpeculativeConfig(num_tokens=3, max_step_tokens=8))
     eng.spec.override = Replay(plain, 0.0, VOCAB)
