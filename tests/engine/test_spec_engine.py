@@ -268,3 +268,13 @@ def test_a_runner_that_cannot_verify_runs_without_speculation(folder: Path, plai
         engine(folder).add_request([1, 2, 3], SamplingParams(speculative="eagle"))
     with pytest.raises(RequestError, match="no MTP head"):
         engine(folder).add_request([1, 2, 3], SamplingParams(speculative="mtp"))
+
+
+def test_cache_pressure_preempts_and_stays_exact(folder: Path, plain: dict[str, list[int]]) -> None:
+    """Too few blocks for all five: sequences are preempted and recomputed mid-speculation; drafts never force a
+    preemption of their own, and the output is still plain decoding's."""
+    eng = engine(folder, num_kv_blocks=40)
+    eng.spec.override = Replay(plain, 0.3, VOCAB, seed=5)
+    got = run(eng, GREEDY, check_blocks=True)
+    assert {r: o.token_ids for r, o in got.items()} == plain
+    assert eng.stats()["preemptions"] > 0 and eng.stats()["spec_verify_windows"] > 0

@@ -44,11 +44,11 @@ def mtp_model(folder: Path) -> tuple[ReferenceRunner, gpu_engine.LoadedModel]:
     return ReferenceRunner(loaded.config, weights), loaded
 
 
-def mtp_engine(folder: Path, k: int = K) -> Engine:
+def mtp_engine(folder: Path, k: int = K, num_kv_blocks: int | None = None) -> Engine:
     runner, loaded = mtp_model(folder)
     return Engine(runner, Tokenizer.from_pretrained(folder), vocab_size=runner.config.text.vocab_size,
-                  config=EngineConfig(max_num_seqs=3, block_size=4), speculative=SpeculativeConfig(num_tokens=k),
-                  prepare=loaded.prepare)
+                  config=EngineConfig(max_num_seqs=3, block_size=4, num_kv_blocks=num_kv_blocks),
+                  speculative=SpeculativeConfig(num_tokens=k), prepare=loaded.prepare)
 
 
 def from_scratch(runner: Any, seq: Sequence, k: int) -> list[int]:
@@ -159,3 +159,12 @@ def test_a_checkpoint_with_an_incomplete_head_loads_without_one(folder: Path) ->
     del partial["fc.weight"]
     runner = ReferenceRunner(loaded.config, ModelWeights(w.text, w.vision, w.lm_head, mtp=partial))
     assert not runner.mtp_head and runner.kv_bytes_per_block(4) == loaded.runner.kv_bytes_per_block(4)
+
+
+def test_preempted_sequences_refill_the_head(folder: Path) -> None:
+    eng = mtp_engine(folder, num_kv_blocks=22)  # three sequences of up to 47 tokens in 88 token slots
+    got, checked = run_checking_drafts(eng, PROMPTS)
+    plain = mtp_engine(folder, k=0)
+    want = {f"r{i}": plain.generate([p], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+            for i, p in enumerate(PROMPTS)}
+    assert got == want and checked > 20 and eng.stats()["preemptions"] > 0
