@@ -52,7 +52,7 @@ def _fill(ctx: Any, arr: Any, block: Any) -> None:
 def run(reps: int) -> dict[str, Any]:
     from gpu_engine.cuda.bf16 import f32_to_bf16_bits
     from gpu_engine.cuda.context import GpuContext
-    from gpu_engine.cuda.linear import DenseLinear
+    from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
     from gpu_engine.cuda.moe import MoeLayer
 
     text, _, _ = moe_model_shape("35b-a3b")
@@ -73,9 +73,12 @@ def run(reps: int) -> dict[str, Any]:
                 return arr
             return ctx.to_device((rng.standard_normal(shape) * scale).astype(np.float32), "bf16", name)
 
-        layer = MoeLayer(e, k, rand((e + 1, h), "router", 0.05), rand((e, 2 * inter, h), "gu"),
-                         rand((e, h, inter), "down"), DenseLinear(rand((2 * s, h), "sgu")),
-                         DenseLinear(rand((h, s), "sd")))
+        stacked = s == inter  # as moe_weights uploads 35B-A3B: the shared expert is expert E of the stacks
+        stacks = e + stacked
+        shared = None if stacked else SwigluMlp(DenseLinear(rand((2 * s, h), "sgu")), DenseLinear(rand((h, s), "sd")))
+        layer = MoeLayer(e, k, rand((e + 1, h), "router", 0.05), rand((stacks, 2 * inter, h), "gu"),
+                         rand((stacks, h, inter), "down"), shared)
+        out["shared_stacked"] = stacked
         # ceilings: copy bandwidth (read + write) and the dense GEMM rate
         big = ctx.empty((1 << 30,), "bf16", "copy")
         _fill(ctx, big, block)
@@ -120,7 +123,7 @@ def run(reps: int) -> dict[str, Any]:
             for xi, yi in zip(xs, ys):  # eager: plans, modules; the routing of each input
                 mark = ctx.arena.mark()
                 bufs = layer.forward(ctx, yi, xi, batch)
-                ids = ctx.to_host(bufs.ids)
+                ids = ctx.to_host(bufs.ids)[:, :k]  # routed experts (the stacked shared one is counted apart)
                 tiles = ctx.to_host(bufs.tiles)
                 used = tiles[tiles[:, 2] > 0, 0]
                 tiles_max = max(tiles_max, int(np.bincount(used).max()))

@@ -9,8 +9,10 @@ decode step with its routing is captured in a CUDA graph like any other:
 4. the grouped gate|up GEMM (one launch for all experts, rows gathered from x, silu(gate) * up in its epilogue) and
    the grouped down GEMM (one launch) into expert-sorted rows; each block streams its slice of one expert's weight
    once, so a decode step reads each chosen expert's weights once;
-5. the shared expert through the dense linear layers (linear.py: BF16 or block-FP8);
-6. moe_combine: y = sum of the k weighted expert rows + gate * shared output, per token.
+5. the shared expert: when its width equals the experts' (35B-A3B: 512 = 512) it is expert E of the stacks and every
+   token's entry k (weight sigmoid(gate)), so the same two launches run it; otherwise the dense linear layers
+   (linear.SwigluMlp: BF16 or block-FP8);
+6. moe_combine: y = sum of the weighted expert rows (+ gate * shared output), per token.
 Routed experts are bf16 / f32 stacks [E, 2I, H] and [E, H, I] (moe_weights.py); an FP8 expert stack would be
 another `ExpertStack` format behind the same grouped-GEMM call.
 """
@@ -22,7 +24,7 @@ import numpy as np
 
 from .context import DArray, GpuContext
 from .errors import ShapeError
-from .linear import Linear
+from .linear import SwigluMlp
 from .moe_plan import (
     MAX_EXPERTS,
     MAX_TOP_K,
@@ -43,15 +45,15 @@ class MoeBuffers:
     """One call's routing scratch (arena, released by the caller): what the checks read back."""
 
     logits: DArray  # f32 [m, ld]: router logits, then the shared gate's in column E
-    ids: DArray  # i32 [m, k]
-    weights: DArray  # f32 [m, k]
+    ids: DArray  # i32 [m, slots]: k routed (+ the stacked shared expert E)
+    weights: DArray  # f32 [m, slots]
     shared_gate: DArray  # f32 [m]
     offsets: DArray  # i32 [E + 1]
     tiles: DArray  # i32 [max_tiles, 3]
-    sorted_token: DArray  # i32 [m * k]
-    entry_row: DArray  # i32 [m * k]
-    act: DArray  # [m * k, I] silu(gate) * up of the sorted rows
-    expert_out: DArray  # [m * k, H] each sorted row's expert output
+    sorted_token: DArray  # i32 [m * slots]
+    entry_row: DArray  # i32 [m * slots]
+    act: DArray  # [m * slots, I] silu(gate) * up of the sorted rows
+    expert_out: DArray  # [m * slots, H] each sorted row's expert output
     tile: GemmTile
 
 
@@ -60,14 +62,14 @@ class MoeLayer:
     num_experts: int
     top_k: int
     router: DArray  # [E + 1, H]: the router's rows, then shared_expert_gate's
-    gate_up: DArray  # [E, 2I, H] (gate rows, then up rows, per expert)
-    down: DArray  # [E, H, I]
-    shared_gate_up: Linear  # [2S, H]
-    shared_down: Linear  # [H, S]
+    gate_up: DArray  # [stacks, 2I, H] (gate rows, then up rows, per expert)
+    down: DArray  # [stacks, H, I]
+    shared: SwigluMlp | None  # the shared expert as linear layers; None: it is expert E of the stacks (stacks E + 1)
 
     def __post_init__(self) -> None:
-        e, two_i, h = self.gate_up.shape
-        if (e != self.num_experts or two_i % 2 or self.down.shape != (e, h, two_i // 2)
+        stacks, two_i, h = self.gate_up.shape
+        e = self.num_experts
+        if (stacks != e + (self.shared is None) or two_i % 2 or self.down.shape != (stacks, h, two_i // 2)
                 or self.router.shape != (e + 1, h)):
             raise ShapeError(f"MoE weights disagree: router {self.router.shape}, gate_up {self.gate_up.shape}, "
                              f"down {self.down.shape} for {self.num_experts} experts")
@@ -84,36 +86,41 @@ class MoeLayer:
         return self.down.shape[2]
 
     @property
+    def slots(self) -> int:
+        """Entries a token has in the plan: its k experts, and the shared expert when it is stacked."""
+        return self.top_k + (self.shared is None)
+
+    @property
     def nbytes(self) -> int:
-        return (self.router.nbytes + self.gate_up.nbytes + self.down.nbytes + self.shared_gate_up.nbytes
-                + self.shared_down.nbytes)
+        shared = 0 if self.shared is None else self.shared.gate_up.nbytes + self.shared.down.nbytes
+        return self.router.nbytes + self.gate_up.nbytes + self.down.nbytes + shared
 
     def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> None:
         self.forward(ctx, y, x, m)
 
     def forward(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> MoeBuffers:
         """y [m, H] = the layer's MLP of x [m, H] (enqueue only; scratch from the arena, the caller releases it)."""
-        dtype, e, k, h, inter = x.dtype, self.num_experts, self.top_k, self.hidden, self.inter
+        dtype, e, slots, h, inter = x.dtype, self.num_experts, self.slots, self.hidden, self.inter
+        stacks = self.gate_up.shape[0]
         if y.dtype != dtype or self.gate_up.dtype != dtype or x.shape[-1] != h:
             raise ShapeError(f"MoE layer: x {x.shape} {x.dtype}, y {y.dtype}, experts {self.gate_up.dtype} (H {h})")
         ld = -(-(e + 1) // 8) * 8
         logits = ctx.empty((m, ld), "f32", "moe.logits")
         ctx.blas.linear(logits.ptr, x.ptr, self.router.ptr, m, e + 1, h, dtype=dtype, y_dtype="f32", y_ld=ld)
-        ids, weights, gate = (ctx.empty((m, k), "i32", "moe.ids"), ctx.empty((m, k), "f32", "moe.weights"),
-                              ctx.empty((m,), "f32", "moe.shared_gate"))
-        route(ctx, ids, weights, gate, logits, e)
-        tile = choose_tile(m, k, e)
-        bufs = plan(ctx, ids, e, tile)
-        act = ctx.empty((m * k, inter), dtype, "moe.act")
-        out = ctx.empty((m * k, h), dtype, "moe.expert_out")
+        ids, weights, gate = (ctx.empty((m, slots), "i32", "moe.ids"),
+                              ctx.empty((m, slots), "f32", "moe.weights"), ctx.empty((m,), "f32", "moe.shared_gate"))
+        route(ctx, ids, weights, gate, logits, e, self.top_k)
+        tile = choose_tile(m, slots, stacks)
+        bufs = plan(ctx, ids, stacks, tile)
+        act = ctx.empty((m * slots, inter), dtype, "moe.act")
+        out = ctx.empty((m * slots, h), dtype, "moe.expert_out")
         grouped_gemm(ctx, act, x, h, bufs.sorted_token, self.gate_up, bufs.tiles, tile, swiglu=True)
         grouped_gemm(ctx, out, act, inter, None, self.down, bufs.tiles, tile, swiglu=False)
-        s = self.shared_gate_up.shape[0] // 2
-        shared_gu = ctx.empty((m, 2 * s), dtype, "moe.shared_gate_up")
-        self.shared_gate_up(ctx, shared_gu, x, m)
-        shared_y = ctx.empty((m, h), dtype, "moe.shared_out")
-        self.shared_down.swiglu(ctx, shared_y, shared_gu, m)
-        combine(ctx, y, out, bufs.entry_row, weights, gate, shared_y, m, k)
+        shared_y = None
+        if self.shared is not None:
+            shared_y = ctx.empty((m, h), dtype, "moe.shared_out")
+            self.shared(ctx, shared_y, x, m)
+        combine(ctx, y, out, bufs.entry_row, weights, gate, shared_y, m, slots)
         return MoeBuffers(logits, ids, weights, gate, bufs.offsets, bufs.tiles, bufs.sorted_token, bufs.entry_row,
                           act, out, tile)
 
@@ -126,16 +133,21 @@ class PlanBuffers:
     entry_row: DArray
 
 
-def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, logits: DArray, experts: int) -> None:
-    """Top-k of softmax(logits[:, :E]) renormalised, and sigmoid(logits[:, E]); logits f32 [m, ld >= E + 1]."""
-    m, k = ids.shape
-    ld = logits.shape[1]
-    if logits.dtype != "f32" or ld < experts + 1 or logits.shape[0] < m or weights.shape != (m, k):
-        raise ShapeError(f"moe_route: logits {logits.shape} {logits.dtype}, ids {ids.shape}, weights {weights.shape}")
+def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, logits: DArray, experts: int,
+          top_k: int) -> None:
+    """Top-k of softmax(logits[:, :E]) renormalised into ids / weights [m, top_k], and sigmoid(logits[:, E]) into
+    shared_gate; ids / weights [m, top_k + 1] also get (E, sigmoid) as each token's last entry (the stacked shared
+    expert). logits f32 [m, ld >= E + 1]."""
+    m, stride = ids.shape
+    ld, k = logits.shape[1], top_k
+    if (logits.dtype != "f32" or ld < experts + 1 or logits.shape[0] < m or weights.shape != (m, stride)
+            or stride not in (k, k + 1)):
+        raise ShapeError(f"moe_route: logits {logits.shape} {logits.dtype}, ids {ids.shape}, weights {weights.shape}"
+                         f" for top-{k}")
     if not 0 < k <= min(experts, MAX_TOP_K) or experts > MAX_EXPERTS:
         raise ShapeError(f"moe_route: top-{k} of {experts} experts (at most {MAX_EXPERTS}, k <= {MAX_TOP_K})")
     ctx.device.launch("moe", "moe_route", -(-m // 4), 128, logits.ptr, i32(ld), i32(m), i32(experts), i32(k),
-                      ids.ptr, weights.ptr, shared_gate.ptr)
+                      i32(stride), ids.ptr, weights.ptr, shared_gate.ptr)
 
 
 def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile) -> PlanBuffers:
@@ -182,10 +194,12 @@ def grouped_gemm(ctx: GpuContext, y: DArray, x: DArray, x_ld: int, row_src: DArr
 
 
 def combine(ctx: GpuContext, y: DArray, expert_out: DArray, entry_row: DArray, weights: DArray, shared_gate: DArray,
-            shared_y: DArray, m: int, k: int) -> None:
-    """y[t] = sum_j weights[t, j] expert_out[entry_row[t, j]] + shared_gate[t] shared_y[t]."""
+            shared_y: DArray | None, m: int, k: int) -> None:
+    """y[t] = sum_j<k weights[t, j] expert_out[entry_row[t, j]] (+ shared_gate[t] shared_y[t])."""
     h = y.shape[-1]
-    if expert_out.shape[-1] != h or shared_y.shape[-1] != h or len({y.dtype, expert_out.dtype, shared_y.dtype}) != 1:
-        raise ShapeError(f"moe_combine: y {y.shape}, expert_out {expert_out.shape}, shared {shared_y.shape}")
+    dtypes = {y.dtype, expert_out.dtype} | ({shared_y.dtype} if shared_y is not None else set())
+    if expert_out.shape[-1] != h or (shared_y is not None and shared_y.shape[-1] != h) or len(dtypes) != 1:
+        raise ShapeError(f"moe_combine: y {y.shape}, expert_out {expert_out.shape}, shared "
+                         f"{shared_y.shape if shared_y is not None else None}")
     ctx.device.launch("moe", f"moe_combine_{y.dtype}", m, 256, y.ptr, expert_out.ptr, entry_row.ptr, weights.ptr,
-                      i32(k), shared_gate.ptr, shared_y.ptr, i32(m), i32(h))
+                      i32(k), shared_gate.ptr, shared_y.ptr if shared_y is not None else 0, i32(m), i32(h))

@@ -70,16 +70,17 @@ def tensor_core_fits(dtype: str, k: int, x_ld: int, *ptrs: int) -> bool:
 
 def scratch_bytes_per_token(text: Any, itemsize: int) -> int:
     """Upper estimate of one MoE layer's step scratch per token (moe.py's buffers; 0 for a dense model): router
-    logits (E + 1 padded, f32), top-k ids / weights / rows / sorted tokens, the routed activations [k, I] and
-    outputs [k, H], the shared expert's gate|up, activation and output, and the tile table."""
+    logits (E + 1 padded, f32), the k + 1 entries' ids / weights / rows / sorted tokens (k routed and, when it is
+    stacked, the shared expert), their activations [I] and outputs [H], else the shared expert's gate|up, activation
+    and output, and the tile table (the tile bound's fixed part is left to the plan's margin)."""
     moe = getattr(text, "moe", None)
     if moe is None:
         return 0
-    e, k = int(moe.num_experts), int(moe.num_experts_per_tok)
+    e, slots = int(moe.num_experts), int(moe.num_experts_per_tok) + 1
     inter, shared, hidden = int(moe.moe_intermediate_size), int(moe.shared_expert_intermediate_size), int(
         text.hidden_size)
-    return ((_round_up(e + 1, 8) + 4 * k + 1) * 4 + k * (inter + hidden) * itemsize
-            + (3 * shared + hidden) * itemsize + 3 * 4 * (k + 1))
+    return ((_round_up(e + 1, 8) + 4 * slots + 1) * 4 + slots * (inter + hidden) * itemsize
+            + (3 * shared + hidden) * itemsize + 3 * 4 * slots)
 
 
 def _round_up(x: int, to: int) -> int:

@@ -31,7 +31,7 @@ import numpy as np
 from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
 
 TOL = {"bf16": 1e-2, "f32": 1e-4}
-ROUTE_CASES = ((1, 256, 8), (33, 6, 2), (1000, 256, 8), (7, 5, 3), (64, 512, 10))
+ROUTE_CASES = ((1, 256, 8, False), (33, 6, 2, False), (1000, 256, 8, True), (7, 5, 3, True), (64, 512, 10, False))
 # (name, tokens, experts, top-k, hidden, intermediate, dtype, tile, path)
 GEMM_CASES = (
     ("decode b1 35b-like", 1, 32, 8, 2048, 512, "bf16", "decode", "mma"),
@@ -41,13 +41,16 @@ GEMM_CASES = (
     ("plain bf16 odd K", 40, 6, 2, 64, 21, "bf16", "decode", "simple"),
     ("plain f32", 50, 6, 3, 96, 40, "f32", "decode", "simple"),
 )
-# (tokens, experts, top-k, hidden, intermediate, shared, dtype)
+# (tokens, experts, top-k, hidden, intermediate, shared, dtype): shared == intermediate stacks the shared expert
 LAYER_CASES = ((1, 16, 4, 256, 96, 80, "bf16"), (7, 16, 4, 256, 96, 80, "f32"), (300, 16, 4, 256, 96, 80, "bf16"),
-               (32, 64, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"))
+               (1, 64, 8, 2048, 512, 512, "bf16"), (32, 64, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"),
+               (9, 6, 2, 64, 24, 24, "f32"), (700, 8, 2, 256, 128, 128, "bf16"))
 MODEL_CONFIGS = {
     "tiny moe (E6 top-2, I21)": {},
     "aligned moe (E8 top-3, I64)": {"hidden_size": 128, "num_experts": 8, "num_experts_per_tok": 3,
                                     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96},
+    "stacked shared (E7 top-2, I=S=32)": {"hidden_size": 64, "num_experts": 7, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
 }
 
 
@@ -82,7 +85,7 @@ class Checker:
         return np.stack([self.rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
 
     # ---- kernels ---------------------------------------------------------------------------------------------
-    def route(self, n: int, e: int, k: int) -> None:
+    def route(self, n: int, e: int, k: int, stacked: bool = False) -> None:
         from gpu_engine.cuda import moe
 
         ctx, ld = self.ctx, -(-(e + 1) // 8) * 8
@@ -92,17 +95,21 @@ class Checker:
             for other in self.rng.choice(e, 2, replace=False):
                 logits[r, other] = logits[r, top]
         d_logits = ctx.to_device(logits, "f32", "logits")
-        ids, w, g = ctx.empty((n, k), "i32", "ids"), ctx.empty((n, k), "f32", "w"), ctx.empty((n,), "f32", "g")
+        slots = k + stacked
+        ids, w, g = ctx.empty((n, slots), "i32", "ids"), ctx.empty((n, slots), "f32", "w"), ctx.empty((n,), "f32", "g")
         for arr in (ids, w, g):
             ctx.poison(arr)
-        moe.route(ctx, ids, w, g, d_logits, e)
+        moe.route(ctx, ids, w, g, d_logits, e, k)
         want_ids, want_w = route_reference(logits[:, :e], k)
+        gate = 1 / (1 + np.exp(-logits[:, e].astype(np.float64)))
+        if stacked:  # the shared expert as every token's entry k
+            want_ids = np.concatenate([want_ids, np.full((n, 1), e)], axis=1)
+            want_w = np.concatenate([want_w, gate[:, None]], axis=1)
         got_ids = ctx.to_host(ids)
         same = float(np.mean(np.all(got_ids == want_ids, axis=-1)))
-        gate = 1 / (1 + np.exp(-logits[:, e].astype(np.float64)))
         err = max(rel_err(ctx.to_host(w), want_w), rel_err(ctx.to_host(g), gate))
-        self.record(f"route n{n} E{e} top-{k} (ties)", "f32", err if same == 1.0 else float("nan"), 1e-5,
-                    f"ids equal the reference rule in {same:.4f} of the rows")
+        self.record(f"route n{n} E{e} top-{k}{' +shared' if stacked else ''} (ties)", "f32",
+                    err if same == 1.0 else float("nan"), 1e-5, f"ids equal the reference rule in {same:.4f} of rows")
 
     def plan(self, n: int, e: int, k: int, tile_name: str) -> None:
         from gpu_engine.cuda import moe
@@ -150,8 +157,7 @@ class Checker:
         self.record(f"gemm down {name}", dtype, rel_err(ctx.to_host(out), want_out), TOL[dtype], took2)
 
     def layer(self, n: int, e: int, k: int, h: int, inter: int, s: int, dtype: str) -> None:
-        from gpu_engine.config import MoeConfig
-        from gpu_engine.cuda.linear import DenseLinear
+        from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
         from gpu_engine.cuda.moe import MoeLayer
 
         ctx = self.ctx
@@ -166,16 +172,25 @@ class Checker:
                 "shared_expert_gate.weight": w(1, h)}
         x = rnd(self.rng.standard_normal((n, h)))
         put = ctx.to_device
+        sgu = np.concatenate([host["shared_expert.gate_proj.weight"], host["shared_expert.up_proj.weight"]])
+        stacked = s == inter  # as moe_weights uploads it: the shared expert is expert E of the stacks
+        gu_stack, dn_stack = host["experts.gate_up_proj"], host["experts.down_proj"]
+        if stacked:
+            gu_stack = np.concatenate([gu_stack, sgu[None]])
+            dn_stack = np.concatenate([dn_stack, host["shared_expert.down_proj.weight"][None]])
+        shared = None if stacked else SwigluMlp(DenseLinear(put(sgu, dtype, "sgu")),
+                                                DenseLinear(put(host["shared_expert.down_proj.weight"], dtype, "sd")))
         layer = MoeLayer(e, k, put(np.concatenate([host["gate.weight"], host["shared_expert_gate.weight"]]), dtype,
-                                   "router"),
-                         put(host["experts.gate_up_proj"], dtype, "gu"), put(host["experts.down_proj"], dtype, "dn"),
-                         DenseLinear(put(np.concatenate([host["shared_expert.gate_proj.weight"],
-                                                         host["shared_expert.up_proj.weight"]]), dtype, "sgu")),
-                         DenseLinear(put(host["shared_expert.down_proj.weight"], dtype, "sd")))
+                                   "router"), put(gu_stack, dtype, "gu"), put(dn_stack, dtype, "dn"), shared)
         y = ctx.empty((n, h), dtype, "y")
         ctx.poison(y)
         bufs = layer.forward(ctx, y, put(x, dtype, "x"), n)
         ids, weights = ctx.to_host(bufs.ids), ctx.to_host(bufs.weights).astype(np.float64)
+        gate64 = 1 / (1 + np.exp(-(x.astype(np.float64) @ host["shared_expert_gate.weight"].astype(np.float64).T)))
+        if stacked:  # every token's last entry: (E, sigmoid(gate)); the rest is the routing
+            ok = bool(np.all(ids[:, k] == e)) and rel_err(weights[:, k], gate64[:, 0]) <= 1e-4
+            self.record(f"MoeLayer n{n} E{e} shared entries", "f32", 0.0 if ok else float("nan"), 0.0)
+            ids, weights = ids[:, :k], weights[:, :k]
         x64 = x.astype(np.float64)
         logits = x64 @ host["gate.weight"].astype(np.float64).T
         want_ids, want_w = route_reference(logits, k)
@@ -189,7 +204,7 @@ class Checker:
         gu, dn = host["experts.gate_up_proj"], host["experts.down_proj"]
         want = swiglu(x64, host["shared_expert.gate_proj.weight"], host["shared_expert.up_proj.weight"],
                       host["shared_expert.down_proj.weight"])
-        want = want / (1 + np.exp(-(x64 @ host["shared_expert_gate.weight"].astype(np.float64).T)))
+        want = want * gate64
         for ex in np.unique(ids):  # the device's routing (its weights checked apart above)
             rows = np.nonzero(np.any(ids == ex, axis=-1))[0]
             scale = np.sum(weights[rows] * (ids[rows] == ex), axis=-1)
@@ -199,7 +214,8 @@ class Checker:
         routing_ok = bool(agree.all()) or not need_all
         self.record(f"MoeLayer n{n} E{e} top-{k} H{h} I{inter} S{s}", dtype,
                     err if routing_ok and w_err <= 1e-4 else float("nan"), TOL[dtype],
-                    f"{bufs.tile.name} tiles; routing agrees in {agree.mean():.3f} of tokens, weights err {w_err:.1e}")
+                    f"{bufs.tile.name} tiles{', shared stacked' if stacked else ''}; routing agrees in "
+                    f"{agree.mean():.3f} of tokens, weights err {w_err:.1e}")
 
 
 def run_kernels(seed: int) -> tuple[list[Result], dict]:
@@ -209,8 +225,8 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
     info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch}
     try:
         c = Checker(ctx, np.random.default_rng(seed))
-        for n, e, k in ROUTE_CASES:
-            c.run(f"route n{n} E{e}", "f32", lambda n=n, e=e, k=k: c.route(n, e, k))
+        for n, e, k, stacked in ROUTE_CASES:
+            c.run(f"route n{n} E{e}", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st))
         for n, e, k, tile in ((1, 256, 8, "decode"), (32, 256, 8, "decode"), (8192, 256, 8, "prefill"),
                               (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
             c.run(f"plan n{n} E{e}", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))

@@ -117,15 +117,21 @@ class EmulatedContext:
         else:
             raise AssertionError(f"no emulation of {family}/{name}")
 
-    def _route(self, logits: int, ld: int, n: int, e: int, k: int, ids: int, weights: int, gate: int) -> None:
+    def _route(self, logits: int, ld: int, n: int, e: int, k: int, stride: int, ids: int, weights: int,
+               gate: int) -> None:
         z = self.read(logits, "f32", (n, e + 1), ld).astype(np.float64)
         p = np.exp(z[:, :e] - z[:, :e].max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         chosen = np.argsort(-p, axis=-1, kind="stable")[:, :k]
         top = np.take_along_axis(p, chosen, axis=-1)
+        sg = 1 / (1 + np.exp(-z[:, e]))
+        w = top / top.sum(axis=-1, keepdims=True)
+        if stride > k:  # the stacked shared expert as every token's last entry
+            chosen = np.concatenate([chosen, np.full((n, 1), e)], axis=1)
+            w = np.concatenate([w, sg[:, None]], axis=1)
         self.write(ids, "i32", chosen)
-        self.write(weights, "f32", top / top.sum(axis=-1, keepdims=True))
-        self.write(gate, "f32", (1 / (1 + np.exp(-z[:, e])))[:, None])
+        self.write(weights, "f32", w)
+        self.write(gate, "f32", sg[None])
 
     def _plan(self, ids: int, entries: int, k: int, e: int, tile_m: int, bound: int, offsets: int, tiles: int,
               sorted_token: int, entry_row: int) -> None:
@@ -168,7 +174,7 @@ class EmulatedContext:
         rows = self.read(entry_row, "i32", (n, k))
         w = self.read(weights, "f32", (n, k)).astype(np.float64)
         g = self.read(gate, "f32", (1, n))[0].astype(np.float64)
-        sy = self.read(shared, t, (n, h)).astype(np.float64)
+        sy = self.read(shared, t, (n, h)).astype(np.float64) if shared else np.zeros((n, h))
         total = rows.max() + 1
         yv = self.read(ys, t, (int(total), h)).astype(np.float64)
         self.write(out, t, (g[:, None] * sy + np.einsum("nk,nkh->nh", w, yv[rows])).astype(np.float32))

@@ -22,8 +22,8 @@ def _assert_all_pass(c: Checker) -> None:
 
 def test_route_and_plan_checks_pass_on_the_emulation() -> None:
     c = _checker()
-    for n, e, k in ((1, 256, 8), (33, 6, 2), (7, 5, 3)):
-        c.run("route", "f32", lambda n=n, e=e, k=k: c.route(n, e, k))
+    for n, e, k, stacked in ((1, 256, 8, False), (33, 6, 2, True), (7, 5, 3, False)):
+        c.run("route", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st))
     for n, e, k, tile in ((1, 256, 8, "decode"), (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
         c.run("plan", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
     _assert_all_pass(c)
@@ -40,7 +40,8 @@ def test_gemm_checks_pass_on_the_emulation(case) -> None:
 
 
 @pytest.mark.parametrize("case", [(1, 16, 4, 64, 24, 16, "bf16"), (7, 6, 2, 32, 21, 37, "f32"),
-                                  (40, 8, 3, 32, 16, 8, "bf16")])
+                                  (40, 8, 3, 32, 16, 8, "bf16"), (9, 6, 2, 32, 24, 24, "f32"),
+                                  (30, 8, 2, 32, 16, 16, "bf16")])
 def test_layer_check_passes_on_the_emulation(case) -> None:
     c = _checker()
     c.run("layer", case[-1], lambda: c.layer(*case))
@@ -52,8 +53,8 @@ def test_the_checks_fail_a_wrong_kernel() -> None:
     ctx = c.ctx
     real_route, real_combine = ctx._route, ctx._combine
 
-    def lowest_ids_first(logits, ld, n, e, k, ids, weights, gate):  # ties broken the wrong way
-        real_route(logits, ld, n, e, k, ids, weights, gate)
+    def lowest_ids_first(logits, ld, n, e, k, stride, ids, weights, gate):  # ties broken the wrong way
+        real_route(logits, ld, n, e, k, stride, ids, weights, gate)
         z = ctx.read(logits, "f32", (n, e + 1), ld)[:, :e]
         chosen = np.argsort(-z[:, ::-1], axis=-1, kind="stable")[:, :k]
         ctx.write(ids, "i32", e - 1 - chosen)
@@ -64,13 +65,27 @@ def test_the_checks_fail_a_wrong_kernel() -> None:
     ctx._combine = lambda t, out, *a: real_combine(t, out, *a[:-2], a[-2] - 1, a[-1])  # forgets the last token
     c.run("layer", "f32", lambda: c.layer(5, 6, 2, 32, 16, 8, "f32"))
     assert [r.ok for r in c.results] == [False, False]
+    ctx._combine = real_combine
+    real_routed = ctx._route
+
+    def shared_weight_one(logits, ld, n, e, k, stride, ids, weights, gate):  # the stacked shared expert ungated
+        real_routed(logits, ld, n, e, k, stride, ids, weights, gate)
+        w = ctx.read(weights, "f32", (n, stride))
+        w[:, k:] = 1.0
+        ctx.write(weights, "f32", w)
+
+    ctx._route = shared_weight_one
+    c.run("layer", "f32", lambda: c.layer(5, 6, 2, 32, 16, 16, "f32"))
+    assert not any(r.ok for r in c.results[2:])
 
 
+@pytest.mark.parametrize("widths", [{}, {"moe_intermediate_size": 24, "shared_expert_intermediate_size": 24}])
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_uploaded_layers_compute_the_reference_mlp(tmp_path, layout: str, dtype: str) -> None:
+def test_uploaded_layers_compute_the_reference_mlp(tmp_path, layout: str, dtype: str, widths: dict) -> None:
     """A tiny checkpoint through upload_text_weights into the emulated device: every layer's MoeLayer gives
-    reference/moe.py's MoeMlp output (the router | shared-gate rows and the gate-then-up stacks wired right)."""
+    reference/moe.py's MoeMlp output (the router | shared-gate rows and the gate-then-up stacks wired right; with
+    equal widths the shared expert rides in the stacks)."""
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.weights import upload_text_weights
@@ -80,7 +95,7 @@ def test_uploaded_layers_compute_the_reference_mlp(tmp_path, layout: str, dtype:
     from tests.cuda_runner.harness import rel_err
 
     seed = int(np.random.default_rng().integers(1000))
-    folder = make_tiny_moe_checkpoint(tmp_path, seed=seed, layout=layout)
+    folder = make_tiny_moe_checkpoint(tmp_path, seed=seed, layout=layout, text_config=widths)
     config = ModelConfig.from_pretrained(folder)
     weights, _ = load_weights(folder, config)
     ctx = EmulatedContext(seed=seed)
@@ -95,5 +110,6 @@ def test_uploaded_layers_compute_the_reference_mlp(tmp_path, layout: str, dtype:
         x = rnd(rng.standard_normal((n, h)).astype(np.float32))
         y = ctx.empty((n, h), dtype, "y")
         ctx.poison(y)
+        assert (layer.mlp.shared is None) == bool(widths)
         layer.mlp(ctx, y, ctx.to_device(x, dtype, "x"), n)
         assert rel_err(ctx.to_host(y), MoeMlp(config.text.moe, mlp_w)(x)) <= (1e-5 if dtype == "f32" else 1e-2)

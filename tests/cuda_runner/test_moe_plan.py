@@ -16,7 +16,7 @@ from gpu_engine.config import MoeConfig
 from gpu_engine.cuda.arena import Arena
 from gpu_engine.cuda.context import ITEMSIZE, DArray
 from gpu_engine.cuda.errors import ShapeError
-from gpu_engine.cuda.linear import DenseLinear
+from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
 from gpu_engine.cuda.moe import MoeLayer
 from gpu_engine.cuda.moe_plan import (
     TILES,
@@ -147,27 +147,34 @@ class _Recorder:
         self.calls.append(("gemm", m, n, k, kw.get("dtype"), kw.get("y_dtype"), kw.get("y_ld")))
 
 
-def _layer(ctx: _Recorder, cfg: MoeConfig, h: int, dtype: str) -> MoeLayer:
+def _layer(ctx: _Recorder, cfg: MoeConfig, h: int, dtype: str, stacked: bool = False) -> MoeLayer:
+    """stacked: the shared expert as expert E of the stacks (its width must be the experts')."""
     e, inter, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    stacks = e + stacked
+    shared = None if stacked else SwigluMlp(DenseLinear(ctx.empty((2 * s, h), dtype, "sgu")),
+                                            DenseLinear(ctx.empty((h, s), dtype, "sd")))
     return MoeLayer(e, cfg.num_experts_per_tok, ctx.empty((e + 1, h), dtype, "router"),
-                    ctx.empty((e, 2 * inter, h), dtype, "gu"), ctx.empty((e, h, inter), dtype, "down"),
-                    DenseLinear(ctx.empty((2 * s, h), dtype, "sgu")), DenseLinear(ctx.empty((h, s), dtype, "sd")))
+                    ctx.empty((stacks, 2 * inter, h), dtype, "gu"), ctx.empty((stacks, h, inter), dtype, "down"),
+                    shared)
 
 
+@pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("m", [1, 32, 8192])
-def test_forward_launches_depend_on_the_token_count_only_and_fit_the_scratch_estimate(m: int) -> None:
+def test_forward_launches_depend_on_the_token_count_only_and_fit_the_scratch_estimate(m: int, stacked: bool) -> None:
     cfg, h, dtype = MoeConfig(256, 8, 512, 512), 2048, "bf16"
     ctx = _Recorder()
-    layer = _layer(ctx, cfg, h, dtype)
+    layer = _layer(ctx, cfg, h, dtype, stacked)
     x, y = ctx.empty((m, h), dtype, "x"), ctx.empty((m, h), dtype, "y")
     before = ctx.arena.used
     layer.forward(ctx, y, x, m)
     scratch = ctx.arena.used - before
     names = [c[2] if c[0] == "launch" else "gemm" for c in ctx.calls]
-    tile = choose_tile(m, 8, 256)
+    slots, stacks = 8 + stacked, 256 + stacked
+    tile = choose_tile(m, slots, stacks)
+    shared = [] if stacked else ["gemm", "silu_mul_bf16", "gemm"]
     assert names == ["gemm", "moe_route", "moe_plan", f"moe_gemm_{tile.name}_swiglu_bf16",
-                     f"moe_gemm_{tile.name}_plain_bf16", "gemm", "silu_mul_bf16", "gemm", "moe_combine_bf16"]
-    bound = max_tiles(m * 8, 256, tile.bm)
+                     f"moe_gemm_{tile.name}_plain_bf16", *shared, "moe_combine_bf16"]
+    bound = max_tiles(m * slots, stacks, tile.bm)
     gate_up, down = ctx.calls[3], ctx.calls[4]
     assert gate_up[3] == (512 // (tile.bn // 2), bound) and down[3] == (-(-h // tile.bn), bound)
     assert ctx.calls[0][1:] == (m, 257, h, dtype, "f32", 264)  # router + shared gate: one GEMM, f32 logits
@@ -189,8 +196,9 @@ def test_odd_shapes_take_the_plain_kernel_and_bad_layers_are_refused() -> None:
     assert [c[2] for c in ctx.calls if c[0] == "launch" and "moe_gemm" in c[2]] == [
         "moe_gemm_simple_swiglu_f32", "moe_gemm_simple_plain_f32"]
     with pytest.raises(ShapeError, match="disagree"):
-        MoeLayer(6, 2, layer.router, layer.gate_up, ctx.empty((6, 64, 20), "bf16", "d"), layer.shared_gate_up,
-                 layer.shared_down)
+        MoeLayer(6, 2, layer.router, layer.gate_up, ctx.empty((6, 64, 20), "bf16", "d"), layer.shared)
+    with pytest.raises(ShapeError, match="disagree"):  # a stack without the shared expert's slot
+        MoeLayer(6, 2, layer.router, layer.gate_up, layer.down, None)
     with pytest.raises(ShapeError, match="top-k"):
-        MoeLayer(6, 7, layer.router, layer.gate_up, layer.down, layer.shared_gate_up, layer.shared_down)
+        MoeLayer(6, 7, layer.router, layer.gate_up, layer.down, layer.shared)
     assert scratch_bytes_per_token(SimpleNamespace(moe=None, hidden_size=64), 2) == 0

@@ -60,11 +60,11 @@ def test_both_layouts_upload_the_same_expert_stacks(both_layouts, dtype: str) ->
         e, inter, h = moe.num_experts, moe.moe_intermediate_size, config.text.hidden_size
         for i, layer in enumerate(tw.layers):
             mlp = layer.mlp
-            assert isinstance(mlp, MoeLayer) and not isinstance(mlp, SwigluMlp)
+            assert isinstance(mlp, MoeLayer) and isinstance(mlp.shared, SwigluMlp)  # widths 21 / 37: apart
             assert mlp.gate_up.shape == (e, 2 * inter, h) and mlp.down.shape == (e, h, inter)
             assert mlp.router.shape == (e + 1, h) and mlp.top_k == moe.num_experts_per_tok
-            assert isinstance(mlp.shared_gate_up, DenseLinear)
-            assert mlp.shared_gate_up.shape == (2 * moe.shared_expert_intermediate_size, h)
+            assert isinstance(mlp.shared.gate_up, DenseLinear)
+            assert mlp.shared.gate_up.shape == (2 * moe.shared_expert_intermediate_size, h)
             p = f"layers.{i}.mlp."
             text = weights.text
             router = ctx.sent[p + "router"]
@@ -81,6 +81,29 @@ def test_both_layouts_upload_the_same_expert_stacks(both_layouts, dtype: str) ->
     fused, per = sent["fused"], sent["per_expert"]
     names = [n for n in fused if ".mlp." in n]
     assert names and all(np.array_equal(fused[n], per[n]) for n in names)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_a_shared_expert_as_wide_as_the_experts_is_stacked_last(tmp_path, layout: str) -> None:
+    folder = make_tiny_moe_checkpoint(tmp_path, seed=4, dtype="bfloat16", layout=layout,
+                                      text_config={"moe_intermediate_size": 24, "shared_expert_intermediate_size": 24})
+    config = ModelConfig.from_pretrained(folder)
+    weights, _ = load_weights(folder, config)
+    ctx = RecordingContext()
+    tw = upload_text_weights(ctx, config.text, weights, "f32")
+    e, h = config.text.moe.num_experts, config.text.hidden_size
+    for i, layer in enumerate(tw.layers):
+        p, mlp = f"layers.{i}.mlp.", layer.mlp
+        assert isinstance(mlp, MoeLayer) and mlp.shared is None and mlp.slots == mlp.top_k + 1
+        assert mlp.gate_up.shape == (e + 1, 48, h) and mlp.down.shape == (e + 1, h, 24)
+        gu, dn = ctx.sent[p + "experts.gate_up"], ctx.sent[p + "experts.down"]
+        text = weights.text
+        np.testing.assert_array_equal(gu[e, :24], text[p + "shared_expert.gate_proj.weight"])
+        np.testing.assert_array_equal(gu[e, 24:], text[p + "shared_expert.up_proj.weight"])
+        np.testing.assert_array_equal(dn[e], text[p + "shared_expert.down_proj.weight"])
+        up0 = (text[p + "experts.0.up_proj.weight"] if layout == "per_expert"
+               else text[p + "experts.gate_up_proj"][0, 24:])
+        np.testing.assert_array_equal(gu[0, 24:], up0)
 
 
 def test_fp8_experts_are_refused_by_name(tmp_path) -> None:

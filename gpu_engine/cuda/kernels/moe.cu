@@ -9,9 +9,11 @@
 // ---- router ------------------------------------------------------------------------------------------------
 // One warp per token. logits f32 [n, ld]: columns 0..E-1 the router's, column E the shared expert gate's.
 // p = softmax(logits[:E]); the k largest p by falling value, ties toward the lower expert id (reference/moe.py's
-// stable sort); w = p / sum(p of the k). ids i32 [n, k], weights f32 [n, k], shared f32 [n] = sigmoid(logit E).
+// stable sort); w = p / sum(p of the k). ids i32 [n, stride], weights f32 [n, stride], shared f32 [n] =
+// sigmoid(logit E). stride = k + 1: the shared expert is expert E of the stacks, and every token's entry k is
+// (E, sigmoid(logit E)), so the grouped GEMMs run it with the routed experts.
 // Expert e lives in lane e % 32, slot e / 32 (E <= 1024: one bit a slot marks it taken).
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, int n, int E, int k,
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, int n, int E, int k, int stride,
                                      int* __restrict__ ids, float* __restrict__ weights,
                                      float* __restrict__ shared_gate) {
     pdl_entry();
@@ -46,10 +48,17 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
         if (lane == j) { my_p = bv; my_id = be; }
     }
     if (lane < k) {
-        ids[(long long)tok * k + lane] = my_id;
-        weights[(long long)tok * k + lane] = my_p / top_sum;
+        ids[(long long)tok * stride + lane] = my_id;
+        weights[(long long)tok * stride + lane] = my_p / top_sum;
     }
-    if (lane == 0) shared_gate[tok] = sigmoidf(row[E]);
+    if (lane == 0) {
+        const float sg = sigmoidf(row[E]);
+        shared_gate[tok] = sg;
+        if (stride > k) {
+            ids[(long long)tok * stride + k] = E;
+            weights[(long long)tok * stride + k] = sg;
+        }
+    }
 }
 
 // ---- routing plan ------------------------------------------------------------------------------------------
@@ -189,6 +198,7 @@ __device__ __forceinline__ void grouped_gemm(bf16_t* __restrict__ y, long long y
     const int mat = lane >> 3, mrow = lane & 7;
     const int a_lane = (wm * WM + (lane & 15)) * LDS + (lane >> 4) * 8;
     const int b_lane = (wn * WN + (mat >> 1) * 8 + mrow) * LDS + (mat & 1) * 8;
+    const int live_mt = min(MT, max(0, (rows - wm * WM + 15) / 16));  // warp-uniform: fragments holding rows
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage kt landed for all; everyone is done with the stage the next load overwrites
@@ -201,13 +211,15 @@ __device__ __forceinline__ void grouped_gemm(bf16_t* __restrict__ y, long long y
         for (int kk = 0; kk < BK / 16; ++kk) {
             unsigned a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], a_s + (unsigned)((a_lane + mt * 16 * LDS + kk * 16) * 2));
+            for (int mt = 0; mt < MT; ++mt)
+                if (mt < live_mt) ldsm_x4(a[mt], a_s + (unsigned)((a_lane + mt * 16 * LDS + kk * 16) * 2));
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 unsigned b[4];
                 ldsm_x4(b, b_s + (unsigned)((b_lane + np * 16 * LDS + kk * 16) * 2));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
+                    if (mt >= live_mt) continue;  // a 16-row fragment wholly past the tile's rows: nothing to add
                     mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
                     mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
                 }
@@ -319,7 +331,7 @@ MOE_SIMPLE_ENTRY(moe_gemm_simple_plain_bf16, bf16_t, false)
 
 // ---- combine -----------------------------------------------------------------------------------------------
 // out[t, c] = sum_j weights[t, j] * y_sorted[entry_row[t * k + j], c] + shared_gate[t] * shared_y[t, c], in fp32,
-// rounded once. One block per token.
+// rounded once (shared_y == nullptr: the shared expert is one of the k entries). One block per token.
 template <typename T>
 __device__ __forceinline__ void combine(T* __restrict__ out, const T* __restrict__ y_sorted,
                                         const int* __restrict__ entry_row, const float* __restrict__ weights,
@@ -328,9 +340,9 @@ __device__ __forceinline__ void combine(T* __restrict__ out, const T* __restrict
     pdl_entry();
     const int t = blockIdx.x;
     if (t >= n) return;
-    const float sg = shared_gate[t];
+    const float sg = shared_y ? shared_gate[t] : 0.f;
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float v = sg * to_f(shared_y[(long long)t * H + c]);
+        float v = shared_y ? sg * to_f(shared_y[(long long)t * H + c]) : 0.f;
         for (int j = 0; j < k; ++j) {
             const int r = entry_row[t * k + j];
             if (r >= 0) v = fmaf(weights[t * k + j], to_f(y_sorted[(long long)r * H + c]), v);
