@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import BlockManager
-from ..params import SamplingParams
+from ..params import RequestOutput, SamplingParams
 from ..runner_api import MtpDraftRequest
 from ..scheduler import ScheduledChunk
 from ..sequence import SeqStatus, Sequence
@@ -114,7 +114,7 @@ class Speculator:
 
     # ---- after the forward ----
     def verify(self, sc: ScheduledChunk, logits: np.ndarray, first_row: int, blocks: BlockManager, accept: Accept,
-               finish: Finish, structured: Callable[[], Any]) -> Any:
+               finish: Finish, structured: Callable[[], Any]) -> RequestOutput:
         """Verify one window (rows first_row ... of `logits`, one per chunk token) and roll the rest back."""
         seq = sc.seq
         base = seq.num_tokens  # position of the first draft
