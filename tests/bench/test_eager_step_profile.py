@@ -1,0 +1,44 @@
+"""bench/eager_step_profile.py's host parts: the blocked-time accounting and the sampling request it sends."""
+from __future__ import annotations
+
+import time
+
+import eager_step_profile as esp
+import numpy as np
+
+
+class SlowDevice:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sync(self, stream=None) -> None:
+        self.calls += 1
+        time.sleep(0.01)
+
+
+class FakeRunner:
+    """forward(): 20 ms of host work, then one 10 ms sync (the GPU finishing)."""
+
+    def __init__(self, device: SlowDevice) -> None:
+        self.ctx = type("Ctx", (), {"device": device})()
+
+    def forward(self, batch) -> None:
+        time.sleep(0.02)
+        self.ctx.device.sync()
+
+
+def test_sync_time_is_counted_apart_from_host_work_and_the_wrapper_comes_off():
+    device = SlowDevice()
+    original = device.sync
+    timer = esp.SyncTimer(device)
+    r = esp.timed(FakeRunner(device), lambda: None, steps=3, sync=timer)
+    assert 8 < r["gpu_wait_ms"] < 60 and 15 < r["host_ms"] < 80  # wide: a loaded CI machine sleeps long
+    assert abs(r["wall_ms"] - r["gpu_wait_ms"] - r["host_ms"]) < 1e-6
+    timer.restore()
+    assert device.sync == original and device.calls == 2 + 3 * 3  # warm-ups: 1 each; timed: before, inside, after
+
+
+def test_greedy_request_has_one_row_per_chunk():
+    req = esp.greedy(7)
+    assert req.num_rows == 7 and not req.temperature.any() and (req.num_logprobs == -1).all()
+    assert req.top_p.dtype == np.float32 and req.bitmask is None
