@@ -135,26 +135,14 @@ class Engine:
         expected_digests: dict[str, str] | None = None,
         cuda_options: CudaOptions | None = None,
         speculative: SpeculativeConfig | None = None,
+        quantize: str | None = None,
     ) -> Engine:
-        """`cuda_options`: settings of the cuda runner (see gpu_engine.model.load)."""
-        from .model import load
-        from .tokenizer import Tokenizer
+        """`cuda_options`: settings of the cuda runner; `quantize`: None or "fp8" (see gpu_engine.model.load).
+        Built by gpu_engine/pretrained.py."""
+        from .pretrained import engine_from_pretrained
 
-        loaded = load(folder, runner=runner, expected_digests=expected_digests, cuda_options=cuda_options)
-        tokenizer = Tokenizer.from_pretrained(folder)
-        loaded.use_tokenizer(tokenizer)
-        eos = list(loaded.config.eos_token_ids) if getattr(loaded.config, "eos_token_ids", None) else None
-        return cls(
-            loaded.runner,
-            tokenizer,
-            vocab_size=loaded.config.text.vocab_size,
-            config=config,
-            prepare=loaded.prepare,
-            model_fingerprint=loaded.fingerprint,
-            eos_token_ids=eos,
-            model_max_len=loaded.config.text.max_position_embeddings,
-            speculative=speculative,
-        )
+        return engine_from_pretrained(cls, folder, runner, config, expected_digests=expected_digests,
+                                      cuda_options=cuda_options, speculative=speculative, quantize=quantize)
 
     @property
     def structured(self) -> StructuredOutput:

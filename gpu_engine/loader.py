@@ -18,7 +18,9 @@ tensor per expert (gpu_engine/moe_layout.py); each layer is checked against the 
 Fingerprint (`checkpoint_fingerprint`): sha256 of the UTF-8 text made of one line per file,
 `<file name>\\0<sha256 hex of the file>\\n`, for config.json followed by the weight files in sorted name order.
 It changes whenever the config or any weight byte changes (FP8 scales included: they are weight-file bytes) and
-does not depend on the folder's location. A model quantised at load adds a last line `quantize\0<recipe>\n`.
+does not depend on the folder's location. A model quantised at load adds a last line `quantize\0<recipe>\n` to
+the hashed text and `+<recipe>` to the fingerprint (`<hex>+fp8-e4m3-block128x128-at-load`), so a result recorded with
+it says in words that the weights were quantised at load, and never carries the BF16 checkpoint's fingerprint.
 """
 from __future__ import annotations
 
@@ -36,6 +38,15 @@ from .moe_layout import moe_shapes, per_expert_layers
 from .tensors import CheckpointError, StoredTensor, Tensors, raw_tensor, read_safetensors
 
 QUANTIZE_CHOICES = (None, "fp8")
+
+
+def check_quantize(quantize: object) -> None:
+    """Refuse a `quantize` other than QUANTIZE_CHOICES by name (called before any weight file is read)."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(
+            f"quantize must be None (the weights as stored) or 'fp8' (a BF16 checkpoint's eligible Linears become "
+            f"128x128-block FP8 at load; an FP8 checkpoint is used as it is), got {quantize!r}"
+        )
 
 
 class IntegrityError(ModelLoadError):
@@ -279,7 +290,8 @@ def checkpoint_fingerprint(
         lines.append(f"{name}\0{digest}\n")
     if quantized is not None:
         lines.append(f"quantize\0{quantized}\n")
-    return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
+    digest = hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()
+    return digest if quantized is None else f"{digest}+{quantized}"
 
 
 # ------------------------------------------------------------------------------------------------ weights
@@ -296,8 +308,7 @@ def load_weights(
 
     quantize="fp8": a checkpoint without its own quantization_config gets its eligible Linears quantised to
     128x128-block FP8 here (gpu_engine/fp8_checkpoint.py); an FP8 checkpoint is used as it is."""
-    if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
+    check_quantize(quantize)
     folder = Path(folder)
     files = weight_files(folder)
     digests: dict[str, str] = {}

@@ -24,7 +24,7 @@ from .cuda.options import CudaOptions
 from .encoder_cache import check_embeddings, chunk_slices
 from .errors import EngineError
 from .inputs import ProcessedPrompt, VisionItem, is_token_ids
-from .loader import ModelWeights, load_weights
+from .loader import ModelWeights, check_quantize, load_weights
 from .rope_index import text_positions
 from .runner_api import CacheSpec, LogitsWanted, Runner, SeqChunk, StepBatch, VisionSlice
 
@@ -57,6 +57,7 @@ def load(
         raise ValueError(f"cuda_options are for runner='cuda' (got runner={runner!r})")
     if fp8_activations and runner != "reference":
         raise ValueError(f"fp8_activations is an option of runner='reference' (got runner={runner!r})")
+    check_quantize(quantize)
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     if runner == "cuda" and (config.quantization is not None or quantize == "fp8"):
@@ -97,7 +98,7 @@ def _make_runner(
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    fingerprint: str  # sha256 over config.json + weight files (gpu_engine.loader.checkpoint_fingerprint)
+    fingerprint: str  # sha256 over config.json + weight files, + the recipe if quantised at load (loader)
     path: Path
     runner: Runner
     _capacity_tokens: int = field(default=0, repr=False)
