@@ -4,6 +4,7 @@ of the mutants that survived, had no covering test, or were not reached before t
 
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation > /tmp/docpipe-mutation/summary.json
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation --previous tests/mutation/last_result.json
+    python3 tests/mutation/summarise.py /tmp/docpipe-mutation --previous tests/mutation/last_result.json --markdown
 
 With `--previous`, a module this run did not check at all (a fresh verdict cache, a run of other modules only)
 keeps its counts from the previous summary when its source is unchanged since that summary's commit; such a
@@ -110,8 +111,30 @@ def carry_forward(current: dict[str, Any], previous: dict[str, Any]) -> dict[str
     return current
 
 
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The table of tests/MUTATION.md's "Last result" (per module; `checked at` names a carried module's commit)."""
+    head = ("| module | mutants | killed (+timeout) | survived: equivalent | survived: not classified | no covering "
+            "test | not checked | checked at |")
+    rows = [head, "|" + " --- |" * 8]
+
+    def row(name: str, counts: dict[str, int], at: str) -> str:
+        killed = counts.get("killed", 0) + counts.get("timeout", 0) + counts.get("caught by type check", 0)
+        cells = [name, sum(counts.values()), killed, counts.get("equivalent", 0), counts.get("survived", 0),
+                 counts.get("no tests", 0), counts.get("not checked", 0), at]
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    this = (summary.get("commit") or "")[:7]
+    for module, entry in summary["modules"].items():
+        rows.append(row(module, entry["counts"], (entry.get("checked_at") or this)[:7]))
+    rows.append(row("**all**", summary["total"], ""))
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    as_table = "--markdown" in args
+    if as_table:
+        args.remove("--markdown")
     previous_path = None
     if "--previous" in args:
         at = args.index("--previous")
@@ -120,4 +143,4 @@ if __name__ == "__main__":
     summary = summarise(Path(args[0] if args else "/tmp/docpipe-mutation"))
     if previous_path is not None:
         summary = carry_forward(summary, json.loads(previous_path.read_text()))
-    print(json.dumps(summary, indent=1))
+    print(markdown_table(summary) if as_table else json.dumps(summary, indent=1))
