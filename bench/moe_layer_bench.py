@@ -49,25 +49,28 @@ def _fill(ctx: Any, arr: Any, block: Any) -> None:
         done += n
 
 
-def run(reps: int) -> dict[str, Any]:
+def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: int = 8192,
+        gemm_shape: tuple[int, int, int] | None = None, copy_elems: int = 1 << 30, block_elems: int = 16 << 20
+        ) -> dict[str, Any]:
+    """The measurements as a dict. ctx / text / sizes: a CPU test runs it small on an emulated device."""
     from gpu_engine.cuda.bf16 import f32_to_bf16_bits
     from gpu_engine.cuda.context import GpuContext
     from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
-    from gpu_engine.cuda.moe import MoeLayer
+    from gpu_engine.cuda.moe import MoeLayer, grouped_gemm
 
-    text, _, _ = moe_model_shape("35b-a3b")
+    text = text or moe_model_shape("35b-a3b")[0]
     e, k, h = text["num_experts"], text["num_experts_per_tok"], text["hidden_size"]
     inter, s = text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
     rng = np.random.default_rng(0)
-    ctx = GpuContext(budget_bytes=40 << 30)
+    ctx = ctx or GpuContext(budget_bytes=40 << 30)
     out: dict[str, Any] = {"device": ctx.device.info.name, "shape": "35b-a3b", "experts": e, "top_k": k, "hidden": h,
                            "moe_intermediate": inter, "shared": s}
     try:
-        block = ctx.empty((16 << 20,), "bf16", "random-block")
-        ctx.device.upload(block.ptr, f32_to_bf16_bits((rng.standard_normal(16 << 20) * 0.03).astype(np.float32)))
+        block = ctx.empty((block_elems,), "bf16", "random-block")
+        ctx.device.upload(block.ptr, f32_to_bf16_bits((rng.standard_normal(block_elems) * 0.03).astype(np.float32)))
 
         def rand(shape: tuple[int, ...], name: str, scale: float = 0.03) -> Any:
-            if int(np.prod(shape)) > (1 << 22):
+            if int(np.prod(shape)) > block_elems // 4:
                 arr = ctx.empty(shape, "bf16", name)
                 _fill(ctx, arr, block)
                 return arr
@@ -80,12 +83,12 @@ def run(reps: int) -> dict[str, Any]:
                          rand((stacks, h, inter), "down"), shared)
         out["shared_stacked"] = stacked
         # ceilings: copy bandwidth (read + write) and the dense GEMM rate
-        big = ctx.empty((1 << 30,), "bf16", "copy")
+        big = ctx.empty((copy_elems,), "bf16", "copy")
         _fill(ctx, big, block)
         half = big.nbytes // 2
         copy_ms = _time_ms(ctx, lambda: ctx.device.copy(big.ptr + half, big.ptr, half), reps)
         bw = 2 * half / (copy_ms * 1e-3)
-        m_g, n_g, k_g = 65536, 2 * inter, h
+        m_g, n_g, k_g = gemm_shape or (65536, 2 * inter, h)
         gx, gy = rand((m_g, k_g), "gemm.x"), ctx.empty((m_g, n_g), "bf16", "gemm.y")
         gw = rand((n_g, k_g), "gemm.w")
         ctx.blas.linear(gy.ptr, gx.ptr, gw.ptr, m_g, n_g, k_g)
@@ -95,7 +98,7 @@ def run(reps: int) -> dict[str, Any]:
         flops_per_token = 2 * h * (e + 1) + k * 6 * h * inter + 6 * h * s
 
         # prefill
-        m = 8192
+        m = tokens
         x = rand((m, h), "x", 1.0)
         y = ctx.empty((m, h), "bf16", "y")
 
@@ -111,6 +114,19 @@ def run(reps: int) -> dict[str, Any]:
         out["prefill"] = {"tokens": m, "ms": pre_ms, "active_GFLOP": m * flops_per_token / 1e9,
                           "TFLOPs": m * flops_per_token / (pre_ms * 1e-3) / 1e12,
                           "vs_gemm_rate": m * flops_per_token / (pre_ms * 1e-3) / rate}
+        mark = ctx.arena.mark()  # the two grouped GEMMs alone, on one forward's tables
+        bufs = layer.forward(ctx, y, x, m)
+        rows = m * layer.slots
+        for name, fn, flop in (
+                ("gate_up", lambda: grouped_gemm(ctx, bufs.act, x, h, bufs.sorted_token, layer.gate_up, bufs.tiles,
+                                                 bufs.tile, swiglu=True), 2 * rows * 2 * inter * h),
+                ("down", lambda: grouped_gemm(ctx, bufs.expert_out, bufs.act, inter, None, layer.down, bufs.tiles,
+                                              bufs.tile, swiglu=False), 2 * rows * inter * h)):
+            t = _time_ms(ctx, fn, reps)
+            out["prefill"][name] = {"ms": t, "TFLOPs": flop / (t * 1e-3) / 1e12,
+                                    "vs_gemm_rate": flop / (t * 1e-3) / rate}
+        ctx.device.sync()
+        ctx.arena.release(mark)
 
         # decode
         out["decode"] = []
@@ -129,17 +145,21 @@ def run(reps: int) -> dict[str, Any]:
                 tiles_max = max(tiles_max, int(np.bincount(used).max()))
                 unique.append(len(np.unique(ids)))
                 ctx.arena.release(mark)
-            mark = ctx.arena.mark()
-            graph = ctx.device.capture(lambda: [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)])
-            ctx.device.launch_graph(graph)
-            ms = _time_ms(ctx, lambda: ctx.device.launch_graph(graph), reps) / len(xs)
-            ctx.device.sync()
-            ctx.arena.release(mark)
             nbytes = (statistics.mean(unique) * expert_bytes + (e + 1) * h * 2 + 3 * h * s * 2
                       + batch * h * 2 * 2 + batch * k * (inter + h) * 2 * 2)
-            out["decode"].append({"batch": batch, "us": ms * 1e3, "distinct_experts": statistics.mean(unique),
-                                  "bytes_MB": nbytes / 1e6, "roofline_us": nbytes / bw * 1e6,
-                                  "vs_roofline": nbytes / bw / (ms * 1e-3), "max_tiles_per_expert": tiles_max})
+            for pdl in (False, True):  # programmatic dependent launch between the graph's kernels (CudaOptions.use_pdl)
+                ctx.device.pdl = pdl
+                mark = ctx.arena.mark()
+                graph = ctx.device.capture(lambda: [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)])
+                ctx.device.launch_graph(graph)
+                ms = _time_ms(ctx, lambda: ctx.device.launch_graph(graph), reps) / len(xs)
+                ctx.device.sync()
+                ctx.arena.release(mark)
+                out["decode"].append({"batch": batch, "pdl": pdl, "us": ms * 1e3,
+                                      "distinct_experts": statistics.mean(unique), "bytes_MB": nbytes / 1e6,
+                                      "roofline_us": nbytes / bw * 1e6, "vs_roofline": nbytes / bw / (ms * 1e-3),
+                                      "max_tiles_per_expert": tiles_max})
+            ctx.device.pdl = False
     finally:
         ctx.close()
     return out
@@ -151,8 +171,12 @@ def table(r: dict[str, Any]) -> str:
              f"({r['device']})",
              f"prefill {p['tokens']} tokens: {p['ms']:.3f} ms, {p['active_GFLOP']:.0f} GFLOP active, "
              f"{p['TFLOPs']:.0f} TFLOP/s = {p['vs_gemm_rate']:.2f} of the GEMM rate (target >= 0.5)"]
+    for name in ("gate_up", "down"):
+        g = p[name]
+        lines.append(f"  grouped {name}: {g['ms']:.3f} ms, {g['TFLOPs']:.0f} TFLOP/s = {g['vs_gemm_rate']:.2f}")
     for d in r["decode"]:
-        lines.append(f"decode batch {d['batch']}: {d['us']:.1f} us, {d['distinct_experts']:.1f} experts, "
+        lines.append(f"decode batch {d['batch']}{' pdl' if d['pdl'] else ''}: {d['us']:.1f} us, "
+                     f"{d['distinct_experts']:.1f} experts, "
                      f"{d['bytes_MB']:.1f} MB -> roofline {d['roofline_us']:.1f} us = {d['vs_roofline']:.2f} "
                      f"(target >= 0.7), tiles per expert <= {d['max_tiles_per_expert']}")
     return "\n".join(lines)

@@ -23,6 +23,31 @@ _NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u32": np.uint32, 
 BASE = 1 << 16
 
 
+class _Event:
+    """Host-clock stand-in for a timing event (emulated work runs at once)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    @staticmethod
+    def record(event: _Event) -> None:
+        import time
+
+        event.t = time.perf_counter()
+
+    def sync(self) -> None:
+        pass
+
+    def __sub__(self, other: _Event) -> float:
+        return (self.t - other.t) * 1e3
+
+
+def _capture(enqueue: Any) -> Any:
+    """A 'graph' that runs `enqueue` again on every launch (the emulation records nothing)."""
+    enqueue()
+    return enqueue
+
+
 class EmulatedContext:
     def __init__(self, nbytes: int = 256 << 20, seed: int = 0) -> None:
         self.mem = np.zeros(nbytes, np.uint8)
@@ -30,7 +55,9 @@ class EmulatedContext:
         self.rng = np.random.default_rng(seed)
         self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132, name="numpy", arch="emulated"),
                                       launch=self._launch, upload=self._upload, download=self._download,
-                                      memset=self._memset, copy=self._copy, sync=lambda stream=None: None)
+                                      memset=self._memset, copy=self._copy, sync=lambda stream=None: None,
+                                      event=_Event, stream=SimpleNamespace(record=_Event.record),
+                                      capture=_capture, launch_graph=lambda graph, stream=None: graph(), pdl=False)
         self.blas = SimpleNamespace(linear=self._linear)
         self.launches: list[str] = []
 

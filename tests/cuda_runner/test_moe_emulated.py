@@ -113,3 +113,21 @@ def test_uploaded_layers_compute_the_reference_mlp(tmp_path, layout: str, dtype:
         assert (layer.mlp.shared is None) == bool(widths)
         layer.mlp(ctx, y, ctx.to_device(x, dtype, "x"), n)
         assert rel_err(ctx.to_host(y), MoeMlp(config.text.moe, mlp_w)(x)) <= (1e-5 if dtype == "f32" else 1e-2)
+
+
+def test_the_layer_bench_runs_end_to_end_on_the_emulation() -> None:
+    """bench/moe_layer_bench.py's whole flow (ceilings, prefill with the grouped-GEMM breakdown, decode graphs with
+    and without PDL) at a small shape: the one device call must not stop on a host-side error."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import moe_layer_bench
+
+    text = {"num_experts": 12, "num_experts_per_tok": 3, "hidden_size": 32, "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16}
+    r = moe_layer_bench.run(2, ctx=EmulatedContext(), text=text, tokens=40, gemm_shape=(64, 32, 32),
+                            copy_elems=1 << 12, block_elems=1 << 12)
+    assert r["prefill"]["gate_up"]["ms"] >= 0 and len(r["decode"]) == 4
+    assert all(d["max_tiles_per_expert"] == 1 for d in r["decode"])
+    assert "decode batch 32 pdl" in moe_layer_bench.table(r)
