@@ -27,10 +27,10 @@ run_part() {  # name, limit, command...
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/card.txt"
 }
-run_part check_kernels "${KERNELS_S:-40}" python3 -m tests.cuda_runner.check_moe --part kernels \
+run_part check_kernels "${KERNELS_S:-35}" python3 -m tests.cuda_runner.check_moe --part kernels \
     --json "$OUT/check_kernels.json"
 run_part bench "${BENCH_S:-35}" python3 bench/moe_layer_bench.py --json "$OUT/moe_bench.json" --reps 15
-run_part check_model "${MODEL_S:-55}" python3 -m tests.cuda_runner.check_moe --part model \
+run_part check_model "${MODEL_S:-65}" python3 -m tests.cuda_runner.check_moe --part model \
     --json "$OUT/check_model.json"
 for f in check_kernels check_model; do
     grep -E "Traceback|Error" "$OUT/$f.log" | head -n 5

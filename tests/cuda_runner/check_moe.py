@@ -46,12 +46,15 @@ GEMM_CASES = (
 LAYER_CASES = ((1, 16, 4, 256, 96, 80, "bf16"), (7, 16, 4, 256, 96, 80, "f32"), (300, 16, 4, 256, 96, 80, "bf16"),
                (1, 12, 8, 2048, 512, 512, "bf16"), (32, 16, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"),
                (9, 6, 2, 64, 24, 24, "f32"), (700, 8, 2, 256, 128, 128, "bf16"))
+# name -> (text_config over TINY_MOE_TEXT, layouts); the layouts upload the same stacks (test_moe_upload), so the
+# larger configs run one
 MODEL_CONFIGS = {
-    "tiny moe (E6 top-2, I21)": {},
-    "aligned moe (E8 top-3, I64)": {"hidden_size": 128, "num_experts": 8, "num_experts_per_tok": 3,
-                                    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96},
-    "stacked shared (E7 top-2, I=S=32)": {"hidden_size": 64, "num_experts": 7, "num_experts_per_tok": 2,
-                                          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "tiny moe (E6 top-2, I21)": ({}, ("fused", "per_expert")),
+    "aligned moe (E8 top-3, I64)": ({"hidden_size": 128, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96}, ("fused",)),
+    "stacked shared (E7 top-2, I=S=32)": ({"hidden_size": 64, "num_experts": 7, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+                                          ("per_expert",)),
 }
 
 
@@ -259,8 +262,8 @@ def run_model(seed: int) -> list[Result]:
     from tests.cuda_runner.check_runner import BF16_SANITY, _drive, _rounded
 
     results = []
-    for name, text_cfg in MODEL_CONFIGS.items():
-        for layout in ("fused", "per_expert"):
+    for name, (text_cfg, layouts) in MODEL_CONFIGS.items():
+        for layout in layouts:
             with tempfile.TemporaryDirectory() as folder:
                 make_tiny_moe_checkpoint(folder, seed=seed % 1000, layout=layout, text_config=text_cfg)
                 config = ModelConfig.from_pretrained(folder)
