@@ -11,7 +11,7 @@ import json
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -45,10 +45,23 @@ err = console(stderr=True)
 def _pipeline() -> Any:
     from .context import Pipeline
 
-    return Pipeline()
+    return Pipeline(_settings())
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _settings() -> Any:
+    """The Settings, or exit 2 naming each refused variable with what it accepts (values are not echoed)."""
+    from pydantic import ValidationError
+
+    from .settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = [f"DOCPIPE_{'_'.join(str(part) for part in e['loc']).upper()}: {e['msg']}" for e in exc.errors()]
+        _fail("bad setting: " + "; ".join(problems))
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)  # soft: never break a message
     raise typer.Exit(code)
 
@@ -289,9 +302,9 @@ def schema_add(
 @app.command("config")
 def config_show(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Show every setting: environment variable, effective value (secrets masked) and default."""
-    from .settings import Settings, settings_rows
+    from .settings import settings_rows
 
-    rows = settings_rows(Settings())
+    rows = settings_rows(_settings())
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -305,9 +318,8 @@ def config_show(as_json: bool = typer.Option(False, "--json", help="Print JSON."
 def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Apply the database migrations (safe to run repeatedly)."""
     from .db import Database
-    from .settings import Settings
 
-    settings = Settings()
+    settings = _settings()
     db = Database(settings.resolved_database_url)
     db.upgrade(revision)
     out.print(f"database at {revision}: {db.engine.url.render_as_string(hide_password=True)}")

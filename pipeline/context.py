@@ -48,11 +48,11 @@ class Pipeline:
         """Identity of the configured model, known without loading it (jobs are deduped on it)."""
         if self._model_key is None:
             if self.settings.model_id:
-                self._model_key = model_key_for_id(self.settings.model_id)
+                self._model_key = model_key_for_id(self.settings.model_id, self.settings.engine_quantize_option())
             else:
                 folder = self.settings.resolved_model_dir()
                 try:
-                    self._model_key = model_key(folder)
+                    self._model_key = model_key(folder, self.settings.engine_quantize_option())
                 except OSError as exc:
                     raise ModelNotAvailableError(
                         f"the model folder {folder} cannot be read on this host ({exc}); point DOCPIPE_MODEL_DIR at "

@@ -6,8 +6,10 @@ them together) and receive the replies one by one, in request order. `EngineClie
 
 `model_key(model_dir)` is a cheap identity of a checkpoint folder, used to dedupe jobs without loading weights:
 sha256 over config.json's bytes and every file's name and size, plus the SHA256SUMS file when the folder has one.
-Hosts without the weights name the model instead (DOCPIPE_MODEL_ID -> `model_key_for_id`). The full weight
-digest (the engine's `model_fingerprint`) is recorded on every result, whatever the key.
+Hosts without the weights name the model instead (DOCPIPE_MODEL_ID -> `model_key_for_id`). Quantising at load
+(DOCPIPE_ENGINE_QUANTIZE=fp8) makes another model, so it is part of both keys: a document extracted in BF16 is
+extracted again in FP8, not answered with the BF16 results. The full weight digest (the engine's
+`model_fingerprint`, which names an at-load recipe) is recorded on every result, whatever the key.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class ExtractionClient(Protocol):
         ...
 
 
-def model_key(model_dir: Path) -> str:
+def model_key(model_dir: Path, quantize: str | None = None) -> str:
     folder = Path(model_dir)
     digest = hashlib.sha256()
     config = folder / "config.json"
@@ -66,22 +68,26 @@ def model_key(model_dir: Path) -> str:
     sums = folder / "SHA256SUMS"
     if sums.is_file():
         digest.update(sums.read_bytes())
+    if quantize is not None:  # None keeps the keys of existing jobs
+        digest.update(f"\nquantize\t{quantize}".encode())
     return digest.hexdigest()
 
 
-def model_key_for_id(model_id: str) -> str:
+def model_key_for_id(model_id: str, quantize: str | None = None) -> str:
     """The model key when the model is named by DOCPIPE_MODEL_ID instead of read from its folder."""
-    return hashlib.sha256(f"model-id:{model_id}".encode()).hexdigest()
+    text = f"model-id:{model_id}" if quantize is None else f"model-id:{model_id}\nquantize:{quantize}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class EngineClient:
     """ExtractionClient backed by one in-process engine (reference or CUDA runner)."""
 
-    def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float) -> None:
+    def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float,
+                 quantize: str | None = None) -> None:
         import gpu_engine
 
         self._async_engine = async_engine
-        self.model_key = model_key(model_dir)
+        self.model_key = model_key(model_dir, quantize)
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
         self._timeout_s = timeout_s
@@ -107,8 +113,9 @@ class EngineClient:
         if settings.engine_kv_cache_bytes is not None:
             config_kwargs["kv_cache_bytes"] = settings.engine_kv_cache_bytes
         model_dir = settings.resolved_model_dir()
+        quantize = settings.engine_quantize_option()
         engine = gpu_engine.Engine.from_pretrained(
-            model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs)
+            model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs), quantize=quantize
         )
         async_engine = gpu_engine.AsyncEngine(engine)
         return cls(
@@ -116,6 +123,7 @@ class EngineClient:
             model_dir=model_dir,
             fingerprint=engine.model_fingerprint,
             timeout_s=settings.request_timeout_s,
+            quantize=quantize,
         )
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
@@ -157,13 +165,13 @@ class EngineClient:
         self._async_engine.shutdown()
 
 
-_shared: dict[tuple[str, str], EngineClient] = {}
+_shared: dict[tuple[str, str, str], EngineClient] = {}
 _shared_lock = threading.Lock()
 
 
 def shared_client(settings: Settings) -> EngineClient:
-    """One engine per (model, runner) per process, built on first use (embedded CLI/API runs share it)."""
-    key = (str(settings.resolved_model_dir()), settings.runner)
+    """One engine per (model, runner, quantize) per process, built on first use (embedded CLI/API runs share it)."""
+    key = (str(settings.resolved_model_dir()), settings.runner, settings.engine_quantize)
     with _shared_lock:
         client = _shared.get(key)
         if client is None:

@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Runner = Literal["reference", "cuda"]
+Quantize = Literal["none", "fp8"]
 BUNDLED_MAX_STRING_LENGTH = 24
 BUNDLED_MAX_ARRAY_ITEMS = 3
 WatchAction = Literal["leave", "move"]
@@ -65,6 +66,10 @@ class Settings(BaseSettings):
     engine_max_model_len: int = Field(16384, ge=256, description="Longest prompt + output the engine accepts.")
     engine_kv_cache_bytes: int | None = Field(
         None, ge=1, description="Memory budget for the KV cache; None = the engine's own default."
+    )
+    engine_quantize: Quantize = Field(
+        "none", description="Weights: none (as the checkpoint stores them; an FP8 checkpoint runs in FP8) or fp8 (a "
+        "BF16 checkpoint's Linears become 128x128-block FP8 at load; results record the at-load fingerprint)."
     )
     # --- extraction ----------------------------------------------------------------------------------------------
     default_schema: str = Field("generic", description="Extraction schema used when none is given.")
@@ -177,6 +182,10 @@ class Settings(BaseSettings):
         from gpu_engine.bundled import bundled_model_dir  # imported late: only needed when a model is used
 
         return Path(bundled_model_dir())
+
+    def engine_quantize_option(self) -> str | None:
+        """`quantize` for gpu_engine.load / Engine.from_pretrained: None for "none"."""
+        return None if self.engine_quantize == "none" else self.engine_quantize
 
     def grammar_caps(self) -> tuple[int | None, int | None]:
         """(max string length, max array items) for the decoding grammar. The bundled model has random weights:
