@@ -31,6 +31,10 @@ What runs, per shape (bench/qwen35_shapes.py; "tiny" = gpu_engine.tiny's config,
    against the schema (pipeline.extraction.interpret_reply).
 Any request that errors, or a fixed-length request that ends short of N for a reason other than the grammar
 completing, fails the run (DocBenchFailed); what was measured before stays in the JSON.
+`--quantize fp8` (issue 15): the engine loads with quantize="fp8" (from the folder: the Linears become 128x128-block
+FP8 at load; in memory on cuda: bench/fp8_model_bench.random_fp8_weights), and every row says `quantize`.
+fraction_of_limit still counts bf16 weight bytes and the bf16 GEMM ceiling (row `limit_basis`), so for FP8 it is
+not a fraction of the FP8 limit; compare pages/s with the BF16 row of the same command.
 """
 from __future__ import annotations
 
@@ -138,23 +142,26 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
                           kv_cache_bytes=kv, encoder_cache_bytes=enc, min_prefill_tokens=args.min_prefill_tokens,
                           max_prefill_hold_steps=args.max_prefill_hold_steps,
                           enable_jump_forward=not args.no_jump_forward)
+    quantize = None if args.quantize == "none" else args.quantize
     if runner != "cuda":
-        return Engine.from_pretrained(folder, runner=runner, config=config)
+        return Engine.from_pretrained(folder, runner=runner, config=config, quantize=quantize)
     from gpu_engine.cuda.options import CudaOptions
 
     options = CudaOptions.from_env(**({"encoder_memory": enc} if enc else {}))
     if args.load_weights:
-        return Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options)
-    return in_memory_engine(folder, config, options, args.seed)
+        return Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options, quantize=quantize)
+    return in_memory_engine(folder, config, options, args.seed, quantize)
 
 
-def in_memory_engine(folder: Path, config: Any, options: Any, seed: int) -> Any:
+def in_memory_engine(folder: Path, config: Any, options: Any, seed: int, quantize: str | None = None) -> Any:
     """Engine.from_pretrained's engine, with the runner built from random bf16 weights made in memory on all
     cores (bench/cuda_bench.random_bf16_weights, plus the tower's) instead of read from the folder: the loader
     turns every tensor into float32 on the host (9B: 36 GB, 27B: 108 GB, more than the GPU machine's 128 GB
     with the checkpoint beside it) and hashes the files, which costs minutes of lease time and measures the
-    loader, not the serving. The folder still supplies config.json, the tokenizer and the processor."""
+    loader, not the serving. The folder still supplies config.json, the tokenizer and the processor.
+    quantize="fp8": the Linears quantize="fp8" converts are random FP8 instead (bench/fp8_model_bench.py)."""
     from cuda_bench import random_bf16_weights
+    from fp8_model_bench import random_fp8_weights
 
     from gpu_engine import Engine
     from gpu_engine.config import ModelConfig
@@ -166,7 +173,7 @@ def in_memory_engine(folder: Path, config: Any, options: Any, seed: int) -> Any:
 
     model = ModelConfig.from_pretrained(folder)
     rng = np.random.default_rng(seed)
-    weights = random_bf16_weights(model, rng)
+    weights = (random_fp8_weights if quantize == "fp8" else random_bf16_weights)(model, rng)
     block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
     for name, shape in expected_shapes(model).items():
         if name.startswith("vision/"):
@@ -175,7 +182,8 @@ def in_memory_engine(folder: Path, config: Any, options: Any, seed: int) -> Any:
             weights.vision[key] = np.full(shape, 0x3F80, np.uint16) if plain_norm else np.resize(block, shape)
     runner = CudaRunner(model, weights, options)
     del weights
-    loaded = LoadedModel(config=model, fingerprint="random-bf16-in-memory", path=folder, runner=runner)
+    loaded = LoadedModel(config=model, fingerprint=f"random-{quantize or 'bf16'}-in-memory", path=folder,
+                         runner=runner)
     tokenizer = Tokenizer.from_pretrained(folder)
     loaded.use_tokenizer(tokenizer)
     return Engine(runner, tokenizer, vocab_size=model.text.vocab_size, config=config, prepare=loaded.prepare,
@@ -472,7 +480,8 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
                                         args.submitters)
             check_outcomes(warm_out, fixed)
             units = make_units(args.units, args.seed + m, settings, mix=args.mix, **_sizes(args))
-            row = {"shape": shape, "output_mode": mode, "runner": args.runner, "schema": spec.name,
+            row = {"shape": shape, "output_mode": mode, "runner": args.runner, "quantize": args.quantize,
+                   "limit_basis": "bf16 weight bytes, bf16 GEMM ceiling", "schema": spec.name,
                    "max_tokens": params.max_tokens, "max_num_seqs": args.max_num_seqs,
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
@@ -582,6 +591,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--video-seconds", type=float, default=8.0)
     parser.add_argument("--workdir", help="where the model folders go (default: a new temporary folder)")
     parser.add_argument("--keep-model", action="store_true")
+    parser.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                        help="fp8: the engine loads with quantize='fp8' (issue 15); written in every row")
     parser.add_argument("--load-weights", action="store_true",
                         help="cuda: write the weights into the folder and load them with Engine.from_pretrained")
     args = parser.parse_args(argv)
