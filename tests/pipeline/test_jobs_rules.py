@@ -152,8 +152,8 @@ def test_a_claim_stamps_owner_lease_attempt_and_run(make_pipeline: Any) -> None:
     assert [pg["index"] for pg in claim.pages] == [0]
     # a second claim while this one is healthy declines and says whose it is
     again = _claim(p, job_id, takeover=False)
-    assert isinstance(again, JobRun) and not again.ran and again.state == "running"
-    assert again.note.startswith(f"running in {this_owner()} (lease until ") and again.note.endswith(" UTC)")
+    assert again == JobRun(job_id, "running", ran=False,
+                           note=f"running in {this_owner()} (lease until {lease:%H:%M:%S} UTC)")
     assert _job(p, job_id).runs == 1
 
 
@@ -162,9 +162,10 @@ def test_a_claim_of_a_finished_job_or_an_unknown_one(make_pipeline: Any) -> None
     job_id = _job_of(p, png_bytes(), name="d.png")
     assert run_job(p, job_id).state == "succeeded"
     done = _claim(p, job_id, takeover=True)
-    assert isinstance(done, JobRun) and (done.state, done.ran, done.note) == ("succeeded", False, "already finished")
-    with pytest.raises(NotFoundError):
+    assert done == JobRun(job_id, "succeeded", ran=False, note="already finished")
+    with pytest.raises(NotFoundError) as missing:
         _claim(p, 10**6, takeover=False)
+    assert (str(missing.value), missing.value.kind, missing.value.ident) == ("no job with id 1000000", "job", 10**6)
 
 
 def test_the_attempt_cap_fails_the_job_at_the_claim(make_pipeline: Any) -> None:
@@ -174,7 +175,7 @@ def test_the_attempt_cap_fails_the_job_at_the_claim(make_pipeline: Any) -> None:
     assert isinstance(_claim(p, job_id, takeover=False), _Claim)  # the third attempt may run
     _set(p, job_id, state="queued")
     capped = _claim(p, job_id, takeover=False)
-    assert isinstance(capped, JobRun) and (capped.state, capped.note) == ("failed", "attempt cap reached")
+    assert capped == JobRun(job_id, "failed", ran=False, note="attempt cap reached")
     job = _job(p, job_id)
     assert job.error == "gave up after 3 attempts; last error: RuntimeError: x"
     assert job.owner is None and job.lease_until is None and job.finished_at is not None
@@ -377,6 +378,7 @@ def test_a_client_that_gives_fewer_replies_than_requests_fails_the_run(make_pipe
     assert str(caught.value) == "the engine client gave 2 replies for 3 requests"
     job = _job(p, job_id)
     assert (job.state, job.error) == ("queued", "RuntimeError: the engine client gave 2 replies for 3 requests")
+    assert (job.attempts, job.owner, job.lease_until) == (1, None, None)  # the failed run's attempt counts
     assert _units_stored(p, job_id) == {"page:0", "page:1"}  # what came back is kept
 
 
@@ -779,3 +781,103 @@ def test_only_a_run_that_must_be_alone_waits_for_the_other_runs_of_its_process(m
     waited, run = _waits_to_run_alone(lambda: run_job(p, busy))
     assert (waited, run.state) == (True, "succeeded")
     assert (_job(p, busy).isolated, _job(p, busy).runs) == (True, 2)
+
+
+def test_a_job_whose_document_failed_fails_at_the_claim_with_the_documents_reason(make_pipeline: Any) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="broken.png")
+    _set(p, job_id, owner="old-host:1", lease_until=utcnow())  # left over: cleared with the verdict
+    with p.db.session() as s:
+        document = s.get(models.Job, job_id).document
+        document.status, document.error = "failed", "the file is truncated"
+    before = utcnow()
+    assert run_job(p, job_id) == JobRun(job_id, "failed", ran=False, note="the document could not be read")
+    job = _job(p, job_id)
+    assert (job.state, job.error, job.owner, job.lease_until, job.runs) == (
+        "failed", "the file is truncated", None, None, 0)
+    from pipeline.leases import aware
+
+    assert job.finished_at == job.updated_at and aware(job.finished_at) >= before - timedelta(seconds=1)
+    assert p.client.seen == 0
+
+
+def test_a_claim_of_a_job_whose_document_is_not_rendered_yet_leaves_it_queued(make_pipeline: Any) -> None:
+    from pipeline.ingest import receive_file
+
+    p = make_pipeline(client=Replies('{"colour":"red"}'))
+    with p.db.session() as s:
+        register_schema(s, "colour", COLOUR)
+    job_id = receive_file(p, png_bytes(), name="later.png", schema="colour").job_id
+    assert job_id is not None
+    assert _claim(p, job_id, takeover=False, alone=True) == JobRun(
+        job_id, "queued", ran=False, note="the document is not rendered yet")
+    job = _job(p, job_id)
+    assert (job.state, job.attempts, job.runs, job.owner) == ("queued", 0, 0, None)
+
+
+def test_the_schemas_merge_rules_decide_the_document_result(make_pipeline: Any, tmp_path: Path) -> None:
+    p = make_pipeline(client=Replies('{"colour":"red"}', '{"colour":"blue"}', logprobs=[-0.1, -2.0]))
+    with p.db.session() as s:
+        register_schema(s, "lastcolour", COLOUR, merge_rules={"colour": "last"})
+    job_id = ingest_file(p, _pdf(tmp_path, 2), schema="lastcolour").job_id
+    assert job_id is not None and run_job(p, job_id).state == "succeeded"
+    assert _rows(p, job_id)["document"].data == {"colour": "blue"}  # "best" would take page 0's likelier red
+
+
+def test_model_seconds_are_the_waits_for_replies_and_overhead_the_rest_of_the_call(make_pipeline: Any,
+                                                                                  tmp_path: Path) -> None:
+    class Slow(Replies):
+        def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
+            for reply in super().run(requests):
+                time.sleep(0.15)  # the engine thinks
+                yield reply
+
+    p = make_pipeline(client=Slow('{"colour":"red"}'))
+    job_id = _job_of(p, _pdf(tmp_path, 2))
+    t0 = time.perf_counter()
+    run = run_job(p, job_id)
+    elapsed = time.perf_counter() - t0
+    assert run.state == "succeeded" and run.model_seconds >= 0.3
+    assert 0 < run.overhead_seconds and run.model_seconds + run.overhead_seconds <= elapsed
+    assert _job(p, job_id).model_seconds == pytest.approx(run.model_seconds, abs=1e-6)
+
+
+def test_two_claims_at_once_on_postgresql_give_the_job_to_one_run(make_pipeline: Any, pg_url: str) -> None:
+    """The claim reads the job under a row lock: a claim committed meanwhile is seen and declined, not
+    overwritten with a second run of the same fencing token."""
+    import psycopg
+    from sqlalchemy import text
+
+    p = make_pipeline(database_url=pg_url, client=Replies('{"colour":"red"}'))
+    job_id = _job_of(p, png_bytes(), name="twice.png")
+    holding, release = threading.Event(), threading.Event()
+    holder_pid: list[int] = []
+    answers: list[Any] = []
+
+    def first_claim() -> None:  # another worker's claim: holds the row, then commits its run
+        with p.db.session() as s:
+            job = s.get(models.Job, job_id, with_for_update=True)
+            holder_pid.append(s.execute(text("select pg_backend_pid()")).scalar_one())
+            holding.set()
+            release.wait(20)
+            job.state, job.attempts, job.runs, job.owner = "running", 1, 1, "other-host:5"
+            job.lease_until = utcnow() + timedelta(hours=1)
+
+    first = threading.Thread(target=first_claim)
+    first.start()
+    assert holding.wait(20)
+    second = threading.Thread(target=lambda: answers.append(_claim(p, job_id, takeover=False, alone=True)))
+    second.start()
+    deadline = time.monotonic() + 20
+    with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=test", autocommit=True) as watch:
+        while not watch.execute("select count(*) from pg_stat_activity where %s = any(pg_blocking_pids(pid))",
+                                (holder_pid[0],)).fetchone()[0]:  # type: ignore[index]  # one row
+            assert time.monotonic() < deadline and second.is_alive(), "the second claim never waited for the row"
+            time.sleep(0.01)
+    release.set()
+    first.join(20)
+    second.join(20)
+    [answer] = answers
+    assert isinstance(answer, JobRun) and not answer.ran and answer.note.startswith("running in other-host:5")
+    job = _job(p, job_id)
+    assert (job.owner, job.runs, job.attempts) == ("other-host:5", 1, 1)
