@@ -30,7 +30,7 @@ class CudaOptions:
     memory_budget: int | None = None
     memory_fraction: float = 0.85  # DOCPIPE_CUDA_MEMORY_FRACTION
     use_graphs: bool = True  # decode steps replay CUDA graphs (DOCPIPE_CUDA_GRAPHS=0 turns that off)
-    graph_memory: int = 2 << 30  # bytes the captured graphs may own; past it new decode shapes run eagerly
+    graph_memory: int = 2 << 30  # most bytes one decode graph's buffers may take (graphs share them); larger: eager
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
     # Bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY), also the engine's default encoder
     # budget on this runner; None: encoder_region_bytes(budget) = DEFAULT_ENCODER_MEMORY (1 GiB: 65,536 tokens of

@@ -5,7 +5,9 @@ Memory: one cuMemAlloc of `options.memory_budget` bytes at start-up; weights fir
 (allocate_cache), and per-step activations from what is left (released at the end of every step).
 Step: all sequences of the batch run together (varlen): the host-side tables (step.py) are packed into one int32
 array and uploaded once; logits come back as float32 for the requested rows only. Decode steps (one token per
-sequence) replay CUDA graphs captured per (batch size, block-table width bucket) unless options.use_graphs is off.
+sequence) replay CUDA graphs captured per (batch-size bucket, block-table width bucket) unless options.use_graphs
+is off: a batch is padded to its bucket with rows that write only the runner's scratch block and slot, and the
+graphs own no memory (decode_graphs.py says why that is safe).
 Vision: encode_vision runs the tower on the GPU (vision.py) into a block of the encoder-cache region (a fixed
 part of the arena, options.encoder_memory bytes) and returns DeviceEmbeddings; the prefill steps copy their rows
 into the residual stream on the device. When that region is full the embeddings come back as a host float32
@@ -36,14 +38,17 @@ from ..runner_rules import (
 )
 from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
+from .decode_graphs import DecodeCounts, GraphKey, ScratchRows, bucket_for, bucket_sizes, table_width_bucket
 from .embeddings import BlockPool, DeviceEmbeddings
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
-from .step import HostStep, StepTables, build_step, pack_tables, upload_tables
+from .step import HostStep, StepTables, build_step, pack_tables, pad_decode_step, upload_tables
 from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
 from .vision import GpuVisionTower
 from .weights import upload_text_weights
+
+MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side executable); past it new keys run eagerly
 
 
 @dataclass
@@ -90,15 +95,19 @@ class CudaRunner:
         self._free_after_weights = self.ctx.arena.free_bytes
         self.spec: CacheSpec | None = None
         self.cache = DeviceCache(0)
-        # Decode steps run from CUDA graphs, one per (batch size, block-table width bucket), captured the second
-        # time a shape is seen (the first, eager, run loads modules and picks GEMM algorithms).
+        # Decode steps run from CUDA graphs, one per GraphKey (batch-size bucket, block-table width bucket,
+        # sampling), captured the second time a key is seen (the first, eager, run at the padded size loads
+        # modules and picks the GEMM algorithms of that size).
         self.use_graphs = o.use_graphs
-        self._graphs: dict[tuple[int, int, bool], CapturedStep] = {}
-        self._warm: set[tuple[int, int, bool]] = set()
-        # Each graph owns its activations for as long as the cache lives; past this many bytes new decode shapes
-        # run eagerly instead.
+        self._graphs: dict[GraphKey, CapturedStep] = {}
+        self._warm: set[GraphKey] = set()
+        self._no_graph: dict[GraphKey, str] = {}  # keys whose capture failed or was too large, and why
+        # A graph whose buffers (at the arena's top while it runs) would take more than this runs eagerly.
         self.graph_memory_cap = o.graph_memory
-        self._graph_bytes = 0
+        self._graph_bytes = 0  # the largest graph's buffers and scratch (shared: graphs own no arena memory)
+        self.scratch: ScratchRows | None = None  # the padding rows' KV block and state slot (allocate_cache)
+        self.buckets: tuple[int, ...] = ()
+        self.decode_counts = DecodeCounts()
         self.sampler = DeviceSampler(self.ctx, cfg.vocab_size)
 
     # ---- sizes -----------------------------------------------------------------------------------------------
@@ -142,15 +151,21 @@ class CudaRunner:
         ctx.device.sync()
         ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
         self.cache, self._graphs, self._warm, self._graph_bytes = DeviceCache(spec.block_size), {}, set(), 0
+        self._no_graph, self.decode_counts = {}, DecodeCounts()
+        # One KV block and one state slot more than the spec, for decode graphs' padding rows, when they fit;
+        # without them decode graphs are captured per exact batch size.
+        pad = need + self.kv_bytes_per_block(spec.block_size) + self.state_bytes_per_slot() <= self._free_after_weights
+        self.scratch = ScratchRows(spec.num_kv_blocks, spec.num_state_slots) if pad else None
+        self.buckets = bucket_sizes(max(spec.num_state_slots, 1)) if pad else ()
+        blocks, slots = spec.num_kv_blocks + pad, spec.num_state_slots + pad
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
-                shape = (spec.num_kv_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
+                shape = (blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
                 self.cache.attention[i] = AttentionCache(ctx.empty(shape, self.dtype, f"k{i}"),
                                                          ctx.empty(shape, self.dtype, f"v{i}"))
             else:
-                conv = ctx.empty((spec.num_state_slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
-                                 self.dtype, f"conv{i}")
-                state = ctx.empty((spec.num_state_slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                conv = ctx.empty((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype, f"conv{i}")
+                state = ctx.empty((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                                    cfg.linear_key_head_dim), "f32", f"state{i}")
                 self.cache.deltanet[i] = DeltaNetCache(conv, state)
         arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v)]
@@ -196,32 +211,59 @@ class CudaRunner:
     def forward(self, batch: StepBatch) -> StepOutput:
         if self.use_graphs and _is_decode(batch):
             return self._forward_graphed(batch)
+        if _is_decode(batch):
+            self.decode_counts.eager_decode += 1
+        else:
+            self.decode_counts.other += 1
         return self._forward_eager(batch)
 
     def _forward_graphed(self, batch: StepBatch) -> StepOutput:
-        width = 1 << (max(len(c.block_table) for c in batch.chunks) - 1).bit_length()
-        key = (len(batch.chunks), width, batch.sampling is not None)
+        rows = len(batch.chunks)
+        bucket = rows if self.scratch is None else bucket_for(rows, self.buckets)
+        counts = self.decode_counts
+        if bucket is None:  # more sequences than state slots + 1: cannot happen through the engine
+            counts.eager_decode += 1
+            return self._forward_eager(batch)
+        width = table_width_bucket(max(len(c.block_table) for c in batch.chunks))
+        key = GraphKey(bucket, width, batch.sampling is not None)
+        host = self._graph_host(batch, width, bucket)
         step = self._graphs.get(key)
         if step is None:
-            if key not in self._warm or self._graph_bytes >= self.graph_memory_cap:
+            if key not in self._warm or key in self._no_graph or len(self._graphs) >= MAX_GRAPHS:
                 self._warm.add(key)
-                return self._forward_eager(batch)
-            before = self.ctx.arena.used
-            step = self._graphs[key] = self.capture_step(batch, width)  # owns its memory until allocate_cache
-            self._graph_bytes += self.ctx.arena.used - before
+                counts.eager_decode += 1
+                return self._run_eager(host, batch)
+            step = self._capture(host, batch, width, key)
+            if step is None:
+                counts.eager_decode += 1
+                return self._run_eager(host, batch)
+            self._graphs[key] = step
+            counts.captures += 1
         else:
-            step.update(batch)
+            step.load(host, batch)
         step.replay()
-        hidden = self.ctx.to_host(step.bufs.rows)[: step.host.logit_rows].astype(np.float32, copy=False)
+        counts.graphed += 1
+        counts.padded += host.padding > 0
+        hidden = step.hidden()
         if batch.sampling is not None and step.bufs.sampler is not None:
             sampled = self.sampler.results(step.bufs.sampler, batch.sampling)
             return StepOutput(logits=self._no_logits(), row_offsets=row_offsets(batch.chunks), hidden=hidden,
                               sampled=sampled)
         return StepOutput(logits=step.logits(), row_offsets=row_offsets(batch.chunks), hidden=hidden)
 
+    def _graph_host(self, batch: StepBatch, width: int, rows: int) -> HostStep:
+        """The decode step's tables, padded to `rows` sequences with scratch rows (pad_decode_step)."""
+        host = self._prepare(batch, width)
+        if self.scratch is None or rows == len(batch.chunks):
+            return host
+        return pad_decode_step(host, rows, self.scratch.block, self.scratch.slot, allocated(self.spec).block_size)
+
     def _forward_eager(self, batch: StepBatch) -> StepOutput:
-        host = self._prepare(batch)
-        ctx = self.ctx
+        return self._run_eager(self._prepare(batch), batch)
+
+    def _run_eager(self, host: HostStep, batch: StepBatch) -> StepOutput:
+        """One step from its tables (padded or not: the logits rows past host.batch_logit_rows are dropped)."""
+        ctx, logit_rows = self.ctx, host.batch_logit_rows
         mark = ctx.arena.mark()
         sampled = None
         try:
@@ -234,9 +276,9 @@ class CudaRunner:
                 sampled = self.sampler.results(bufs.sampler, batch.sampling)  # zero rows when no logits rows
                 out_logits = self._no_logits()
             else:
-                out_logits = ctx.to_host(bufs.logits) if host.logit_rows else self._no_logits()
-            if host.logit_rows:
-                out_hidden = ctx.to_host(bufs.rows).astype(np.float32, copy=False)
+                out_logits = ctx.to_host(_first_rows(bufs.logits, logit_rows)) if logit_rows else self._no_logits()
+            if logit_rows:
+                out_hidden = ctx.to_host(_first_rows(bufs.rows, logit_rows)).astype(np.float32, copy=False)
             else:
                 out_hidden = np.zeros((0, self.cfg.hidden_size), np.float32)
         finally:
@@ -253,22 +295,48 @@ class CudaRunner:
         `table_width`), `replay()` launches the graph (capture itself runs nothing), `logits()` reads the result.
         Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). close()
         releases the graph's memory and everything allocated after it (the arena is a stack).
-        Memory note: the graph keeps its buffers and per-layer scratch; short-lived op workspaces (attention
-        partials, DeltaNet prepare) are released during capture, so later allocations may overlap them. That is
-        safe because replays run one at a time on one stream and every step rewrites all it reads before reading
-        (update() re-uploads the tables, the decoder rewrites the activations, logits are read right away).
+        The graph owns its buffers; the ones forward() captures for itself own none (decode_graphs.py).
         """
         if any(c.vision for c in batch.chunks):
             raise RunnerInputError("steps with vision embeddings are not captured")
         host = self._prepare(batch, table_width)
+        return self._record(host, batch, table_width, owns=True)
+
+    def _capture(self, host: HostStep, batch: StepBatch, width: int, key: GraphKey) -> CapturedStep | None:
+        """forward()'s graph for `key`, captured at the arena's top and owning nothing; None (and the key runs
+        eagerly from now on) when it is larger than graph_memory_cap or the capture fails."""
+        arena = self.ctx.arena
+        peak, before = arena.peak, arena.used
+        arena.peak = before
+        try:
+            step = self._record(host, batch, width, owns=False)
+        except Exception as exc:  # noqa: BLE001 - a failed capture costs this key its graph, never the step
+            self._no_graph[key] = f"capture failed: {type(exc).__name__}: {exc}"
+            return None
+        finally:
+            footprint = arena.peak - before
+            arena.peak = max(peak, arena.peak)
+        if footprint > self.graph_memory_cap:
+            self._no_graph[key] = f"{footprint} bytes of buffers > graph_memory_cap {self.graph_memory_cap}"
+            return None
+        self._graph_bytes = max(self._graph_bytes, footprint)
+        return step
+
+    def _record(self, host: HostStep, batch: StepBatch, width: int, owns: bool) -> CapturedStep:
         ctx = self.ctx
         mark = ctx.arena.mark()
-        bufs = self._step_buffers(host)
-        tables = upload_tables(ctx, host.tables)
-        if batch.sampling is not None and bufs.sampler is not None:
-            self.sampler.upload_masks(bufs.sampler, batch.sampling)
-        graph = ctx.device.capture(lambda: self._run(host, tables, bufs, keep_scratch=True))
-        return CapturedStep(self, graph, host, tables, bufs, mark, table_width)
+        try:
+            bufs = self._step_buffers(host)
+            tables = upload_tables(ctx, host.tables)
+            if batch.sampling is not None and bufs.sampler is not None:
+                self.sampler.upload_masks(bufs.sampler, batch.sampling)
+            # An owning graph keeps every layer's scratch apart (nothing else may reuse it while the graph
+            # lives); a shared one reuses scratch layer after layer, as an eager step does.
+            graph = ctx.device.capture(lambda: self._run(host, tables, bufs, keep_scratch=owns))
+        finally:
+            if not owns:
+                ctx.arena.release(mark)
+        return CapturedStep(self, graph, host, tables, bufs, mark if owns else None, width)
 
     def _prepare(self, batch: StepBatch, table_width: int | None = None) -> HostStep:
         return build_step(batch, allocated(self.spec), self.cfg, self.dtype, table_width)
@@ -313,17 +381,25 @@ class CudaRunner:
 
 
 class CapturedStep:
-    """A recorded step (see CudaRunner.capture_step)."""
+    """A recorded step (see CudaRunner.capture_step); its last tables may carry padding rows (HostStep.padding)."""
 
     def __init__(self, runner: CudaRunner, graph: Any, host: HostStep, tables: StepTables[DArray],
-                 bufs: StepBuffers, mark: int, table_width: int) -> None:
+                 bufs: StepBuffers, mark: int | None, table_width: int) -> None:
         self.runner, self.graph, self.host, self.tables, self.bufs = runner, graph, host, tables, bufs
         self._mark, self._width = mark, table_width
         self._base = min(a.ptr for _, a in tables.items())
 
+    @property
+    def size(self) -> int:
+        """Sequences the graph was captured for."""
+        return int(self.host.tables.slots.size)
+
     def update(self, batch: StepBatch) -> None:
-        """Upload the tables of the next step of the same shape into the captured buffers."""
-        host = self.runner._prepare(batch, self._width)
+        """Upload the tables of the next step of the same shape (or, with the runner's scratch rows, of fewer
+        sequences) into the captured buffers."""
+        self.load(self.runner._graph_host(batch, self._width, self.size), batch)
+
+    def load(self, host: HostStep, batch: StepBatch) -> None:
         if host.n != self.host.n or host.shapes() != self.host.shapes():
             raise RunnerInputError("captured step replayed with a batch of another shape")
         self.host = host
@@ -336,16 +412,27 @@ class CapturedStep:
         self.runner.ctx.device.launch_graph(self.graph)
 
     def logits(self) -> np.ndarray:
-        return self.runner.ctx.to_host(self.bufs.logits)[: self.host.logit_rows]
+        return self.runner.ctx.to_host(_first_rows(self.bufs.logits, self.host.batch_logit_rows))
+
+    def hidden(self) -> np.ndarray:
+        """Final hidden states of the batch's rows, float32."""
+        rows = _first_rows(self.bufs.rows, self.host.batch_logit_rows)
+        return self.runner.ctx.to_host(rows).astype(np.float32, copy=False)
 
     def close(self) -> None:
         self.runner.ctx.device.sync()
-        self.runner.ctx.arena.release(self._mark)
+        if self._mark is not None:
+            self.runner.ctx.arena.release(self._mark)
 
 
 def _is_decode(batch: StepBatch) -> bool:
     """One new token per sequence, last-row logits, no vision: the shape decode graphs are captured for."""
     return bool(batch.chunks) and all(c.num_tokens == 1 and c.logits == "last" and not c.vision for c in batch.chunks)
+
+
+def _first_rows(arr: DArray, rows: int) -> DArray:
+    """The leading `rows` rows of a row-major [R, ...] device array (the batch's rows ahead of padding)."""
+    return arr.view((rows, *arr.shape[1:]))
 
 
 def _default_budget(device_id: int, fraction: float) -> int:

@@ -21,6 +21,9 @@ from .embeddings import DeviceEmbeddings
 from .sampler import pack_params
 
 ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
+# The sampling parameters of a decode graph's padding row (pad_decode_step), in sampler.pack_params' order:
+# greedy (temperature 0, no top-k / top-p / min-p), no logprobs, no grammar mask.
+PAD_SAMPLE_PARAMS = np.array([0.0, 0.0, 1.0, 0.0, 0.5, 0.0, -1.0, -1.0], np.float32)
 
 T = TypeVar("T", np.ndarray, DArray)
 
@@ -69,6 +72,12 @@ class HostStep:
     logit_rows: int
     vision_embeds: np.ndarray | None  # float32 rows for tables.vis_rows, uploaded with the step's buffers
     device_vision: list[DeviceVisionRows]
+    padding: int = 0  # trailing sequences (and logits rows) that pad a decode step to its graph (pad_decode_step)
+
+    @property
+    def batch_logit_rows(self) -> int:
+        """Logits rows of the batch itself (ahead of the padding rows)."""
+        return self.logit_rows - self.padding
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: arr.shape for name, arr in self.tables.items()}
@@ -144,6 +153,48 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
                     vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)
     _add_sampling(batch, step, cfg.vocab_size)
     return step
+
+
+def pad_decode_step(host: HostStep, rows: int, scratch_block: int, scratch_slot: int, block_size: int) -> HostStep:
+    """A decode step (one token per sequence, last-row logits, no vision) grown to `rows` sequences, so that it
+    fits a decode graph captured for that many (decode_graphs.bucket_for).
+
+    Each padding row is a fresh one-token sequence at position 0: token 0, state slot `scratch_slot` (fresh: its
+    state is never read, only written), block table and KV slot in `scratch_block`. Those two belong to the
+    runner, not to any sequence, so padding rows write only there and read only what they wrote; their logits
+    rows come last and are dropped by the caller (greedy parameters, no mask, no logprobs when sampled)."""
+    t = host.tables
+    seqs = t.slots.size
+    pad = rows - seqs
+    if (host.n != seqs or host.vision_embeds is not None or host.device_vision or t.logit_rows.size != seqs
+            or host.padding):
+        raise RunnerInputError("only decode steps (one token and one logits row per sequence) are padded")
+    if pad < 0:
+        raise RunnerInputError(f"a decode step of {seqs} sequences does not fit {rows} rows")
+    if pad == 0:
+        return host
+    i32 = np.int32
+    new = np.arange(seqs, rows, dtype=i32)  # the padding rows (= their sequence numbers: one token each)
+    zeros = np.zeros(pad, i32)
+    tables = StepTables(
+        ids=np.concatenate([t.ids, zeros]),
+        pos=np.concatenate([t.pos, np.zeros((3, pad), i32)], axis=1),
+        cu=np.arange(rows + 1, dtype=i32),
+        slots=np.concatenate([t.slots, np.full(pad, scratch_slot, i32)]),
+        fresh=np.concatenate([t.fresh, np.ones(pad, i32)]),
+        tok_seq=np.arange(rows, dtype=i32),
+        tok_pos=np.concatenate([t.tok_pos, zeros]),
+        kv_slots=(np.concatenate([t.kv_slots, np.full(pad, scratch_block * block_size, i32)])
+                  if t.kv_slots.size else t.kv_slots),
+        tables=np.concatenate([t.tables, np.full((pad, t.tables.shape[1]), scratch_block, i32)]),
+        logit_rows=np.concatenate([t.logit_rows, new]),
+        vis_rows=t.vis_rows,
+        tiles=ops.flash_tiles([1] * rows).astype(i32),
+        sample_params=(None if t.sample_params is None
+                       else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad, 1))])),
+    )
+    return HostStep(n=rows, longest_chunk=host.longest_chunk, tables=tables, logit_rows=rows, vision_embeds=None,
+                    device_vision=[], padding=pad)
 
 
 def _add_sampling(batch: StepBatch, step: HostStep, vocab_size: int) -> None:
