@@ -837,7 +837,7 @@ def test_model_seconds_are_the_waits_for_replies_and_overhead_the_rest_of_the_ca
     t0 = time.perf_counter()
     run = run_job(p, job_id)
     elapsed = time.perf_counter() - t0
-    assert run.state == "succeeded" and run.model_seconds >= 0.3
+    assert (run.job_id, run.state, run.ran) == (job_id, "succeeded", True) and run.model_seconds >= 0.3
     assert 0 < run.overhead_seconds and run.model_seconds + run.overhead_seconds <= elapsed
     assert _job(p, job_id).model_seconds == pytest.approx(run.model_seconds, abs=1e-6)
 
