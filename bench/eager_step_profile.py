@@ -7,16 +7,26 @@ Why: at max_num_seqs 256 the 9B document run's decode phase took ~110 ms a step 
 doc_throughput.md, session 6) where the HBM time of such a step is ~11 ms; ~10 grammar-forced runs in every step
 make each one eager (no decode graph). For each row count this times, over --steps steps after two warm-ups:
 
-  graphed  plain decode rows (one token, last-row logits): CudaRunner.forward replays its decode graph;
-  eager    the same rows with the runner's graphs off;
-  forced   eager, the rows plus --forced jump-forward chunks of --forced-len tokens (the run's steps);
+  graphed       plain decode rows (one token, last-row logits): CudaRunner.forward replays its decode graph
+                (padded to the row count's bucket, decode_graphs.py);
+  graphed_all   graphed, rows + --forced rows: the step --no-jump-forward runs instead of "forced";
+  eager         the same rows as "graphed" with the runner's graphs off;
+  forced        eager, the rows plus --forced jump-forward chunks of --forced-len tokens (the run's steps), the
+                same token count every step (GEMM plans cached);
+  forced_new_m  as "forced" but every step with another token count (the first chunk 1 token longer each
+                step), as in a real run: the cost of new cuBLASLt plans (heuristic queries, and timing of the
+                candidates for m <= 64) shows here;
+  forced_32     as "forced" with one chunk of 40 tokens: a chunk >= 32 tokens sends the whole step's attention
+                through flash_prefill (every decode row its own 64-row query tile);
+  forced_64     as "forced" with one chunk of 70 tokens: >= 64 also sends the DeltaNet layers through the chunked
+                prefill kernels;
 
 each as the host wall time of forward() split into the time blocked in CudaDevice.sync (every download waits
 there too: the GPU still working after the host is done) and the rest (host work: table build, launches, GEMM
-calls; the GPU may idle in it). A cProfile of one "forced" step gives the top host functions by own time.
-Greedy sampling on the runner (a SamplingRequest, as the engine sends), no grammar masks. Random bf16 weights
-(bench/cuda_bench.py); the contexts are prefilled with random tokens first. Written in session 6 and not yet run
-on a GPU.
+calls; the GPU may idle in it), with the kernel launches, GEMM calls and new GEMM plans per step. A cProfile of
+one "forced_new_m" step gives the top host functions by own time. Greedy sampling on the runner (a
+SamplingRequest, as the engine sends), no grammar masks. Random bf16 weights (bench/cuda_bench.py); the contexts
+are prefilled with random tokens first. bench/step_host_cost.py measures the host part on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -36,6 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+KINDS = ("graphed", "graphed_all", "eager", "forced", "forced_new_m", "forced_32", "forced_64")
+LONG_CHUNKS = (40, 70)  # one jump-forward chunk past FLASH_MIN_CHUNK (32), and past the chunked DeltaNet's 64
 
 
 def greedy(rows: int) -> Any:
@@ -63,14 +76,42 @@ class SyncTimer:
         self.device.sync = self.original
 
 
-def timed(runner: Any, make: Callable[[], Any], steps: int, sync: SyncTimer) -> dict[str, float]:
-    """Median host wall of forward() and its part blocked on the GPU, over `steps` steps after two warm-ups (the
-    graphed kind captures its graph in those)."""
-    for _ in range(2):
-        runner.forward(make())
+class CallCounter:
+    """Kernel launches and GEMM calls of the runner's context (wrapped in place; `restore()` undoes it)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx, self.launches, self.gemms = ctx, 0, 0
+        self._launch, self._linear = ctx.device.launch, ctx.blas.linear
+
+        def launch(*args: Any, **kw: Any) -> None:
+            self.launches += 1
+            self._launch(*args, **kw)
+
+        def linear(*args: Any, **kw: Any) -> None:
+            self.gemms += 1
+            self._linear(*args, **kw)
+
+        ctx.device.launch, ctx.blas.linear = launch, linear
+
+    @property
+    def plans(self) -> int:
+        return len(getattr(self.ctx.blas, "_plans", {}))
+
+    def restore(self) -> None:
+        self.ctx.device.launch, self.ctx.blas.linear = self._launch, self._linear
+
+
+def timed(runner: Any, make: Callable[[int], Any], steps: int, sync: SyncTimer,
+          calls: CallCounter | None = None) -> dict[str, float]:
+    """Median host wall of forward() and its part blocked on the GPU, over `steps` steps after three warm-ups
+    (the graphed kinds warm up, capture and replay their graph in those); make(i) builds step i (warm-ups -3..-1).
+    With `calls`: launches, GEMM calls and new GEMM plans per timed step (means)."""
+    for i in range(-3, 0):
+        runner.forward(make(i))
     walls, waits = [], []
-    for _ in range(steps):
-        batch = make()
+    launches, gemms, plans = (calls.launches, calls.gemms, calls.plans) if calls else (0, 0, 0)
+    for i in range(steps):
+        batch = make(i)
         runner.ctx.device.sync()
         sync.seconds = 0.0
         t0 = time.perf_counter()
@@ -79,7 +120,12 @@ def timed(runner: Any, make: Callable[[], Any], steps: int, sync: SyncTimer) -> 
         walls.append(time.perf_counter() - t0)
         waits.append(sync.seconds)
     wall, wait = statistics.median(walls), statistics.median(waits)
-    return {"wall_ms": 1e3 * wall, "gpu_wait_ms": 1e3 * wait, "host_ms": 1e3 * (wall - wait)}
+    out = {"wall_ms": 1e3 * wall, "gpu_wait_ms": 1e3 * wait, "host_ms": 1e3 * (wall - wait),
+           "wall_ms_max": 1e3 * max(walls)}
+    if calls:
+        out.update(launches=(calls.launches - launches) / steps, gemm_calls=(calls.gemms - gemms) / steps,
+                   new_gemm_plans=(calls.plans - plans) / steps)
+    return out
 
 
 def profile(shape_name: str, rows_list: list[int], forced: int, forced_len: int, context: int, steps: int,
@@ -101,42 +147,57 @@ def profile(shape_name: str, rows_list: list[int], forced: int, forced_len: int,
     vocab = config.text.vocab_size
     seqs = max(rows_list) + forced
     bs = 16
-    per_seq = (context + steps * (forced_len + 1) + 64) // bs + 2
+    per_seq = (context + 2 * LONG_CHUNKS[-1] + steps + 64) // bs + 2
     runner.allocate_cache(CacheSpec(num_kv_blocks=per_seq * seqs, block_size=bs, num_state_slots=seqs))
     tables = [np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.int32) for s in range(seqs)]
     prefill_sequences(runner, rng, list(range(seqs)), tables, context)
     sync = SyncTimer(runner.ctx.device)
+    calls = CallCounter(runner.ctx)
     out: dict[str, Any] = {"shape": shape_name, "context": context, "forced": forced, "forced_len": forced_len,
                            "steps": steps, "rows": {}}
     try:
         for rows in rows_list:
-            start = [context] * seqs  # every step restarts from the prefilled context: the same shapes each time
+            start = context  # every step restarts from the prefilled context: the same shapes each time
 
-            def batch(extra: int, rows: int = rows) -> Any:
-                chunks = [SeqChunk(s, rng.integers(0, vocab, 1), np.full((3, 1), start[s]), start[s], tables[s], s)
-                          for s in range(rows)]
-                chunks += [SeqChunk(s, rng.integers(0, vocab, forced_len),
-                                    np.tile(np.arange(start[s], start[s] + forced_len), (3, 1)), start[s], tables[s], s)
-                           for s in range(rows, rows + extra)]
+            def batch(plain: int, lens: list[int]) -> Any:
+                """`plain` one-token rows, then one chunk of each length in `lens` (jump-forward runs)."""
+                chunks = [SeqChunk(s, rng.integers(0, vocab, 1), np.full((3, 1), start), start, tables[s], s)
+                          for s in range(plain)]
+                chunks += [SeqChunk(s, rng.integers(0, vocab, n), np.tile(np.arange(start, start + n), (3, 1)),
+                                    start, tables[s], s) for s, n in zip(range(plain, plain + len(lens)), lens)]
                 return StepBatch(chunks, sampling=greedy(len(chunks)))
 
+            runs = [forced_len] * forced
+            kinds: dict[str, tuple[bool, Callable[[int], Any]]] = {
+                "graphed": (True, lambda i: batch(rows, [])),
+                "graphed_all": (True, lambda i: batch(rows + forced, [])),
+                "eager": (False, lambda i: batch(rows, [])),
+                "forced": (False, lambda i: batch(rows, runs)),
+                # a token count not met before in every step (warm-ups included): 2 + 3 + i tokens more
+                "forced_new_m": (False, lambda i: batch(rows, [forced_len + 5 + i, *runs[1:]])),
+                "forced_32": (False, lambda i: batch(rows, [LONG_CHUNKS[0], *runs[1:]])),
+                "forced_64": (False, lambda i: batch(rows, [LONG_CHUNKS[1], *runs[1:]])),
+            }
             result: dict[str, Any] = {}
-            runner.use_graphs = True
-            result["graphed"] = timed(runner, lambda: batch(0), steps, sync)
+            for kind, (graphs, make) in kinds.items():
+                runner.use_graphs = graphs
+                result[kind] = timed(runner, make, steps, sync, calls)
+                print(f"{shape_name} rows {rows} {kind}: {result[kind]}", flush=True)
             runner.use_graphs = False
-            result["eager"] = timed(runner, lambda: batch(0), steps, sync)
-            result["forced"] = timed(runner, lambda: batch(forced), steps, sync)
             prof = cProfile.Profile()
-            b = batch(forced)
+            b = batch(rows, [forced_len + 20, *runs[1:]])  # a token count not met before: new plans
             prof.enable()
             runner.forward(b)
             runner.ctx.device.sync()
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
-            result["forced_cprofile_top15"] = text.getvalue().splitlines()
+            result["forced_new_m_cprofile_top15"] = text.getvalue().splitlines()
             out["rows"][rows] = result
+        out["decode_counts"] = vars(runner.decode_counts)
+        out["graphs"] = {str(k): "captured" for k in runner._graphs} | {str(k): v for k, v in runner._no_graph.items()}
     finally:
+        calls.restore()
         sync.restore()
         runner.close()
     return out
@@ -156,20 +217,23 @@ def main(argv: list[str] | None = None) -> int:
 
     require_gpu()
     rows_list = [int(r) for r in args.rows.split(",") if r]
-    result = {"command": "python3 " + " ".join(sys.argv), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat()}
+    result: dict[str, Any] = {"command": "python3 " + " ".join(sys.argv),
+                              "date_utc": dt.datetime.now(dt.timezone.utc).isoformat()}
     result.update(profile(args.shape, rows_list, args.forced, args.forced_len, args.context, args.steps,
                           np.random.default_rng()))
-    print(f"{'shape':>5} {'rows':>5} {'kind':<8} {'wall ms':>8} {'GPU wait':>8} {'host ms':>8}")
-    for rows, res in result["rows"].items():
-        for kind in ("graphed", "eager", "forced"):
-            r = res[kind]
-            print(f"{args.shape:>5} {rows:5d} {kind:<8} {r['wall_ms']:8.1f} {r['gpu_wait_ms']:8.1f} "
-                  f"{r['host_ms']:8.1f}")
-    for rows, res in result["rows"].items():
-        print(f"\ncProfile, {rows} rows + {args.forced} forced runs:")
-        print("\n".join(res["forced_cprofile_top15"][:30]))
-    if args.json:
+    if args.json:  # first: a cut-short call keeps the numbers
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    for rows, res in result["rows"].items():
+        print(f"\ncProfile, {rows} rows + {args.forced} forced runs, a new token count:")
+        print("\n".join(res["forced_new_m_cprofile_top15"][:30]))
+    print(f"\n{'shape':>5} {'rows':>5} {'kind':<13} {'wall ms':>8} {'max':>7} {'GPU wait':>8} {'host ms':>8} "
+          f"{'launches':>8} {'gemms':>6} {'plans':>6}")
+    for rows, res in result["rows"].items():
+        for kind in KINDS:
+            r = res[kind]
+            print(f"{args.shape:>5} {rows:5d} {kind:<13} {r['wall_ms']:8.1f} {r['wall_ms_max']:7.1f} "
+                  f"{r['gpu_wait_ms']:8.1f} {r['host_ms']:8.1f} {r['launches']:8.0f} {r['gemm_calls']:6.0f} "
+                  f"{r['new_gemm_plans']:6.1f}")
     return 0
 
 

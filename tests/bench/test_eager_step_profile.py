@@ -31,11 +31,50 @@ def test_sync_time_is_counted_apart_from_host_work_and_the_wrapper_comes_off():
     device = SlowDevice()
     original = device.sync
     timer = esp.SyncTimer(device)
-    r = esp.timed(FakeRunner(device), lambda: None, steps=3, sync=timer)
+    r = esp.timed(FakeRunner(device), lambda i: None, steps=3, sync=timer)
     assert 8 < r["gpu_wait_ms"] < 60 and 15 < r["host_ms"] < 80  # wide: a loaded CI machine sleeps long
     assert abs(r["wall_ms"] - r["gpu_wait_ms"] - r["host_ms"]) < 1e-6
     timer.restore()
-    assert device.sync == original and device.calls == 2 + 3 * 3  # warm-ups: 1 each; timed: before, inside, after
+    assert device.sync == original and device.calls == 3 + 3 * 3  # warm-ups: 1 each; timed: before, inside, after
+
+
+class CountingDevice(SlowDevice):
+    def launch(self, *args, **kw) -> None:
+        pass
+
+
+class Blas:
+    def __init__(self) -> None:
+        self._plans: dict = {}
+
+    def linear(self, m: int) -> None:
+        self._plans.setdefault(m, object())  # a new row count: a new plan
+
+
+class LaunchingRunner:
+    """forward(batch): two launches and one GEMM at m = batch (a new m adds a plan)."""
+
+    def __init__(self) -> None:
+        self.ctx = type("Ctx", (), {"device": CountingDevice(), "blas": Blas()})()
+
+    def forward(self, batch) -> None:
+        self.ctx.device.launch()
+        self.ctx.device.launch()
+        self.ctx.blas.linear(batch)
+
+
+def test_launches_gemms_and_new_plans_are_counted_per_timed_step():
+    runner = LaunchingRunner()
+    calls = esp.CallCounter(runner.ctx)
+    timer = esp.SyncTimer(runner.ctx.device)
+    same = esp.timed(runner, lambda i: 7, steps=4, sync=timer, calls=calls)
+    assert same["launches"] == 2 and same["gemm_calls"] == 1 and same["new_gemm_plans"] == 0
+    new = esp.timed(runner, lambda i: 100 + i, steps=4, sync=timer, calls=calls)
+    assert new["new_gemm_plans"] == 1  # the warm-ups (i < 0) made their own
+    calls.restore()
+    timer.restore()
+    runner.forward(1000)
+    assert calls.launches == 2 * 14 and calls.gemms == 14  # nothing counted after restore()
 
 
 def test_greedy_request_has_one_row_per_chunk():
