@@ -5,9 +5,10 @@ Memory: one cuMemAlloc of `options.memory_budget` bytes at start-up; weights fir
 (allocate_cache), and per-step activations from what is left (released at the end of every step).
 Step: all sequences of the batch run together (varlen): the host-side tables (step.py) are packed into one int32
 array and uploaded once; logits come back as float32 for the requested rows only. Decode steps (one token per
-sequence) replay CUDA graphs captured per (batch-size bucket, block-table width bucket) unless options.use_graphs
-is off: a batch is padded to its bucket with rows that write only the runner's scratch block and slot, and the
-graphs own no memory (decode_graphs.py says why that is safe).
+sequence) and steps of short grammar-forced runs beside them replay CUDA graphs captured per (batch-size bucket,
+token bucket, block-table width bucket) unless options.use_graphs is off: a step is padded to its buckets with rows
+that write only the runner's scratch block and slot, and the graphs own no memory (decode_graphs.py says why
+that is safe).
 Vision: encode_vision runs the tower on the GPU (vision.py) into a block of the encoder-cache region (a fixed
 part of the arena, options.encoder_memory bytes) and returns DeviceEmbeddings; the prefill steps copy their rows
 into the residual stream on the device. When that region is full the embeddings come back as a host float32
@@ -38,12 +39,20 @@ from ..runner_rules import (
 )
 from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
-from .decode_graphs import DecodeCounts, GraphKey, ScratchRows, bucket_for, bucket_sizes, table_width_bucket
+from .decode_graphs import (
+    GRAPH_MAX_CHUNK,
+    DecodeCounts,
+    GraphKey,
+    ScratchRows,
+    bucket_sizes,
+    graph_shape,
+    table_width_bucket,
+)
 from .embeddings import BlockPool, DeviceEmbeddings
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
-from .step import HostStep, StepTables, build_step, pack_tables, pad_decode_step, upload_tables
+from .step import HostStep, StepTables, build_step, pack_tables, pad_step, upload_tables
 from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
 from .vision import GpuVisionTower
 from .weights import upload_text_weights
@@ -95,12 +104,11 @@ class CudaRunner:
         self._free_after_weights = self.ctx.arena.free_bytes
         self.spec: CacheSpec | None = None
         self.cache = DeviceCache(0)
-        # Decode steps run from CUDA graphs, one per GraphKey (batch-size bucket, block-table width bucket,
-        # sampling), captured the second time a key is seen (the first, eager, run at the padded size loads
-        # modules and picks the GEMM algorithms of that size).
+        # Decode steps run from CUDA graphs, one per GraphKey (batch-size and token buckets, block-table width
+        # bucket, sampling), captured after the first step of a key, which runs eagerly at the padded size (it
+        # loads modules and picks the GEMM algorithms of that size).
         self.use_graphs = o.use_graphs
         self._graphs: dict[GraphKey, CapturedStep] = {}
-        self._warm: set[GraphKey] = set()
         self._no_graph: dict[GraphKey, str] = {}  # keys whose capture failed or was too large, and why
         # A graph whose buffers (at the arena's top while it runs) would take more than this runs eagerly.
         self.graph_memory_cap = o.graph_memory
@@ -150,7 +158,7 @@ class CudaRunner:
                 "DOCPIPE_CUDA_MEMORY_FRACTION / CudaOptions.memory_budget")
         ctx.device.sync()
         ctx.arena.release(self._after_weights)  # a new spec replaces the old cache (and the graphs that used it)
-        self.cache, self._graphs, self._warm, self._graph_bytes = DeviceCache(spec.block_size), {}, set(), 0
+        self.cache, self._graphs, self._graph_bytes = DeviceCache(spec.block_size), {}, 0
         self._no_graph, self.decode_counts = {}, DecodeCounts()
         # One KV block and one state slot more than the spec, for decode graphs' padding rows, when they fit;
         # without them decode graphs are captured per exact batch size.
@@ -209,41 +217,43 @@ class CudaRunner:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> StepOutput:
-        if self.use_graphs and _is_decode(batch):
+        if self.use_graphs and _graphable(batch):
             return self._forward_graphed(batch)
-        if _is_decode(batch):
-            self.decode_counts.eager_decode += 1
+        if _graphable(batch):
+            self.decode_counts.eager_graphable += 1
         else:
             self.decode_counts.other += 1
         return self._forward_eager(batch)
 
     def _forward_graphed(self, batch: StepBatch) -> StepOutput:
-        rows = len(batch.chunks)
-        bucket = rows if self.scratch is None else bucket_for(rows, self.buckets)
+        lens = [c.num_tokens for c in batch.chunks]
         counts = self.decode_counts
-        if bucket is None:  # more sequences than state slots + 1: cannot happen through the engine
-            counts.eager_decode += 1
+        if self.scratch is None:
+            shape: tuple[int, int] | None = (len(lens), sum(lens))  # no padding rows: one graph per exact shape
+        else:
+            shape = graph_shape(lens, self.buckets, allocated(self.spec).block_size)
+        if shape is None:  # too many sequences or forced tokens for any bucket
+            counts.eager_graphable += 1
             return self._forward_eager(batch)
+        rows, tokens = shape
         width = table_width_bucket(max(len(c.block_table) for c in batch.chunks))
-        key = GraphKey(bucket, width, batch.sampling is not None)
-        host = self._graph_host(batch, width, bucket)
+        key = GraphKey(rows, tokens, width, batch.sampling is not None)
+        host = self._graph_host(batch, width, rows, tokens)
         step = self._graphs.get(key)
         if step is None:
-            if key not in self._warm or key in self._no_graph or len(self._graphs) >= MAX_GRAPHS:
-                self._warm.add(key)
-                counts.eager_decode += 1
-                return self._run_eager(host, batch)
-            step = self._capture(host, batch, width, key)
-            if step is None:
-                counts.eager_decode += 1
-                return self._run_eager(host, batch)
-            self._graphs[key] = step
-            counts.captures += 1
-        else:
-            step.load(host, batch)
+            counts.eager_graphable += 1
+            out = self._run_eager(host, batch)  # loads the modules and GEMM plans a capture needs
+            if key not in self._no_graph and len(self._graphs) < MAX_GRAPHS:
+                step = self._capture(host, batch, width, key)  # replayed from the key's next step on
+                if step is not None:
+                    self._graphs[key] = step
+                    counts.captures += 1
+            return out
+        step.load(host, batch)
         step.replay()
         counts.graphed += 1
         counts.padded += host.padding > 0
+        counts.with_runs += max(lens) > 1
         hidden = step.hidden()
         if batch.sampling is not None and step.bufs.sampler is not None:
             sampled = self.sampler.results(step.bufs.sampler, batch.sampling)
@@ -251,12 +261,12 @@ class CudaRunner:
                               sampled=sampled)
         return StepOutput(logits=step.logits(), row_offsets=row_offsets(batch.chunks), hidden=hidden)
 
-    def _graph_host(self, batch: StepBatch, width: int, rows: int) -> HostStep:
-        """The decode step's tables, padded to `rows` sequences with scratch rows (pad_decode_step)."""
+    def _graph_host(self, batch: StepBatch, width: int, rows: int, tokens: int) -> HostStep:
+        """The step's tables, padded to `rows` sequences and `tokens` tokens with scratch rows (pad_step)."""
         host = self._prepare(batch, width)
-        if self.scratch is None or rows == len(batch.chunks):
+        if self.scratch is None or (rows, tokens) == (len(batch.chunks), host.n):
             return host
-        return pad_decode_step(host, rows, self.scratch.block, self.scratch.slot, allocated(self.spec).block_size)
+        return pad_step(host, rows, tokens, self.scratch.block, allocated(self.spec).block_size, self.scratch.slot)
 
     def _forward_eager(self, batch: StepBatch) -> StepOutput:
         return self._run_eager(self._prepare(batch), batch)
@@ -395,9 +405,9 @@ class CapturedStep:
         return int(self.host.tables.slots.size)
 
     def update(self, batch: StepBatch) -> None:
-        """Upload the tables of the next step of the same shape (or, with the runner's scratch rows, of fewer
-        sequences) into the captured buffers."""
-        self.load(self.runner._graph_host(batch, self._width, self.size), batch)
+        """Upload the tables of the next step of the same shape (or, with the runner's scratch rows, of one that
+        pads to it) into the captured buffers."""
+        self.load(self.runner._graph_host(batch, self._width, self.size, self.host.n), batch)
 
     def load(self, host: HostStep, batch: StepBatch) -> None:
         if host.n != self.host.n or host.shapes() != self.host.shapes():
@@ -425,9 +435,11 @@ class CapturedStep:
             self.runner.ctx.arena.release(self._mark)
 
 
-def _is_decode(batch: StepBatch) -> bool:
-    """One new token per sequence, last-row logits, no vision: the shape decode graphs are captured for."""
-    return bool(batch.chunks) and all(c.num_tokens == 1 and c.logits == "last" and not c.vision for c in batch.chunks)
+def _graphable(batch: StepBatch) -> bool:
+    """Short chunks (decode tokens, jump-forward runs) with last-row logits and no vision: the steps graphs are
+    captured for (decode_graphs.graph_shape decides the rest)."""
+    return bool(batch.chunks) and all(c.num_tokens <= GRAPH_MAX_CHUNK and c.logits == "last" and not c.vision
+                                      for c in batch.chunks)
 
 
 def _first_rows(arr: DArray, rows: int) -> DArray:

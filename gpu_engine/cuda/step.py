@@ -21,7 +21,7 @@ from .embeddings import DeviceEmbeddings
 from .sampler import pack_params
 
 ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
-# The sampling parameters of a decode graph's padding row (pad_decode_step), in sampler.pack_params' order:
+# The sampling parameters of a graph's padding row (pad_step), in sampler.pack_params' order:
 # greedy (temperature 0, no top-k / top-p / min-p), no logprobs, no grammar mask.
 PAD_SAMPLE_PARAMS = np.array([0.0, 0.0, 1.0, 0.0, 0.5, 0.0, -1.0, -1.0], np.float32)
 
@@ -72,7 +72,7 @@ class HostStep:
     logit_rows: int
     vision_embeds: np.ndarray | None  # float32 rows for tables.vis_rows, uploaded with the step's buffers
     device_vision: list[DeviceVisionRows]
-    padding: int = 0  # trailing sequences (and logits rows) that pad a decode step to its graph (pad_decode_step)
+    padding: int = 0  # trailing sequences (and logits rows) that pad a step to its graph's shape (pad_step)
 
     @property
     def batch_logit_rows(self) -> int:
@@ -155,46 +155,52 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
     return step
 
 
-def pad_decode_step(host: HostStep, rows: int, scratch_block: int, scratch_slot: int, block_size: int) -> HostStep:
-    """A decode step (one token per sequence, last-row logits, no vision) grown to `rows` sequences, so that it
-    fits a decode graph captured for that many (decode_graphs.bucket_for).
+def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_size: int, scratch_slot: int
+             ) -> HostStep:
+    """A step of short chunks with last-row logits each (decode tokens, jump-forward runs) grown to `rows`
+    sequences and `tokens` tokens, so that it fits a graph captured for that shape (decode_graphs.graph_shape).
 
-    Each padding row is a fresh one-token sequence at position 0: token 0, state slot `scratch_slot` (fresh: its
-    state is never read, only written), block table and KV slot in `scratch_block`. Those two belong to the
-    runner, not to any sequence, so padding rows write only there and read only what they wrote; their logits
-    rows come last and are dropped by the caller (greedy parameters, no mask, no logprobs when sampled)."""
+    Each padding sequence is a fresh chunk of 1..block_size tokens at position 0 of state slot `scratch_slot`
+    (fresh: its state is never read, only written) with its block table and KV slots in `scratch_block` (the
+    first ones take the tokens beyond one each). Those two belong to the runner, not to any sequence, so padding
+    rows write only there and read only what they wrote; their logits rows come last and are dropped by the
+    caller (greedy parameters, no mask, no logprobs when sampled)."""
     t = host.tables
-    seqs = t.slots.size
-    pad = rows - seqs
-    if (host.n != seqs or host.vision_embeds is not None or host.device_vision or t.logit_rows.size != seqs
-            or host.padding):
-        raise RunnerInputError("only decode steps (one token and one logits row per sequence) are padded")
-    if pad < 0:
-        raise RunnerInputError(f"a decode step of {seqs} sequences does not fit {rows} rows")
-    if pad == 0:
+    seqs, n = t.slots.size, host.n
+    pad_seqs, pad_tokens = rows - seqs, tokens - n
+    if host.vision_embeds is not None or host.device_vision or t.logit_rows.size != seqs or host.padding:
+        raise RunnerInputError("only steps of chunks with one logits row each and no vision are padded")
+    if pad_seqs < 0 or not pad_seqs <= pad_tokens <= pad_seqs * block_size:
+        raise RunnerInputError(f"a step of {seqs} sequences and {n} tokens does not pad to {rows} and {tokens} "
+                               f"(1..{block_size} tokens a padding sequence)")
+    if pad_seqs == 0:
         return host
     i32 = np.int32
-    new = np.arange(seqs, rows, dtype=i32)  # the padding rows (= their sequence numbers: one token each)
-    zeros = np.zeros(pad, i32)
+    lens = np.ones(pad_seqs, np.int64)  # the tokens past one each, block_size - 1 at a time from the first
+    full, rest = divmod(pad_tokens - pad_seqs, max(block_size - 1, 1))
+    lens[:full] = block_size
+    if full < pad_seqs:
+        lens[full] += rest
+    pad_cu = n + np.cumsum(lens)
+    pos = (np.arange(pad_tokens) - np.repeat(pad_cu - lens - n, lens)).astype(i32)
     tables = StepTables(
-        ids=np.concatenate([t.ids, zeros]),
-        pos=np.concatenate([t.pos, np.zeros((3, pad), i32)], axis=1),
-        cu=np.arange(rows + 1, dtype=i32),
-        slots=np.concatenate([t.slots, np.full(pad, scratch_slot, i32)]),
-        fresh=np.concatenate([t.fresh, np.ones(pad, i32)]),
-        tok_seq=np.arange(rows, dtype=i32),
-        tok_pos=np.concatenate([t.tok_pos, zeros]),
-        kv_slots=(np.concatenate([t.kv_slots, np.full(pad, scratch_block * block_size, i32)])
-                  if t.kv_slots.size else t.kv_slots),
-        tables=np.concatenate([t.tables, np.full((pad, t.tables.shape[1]), scratch_block, i32)]),
-        logit_rows=np.concatenate([t.logit_rows, new]),
+        ids=np.concatenate([t.ids, np.zeros(pad_tokens, i32)]),
+        pos=np.concatenate([t.pos, np.broadcast_to(pos, (3, pad_tokens))], axis=1),
+        cu=np.concatenate([t.cu, pad_cu.astype(i32)]),
+        slots=np.concatenate([t.slots, np.full(pad_seqs, scratch_slot, i32)]),
+        fresh=np.concatenate([t.fresh, np.ones(pad_seqs, i32)]),
+        tok_seq=np.concatenate([t.tok_seq, np.repeat(np.arange(seqs, rows), lens).astype(i32)]),
+        tok_pos=np.concatenate([t.tok_pos, pos]),
+        kv_slots=np.concatenate([t.kv_slots, scratch_block * block_size + pos]) if t.kv_slots.size else t.kv_slots,
+        tables=np.concatenate([t.tables, np.full((pad_seqs, t.tables.shape[1]), scratch_block, i32)]),
+        logit_rows=np.concatenate([t.logit_rows, (pad_cu - 1).astype(i32)]),
         vis_rows=t.vis_rows,
-        tiles=ops.flash_tiles([1] * rows).astype(i32),
+        tiles=ops.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist()).astype(i32),
         sample_params=(None if t.sample_params is None
-                       else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad, 1))])),
+                       else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad_seqs, 1))])),
     )
-    return HostStep(n=rows, longest_chunk=host.longest_chunk, tables=tables, logit_rows=rows, vision_embeds=None,
-                    device_vision=[], padding=pad)
+    return HostStep(n=tokens, longest_chunk=max(host.longest_chunk, int(lens.max())), tables=tables, logit_rows=rows,
+                    vision_embeds=None, device_vision=[], padding=pad_seqs)
 
 
 def _add_sampling(batch: StepBatch, step: HostStep, vocab_size: int) -> None:

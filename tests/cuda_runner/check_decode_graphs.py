@@ -4,12 +4,13 @@ steps, and the padding rows leave every real sequence's cache alone.
     python3 -m tests.cuda_runner.check_decode_graphs [--json out.json] [--seed N]
 
 Two CudaRunners on the same tiny random checkpoint, one with decode graphs and one without; 7 sequences prefilled
-with random prompts, then decode steps whose batch moves between 1 and 7 sequences (buckets 1, 2, 4, 8: most
-steps are padded, several graphs of different sizes take turns on the same memory), both runners fed the eager
-runner's tokens. The last steps sample on the device (a greedy SamplingRequest), and a final eager step of all 7
-sequences on both runners reads every cache after the padded replays. Pass: fp32 logits rel. err <= 1e-4 on every
-step and identical tokens; bf16 <= BF16_SANITY (the padded GEMMs may pick other algorithms) with its top-1
-agreement reported; and padded graph replays did happen. Skips (exit 0) without a GPU.
+with random prompts, then decode steps whose batch moves between 1 and 7 sequences, some with 3-token
+jump-forward runs (buckets 1, 2, 4, 8 and 0 or 16 tokens past one each: most steps are padded, several graphs
+of different shapes take turns on the same memory), both runners fed the eager runner's tokens. The last steps
+sample on the device (a greedy SamplingRequest), and a final eager step of all 7 sequences on both runners reads
+every cache after the padded replays. Pass: fp32 logits rel. err <= 1e-4 on every step and identical tokens;
+bf16 <= BF16_SANITY (the padded GEMMs may pick other algorithms) with its top-1 agreement reported; and padded
+graph replays, with and without runs, did happen. Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
@@ -27,11 +28,14 @@ SMALL = {
     "num_key_value_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
 }
-SEQS, BLOCK, BLOCKS_PER_SEQ = 7, 16, 4
-# Active sequences per decode step: every bucket up to 8 is met at least three times (eager warm-up, capture,
-# replay), with batches that need padding and graphs of other sizes replayed in between.
-SCHEDULE = [7, 7, 7, 3, 3, 3, 7, 3, 5, 6, 5, 2, 2, 2, 1, 1, 1, 6, 3, 7]
-SAMPLED_STEPS = 6  # the last steps of SCHEDULE sample on the device
+SEQS, BLOCK, BLOCKS_PER_SEQ = 7, 16, 8
+RUN = 3  # tokens of a jump-forward run
+# (active sequences, how many of them feed a RUN-token jump-forward run) per step: every bucket up to 8 is met
+# several times (eager warm-up + capture, then replays), with steps that need padding rows and padding tokens,
+# and graphs of other shapes replayed in between.
+SCHEDULE = [(7, 0), (7, 0), (7, 0), (3, 0), (3, 0), (3, 0), (7, 0), (3, 0), (5, 2), (5, 2), (6, 1), (5, 2),
+            (2, 0), (2, 0), (2, 0), (1, 0), (1, 0), (1, 0), (6, 1), (3, 0), (5, 2), (7, 2), (7, 2), (7, 2)]
+SAMPLED_STEPS = 7  # the last steps of SCHEDULE sample on the device
 BF16_SANITY = 1e-1
 
 
@@ -53,8 +57,8 @@ def _greedy(rows: int) -> SamplingRequest:
                            uniform=np.full(rows, 0.5), num_logprobs=np.full(rows, -1, np.int64))
 
 
-def _drive(runner, config, rng_seed: int, forced: list[list[int]] | None = None
-           ) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
+def _drive(runner, config, rng_seed: int, forced: list[list[list[int]]] | None = None
+           ) -> tuple[list[np.ndarray], list[list[list[int]]], list[list[int]]]:
     """Prefill, the decode schedule (the last SAMPLED_STEPS sampled on the device), a final eager step of all.
     Returns the logits of every step, each step's input tokens (`forced` replaces them: the other runner's) and
     the tokens sampled on the device."""
@@ -69,25 +73,26 @@ def _drive(runner, config, rng_seed: int, forced: list[list[int]] | None = None
     out = runner.forward(StepBatch(chunks))
     nxt = {s: int(np.argmax(out.logits[s])) for s in range(SEQS)}
     steps: list[np.ndarray] = [out.logits]
-    inputs: list[list[int]] = []
+    inputs: list[list[list[int]]] = []
     sampled_tokens: list[list[int]] = []
-    for i, active in enumerate([*SCHEDULE, SEQS]):
+    for i, (active, runs) in enumerate([*SCHEDULE, (SEQS, 0)]):
         final = i == len(SCHEDULE)
         members = list(range(SEQS)) if final else [int(s) for s in sorted(rng.choice(SEQS, active, replace=False))]
-        ids = forced[i] if forced is not None else [nxt[s] for s in members]
+        extra = [rng.integers(0, cfg.vocab_size, RUN - 1).tolist() if k < runs else [] for k in range(active)]
+        ids = forced[i] if forced is not None else [[nxt[s], *extra[k]] for k, s in enumerate(members)]
         inputs.append(ids)
         if final:  # every cache read once more, eagerly, with a two-token chunk each
             runner.use_graphs = False
-            chunks = [SeqChunk(s, np.array([ids[k], 1]), np.tile(np.arange(lens[s], lens[s] + 2), (3, 1)),
+            chunks = [SeqChunk(s, np.array([ids[k][0], 1]), np.tile(np.arange(lens[s], lens[s] + 2), (3, 1)),
                                lens[s], tables[s], s, logits="all") for k, s in enumerate(members)]
             steps.append(runner.forward(StepBatch(chunks)).logits)
             break
-        chunks = [SeqChunk(s, np.array([ids[k]]), np.full((3, 1), lens[s]), lens[s], tables[s], s)
-                  for k, s in enumerate(members)]
+        chunks = [SeqChunk(s, np.array(ids[k]), np.tile(np.arange(lens[s], lens[s] + len(ids[k])), (3, 1)), lens[s],
+                           tables[s], s) for k, s in enumerate(members)]
         sampled = i >= len(SCHEDULE) - SAMPLED_STEPS
         out = runner.forward(StepBatch(chunks, sampling=_greedy(active) if sampled else None))
         for k, s in enumerate(members):
-            lens[s] += 1
+            lens[s] += len(ids[k])
             nxt[s] = int(out.sampled.tokens[k]) if sampled else int(np.argmax(out.logits[k]))
         if sampled:
             sampled_tokens.append([int(t) for t in out.sampled.tokens])
@@ -128,7 +133,8 @@ def run_all(seed: int | None = None) -> tuple[list[GraphResult], dict]:
             same = tokens == ref_tokens
             worst = float(max(errs))
             print(f"{name} {dtype}: decode steps {counts}")
-            ok = counts.padded > 0 and (worst <= 1e-4 and same if dtype == "f32" else worst <= BF16_SANITY)
+            replayed = counts.padded > 0 and counts.with_runs > 0
+            ok = replayed and (worst <= 1e-4 and same if dtype == "f32" else worst <= BF16_SANITY)
             results.append(GraphResult(name, dtype, worst, agree, same, counts.padded, graphs, bool(ok)))
     return results, {"seed": seed}
 
