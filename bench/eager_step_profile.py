@@ -10,6 +10,8 @@ make each one eager (no decode graph). For each row count this times, over --ste
   graphed       plain decode rows (one token, last-row logits): CudaRunner.forward replays its decode graph
                 (padded to the row count's bucket, decode_graphs.py);
   graphed_all   graphed, rows + --forced rows: the step --no-jump-forward runs instead of "forced";
+  forced_graphed  the "forced" step below with graphs on: the runner's graph for steps with jump-forward runs
+                (decode_graphs.graph_shape: tokens past one per sequence rounded up to a token bucket);
   eager         the same rows as "graphed" with the runner's graphs off;
   forced        eager, the rows plus --forced jump-forward chunks of --forced-len tokens (the run's steps), the
                 same token count every step (GEMM plans cached);
@@ -47,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-KINDS = ("graphed", "graphed_all", "eager", "forced", "forced_new_m", "forced_32", "forced_64")
+KINDS = ("graphed", "graphed_all", "forced_graphed", "eager", "forced", "forced_new_m", "forced_32", "forced_64")
 LONG_CHUNKS = (40, 70)  # one jump-forward chunk past FLASH_MIN_CHUNK (32), and past the chunked DeltaNet's 64
 
 
@@ -171,6 +173,7 @@ def profile(shape_name: str, rows_list: list[int], forced: int, forced_len: int,
             kinds: dict[str, tuple[bool, Callable[[int], Any]]] = {
                 "graphed": (True, lambda i: batch(rows, [])),
                 "graphed_all": (True, lambda i: batch(rows + forced, [])),
+                "forced_graphed": (True, lambda i: batch(rows, runs)),
                 "eager": (False, lambda i: batch(rows, [])),
                 "forced": (False, lambda i: batch(rows, runs)),
                 # a token count not met before in every step (warm-ups included): 2 + 3 + i tokens more
