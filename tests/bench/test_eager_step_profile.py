@@ -81,3 +81,11 @@ def test_greedy_request_has_one_row_per_chunk():
     req = esp.greedy(7)
     assert req.num_rows == 7 and not req.temperature.any() and (req.num_logprobs == -1).all()
     assert req.top_p.dtype == np.float32 and req.bitmask is None
+
+
+def test_the_timing_waits_for_the_start_file_at_most_its_limit(tmp_path):
+    flag = tmp_path / "go"
+    assert esp.wait_for(None) < 0.1
+    assert 0.2 <= esp.wait_for(str(flag), limit_s=0.3) < 2.0  # never there: gives up at the limit
+    flag.write_text("")
+    assert esp.wait_for(str(flag)) < 0.1
