@@ -388,8 +388,12 @@ def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, cei
     row["enable_jump_forward"] = engine.config.enable_jump_forward
     runner = engine.runner
     if hasattr(runner, "graph_memory_cap"):  # the CUDA runner's decode graphs at the end of the run
+        # bytes: the largest graph's buffers (graphs share memory since the bucketed decode graphs);
+        # steps: what the runner's steps ran as since its cache was allocated (warm-up included)
+        counts = getattr(runner, "decode_counts", None)
         row["cuda_graphs"] = {"captured": len(getattr(runner, "_graphs", {})),
-                              "bytes": getattr(runner, "_graph_bytes", 0), "cap_bytes": runner.graph_memory_cap}
+                              "bytes": getattr(runner, "_graph_bytes", 0), "cap_bytes": runner.graph_memory_cap,
+                              "steps": vars(counts) if counts is not None else None}
     for key in ("cache_bytes", "max_model_len", "encoder_cache_budget_bytes"):
         row[f"engine_{key}"] = stats1.get(key)
     arena = getattr(getattr(engine.runner, "ctx", None), "arena", None)
