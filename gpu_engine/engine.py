@@ -308,15 +308,17 @@ class Engine:
         plan: RunnerSampling | None,
     ) -> tuple[list[ScheduledChunk], Rows, list[int]]:
         """The step's forward raised: locate the failing request(s) (FailureIsolation), end them with the error,
-        preempt the survivors whose state the failed forward may have touched; returns what the rest keeps."""
+        preempt the survivors whose state the failed forward may have touched; returns what the rest keeps. A failed
+        verify window is retried without drafts first (Speculator.retry_failed_windows)."""
         found = self.isolation.isolate(chunks, scheduled, error, plan, stateful=self.blocks.has_linear_state)
         self._counters["forward_failures"] += 1
         self._counters["isolation_forwards"] += found.forwards
-        for sc, exc in found.failed:
+        failed, retry = self.spec.retry_failed_windows(found.failed)
+        for sc, exc in failed:
             self._counters["requests_failed_by_runner"] += 1
             outputs.append(self._finish(sc.seq, "error", f"runner failed: {type(exc).__name__}: {exc}"))
         self._unused_uniform.update(found.unused_uniform)
-        for seq in reversed(found.tainted):  # reversed: the oldest ends up first in the waiting queue
+        for seq in reversed(found.tainted + retry):  # reversed: the oldest ends up first in the waiting queue
             self.scheduler.preempt(seq)
         self._counters["preempted_after_failure"] += len(found.tainted)
         return found.kept, found.rows, found.offsets

@@ -55,6 +55,7 @@ class Sequence:
     mtp_drafts: list[int] = field(default_factory=list)  # MTP head's proposal for the next step (speculative/)
     mtp_next: int = -1  # the first position the MTP head has not seen (-1: none seen in this admission)
     lookup_ids: np.ndarray | None = None  # the tokens of params.lookup_text, for prompt lookup
+    speculate: bool = True  # False once a verify window of it failed in the runner: it decodes plainly
 
     matcher: Any = None  # llguidance.LLMatcher when the request is constrained
     logprobs: list[TokenLogprob] | None = None

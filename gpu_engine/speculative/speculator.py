@@ -35,6 +35,7 @@ def spec_counters() -> dict[str, int]:
         "spec_auto_off_steps": 0,  # steps where the cost rule left an `auto` sequence without drafts
         "spec_grammar_cut_tokens": 0,  # drafts cut before verification because the grammar refused them
         "mtp_head_runs": 0,  # MTP head calls (KV fill + chained drafts)
+        "spec_window_retries": 0,  # requests retried without drafts after their verify window failed in the runner
     }
 
 
@@ -68,7 +69,7 @@ class Speculator:
         return None
 
     def uses_mtp(self, seq: Sequence) -> bool:
-        return self.has_mtp and seq.params.speculative in ("mtp", "auto")
+        return self.has_mtp and seq.speculate and seq.params.speculative in ("mtp", "auto")
 
     # ---- before scheduling ----
     def propose(self, running: list[Sequence], blocks: BlockManager) -> None:
@@ -84,7 +85,7 @@ class Speculator:
         free = blocks.num_free_blocks
         for seq in decoding:
             method = seq.params.speculative
-            if method == "off" or seq.remaining_tokens <= 1:
+            if method == "off" or not seq.speculate or seq.remaining_tokens <= 1:
                 continue
             want = k if method != "auto" else min(k, max(room, 0))
             if want == 0:
@@ -111,6 +112,25 @@ class Speculator:
     def is_window(sc: ScheduledChunk) -> bool:
         """The chunk runs drafts: the last real token then drafts (drafts are only written for decoding sequences)."""
         return sc.end > sc.seq.num_tokens
+
+    def retry_failed_windows(self, failed: list[tuple[ScheduledChunk, Exception]]
+                             ) -> tuple[list[tuple[ScheduledChunk, Exception]], list[Sequence]]:
+        """The forward failed for these chunks (failure_isolation.py). A verify window may have failed for one of its
+        drafts, which are no real tokens: such a request is retried without drafts (speculation off for the rest of
+        it, so drafts cannot fail it twice) and ends with the runner's error only if the plain retry fails too.
+        Returns (the failures that end their request, the sequences to preempt for the retry: the failed forward may
+        have half-written their linear-attention state)."""
+        end: list[tuple[ScheduledChunk, Exception]] = []
+        retry: list[Sequence] = []
+        for sc, exc in failed:
+            if self.is_window(sc) and sc.seq.speculate:
+                sc.seq.speculate = False
+                sc.seq.num_drafts = 0
+                retry.append(sc.seq)
+            else:
+                end.append((sc, exc))
+        self.counters["spec_window_retries"] += len(retry)
+        return end, retry
 
     # ---- after the forward ----
     def verify(self, sc: ScheduledChunk, logits: np.ndarray, first_row: int, blocks: BlockManager, accept: Accept,
