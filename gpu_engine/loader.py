@@ -13,7 +13,8 @@ Names: transformers writes `model.language_model.*`, `model.visual.*`, `lm_head.
 Qwen3_5ForConditionalGeneration; upstream checkpoints add `mtp.*`. Older VL layouts (`model.layers.*`, `visual.*`,
 `language_model.model.*`) are mapped too. Everything is checked against the name -> shape table that ModelConfig
 implies; all problems are reported in one CheckpointError. A qwen3_5_moe layer's experts may be stored fused or one
-tensor per expert (gpu_engine/moe_layout.py); each layer is checked against the layout it holds.
+tensor per expert (gpu_engine/moe_layout.py); each layer is checked against the layout it holds. The MTP head
+(`mtp.*`) is optional; the tensors it holds are checked too (gpu_engine/mtp_layout.py).
 
 Fingerprint (`checkpoint_fingerprint`): sha256 of the UTF-8 text made of one line per file,
 `<file name>\\0<sha256 hex of the file>\\n`, for config.json followed by the weight files in sorted name order.
@@ -35,6 +36,7 @@ import numpy as np
 from .config import ModelConfig, ModelLoadError
 from .fp8_checkpoint import QUANTIZE_VARIANT, pair_fp8, quantize_checkpoint
 from .moe_layout import moe_shapes, per_expert_layers
+from .mtp_layout import mtp_problems
 from .tensors import CheckpointError, StoredTensor, Tensors, raw_tensor, read_safetensors
 
 QUANTIZE_CHOICES = (None, "fp8")
@@ -347,6 +349,12 @@ def load_weights(
         for n in want
         if n in entries and tuple(entries[n].shape) != want[n]
     )
+    # the MTP head is optional, but what mtp.* holds must be right (gpu_engine/mtp_layout.py)
+    mtp_missing, mtp_unexpected, mtp_misshaped = mtp_problems(
+        config.text, {n[4:]: tuple(entries[n].shape) for n in entries if n.startswith("mtp/")})
+    missing += mtp_missing
+    unexpected = sorted(unexpected + mtp_unexpected)
+    misshaped = sorted(misshaped + mtp_misshaped)
     if missing or unexpected or misshaped or fp8_problems:
         parts = []
         if missing:

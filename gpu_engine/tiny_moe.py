@@ -6,7 +6,8 @@ deterministic random weights: fused 3-D experts as the BF16 releases store them 
 expert as the MTP layer, the official FP8 releases and transformers' default save_pretrained store them
 (layout="per_expert", written by `to_per_expert_layout`, which converts any fused folder). Both layouts of the same
 arguments hold the same numbers, so they give the same logits; transformers' Qwen3_5MoeForConditionalGeneration
-loads either folder as is.
+loads either folder as is. `mtp=True` adds an MTP head whose layer's experts are stored one tensor per expert
+(`mtp.layers.0.mlp.experts.{e}.*`), as in the published checkpoints; transformers ignores `mtp.*`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .loader import INDEX_FILE, SUMS_FILE, checkpoint_name, expected_shapes, weight_files
+from .mtp_layout import mtp_shapes
 from .tensors import read_safetensors
 from .tiny import TINY_TEXT, _init, _write_weights, make_tiny_checkpoint, write_json, write_sums
 from .tiny_fp8 import write_tagged_safetensors
@@ -44,12 +46,14 @@ def make_tiny_moe_checkpoint(
     dtype: str = "float32",
     layout: str = "fused",
     shards: int = 1,
+    mtp: bool = False,
     text_config: dict[str, Any] | None = None,
     vision_config: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a tiny MoE checkpoint into `folder` and return it. text_config: keys merged over TINY_MOE_TEXT; dtype,
-    shards, vision_config and top-level overrides as make_tiny_checkpoint."""
+    shards, vision_config and top-level overrides as make_tiny_checkpoint. mtp: add an MTP head (`mtp.*`, random, its
+    experts one tensor per expert as the published checkpoints store them, whatever `layout`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     folder = Path(folder)
@@ -62,7 +66,10 @@ def make_tiny_moe_checkpoint(
         del raw["text_config"]["intermediate_size"]
         write_json(config_path, raw)
     config = ModelConfig.from_pretrained(folder)
-    _write_weights(folder, moe_random_weights(config, seed=seed), dtype=dtype, shards=shards)
+    weights = moe_random_weights(config, seed=seed)
+    if mtp:
+        weights.update({"mtp." + n: w for n, w in mtp_random_weights(config, seed=seed).items()})
+    _write_weights(folder, weights, dtype=dtype, shards=shards)
     if layout == "per_expert":
         to_per_expert_layout(folder)
     write_sums(folder)
@@ -86,6 +93,13 @@ def moe_random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, np.nd
     return out
 
 
+def mtp_random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic float32 weights of a MoE MTP head (names relative to `mtp.`, experts one tensor per expert,
+    gpu_engine/mtp_layout.py), scaled as the trunk's."""
+    rng = np.random.default_rng([seed, 1])  # its own stream: the trunk's weights do not change with mtp=True
+    return {name: _init(name, shape, rng) for name, shape in sorted(mtp_shapes(config.text).items())}
+
+
 def to_per_expert_layout(folder: str | Path) -> None:
     """Rewrite a checkpoint folder's fused expert tensors as one tensor per expert (gate rows first, then up), in
     place: each stays in its shard with its dtype, the index follows; SHA256SUMS, when present, is rewritten."""
@@ -99,7 +113,7 @@ def to_per_expert_layout(folder: str | Path) -> None:
         out: dict[str, tuple[str, np.ndarray]] = {}
         for name, tensor in read_safetensors(folder / file).items():
             raw = np.array(tensor.raw)  # a copy: the file is rewritten below
-            if not name.endswith(_FUSED):
+            if not name.endswith(_FUSED) or name.startswith("mtp."):
                 out[name] = (tensor.dtype, raw)
                 continue
             parts = _per_expert(name, raw, inter)

@@ -6,58 +6,49 @@ forward, after `norm`, as vLLM's Qwen3.5 MTP feeds it) and x_{p+1} the token aft
 
     x = fc(concat(rms_norm(embed(x_{p+1}), pre_fc_norm_embedding), rms_norm(h_p, pre_fc_norm_hidden)))
     x = x + gated_full_attention(rms_norm(x, input_layernorm))       one decoder layer, its own KV
-    x = x + swiglu_mlp(rms_norm(x, post_attention_layernorm))
+    x = x + mlp(rms_norm(x, post_attention_layernorm))             dense SwiGLU, or experts (MoE checkpoints)
     out = rms_norm(x, mtp.norm);  logits = lm_head(out)              a guess for x_{p+2}
 
-All norms are zero-centred. Chaining: the next draft feeds (out, the draft) at position p + 1.
+All norms are zero-centred. Chaining: the next draft feeds (out, the draft) at position p + 1. A qwen3_5_moe head's
+MLP is the trunk's mixture of experts (MoeMlp, either expert layout; names and shapes in gpu_engine/mtp_layout.py).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from ..config import TextConfig
 from ..errors import RunnerInputError
+from ..mtp_layout import MLP, held_layout_shapes, mtp_shapes
 from .attention import attention_forward
-from .ops import linear, mrope_cos_sin, rms_norm, silu
-
-MTP_TENSORS = (
-    "fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
-    "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight", "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
-    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
-)
+from .moe import MoeMlp
+from .ops import linear, mrope_cos_sin, rms_norm, swiglu
 
 
-def mtp_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
-    """The 15 tensors of a dense checkpoint's MTP head (names relative to `mtp.`) and their shapes."""
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    shapes = {
-        "fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
-        "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,), "layers.0.post_attention_layernorm.weight": (h,),
-        "layers.0.self_attn.q_proj.weight": (2 * q, h), "layers.0.self_attn.k_proj.weight": (kv, h),
-        "layers.0.self_attn.v_proj.weight": (kv, h), "layers.0.self_attn.o_proj.weight": (h, q),
-        "layers.0.self_attn.q_norm.weight": (cfg.head_dim,), "layers.0.self_attn.k_norm.weight": (cfg.head_dim,),
-        "layers.0.mlp.gate_proj.weight": (i, h), "layers.0.mlp.up_proj.weight": (i, h),
-        "layers.0.mlp.down_proj.weight": (h, i),
-    }
-    assert tuple(shapes) == MTP_TENSORS
-    return shapes
+def has_complete_head(cfg: TextConfig, weights: Mapping[str, np.ndarray]) -> bool:
+    """Whether `weights` (names relative to `mtp.`) hold every tensor of the head, in either expert layout."""
+    return all(n in weights for n in held_layout_shapes(cfg, weights))
 
 
 class MtpHead:
     def __init__(self, cfg: TextConfig, weights: Mapping[str, np.ndarray], embed: np.ndarray,
                  lm_head: np.ndarray) -> None:
-        missing = [n for n in MTP_TENSORS if n not in weights]
+        names = list(held_layout_shapes(cfg, weights))
+        missing = [n for n in names if n not in weights]
         if missing:
             raise RunnerInputError(f"the checkpoint's MTP head lacks mtp.{', mtp.'.join(missing)}")
         self.cfg = cfg
-        self.w = {n: np.asarray(weights[n], dtype=np.float32) for n in MTP_TENSORS}
+        self.w = {n: np.asarray(weights[n], dtype=np.float32) for n in names}
         self.attn = {k[len("layers.0.self_attn."):]: a for k, a in self.w.items()
                      if k.startswith("layers.0.self_attn.")}
+        mlp = {k[len(MLP):]: a for k, a in self.w.items() if k.startswith(MLP)}
+        self.mlp: Callable[[np.ndarray], np.ndarray]  # [n, H] -> [n, H]: the trunk's kind of MLP
+        if cfg.moe is not None:
+            self.mlp = MoeMlp(cfg.moe, mlp)
+        else:
+            dense = (mlp["gate_proj.weight"], mlp["up_proj.weight"], mlp["down_proj.weight"])
+            self.mlp = lambda x: swiglu(x, *dense)
         self.embed, self.lm_head = embed, lm_head
 
     def layer(self, next_embeds: np.ndarray, hidden: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
@@ -71,9 +62,7 @@ class MtpHead:
         cos, sin = mrope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
         a = rms_norm(x, w["layers.0.input_layernorm.weight"], eps)
         x = x + attention_forward(a, self.attn, cfg, cos, sin, k_cache, v_cache, block_table, start)
-        m = rms_norm(x, w["layers.0.post_attention_layernorm.weight"], eps)
-        gate, up = linear(m, w["layers.0.mlp.gate_proj.weight"]), linear(m, w["layers.0.mlp.up_proj.weight"])
-        x = x + linear(silu(gate) * up, w["layers.0.mlp.down_proj.weight"])
+        x = x + self.mlp(rms_norm(x, w["layers.0.post_attention_layernorm.weight"], eps))
         return rms_norm(x, w["norm.weight"], eps)
 
     def logits(self, out: np.ndarray) -> np.ndarray:
@@ -112,14 +101,14 @@ class MtpHead:
         return drafts
 
 
-def random_mtp_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic random MTP weights (names relative to `mtp.`), scaled like gpu_engine.tiny's: for tests of the
-    mechanism on tiny checkpoints, which carry no MTP head."""
+def random_mtp_weights(cfg: TextConfig, seed: int = 0, *, per_expert: bool = True) -> dict[str, np.ndarray]:
+    """Deterministic random MTP weights (names relative to `mtp.`; a MoE head's experts in either layout), scaled
+    like gpu_engine.tiny's: for tests of the mechanism on tiny checkpoints (gpu_engine/tiny_moe.py writes them)."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
-    for name, shape in mtp_shapes(cfg).items():
+    for name, shape in mtp_shapes(cfg, per_expert=per_expert).items():
         if "norm" in name:
             out[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)  # zero-centred: offset from 1
-        else:
-            out[name] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        else:  # by fan-in (the last axis: a fused expert tensor is one Linear per expert)
+            out[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     return out

@@ -32,7 +32,7 @@ from ..runner_rules import (
     row_offsets,
     state_bytes_per_slot,
 )
-from .mtp import MTP_TENSORS, MtpHead
+from .mtp import MtpHead, has_complete_head
 from .text_model import SequenceCache, TextModel
 
 _F32 = 4  # bytes
@@ -59,10 +59,9 @@ class ReferenceRunner:
         self.conv_state: dict[int, np.ndarray] = {}
         self.recurrent_state: dict[int, np.ndarray] = {}
         self._vision_tower: Any = None
-        # MTP head (checkpoints with all of the dense head's mtp.*; MoE heads are not written yet): its own KV layer
-        # in every block. A checkpoint without a usable head still loads; it just has no MTP drafter.
-        usable = (weights.mtp and getattr(model_config.text, "moe", None) is None
-                  and all(name in weights.mtp for name in MTP_TENSORS))
+        # MTP head (checkpoints with all of the head's mtp.*, dense or MoE): its own KV layer in every block. A
+        # checkpoint without a complete head still loads; it just has no MTP drafter.
+        usable = bool(weights.mtp) and has_complete_head(model_config.text, weights.mtp)
         self.mtp = MtpHead(model_config.text, weights.mtp, self.text.embed, self.text.lm_head) if usable else None
         self.mtp_head = self.mtp is not None
         self.mtp_k = np.zeros(0, np.float32)

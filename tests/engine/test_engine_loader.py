@@ -104,13 +104,13 @@ def test_legacy_names_tied_head_and_mtp_tensors(copy_of):
             elif name.startswith("model.visual."):
                 t["visual." + name[len("model.visual."):]] = t.pop(name)
         del t["lm_head.weight"]
-        t["mtp.fc.weight"] = np.ones((4, 8), np.float32)
+        t["mtp.fc.weight"] = np.ones((64, 128), np.float32)
 
     rewrite(folder, edit)
     weights, _ = load_weights(folder, ModelConfig.from_pretrained(folder))
     assert weights.lm_head is weights.text["embed_tokens.weight"]
     assert "blocks.0.norm1.weight" in weights.vision
-    np.testing.assert_array_equal(weights.mtp["fc.weight"], np.ones((4, 8), np.float32))
+    np.testing.assert_array_equal(weights.mtp["fc.weight"], np.ones((64, 128), np.float32))
 
 
 def test_missing_unexpected_and_misshaped_tensors_are_listed_together(copy_of):

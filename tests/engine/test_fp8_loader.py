@@ -325,7 +325,7 @@ def test_sharded_fp8_checkpoint_with_scales_in_other_shards(copy_of):
 def test_mtp_linears_follow_the_same_rule(copy_of):
     folder = copy_of()
     rng = np.random.default_rng()
-    bits, scale = fp8.quantize(rng.standard_normal((192, 192)).astype(np.float32))
+    bits, scale = fp8.quantize(rng.standard_normal((320, 192)).astype(np.float32))  # [intermediate, hidden]
 
     def add_mtp(t):
         t["mtp.layers.0.mlp.up_proj.weight"] = ("F8_E4M3", bits)
