@@ -7,6 +7,7 @@ constrained by the schema (grammar), then parsed, validated with jsonschema and 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -109,6 +110,12 @@ def build_prompt(schema_prompt: str, unit: UnitInput, anchor_chars: int) -> str:
 
 
 def build_request(unit: UnitInput, schema_prompt: str, params: SamplingParams, settings: Settings) -> EngineRequest:
+    """One unit's engine request. A page with a text layer hands the whole layer to the engine as `lookup_text`:
+    prompt lookup drafts from it (speculative decoding; the output is unchanged by it) even where the prompt holds
+    only its first anchor_text_chars."""
+    text = (unit.anchor_text or "").strip()
+    if text and unit.unit.startswith("page:"):
+        params = dataclasses.replace(params, lookup_text=text)
     content: list[dict[str, Any]] = []
     if unit.unit == "video":
         # The frames were sampled at render time by the engine's rule (Settings.render_options): the engine takes
