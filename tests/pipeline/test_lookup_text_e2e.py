@@ -84,3 +84,22 @@ def test_a_page_text_layer_is_the_engine_request_lookup_text(make_pipeline: Any,
     assert accepted > 0  # prompt lookup drafted from the text layer, and the target kept some of those drafts
     assert second.accepted_draft_tokens == accepted
     assert layered["raw_text"] == answer and layered["data"] == plain["data"]  # greedy: unchanged by it
+
+
+def test_the_prompt_holds_a_cut_layer_and_lookup_text_the_whole_one() -> None:
+    from PIL import Image
+
+    from pipeline.extraction import UnitInput, build_request, sampling_params
+    from pipeline.settings import Settings
+
+    settings = Settings(anchor_text_chars=12)
+    params = sampling_params(COLOUR, settings)
+    layer = "Invoice 123 total 45.00 EUR"
+    page = UnitInput(unit="page:0", page_index=0, images=[Image.new("RGB", (8, 8))], timestamps=[None],
+                     anchor_text=f"  {layer}\n")
+    request = build_request(page, "Read it.", params, settings)
+    assert "total" not in request.messages[0]["content"][-1]["text"] and request.params.lookup_text == layer
+    assert params.lookup_text is None  # the job's shared params are not changed
+    blank = UnitInput(unit="page:1", page_index=1, images=[Image.new("RGB", (8, 8))], timestamps=[None],
+                      anchor_text=" \n")
+    assert build_request(blank, "Read it.", params, settings).params.lookup_text is None
