@@ -546,3 +546,31 @@ def test_no_snapshot_before_anything_is_computed_even_when_the_prompt_is_cached(
     assert hit.num_tokens == 0  # no snapshot: nothing reusable for a hybrid model
     bm.snapshot_state(b)  # at 0 tokens: there is no state to keep
     assert mem.copies == [] and bm.stats()["state_snapshots"] == 0
+
+
+def test_trim_frees_the_blocks_past_the_computed_tokens_and_keeps_the_rest() -> None:
+    """Speculative decoding: the blocks taken for drafts that were rejected go back; whole blocks of computed
+    tokens, and the partly filled last one, stay."""
+    bm, mem = manager(8, linear=False)
+    s = seq(list(range(6)))
+    admit(bm, mem, s)
+    compute(bm, mem, s, 6)  # 2 blocks: one full (cached), one partial
+    bm.allocate(s, 8)  # room for 8 drafts: 14 tokens in 4 blocks
+    assert len(s.block_table) == 4 and bm.num_free_blocks == 4
+    table, kept, dropped = s.block_table, s.block_table[:2], s.block_table[2:]
+    s.num_computed = 7  # one draft accepted: 7 tokens fill 2 blocks
+    bm.trim(s)
+    assert s.block_table == kept and s.block_table is not table  # a new list (the runner caches by identity)
+    assert (bm.num_free_blocks, bm.num_used_blocks, bm.num_cached_blocks) == (6, 2, 1)
+    other = seq(list(range(100, 124)))  # takes every free block, the trimmed ones too, never s's
+    admit(bm, mem, other)
+    compute(bm, mem, other, 24)
+    assert set(dropped) <= set(other.block_table) and not set(kept) & set(other.block_table)
+    bm.free(other)
+    s.num_computed = 8  # exactly two full blocks: nothing past them to free
+    bm.trim(s)
+    assert s.block_table == kept and bm.num_used_blocks == 2
+    bm.allocate(s, 1)
+    s.num_computed = 8  # the draft's block goes back; a block boundary keeps no extra block
+    bm.trim(s)
+    assert s.block_table == kept and bm.num_used_blocks == 2
