@@ -79,6 +79,12 @@ ENGINE_COUNTERS = {
     "spec_draft_tokens": ("docpipe_engine_spec_draft_tokens", "Speculative drafts verified"),
     "spec_accepted_tokens": ("docpipe_engine_spec_accepted_tokens", "Speculative drafts accepted"),
     "spec_verify_windows": ("docpipe_engine_spec_verify_windows", "Speculative verify windows run"),
+    "spec_grammar_cut_tokens": ("docpipe_engine_spec_grammar_cut_tokens",
+                                "Speculative drafts cut before verification because the grammar refused them"),
+    "spec_auto_off_steps": ("docpipe_engine_spec_auto_off_steps",
+                            "Steps where the cost rule left an auto request without drafts"),
+    "spec_window_retries": ("docpipe_engine_spec_window_retries",
+                            "Requests retried without drafts after their verify window failed in the runner"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
