@@ -5,6 +5,7 @@ of the mutants that survived, had no covering test, or were not reached before t
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation > /tmp/docpipe-mutation/summary.json
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation --previous tests/mutation/last_result.json
     python3 tests/mutation/summarise.py /tmp/docpipe-mutation --previous tests/mutation/last_result.json --markdown
+    python3 tests/mutation/summarise.py --markdown-from tests/mutation/last_result.json
 
 With `--previous`, a module this run did not check at all (a fresh verdict cache, a run of other modules only)
 keeps its counts from the previous summary when its source is unchanged since that summary's commit; such a
@@ -123,15 +124,17 @@ def markdown_table(summary: dict[str, Any]) -> str:
                  counts.get("no tests", 0), counts.get("not checked", 0), at]
         return "| " + " | ".join(str(c) for c in cells) + " |"
 
-    this = (summary.get("commit") or "")[:7]
-    for module, entry in summary["modules"].items():
-        rows.append(row(module, entry["counts"], (entry.get("checked_at") or this)[:7]))
+    for module, entry in summary["modules"].items():  # a module checked by this summary's runs says "this pass"
+        rows.append(row(module, entry["counts"], (entry.get("checked_at") or "")[:7] or "this pass"))
     rows.append(row("**all**", summary["total"], ""))
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--markdown-from"]:  # the table of a committed summary, e.g. tests/mutation/last_result.json
+        print(markdown_table(json.loads(Path(args[1]).read_text())))
+        sys.exit(0)
     as_table = "--markdown" in args
     if as_table:
         args.remove("--markdown")
