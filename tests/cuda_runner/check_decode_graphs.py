@@ -93,9 +93,9 @@ def _drive(runner, config, rng_seed: int, forced: list[list[list[int]]] | None =
         out = runner.forward(StepBatch(chunks, sampling=_greedy(active) if sampled else None))
         for k, s in enumerate(members):
             lens[s] += len(ids[k])
-            nxt[s] = int(out.sampled.tokens[k]) if sampled else int(np.argmax(out.logits[k]))
+            nxt[s] = int(out.sampled.token_ids[k]) if sampled else int(np.argmax(out.logits[k]))
         if sampled:
-            sampled_tokens.append([int(t) for t in out.sampled.tokens])
+            sampled_tokens.append([int(t) for t in out.sampled.token_ids])
         else:
             steps.append(out.logits)
     return steps, inputs, sampled_tokens
