@@ -62,20 +62,38 @@ def greedy(rows: int) -> Any:
 
 
 class SyncTimer:
-    """Seconds spent inside the runner's CudaDevice.sync (wrapped in place; `restore()` undoes it)."""
+    """Seconds the host spends blocked on the GPU: inside the runner's CudaDevice.sync and CudaDevice.download
+    (a device-to-host copy into pageable memory blocks inside cuMemcpyDtoHAsync until the stream gets there, so
+    the wait of a step's result download is in the copy call, not in the sync after it). Both wrapped in place;
+    `restore()` undoes it."""
 
     def __init__(self, device: Any) -> None:
         self.device, self.original, self.seconds = device, device.sync, 0.0
+        self.original_download = getattr(device, "download", None)
+        self._inside = False
 
         def sync(stream: Any = None) -> None:
             t0 = time.perf_counter()
             self.original(stream)
-            self.seconds += time.perf_counter() - t0
+            if not self._inside:
+                self.seconds += time.perf_counter() - t0
+
+        def download(*args: Any, **kw: Any) -> Any:
+            t0, self._inside = time.perf_counter(), True
+            try:
+                return self.original_download(*args, **kw)  # type: ignore[misc]
+            finally:
+                self._inside = False
+                self.seconds += time.perf_counter() - t0
 
         device.sync = sync
+        if self.original_download is not None:
+            device.download = download
 
     def restore(self) -> None:
         self.device.sync = self.original
+        if self.original_download is not None:
+            self.device.download = self.original_download
 
 
 class CallCounter:

@@ -77,6 +77,27 @@ def test_launches_gemms_and_new_plans_are_counted_per_timed_step():
     assert calls.launches == 2 * 14 and calls.gemms == 14  # nothing counted after restore()
 
 
+class DownloadingDevice(SlowDevice):
+    """A download that blocks 10 ms itself (the pageable copy waiting for the GPU), then syncs."""
+
+    def download(self, host, src):
+        time.sleep(0.01)
+        self.sync()
+        return host
+
+
+def test_a_blocking_download_counts_once_as_waiting():
+    device = DownloadingDevice()
+    timer = esp.SyncTimer(device)
+    timer.seconds = 0.0
+    device.download(None, 0)
+    assert 0.018 < timer.seconds < 0.2  # the copy's 10 ms + its inner sync's 10 ms, not the sync twice
+    device.sync()
+    assert timer.seconds > 0.028
+    timer.restore()
+    assert "download" not in vars(device) or vars(device)["download"] == DownloadingDevice.download.__get__(device)
+
+
 def test_greedy_request_has_one_row_per_chunk():
     req = esp.greedy(7)
     assert req.num_rows == 7 and not req.temperature.any() and (req.num_logprobs == -1).all()
