@@ -177,30 +177,27 @@ class BlockManager:
         return b
 
     def free(self, seq: Sequence) -> None:
-        # Reverse order: the tail of a chain is evicted before its head (a head without tail is still useful).
-        for b in reversed(seq.block_table):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if b in self._block_to_hash:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+        self._release(seq.block_table)
         seq.block_table = []
         if seq.state_slot is not None:
             self._free_seq_slots.append(seq.state_slot)
             seq.state_slot = None
 
-    def trim(self, seq: Sequence) -> None:
-        """Free the blocks past `seq.num_computed` (speculative decoding: the KV of rejected drafts). They were never
-        offered to the prefix cache: commit() only hashes blocks of computed tokens."""
-        keep = -(-seq.num_computed // self.block_size)
-        for b in reversed(seq.block_table[keep:]):
+    def _release(self, blocks: list[int]) -> None:
+        # Reverse order: the tail of a chain is evicted before its head (a head without tail is still useful).
+        for b in reversed(blocks):
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 if b in self._block_to_hash:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq.num_computed` (speculative decoding: the KV of rejected drafts). They were never
+        offered to the prefix cache: commit() only hashes blocks of computed tokens."""
+        keep = -(-seq.num_computed // self.block_size)
+        self._release(seq.block_table[keep:])
         seq.block_table = seq.block_table[:keep]  # a new list: Sequence.block_table_array() caches by identity
 
     # ---- after a forward ----

@@ -4,39 +4,15 @@ loader's float32 values to bf16 gives (the path it replaced); an f32 runner gets
 A recording stand-in for GpuContext keeps each named upload."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from gpu_engine.config import ModelConfig
 from gpu_engine.cuda.bf16 import f32_to_bf16_bits
-from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.weights import upload_text_weights
 from gpu_engine.loader import ModelWeights, load_weights
 from gpu_engine.tiny import make_tiny_checkpoint
-
-_NUMPY = {"bf16": np.uint16, "f32": np.float32}
-
-
-class RecordingContext:
-    """empty() hands out distinct pointers; device.upload() records the bytes sent to each."""
-
-    def __init__(self) -> None:
-        self.names: dict[int, tuple[str, tuple[int, ...], str]] = {}
-        self.sent: dict[str, np.ndarray] = {}
-        self.device = SimpleNamespace(upload=self._upload)
-        self._next = 4096
-
-    def empty(self, shape: tuple[int, ...], dtype: str, name: str) -> DArray:
-        ptr, self._next = self._next, self._next + 4096
-        self.names[ptr] = (name, tuple(shape), dtype)
-        return DArray(ptr, tuple(shape), dtype)
-
-    def _upload(self, ptr: int, host: np.ndarray) -> None:
-        name, shape, dtype = self.names[ptr]
-        assert host.shape == shape and host.dtype == _NUMPY[dtype], (name, host.shape, host.dtype)
-        self.sent[name] = np.array(host, copy=True)
+from tests.cuda_runner.recording_context import RecordingContext
 
 
 def _upload(folder, dtype: str) -> dict[str, np.ndarray]:

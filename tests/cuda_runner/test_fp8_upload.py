@@ -3,14 +3,11 @@ which linear layer types, that the device receives the checkpoint's e4m3 bytes a
 columns) unchanged, and what the CUDA runner refuses before uploading anything."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from gpu_engine import fp8
 from gpu_engine.config import ModelConfig
-from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import CudaBackendError
 from gpu_engine.cuda.fp8_ops import join_fp8, weight_scale_grid
 from gpu_engine.cuda.linear import ConcatLinear, DenseLinear, Fp8Linear
@@ -18,27 +15,10 @@ from gpu_engine.cuda.weights import upload_text_weights
 from gpu_engine.loader import ModelWeights, load_weights
 from gpu_engine.tensors import Fp8Tensor
 from gpu_engine.tiny_fp8 import make_tiny_fp8_checkpoint
+from tests.cuda_runner.recording_context import RecordingContext
 
-_NUMPY = {"bf16": np.uint16, "f32": np.float32, "u8": np.uint8, "u32": np.uint32}
 T = "layers.{}."
 
-
-class RecordingContext:
-    def __init__(self) -> None:
-        self.names: dict[int, tuple[str, tuple[int, ...], str]] = {}
-        self.sent: dict[str, np.ndarray] = {}
-        self.device = SimpleNamespace(upload=self._upload)
-        self._next = 4096
-
-    def empty(self, shape: tuple[int, ...], dtype: str, name: str) -> DArray:
-        ptr, self._next = self._next, self._next + 4096
-        self.names[ptr] = (name, tuple(shape), dtype)
-        return DArray(ptr, tuple(shape), dtype)
-
-    def _upload(self, ptr: int, host: np.ndarray) -> None:
-        name, shape, dtype = self.names[ptr]
-        assert host.shape == shape and host.dtype == _NUMPY[dtype], (name, host.shape, host.dtype)
-        self.sent[name] = np.array(host, copy=True)
 
 
 @pytest.fixture(scope="module")

@@ -4,39 +4,17 @@ layouts upload the same expert stacks [E, 2I, H] / [E, H, I], the router and sha
 anything is uploaded."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from gpu_engine.config import ModelConfig
-from gpu_engine.cuda.context import DArray
 from gpu_engine.cuda.errors import CudaBackendError
 from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
 from gpu_engine.cuda.moe import MoeLayer
 from gpu_engine.cuda.weights import upload_text_weights
 from gpu_engine.loader import load_weights
 from gpu_engine.tiny_moe import make_tiny_moe_checkpoint
-
-_NUMPY = {"bf16": np.uint16, "f32": np.float32, "u8": np.uint8}
-
-
-class RecordingContext:
-    def __init__(self) -> None:
-        self.names: dict[int, tuple[str, tuple[int, ...], str]] = {}
-        self.sent: dict[str, np.ndarray] = {}
-        self.device = SimpleNamespace(upload=self._upload)
-        self._next = 4096
-
-    def empty(self, shape: tuple[int, ...], dtype: str, name: str) -> DArray:
-        ptr, self._next = self._next, self._next + 4096
-        self.names[ptr] = (name, tuple(shape), dtype)
-        return DArray(ptr, tuple(shape), dtype)
-
-    def _upload(self, ptr: int, host: np.ndarray) -> None:
-        name, shape, dtype = self.names[ptr]
-        assert host.shape == shape and host.dtype == _NUMPY[dtype], (name, host.shape, host.dtype)
-        self.sent[name] = np.array(host, copy=True)
+from tests.cuda_runner.recording_context import RecordingContext
 
 
 @pytest.fixture(scope="module")
