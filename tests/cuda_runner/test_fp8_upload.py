@@ -20,7 +20,6 @@ from tests.cuda_runner.recording_context import RecordingContext
 T = "layers.{}."
 
 
-
 @pytest.fixture(scope="module")
 def tiny_fp8(tmp_path_factory):
     folder = make_tiny_fp8_checkpoint(tmp_path_factory.mktemp("fp8"), seed=int(np.random.default_rng().integers(1000)))
