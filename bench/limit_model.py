@@ -16,6 +16,13 @@ What is counted (every dimension from the config; the runner gives the cache lay
   linear-attention state (+ conv window) read and written once.
 - vision tower (per encoded item, as gpu_engine.cuda.vision.GpuVisionTower.flops): patch embedding, per block
   qkv / proj / fc1 / fc2 and attention inside each frame (t x (h w)^2), and the 2x2 merger.
+- mixture of experts (qwen3_5_moe): "active parameters". The router, the shared expert and everything else 2-D
+  count as above; the routed experts add 2 x k x (3 x I x H) per token and layer (the k experts a token picks). A
+  decode step reads the dense weights once plus, per MoE layer, the distinct experts its B rows touch: under
+  uniform routing (each row an independent uniformly drawn k-subset of E) an expert escapes one row with
+  probability 1 - k/E, so the expected count is E x (1 - (1 - k/E)^B) (expected_distinct_experts; exact for that
+  model, tests/bench/test_limit_model_moe.py checks it against enumeration). Real routers are not uniform, so the
+  bytes are an estimate for the random-weight benches, not a bound for a trained model.
 Prefill steps are counted as pure arithmetic (their weight reads are amortised over hundreds of rows). Sampling,
 norms, activations and the grammar masks are not counted: the limit is a floor, not a prediction.
 """
@@ -42,6 +49,12 @@ class ModelCost:
     kv_bytes_per_token: int  # K + V of one token over all full-attention layers (as the runner stores them)
     state_bytes_per_seq: int  # one sequence's linear-attention state + conv window over all layers
     vision: dict[str, int] = field(default_factory=dict)
+    # qwen3_5_moe: routed experts (0 for a dense model); body_params and the FLOPs above exclude them
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0  # one routed expert of one layer: gate + up + down, 3 x I x H
+    expert_bytes: int = 0  # its bytes as stored (weight_bytes counts all E x moe_layers of them)
 
     @classmethod
     def from_config(cls, config: Any, *, kv_bytes_per_token: int, state_bytes_per_seq: int,
@@ -56,6 +69,8 @@ class ModelCost:
             size = int(np.prod(shape, dtype=np.int64))
             if name.startswith("text/"):
                 total += size
+                if ".mlp.experts." in name:  # routed experts: counted per token below, not as body
+                    continue
                 if name == "text/embed_tokens.weight":
                     if config.tie_word_embeddings:
                         head += size
@@ -65,6 +80,8 @@ class ModelCost:
                 total += size
                 head += size
         v = config.vision
+        moe = text.moe
+        expert = 0 if moe is None else 3 * moe.moe_intermediate_size * text.hidden_size
         return cls(
             body_params=body, head_params=head, weight_bytes=total * weight_itemsize,
             full_layers=len(text.full_attention_layers), q_heads=text.num_attention_heads, head_dim=text.head_dim,
@@ -74,6 +91,10 @@ class ModelCost:
             vision={"hidden": v.hidden_size, "intermediate": v.intermediate_size, "depth": v.depth,
                     "patch_dim": v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
                     "merge_unit": v.spatial_merge_size ** 2, "out_hidden": v.out_hidden_size},
+            moe_layers=0 if moe is None else text.num_hidden_layers,  # every qwen3_5_moe layer is sparse
+            num_experts=0 if moe is None else moe.num_experts,
+            experts_per_token=0 if moe is None else moe.num_experts_per_tok,
+            expert_params=expert, expert_bytes=expert * weight_itemsize,
         )
 
     # ---- FLOPs -------------------------------------------------------------------------------------------
@@ -83,7 +104,9 @@ class ModelCost:
         keys = n * start + n * (n + 1) / 2
         attention = self.full_layers * 4.0 * self.q_heads * self.head_dim * keys
         recurrence = float(self.linear_layers * self.linear_state_flops * n)
-        return 2.0 * self.body_params * n + 2.0 * self.head_params * logit_rows + attention + recurrence
+        experts = 2.0 * self.moe_layers * self.experts_per_token * self.expert_params * n
+        return (2.0 * self.body_params * n + 2.0 * self.head_params * logit_rows + attention + recurrence
+                + experts)
 
     def vision_flops(self, grid_thw: tuple[int, int, int]) -> float:
         """One encoded item (an image, or one frame group of a video) of grid (t, h, w) patches."""
@@ -101,7 +124,25 @@ class ModelCost:
         ctx = list(contexts)
         if not ctx:
             return 0.0
-        return float(self.weight_bytes + self.kv_bytes_per_token * sum(ctx) + 2 * self.state_bytes_per_seq * len(ctx))
+        return float(self.weights_read(len(ctx)) + self.kv_bytes_per_token * sum(ctx)
+                     + 2 * self.state_bytes_per_seq * len(ctx))
+
+    def weights_read(self, rows: int) -> float:
+        """Weight bytes one decode step of `rows` tokens reads: everything once for a dense model; for MoE the dense
+        parts once plus the expected distinct routed experts per layer (module docstring)."""
+        if self.moe_layers == 0:
+            return float(self.weight_bytes)
+        all_experts = self.moe_layers * self.num_experts * self.expert_bytes
+        touched = expected_distinct_experts(rows, self.experts_per_token, self.num_experts)
+        return float(self.weight_bytes - all_experts + self.moe_layers * touched * self.expert_bytes)
+
+
+def expected_distinct_experts(rows: int, k: int, experts: int) -> float:
+    """Expected number of distinct experts `rows` tokens pick, each an independent uniform k-subset of `experts`:
+    E x (1 - (1 - k/E)^rows)."""
+    if not 0 < k <= experts or rows < 0:
+        raise ValueError(f"need 0 < k <= experts and rows >= 0, got k={k}, experts={experts}, rows={rows}")
+    return experts * (1.0 - (1.0 - k / experts) ** rows)
 
 
 @dataclass
