@@ -11,6 +11,10 @@ Weights: every tensor is written straight from one tiled block of random bf16 bi
 as bench/cuda_bench.random_bf16_weights), with no float32 copy of the model; plain-scale norms (the DeltaNet gated
 norm, the vision LayerNorms) are 1, DeltaNet A_log = log U(1, 16) and dt_bias = 1 as in real checkpoints.
 No SHA256SUMS unless asked (the loader then hashes the files once, for the fingerprint).
+A text_config whose model_type is "qwen3_5_moe_text" (bench/qwen35_shapes.moe_model_shape) makes a qwen3_5_moe
+folder (Qwen3_5MoeForConditionalGeneration): router, shared expert and its gate as in the checkpoints, the routed
+experts in `expert_layout` "fused" (3-D gate_up_proj / down_proj, the BF16 release) or "per_expert" (one tensor per
+expert, as the FP8 releases store them); every count and width from the config (gpu_engine/moe_layout.py).
 """
 from __future__ import annotations
 
@@ -27,15 +31,20 @@ from gpu_engine.tiny import safetensors_header, write_json, write_sums
 from gpu_engine.tiny_assets import write_processor_configs, write_tokenizer_files
 
 BF16_ONE = 0x3F80
+EXPERT_LAYOUTS = ("fused", "per_expert")
 _BLOCK_ELEMS = 1_000_003  # odd length: tiled rows of a matrix do not repeat column-aligned
 
 
 def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], vision_config: dict[str, Any], *,
                            tied: bool, seed: int = 0, image_min_pixels: int = 64 * 32 * 32,
                            image_max_pixels: int = 1024 * 1024, video_min_pixels: int | None = None,
-                           video_max_pixels: int | None = None, sums: bool = False, weights: bool = True) -> Path:
+                           video_max_pixels: int | None = None, sums: bool = False, weights: bool = True,
+                           expert_layout: str = "fused") -> Path:
     """Write the folder (created if needed) and return it. text_config / vision_config: Qwen3.5 config keys.
-    `weights=False`: everything but model.safetensors (for runners given their weights in memory)."""
+    `weights=False`: everything but model.safetensors (for runners given their weights in memory). `expert_layout`:
+    how an MoE model's routed experts are stored (EXPERT_LAYOUTS); ignored for a dense model."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer_files(folder)
@@ -46,8 +55,10 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
         raise ValueError(f"vocab_size {text['vocab_size']} is smaller than the bundled tokenizer's "
                          f"{vocab.vocab_size} ids")
     vision = {"model_type": "qwen3_5_vision", **vision_config}
+    moe = text["model_type"] == "qwen3_5_moe_text"
     config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "dtype": "bfloat16",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5", "dtype": "bfloat16",
         "text_config": text, "vision_config": vision, "tie_word_embeddings": tied,
         "image_token_id": vocab.image_token_id, "video_token_id": vocab.video_token_id,
         "vision_start_token_id": vocab.vision_start_token_id, "vision_end_token_id": vocab.vision_end_token_id,
@@ -62,7 +73,8 @@ def write_random_model_dir(folder: str | Path, text_config: dict[str, Any], visi
     if not weights:
         return folder
     model_config = ModelConfig.from_pretrained(folder)
-    shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(model_config).items()}
+    per_expert = range(model_config.text.num_hidden_layers) if expert_layout == "per_expert" else ()
+    shapes = {checkpoint_name(ours): shape for ours, shape in expected_shapes(model_config, per_expert).items()}
     write_bf16_safetensors(folder / SINGLE_FILE, shapes, random_bf16_tensors(shapes, seed))
     if sums:
         write_sums(folder)

@@ -72,3 +72,45 @@ def test_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(ValueError):  # fewer tensors than the header promised
         write_bf16_safetensors(tmp_path / "z.safetensors", {"a": (2,), "b": (2,)},
                                iter([("a", np.zeros(2, np.uint16))]))
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_moe_folder_in_either_expert_layout(tmp_path: Path, layout: str) -> None:
+    from gpu_engine.moe_layout import routed_experts
+    from gpu_engine.tiny_moe import TINY_MOE_TEXT
+
+    text = {**TINY_MOE_TEXT, "vocab_size": 3000}
+    folder = write_random_model_dir(tmp_path / layout, text, TINY_VISION, tied=False, seed=2, expert_layout=layout)
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5_moe" and raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    config = ModelConfig.from_pretrained(folder)
+    moe = config.text.moe
+    assert moe is not None and (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+                                moe.shared_expert_intermediate_size) == (6, 2, 21, 37)
+    weights, _ = load_weights(folder, config)  # every name and shape of the layout it holds
+    names = set(weights.text)
+    fused = {n for n in names if n.endswith("mlp.experts.gate_up_proj")}
+    per_expert = {n for n in names if ".mlp.experts.5.down_proj.weight" in n}
+    assert (len(fused), len(per_expert)) == ((4, 0) if layout == "fused" else (0, 4))
+    mlp = {n[len("layers.1.mlp."):]: w for n, w in weights.text.items() if n.startswith("layers.1.mlp.")}
+    experts = routed_experts(mlp, moe)
+    assert experts[0].gate.shape == (21, 64) and experts[5].down.shape == (64, 21)
+    assert abs(experts[3].up.std() - 0.02) < 0.004 and not np.array_equal(experts[0].gate, experts[1].gate)
+    assert mlp["gate.weight"].shape == (6, 64) and mlp["shared_expert_gate.weight"].shape == (1, 64)
+
+
+def test_35b_a3b_config_comes_from_the_shape(tmp_path: Path) -> None:
+    from qwen35_shapes import moe_model_shape
+
+    text, vision, tied = moe_model_shape("35b-a3b")
+    folder = write_random_model_dir(tmp_path / "m", text, vision, tied=tied, weights=False)
+    config = ModelConfig.from_pretrained(folder)
+    t, moe = config.text, config.text.moe
+    assert config.model_type == "qwen3_5_moe" and not config.tie_word_embeddings and moe is not None
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+            moe.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert (t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads) == (40, 2048, 16, 2)
+    assert len(t.full_attention_layers) == 10 and config.vision.out_hidden_size == 2048
+    assert not (folder / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="expert_layout"):
+        write_random_model_dir(tmp_path / "x", text, vision, tied=tied, expert_layout="stacked")
