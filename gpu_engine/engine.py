@@ -37,6 +37,7 @@ from .encoder_cache import EncoderCache, default_encoder_budget
 from .engine_config import EngineConfig
 from .errors import RequestError
 from .failure_isolation import FailureIsolation
+from .forced_runs import decode_chunk_limit
 from .inputs import ProcessedPrompt
 from .metrics import LatencyWindow, StepMetrics, count_computed, engine_counters
 from .output_processor import OutputProcessor
@@ -106,7 +107,7 @@ class Engine:
         if encoder_bytes is None:
             encoder_bytes = default_encoder_budget(runner)
         self.encoder = EncoderCache(encoder_bytes, runner.encode_vision, runner.embedding_nbytes)
-        self.scheduler = Scheduler(cfg, self.blocks, self.encoder)
+        self.scheduler = Scheduler(cfg, self.blocks, self.encoder, decode_chunk_limit(runner))
         self.outputs = OutputProcessor(tokenizer, vocab_size)
         self.isolation = FailureIsolation(runner, vocab_size)
         self._structured: StructuredOutput | None = None

@@ -191,6 +191,9 @@ class Runner(Protocol):
     #     KV needs no rollback: rejected positions are rewritten before they are ever read);
     # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
     #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request.
+    # Optional attribute `max_decode_chunk_tokens: int` (read once, at engine construction; absent / None = no
+    # limit): the longest chunk of a decoding sequence the engine sends; longer grammar-forced runs are computed
+    # over several steps (gpu_engine/forced_runs.py). Prompt chunks and verify windows are not cut by it.
 
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""

@@ -8,6 +8,7 @@ a jump-forward run). Each step:
 2. the leftover budget is backfilled with waiting requests in FIFO order (prefix-cache hits skip their cached
    prefix); the last one admitted may get a partial chunk. A head request that does not fit blocks the queue, so
    large requests are never starved by small ones.
+A decoding sequence's jump-forward run is cut to the runner's declared decode chunk (forced_runs.py), if any.
 Chunks are also cut so that the vision items they overlap fit the encoder-cache budget, and (hybrid models with
 prefix caching) so that they end on the block boundaries where linear-attention state snapshots are taken.
 With `min_prefill_tokens` set, a step that has decode rows leaves prompt chunks (and admissions) out until that many
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from .cache import BlockManager
 from .encoder_cache import EncoderCache
 from .engine_config import EngineConfig
+from .forced_runs import decode_chunk
 from .inputs import VisionItem
 from .sequence import SeqStatus, Sequence
 
@@ -53,8 +55,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, encoder: EncoderCache) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, encoder: EncoderCache,
+                 decode_chunk_limit: int | None = None) -> None:
         self.config = config
+        # The runner's longest decode-phase chunk (forced_runs.py): longer forced runs are spread over steps.
+        self.decode_chunk_limit = decode_chunk_limit
         self.blocks = blocks
         self.encoder = encoder
         self.waiting: deque[Sequence] = deque()
@@ -183,8 +188,8 @@ class Scheduler:
         """Tokens of `seq` to run from `start` this step (0: cannot advance now)."""
         remaining = seq.num_tokens_with_drafts - start  # speculative drafts count against the token budget
         n = min(remaining, budget)
-        if n == 0 or start >= seq.prompt_len:
-            return n  # decode / jump-forward run: no vision, no snapshot boundary
+        if n == 0 or start >= seq.prompt_len:  # decode / jump-forward run: no vision, no snapshot boundary
+            return decode_chunk(seq, n, self.decode_chunk_limit)
         bs = self.config.block_size
         if self._align:
             if n < remaining and (start + n) // bs * bs > start:

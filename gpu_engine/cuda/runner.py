@@ -74,6 +74,9 @@ class StepBuffers:
 class CudaRunner:
     name = "cuda"
     samples_on_device = True  # runner_api.SamplingRequest is honoured (sampler.py)
+    # Longer jump-forward runs are spread over steps (gpu_engine/forced_runs.py), so that no forced run sends a
+    # decode step off its graphs or onto the prefill kernels (GRAPH_MAX_CHUNK < text_model.FLASH_MIN_CHUNK).
+    max_decode_chunk_tokens = GRAPH_MAX_CHUNK
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
         o = self.options = options or CudaOptions()
