@@ -75,7 +75,8 @@ class CudaRunner:
     name = "cuda"
     samples_on_device = True  # runner_api.SamplingRequest is honoured (sampler.py)
     # Longer jump-forward runs are spread over steps (gpu_engine/forced_runs.py), so that no forced run sends a
-    # decode step off its graphs or onto the prefill kernels (GRAPH_MAX_CHUNK < text_model.FLASH_MIN_CHUNK).
+    # decode step onto the prefill kernels (GRAPH_MAX_CHUNK < text_model.FLASH_MIN_CHUNK). A run's last piece can
+    # replay a graph; the pieces before it want no logits, so _graphable leaves those steps eager.
     max_decode_chunk_tokens = GRAPH_MAX_CHUNK
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
