@@ -60,6 +60,7 @@ class Scheduler:
         self.config = config
         # The runner's longest decode-phase chunk (forced_runs.py): longer forced runs are spread over steps.
         self.decode_chunk_limit = decode_chunk_limit
+        self.num_cut_runs = 0  # decoding chunks cut to that limit (the rest of their run waits for the next step)
         self.blocks = blocks
         self.encoder = encoder
         self.waiting: deque[Sequence] = deque()
@@ -189,7 +190,9 @@ class Scheduler:
         remaining = seq.num_tokens_with_drafts - start  # speculative drafts count against the token budget
         n = min(remaining, budget)
         if n == 0 or start >= seq.prompt_len:  # decode / jump-forward run: no vision, no snapshot boundary
-            return decode_chunk(seq, n, self.decode_chunk_limit)
+            cut = decode_chunk(seq, n, self.decode_chunk_limit)
+            self.num_cut_runs += cut < n
+            return cut
         bs = self.config.block_size
         if self._align:
             if n < remaining and (start + n) // bs * bs > start:

@@ -98,6 +98,8 @@ def test_split_runs_give_the_same_outputs_and_short_decode_chunks(folder: Path, 
     assert max(n for _, _, n, _ in decoding) > 2 * LIMIT  # the unsplit run did send long forced runs whole
     assert all(n <= LIMIT for _, start, n, prompt_len in split_chunks if start >= prompt_len)
     assert len(split_chunks) > len(plain_chunks)  # so they were computed over more steps
+    cut = sum(1 for _, start, n, prompt_len in split_chunks if start >= prompt_len and n == LIMIT)
+    assert 0 < limited.scheduler.num_cut_runs <= cut and plain.scheduler.num_cut_runs == 0
 
     for w, g in zip(want, got, strict=True):
         assert g.finish_reason == w.finish_reason == "stop"
