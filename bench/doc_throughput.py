@@ -4,7 +4,8 @@
         [--units 128] [--max-num-seqs 64] [--json bench/results/doc_throughput.json]
     python3 bench/doc_throughput.py --runner reference --shapes tiny --units 3 --modes fixed4,grammar   # CPU
 
-What runs, per shape (bench/qwen35_shapes.py; "tiny" = gpu_engine.tiny's config, for the CPU):
+What runs, per shape (bench/doc_models.py: tiny / tiny-moe for the CPU, bench/qwen35_shapes.py's classes, 35b-a3b
+among them; MoE on cuda needs --moe-cuda-unchecked and is labelled so, for the reason doc_models gives):
 1. the two ceilings of this run: a 2 GiB device-to-device copy (bytes read + written) and a bf16 8192^3 GEMM
    (bench/cuda_bench.py); on the reference runner, a numpy copy and a float32 matmul of the same kind.
 2. a model folder with random bf16 weights (bench/random_model_dir.py) and the real processor's pixel budgets
@@ -58,15 +59,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from doc_models import QWEN_IMAGE_MAX_PIXELS, SHAPES, build_engine, check_shapes, model_cost, row_labels, write_model
 from doc_workload import Unit, make_units, unit_request
 from limit_model import ModelCost, limit_seconds
 from step_profile import StepProfile
 from stream_requests import percentiles
-
-QWEN_IMAGE_MAX_PIXELS = 16_777_216  # Qwen3-VL preprocessor_config.json "size" longest_edge / shortest_edge
-QWEN_IMAGE_MIN_PIXELS = 65_536
-QWEN_VIDEO_MAX_PIXELS = 25_165_824
-QWEN_VIDEO_MIN_PIXELS = 4_096
 
 
 class DocBenchFailed(RuntimeError):
@@ -107,96 +104,6 @@ def _seconds(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-# ------------------------------------------------------------------------------------------------ the engine
-
-def write_model(shape: str, folder: Path, seed: int, image_max_pixels: int, *, weights: bool = True) -> Path:
-    """The model folder; `weights=False` writes only its small files (config, tokenizer, processor)."""
-    from random_model_dir import write_random_model_dir
-
-    if shape == "tiny":
-        from gpu_engine.tiny import TINY_TEXT, TINY_VISION
-
-        return write_random_model_dir(folder, {**TINY_TEXT, "vocab_size": 3000}, TINY_VISION, tied=True, seed=seed,
-                                      image_min_pixels=4 * 32 * 32, image_max_pixels=image_max_pixels,
-                                      video_max_pixels=image_max_pixels, weights=weights)
-    from qwen35_shapes import model_shape
-
-    text, vision, tied = model_shape(shape)
-    return write_random_model_dir(folder, text, vision, tied=tied, seed=seed,
-                                  image_min_pixels=QWEN_IMAGE_MIN_PIXELS, image_max_pixels=image_max_pixels,
-                                  video_min_pixels=QWEN_VIDEO_MIN_PIXELS, video_max_pixels=QWEN_VIDEO_MAX_PIXELS,
-                                  weights=weights)
-
-
-def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
-    """The engine behind pipeline.engine_client.EngineClient, with this run's sizes. The cuda runner gets its
-    random bf16 weights from memory (see in_memory_engine) unless --load-weights asks for the folder's."""
-    from gpu_engine import Engine, EngineConfig
-
-    # 0 GiB leaves a budget to the engine's defaults (cache_sizing.cache_budget, encoder_cache.default_encoder_budget)
-    kv = int(args.kv_cache_gib * (1 << 30)) or None
-    enc = int(args.encoder_cache_gib * (1 << 30)) or None
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                          kv_cache_bytes=kv, encoder_cache_bytes=enc, min_prefill_tokens=args.min_prefill_tokens,
-                          max_prefill_hold_steps=args.max_prefill_hold_steps,
-                          enable_jump_forward=not args.no_jump_forward)
-    quantize = None if args.quantize == "none" else args.quantize
-    if runner != "cuda":
-        return Engine.from_pretrained(folder, runner=runner, config=config, quantize=quantize)
-    from gpu_engine.cuda.options import CudaOptions
-
-    options = CudaOptions.from_env(**({"encoder_memory": enc} if enc else {}))
-    if args.load_weights:
-        return Engine.from_pretrained(folder, runner=runner, config=config, cuda_options=options, quantize=quantize)
-    return in_memory_engine(folder, config, options, args.seed, quantize)
-
-
-def in_memory_engine(folder: Path, config: Any, options: Any, seed: int, quantize: str | None = None) -> Any:
-    """Engine.from_pretrained's engine, with the runner built from random bf16 weights made in memory on all
-    cores (bench/cuda_bench.random_bf16_weights, plus the tower's) instead of read from the folder: the loader
-    turns every tensor into float32 on the host (9B: 36 GB, 27B: 108 GB, more than the GPU machine's 128 GB
-    with the checkpoint beside it) and hashes the files, which costs minutes of lease time and measures the
-    loader, not the serving. The folder still supplies config.json, the tokenizer and the processor.
-    quantize="fp8": the Linears quantize="fp8" converts are random FP8 instead (bench/fp8_model_bench.py)."""
-    from cuda_bench import random_bf16_weights
-    from fp8_model_bench import random_fp8_weights
-
-    from gpu_engine import Engine
-    from gpu_engine.config import ModelConfig
-    from gpu_engine.cuda.bf16 import f32_to_bf16_bits
-    from gpu_engine.cuda.runner import CudaRunner
-    from gpu_engine.loader import expected_shapes
-    from gpu_engine.model import LoadedModel
-    from gpu_engine.tokenizer import Tokenizer
-
-    model = ModelConfig.from_pretrained(folder)
-    rng = np.random.default_rng(seed)
-    weights = (random_fp8_weights if quantize == "fp8" else random_bf16_weights)(model, rng)
-    block = f32_to_bf16_bits(rng.standard_normal(1_000_003).astype(np.float32) * 0.02)
-    for name, shape in expected_shapes(model).items():
-        if name.startswith("vision/"):
-            key = name[len("vision/"):]
-            plain_norm = key.endswith(("norm1.weight", "norm2.weight", "norm.weight"))  # LayerNorm scale 1
-            weights.vision[key] = np.full(shape, 0x3F80, np.uint16) if plain_norm else np.resize(block, shape)
-    runner = CudaRunner(model, weights, options)
-    del weights
-    loaded = LoadedModel(config=model, fingerprint=f"random-{quantize or 'bf16'}-in-memory", path=folder,
-                         runner=runner)
-    tokenizer = Tokenizer.from_pretrained(folder)
-    loaded.use_tokenizer(tokenizer)
-    return Engine(runner, tokenizer, vocab_size=model.text.vocab_size, config=config, prepare=loaded.prepare,
-                  model_fingerprint=loaded.fingerprint, eos_token_ids=list(model.eos_token_ids) or None,
-                  model_max_len=model.text.max_position_embeddings)
-
-
-def model_cost(engine: Any) -> ModelCost:
-    runner = engine.runner
-    block = engine.config.block_size
-    itemsize = 2 if getattr(runner, "dtype", "f32") == "bf16" else 4
-    return ModelCost.from_config(runner.config, kv_bytes_per_token=runner.kv_bytes_per_block(block) // block,
-                                 state_bytes_per_seq=runner.state_bytes_per_slot(), weight_itemsize=itemsize)
 
 
 # ------------------------------------------------------------------------------------------------ one mode
@@ -466,7 +373,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="docpipe-doc-"))
     t0 = time.perf_counter()
     folder = write_model(shape, workdir / f"random-{shape}", args.seed, args.image_max_pixels,
-                         weights=args.runner != "cuda" or args.load_weights)
+                         weights=args.runner != "cuda" or args.load_weights, expert_layout=args.expert_layout)
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = build_engine(folder, args.runner, args)
@@ -490,7 +397,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
                    "hbm_bytes_per_s": ceilings["hbm_bytes_per_s"], "gemm_flops_per_s": ceilings["gemm_flops_per_s"],
-                   "model_weight_bytes": cost.weight_bytes}
+                   "model_weight_bytes": cost.weight_bytes, **row_labels(shape, args)}
             rows.append(row)
             row.update(run_mode(front, engine, profile, cost, ceilings, units, spec, settings, params, fixed,
                                 args.submitters))
@@ -571,7 +478,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--runner", default="cuda", choices=("cuda", "reference"))
-    parser.add_argument("--shapes", default="9b", help="comma-separated: tiny or bench/qwen35_shapes.py classes")
+    parser.add_argument("--shapes", default="9b", help="comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--modes", default="fixed256,grammar", help="comma-separated: fixedN and/or grammar")
     parser.add_argument("--units", type=int, default=128, help="units (pages, photos, videos) per mode")
     parser.add_argument("--mix", default="14,1,1", help="PDF pages, photos, videos per period")
@@ -599,12 +506,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="fp8: the engine loads with quantize='fp8' (issue 15); written in every row")
     parser.add_argument("--load-weights", action="store_true",
                         help="cuda: write the weights into the folder and load them with Engine.from_pretrained")
+    parser.add_argument("--expert-layout", default="fused", choices=("fused", "per_expert"),
+                        help="MoE folders: routed experts fused (BF16 release) or one tensor per expert (FP8 releases)")
+    parser.add_argument("--moe-cuda-unchecked", action="store_true",
+                        help="bench only: MoE shapes on cuda through a CudaRunner built directly, which "
+                             "gpu_engine.load refuses (bench/doc_models.py says why); rows say moe_cuda_unchecked")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
     args.mix = tuple(int(x) for x in args.mix.split(","))
     if args.units < 1 or len(args.mix) != 3 or not args.shapes or not args.modes:
         raise SystemExit("need --units >= 1, --mix of three counts, and at least one shape and mode")
+    check_shapes(args)
     return args
 
 
