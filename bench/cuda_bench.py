@@ -1,9 +1,14 @@
 """CUDA backend benchmark: the two ceilings (HBM copy bandwidth, bf16 cuBLASLt GEMM rate) and what runs on them.
 
-    python3 bench/cuda_bench.py [--json out.json] [--quick]
+    python3 bench/cuda_bench.py [--json out.json] [--quick] [--shapes 2b,9b,27b,35b-a3b --moe-cuda-unchecked]
 
 Timing: CUDA events around the region, warm-up first, median of repeats; inputs are random (never zeros).
 Prints a table last; writes JSON with the device, versions, date and every number.
+MoE shapes (qwen35_shapes.MOE_SHAPE_NAMES: 35b-a3b) run a CudaRunner built directly, which gpu_engine.load refuses
+for MoE until tests/cuda_runner/check_moe.py passes (bench/doc_models.py says why timing it is still honest): they
+need --moe-cuda-unchecked and their results say "moe_cuda_unchecked": true. Their prefill TFLOP/s count active
+parameters and their decode rooflines the experts a step touches (bench/limit_model.py: k per layer at batch 1,
+E(1-(1-k/E)^B) at batch B under uniform routing).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules (hf_reference_bench)
 BENCH_KERNELS = Path(__file__).resolve().parent / "kernels"  # bench-only kernels (copy.cu)
 
-from gpu_engine.cuda import ops
+from qwen35_shapes import MOE_SHAPE_NAMES, moe_model_shape
+
 from gpu_engine.cuda.context import GpuContext
 from gpu_engine.cuda.errors import CudaUnavailable
 
@@ -95,6 +101,21 @@ SHAPES = {
              "full_attention_interval": 4}, False),
 }
 TEXT_2B = SHAPES["2b"][0]
+MOE_SHAPES = MOE_SHAPE_NAMES  # apart from SHAPES: the benches that index SHAPES build dense models only
+
+
+def model_config(name: str):
+    """(ModelConfig, text_config dict) of a shape in SHAPES or MOE_SHAPES (text only; every dimension a config
+    value)."""
+    from gpu_engine.config import ModelConfig
+
+    if name in MOE_SHAPES:
+        text_cfg, _, tied = moe_model_shape(name)
+        model_type = "qwen3_5_moe"
+    else:
+        (text_cfg, tied), model_type = SHAPES[name], "qwen3_5"
+    return ModelConfig.from_dict({"model_type": model_type, "text_config": text_cfg, "vision_config": {},
+                                  "tie_word_embeddings": tied}), text_cfg
 
 
 def random_bf16_weights(config, rng: np.random.Generator):
@@ -122,6 +143,20 @@ def random_bf16_weights(config, rng: np.random.Generator):
     return ModelWeights(text=made, vision={}, lm_head=made["embed_tokens.weight"] if lm_head is None else lm_head)
 
 
+def active_linear_params(text: dict[str, np.ndarray], cost) -> int:
+    """Parameters a token multiplies: every 2-D text weight but the embedding, and of an MoE model's routed experts
+    the k it picks per layer (bench/limit_model.ModelCost of the same config)."""
+    dense = sum(a.size for k, a in text.items() if a.ndim == 2 and "embed_tokens" not in k and ".mlp.experts." not in k)
+    return int(dense + cost.moe_layers * cost.experts_per_token * cost.expert_params)
+
+
+def decode_weights_read(cost, weights: int, rows: int) -> float:
+    """Weight bytes a decode step of `rows` tokens reads, of the `weights` bytes the runner holds for decoding: all
+    of them for a dense model, less the routed experts the rows leave untouched for MoE (limit_model.weights_read:
+    E(1-(1-k/E)^rows) touched per layer under uniform routing)."""
+    return float(weights - (cost.weight_bytes - cost.weights_read(rows)))
+
+
 def prefill_flops(text_cfg, linear_params: int, n: int) -> float:
     """Matrix FLOPs of a fresh n-token prefill: every projection (2 x params x tokens; the embedding is a gather
     and the LM head runs on the last row only, so neither counts) plus causal attention (QK^T and PV over the
@@ -136,22 +171,24 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     """Prefill (one chunk per prompt length), batch-1 decode (eager, graphs, replay) and decode at each batch
     size of `batches` (forward() with graphs, every sequence at ~prompt_lens[0] tokens of context) of one shape
     with random bf16 weights."""
-    from gpu_engine.config import ModelConfig
+    from limit_model import ModelCost
+
     from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
 
-    text_cfg, tied = SHAPES[name]
-    config = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {},
-                                    "tie_word_embeddings": tied})
+    config, text_cfg = model_config(name)
+    tied = config.tie_word_embeddings
+    cost = ModelCost.from_config(config, kv_bytes_per_token=0, state_bytes_per_seq=0)  # MoE: active parameters
     t0 = time.perf_counter()
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
-    linear_params = sum(a.size for k, a in weights.text.items() if a.ndim == 2 and "embed_tokens" not in k)
+    linear_params = active_linear_params(weights.text, cost)
     runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=weight_bytes + (24 << 30)))
     del weights
-    out: dict = {"shape": name, "text_config": text_cfg, "tied": tied, "weight_bytes": runner.model.w.nbytes,
-                 "setup_s": time.perf_counter() - t0}
+    out: dict = {"shape": name, "text_config": text_cfg,
+                 "tied": tied, "weight_bytes": runner.model.w.nbytes, "setup_s": time.perf_counter() - t0,
+                 **({"moe_cuda_unchecked": True, "active_linear_params": linear_params} if cost.moe_layers else {})}
     bs, short = 16, prompt_lens[0]
     blocks_per_seq = (max(prompt_lens) + 4 * decode_steps + 64) // bs + 1
     # the batched-decode sequences (2 .. 1 + max batch) hold a short prompt and every batch's decode steps
@@ -209,11 +246,15 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
         # head), DeltaNet states read + written, this sequence's KV read
         state = 2 * runner.state_bytes_per_slot()
         kv = runner.kv_bytes_per_block(bs) * (short // bs)
-        weights_read = runner.model.w.nbytes - (0 if tied else runner.model.w.embed.nbytes)
-        out["decode_bytes"] = weights_read + state + kv
+        weights = runner.model.w.nbytes - (0 if tied else runner.model.w.embed.nbytes)
+
+        def weights_read(b: int) -> float:
+            return decode_weights_read(cost, weights, b)
+
+        out["decode_bytes"] = weights_read(1) + state + kv
         out["roofline_ms"] = out["decode_bytes"] / copy_GBps / 1e6
         for b in batches:  # one step of b sequences: weights once, every sequence's state and KV
-            out[f"decode_b{b}_bytes"] = weights_read + b * (state + kv)
+            out[f"decode_b{b}_bytes"] = weights_read(b) + b * (state + kv)
             out[f"decode_b{b}_roofline_ms"] = out[f"decode_b{b}_bytes"] / copy_GBps / 1e6
     finally:
         runner.close()
@@ -283,114 +324,6 @@ def _sync(runner) -> None:
         ctx.device.sync()
 
 
-def graph_time_us(ctx: GpuContext, fn: Callable[[], None], copies: int = 20) -> float:
-    """Device time of one fn() inside a CUDA graph of `copies` back-to-back launches (no host launch cost,
-    as in the runner's decode graph)."""
-    fn()  # warm: module load, GEMM plan
-    ctx.device.sync()
-    graph = ctx.device.capture(lambda: [fn() for _ in range(copies)])
-    return 1e3 * time_ms(ctx, lambda: ctx.device.launch_graph(graph), warmup=2, reps=10) / copies
-
-
-def bench_decode_ops(ctx: GpuContext, rng: np.random.Generator, context: int) -> dict:
-    """Each op of one 2B-class decode token, timed inside a CUDA graph (see graph_time_us); microseconds.
-    The sum over one token's ops is the prediction for the decode graph replay."""
-    cfg = TEXT_2B
-    H, FF, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
-                      cfg["linear_value_head_dim"])
-    conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
-    out: dict[str, float] = {}
-    mark = ctx.arena.mark()
-    x = random_bf16(ctx, (1, max(FF, 2 * H)), "x", rng)
-    gemms = {"in_proj": conv_dim + vdim + 2 * vh, "qkv": (2 * nh + 2 * kvh) * hd, "gate_up": 2 * FF}
-    for name, n in gemms.items():
-        w = random_bf16(ctx, (n, H), name, rng, 0.02)
-        y = ctx.empty((1, n), "bf16", "y")
-        out[f"gemm {name} {n}x{H}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, n, H))
-    for name, k in (("out_proj", vdim), ("o_proj", nh * hd), ("down", FF)):
-        w = random_bf16(ctx, (H, k), name, rng, 0.02)
-        y = ctx.empty((1, H), "bf16", "y")
-        out[f"gemm {name} {H}x{k}"] = graph_time_us(ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, H, k))
-    w = random_bf16(ctx, (V, H), "lm_head", rng, 0.02)
-    y = ctx.empty((1, V), "f32", "logits")
-    out[f"gemm lm_head {V}x{H}"] = graph_time_us(
-        ctx, lambda: ctx.blas.linear(y.ptr, x.ptr, w.ptr, 1, V, H, y_dtype="f32"))
-    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731 - one-line local helper
-    h, r, nw = random_bf16(ctx, (1, H), "h", rng), random_bf16(ctx, (1, H), "r", rng), random_bf16(ctx, (H,), "w", rng)
-    out["add_rmsnorm"] = graph_time_us(ctx, lambda: ops.add_rmsnorm(ctx, h, r, h, nw, 1e-6, True))
-    gu, act = random_bf16(ctx, (1, 2 * FF), "gu", rng), ctx.empty((1, FF), "bf16", "act")
-    out["silu_mul"] = graph_time_us(ctx, lambda: ops.silu_mul(ctx, act, gu))
-    bs = 16
-    blocks = context // bs + 1
-    kc, vc = random_bf16(ctx, (blocks, bs, kvh, hd), "k", rng), random_bf16(ctx, (blocks, bs, kvh, hd), "v", rng)
-    q, att = random_bf16(ctx, (1, 2 * nh * hd), "q", rng), ctx.empty((1, nh * hd), "bf16", "att")
-    table, seq, pos = i32([np.arange(blocks)]), i32([0]), i32([context - 1])
-    for splits in (1, None):
-        out[f"paged_attention ctx={context} splits={splits or 'auto'}"] = graph_time_us(
-            ctx, lambda: ops.paged_attention(
-            ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
-            hd ** -0.5, splits=splits))
-    proj = random_bf16(ctx, (1, conv_dim + vdim + 2 * vh), "proj", rng)
-    conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
-    conv_out, core = random_bf16(ctx, (1, conv_dim), "co", rng), ctx.empty((1, vdim), "bf16", "core")
-    cu, slots, fresh = i32([0, 1]), i32([0]), i32([0])
-    out["conv1d_silu"] = graph_time_us(ctx, lambda: ops.conv1d_silu(ctx, conv_out, conv_dim, proj, proj.size, conv_w,
-                                                              conv_state, cu, slots, fresh))
-    a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
-    state = ctx.to_device((rng.standard_normal((2, vh, dv, dk)) * 0.1).astype(np.float32), "f32", "state")
-    out["gated_delta_rule"] = graph_time_us(ctx, lambda: ops.gated_delta_rule(
-        ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
-        proj.at(conv_dim + vdim + vh), proj.size, a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv))
-    normed, gnw = ctx.empty((vh, dv), "bf16", "gn"), random_bf16(ctx, (dv,), "gnw", rng)
-    out["rmsnorm_gated"] = graph_time_us(ctx, lambda: ops.rmsnorm_gated(ctx, normed, core.view((vh, dv)),
-                                                                  proj.at(conv_dim), gnw, 1e-6, vh, proj.size))
-    ctx.arena.release(mark)
-    return out
-
-
-def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict:
-    """The sequence-mixing ops of one 2B-class layer over an n-token prefill chunk (ms, events, median)."""
-    cfg = TEXT_2B
-    nh, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    kh, vh, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
-                      cfg["linear_value_head_dim"])
-    conv_dim, vdim = 2 * kh * dk + vh * dv, vh * dv
-    i32 = lambda a: ctx.to_device(np.asarray(a, np.int32), "i32", "meta")  # noqa: E731 - one-line local helper
-    out: dict[str, float] = {}
-    mark = ctx.arena.mark()
-    bs = 16
-    blocks = n // bs + 1
-    kc, vc = random_bf16(ctx, (blocks, bs, kvh, hd), "k", rng), random_bf16(ctx, (blocks, bs, kvh, hd), "v", rng)
-    q, att = random_bf16(ctx, (n, 2 * nh * hd), "q", rng), ctx.empty((n, nh * hd), "bf16", "att")
-    table, seq, pos = i32([np.arange(blocks)]), i32(np.zeros(n)), i32(np.arange(n))
-    out[f"paged_attention n={n}"] = time_ms(ctx, lambda: ops.paged_attention(
-        ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
-        hd ** -0.5), warmup=1, reps=3)
-    tiles = ctx.to_device(ops.flash_tiles([n]), "i32", "tiles")
-    out[f"flash_prefill n={n}"] = time_ms(ctx, lambda: ops.flash_prefill(
-        ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, tiles, nh, kvh, hd, bs,
-        hd ** -0.5), warmup=1, reps=3)
-    proj = random_bf16(ctx, (n, conv_dim + vdim + 2 * vh), "proj", rng)
-    conv_w, conv_state = random_bf16(ctx, (conv_dim, 4), "cw", rng), random_bf16(ctx, (2, 3, conv_dim), "cs", rng)
-    conv_out, core = random_bf16(ctx, (n, conv_dim), "co", rng), ctx.empty((n, vdim), "bf16", "core")
-    cu, slots, fresh = i32([0, n]), i32([0]), i32([1])
-    for method in ("sequential", "tokens"):
-        out[f"conv1d_silu {method} n={n}"] = time_ms(ctx, lambda: ops.conv1d_silu(
-            ctx, conv_out, conv_dim, proj, proj.shape[1], conv_w, conv_state, cu, slots, fresh, token_seq=seq,
-            method=method), warmup=1, reps=3)
-    a_log = ctx.to_device(np.zeros(vh, np.float32), "f32", "alog")
-    state = ctx.to_device(np.zeros((2, vh, dv, dk), np.float32), "f32", "state")
-    for method in ("one_pass", "two_pass"):
-        out[f"gated_delta_rule {method} n={n}"] = time_ms(ctx, lambda: ops.gated_delta_rule(
-            ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim, proj.at(conv_dim + vdim),
-            proj.at(conv_dim + vdim + vh), proj.shape[1], a_log, a_log, state, cu, slots, fresh, kh, vh, dk, dv,
-            method=method), warmup=1, reps=3)
-    ctx.arena.release(mark)
-    return out
-
-
 def _hf_rows(name: str, hf: dict, ours: dict | None) -> list[tuple[str, str]]:
     """Table rows for one transformers shape, with our speed-up where we measured the same thing."""
     if "error" in hf:
@@ -417,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--no-model", action="store_true", help="ceilings only, no model shapes")
     parser.add_argument("--shapes", default="2b,9b,27b",
-                        help="our runner: comma-separated subset of " + ",".join(SHAPES))
+                        help="our runner: comma-separated subset of " + ",".join([*SHAPES, *MOE_SHAPES]))
+    parser.add_argument("--moe-cuda-unchecked", action="store_true",
+                        help="allow MoE shapes: a CudaRunner built directly, which gpu_engine.load refuses for MoE")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (ours and transformers)")
     parser.add_argument("--hf-shapes", default="9b,27b",
                         help="transformers on the same card and configs, one child process per shape ('' = none)")
@@ -426,9 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     hf_shapes = [s for s in args.hf_shapes.split(",") if s]
-    for name in [*args.shapes.split(","), *hf_shapes]:
+    for name in args.shapes.split(","):
+        if name in MOE_SHAPES and not args.moe_cuda_unchecked:
+            parser.error(f"shape {name!r} is a mixture of experts: gpu_engine.load refuses qwen3_5_moe on cuda (a bf16 "
+                         "row of check_moe is out of bound); --moe-cuda-unchecked times a CudaRunner built directly")
+        if name not in SHAPES and name not in MOE_SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {', '.join([*SHAPES, *MOE_SHAPES])}")
+    for name in hf_shapes:  # the transformers child builds dense models
         if name not in SHAPES:
-            parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+            parser.error(f"unknown transformers shape {name!r}; choose from {', '.join(SHAPES)}")
     if not batches or min(batches) < 1 or args.hf_steps < 2:
         parser.error("--batches needs positive sizes and --hf-steps must be >= 2")
     rng = np.random.default_rng()
@@ -461,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             results[f"gemm_decode_m{m}"] = {**g, "weight_GBps": gbps}
             rows.append((f"GEMM m={m} n={g['n']} k={g['k']}", f"{g['ms'] * 1e3:.1f} us, weights {gbps:.0f} GB/s"))
         if not args.no_model:
+            from cuda_op_timings import bench_decode_ops, bench_prefill_ops
+
             results["decode_ops_2b"] = bench_decode_ops(ctx, rng, 1024)
             results["prefill_ops_2b"] = bench_prefill_ops(ctx, rng, 8192 if not args.quick else 512)
     finally:
@@ -473,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # keep what is done if a later shape runs out of time
             Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"{name}: " + json.dumps({k: v for k, v in dec.items() if k != "text_config"}), flush=True)
+        if dec.get("moe_cuda_unchecked"):
+            rows.append((f"{name}: MoE, CudaRunner built directly", "unchecked (gpu_engine.load refuses MoE on cuda)"))
         for length in lens:
             tflops = dec[f"prefill_{length}_TFLOPs"]
             rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s, "

@@ -63,3 +63,43 @@ def test_operator_bench_rejects_bad_arguments_before_the_gpu() -> None:
     for argv in (["--long", "32k"], ["--long", "0"], ["--stream", "--stream-reps", "0"]):
         with pytest.raises(SystemExit):
             cuda_operator_bench.main(argv)
+
+
+def test_moe_shapes_need_the_unchecked_flag_and_stay_off_the_transformers_side() -> None:
+    with pytest.raises(SystemExit):
+        cuda_bench.main(["--shapes", "9b,35b-a3b"])  # MoE without --moe-cuda-unchecked
+    with pytest.raises(SystemExit):
+        cuda_bench.main(["--hf-shapes", "35b-a3b", "--moe-cuda-unchecked"])  # the transformers child is dense only
+    assert "35b-a3b" not in cuda_bench.SHAPES  # the benches that index SHAPES keep building dense models
+
+
+def test_moe_shape_counts_active_parameters_and_touched_experts() -> None:
+    from limit_model import ModelCost, expected_distinct_experts
+
+    config, text_cfg = cuda_bench.model_config("35b-a3b")
+    moe = config.text.moe
+    assert config.model_type == "qwen3_5_moe" and text_cfg["num_experts"] == 256 and moe is not None
+    cost = ModelCost.from_config(config, kv_bytes_per_token=0, state_bytes_per_seq=0)
+    expert = 2 * 3 * moe.moe_intermediate_size * config.text.hidden_size  # bf16 bytes of one routed expert
+    routed = config.text.num_hidden_layers * moe.num_experts * expert
+    held = cost.weight_bytes - config.text.vocab_size * config.text.hidden_size * 2  # the untied embedding is a gather
+    assert cuda_bench.decode_weights_read(cost, held, 1) == pytest.approx(held - routed + 40 * 8 * expert)
+    assert cuda_bench.decode_weights_read(cost, held, 32) == pytest.approx(
+        held - routed + 40 * expected_distinct_experts(32, 8, 256) * expert)
+    dense_config, _ = cuda_bench.model_config("9b")
+    dense_cost = ModelCost.from_config(dense_config, kv_bytes_per_token=0, state_bytes_per_seq=0)
+    assert cuda_bench.decode_weights_read(dense_cost, 12345, 32) == 12345.0  # dense: every weight, any batch
+
+
+def test_active_linear_params_of_random_moe_weights() -> None:
+    from limit_model import ModelCost
+
+    from gpu_engine.tiny_moe import TINY_MOE_TEXT
+
+    config = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": TINY_MOE_TEXT, "vision_config": {},
+                                    "tie_word_embeddings": False})
+    weights = cuda_bench.random_bf16_weights(config, np.random.default_rng(0))
+    cost = ModelCost.from_config(config, kv_bytes_per_token=0, state_bytes_per_seq=0)
+    assert weights.text["layers.0.mlp.experts.gate_up_proj"].shape == (6, 42, 64)  # fused, as moe_weights stacks
+    active = cost.body_params + config.text.num_hidden_layers * 2 * 3 * 21 * 64  # top-2 experts of width 21
+    assert cuda_bench.active_linear_params(weights.text, cost) == active
