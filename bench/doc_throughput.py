@@ -3,6 +3,7 @@
     python3 bench/doc_throughput.py --runner cuda --shapes 9b,27b --modes fixed256,fixed1024,grammar \
         [--units 128] [--max-num-seqs 64] [--json bench/results/doc_throughput.json]
     python3 bench/doc_throughput.py --runner reference --shapes tiny --units 3 --modes fixed4,grammar   # CPU
+    python3 bench/doc_throughput.py --runner cuda --shapes 35b-a3b --moe-cuda-unchecked   # MoE, rows labelled
 
 What runs, per shape (bench/doc_models.py: tiny / tiny-moe for the CPU, bench/qwen35_shapes.py's classes, 35b-a3b
 among them; MoE on cuda needs --moe-cuda-unchecked and is labelled so, for the reason doc_models gives):
