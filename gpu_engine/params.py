@@ -7,6 +7,10 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# A crafted PDF page can carry megabytes of text: lookup text is capped so that tokenising it (when the request is
+# added) and matching against it (every step) stay small beside the step itself.
+MAX_LOOKUP_TEXT_CHARS = 100_000
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -31,7 +35,8 @@ class SamplingParams:
     # Speculative decoding (gpu_engine/speculative/): "auto", "off", "ngram" (prompt lookup) or "mtp" (the
     # checkpoint's MTP head). Output is unchanged by it: greedy token for token, sampling in distribution.
     speculative: str = "auto"
-    # Text the output is likely to copy (e.g. a PDF page's text layer): prompt lookup drafts from it too.
+    # Text the output is likely to copy (e.g. a PDF page's text layer): prompt lookup drafts from it too. At most
+    # MAX_LOOKUP_TEXT_CHARS: it is tokenised when the request is added and matched at every step.
     lookup_text: str | None = None
 
     def __post_init__(self) -> None:
@@ -49,6 +54,9 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if sum(x is not None for x in (self.json_schema, self.regex, self.choice)) > 1:
             raise ValueError("give at most one of json_schema, regex, choice")
+        if self.lookup_text is not None and len(self.lookup_text) > MAX_LOOKUP_TEXT_CHARS:
+            raise ValueError(f"lookup_text holds {len(self.lookup_text)} characters, more than "
+                             f"MAX_LOOKUP_TEXT_CHARS ({MAX_LOOKUP_TEXT_CHARS})")
 
 
 @dataclass

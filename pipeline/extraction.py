@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 from PIL import Image
 
-from gpu_engine.params import SamplingParams
+from gpu_engine.params import MAX_LOOKUP_TEXT_CHARS, SamplingParams
 
 from .confidence import Confidence, field_confidence
 from .engine_client import EngineReply, EngineRequest
@@ -112,8 +112,8 @@ def build_prompt(schema_prompt: str, unit: UnitInput, anchor_chars: int) -> str:
 def build_request(unit: UnitInput, schema_prompt: str, params: SamplingParams, settings: Settings) -> EngineRequest:
     """One unit's engine request. A page with a text layer hands the whole layer to the engine as `lookup_text`:
     prompt lookup drafts from it (speculative decoding; the output is unchanged by it) even where the prompt holds
-    only its first anchor_text_chars."""
-    text = (unit.anchor_text or "").strip()
+    only its first anchor_text_chars (at most MAX_LOOKUP_TEXT_CHARS of it)."""
+    text = (unit.anchor_text or "").strip()[:MAX_LOOKUP_TEXT_CHARS]  # the page's start if it holds more
     if text and unit.unit.startswith("page:"):
         params = dataclasses.replace(params, lookup_text=text)
     content: list[dict[str, Any]] = []

@@ -103,3 +103,26 @@ def test_the_prompt_holds_a_cut_layer_and_lookup_text_the_whole_one() -> None:
     blank = UnitInput(unit="page:1", page_index=1, images=[Image.new("RGB", (8, 8))], timestamps=[None],
                       anchor_text=" \n")
     assert build_request(blank, "Read it.", params, settings).params.lookup_text is None
+
+
+def test_a_huge_text_layer_reaches_the_engine_cut_to_the_lookup_cap() -> None:
+    """A crafted page can carry megabytes of text; the engine tokenises lookup_text when the request is added, so the
+    pipeline hands it at most MAX_LOOKUP_TEXT_CHARS (the page's start), and the engine refuses more by name."""
+    from PIL import Image
+
+    from gpu_engine.params import MAX_LOOKUP_TEXT_CHARS, SamplingParams
+    from pipeline.extraction import UnitInput, build_request, sampling_params
+    from pipeline.settings import Settings
+
+    settings = Settings()
+    rng = np.random.default_rng()
+    words = rng.choice(["total", "EUR", "Invoice", "12.50", "ACME"], size=MAX_LOOKUP_TEXT_CHARS // 2)
+    layer = " ".join(words)  # ~3 x the cap
+    assert len(layer) > 2 * MAX_LOOKUP_TEXT_CHARS
+    page = UnitInput(unit="page:0", page_index=0, images=[Image.new("RGB", (8, 8))], timestamps=[None],
+                     anchor_text=layer)
+    got = build_request(page, "Read it.", sampling_params(COLOUR, settings), settings).params.lookup_text
+    assert got == layer[:MAX_LOOKUP_TEXT_CHARS]
+    SamplingParams(lookup_text="x" * MAX_LOOKUP_TEXT_CHARS)  # the cap itself is accepted
+    with pytest.raises(ValueError, match="MAX_LOOKUP_TEXT_CHARS"):
+        SamplingParams(lookup_text="x" * (MAX_LOOKUP_TEXT_CHARS + 1))
