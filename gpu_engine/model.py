@@ -25,6 +25,7 @@ from .encoder_cache import check_embeddings, chunk_slices
 from .errors import EngineError
 from .inputs import ProcessedPrompt, VisionItem, is_token_ids
 from .loader import ModelWeights, check_quantize, load_weights
+from .reference.fp8_kv import check_kv_cache_dtype
 from .rope_index import text_positions
 from .runner_api import CacheSpec, LogitsWanted, Runner, SeqChunk, StepBatch, VisionSlice
 
@@ -44,13 +45,17 @@ def load(
     cuda_options: CudaOptions | None = None,
     quantize: str | None = None,
     fp8_activations: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load a checkpoint folder: config, verified weights (SHA256SUMS / expected_digests), fingerprint, runner.
     `cuda_options`: settings of the cuda runner; None reads them from the DOCPIPE_CUDA_* variables
     (CudaOptions.from_env). `quantize="fp8"`: a BF16 checkpoint's eligible Linears become 128x128-block FP8 at load
     (gpu_engine/fp8_checkpoint.py); `fp8_activations`: the reference runner also quantises those Linears' inputs
     as the FP8 kernels do. The cuda runner runs FP8 models with dtype "bf16" only (its FP8 GEMMs read and write
-    bf16), and refuses MoE models (qwen3_5_moe) until its grouped expert GEMMs exist (issue 17)."""
+    bf16), and refuses MoE models (qwen3_5_moe) until its grouped expert GEMMs exist (issue 17).
+    `kv_cache_dtype`: "auto" (the compute dtype) or "fp8_e4m3" (the reference runner stores full-attention K / V in
+    e4m3 with a scale per token and kv head, reference/fp8_kv.py); independent of the weights. The cuda runner's
+    attention kernels do not read an FP8 cache yet and refuse it."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     if cuda_options is not None and runner != "cuda":
@@ -58,6 +63,13 @@ def load(
     if fp8_activations and runner != "reference":
         raise ValueError(f"fp8_activations is an option of runner='reference' (got runner={runner!r})")
     check_quantize(quantize)
+    check_kv_cache_dtype(kv_cache_dtype)
+    if runner == "cuda" and kv_cache_dtype != "auto":
+        raise RunnerUnavailableError(
+            f"runner='cuda' cannot use kv_cache_dtype={kv_cache_dtype!r} yet: its paged attention and flash prefill "
+            "kernels read a bf16 / float32 cache only (issue 15). Use kv_cache_dtype='auto', or runner='reference' "
+            "(numpy, the FP8 KV oracle)."
+        )
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     if runner == "cuda" and (config.quantization is not None or quantize == "fp8"):
@@ -75,16 +87,17 @@ def load(
         )
     weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests, quantize=quantize)
     return LoadedModel(config=config, fingerprint=fingerprint, path=folder,
-                       runner=_make_runner(runner, config, weights, cuda_options, fp8_activations))
+                       runner=_make_runner(runner, config, weights, cuda_options, fp8_activations, kv_cache_dtype))
 
 
 def _make_runner(
-    name: str, config: ModelConfig, weights: ModelWeights, options: CudaOptions | None, fp8_activations: bool
+    name: str, config: ModelConfig, weights: ModelWeights, options: CudaOptions | None, fp8_activations: bool,
+    kv_cache_dtype: str,
 ) -> Runner:
     if name == "reference":
         from .reference.runner import ReferenceRunner
 
-        return ReferenceRunner(config, weights, fp8_activations=fp8_activations)
+        return ReferenceRunner(config, weights, fp8_activations=fp8_activations, kv_cache_dtype=kv_cache_dtype)
     try:
         from .cuda.runner import CudaRunner
     except ImportError as exc:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..config import TextConfig
+from .fp8_kv import KvArray
 from .ops import apply_rope, linear, rms_norm, sigmoid, softmax
 
 _QUERY_BLOCK = 512  # queries per score block (any value gives the same result)
@@ -23,12 +24,13 @@ def attention_forward(
     cfg: TextConfig,
     cos: np.ndarray,
     sin: np.ndarray,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
+    k_cache: KvArray,
+    v_cache: KvArray,
     block_table: np.ndarray,
     start: int,
 ) -> np.ndarray:
-    """x [n, hidden] at sequence positions start..start+n-1; caches [num_blocks, block_size, kv_heads, head_dim]."""
+    """x [n, hidden] at sequence positions start..start+n-1; caches [num_blocks, block_size, kv_heads, head_dim]
+    (float32, or e4m3 behind reference/fp8_kv.Fp8KvArray, which quantises on write and dequantises on read)."""
     n = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).reshape(n, nh, 2 * hd)

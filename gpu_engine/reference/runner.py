@@ -32,6 +32,7 @@ from ..runner_rules import (
     row_offsets,
     state_bytes_per_slot,
 )
+from .fp8_kv import SCALE_BYTES, KvArray, check_kv_cache_dtype, kv_array
 from .mtp import MtpHead, has_complete_head
 from .text_model import SequenceCache, TextModel
 
@@ -45,17 +46,23 @@ class ReferenceRunner:
     samples_on_device = False
     supports_verify = True  # SeqChunk.verify + rollback_state()
 
-    def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False) -> None:
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         """fp8_activations: emulate the dynamic FP8 activation quantisation in the block-FP8 Linears of the text
-        model (the oracle for the FP8 kernels); refused for a model without FP8 weights, where it would mean nothing."""
+        model (the oracle for the FP8 kernels); refused for a model without FP8 weights, where it would mean nothing.
+        kv_cache_dtype "fp8_e4m3": the full-attention layers' K and V are stored as e4m3 with a scale per (token,
+        kv head) (reference/fp8_kv.py), independent of the weights' dtype; the MTP head's KV layer and the
+        linear-attention states stay float32."""
         if fp8_activations and not weights.fp8_names():
             raise ValueError("fp8_activations=True needs block-FP8 weights (an FP8 checkpoint, or quantize='fp8')")
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.config = model_config
         self.weights = weights
         self.text = TextModel(model_config.text, weights, fp8_activations=fp8_activations)
         self.spec: CacheSpec | None = None
-        self.k_cache: dict[int, np.ndarray] = {}
-        self.v_cache: dict[int, np.ndarray] = {}
+        self.k_cache: dict[int, KvArray] = {}
+        self.v_cache: dict[int, KvArray] = {}
         self.conv_state: dict[int, np.ndarray] = {}
         self.recurrent_state: dict[int, np.ndarray] = {}
         self._vision_tower: Any = None
@@ -82,6 +89,9 @@ class ReferenceRunner:
         size = block_size if block_size is not None else allocated(self.spec).block_size
         t = self.config.text
         mtp = 2 * size * t.num_key_value_heads * t.head_dim * _F32 if self.mtp is not None else 0
+        if self.kv_cache_dtype == "fp8_e4m3":  # one byte per element + a float32 scale per (token, kv head)
+            per_token = 2 * t.num_key_value_heads * (t.head_dim + SCALE_BYTES)
+            return len(t.full_attention_layers) * size * per_token + mtp
         return kv_bytes_per_block(t, size, _F32) + mtp
 
     def state_bytes_per_slot(self) -> int:
@@ -97,8 +107,8 @@ class ReferenceRunner:
         t = self.config.text
         self.spec = spec
         kv_shape = (spec.num_kv_blocks, spec.block_size, t.num_key_value_heads, t.head_dim)
-        self.k_cache = {i: np.zeros(kv_shape, np.float32) for i in t.full_attention_layers}
-        self.v_cache = {i: np.zeros(kv_shape, np.float32) for i in t.full_attention_layers}
+        self.k_cache = {i: kv_array(self.kv_cache_dtype, kv_shape) for i in t.full_attention_layers}
+        self.v_cache = {i: kv_array(self.kv_cache_dtype, kv_shape) for i in t.full_attention_layers}
         conv_shape = (spec.num_state_slots, t.linear_conv_dim, t.linear_conv_kernel_dim - 1)
         rec_shape = (spec.num_state_slots, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)
         self.conv_state = {i: np.zeros(conv_shape, np.float32) for i in t.linear_attention_layers}

@@ -15,6 +15,7 @@ from ..config import TextConfig
 from ..loader import ModelWeights
 from .attention import attention_forward
 from .deltanet import deltanet_forward
+from .fp8_kv import KvArray
 from .moe import MoeMlp
 from .ops import Fp8InputWeight, linear, mrope_cos_sin, rms_norm, swiglu
 
@@ -25,7 +26,7 @@ class SequenceCache:
 
     start: int  # tokens of this sequence already in the cache
     block_table: np.ndarray  # int [>= ceil((start + n) / block_size)] physical block ids
-    kv: Mapping[int, tuple[np.ndarray, np.ndarray]]  # full-attention layer -> (k_cache, v_cache), all blocks
+    kv: Mapping[int, tuple[KvArray, KvArray]]  # full-attention layer -> (k_cache, v_cache), all blocks
     conv: Mapping[int, np.ndarray]  # linear-attention layer -> this sequence's conv state [C, K-1]
     recurrent: Mapping[int, np.ndarray]  # linear-attention layer -> this sequence's state [Hv, dk, dv]
 
