@@ -137,13 +137,15 @@ class Engine:
         cuda_options: CudaOptions | None = None,
         speculative: SpeculativeConfig | None = None,
         quantize: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> Engine:
-        """`cuda_options`: settings of the cuda runner; `quantize`: None or "fp8" (see gpu_engine.model.load).
-        Built by gpu_engine/pretrained.py."""
+        """`cuda_options`: settings of the cuda runner; `quantize`: None or "fp8"; `kv_cache_dtype`: "auto" or
+        "fp8_e4m3" (reference runner only; see gpu_engine.model.load). Built by gpu_engine/pretrained.py."""
         from .pretrained import engine_from_pretrained
 
         return engine_from_pretrained(cls, folder, runner, config, expected_digests=expected_digests,
-                                      cuda_options=cuda_options, speculative=speculative, quantize=quantize)
+                                      cuda_options=cuda_options, speculative=speculative, quantize=quantize,
+                                      kv_cache_dtype=kv_cache_dtype)
 
     @property
     def structured(self) -> StructuredOutput:
