@@ -1,7 +1,8 @@
 """ReferenceRunner: the numpy float32 implementation of the runner contract (gpu_engine/runner_api.py).
 
 Cache layout (allocated once by `allocate_cache`):
-- per full-attention layer: k and v arrays [num_kv_blocks, block_size, num_key_value_heads, head_dim];
+- per full-attention layer: k and v arrays [num_kv_blocks, block_size, num_key_value_heads, head_dim] (float32, or
+  e4m3 bytes + a scale per token and head with kv_cache_dtype="fp8_e4m3": reference/fp8_kv.py);
 - per linear-attention layer: conv state [num_state_slots, conv_dim, conv_kernel - 1] and recurrent state
   [num_state_slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim].
 
