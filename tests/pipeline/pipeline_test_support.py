@@ -7,7 +7,7 @@ import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
@@ -91,3 +91,20 @@ def run_at_once(calls: list[Callable[[], T]]) -> tuple[list[T], list[BaseExcepti
     for t in threads:
         t.join()
     return results, errors
+
+
+def cli_env(data_dir: Path) -> dict[str, str]:
+    """DOCPIPE_* variables for a `docpipe` CLI run: the fast settings and a data dir of its own."""
+    values = {f"DOCPIPE_{k.upper()}": str(v) for k, v in FAST.items()}
+    values["DOCPIPE_DATA_DIR"] = str(data_dir)
+    return values
+
+
+def invoke_cli(env: dict[str, str], *args: str) -> Any:
+    """`docpipe <args>` in-process with exactly `env`'s variables; exceptions propagate."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+

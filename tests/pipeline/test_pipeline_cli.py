@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import typer
-from pipeline_test_support import FAST, png_bytes
+from pipeline_test_support import FAST, cli_env, invoke_cli, png_bytes
 from typer.testing import CliRunner
 
 from pipeline.cli import app, load_plugins
@@ -16,37 +16,32 @@ from pipeline.cli import app, load_plugins
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    values = {f"DOCPIPE_{k.upper()}": str(v) for k, v in FAST.items()}
-    values["DOCPIPE_DATA_DIR"] = str(tmp_path / "data")
-    return values
+    return cli_env(tmp_path / "data")
 
-
-def invoke(env: dict[str, str], *args: str) -> Any:
-    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
 
 
 def test_process_json_results_and_exit_codes(env: dict[str, str], tmp_path: Path) -> None:
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.png").write_bytes(png_bytes())
-    good = invoke(env, "process", str(folder), "--json")
+    good = invoke_cli(env, "process", str(folder), "--json")
     assert good.exit_code == 0, good.output
     report = json.loads(good.stdout)
     [item] = report["files"]
     assert report["ok"] and item["state"] == "succeeded" and item["pages"] == 1
 
-    shown = invoke(env, "results", str(item["document_id"]), "--json")
+    shown = invoke_cli(env, "results", str(item["document_id"]), "--json")
     assert shown.exit_code == 0
     data = json.loads(shown.stdout)
     assert data["status"] == "succeeded" and data["results"][0]["document"]["ok"]
-    table = invoke(env, "results", str(item["document_id"]))
+    table = invoke_cli(env, "results", str(item["document_id"]))
     assert table.exit_code == 0 and "document_type" in table.stdout
 
     (folder / "broken.pdf").write_text("not a pdf")
-    mixed = invoke(env, "process", str(folder))
+    mixed = invoke_cli(env, "process", str(folder))
     assert mixed.exit_code == 1  # some file failed
     assert "failed" in mixed.stdout and "1 of 2 file(s) failed" in mixed.stderr
-    as_json = invoke(env, "process", str(folder), "--json")
+    as_json = invoke_cli(env, "process", str(folder), "--json")
     assert as_json.exit_code == 1
     states = {Path(f["name"]).name: f for f in json.loads(as_json.stdout)["files"]}
     assert states["a.png"]["state"] == "succeeded" and states["a.png"]["outcome"] == "duplicate"
@@ -60,48 +55,48 @@ def test_folder_walks_leave_out_plain_text_files_and_say_so(env: dict[str, str],
     (folder / "a.png").write_bytes(png_bytes())
     (folder / "README.md").write_text("# scans from the front desk\n")
     (folder / "make_samples.py").write_text("print('a generator script')\n")
-    walked = invoke(env, "process", str(folder), "--json")
+    walked = invoke_cli(env, "process", str(folder), "--json")
     assert walked.exit_code == 0, walked.output
     assert [Path(f["name"]).name for f in json.loads(walked.stdout)["files"]] == ["a.png"]
     assert "left out 2 plain-text file(s)" in walked.stderr and "README.md" in walked.stderr
     # A text file whose name claims a document is a damaged document, and a named file is never left out.
     (folder / "invoice.pdf").write_text("not a pdf")
-    damaged = invoke(env, "process", str(folder), "--json")
+    damaged = invoke_cli(env, "process", str(folder), "--json")
     assert damaged.exit_code == 1
     assert {Path(f["name"]).name: f["state"] for f in json.loads(damaged.stdout)["files"]}["invoice.pdf"] == "failed"
-    named = invoke(env, "process", str(folder / "README.md"), "--json")
+    named = invoke_cli(env, "process", str(folder / "README.md"), "--json")
     assert named.exit_code == 1 and json.loads(named.stdout)["files"][0]["state"] == "failed"
 
 
 def test_piped_output_is_not_cut_at_80_columns(env: dict[str, str], tmp_path: Path) -> None:
     deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "data"
-    shown = invoke({**env, "DOCPIPE_DATA_DIR": str(deep)}, "config")
+    shown = invoke_cli({**env, "DOCPIPE_DATA_DIR": str(deep)}, "config")
     assert shown.exit_code == 0 and str(deep) in shown.stdout  # whole, on one line
 
 
 def test_bad_arguments_exit_2_with_a_message(env: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "a.png").write_bytes(png_bytes())
-    unknown = invoke(env, "process", str(tmp_path / "a.png"), "--schema", "nope")
+    unknown = invoke_cli(env, "process", str(tmp_path / "a.png"), "--schema", "nope")
     assert unknown.exit_code == 2 and "unknown extraction schema 'nope'" in unknown.stderr
-    missing = invoke(env, "process", str(tmp_path / "missing.pdf"))
+    missing = invoke_cli(env, "process", str(tmp_path / "missing.pdf"))
     assert missing.exit_code == 2 and "no such file" in missing.stderr
-    nodoc = invoke(env, "results", "424242")
+    nodoc = invoke_cli(env, "results", "424242")
     assert nodoc.exit_code == 2 and "no document with id 424242" in nodoc.stderr
 
 
 def test_db_upgrade_and_schemas(env: dict[str, str], tmp_path: Path) -> None:
-    up = invoke(env, "db", "upgrade")
+    up = invoke_cli(env, "db", "upgrade")
     assert up.exit_code == 0 and "database at head" in up.stdout
-    assert invoke(env, "db", "upgrade").exit_code == 0  # idempotent
+    assert invoke_cli(env, "db", "upgrade").exit_code == 0  # idempotent
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"type": "object", "properties": {"a": {"type": 7}}}))
-    refused = invoke(env, "schema-add", "mine", str(bad))
+    refused = invoke_cli(env, "schema-add", "mine", str(bad))
     assert refused.exit_code == 2 and "not valid JSON Schema" in refused.stderr
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}},
                                 "required": ["a"]}))
-    assert invoke(env, "schema-add", "mine", str(good)).exit_code == 0
-    listed = json.loads(invoke(env, "schemas", "--json").stdout)
+    assert invoke_cli(env, "schema-add", "mine", str(good)).exit_code == 0
+    listed = json.loads(invoke_cli(env, "schemas", "--json").stdout)
     names = {row["name"] for row in listed}
     assert {"invoice", "receipt", "id_document", "form", "generic", "video", "mine"} <= names
 
@@ -111,7 +106,7 @@ def test_demo_processes_a_samples_folder(env: dict[str, str], tmp_path: Path, in
     folder.mkdir()
     shutil.copy(next(f for f in inputs if f.suffix == ".jpg"), folder / "photo.jpg")
     (folder / "make_samples.py").write_text("print('a generator script, not a sample')\n")
-    result = invoke(env, "demo", "--samples", str(folder))
+    result = invoke_cli(env, "demo", "--samples", str(folder))
     assert result.exit_code == 0, result.output
     assert "photo.jpg" in result.stdout and "make_samples.py" not in result.stdout
     assert "random weights" in result.stdout and "document_type" in result.stdout  # the results table
@@ -152,7 +147,7 @@ def test_config_lists_every_setting_with_secrets_masked(env: dict[str, str]) -> 
 
     secret_env = {**env, "DOCPIPE_DATABASE_URL": "postgresql://app:hunter2hunter2@db.internal/docs",
                   "DOCPIPE_API_KEYS": "k" * 32}
-    shown = invoke(secret_env, "config", "--json")
+    shown = invoke_cli(secret_env, "config", "--json")
     assert shown.exit_code == 0
     rows = {row["name"]: row for row in json.loads(shown.stdout)}
     assert set(rows) == set(Settings.model_fields)

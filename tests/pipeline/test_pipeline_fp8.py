@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_test_support import FAST, png_bytes
+from pipeline_test_support import FAST, cli_env, invoke_cli, png_bytes
 from typer.testing import CliRunner
 
 import gpu_engine
@@ -20,17 +20,12 @@ from pipeline.settings import Settings
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    values = {f"DOCPIPE_{k.upper()}": str(v) for k, v in FAST.items()}
-    values["DOCPIPE_DATA_DIR"] = str(tmp_path / "data")
-    return values
+    return cli_env(tmp_path / "data")
 
-
-def invoke(env: dict[str, str], *args: str) -> Any:
-    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
 
 
 def processed(env: dict[str, str], path: Path) -> dict[str, Any]:
-    run = invoke(env, "process", str(path), "--json")
+    run = invoke_cli(env, "process", str(path), "--json")
     assert run.exit_code == 0, run.output
     [item] = json.loads(run.stdout)["files"]
     assert item["state"] == "succeeded"
@@ -49,7 +44,7 @@ def test_fp8_at_load_reaches_the_engine_and_every_result_row_says_so(env: dict[s
     second = processed({**env, "DOCPIPE_ENGINE_QUANTIZE": "fp8"}, page)
     assert second["document_id"] == first["document_id"]  # the same document ...
 
-    shown = invoke(env, "results", str(first["document_id"]), "--json")
+    shown = invoke_cli(env, "results", str(first["document_id"]), "--json")
     assert shown.exit_code == 0, shown.output
     fp8_job, bf16_job = json.loads(shown.stdout)["results"]  # ... extracted again by the FP8 model (newest first)
     assert fp8_job["job_id"] != bf16_job["job_id"] and fp8_job["state"] == bf16_job["state"] == "succeeded"
