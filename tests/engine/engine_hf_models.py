@@ -167,6 +167,32 @@ def random_frames(rng: np.random.Generator, count: int, height: int, width: int)
     return [np.clip(base + 8 * i + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8) for i in range(count)]
 
 
+def random_image(rng: np.random.Generator, height: int, width: int) -> Any:
+    from PIL import Image
+
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def check_vlm_parity(pair: tuple[Any, Any, Any], hf64: Any, messages: list[dict[str, Any]], images: Any = (),
+                     chunk_sizes: tuple[int, ...] = (7,)) -> Any:
+    """Our logits for `messages` vs transformers' (float32, with its float64 run for the per-position rule), and
+    chunked prefill at each of `chunk_sizes` within 1e-5 of the whole prefill; returns our ProcessedPrompt.
+    `pair`: (transformers model, its image processor, our loaded model)."""
+    import torch
+
+    hf, image_processor, ours = pair
+    prompt = ours.prepare(messages)
+    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
+    with torch.no_grad():
+        expected = hf(**kwargs).logits[0].numpy()
+    got = ours.logits_for_messages(messages)
+    assert got.shape == expected.shape
+    assert_logit_parity(got, expected, float64_logits(hf64, **kwargs))
+    for size in chunk_sizes:
+        assert rel_err(ours.logits_for_messages(messages, chunk_size=size), got) <= 1e-5
+    return prompt
+
+
 # ------------------------------------------------------------------------------ a float64 transformers run
 
 

@@ -25,13 +25,14 @@ from engine_hf_models import (
     HF_CONFIGS,
     assert_logit_parity,
     build_hf_vlm_checkpoint,
+    check_vlm_parity,
     float64_copy,
     float64_logits,
     hf_vlm_inputs,
     random_frames,
+    random_image,
     rel_err,
 )
-from PIL import Image
 
 import gpu_engine
 
@@ -51,10 +52,6 @@ def hf64(pair):
     return float64_copy(pair[0])
 
 
-def random_image(rng: np.random.Generator, height: int, width: int) -> Image.Image:
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def hf_logits(hf, image_processor, ours, messages, images=()):
     """transformers' logits for the prompt our processor builds (see the module docstring for what is fed)."""
     prompt = ours.prepare(messages)
@@ -63,24 +60,12 @@ def hf_logits(hf, image_processor, ours, messages, images=()):
         return prompt, kwargs, hf(**kwargs).logits[0].numpy()
 
 
-def check(pair, hf64, messages, images=(), chunk_sizes=(7,)):
-    hf, image_processor, ours = pair
-    prompt, kwargs, expected = hf_logits(hf, image_processor, ours, messages, images)
-    got = ours.logits_for_messages(messages)
-    assert got.shape == expected.shape
-    assert_logit_parity(got, expected, float64_logits(hf64, **kwargs))
-    for size in chunk_sizes:
-        chunked = ours.logits_for_messages(messages, chunk_size=size)
-        assert rel_err(chunked, got) <= 1e-5
-    return prompt
-
-
 def test_one_image(pair, hf64):
     rng = np.random.default_rng(1)
     image = random_image(rng, 45, 77)
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "What is it?"}]}]
-    prompt = check(pair, hf64, messages, [image], chunk_sizes=(1, 7, 64))
+    prompt = check_vlm_parity(pair, hf64, messages, [image], chunk_sizes=(1, 7, 64))
     assert len(prompt.vision_items) == 1
 
 
@@ -91,7 +76,7 @@ def test_two_images_of_different_sizes(pair, hf64):
         {"type": "text", "text": "Compare"}, {"type": "image", "image": images[0]},
         {"type": "text", "text": "with"}, {"type": "image", "image": images[1]},
     ]}]
-    prompt = check(pair, hf64, messages, images)
+    prompt = check_vlm_parity(pair, hf64, messages, images)
     assert prompt.vision_items[0].grid_thw != prompt.vision_items[1].grid_thw
 
 
@@ -100,7 +85,7 @@ def test_video_of_at_least_eight_frames(pair, hf64):
     frames = random_frames(rng, 16, 40, 56)  # 16 frames at 4 fps -> 8 sampled at 2 fps -> 4 frame groups
     messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 4.0},
                                              {"type": "text", "text": "Describe the clip."}]}]
-    prompt = check(pair, hf64, messages, chunk_sizes=(5, 64))
+    prompt = check_vlm_parity(pair, hf64, messages, chunk_sizes=(5, 64))
     assert sum(item.grid_thw[0] for item in prompt.vision_items) * 2 >= 8
 
 
@@ -115,7 +100,7 @@ def test_mixed_multi_turn_conversation(pair, hf64):
         {"role": "user", "content": [{"type": "text", "text": "And here?"},
                                      {"type": "video", "video": frames, "fps": 2.0}]},
     ]
-    prompt = check(pair, hf64, messages, [image], chunk_sizes=(3, 16))
+    prompt = check_vlm_parity(pair, hf64, messages, [image], chunk_sizes=(3, 16))
     assert [item.kind for item in prompt.vision_items][0] == "image" and prompt.vision_items[-1].kind == "video"
 
 

@@ -15,9 +15,8 @@ from ci_rule import require_module
 torch = require_module("torch")
 require_module("transformers")
 
-from engine_hf_models import assert_logit_parity, float64_copy, float64_logits, hf_vlm_inputs, random_frames, rel_err
+from engine_hf_models import check_vlm_parity, float64_copy, hf_vlm_inputs, random_frames, random_image
 from moe_hf_models import MOE_HF_CONFIGS, build_hf_moe_vlm_checkpoint
-from PIL import Image
 
 import gpu_engine
 
@@ -37,30 +36,12 @@ def hf64(pair):
     return float64_copy(pair[0])
 
 
-def random_image(rng: np.random.Generator, height: int, width: int) -> Image.Image:
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def check(pair, hf64, messages, images=(), chunk_sizes=(7,)):
-    hf, image_processor, ours = pair
-    prompt = ours.prepare(messages)
-    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
-    with torch.no_grad():
-        expected = hf(**kwargs).logits[0].numpy()
-    got = ours.logits_for_messages(messages)
-    assert got.shape == expected.shape
-    assert_logit_parity(got, expected, float64_logits(hf64, **kwargs))
-    for size in chunk_sizes:
-        assert rel_err(ours.logits_for_messages(messages, chunk_size=size), got) <= 1e-5
-    return prompt
-
-
 def test_one_image(pair, hf64):
     rng = np.random.default_rng(1)
     image = random_image(rng, 45, 77)
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "What is it?"}]}]
-    prompt = check(pair, hf64, messages, [image], chunk_sizes=(1, 7))
+    prompt = check_vlm_parity(pair, hf64, messages, [image], chunk_sizes=(1, 7))
     assert [item.kind for item in prompt.vision_items] == ["image"]
 
 
@@ -69,7 +50,7 @@ def test_video_of_at_least_eight_frames(pair, hf64):
     frames = random_frames(rng, 16, 40, 56)  # 16 frames at 4 fps -> 8 sampled at 2 fps -> 4 frame groups
     messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 4.0},
                                              {"type": "text", "text": "Describe the clip."}]}]
-    prompt = check(pair, hf64, messages, chunk_sizes=(5,))
+    prompt = check_vlm_parity(pair, hf64, messages, chunk_sizes=(5,))
     assert sum(item.grid_thw[0] for item in prompt.vision_items) * 2 >= 8
 
 
@@ -85,7 +66,7 @@ def test_mixed_multi_turn_conversation(pair, hf64):
         {"role": "user", "content": [{"type": "text", "text": "And here?"},
                                      {"type": "video", "video": frames, "fps": 2.0}]},
     ]
-    prompt = check(pair, hf64, messages, images, chunk_sizes=(3,))
+    prompt = check_vlm_parity(pair, hf64, messages, images, chunk_sizes=(3,))
     assert [item.kind for item in prompt.vision_items][:2] == ["image", "image"]
     assert prompt.vision_items[-1].kind == "video"
 
