@@ -190,9 +190,11 @@ class Speculator:
         for seq, drafts in zip(seqs, self.runner.mtp_draft(requests)):
             seq.mtp_drafts = list(drafts)
 
-    @staticmethod
-    def end_step(running: list[Sequence]) -> None:
-        """Drafts live for one step: those of sequences that were not scheduled go."""
+    def end_step(self, running: list[Sequence]) -> None:
+        """Drafts live for one step: those of sequences that were not scheduled go (none are written where the
+        runner cannot verify, so the hot path of such runners skips the loop)."""
+        if not self.can_verify:
+            return
         for seq in running:
             seq.num_drafts = 0
 
