@@ -16,10 +16,11 @@ class EngineMark:
     """The engine's counters as a timed run starts (after the warm-up), so the row counts that run alone."""
     stats: dict[str, Any]
     held_steps: int
+    cut_runs: int
 
     @classmethod
     def take(cls, engine: Any) -> EngineMark:
-        return cls(engine.stats(), engine.scheduler.num_held_steps)
+        return cls(engine.stats(), engine.scheduler.num_held_steps, engine.scheduler.num_cut_runs)
 
 
 def engine_fields(engine: Any, mark: EngineMark) -> dict[str, Any]:
@@ -30,6 +31,9 @@ def engine_fields(engine: Any, mark: EngineMark) -> dict[str, Any]:
                               if isinstance(stats1.get(k), (int, float))}
     row["peak_step_tokens"] = stats1.get("peak_step_tokens")
     row["held_prompt_steps"] = engine.scheduler.num_held_steps - mark.held_steps
+    # decode-phase chunks cut to the runner's max_decode_chunk_tokens (forced runs spread over several steps)
+    row["cut_forced_runs"] = engine.scheduler.num_cut_runs - mark.cut_runs
+    row["max_decode_chunk_tokens"] = engine.scheduler.decode_chunk_limit
     row["engine_state_slots"] = engine.config.state_slots
     row["min_prefill_tokens"] = engine.config.min_prefill_tokens
     row["max_prefill_hold_steps"] = engine.config.max_prefill_hold_steps

@@ -110,6 +110,8 @@ def test_report_carries_the_issue_fields(tiny_run: dict) -> None:
         assert 0 < r["fraction_of_limit"] < 1 and 0 < r["gpu_busy_fraction"] <= 1.0 + 1e-9
         split = r["time_split"]
         assert split["image_preprocessing_count"] == 3 and split["vision_encode_s"] > 0
+        # the reference runner declares no longest decode chunk, so no forced run is cut
+        assert r["max_decode_chunk_tokens"] is None and r["cut_forced_runs"] == 0
         lat = r["latency_all"]
         assert 0 < lat["ttft_p50_s"] <= lat["latency_p95_s"] <= r["wall_s"] + 1e-6
     fixed, grammar = rows
@@ -142,3 +144,18 @@ def test_a_request_that_ends_short_fails_the_run() -> None:
     failed = dtp.Outcome(unit, output=RequestOutput("r", "", [], True, "error", error="boom"))
     with pytest.raises(dtp.DocBenchFailed, match="boom"):
         dtp.check_outcomes([failed], fixed=None)
+
+
+def test_engine_fields_count_only_the_timed_runs_cut_forced_runs() -> None:
+    from types import SimpleNamespace
+
+    from doc_engine_fields import EngineMark, engine_fields
+
+    scheduler = SimpleNamespace(num_held_steps=2, num_cut_runs=5, decode_chunk_limit=31)
+    engine = SimpleNamespace(stats=lambda: {"steps": 10}, scheduler=scheduler, runner=object(),
+                             config=SimpleNamespace(state_slots=8, min_prefill_tokens=0, max_prefill_hold_steps=4,
+                                                    enable_jump_forward=True))
+    mark = EngineMark.take(engine)
+    scheduler.num_cut_runs, scheduler.num_held_steps = 12, 3
+    row = engine_fields(engine, mark)
+    assert row["cut_forced_runs"] == 7 and row["held_prompt_steps"] == 1 and row["max_decode_chunk_tokens"] == 31
