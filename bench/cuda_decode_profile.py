@@ -1,9 +1,14 @@
 """Where one batched decode step's device time goes: every op of CudaRunner.forward timed by CUDA events.
 
-    python3 bench/cuda_decode_profile.py [--shape 27b] [--batches 1,32] [--context 1024] [--json out.json]
+    python3 bench/cuda_decode_profile.py [--shape 27b] [--batches 1,32] [--context 1024[,8192]] [--fill prefill|random]
+        [--json out.json]
 
 The runner (random bf16 weights, one of bench/cuda_bench.py's shapes) prefills `max(batches)` sequences of
-`context` tokens, then runs eager decode steps of b sequences. During the timed steps each op the runner calls
+`context` tokens, then runs eager decode steps of b sequences. `--fill random` skips the prefill: the KV cache
+and the DeltaNet states are filled with random values (a decode step's cost depends on the lengths, not on
+what the cache holds), so long contexts at large batch (192 x 8k = 1.5M tokens) cost seconds instead of a
+minute; several contexts then share one runner, each step reading `context` cached tokens per sequence.
+During the timed steps each op the runner calls
 (the `ops` kernels, cuBLASLt products, the chunked delta rule) is bracketed by two events on the runner's stream.
 Right before each timed step's first op (after the step's metadata upload, which waits for the stream) the
 stream is given ~60 ms of copies to work through, so the host has queued the whole step before the GPU reaches
@@ -104,23 +109,45 @@ def install(timer: OpTimer, variant: dict[str, str]) -> None:
     blas.linear = timer.wrap(lambda y, x, w, m, n, k, **kw: f"gemm {n}x{k}", blas.linear)
 
 
-def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps: float,
-            rng: np.random.Generator, variants: list[str]) -> dict:
+def fill_random(runner, rng: np.random.Generator) -> None:
+    """Random KV rows (bf16 ~N(0, 1)) and DeltaNet conv windows / states (~N(0, 0.02)), never zeros: one 64 MiB
+    random piece per dtype, uploaded once and tiled over every cache array by device copies."""
+    ctx, piece = runner.ctx, 64 << 20
+    mark = ctx.arena.mark()
+    sources = {"bf16": ctx.to_device(rng.standard_normal(piece // 2).astype(np.float32), "bf16", "fill-bf16"),
+               "f32": ctx.to_device(rng.standard_normal(piece // 4).astype(np.float32) * 0.02, "f32", "fill-f32")}
+    small_bf16 = ctx.to_device(rng.standard_normal(piece // 2).astype(np.float32) * 0.02, "bf16", "fill-bf16-small")
+    cache = runner.cache
+    arrays = [(arr, sources[arr.dtype]) for a in cache.attention.values() for arr in (a.k, a.v)]
+    arrays += [(d.conv, small_bf16 if d.conv.dtype == "bf16" else sources["f32"]) for d in cache.deltanet.values()]
+    arrays += [(d.state, sources["f32"]) for d in cache.deltanet.values()]
+    for arr, src in arrays:
+        for off in range(0, arr.nbytes, piece):
+            ctx.device.copy(arr.ptr + off, src.ptr, min(piece, arr.nbytes - off))
+    ctx.device.sync()
+    ctx.arena.release(mark)
+
+
+def profile(shape: str, batches: list[int], contexts: list[int], steps: int, copy_GBps: float,
+            rng: np.random.Generator, variants: list[str], fill: str = "prefill") -> dict:
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.runner_api import CacheSpec, SeqChunk, StepBatch
+    from gpu_engine.runner_rules import kv_bytes_per_block, state_bytes_per_slot
 
     text_cfg, tied = SHAPES[shape]
     config = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {},
                                     "tie_word_embeddings": tied})
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
-    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=weight_bytes + (24 << 30)))
-    del weights
     cfg = config.text
     pool, bs = max(batches), 16
-    per_seq = (context + steps * len(batches) + 64) // bs + 1
+    per_seq = (max(contexts) + (steps + 2) * len(batches) * len(variants) + 64) // bs + 1
+    cache_bytes = (per_seq * pool * kv_bytes_per_block(cfg, bs, 2) + pool * state_bytes_per_slot(cfg, 2, 4))
+    budget = weight_bytes + max(24 << 30, cache_bytes + (8 << 30))  # the cache, the 2 GiB lead, step scratch
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=budget))
+    del weights
     runner.allocate_cache(CacheSpec(num_kv_blocks=per_seq * pool, block_size=bs, num_state_slots=pool))
     tables = [np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.int32) for s in range(pool)]
     lead = runner.ctx.empty((2, 256 << 20), "f32", "queue-lead")  # 2 x 1 GiB
@@ -132,15 +159,24 @@ def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps:
     timer = OpTimer(runner.ctx)
     variant = {"name": "current"}
     install(timer, variant)
-    out: dict = {"shape": shape, "context": context, "steps": steps, "per_batch": {}}
+    out: dict = {"shape": shape, "context": contexts[0] if len(contexts) == 1 else contexts, "fill": fill,
+                 "steps": steps, "per_batch": {}}
     try:
-        tokens = prefill_sequences(runner, rng, list(range(pool)), tables, context)
-        length = {s: context for s in range(pool)}
+        if fill == "random":
+            fill_random(runner, rng)
+            vocab = cfg.vocab_size
+            tokens = {s: int(rng.integers(0, vocab)) for s in range(pool)}
+        else:
+            assert len(contexts) == 1, "--fill prefill takes one context"
+            tokens = prefill_sequences(runner, rng, list(range(pool)), tables, contexts[0])
         runner.use_graphs = False  # eager: every op is a separate launch we can bracket
         state_bytes = 2 * runner.state_bytes_per_slot()  # read + written per sequence and step
         kv_per_token = runner.kv_bytes_per_block(bs) / bs
-        for b, name in ((b, v) for b in batches for v in variants):
+        length = {s: contexts[0] for s in range(pool)}
+        for context, b, name in ((c, b, v) for c in contexts for b in batches for v in variants):
             variant["name"] = name
+            if fill == "random":  # every sequence reads `context` cached tokens (random rows) at this pass
+                length = {s: context for s in range(pool)}
 
             def step() -> None:
                 chunks = [SeqChunk(s, np.array([tokens[s]]), np.full((3, 1), length[s]), length[s], tables[s], s)
@@ -170,9 +206,15 @@ def profile(shape: str, batches: list[int], context: int, steps: int, copy_GBps:
                               "bytes": nbytes * calls if nbytes else None,
                               "GBps": nbytes * calls / per_step_ms / 1e6 if nbytes else None}
             weights_read = runner.model.w.nbytes - (0 if tied else runner.model.w.embed.nbytes)
-            roof_bytes = weights_read + b * (state_bytes + kv_per_token * context)
-            out["per_batch"][f"{b} {name}"] = {"batch": b, "variant": name, "step_ms": total / steps, "ops": rows,
-                                        "roofline_ms": roof_bytes / copy_GBps / 1e6}
+            mean_len = sum(length[s] for s in range(b)) / b
+            roof_bytes = weights_read + b * (state_bytes + kv_per_token * mean_len)
+            key = f"{b} {name}" if len(contexts) == 1 else f"{b} {name} ctx{context}"
+            out["per_batch"][key] = {"batch": b, "variant": name, "context": context, "step_ms": total / steps,
+                                     "ops": rows, "roofline_ms": roof_bytes / copy_GBps / 1e6,
+                                     "roofline_split_ms": {
+                                         "weights": weights_read / copy_GBps / 1e6,
+                                         "kv": b * kv_per_token * mean_len / copy_GBps / 1e6,
+                                         "deltanet_state": b * state_bytes / copy_GBps / 1e6}}
     finally:
         runner.close()
     return out
@@ -196,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="27b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--context", default="1024", help="cached tokens per sequence; a list needs --fill random")
+    parser.add_argument("--fill", default="prefill", choices=("prefill", "random"),
+                        help="how the cache gets its contents: a real prefill, or random rows (fast)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", default="before,current",
                         help="kernel choices to profile, each a separate pass: " + ", ".join(VARIANTS))
@@ -212,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx.close()
     result = {"command": "python3 " + " ".join(sys.argv), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
               "copy_GBps": copy["memcpy_GBps"]}
-    result.update(profile(args.shape, [int(b) for b in args.batches.split(",")], args.context, args.steps,
-                          copy["memcpy_GBps"], rng, args.variants.split(",")))
+    contexts = [int(c) for c in args.context.split(",")]
+    if len(contexts) > 1 and args.fill != "random":
+        parser.error("several contexts need --fill random (one runner, one cache)")
+    result.update(profile(args.shape, [int(b) for b in args.batches.split(",")], contexts, args.steps,
+                          copy["memcpy_GBps"], rng, args.variants.split(","), args.fill))
     for res in result["per_batch"].values():
-        print(f"\n{args.shape} decode b={res['batch']}, {res['variant']} kernels, context {args.context}: "
+        print(f"\n{args.shape} decode b={res['batch']}, {res['variant']} kernels, context {res['context']}: "
               f"device time {res['step_ms']:.2f} ms from the first op to the last (the logits download after it "
               f"not included), roofline {res['roofline_ms']:.2f} ms at {copy['memcpy_GBps']:.0f} GB/s")
         print(f"{'op':34} {'calls':>5} {'ms/step':>8} {'share':>6} {'GB/s':>7}")
