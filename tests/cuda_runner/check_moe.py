@@ -16,11 +16,12 @@ Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - r
   total in f32 and reported in bf16, where rounding may flip a near tie).
 Model: make_tiny_moe_checkpoint (6 experts top-2, odd widths: the plain kernel for down; an aligned config that
 takes the tensor-core kernels for both GEMMs; one with the shared expert stacked), check_runner's scenario (chunked
-prefill, vision slice, batched decode, graph replay): f32 logits rel. err <= 1e-4 and identical greedy tokens; bf16
-on the reference's forced tokens within max(check_runner.BF16_SANITY, BF16_NOISE_RATIO x the distance the reference
-itself moves with bf16-rounded activations on the same draw, bf16_reference.py): a top-k choice near a tie flips
-under bf16 rounding, so tiny MoE models move by 0.02-0.3 from rounding alone (the fixed 0.1 failed one row of the
-first GPU run at 0.108 where the reference's own rounding moved 0.102).
+prefill, vision slice, batched decode, graph replay; CudaOptions.from_env, so DOCPIPE_CUDA_GRAPHS=0 runs the decode
+steps eagerly), the device's routing recorded per MoE call (moe_routing.py): f32 logits rel. err <= 1e-4, identical
+greedy tokens and no routing flip; bf16 on the reference's forced tokens with the reference routed as the device
+routed, within check_runner's BF16_SANITY (the dense models' bound), every flip consistent with the device's own
+router-logit error (a near tie crossed) and the flipped share reported, as is the distance to the unforced
+reference (a flip moves a token's whole MLP output: tiny MoE models move by 0.02-0.3 from flips alone, cuda_notes).
 Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
@@ -255,23 +256,6 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
         ctx.close()
 
 
-BF16_NOISE_RATIO = 2.0  # the bf16 CUDA runner rounds more places than the emulation (every projection output)
-
-
-def bf16_bound(config, ref_weights, seed: int, ref_steps: list[np.ndarray], forced: list[list[int]]
-               ) -> tuple[float, float]:
-    """(bound, emulation distance) of a bf16 model row: the reference with bf16-rounded activations against the
-    plain reference on the same rounded weights and forced tokens."""
-    from gpu_engine.reference.runner import ReferenceRunner
-    from tests.cuda_runner.bf16_reference import bf16_activations
-    from tests.cuda_runner.check_runner import BF16_SANITY, _drive
-
-    with bf16_activations(ReferenceRunner(config, ref_weights)) as emulated:
-        steps, _ = _drive(emulated, config, seed, forced=forced)
-    noise = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
-    return max(BF16_SANITY, BF16_NOISE_RATIO * noise), noise
-
-
 def run_model(seed: int) -> list[Result]:
     from gpu_engine.config import ModelConfig
     from gpu_engine.cuda.options import CudaOptions
@@ -279,7 +263,8 @@ def run_model(seed: int) -> list[Result]:
     from gpu_engine.loader import load_weights
     from gpu_engine.reference.runner import ReferenceRunner
     from gpu_engine.tiny_moe import make_tiny_moe_checkpoint
-    from tests.cuda_runner.check_runner import _drive, _rounded
+    from tests.cuda_runner.check_runner import BF16_SANITY, _drive, _rounded
+    from tests.cuda_runner.moe_routing import CudaRoutingTrace, forced_routing
 
     results = []
     for name, (text_cfg, layouts) in MODEL_CONFIGS.items():
@@ -291,20 +276,26 @@ def run_model(seed: int) -> list[Result]:
             for dtype in ("f32", "bf16"):
                 ref_weights = weights if dtype == "f32" else _rounded(weights)
                 ref_steps, ref_greedy = _drive(ReferenceRunner(config, ref_weights), config, seed)
-                runner = CudaRunner(config, weights, CudaOptions(dtype=dtype, memory_budget=1 << 30))
+                runner = CudaRunner(config, weights, CudaOptions.from_env(dtype=dtype, memory_budget=1 << 30))
+                trace = CudaRoutingTrace(runner)
                 try:
                     steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
                 finally:
                     runner.close()
-                worst = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
+                reference = ReferenceRunner(config, ref_weights)
+                with forced_routing(reference, trace.calls) as routing:
+                    routed_steps, _ = _drive(reference, config, seed, forced=ref_greedy if dtype == "bf16" else None)
+                unforced = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
+                routed = float(max(rel_err(a, b) for a, b in zip(steps, routed_steps)))
                 agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
                 same = greedy == ref_greedy
-                note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}"
-                if dtype == "f32":
-                    tol, ok = 1e-4, worst <= 1e-4 and same
+                note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}; {routing.note()}"
+                if dtype == "f32":  # no flip may happen at f32 noise: the unforced run is the verdict
+                    worst, tol = unforced, 1e-4
+                    ok = unforced <= tol and same and routing.flips == 0 and routing.consistent
                 else:
-                    tol, noise = bf16_bound(config, ref_weights, seed, ref_steps, ref_greedy)
-                    ok, note = worst <= tol, note + f"; bf16-rounded reference moves {noise:.3f}"
+                    worst, tol = routed, BF16_SANITY
+                    ok, note = routed <= tol and routing.consistent, note + f"; unforced {unforced:.3f}"
                 results.append(Result(f"model {name} {layout}", dtype, worst, tol, bool(ok), note))
                 print(f"row: {results[-1]}", flush=True)
     return results
