@@ -6,7 +6,8 @@ timed as issue 17 sets its targets:
 - decode batch 1 and 32: CUDA-graph replays of the layer, 8 calls a graph on 8 different inputs (so each call routes
   to other experts and L2 holds little of them), against the roofline of the bytes a call must read (the distinct
   chosen experts' weights + router + shared expert + activations) at the device-to-device copy bandwidth measured
-  here; also whether every chosen expert sits in one tile (its weights streamed once a step).
+  here; also whether every chosen expert sits in one tile (its weights streamed once a step), and each step of the
+  layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own.
     python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
 Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
 numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
@@ -166,8 +167,51 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
                                       "roofline_us": nbytes / bw * 1e6, "vs_roofline": nbytes / bw / (ms * 1e-3),
                                       "max_tiles_per_expert": tiles_max})
             ctx.device.pdl = False
+            out["decode"][-1]["stages_us"] = _decode_stages(ctx, layer, xs, ys, batch, reps)
     finally:
         ctx.close()
+    return out
+
+
+def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: int, reps: int) -> dict[str, float]:
+    """Microseconds a call of each step of MoeLayer.forward takes at this batch: each step's 8 calls (one per input,
+    on that input's own forward tables) in a graph of their own, replayed (so launch gaps are the graph's, as in the
+    decode graph; a step shorter than a graph's kernel-to-kernel gap reads as that gap)."""
+    from gpu_engine.cuda import moe
+
+    e, k, h, inter, slots = layer.num_experts, layer.top_k, layer.hidden, layer.inter, layer.slots
+    ld = -(-(e + 1) // 8) * 8
+    mark = ctx.arena.mark()
+    bufs = [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)]  # kept: every step reads its own tables
+    shared_y = None
+    if layer.shared is not None:
+        shared_y = ctx.empty((batch, h), xs[0].dtype, "shared_y")
+    steps = {
+        "router_gemm": lambda x, y, b: ctx.blas.linear(b.logits.ptr, x.ptr, layer.router.ptr, batch, e + 1, h,
+                                                       dtype=x.dtype, y_dtype="f32", y_ld=ld),
+        "route": lambda x, y, b: moe.route(ctx, b.ids, b.weights, b.shared_gate, b.logits, e, k),
+        "plan": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile),
+        "gate_up": lambda x, y, b: moe.grouped_gemm(ctx, b.act, x, h, b.sorted_token, layer.gate_up, b.tiles, b.tile,
+                                                    swiglu=True),
+        "down": lambda x, y, b: moe.grouped_gemm(ctx, b.expert_out, b.act, inter, None, layer.down, b.tiles, b.tile,
+                                                 swiglu=False),
+        "combine": lambda x, y, b: moe.combine(ctx, y, b.expert_out, b.entry_row, b.weights, b.shared_gate,
+                                               shared_y, batch, slots),
+    }
+    if layer.shared is not None:
+        steps["shared_expert"] = lambda x, y, b: layer.shared(ctx, shared_y, x, batch)
+    out: dict[str, float] = {}
+    try:
+        for name, step in steps.items():
+            inner = ctx.arena.mark()
+            graph = ctx.device.capture(lambda step=step: [step(x, y, b) for x, y, b in zip(xs, ys, bufs)])
+            ctx.device.launch_graph(graph)
+            out[name] = _time_ms(ctx, lambda graph=graph: ctx.device.launch_graph(graph), reps) / len(xs) * 1e3
+            ctx.device.sync()
+            ctx.arena.release(inner)
+    finally:
+        ctx.device.sync()
+        ctx.arena.release(mark)
     return out
 
 
@@ -187,6 +231,8 @@ def table(r: dict[str, Any]) -> str:
                      f"{d['distinct_experts']:.1f} experts, "
                      f"{d['bytes_MB']:.1f} MB -> roofline {d['roofline_us']:.1f} us = {d['vs_roofline']:.2f} "
                      f"(target >= 0.7), tiles per expert <= {d['max_tiles_per_expert']}")
+        if "stages_us" in d:
+            lines.append("  steps alone (us a call): " + ", ".join(f"{n} {t:.1f}" for n, t in d["stages_us"].items()))
     return "\n".join(lines)
 
 

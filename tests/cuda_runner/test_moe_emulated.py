@@ -131,3 +131,4 @@ def test_the_layer_bench_runs_end_to_end_on_the_emulation() -> None:
     assert r["prefill"]["gate_up"]["ms"] >= 0 and len(r["decode"]) == 4
     assert all(d["max_tiles_per_expert"] == 1 for d in r["decode"])
     assert "decode batch 32 pdl" in moe_layer_bench.table(r)
+    assert {"router_gemm", "route", "plan", "gate_up", "down", "combine"} <= set(r["decode"][-1]["stages_us"])
