@@ -70,7 +70,7 @@ def limits_from_settings(settings: Settings) -> ApiLimits:
         rate_per_minute=settings.api_rate_limit_per_minute,
         burst=max(1, settings.api_rate_limit_per_minute // 2),
         max_inflight_jobs=settings.api_max_inflight_per_key,
-        max_inflight_engine=max(1, min(settings.api_max_inflight_per_key, settings.engine_max_num_seqs // 2 or 1)),
+        max_inflight_engine=max(1, min(settings.api_max_inflight_per_key, settings.engine_job_slots() // 2 or 1)),
         max_upload_bytes=settings.max_file_bytes,
         max_batch_bytes=max(settings.max_file_bytes, ApiLimits.max_batch_bytes),
         image_decode_timeout_s=settings.page_render_timeout_s,

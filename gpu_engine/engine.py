@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .batch_defaults import resolve_batching
 from .cache import BlockManager
 from .cache_sizing import cache_budget, size_cache
 from .cuda.options import CudaOptions
@@ -78,7 +79,7 @@ class Engine:
         ProcessedPrompt (the processor; None = token-id / ProcessedPrompt prompts only); `model_max_len`: the
         model's own context limit (max_position_embeddings), a cap on top of EngineConfig.max_model_len;
         `speculative`: drafts per step and the cost rule (gpu_engine/speculative/)."""
-        self.config = config or EngineConfig()
+        self.config = resolve_batching(config or EngineConfig(), runner)  # AUTO batch sizes -> the runner's
         self.runner = runner
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

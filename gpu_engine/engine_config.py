@@ -17,6 +17,7 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024**2  # runners that do not size a cache thems
 # state (9B: 49 MiB, 27B: 147 MiB), and a few dozen shared prefixes cover the common case; at max_num_seqs 256 the
 # old "as many as running sequences" took 12-37 GiB from the KV blocks.
 DEFAULT_MAX_SNAPSHOT_SLOTS = 32
+AUTO = 0  # max_num_seqs / max_batched_tokens: the runner's default (batch_defaults.resolve_batching)
 
 
 class EngineConfigError(EngineError, ValueError):
@@ -25,8 +26,11 @@ class EngineConfigError(EngineError, ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 32  # sequences running at once (each holds one linear-attention state slot)
-    max_batched_tokens: int = 2048  # tokens per forward step, decode tokens + prefill chunks together
+    # Sequences running at once (each holds one linear-attention state slot) and tokens per forward step (decode
+    # tokens + prefill chunks together). AUTO (0) -> the runner's default, filled in when the engine is built
+    # (batch_defaults.resolve_batching): 32 / 2048 on the reference runner, sized from the cache on the CUDA runner.
+    max_num_seqs: int = AUTO
+    max_batched_tokens: int = AUTO
     block_size: int = 16  # tokens per paged KV block (also the prefix-cache granularity)
     # Cache memory: a byte budget (KV blocks + state slots are carved from it) or an explicit block count;
     # at most one of the two; neither -> the runner's own budget (CudaRunner.cache_budget: free memory after the
@@ -57,8 +61,11 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"{name} must be a positive int, got {value!r}")
 
-        for name in ("max_num_seqs", "max_batched_tokens", "block_size"):
-            positive(name)
+        positive("block_size")
+        for name in ("max_num_seqs", "max_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise EngineConfigError(f"{name} must be a positive int or 0 (the runner's default), got {value!r}")
         if self.encoder_cache_bytes is not None:
             positive("encoder_cache_bytes")
         if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
@@ -71,11 +78,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
         # Every running sequence must be able to advance by at least one token per step.
-        if self.max_batched_tokens < self.max_num_seqs:
+        if AUTO not in (self.max_batched_tokens, self.max_num_seqs) and self.max_batched_tokens < self.max_num_seqs:
             raise EngineConfigError(
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-        if self.num_state_slots is not None and self.num_state_slots < self.max_num_seqs:
+        if self.num_state_slots is not None and self.num_state_slots < self.max_num_seqs:  # AUTO passes
             raise EngineConfigError(
                 f"num_state_slots ({self.num_state_slots}) must be >= max_num_seqs ({self.max_num_seqs}): "
                 "every running sequence holds one"
@@ -98,4 +105,6 @@ class EngineConfig:
     def state_slots(self) -> int:
         if self.num_state_slots is not None:
             return self.num_state_slots
+        if self.max_num_seqs == AUTO:
+            raise EngineConfigError("max_num_seqs is AUTO: the engine fills it in (batch_defaults.resolve_batching)")
         return self.max_num_seqs + min(self.max_num_seqs, DEFAULT_MAX_SNAPSHOT_SLOTS)

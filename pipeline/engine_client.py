@@ -83,7 +83,7 @@ class EngineClient:
     """ExtractionClient backed by one in-process engine (reference or CUDA runner)."""
 
     def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, max_num_seqs: int = 0) -> None:
         import gpu_engine
 
         self._async_engine = async_engine
@@ -91,6 +91,7 @@ class EngineClient:
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
         self._timeout_s = timeout_s
+        self.max_num_seqs = max_num_seqs  # the engine's batch size as built (0: not known); jobs' page windows
 
     @property
     def async_engine(self) -> Any:
@@ -105,9 +106,10 @@ class EngineClient:
         wraps the AsyncEngine the client submits to (the GPU worker's watchdog counts each run's requests)."""
         import gpu_engine
 
+        seqs, tokens = settings.engine_batch()  # 0 = the engine sizes it from the device (cuda)
         config_kwargs: dict[str, Any] = {
-            "max_num_seqs": settings.engine_max_num_seqs,
-            "max_batched_tokens": max(settings.engine_max_batched_tokens, settings.engine_max_num_seqs),
+            "max_num_seqs": seqs,
+            "max_batched_tokens": tokens,
             "max_model_len": settings.engine_max_model_len,
         }
         if settings.engine_kv_cache_bytes is not None:
@@ -124,6 +126,7 @@ class EngineClient:
             fingerprint=engine.model_fingerprint,
             timeout_s=settings.request_timeout_s,
             quantize=quantize,
+            max_num_seqs=engine.config.max_num_seqs,
         )
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:

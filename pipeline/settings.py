@@ -27,6 +27,11 @@ Runner = Literal["reference", "cuda"]
 Quantize = Literal["none", "fp8"]
 BUNDLED_MAX_STRING_LENGTH = 24
 BUNDLED_MAX_ARRAY_ITEMS = 3
+# The engine's batch sizes when the settings leave them 0: the reference runner keeps these small ones; on the cuda
+# runner the engine sizes them from the device and model (gpu_engine/batch_defaults.py: up to 256 sequences, 8192
+# tokens a step), so before it is built a job-slot count can only assume that cap.
+REFERENCE_MAX_NUM_SEQS = 16
+REFERENCE_MAX_BATCHED_TOKENS = 2048
 WatchAction = Literal["leave", "move"]
 
 
@@ -61,8 +66,14 @@ class Settings(BaseSettings):
         "mode); None = derived from model_dir. Set it on every host or on none."
     )
     runner: Runner = Field("reference", description="Engine runner: reference (numpy, CPU) or cuda.")
-    engine_max_num_seqs: int = Field(16, ge=1, description="Sequences the engine batches together.")
-    engine_max_batched_tokens: int = Field(2048, ge=16, description="Token budget of one engine step (prefill chunk).")
+    engine_max_num_seqs: int = Field(
+        0, ge=0, description="Sequences the engine batches together; 0 = the runner's default (16 on reference, "
+        "sized from the GPU memory left for the cache on cuda: 256 for the 0.8B-9B models on an H200)."
+    )
+    engine_max_batched_tokens: int = Field(
+        0, ge=0, description="Token budget of one engine step (prefill chunk); 0 = the runner's default (2048 on "
+        "reference, 8192 on cuda)."
+    )
     engine_max_model_len: int = Field(16384, ge=256, description="Longest prompt + output the engine accepts.")
     engine_kv_cache_bytes: int | None = Field(
         None, ge=1, description="Memory budget for the KV cache; None = the engine's own default."
@@ -182,6 +193,24 @@ class Settings(BaseSettings):
         from gpu_engine.bundled import bundled_model_dir  # imported late: only needed when a model is used
 
         return Path(bundled_model_dir())
+
+    def engine_batch(self) -> tuple[int, int]:
+        """(max_num_seqs, max_batched_tokens) for gpu_engine.EngineConfig: the settings where given; else the small
+        reference-runner defaults; else 0 (EngineConfig's AUTO: the cuda engine sizes them itself)."""
+        seqs, tokens = self.engine_max_num_seqs, self.engine_max_batched_tokens
+        if self.runner == "reference":
+            seqs = seqs or REFERENCE_MAX_NUM_SEQS
+            tokens = tokens or max(REFERENCE_MAX_BATCHED_TOKENS, seqs)
+        if seqs and tokens:
+            tokens = max(tokens, seqs)  # every running sequence advances each step
+        return seqs, tokens
+
+    def engine_job_slots(self) -> int:
+        """Sequences the engine may run at once, known before it is built (the GPU worker's job threads, the API's
+        per-key engine cap): the setting, the reference default, or on cuda the most the engine sizes itself to."""
+        from gpu_engine.batch_defaults import MAX_SIZED_NUM_SEQS  # imported late, as bundled_model_dir
+
+        return self.engine_batch()[0] or MAX_SIZED_NUM_SEQS
 
     def engine_quantize_option(self) -> str | None:
         """`quantize` for gpu_engine.load / Engine.from_pretrained: None for "none"."""

@@ -86,7 +86,7 @@ def worker(
         # Threads, not processes: every task hands its requests to the one engine of this process, whose
         # continuous batcher runs them together; as many tasks as the engine batches keep it full.
         pool: Any = EngineThreadPool
-        slots = concurrency or cfg.settings.engine_max_num_seqs
+        slots = concurrency or cfg.settings.engine_job_slots()
     else:
         pool = "prefork"  # rendering is CPU-bound Python: one process per core
         slots = concurrency or cfg.worker_settings.ingest_concurrency or os.cpu_count() or 1

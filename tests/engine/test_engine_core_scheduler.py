@@ -279,7 +279,7 @@ def test_bad_requests_are_rejected(tok):
 
 
 @pytest.mark.parametrize("bad", [
-    dict(max_num_seqs=0), dict(max_batched_tokens=4, max_num_seqs=8), dict(block_size=0),
+    dict(max_num_seqs=-1), dict(max_batched_tokens=4, max_num_seqs=8), dict(block_size=0),
     dict(kv_cache_bytes=0), dict(kv_cache_bytes=1024, num_kv_blocks=8), dict(num_state_slots=2, max_num_seqs=4),
     dict(encoder_cache_bytes=0), dict(max_model_len=0),
 ])

@@ -1,0 +1,39 @@
+"""The pipeline's engine batch settings (DOCPIPE_ENGINE_MAX_NUM_SEQS / _MAX_BATCHED_TOKENS, 0 = the runner's
+default): small fixed values on the reference runner, AUTO for the cuda engine to size, explicit values kept."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.settings import REFERENCE_MAX_BATCHED_TOKENS, REFERENCE_MAX_NUM_SEQS, Settings
+
+
+def test_reference_runner_keeps_the_small_defaults(tmp_path: Path) -> None:
+    s = Settings(data_dir=tmp_path)
+    assert s.engine_batch() == (REFERENCE_MAX_NUM_SEQS, REFERENCE_MAX_BATCHED_TOKENS) == (16, 2048)
+    assert s.engine_job_slots() == 16
+
+
+def test_cuda_leaves_the_sizes_to_the_engine_and_assumes_its_cap_for_job_slots(tmp_path: Path) -> None:
+    s = Settings(data_dir=tmp_path, runner="cuda")
+    assert s.engine_batch() == (0, 0)
+    assert s.engine_job_slots() == 256
+    assert Settings(data_dir=tmp_path, runner="cuda", engine_max_num_seqs=64).engine_batch() == (64, 0)
+    assert Settings(data_dir=tmp_path, runner="cuda", engine_max_num_seqs=64).engine_job_slots() == 64
+
+
+def test_explicit_values_win_and_the_step_holds_every_sequence(tmp_path: Path) -> None:
+    s = Settings(data_dir=tmp_path, engine_max_num_seqs=40, engine_max_batched_tokens=24)
+    assert s.engine_batch() == (40, 40)  # a step carries one token of every running sequence
+    assert Settings(data_dir=tmp_path, engine_max_num_seqs=300).engine_batch() == (300, 2048)
+    assert Settings(data_dir=tmp_path, runner="cuda", engine_max_num_seqs=64,
+                    engine_max_batched_tokens=32).engine_batch() == (64, 64)
+
+
+def test_the_engine_client_reports_the_batch_it_was_built_with(tmp_path: Path) -> None:
+    from pipeline.engine_client import EngineClient
+
+    client = EngineClient.from_settings(Settings(data_dir=tmp_path, engine_max_num_seqs=6))
+    try:
+        assert client.max_num_seqs == 6
+    finally:
+        client.close()
