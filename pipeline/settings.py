@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Largest accepted input file.")
     max_pages: int = Field(2000, ge=1, description="Most pages (PDF/TIFF) per document.")
     max_page_pixels: int = Field(16_000_000, ge=1, description="Rendered pages/frames are downscaled to this.")
+    max_photo_pixels: int = Field(
+        3_145_728, ge=1, description="Raster images (photos, scans) are downscaled to this (2048 x 1536: an A4 sheet "
+        "filling 86% of the long side stays at 150 dpi); PDF pages and video frames are not (vision.MediaLimits)."
+    )
     max_video_seconds: float = Field(600.0, gt=0, description="Longest accepted video.")
     pdf_dpi: float = Field(150.0, gt=0, description="PDF render resolution.")
     video_fps: float = Field(2.0, gt=0, description="Video frames sampled per second (Qwen's rule).")
@@ -236,6 +240,7 @@ class Settings(BaseSettings):
             max_file_bytes=self.max_file_bytes,
             max_pages=self.max_pages,
             max_page_pixels=self.max_page_pixels,
+            max_photo_pixels=self.max_photo_pixels,
             max_video_seconds=self.max_video_seconds,
             page_render_timeout_s=self.page_render_timeout_s,
             document_render_timeout_s=self.document_render_timeout_s,

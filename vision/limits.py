@@ -23,6 +23,12 @@ class MediaLimits:
     max_file_bytes: int = 512 * MiB
     max_pages: int = 2000  # PDF pages or TIFF frames; checked before anything is rendered
     max_page_pixels: int = 16_000_000  # output images (pages, photos, frames) are downscaled to at most this
+    # Raster images (photos, scans) are downscaled further, to at most this: 2048 x 1536 at 4:3. The model's
+    # processor would send a 12 MP phone photo at full size (~11.8k tokens; its vision attention grows with the
+    # square of that, ~18 A4 pages of tower time, bench/results/cuda_notes.md, session 7). At this cap an A4 sheet
+    # filling 86 % of the photo's long side is still at 150 dpi, the PDF render's resolution (a 300 dpi A4 scan
+    # becomes ~180 dpi). PDF pages (pdf_dpi) and video frames (the video processor's budget) are not affected.
+    max_photo_pixels: int = 3_145_728
     # Decoded size a raster file may claim; above it is a decompression bomb. Kept just below Pillow's own
     # warning threshold (89.48 M) so Pillow never warns before we refuse.
     max_image_pixels: int = 89_000_000

@@ -5,7 +5,8 @@
   decompression bomb: `LimitExceededError`. Pillow's own bomb error (above 2 x `PIL.Image.MAX_IMAGE_PIXELS`) maps
   to the same class.
 - EXIF orientation is applied; every mode becomes 8-bit RGB (see `colour.to_rgb`).
-- Outputs above `MediaLimits.max_page_pixels` are downscaled (JPEGs are decoded at reduced size directly).
+- Outputs above `MediaLimits.max_photo_pixels` (or `max_page_pixels`, if lower) are downscaled (JPEGs are decoded at
+  reduced size directly).
 - Multi-frame TIFF: every frame is a page (a scanner's multi-page output). GIF, animated WebP and APNG: the first
   frame only — animation in these formats is decoration, not pages; `metadata["frames_in_file"]` shows the count.
 - A single-image file is decoded when opened, so a truncated JPEG raises `CorruptMediaError` from `open_media`.
@@ -125,12 +126,13 @@ class ImageDocument(MediaDocument):
                 )
             orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
             source_size = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-            target = _fit((w, h), self._limits.max_page_pixels)
+            cap = min(self._limits.max_page_pixels, self._limits.max_photo_pixels)
+            target = _fit((w, h), cap)
             if img.format == "JPEG" and target != (w, h):
                 img.draft("RGB", target)  # DCT-domain downscale: decode a smaller image instead of shrinking a big one
             img.load()
             rgb = to_rgb(ImageOps.exif_transpose(img))
-        fitted = _fit(rgb.size, self._limits.max_page_pixels)
+        fitted = _fit(rgb.size, cap)
         if fitted != rgb.size:
             rgb = rgb.resize(fitted, Image.Resampling.BICUBIC, reducing_gap=2.0)
         if rgb is img:

@@ -196,8 +196,8 @@ def test_media_limit_and_render_defaults_are_the_documented_ones(monkeypatch: py
     from vision.limits import MediaLimits, RenderOptions
 
     monkeypatch.chdir(tmp_path)  # no .env here
-    for name in ("MAX_FILE_BYTES", "MAX_PAGES", "MAX_PAGE_PIXELS", "MAX_VIDEO_SECONDS", "PDF_DPI", "VIDEO_FPS",
-                 "VIDEO_MAX_FRAMES"):
+    for name in ("MAX_FILE_BYTES", "MAX_PAGES", "MAX_PAGE_PIXELS", "MAX_PHOTO_PIXELS", "MAX_VIDEO_SECONDS", "PDF_DPI",
+                 "VIDEO_FPS", "VIDEO_MAX_FRAMES"):
         monkeypatch.delenv(f"DOCPIPE_{name}", raising=False)
     mib = 1024 * 1024
     s = Settings()
@@ -212,6 +212,9 @@ def test_media_limit_and_render_defaults_are_the_documented_ones(monkeypatch: py
     # what the pipeline hands to vision is what the settings say
     assert s.media_limits().max_pages == 2000 and s.render_options().pdf_dpi == 150
     assert Settings(max_pages=7).media_limits().max_pages == 7 and Settings(pdf_dpi=72).render_options().pdf_dpi == 72
+    # README "Photo size": raster images are capped at 2048 x 1536 unless DOCPIPE_MAX_PHOTO_PIXELS says otherwise
+    assert s.max_photo_pixels == MediaLimits().max_photo_pixels == s.media_limits().max_photo_pixels == 2048 * 1536
+    assert Settings(max_photo_pixels=12_192_768).media_limits().max_photo_pixels == 12_192_768
 
 
 def test_a_pdf_renders_at_150_dpi_by_default(tmp_path: Path) -> None:

@@ -215,6 +215,27 @@ def test_large_images_are_downscaled_to_the_page_pixel_cap(rng):
         assert page.source_size == (400, 300)
 
 
+def test_photos_are_capped_at_the_photo_pixel_default(rng):
+    # 2400 x 1800 (4.32 MP, a phone photo's aspect) is above the 3.1 MP photo default: 2048 x 1536 out (+-1 pixel
+    # of rounding), which keeps an A4 sheet filling 86 % of the long side at 150 dpi (MediaLimits.max_photo_pixels)
+    img = smooth_rgb(rng, 2400, 1800)
+    assert MediaLimits().max_photo_pixels == 2048 * 1536
+    for data in (png_bytes(img), encoded(img, "JPEG", quality=90)):
+        _, page = only_page(data)
+        w, h = page.image.size
+        assert w * h <= 2048 * 1536
+        assert abs(w - 2048) <= 1 and abs(h - 1536) <= 1
+        assert page.source_size == (2400, 1800)
+
+
+def test_the_photo_cap_is_a_setting_and_the_lower_cap_wins(rng):
+    img = smooth_rgb(rng, 2400, 1800)
+    _, page = only_page(png_bytes(img), limits=MediaLimits(max_photo_pixels=5_000_000))
+    assert page.image.size == (2400, 1800)  # under a raised photo cap: untouched
+    _, page = only_page(png_bytes(img), limits=MediaLimits(max_photo_pixels=5_000_000, max_page_pixels=1_000_000))
+    assert page.image.size[0] * page.image.size[1] <= 1_000_000
+
+
 @pytest.mark.parametrize("fmt", ["ICO", "PSD"])
 def test_formats_pillow_reads_but_we_do_not_accept(rng, fmt):
     if fmt == "PSD":

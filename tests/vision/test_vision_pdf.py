@@ -81,6 +81,15 @@ def test_pixel_cap_lowers_the_dpi(rng):
     assert page.image.width == pytest.approx(200 * page.dpi / 72, abs=1)
 
 
+def test_the_photo_pixel_cap_leaves_pdf_pages_alone(rng):
+    # 200 x 300 pt at 720 dpi is 2000 x 3000 = 6 MP: above MediaLimits.max_photo_pixels (raster images only), under
+    # max_page_pixels, so the page keeps its dpi
+    with open_media(pdf_bytes([random_words(rng)]), options=RenderOptions(pdf_dpi=720)) as doc:
+        (page,) = list(doc.pages())
+    assert page.image.width * page.image.height > MediaLimits().max_photo_pixels
+    assert page.dpi == pytest.approx(720)
+
+
 def get_pixmap_rgb(data: bytes, dpi: float) -> np.ndarray:
     with pymupdf.open(stream=data, filetype="pdf") as ref:
         pix = ref[0].get_pixmap(matrix=pymupdf.Matrix(dpi / 72, dpi / 72), alpha=False)
