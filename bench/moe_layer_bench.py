@@ -127,6 +127,7 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             t = _time_ms(ctx, fn, reps)
             out["prefill"][name] = {"ms": t, "TFLOPs": flop / (t * 1e-3) / 1e12,
                                     "vs_gemm_rate": flop / (t * 1e-3) / rate}
+        out["prefill"]["trials"] = _trials(ctx, layer, x, bufs, rate, reps)
         small = TILES["decode"]  # the same gate|up work on the decode tiles (32 rows): data for the tile choice
         pb = plan(ctx, bufs.ids, layer.gate_up.shape[0], small)
         t = _time_ms(ctx, lambda: grouped_gemm(ctx, bufs.act, x, h, pb.sorted_token, layer.gate_up, pb.tiles, small,
@@ -168,8 +169,40 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
                                       "max_tiles_per_expert": tiles_max})
             ctx.device.pdl = False
             out["decode"][-1]["stages_us"] = _decode_stages(ctx, layer, xs, ys, batch, reps)
+            mark = ctx.arena.mark()
+            out["decode"][-1]["trials"] = _trials(ctx, layer, xs[0], layer.forward(ctx, ys[0], xs[0], batch), rate,
+                                                  reps)
+            ctx.device.sync()
+            ctx.arena.release(mark)
     finally:
         ctx.close()
+    return out
+
+
+def _trials(ctx: Any, layer: Any, x: Any, bufs: Any, rate: float, reps: int) -> dict[str, dict[str, float]]:
+    """The trial tile shapes (moe_plan.TRIAL_TILES) with the bm of the call's own tile, on its tables: each GEMM's
+    ms, TFLOP/s against the dense rate, and its output's rel. err. against the chosen tile's (same inputs; only the
+    blocking differs, so a right kernel agrees to fp32 summation order, ~1e-3 after the bf16 store)."""
+    from gpu_engine.cuda.moe import grouped_gemm
+    from gpu_engine.cuda.moe_plan import TRIAL_TILES
+
+    h, inter, rows = layer.hidden, layer.inter, bufs.act.shape[0]
+    runs = {"gate_up": (lambda y, xx, t: grouped_gemm(ctx, y, xx, h, bufs.sorted_token, layer.gate_up, bufs.tiles, t,
+                                                       swiglu=True), x, bufs.act, 4 * rows * inter * h),
+            "down": (lambda y, xx, t: grouped_gemm(ctx, y, xx, inter, None, layer.down, bufs.tiles, t, swiglu=False),
+                     bufs.act, bufs.expert_out, 2 * rows * inter * h)}
+    out: dict[str, dict[str, float]] = {}
+    for name, (run, src, ref, flop) in runs.items():
+        run(ref, src, bufs.tile)
+        want = ctx.to_host(ref)
+        for tile in (t for t in TRIAL_TILES.values() if t.bm == bufs.tile.bm):
+            mark = ctx.arena.mark()
+            got = ctx.empty(ref.shape, ref.dtype, "trial.out")
+            ms = _time_ms(ctx, lambda: run(got, src, tile), reps)
+            err = float(np.linalg.norm(ctx.to_host(got) - want) / max(float(np.linalg.norm(want)), 1e-30))
+            out[f"{name}[{tile.name}]"] = {"ms": ms, "TFLOPs": flop / (ms * 1e-3) / 1e12,
+                                           "vs_gemm_rate": flop / (ms * 1e-3) / rate, "rel_err_vs_chosen": err}
+            ctx.arena.release(mark)
     return out
 
 
@@ -224,6 +257,9 @@ def table(r: dict[str, Any]) -> str:
     for name in ("gate_up", "down"):
         g = p[name]
         lines.append(f"  grouped {name}: {g['ms']:.3f} ms, {g['TFLOPs']:.0f} TFLOP/s = {g['vs_gemm_rate']:.2f}")
+    for name, t in p.get("trials", {}).items():
+        lines.append(f"  trial {name}: {t['ms']:.3f} ms, {t['TFLOPs']:.0f} TFLOP/s = {t['vs_gemm_rate']:.2f} "
+                     f"(err vs chosen {t['rel_err_vs_chosen']:.1e})")
     g = p["gate_up_decode_tiles"]
     lines.append(f"  grouped gate_up on 32-row tiles: {g['ms']:.3f} ms, {g['TFLOPs']:.0f} TFLOP/s")
     for d in r["decode"]:
@@ -231,6 +267,8 @@ def table(r: dict[str, Any]) -> str:
                      f"{d['distinct_experts']:.1f} experts, "
                      f"{d['bytes_MB']:.1f} MB -> roofline {d['roofline_us']:.1f} us = {d['vs_roofline']:.2f} "
                      f"(target >= 0.7), tiles per expert <= {d['max_tiles_per_expert']}")
+        for name, t in d.get("trials", {}).items():
+            lines.append(f"  trial {name}: {t['ms'] * 1e3:.1f} us (err vs chosen {t['rel_err_vs_chosen']:.1e})")
         if "stages_us" in d:
             lines.append("  steps alone (us a call): " + ", ".join(f"{n} {t:.1f}" for n, t in d["stages_us"].items()))
     return "\n".join(lines)
