@@ -149,7 +149,9 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
                    "hbm_bytes_per_s": ceilings["hbm_bytes_per_s"], "gemm_flops_per_s": ceilings["gemm_flops_per_s"],
-                   "model_weight_bytes": cost.weight_bytes, **row_labels(shape, args)}
+                   "model_weight_bytes": cost.weight_bytes, "photo_size": list(args.photo_size),
+                   "photo_max_pixels": settings.max_photo_pixels,  # photos reach the model at most this big
+                   **row_labels(shape, args)}
             rows.append(row)
             row.update(run_mode(front, engine, profile, cost, ceilings, units, spec, settings, params, fixed,
                                 args.submitters))
