@@ -25,6 +25,10 @@ from dataclasses import dataclass
 GRAPH_MAX_CHUNK = 31
 # Tokens past one per sequence (jump-forward runs: ~10 runs of ~5 tokens a step in the 9B document run).
 TOKEN_BUCKETS = (0, 16, 32, 48, 64, 96, 128, 192, 256)
+# Steps with verify windows (k drafts per sequence, cuda/verify.py): at small batches the tokens past one per
+# sequence are a few, and padding 3 up to 16 would run a batch-1 verify step at 17 rows; so every count up to 8,
+# then the forced-run buckets.
+VERIFY_TOKEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, *TOKEN_BUCKETS[1:])
 # Up to 256 sequences; past that, steps of 64. Closer at the low end (where a decode step's time grows with the
 # batch) than at the top (where padding rows ride on the weight reads).
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -51,16 +55,17 @@ def bucket_for(rows: int, sizes: tuple[int, ...]) -> int | None:
     return next((b for b in sizes if b >= rows), None)
 
 
-def graph_shape(lens: Sequence[int], sizes: tuple[int, ...], block_size: int) -> tuple[int, int] | None:
+def graph_shape(lens: Sequence[int], sizes: tuple[int, ...], block_size: int,
+                token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> tuple[int, int] | None:
     """(sequences, tokens) of the graph a step of chunks of `lens` tokens pads to (step.pad_step), or None when
     no graph takes it: a chunk longer than GRAPH_MAX_CHUNK, more tokens past one per sequence than
     TOKEN_BUCKETS[-1], or more sequences than the largest bucket. The tokens past one per sequence are rounded up
-    to a TOKEN_BUCKETS size; the padding sequences carry the difference, 1..block_size tokens each."""
+    to a `token_buckets` size; the padding sequences carry the difference, 1..block_size tokens each."""
     seqs, n = len(lens), int(sum(lens))
     if not seqs or max(lens) > GRAPH_MAX_CHUNK:
         return None
     extra = n - seqs
-    extra_bucket = next((b for b in TOKEN_BUCKETS if b >= extra), None)
+    extra_bucket = next((b for b in token_buckets if b >= extra), None)
     if extra_bucket is None:
         return None
     spare = extra_bucket - extra  # padding tokens past one per padding sequence
@@ -82,6 +87,7 @@ class GraphKey:
     tokens: int  # tokens it was captured for (rows + a TOKEN_BUCKETS size)
     width: int  # block-table width
     sampling: bool  # sampled on the device (a SamplingRequest) or logits returned
+    verify: bool = False  # a step with verify windows: logits at every token (step.pad_step all_rows)
 
 
 @dataclass(frozen=True)

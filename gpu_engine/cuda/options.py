@@ -40,6 +40,11 @@ class CudaOptions:
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.
     vision_flash: str | None = None
+    # Speculative decoding: how a verify window's linear-attention state is rolled back (cuda/verify.py):
+    # "recompute" (snapshot + re-feed the accepted tokens) or "window" (keep every window token's state, windows of
+    # at most verify_window_tokens + 1 tokens).
+    rollback: str = "recompute"
+    verify_window_tokens: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -50,7 +55,9 @@ class CudaOptions:
 
         if self.vision_flash is not None and self.vision_flash not in VARIANTS:
             raise ShapeError(f"DOCPIPE_CUDA_VISION_FLASH must be one of {sorted(VARIANTS)}, got {self.vision_flash!r}")
-        for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id"):
+        if self.rollback not in ("recompute", "window"):
+            raise ShapeError(f"CudaOptions.rollback must be 'recompute' or 'window', got {self.rollback!r}")
+        for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id", "verify_window_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ShapeError(f"CudaOptions.{name} must be >= 0, got {value}")

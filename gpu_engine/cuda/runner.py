@@ -41,6 +41,8 @@ from . import ops
 from .context import ITEMSIZE, DArray, GpuContext
 from .decode_graphs import (
     GRAPH_MAX_CHUNK,
+    TOKEN_BUCKETS,
+    VERIFY_TOKEN_BUCKETS,
     DecodeCounts,
     GraphKey,
     ScratchRows,
@@ -52,8 +54,10 @@ from .embeddings import BlockPool, DeviceEmbeddings
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
-from .step import HostStep, StepTables, build_step, pack_tables, pad_step, upload_tables
+from .step import HostStep, StepTables, build_step, fill_logit_rows, pack_tables, pad_step, upload_tables
 from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
+from .verify import StepPlan, Strategy, VerifyBook
+from .verify_ops import VerifyRows, allocate_verify_rows, copy_segments, copy_table
 from .vision import GpuVisionTower
 from .weights import upload_text_weights
 
@@ -78,6 +82,12 @@ class CudaRunner:
     # decode step onto the prefill kernels (GRAPH_MAX_CHUNK < text_model.FLASH_MIN_CHUNK). A run's last piece can
     # replay a graph; the pieces before it want no logits, so _graphable leaves those steps eager.
     max_decode_chunk_tokens = GRAPH_MAX_CHUNK
+    # Speculative decoding (runner_api: SeqChunk.verify, rollback_state; cuda/verify.py; the rollback strategy is
+    # CudaOptions.rollback). verify_rows: sequences that may verify at once (None: every state slot), cut by
+    # allocate_cache to what fits in verify_memory_fraction of the memory the cache leaves.
+    supports_verify = True
+    verify_rows: int | None = None
+    verify_memory_fraction = 0.5
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
         o = self.options = options or CudaOptions()
@@ -121,6 +131,10 @@ class CudaRunner:
         self.buckets: tuple[int, ...] = ()
         self.decode_counts = DecodeCounts()
         self.sampler = DeviceSampler(self.ctx, cfg.vocab_size)
+        self.rollback: Strategy = "window" if o.rollback == "window" else "recompute"
+        self.verify_window_tokens = o.verify_window_tokens
+        self.book: VerifyBook | None = None  # verify windows (allocate_cache)
+        self._verify_layers: list[VerifyRows] = []
 
     # ---- sizes -----------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
@@ -184,10 +198,38 @@ class CudaRunner:
         arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
         for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
             ctx.device.memset(arr.ptr, 0, arr.nbytes)
+        wanted = spec.num_state_slots if self.verify_rows is None else self.verify_rows
+        self.book, self._verify_layers = allocate_verify_rows(
+            self.ctx, self.cache, self.dtype, self.rollback, wanted, self.verify_window_tokens,
+            self.verify_memory_fraction)
         self.spec = spec
+
+    def rollback_state(self, state_slot: int, keep_tokens: int) -> None:
+        """The slot's state becomes the one after the first `keep_tokens` tokens of its last verify window (the
+        copy or the re-fed tokens come with the slot's next forward)."""
+        check_state_slots(allocated(self.spec), state_slot)
+        self._book().rollback(state_slot, keep_tokens)
+
+    def _book(self) -> VerifyBook:
+        if self.book is None:
+            raise RuntimeError("allocate_cache() must be called before running the model")
+        return self.book
+
+    def _copy_states(self, plan: StepPlan | None) -> None:
+        if plan is not None and plan.copies:
+            mark = self.ctx.arena.mark()
+            try:
+                copy_segments(self.ctx, copy_table(plan.copies, self._verify_layers))
+            finally:
+                self.ctx.arena.release(mark)  # the launch is ordered before anything that reuses the memory
 
     def copy_state_slot(self, src: int, dst: int) -> None:
         check_state_slots(allocated(self.spec), src, dst)
+        book = self._book()
+        if book.owes(src):
+            raise RunnerInputError(f"state slot {src} was rolled back and its next forward has not run yet: its "
+                                   "state cannot be copied now")
+        book.forget(dst)
         for c in self.cache.deltanet.values():
             for arr in (c.conv, c.state):
                 row = arr.nbytes // arr.shape[0]
@@ -221,32 +263,44 @@ class CudaRunner:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> StepOutput:
-        if self.use_graphs and _graphable(batch):
-            return self._forward_graphed(batch)
-        if _graphable(batch):
-            self.decode_counts.eager_graphable += 1
+        """The step as asked; verify windows and rolled-back slots first go through the book (cuda/verify.py):
+        the kernels may run re-fed tokens in front of a chunk, whose rows get no logits."""
+        plan = self._book().plan(batch) if batch.chunks else None
+        run = plan.batch if plan is not None else batch
+        offsets = row_offsets(batch.chunks)
+        self._copy_states(plan)
+        if self.use_graphs and _graphable(run):
+            out = self._forward_graphed(run, offsets, plan)
         else:
-            self.decode_counts.other += 1
-        return self._forward_eager(batch)
+            if _graphable(run):
+                self.decode_counts.eager_graphable += 1
+            else:
+                self.decode_counts.other += 1
+            out = self._forward_eager(run, offsets, plan)
+        if plan is not None:
+            self._book().commit(plan)
+        return out
 
-    def _forward_graphed(self, batch: StepBatch) -> StepOutput:
+    def _forward_graphed(self, batch: StepBatch, offsets: list[int], plan: StepPlan | None) -> StepOutput:
         lens = [c.num_tokens for c in batch.chunks]
         counts = self.decode_counts
+        verify = any(c.verify for c in batch.chunks)
         if self.scratch is None:
             shape: tuple[int, int] | None = (len(lens), sum(lens))  # no padding rows: one graph per exact shape
         else:
-            shape = graph_shape(lens, self.buckets, allocated(self.spec).block_size)
+            shape = graph_shape(lens, self.buckets, allocated(self.spec).block_size,
+                                VERIFY_TOKEN_BUCKETS if verify else TOKEN_BUCKETS)
         if shape is None:  # too many sequences or forced tokens for any bucket
             counts.eager_graphable += 1
-            return self._forward_eager(batch)
+            return self._forward_eager(batch, offsets, plan)
         rows, tokens = shape
         width = table_width_bucket(max(len(c.block_table) for c in batch.chunks))
-        key = GraphKey(rows, tokens, width, batch.sampling is not None)
-        host = self._graph_host(batch, width, rows, tokens)
+        key = GraphKey(rows, tokens, width, batch.sampling is not None, verify)
+        host = self._graph_host(batch, width, rows, tokens, plan)
         step = self._graphs.get(key)
         if step is None:
             counts.eager_graphable += 1
-            out = self._run_eager(host, batch)  # loads the modules and GEMM plans a capture needs
+            out = self._run_eager(host, batch, offsets)  # loads the modules and GEMM plans a capture needs
             if key not in self._no_graph and len(self._graphs) < MAX_GRAPHS:
                 step = self._capture(host, batch, width, key)  # replayed from the key's next step on
                 if step is not None:
@@ -261,21 +315,24 @@ class CudaRunner:
         hidden = step.hidden()
         if batch.sampling is not None and step.bufs.sampler is not None:
             sampled = self.sampler.results(step.bufs.sampler, batch.sampling)
-            return StepOutput(logits=self._no_logits(), row_offsets=row_offsets(batch.chunks), hidden=hidden,
-                              sampled=sampled)
-        return StepOutput(logits=step.logits(), row_offsets=row_offsets(batch.chunks), hidden=hidden)
+            return StepOutput(logits=self._no_logits(), row_offsets=offsets, hidden=hidden, sampled=sampled)
+        return StepOutput(logits=step.logits(), row_offsets=offsets, hidden=hidden)
 
-    def _graph_host(self, batch: StepBatch, width: int, rows: int, tokens: int) -> HostStep:
-        """The step's tables, padded to `rows` sequences and `tokens` tokens with scratch rows (pad_step)."""
-        host = self._prepare(batch, width)
+    def _graph_host(self, batch: StepBatch, width: int, rows: int, tokens: int, plan: StepPlan | None = None
+                    ) -> HostStep:
+        """The step's tables, padded to `rows` sequences and `tokens` tokens with scratch rows (pad_step); a step
+        with verify windows gets logits rows for `tokens` rows (its graph computes them all)."""
+        host = self._prepare(batch, width, plan)
+        verify = any(c.verify for c in batch.chunks)
         if self.scratch is None or (rows, tokens) == (len(batch.chunks), host.n):
-            return host
-        return pad_step(host, rows, tokens, self.scratch.block, allocated(self.spec).block_size, self.scratch.slot)
+            return fill_logit_rows(host, tokens) if verify else host
+        return pad_step(host, rows, tokens, self.scratch.block, allocated(self.spec).block_size, self.scratch.slot,
+                        all_rows=verify)
 
-    def _forward_eager(self, batch: StepBatch) -> StepOutput:
-        return self._run_eager(self._prepare(batch), batch)
+    def _forward_eager(self, batch: StepBatch, offsets: list[int], plan: StepPlan | None) -> StepOutput:
+        return self._run_eager(self._prepare(batch, None, plan), batch, offsets)
 
-    def _run_eager(self, host: HostStep, batch: StepBatch) -> StepOutput:
+    def _run_eager(self, host: HostStep, batch: StepBatch, offsets: list[int]) -> StepOutput:
         """One step from its tables (padded or not: the logits rows past host.batch_logit_rows are dropped)."""
         ctx, logit_rows = self.ctx, host.batch_logit_rows
         mark = ctx.arena.mark()
@@ -298,8 +355,7 @@ class CudaRunner:
         finally:
             ctx.device.sync()
             ctx.arena.release(mark)
-        return StepOutput(logits=out_logits, row_offsets=row_offsets(batch.chunks), hidden=out_hidden,
-                          sampled=sampled)
+        return StepOutput(logits=out_logits, row_offsets=offsets, hidden=out_hidden, sampled=sampled)
 
     def capture_step(self, batch: StepBatch, table_width: int) -> CapturedStep:
         """Record this step's device work (decoder + LM head) in a CUDA graph, for decode loops.
@@ -352,8 +408,12 @@ class CudaRunner:
                 ctx.arena.release(mark)
         return CapturedStep(self, graph, host, tables, bufs, mark if owns else None, width)
 
-    def _prepare(self, batch: StepBatch, table_width: int | None = None) -> HostStep:
-        return build_step(batch, allocated(self.spec), self.cfg, self.dtype, table_width)
+    def _prepare(self, batch: StepBatch, table_width: int | None = None, plan: StepPlan | None = None) -> HostStep:
+        host = build_step(batch, allocated(self.spec), self.cfg, self.dtype, table_width,
+                          plan.logit_skip if plan is not None else None)
+        if plan is not None and plan.win is not None and any(c.verify for c in batch.chunks):
+            host.tables.win = plan.win  # the window strategy's kernels keep every window token's state
+        return host
 
     def _no_logits(self) -> np.ndarray:
         return np.zeros((0, self.cfg.vocab_size), np.float32)
@@ -440,10 +500,11 @@ class CapturedStep:
 
 
 def _graphable(batch: StepBatch) -> bool:
-    """Short chunks (decode tokens, jump-forward runs) with last-row logits and no vision: the steps graphs are
-    captured for (decode_graphs.graph_shape decides the rest)."""
-    return bool(batch.chunks) and all(c.num_tokens <= GRAPH_MAX_CHUNK and c.logits == "last" and not c.vision
-                                      for c in batch.chunks)
+    """Short chunks (decode tokens, jump-forward runs) with last-row logits, or verify windows with logits at
+    every token, and no vision: the steps graphs are captured for (decode_graphs.graph_shape decides the rest)."""
+    return bool(batch.chunks) and all(
+        c.num_tokens <= GRAPH_MAX_CHUNK and not c.vision and (c.logits == "last" or (c.verify and c.logits == "all"))
+        for c in batch.chunks)
 
 
 def _first_rows(arr: DArray, rows: int) -> DArray:

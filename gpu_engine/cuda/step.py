@@ -6,6 +6,7 @@ that a captured decode graph reads all of a step's metadata from one fixed place
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
@@ -46,6 +47,7 @@ class StepTables(Generic[T]):
     vis_rows: T  # [v] step rows replaced by host vision embeddings
     tiles: T  # [tiles, 2] flash-prefill query tiles (ops.flash_tiles)
     sample_params: T | None = None  # float32 bits [rows, 8] of the SamplingRequest (sampler.pack_params)
+    win: T | None = None  # [seqs] first verify-window row of each sequence, -1 = none (verify.py, window strategy)
 
     def items(self) -> list[tuple[str, T]]:
         """(name, table) in field order: the packing order."""
@@ -84,8 +86,10 @@ class HostStep:
 
 
 def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
-               table_width: int | None = None) -> HostStep:
+               table_width: int | None = None, logit_skip: Sequence[int] | None = None) -> HostStep:
     """Validate `batch` and lay it out; block tables are padded to `table_width` (a captured graph's width).
+    `logit_skip[s]`: leading rows of chunk s that get no logits even when it asks for all (tokens the runner
+    re-feeds in front of a rolled-back verify window, cuda/verify.py).
 
     The per-token tables are built with whole-step numpy operations, not per chunk: a step of 256 decode rows
     is 256 chunks, and per-chunk array work cost ~50 us each on the host while the GPU waited."""
@@ -118,10 +122,11 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
     # chunk_problem checked that each table covers its chunk with valid ids, so the padded table reads the same.
     kv_slots = block_tables[tok_seq, tok_pos // bs] * bs + tok_pos % bs if paged else np.zeros(0, np.int64)
     logits = [c.logits for c in chunks]
+    skip = logit_skip or [0] * seqs
     if all(kind == "last" for kind in logits):
         logit_rows = cu[1:] - 1
     else:
-        logit_rows = _cat([cu[s] + np.arange(lens[s]) if kind == "all" else cu[s + 1 : s + 2] - 1
+        logit_rows = _cat([cu[s] + np.arange(skip[s], lens[s]) if kind == "all" else cu[s + 1 : s + 2] - 1
                            for s, kind in enumerate(logits) if kind != "none"])
     vis_rows: list[np.ndarray] = []
     vis: list[np.ndarray] = []
@@ -155,8 +160,8 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
     return step
 
 
-def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_size: int, scratch_slot: int
-             ) -> HostStep:
+def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_size: int, scratch_slot: int,
+             all_rows: bool = False) -> HostStep:
     """A step of short chunks with last-row logits each (decode tokens, jump-forward runs) grown to `rows`
     sequences and `tokens` tokens, so that it fits a graph captured for that shape (decode_graphs.graph_shape).
 
@@ -164,17 +169,21 @@ def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_s
     (fresh: its state is never read, only written) with its block table and KV slots in `scratch_block` (the
     first ones take the tokens beyond one each). Those two belong to the runner, not to any sequence, so padding
     rows write only there and read only what they wrote; their logits rows come last and are dropped by the
-    caller (greedy parameters, no mask, no logprobs when sampled)."""
+    caller (greedy parameters, no mask, no logprobs when sampled).
+    all_rows (steps with verify windows, whose chunks want logits at every token): the logits-row table is grown
+    to `tokens` entries instead, padding rows' last rows first, then copies of the step's last row (dropped too)."""
     t = host.tables
     seqs, n = t.slots.size, host.n
     pad_seqs, pad_tokens = rows - seqs, tokens - n
-    if host.vision_embeds is not None or host.device_vision or t.logit_rows.size != seqs or host.padding:
-        raise RunnerInputError("only steps of chunks with one logits row each and no vision are padded")
+    if host.vision_embeds is not None or host.device_vision or host.padding or (
+            t.logit_rows.size != seqs if not all_rows else t.logit_rows.size > n):
+        raise RunnerInputError("only steps of chunks with one logits row each (or verify windows) and no vision "
+                               "are padded")
     if pad_seqs < 0 or not pad_seqs <= pad_tokens <= pad_seqs * block_size:
         raise RunnerInputError(f"a step of {seqs} sequences and {n} tokens does not pad to {rows} and {tokens} "
                                f"(1..{block_size} tokens a padding sequence)")
     if pad_seqs == 0:
-        return host
+        return fill_logit_rows(host, tokens) if all_rows else host
     i32 = np.int32
     lens = np.ones(pad_seqs, np.int64)  # the tokens past one each, block_size - 1 at a time from the first
     full, rest = divmod(pad_tokens - pad_seqs, max(block_size - 1, 1))
@@ -198,9 +207,29 @@ def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_s
         tiles=ops.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist()).astype(i32),
         sample_params=(None if t.sample_params is None
                        else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad_seqs, 1))])),
+        win=None if t.win is None else np.concatenate([t.win, np.full(pad_seqs, -1, i32)]),
     )
-    return HostStep(n=tokens, longest_chunk=max(host.longest_chunk, int(lens.max())), tables=tables, logit_rows=rows,
-                    vision_embeds=None, device_vision=[], padding=pad_seqs)
+    padded = HostStep(n=tokens, longest_chunk=max(host.longest_chunk, int(lens.max())), tables=tables,
+                      logit_rows=t.logit_rows.size + pad_seqs, vision_embeds=None, device_vision=[], padding=pad_seqs)
+    return fill_logit_rows(padded, tokens) if all_rows else padded
+
+
+def fill_logit_rows(host: HostStep, count: int) -> HostStep:
+    """A verify step's logits-row table grown to `count` entries (its graph's token count) with copies of the
+    last row, counted as padding (their logits are computed and dropped)."""
+    t = host.tables
+    extra = count - t.logit_rows.size
+    if extra < 0:
+        raise RunnerInputError(f"{t.logit_rows.size} logits rows do not fit a graph of {count}")
+    if extra == 0:
+        return host
+    if t.sample_params is not None:
+        raise RunnerInputError("verify steps are not sampled on the runner")
+    fill = np.full(extra, host.n - 1, np.int32)
+    t.logit_rows = np.concatenate([t.logit_rows, fill])
+    return HostStep(n=host.n, longest_chunk=host.longest_chunk, tables=t, logit_rows=count,
+                    vision_embeds=host.vision_embeds, device_vision=host.device_vision,
+                    padding=host.padding + extra)
 
 
 def _add_sampling(batch: StepBatch, step: HostStep, vocab_size: int) -> None:

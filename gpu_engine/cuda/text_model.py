@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import TextConfig
-from . import deltanet_chunked, ops, rotary
+from . import deltanet_chunked, ops, rotary, verify_ops
 from .context import DArray, GpuContext
 from .step import StepTables
 from .weights import AttentionWeights, DeltaNetWeights, LayerWeights, TextWeights
@@ -36,6 +36,9 @@ class DeltaNetCache:
 
     conv: DArray  # [slots, K-1, conv_dim]
     state: DArray  # f32 [slots, Hv, dv, dk]
+    # verify windows, window strategy (cuda/verify.py): the states after each window token, rows [windows * w, ...]
+    window_conv: DArray | None = None
+    window_state: DArray | None = None
 
 
 @dataclass
@@ -128,13 +131,20 @@ class CudaTextModel:
         proj = ctx.empty((n, width), t, "in_proj")
         w.in_proj(ctx, proj, a.h, n)
         conv_out = ctx.empty((n, conv_dim), t, "conv_out")
-        ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m.cu, m.slots, m.fresh,
-                        token_seq=m.tok_seq)
+        windows = verify_ops.window_rows(m.win, cache.window_conv, cache.window_state)
+        if windows is not None:  # a verify step keeping every window token's state (the decode kernels' window form)
+            verify_ops.conv1d_silu_window(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, windows.conv,
+                                          windows.base, m.cu, m.slots, m.fresh)
+        else:
+            ops.conv1d_silu(ctx, conv_out, conv_dim, proj, width, w.conv, cache.conv, m.cu, m.slots, m.fresh,
+                            token_seq=m.tok_seq)
         core = ctx.empty((n, vdim), t, "core")
         gdn_args = (ctx, core, conv_out, conv_out.at(kh * dk), conv_out.at(2 * kh * dk), conv_dim,
                     proj.at(conv_dim + vdim + vh), proj.at(conv_dim + vdim), width, w.A_log, w.dt_bias,
                     cache.state, m.cu, m.slots, m.fresh, kh, vh, dk, dv)
-        if (t == "bf16" and longest_chunk >= deltanet_chunked.MIN_PREFILL_TOKENS
+        if windows is not None:
+            verify_ops.gated_delta_rule_window(*gdn_args, window=windows.state, win_base=windows.base)
+        elif (t == "bf16" and longest_chunk >= deltanet_chunked.MIN_PREFILL_TOKENS
                 and deltanet_chunked.supports(dk, dv)):  # prefill: chunked WY form on the tensor cores
             deltanet_chunked.chunked_gated_delta_rule(*gdn_args)
         else:  # decode steps, short chunks, fp32 runs: the exact token-by-token kernels

@@ -24,6 +24,7 @@ from gpu_engine.cuda.decode_graphs import (
 )
 from gpu_engine.cuda.runner import CudaRunner
 from gpu_engine.cuda.step import PAD_SAMPLE_PARAMS, build_step, pad_step
+from gpu_engine.cuda.verify import VerifyBook
 from gpu_engine.errors import RunnerInputError
 from gpu_engine.runner_api import CacheSpec, SamplingRequest, SeqChunk, StepBatch, StepOutput
 
@@ -173,10 +174,11 @@ def fake_runner(monkeypatch, fail_capture: bool = False, scratch: bool = True) -
     r.scratch = ScratchRows(SPEC.num_kv_blocks, SPEC.num_state_slots) if scratch else None
     r.buckets = bucket_sizes(SPEC.num_state_slots) if scratch else ()
     r.eager_hosts = []  # type: ignore[attr-defined]
+    r.book, r._verify_layers = VerifyBook("recompute", SPEC.num_state_slots), []
 
-    def run_eager(host, batch):
+    def run_eager(host, batch, offsets):
         r.eager_hosts.append(host)  # type: ignore[attr-defined]
-        return StepOutput(logits=np.zeros((host.batch_logit_rows, 50), np.float32), row_offsets=[], hidden=None)
+        return StepOutput(logits=np.zeros((host.batch_logit_rows, 50), np.float32), row_offsets=offsets, hidden=None)
 
     def record(host, batch, width, owns):
         assert not owns
@@ -220,7 +222,7 @@ def test_steps_with_jump_forward_runs_replay_their_own_graphs(monkeypatch):
     assert list(r._graphs) == [key] and r._graphs[key].host.n == 24 and r._graphs[key].host.padding == 5
     assert r.decode_counts.graphed == 2 and r.decode_counts.with_runs == 2
     long_run = StepBatch([decode(0, 2, [0, 1, 2, 3, 4, 5, 6, 7, 8], 0, n=GRAPH_MAX_CHUNK + 1)])
-    monkeypatch.setattr(r, "_forward_eager", lambda batch: "eager")
+    monkeypatch.setattr(r, "_forward_eager", lambda *args: "eager")
     assert r.forward(long_run) == "eager" and r.decode_counts.other == 1
 
 
@@ -239,7 +241,7 @@ def test_without_scratch_rows_graphs_are_per_exact_size_and_other_steps_stay_eag
         r.forward(batch_of(3))
     assert list(r._graphs) == [GraphKey(rows=3, tokens=3, width=1, sampling=False)]
     assert r.eager_hosts[0].padding == 0
-    monkeypatch.setattr(r, "_forward_eager", lambda batch: "eager")
+    monkeypatch.setattr(r, "_forward_eager", lambda *args: "eager")
     prompt = SeqChunk(seq_id=0, token_ids=np.arange(3), positions=np.tile(np.arange(3), (3, 1)), start=0,
                       block_table=np.array([2], np.int32), state_slot=1, logits="none")
     assert r.forward(StepBatch([prompt])) == "eager" and r.decode_counts.other == 1
