@@ -7,7 +7,8 @@ timed as issue 17 sets its targets:
   to other experts and L2 holds little of them), against the roofline of the bytes a call must read (the distinct
   chosen experts' weights + router + shared expert + activations) at the device-to-device copy bandwidth measured
   here; also whether every chosen expert sits in one tile (its weights streamed once a step), and each step of the
-  layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own.
+  layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own;
+- the kernels on trial (moe_plan_v2, moe_plan.TRIAL_TILES) beside the chosen ones, on the same tables.
     python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
 Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
 numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
@@ -128,6 +129,12 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             out["prefill"][name] = {"ms": t, "TFLOPs": flop / (t * 1e-3) / 1e12,
                                     "vs_gemm_rate": flop / (t * 1e-3) / rate}
         out["prefill"]["trials"] = _trials(ctx, layer, x, bufs, rate, reps)
+        for name, trial in (("plan", False), ("plan_v2", True)):  # the routing plan of 8192 tokens alone
+            def plan_once(trial: bool = trial) -> None:
+                inner = ctx.arena.mark()
+                plan(ctx, bufs.ids, layer.gate_up.shape[0], bufs.tile, trial=trial, shared_last=stacked)
+                ctx.arena.release(inner)
+            out["prefill"][f"{name}_ms"] = _time_ms(ctx, plan_once, reps)
         small = TILES["decode"]  # the same gate|up work on the decode tiles (32 rows): data for the tile choice
         pb = plan(ctx, bufs.ids, layer.gate_up.shape[0], small)
         t = _time_ms(ctx, lambda: grouped_gemm(ctx, bufs.act, x, h, pb.sorted_token, layer.gate_up, pb.tiles, small,
@@ -224,6 +231,8 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
                                                        dtype=x.dtype, y_dtype="f32", y_ld=ld),
         "route": lambda x, y, b: moe.route(ctx, b.ids, b.weights, b.shared_gate, b.logits, e, k),
         "plan": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile),
+        "plan_v2": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile, trial=True,
+                                            shared_last=layer.shared is None),
         "gate_up": lambda x, y, b: moe.grouped_gemm(ctx, b.act, x, h, b.sorted_token, layer.gate_up, b.tiles, b.tile,
                                                     swiglu=True),
         "down": lambda x, y, b: moe.grouped_gemm(ctx, b.expert_out, b.act, inter, None, layer.down, b.tiles, b.tile,
@@ -257,6 +266,7 @@ def table(r: dict[str, Any]) -> str:
     for name in ("gate_up", "down"):
         g = p[name]
         lines.append(f"  grouped {name}: {g['ms']:.3f} ms, {g['TFLOPs']:.0f} TFLOP/s = {g['vs_gemm_rate']:.2f}")
+    lines.append(f"  routing plan: moe_plan {p['plan_ms'] * 1e3:.1f} us, moe_plan_v2 {p['plan_v2_ms'] * 1e3:.1f} us")
     for name, t in p.get("trials", {}).items():
         lines.append(f"  trial {name}: {t['ms']:.3f} ms, {t['TFLOPs']:.0f} TFLOP/s = {t['vs_gemm_rate']:.2f} "
                      f"(err vs chosen {t['rel_err_vs_chosen']:.1e})")

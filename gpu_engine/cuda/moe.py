@@ -150,16 +150,26 @@ def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, lo
                       i32(stride), ids.ptr, weights.ptr, shared_gate.ptr)
 
 
-def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile) -> PlanBuffers:
-    """The routing plan of ids [m, k] (moe_plan.py's docstring), built on the device in one block."""
+def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile, trial: bool = False,
+         shared_last: bool = False) -> PlanBuffers:
+    """The routing plan of ids [m, k] (moe_plan.py's docstring), built on the device in one block.
+
+    trial: kernels/moe.cu's moe_plan_v2 (on trial; experts <= PLAN_THREADS), which with shared_last places every
+    token's entry k - 1 (the stacked shared expert, expert experts - 1) without an atomic."""
     m, k = ids.shape
     entries = m * k
     bound = max_tiles(entries, experts, tile.bm)
     bufs = PlanBuffers(ctx.empty((experts + 1,), "i32", "moe.offsets"), ctx.empty((bound, 3), "i32", "moe.tiles"),
                        ctx.empty((entries,), "i32", "moe.sorted_token"), ctx.empty((entries,), "i32", "moe.entry_row"))
-    ctx.device.launch("moe", "moe_plan", 1, PLAN_THREADS, ids.ptr, i32(entries), i32(k), i32(experts), i32(tile.bm),
-                      i32(bound), bufs.offsets.ptr, bufs.tiles.ptr, bufs.sorted_token.ptr, bufs.entry_row.ptr,
-                      shmem=plan_shared_bytes(experts))
+    tail = (bufs.offsets.ptr, bufs.tiles.ptr, bufs.sorted_token.ptr, bufs.entry_row.ptr)
+    head = (ids.ptr, i32(entries), i32(k), i32(experts), i32(tile.bm), i32(bound))
+    if trial:
+        if experts > PLAN_THREADS:
+            raise ShapeError(f"moe_plan_v2 scans one expert a thread: {experts} experts > {PLAN_THREADS}")
+        ctx.device.launch("moe", "moe_plan_v2", 1, PLAN_THREADS, *head, i32(shared_last), *tail,
+                          shmem=plan_shared_bytes(experts))
+    else:
+        ctx.device.launch("moe", "moe_plan", 1, PLAN_THREADS, *head, *tail, shmem=plan_shared_bytes(experts))
     return bufs
 
 

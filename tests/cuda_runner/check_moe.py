@@ -8,7 +8,8 @@ Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - r
   reference rule (largest probability first, ties toward the lower id) exactly; weights and the shared gate's
   sigmoid within 1e-5;
 - moe_plan: offsets and the tile table equal moe_plan.host_plan exactly, each expert's rows hold the same tokens
-  (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k;
+  (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k; the same for moe_plan_v2 (on
+  trial), whose stacked shared expert's rows must come in token order;
 - the grouped GEMMs (tensor-core decode / prefill tiles, the plain kernel for f32 and odd K; gate|up with
   silu * up, and down) against moe_plan.emulate_grouped_gemm over the device's own tables: bf16 1e-2, f32 1e-4;
 - MoeLayer.forward (router GEMM .. combine) against the float64 formula of reference/moe.py on the same rounded
@@ -37,6 +38,10 @@ from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, r
 
 TOL = {"bf16": 1e-2, "f32": 1e-4}
 ROUTE_CASES = ((1, 256, 8, False), (33, 6, 2, False), (1000, 256, 8, True), (7, 5, 3, True), (64, 512, 10, False))
+# moe_plan_v2 (on trial): (tokens, experts, entries a token, tile, the last entry is the stacked shared expert)
+PLAN_V2_CASES = ((1, 257, 9, "decode", True), (32, 257, 9, "decode", True), (8192, 257, 9, "prefill", True),
+                 (300, 5, 3, "prefill", False), (77, 6, 2, "decode", False), (1000, 1024, 8, "prefill", False),
+                 (40, 1024, 11, "decode", True))
 # (name, tokens, experts, top-k, hidden, intermediate, dtype, tile, path)
 GEMM_CASES = (
     ("decode b1 35b-like", 1, 12, 8, 2048, 512, "bf16", "decode", "mma"),
@@ -127,13 +132,18 @@ class Checker:
         self.record(f"route n{n} E{e} top-{k}{' +shared' if stacked else ''} (ties)", "f32",
                     err if same == 1.0 else float("nan"), 1e-5, f"ids equal the reference rule in {same:.4f} of rows")
 
-    def plan(self, n: int, e: int, k: int, tile_name: str) -> None:
+    def plan(self, n: int, e: int, k: int, tile_name: str, trial: bool = False, shared_last: bool = False) -> None:
+        """moe_plan (trial: moe_plan_v2; shared_last: every token's last entry is expert e - 1, the stacked shared
+        expert, whose rows must then come in token order)."""
         from gpu_engine.cuda import moe
         from gpu_engine.cuda.moe_plan import TILES, host_plan
 
         ctx, tile = self.ctx, TILES[tile_name]
-        ids = self.ids(n, e, k)
-        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile)
+        if shared_last:
+            ids = np.concatenate([self.ids(n, e - 1, k - 1), np.full((n, 1), e - 1, np.int32)], axis=1)
+        else:
+            ids = self.ids(n, e, k)
+        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile, trial=trial, shared_last=shared_last)
         want = host_plan(ids, e, tile.bm)
         offsets, tiles = ctx.to_host(bufs.offsets), ctx.to_host(bufs.tiles)
         sorted_token, entry_row = ctx.to_host(bufs.sorted_token), ctx.to_host(bufs.entry_row)
@@ -141,7 +151,10 @@ class Checker:
         ok = ok and all(sorted(sorted_token[a:b]) == sorted(want.sorted_token[a:b])
                         for a, b in zip(want.offsets[:-1], want.offsets[1:]))
         ok = ok and np.array_equal(sorted_token[entry_row], np.arange(n * k) // k)
-        self.record(f"plan n{n} E{e} top-{k} {tile_name}", "i32", 0.0 if ok else float("nan"), 0.0,
+        if shared_last:
+            ok = ok and np.array_equal(sorted_token[want.offsets[e - 1]:want.offsets[e]], np.arange(n))
+        name = f"plan{'_v2' if trial else ''} n{n} E{e} top-{k}{' +shared last' if shared_last else ''} {tile_name}"
+        self.record(name, "i32", 0.0 if ok else float("nan"), 0.0,
                     f"{int(np.count_nonzero(tiles[:, 2]))} tiles of {tiles.shape[0]}")
 
     def gemm(self, name: str, n: int, e: int, k: int, h: int, inter: int, dtype: str, tile_name: str,
@@ -247,6 +260,9 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
         for n, e, k, tile in ((1, 256, 8, "decode"), (32, 256, 8, "decode"), (8192, 256, 8, "prefill"),
                               (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
             c.run(f"plan n{n} E{e}", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
+        for n, e, k, tile, shared in PLAN_V2_CASES:
+            c.run(f"plan_v2 n{n} E{e}", "f32",
+                  lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, trial=True, shared_last=sh))
         for case in GEMM_CASES:
             c.run(f"gemm {case[0]}", case[6], lambda case=case: c.gemm(*case))
         for case in LAYER_CASES:
@@ -280,6 +296,8 @@ def run_model(seed: int) -> list[Result]:
                 trace = CudaRoutingTrace(runner)
                 try:
                     steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
+                    c = runner.decode_counts  # graph replays seen by the taps (a failed capture would run eager)
+                    counts = f"steps graphed {c.graphed}, eager-graphable {c.eager_graphable}, other {c.other}"
                 finally:
                     runner.close()
                 reference = ReferenceRunner(config, ref_weights)
@@ -289,7 +307,7 @@ def run_model(seed: int) -> list[Result]:
                 routed = float(max(rel_err(a, b) for a, b in zip(steps, routed_steps)))
                 agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
                 same = greedy == ref_greedy
-                note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}; {routing.note()}"
+                note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}; {counts}; {routing.note()}"
                 if dtype == "f32":  # no flip may happen at f32 noise: the unforced run is the verdict
                     worst, tol = unforced, 1e-4
                     ok = unforced <= tol and same and routing.flips == 0 and routing.consistent

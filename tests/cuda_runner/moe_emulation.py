@@ -131,6 +131,8 @@ class EmulatedContext:
             self._route(*a)
         elif name == "moe_plan":
             self._plan(*a)
+        elif name == "moe_plan_v2":  # the same tables; shared_last: expert E - 1's rows in token order
+            self._plan(*a[:6], *a[7:], shared_last=bool(a[6]))
         elif name.startswith("moe_gemm_"):
             self._gemm(name, grid, *a)
         elif name.startswith("moe_combine_"):
@@ -161,12 +163,13 @@ class EmulatedContext:
         self.write(gate, "f32", sg[None])
 
     def _plan(self, ids: int, entries: int, k: int, e: int, tile_m: int, bound: int, offsets: int, tiles: int,
-              sorted_token: int, entry_row: int) -> None:
+              sorted_token: int, entry_row: int, shared_last: bool = False) -> None:
         flat = self.raw(ids, "i32", entries).copy()
         p = host_plan(flat.reshape(-1, k), e, tile_m)
         assert p.tiles.shape[0] == bound, (p.tiles.shape, bound)
         order = p.entry_row.copy()
-        for a, b in zip(p.offsets[:-1], p.offsets[1:]):  # the atomic order within an expert: any permutation
+        shuffled = list(zip(p.offsets[:-1], p.offsets[1:]))[: e - 1 if shared_last else e]
+        for a, b in shuffled:  # the atomic order within an expert: any permutation
             seg = np.nonzero((order >= a) & (order < b))[0]
             order[seg] = a + self.rng.permutation(b - a)
         st = np.empty(entries, np.int32)

@@ -26,6 +26,9 @@ def test_route_and_plan_checks_pass_on_the_emulation() -> None:
         c.run("route", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st))
     for n, e, k, tile in ((1, 256, 8, "decode"), (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
         c.run("plan", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
+    for n, e, k, tile, shared in ((1, 257, 9, "decode", True), (300, 5, 3, "prefill", False),
+                                  (40, 9, 4, "decode", True)):
+        c.run("plan_v2", "f32", lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, True, sh))
     _assert_all_pass(c)
 
 

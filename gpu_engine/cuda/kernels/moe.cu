@@ -121,6 +121,92 @@ extern "C" __global__ void moe_plan(const int* __restrict__ ids, int entries, in
     }
 }
 
+// moe_plan_v2 (on trial: moe.plan(trial=True); bench/moe_layer_bench.py times it beside moe_plan): the same tables,
+// with the per-expert offsets from a block-wide scan (one expert a thread: E <= blockDim.x) instead of one thread's
+// loop, rows claimed with one shared atomic per distinct expert a warp (__match_any_sync) instead of one an entry,
+// and, when shared_last, every token's entry k - 1 (the stacked shared expert, expert E - 1, one row a token) placed
+// at first[E - 1] + token without an atomic (in token order).
+__device__ __forceinline__ int warp_scan_incl(int v, int lane) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off) v += o;
+    }
+    return v;
+}
+
+extern "C" __global__ void moe_plan_v2(const int* __restrict__ ids, int entries, int k, int E, int tile_m,
+                                       int max_tiles, int shared_last, int* __restrict__ offsets,
+                                       int* __restrict__ tiles, int* __restrict__ sorted_token,
+                                       int* __restrict__ entry_row) {
+    pdl_entry();
+    extern __shared__ int sh[];
+    int* counts = sh;              // [E]
+    int* cursor = sh + E;          // [E]
+    int* tile_start = sh + 2 * E;  // [E + 1]
+    int* first = sh + 3 * E + 1;   // [E]
+    __shared__ int warp_rows[32], warp_tiles[32];
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < E; e += nt) counts[e] = 0;
+    __syncthreads();
+    for (int i0 = tid - lane; i0 < entries; i0 += nt) {  // warp-uniform bounds: every lane takes part in the match
+        const int i = i0 + lane;
+        const int e = i < entries ? ids[i] : -1;
+        const bool valid = e >= 0 && e < E && !(shared_last && i % k == k - 1);
+        const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+        if (valid && lane == __ffs(peers) - 1) atomicAdd(&counts[e], __popc(peers));
+    }
+    __syncthreads();
+    if (shared_last && tid == 0) counts[E - 1] += entries / k;
+    __syncthreads();
+    const int c = tid < E ? counts[tid] : 0, t = (c + tile_m - 1) / tile_m;
+    const int rows_in = warp_scan_incl(c, lane), tiles_in = warp_scan_incl(t, lane);
+    if (lane == 31) { warp_rows[warp] = rows_in; warp_tiles[warp] = tiles_in; }
+    __syncthreads();
+    if (warp == 0) {  // exclusive prefix of the warp totals (nt / 32 <= 32 warps)
+        const int nw = nt >> 5;
+        const int wr = lane < nw ? warp_rows[lane] : 0, wt = lane < nw ? warp_tiles[lane] : 0;
+        const int r_in = warp_scan_incl(wr, lane), t_in = warp_scan_incl(wt, lane);
+        if (lane < nw) { warp_rows[lane] = r_in - wr; warp_tiles[lane] = t_in - wt; }
+        if (lane == 31) { offsets[E] = r_in; tile_start[E] = t_in; }
+    }
+    __syncthreads();
+    if (tid < E) {
+        first[tid] = cursor[tid] = warp_rows[warp] + rows_in - c;
+        tile_start[tid] = warp_tiles[warp] + tiles_in - t;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += nt) {
+        offsets[e] = first[e];
+        for (int q = tile_start[e]; q < tile_start[e + 1]; ++q) {
+            const int r0 = (q - tile_start[e]) * tile_m;
+            tiles[3 * q] = e;
+            tiles[3 * q + 1] = first[e] + r0;
+            tiles[3 * q + 2] = min(tile_m, counts[e] - r0);
+        }
+    }
+    for (int q = tile_start[E] + tid; q < max_tiles; q += nt) {
+        tiles[3 * q] = 0;
+        tiles[3 * q + 1] = 0;
+        tiles[3 * q + 2] = 0;
+    }
+    for (int i0 = tid - lane; i0 < entries; i0 += nt) {
+        const int i = i0 + lane;
+        const int e = i < entries ? ids[i] : -1;
+        const bool shared = shared_last && i < entries && i % k == k - 1;
+        const bool valid = e >= 0 && e < E && !shared;
+        const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+        const int leader = __ffs(peers) - 1;
+        int base = 0;
+        if (valid && lane == leader) base = atomicAdd(&cursor[e], __popc(peers));
+        base = __shfl_sync(0xffffffffu, base, leader);
+        if (i >= entries) continue;
+        const int pos = shared ? first[E - 1] + i / k : valid ? base + __popc(peers & ((1u << lane) - 1u)) : -1;
+        if (pos >= 0) sorted_token[pos] = i / k;
+        entry_row[i] = pos;
+    }
+}
+
 // ---- grouped expert GEMM on the tensor cores (bf16, fp32 accumulate) ----------------------------------------
 // Block (blockIdx.x = output column block, blockIdx.y = tile): rows tile.first .. +tile.rows of the sorted order,
 // y[row, :] = x[src(row), :] @ W[expert]^T with W[expert] [N, K] row-major (nn.Linear's [out, in]); src(row) is
