@@ -67,6 +67,17 @@ def expand_source(path: Path) -> str:
     return _INCLUDE.sub(header, text)
 
 
+# A kernel file holding this line uses instructions of the arch-specific target (wgmma, setmaxnreg: sm_90a on Hopper)
+# and is compiled for it; such code runs only on that exact arch, so its launcher must check DeviceInfo.arch first.
+ARCH_SPECIFIC_MARK = "// docpipe: arch-specific target"
+ARCH_SPECIFIC = ("sm_90",)  # archs whose "a" target NVRTC builds (compute capability 9.0 -> sm_90a)
+
+
+def compile_arch(arch: str, source: str) -> str:
+    """The NVRTC target for `source` on a device of `arch`: `arch`, or its arch-specific form for marked files."""
+    return arch + "a" if ARCH_SPECIFIC_MARK in source and arch in ARCH_SPECIFIC else arch
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str
@@ -160,15 +171,16 @@ class CudaDevice:
         path = found[0]
         source = expand_source(path)
         options = ("std=c++17",)
-        key = ModuleCache.key(source, self.info.arch, options, self._compiler)
+        arch = compile_arch(self.info.arch, source)
+        key = ModuleCache.key(source, arch, options, self._compiler)
         cubin = self.cache.get(key)
         core = self._core
         if cubin is None:
-            opts = core.ProgramOptions(arch=self.info.arch, std="c++17", name=family)
+            opts = core.ProgramOptions(arch=arch, std="c++17", name=family)
             try:
                 obj = core.Program(source, "c++", opts).compile("cubin")
             except Exception as exc:  # NVRTC errors carry the log in the message
-                raise KernelCompileError(f"compiling {path.name} for {self.info.arch} failed:\n{exc}") from exc
+                raise KernelCompileError(f"compiling {path.name} for {arch} failed:\n{exc}") from exc
             cubin = bytes(obj.code)
             self.cache.put(key, cubin)
         mod = core.ObjectCode.from_cubin(cubin, name=family)
