@@ -45,6 +45,7 @@ TRIAL_TILES = {
     "decode_bn32": GemmTile("decode_bn32", bm=32, bn=32, bk=128, stages=3, warps=2),
     "decode_s5": GemmTile("decode_s5", bm=32, bn=64, bk=128, stages=5, warps=4),
     "prefill_bk64": GemmTile("prefill_bk64", bm=128, bn=128, bk=64, stages=3, warps=8),
+    "prefill_bn256": GemmTile("prefill_bn256", bm=128, bn=256, bk=32, stages=4, warps=8),
 }
 DECODE_MAX_ROWS_PER_EXPERT = 16  # mean rows an expert up to which the 32-row tiles win (few tokens: decode)
 SIMPLE_COLS = 16  # output columns (features) a block of the plain kernel

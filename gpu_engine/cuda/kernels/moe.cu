@@ -362,13 +362,15 @@ MOE_GEMM_ENTRY(moe_gemm_prefill_swiglu_bf16, 128, 128, 32, 4, 2, 4, true)
 MOE_GEMM_ENTRY(moe_gemm_prefill_plain_bf16, 128, 128, 32, 4, 2, 4, false)
 // Tile shapes on trial (moe_plan.TRIAL_TILES; bench/moe_layer_bench.py times them on the tables of the two above,
 // choose_tile never picks them): decode with half-width blocks (twice the blocks) or 5 stages (more bytes in
-// flight), prefill with 64-wide k steps.
+// flight), prefill with 64-wide k steps or 256-wide blocks (twice the MMAs a loaded A tile).
 MOE_GEMM_ENTRY(moe_gemm_decode_bn32_swiglu_bf16, 32, 32, 128, 3, 1, 2, true)
 MOE_GEMM_ENTRY(moe_gemm_decode_bn32_plain_bf16, 32, 32, 128, 3, 1, 2, false)
 MOE_GEMM_ENTRY(moe_gemm_decode_s5_swiglu_bf16, 32, 64, 128, 5, 1, 4, true)
 MOE_GEMM_ENTRY(moe_gemm_decode_s5_plain_bf16, 32, 64, 128, 5, 1, 4, false)
 MOE_GEMM_ENTRY(moe_gemm_prefill_bk64_swiglu_bf16, 128, 128, 64, 3, 2, 4, true)
 MOE_GEMM_ENTRY(moe_gemm_prefill_bk64_plain_bf16, 128, 128, 64, 3, 2, 4, false)
+MOE_GEMM_ENTRY(moe_gemm_prefill_bn256_swiglu_bf16, 128, 256, 32, 4, 2, 4, true)
+MOE_GEMM_ENTRY(moe_gemm_prefill_bn256_plain_bf16, 128, 256, 32, 4, 2, 4, false)
 
 // ---- grouped expert GEMM, plain arithmetic (f32 runners; bf16 shapes the tensor-core kernel cannot load, such as
 // an odd K). Same tables and meaning as grouped_gemm; 256 threads = 16 rows x 16 output columns (SWIGLU:
