@@ -84,6 +84,9 @@ class OpTimer:
 Overrides = dict[str, object] | Callable[[tuple], dict[str, object]]
 VARIANTS: dict[str, dict[str, Overrides]] = {
     "current": {},
+    # decode attention on the CUDA cores (the runner's choice through session 6) and on the tensor cores (session 7)
+    "grouped": {"paged_attention": {"method": "grouped"}},
+    "mma": {"paged_attention": {"method": "mma"}},
     "before": {"paged_attention": {"method": "per_head"},
                # then: the token-parallel conv for any step of 16+ tokens (args[1] is `out`, one row per token)
                "conv1d_silu": lambda args: {"method": "tokens" if args[1].shape[0] >= ops.GDN_TWO_PASS_MIN_TOKENS

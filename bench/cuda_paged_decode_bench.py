@@ -2,7 +2,7 @@
 splits against the HBM copy ceiling measured in the same run.
 
     python3 bench/cuda_paged_decode_bench.py [--shape 9b] [--batches 64,192] [--contexts 4096,8192]
-        [--variants grouped,grouped:s4,per_head] [--json out.json]
+        [--variants grouped,mma,mma:s4] [--json out.json]
 
 One full-attention layer's decode step: b sequences, one query token each at position `context` (it attends to
 context + 1 cached keys), K/V cache [blocks, 16, kv_heads, head_dim] bf16 with random rows (a 64 MiB random piece
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="9b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="64,192")
     parser.add_argument("--contexts", default="4096,8192")
-    parser.add_argument("--variants", default="grouped,grouped:s4,grouped:s8,per_head")
+    parser.add_argument("--variants", default="grouped,mma,mma:s1,mma:s4,grouped:s8")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json")
     args = parser.parse_args(argv)

@@ -241,6 +241,28 @@ def gqa_attention_fits(q: DArray, q_stride: int, k_cache: DArray, v_cache: DArra
             and q_stride * ITEMSIZE[q.dtype] % 16 == 0)
 
 
+PAGED_MMA_HEAD_DIMS = (64, 128, 256)  # paged_attention_mma_bf16_hd<D> in kernels/attention.cu
+PAGED_MMA_MAX_GROUP = 8  # query heads per KV head: the n = 8 columns of the score mma
+
+
+def paged_mma_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_attention_mma_bf16_hd<head_dim> (PagedMmaShape<HD>::SMEM_BYTES, which traps
+    if it gets less): 3 stages of 64 K and 64 V rows padded by 8 bf16 (the warps' merge reuses them), plus P^T
+    [16 keys][8 heads] bf16 per warp."""
+    pipe = 3 * 2 * 64 * (head_dim + 8) * 2
+    merge = 4 * 8 * (head_dim + 2) * 4
+    return max(pipe, merge) + 4 * 16 * 8 * 2
+
+
+def paged_mma_fits(q: DArray, q_stride: int, k_cache: DArray, v_cache: DArray, heads: int, kv_heads: int,
+                   head_dim: int) -> bool:
+    """Whether paged_attention's tensor-core kernel applies: bf16, at most 8 query heads per KV head, a head size
+    it is built for, 16-byte aligned rows (cp.async of 16 bytes, 4-byte Q fragment loads)."""
+    return (q.dtype == "bf16" and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MMA_MAX_GROUP
+            and head_dim in PAGED_MMA_HEAD_DIMS and all(a.ptr % 16 == 0 for a in (q, k_cache, v_cache))
+            and q_stride * ITEMSIZE[q.dtype] % 16 == 0)
+
+
 def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
                     gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
                     token_pos: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float,
@@ -249,9 +271,10 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
 
     Split-K over the keys (`splits`, default attention_splits()) into a float32 workspace taken from the arena for
     the two launches (stream order makes the early release safe), then one combine launch.
-    method: "grouped" (one block per KV head computes all its query heads: each K/V row read once, with 16-byte
-    loads; see gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (grouped where
-    it fits).
+    method: "mma" (bf16 on the tensor cores: one block per KV head streams its keys through shared memory, the
+    query heads sharing it are the columns of the score mma; see paged_mma_fits), "grouped" (one block per KV
+    head computes all its query heads on the CUDA cores: each K/V row read once, with 16-byte loads; see
+    gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (grouped where it fits).
     """
     t = _same_float(out, q, gate, k_cache, v_cache)
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
@@ -259,23 +282,35 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     if head_dim > 256 or heads % kv_heads:
         raise ShapeError(f"paged_attention needs head_dim <= 256 and heads % kv_heads == 0 "
                          f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
-    if method not in ("auto", "grouped", "per_head"):
-        raise ShapeError(f"method must be auto, grouped or per_head, got {method!r}")
+    if method not in ("auto", "mma", "grouped", "per_head"):
+        raise ShapeError(f"method must be auto, mma, grouped or per_head, got {method!r}")
     fits = gqa_attention_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
+    mma_fits = paged_mma_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
     if method == "grouped" and not fits:
         raise ShapeError(f"grouped paged_attention needs heads/kv_heads in {GQA_GROUPS}, head_dim in "
                          f"{GQA_HEAD_DIMS} and 16-byte aligned rows (heads={heads}, kv_heads={kv_heads}, "
                          f"head_dim={head_dim})")
-    grouped = fits and method != "per_head"
+    if method == "mma" and not mma_fits:
+        raise ShapeError(f"mma paged_attention needs bf16, heads/kv_heads <= {PAGED_MMA_MAX_GROUP}, head_dim in "
+                         f"{PAGED_MMA_HEAD_DIMS} and 16-byte aligned rows (dtype={q.dtype}, heads={heads}, "
+                         f"kv_heads={kv_heads}, head_dim={head_dim})")
+    if method == "auto":
+        method = "grouped" if fits else "per_head"  # mma: opt-in until checked on a GPU (session 7, call 2)
     n = token_seq.size
-    # the grouped kernel has G times fewer blocks per split: 8 waves of blocks keep loads in flight and the tail short
-    splits = splits or (attention_splits(ctx, n, kv_heads, waves=8) if grouped else attention_splits(ctx, n, heads))
+    # the grouped and mma kernels have G times fewer blocks per split: 8 waves of blocks keep loads in flight and
+    # the tail short
+    splits = splits or (attention_splits(ctx, n, heads) if method == "per_head"
+                        else attention_splits(ctx, n, kv_heads, waves=8))
     mark = ctx.arena.mark()
     part_acc = ctx.empty((n, heads, splits, head_dim), "f32", "attn-partials")
     part_ml = ctx.empty((n, heads, splits, 2), "f32", "attn-max-sum")
     common = (q.ptr, i64(q_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
               token_seq.ptr, token_pos.ptr, i32(n))
-    if grouped:
+    if method == "mma":
+        ctx.device.launch("attention", f"paged_attention_mma_bf16_hd{head_dim}", (n, kv_heads, splits), 128,
+                          part_acc.ptr, part_ml.ptr, *common, i32(kv_heads), i32(heads // kv_heads),
+                          i32(block_size), f32(scale), shmem=paged_mma_shared_bytes(head_dim))
+    elif method == "grouped":
         ctx.device.launch("attention", f"paged_attention_gqa{heads // kv_heads}_{t}", (n, kv_heads, splits), 128,
                           part_acc.ptr, part_ml.ptr, *common, i32(kv_heads), i32(head_dim), i32(block_size),
                           f32(scale))

@@ -176,9 +176,11 @@ class Checker:
     def attention(self, t: str) -> None:
         # (start, n) per sequence: decode steps, a prefill chunk continuing a prompt, a fresh prompt. Shapes: GQA
         # 4:1 at head_dim 256 (one key per grouped-kernel warp load), 6:1 as the 27B-class model with a long
-        # decode (many splits and iterations), 6:1 at head_dim 128 (two keys per load), 1:1 at 32 (eight keys).
+        # decode (many splits and iterations), 6:1 at head_dim 128 (two keys per load), 1:1 at 32 (eight keys);
+        # 4:1 as the 9B-class model with 4k decode rows (the mma kernel's many 64-key stages, a partial last one).
         for heads, kvh, hd, seqs in ((8, 2, 256, [(45, 1), (20, 37), (0, 5)]),
                                      (24, 4, 256, [(1500, 1), (333, 1), (0, 1)]),
+                                     (16, 4, 256, [(4100, 1), (777, 1), (63, 1), (4095, 1)]),
                                      (12, 2, 128, [(77, 1), (0, 9)]),
                                      (4, 4, 32, [(50, 1), (3, 4)])):
             self.attention_case(t, heads, kvh, hd, seqs)
@@ -237,7 +239,10 @@ class Checker:
         qdev, tdev = self.up(q_only, t), self.up(np.stack(tables), "i32")
         sdev, pdev = self.up(np.array(token_seq, np.int32), "i32"), self.up(np.array(token_pos, np.int32), "i32")
         outs = {}
-        for method in ("per_head", "grouped"):
+        methods = ["per_head", "grouped"]
+        if t == "bf16" and hd in self.ops.PAGED_MMA_HEAD_DIMS and heads // kvh <= self.ops.PAGED_MMA_MAX_GROUP:
+            methods.append("mma")  # the tensor-core decode kernel
+        for method in methods:
             for splits in (1, 5, None):  # one block per row, uneven key splits, the default split-K
                 outs[(method, splits)] = out = self.out((total, heads * hd), t)
                 self.ops.paged_attention(ctx, out, qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,

@@ -76,6 +76,15 @@ def test_attention_method_choice(ctx) -> None:
     assert not ops.gqa_attention_fits(misaligned, 6 * 256, arr((4, 16, 1, 256)), arr((4, 16, 1, 256)), 6, 1, 256)
     assert not ops.gqa_attention_fits(arr((1, 6 * 256)), 6 * 256 + 1, arr((4, 16, 1, 256)), arr((4, 16, 1, 256)),
                                       6, 1, 256)
+    with pytest.raises(ShapeError, match="mma paged_attention needs"):
+        call("mma", 18, 2, 256)  # 9 query heads per KV head: more than the score mma's 8 columns
+    with pytest.raises(ShapeError, match="mma paged_attention needs"):
+        call("mma", 8, 2, 96)  # no kernel built for that head size
+    cache = arr((4, 16, 4, 256))
+    assert ops.paged_mma_fits(arr((1, 16 * 256)), 16 * 256, cache, cache, 16, 4, 256)
+    assert not ops.paged_mma_fits(arr((1, 16 * 256), "f32"), 16 * 256, arr((4, 16, 4, 256), "f32"),
+                                  arr((4, 16, 4, 256), "f32"), 16, 4, 256)  # bf16 only
+    assert not ops.paged_mma_fits(DArray((1 << 20) + 2, (1, 16 * 256), "bf16"), 16 * 256, cache, cache, 16, 4, 256)
 
 
 def test_deltanet_shapes(ctx) -> None:

@@ -16,6 +16,7 @@
 // Not tiled: prefill cost is one pass over the keys per query row. bf16 prefill steps whose longest chunk has 32+
 // tokens use the tiled tensor-core kernel instead (flash_prefill.cu); this one serves decode, short chunks and fp32.
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 #define MAX_PER_LANE 8
 #define ATT_WARPS 4
@@ -284,6 +285,213 @@ __device__ void paged_attention_gqa_impl(float* part_acc, float* part_ml, const 
     }
 }
 
+// paged_attention_mma: the same function as paged_attention_gqa (bf16 only), on the tensor cores. Measured at
+//   9B shapes, 192 x 8k contexts (bench/results/cuda_notes.md, session 7), paged_attention_gqa reads K/V at ~40% of
+//   the copy rate whatever its key splits: it is bound by instructions (five shuffles per key and query head for
+//   the dot products, bf16 unpacking), not by bytes in flight. Here one block of PM_WARPS warps per (query token,
+//   KV head, key split) streams PM_BN keys at a time through shared memory (cp.async, PM_STAGES buffers, rows
+//   padded by 16 bytes), and each warp owns 16 keys of a stage:
+//     S^T [16 keys x 8 heads] = K Q^T   (mma m16n8k16: A = K from ldmatrix, B = the G <= 8 query heads sharing
+//                                        the KV head, in registers; heads past G are zero columns)
+//     online softmax per head over the warp's keys (exp2 domain, running max shared by the warp's 8 groups)
+//     O^T [head_dim x 8 heads] += V^T P^T  (A = V from ldmatrix.trans, B = P^T staged as bf16 through 256 bytes of
+//                                        shared memory per warp and read back with ldmatrix.trans)
+//   The warps' states are merged through shared memory at the end and written in paged_attention's partial form
+//   (max in scale * score units, sum, unnormalised accumulator), so attention_combine is unchanged. Keys past the
+//   split's end are zero-filled (a NaN-free V) and masked to -inf. P is rounded to bf16 for the PV product, as in
+//   flash_prefill. Needs bf16, G <= 8, head_dim in {64, 128, 256} and 16-byte aligned rows (ops.paged_mma_fits).
+#define PM_WARPS 4
+#define PM_BN (16 * PM_WARPS)  // keys per pipeline stage: 16 per warp
+#define PM_STAGES 3            // stages in flight: 2 tiles load while one is used
+#define PM_PAD 8               // bf16 elements of padding per shared row (16 bytes: ldmatrix rows hit 8 bank groups)
+
+template <int HD> struct PagedMmaShape {
+    static constexpr int LD = HD + PM_PAD;
+    static constexpr int KV_TILE = PM_BN * LD;                             // elements of one K (or V) stage
+    static constexpr int PIPE_BYTES = PM_STAGES * 2 * KV_TILE * 2;
+    static constexpr int MERGE_BYTES = PM_WARPS * 8 * (HD + 2) * 4;        // reuses the pipeline after the loop
+    static constexpr int P_OFFSET = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
+    static constexpr int SMEM_BYTES = P_OFFSET + PM_WARPS * 16 * 8 * 2;  // + P^T [16 keys][8 heads] per warp
+};  // SMEM_BYTES must equal ops.paged_mma_shared_bytes(HD)
+
+template <int HD>
+__device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const bf16_t* q, long long q_stride,
+                                         const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,
+                                         int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
+                                         int kv_heads, int group, int block_size, float scale) {
+    using S = PagedMmaShape<HD>;
+    constexpr int LD = S::LD, KSTEPS = HD / 16, MT_O = HD / 16, THREADS = PM_WARPS * 32;
+    constexpr int CHUNKS_PER_ROW = HD / 8, ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && PM_BN % ROWS_PER_PASS == 0, "copy layout");
+    extern __shared__ __align__(16) bf16_t smem[];
+    pdl_entry();
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
+    const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    if (token >= n || kvh >= kv_heads) return;  // whole block: before any barrier
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
+    const int seq = token_seq[token], last = token_pos[token];
+    const int per_split = (last + splits) / splits;
+    const int lo = split * per_split, hi = min(last + 1, lo + per_split);
+    const int n_tiles = hi > lo ? (hi - lo + PM_BN - 1) / PM_BN : 0;
+    const int* table = block_tables + (long long)seq * max_blocks_per_seq;
+    const long long row_width = (long long)kv_heads * HD;
+    const float sl = scale * 1.4426950408889634f;  // scores -> exp2 domain
+
+    // B fragments of Q^T (k = dims, n = heads): lane (g, tig) holds head g's dims 16ks + 2tig (+1) and + 8 (+9)
+    unsigned qb[KSTEPS][2];
+    {
+        const bool head_ok = g < group;
+        const unsigned* qr = (const unsigned*)(q + token * q_stride + (long long)(kvh * group + (head_ok ? g : 0)) * HD);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            qb[ks][0] = head_ok ? qr[ks * 8 + tig] : 0u;
+            qb[ks][1] = head_ok ? qr[ks * 8 + 4 + tig] : 0u;
+        }
+    }
+
+    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + PM_STAGES * S::KV_TILE * 2;
+    const unsigned ps_base = smem_addr(smem) + S::P_OFFSET + warp * 16 * 8 * 2;
+    const int copy_row0 = threadIdx.x / CHUNKS_PER_ROW, copy_d8 = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    const bf16_t* k_head = k_cache + (long long)kvh * HD + copy_d8;
+    const bf16_t* v_head = v_cache + (long long)kvh * HD + copy_d8;
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+    const int bs_shift = __ffs(block_size) - 1;
+    auto load_kv = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
+        const int k0 = lo + t * PM_BN;
+#pragma unroll
+        for (int i = 0; i < PM_BN / ROWS_PER_PASS; ++i) {
+            const int r = copy_row0 + i * ROWS_PER_PASS, kp = k0 + r;
+            const bool valid = kp < hi;
+            long long off = 0;
+            if (valid) {
+                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+                off = ((long long)table[blk] * block_size + (kp - blk * block_size)) * row_width;
+            }
+            const unsigned so = (unsigned)((buf * S::KV_TILE + r * LD + copy_d8) * 2);
+            cp_async16(ks_base + so, k_head + off, valid ? 16 : 0);
+            cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
+        }
+    };
+
+    // per-lane ldmatrix offsets (elements within a stage): K as A (keys lo/hi x dims lo/hi), V^T as A via .trans
+    // (matrices: dims lo/hi x keys lo/hi), P^T as B via .trans (keys lo/hi)
+    const int mat = lane >> 3, mrow = lane & 7;
+    const int k_lane = (warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+    const int v_lane = (warp * 16 + (mat >> 1) * 8 + mrow) * LD + (mat & 1) * 8;
+    const unsigned p_lane = ps_base + (unsigned)((lane & 15) * 8 * 2);
+
+    float o[MT_O][4];
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // heads 2 tig and 2 tig + 1 (raw dot units)
+
+#pragma unroll
+    for (int t = 0; t < PM_STAGES - 1; ++t) {
+        if (t < n_tiles) load_kv(t, t);
+        cp_async_commit();  // empty groups keep the count uniform
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+        cp_async_wait<PM_STAGES - 2>();  // tile t has landed (for this thread) ...
+        __syncthreads();                 // ... for every thread, and stage (t - 1) % STAGES is free again
+        if (t + PM_STAGES - 1 < n_tiles) load_kv(t + PM_STAGES - 1, (t + PM_STAGES - 1) % PM_STAGES);
+        cp_async_commit();
+        const int buf = t % PM_STAGES;
+        float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // two chains of mma
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            unsigned a[4];
+            ldsm_x4(a, ks_base + (unsigned)((buf * S::KV_TILE + k_lane + ks * 16) * 2));
+            mma_bf16((ks & 1) ? sb : sa, a, qb[ks][0], qb[ks][1]);
+        }
+        // lane (g, tig): keys g and g + 8 of the warp's 16, heads 2 tig (s0, s2) and 2 tig + 1 (s1, s3)
+        const int key_a = lo + t * PM_BN + warp * 16 + g;
+        const bool va = key_a < hi, vb = key_a + 8 < hi;
+        const float s0 = va ? sa[0] + sb[0] : NEG_INF, s1 = va ? sa[1] + sb[1] : NEG_INF;
+        const float s2 = vb ? sa[2] + sb[2] : NEG_INF, s3 = vb ? sa[3] + sb[3] : NEG_INF;
+        float mx0 = fmaxf(m0, fmaxf(s0, s2)), mx1 = fmaxf(m1, fmaxf(s1, s3));
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {  // over the 8 groups: the warp's 16 keys
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        const float base0 = mx0 == NEG_INF ? 0.0f : mx0 * sl, base1 = mx1 == NEG_INF ? 0.0f : mx1 * sl;
+        const float corr0 = exp2_ftz(m0 * sl - base0), corr1 = exp2_ftz(m1 * sl - base1);  // 0 while m = -inf
+        m0 = mx0;
+        m1 = mx1;
+        const float p0 = exp2_ftz(fmaf(s0, sl, -base0)), p1 = exp2_ftz(fmaf(s1, sl, -base1));
+        const float p2 = exp2_ftz(fmaf(s2, sl, -base0)), p3 = exp2_ftz(fmaf(s3, sl, -base1));
+        l0 = l0 * corr0 + p0 + p2;
+        l1 = l1 * corr1 + p1 + p3;
+        // P^T [key][head] through shared memory, back as the B fragment (k = keys, n = heads)
+        __syncwarp();
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ps_base + (unsigned)((g * 8 + 2 * tig) * 2)),
+                     "r"(pack_bf16(p0, p1)) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ps_base + (unsigned)(((g + 8) * 8 + 2 * tig) * 2)),
+                     "r"(pack_bf16(p2, p3)) : "memory");
+        __syncwarp();
+        unsigned pb[2];
+        ldsm_x2_trans(pb, p_lane);
+#pragma unroll
+        for (int mt = 0; mt < MT_O; ++mt) {  // O^T m-tile mt: dims 16 mt + g (o0, o1), + 8 (o2, o3)
+            o[mt][0] *= corr0;
+            o[mt][1] *= corr1;
+            o[mt][2] *= corr0;
+            o[mt][3] *= corr1;
+            unsigned a[4];
+            ldsm_x4_trans(a, vs_base + (unsigned)((buf * S::KV_TILE + v_lane + mt * 16) * 2));
+            mma_bf16(o[mt], a, pb[0], pb[1]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory now holds the warps' states
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {  // each group summed its own keys
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    float* s_acc = reinterpret_cast<float*>(smem);  // [PM_WARPS][8 heads][HD]
+    float* s_m = s_acc + PM_WARPS * 8 * HD;         // [PM_WARPS][8]
+    float* s_l = s_m + PM_WARPS * 8;
+    const int h0 = 2 * tig, h1 = h0 + 1;
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt) {
+        const int d = 16 * mt + g;
+        s_acc[(warp * 8 + h0) * HD + d] = o[mt][0];
+        s_acc[(warp * 8 + h1) * HD + d] = o[mt][1];
+        s_acc[(warp * 8 + h0) * HD + d + 8] = o[mt][2];
+        s_acc[(warp * 8 + h1) * HD + d + 8] = o[mt][3];
+    }
+    if (g == 0) {
+        s_m[warp * 8 + h0] = m0;
+        s_m[warp * 8 + h1] = m1;
+        s_l[warp * 8 + h0] = l0;
+        s_l[warp * 8 + h1] = l1;
+    }
+    __syncthreads();
+    const int heads = kv_heads * group;
+    for (int i = threadIdx.x; i < group * HD; i += THREADS) {
+        const int hh = i / HD, d = i % HD;
+        float m_blk = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < PM_WARPS; ++w) m_blk = fmaxf(m_blk, s_m[w * 8 + hh]);
+        float acc = 0.0f, l_blk = 0.0f;
+#pragma unroll
+        for (int w = 0; w < PM_WARPS; ++w) {
+            const float mw = s_m[w * 8 + hh];
+            if (mw == NEG_INF) continue;
+            const float c = exp2_ftz((mw - m_blk) * sl);
+            acc += s_acc[(w * 8 + hh) * HD + d] * c;
+            l_blk += s_l[w * 8 + hh] * c;
+        }
+        const long long part = ((long long)token * heads + kvh * group + hh) * splits + split;
+        part_acc[part * HD + d] = acc;
+        if (d == 0) {
+            part_ml[2 * part] = m_blk == NEG_INF ? NEG_INF : m_blk * scale;  // paged_attention's units
+            part_ml[2 * part + 1] = l_blk;
+        }
+    }
+}
+
 // Merge the splits of each (token, head) and apply the output gate: out = (sum_s acc_s e^{m_s - M}) /
 // (sum_s l_s e^{m_s - M}) * sigmoid(gate). Splits that saw no key have m = -inf and drop out.
 template <typename T>
@@ -409,3 +617,17 @@ DEFINE_GQA_ALL(bf16, bf16_t)
 DEFINE_GQA_ALL(f32, float)
 #undef DEFINE_GQA_ALL
 #undef DEFINE_GQA
+
+#define DEFINE_MMA(HD)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(PM_WARPS * 32, 1) paged_attention_mma_bf16_hd##HD(                \
+        float* part_acc, float* part_ml, const bf16_t* q, long long q_stride, const bf16_t* k_cache,              \
+        const bf16_t* v_cache, const int* block_tables, int max_blocks_per_seq, const int* token_seq,             \
+        const int* token_pos, int n, int kv_heads, int group, int block_size, float scale) {                     \
+        paged_attention_mma_impl<HD>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,              \
+                                     max_blocks_per_seq, token_seq, token_pos, n, kv_heads, group, block_size,   \
+                                     scale);                                                                     \
+    }
+DEFINE_MMA(64)
+DEFINE_MMA(128)
+DEFINE_MMA(256)
+#undef DEFINE_MMA
