@@ -1,0 +1,281 @@
+"""Speculative decoding's cost model on the CUDA runner (issue 16, "Measuring with random weights" (b) and (c)).
+
+    python3 bench/spec_cost_bench.py [--shape 27b] [--json out.json] [--deadline-s 120] [--wait-for FILE]
+
+Random bf16 weights at a Qwen3.5 class's shapes (bench/qwen35_shapes.py), one CudaRunner for everything:
+(b) step costs: one decode step vs one verify step of k + 1 = 2..5 tokens per sequence at batch 1 / 8 / 32
+    (forward() wall time as the engine sees it: host tables, graph replay, logits of every window row to the
+    host), per rollback strategy (CudaOptions.rollback: recompute snapshots the window's start state, window
+    writes every token's state); plus k = 3 windows whose drafts are all rejected, each rolled back (the worst
+    case: recompute re-feeds a token in front of the next window, window copies a state back).
+(c) end to end through the Engine: tokens/s after the prefill with the Replay drafter (the target's own greedy
+    continuation, recorded in a plain run, each draft replaced with probability 1 - a), a = 0.5 / 0.7 / 0.9,
+    k = 3, against the plain run of the same prompts; and batch 32 with the cost rule leaving no room for drafts
+    (SpeculativeConfig.max_step_tokens = 32: `auto` off), which must not be slower than plain.
+These are Replay-drafter figures: random weights make real drafters' acceptance meaningless. `a` is the chance
+that each draft is right; the engine's acceptance rate (accepted / drafted) is lower, since drafts after a
+rejected one count as rejected; both are reported with the mean accepted length.
+Rows stop being measured once --deadline-s is near; the JSON is rewritten after every row.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BATCHES = (1, 8, 32)
+WINDOWS = (2, 3, 4, 5)  # verify-window tokens (k + 1)
+ACCEPTANCE = (0.5, 0.7, 0.9)
+K = 3
+CONTEXT = 512  # prompt tokens of every sequence in the step-cost part
+PROMPT = 160  # prompt tokens of the end-to-end part (+ 48 output: block tables stay in one width bucket)
+REPS = 12
+
+
+class Clock:
+    """The run's deadline: a row starts only with `need` seconds left."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.t0, self.deadline = time.perf_counter(), deadline_s
+
+    def left(self) -> float:
+        return self.deadline - (time.perf_counter() - self.t0)
+
+
+def median_ms(times: list[float], skip: int = 3) -> float:
+    """Median of the calls after the first `skip` (a key's eager first step and its capture)."""
+    return 1e3 * float(np.median(times[skip:] if len(times) > skip else times))
+
+
+def step_costs(runner: Any, vocab: int, batches: tuple[int, ...], rng: np.random.Generator, clock: Clock,
+               reps: int = REPS) -> dict[str, float]:
+    """Decode vs verify forward() times; sequence s uses slot s and blocks table[s] (allocated by the caller)."""
+    from cuda_bench import prefill_sequences
+
+    from gpu_engine.runner_api import SeqChunk, StepBatch
+
+    pool = max(batches)
+    bs = runner.spec.block_size
+    per = (CONTEXT + reps * (max(WINDOWS) + 2) + 64) // bs + 1
+    tables = [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(pool)]
+    first = prefill_sequences(runner, rng, list(range(pool)), tables, CONTEXT)
+    length = dict.fromkeys(range(pool), CONTEXT)
+    out: dict[str, float] = {}
+
+    def chunk(s: int, n: int, verify: bool) -> SeqChunk:
+        p = length[s]
+        ids = np.concatenate([[first[s]], rng.integers(0, vocab, n - 1)]).astype(np.int64)
+        return SeqChunk(s, ids, np.tile(np.arange(p, p + n), (3, 1)), p, tables[s], s,
+                        logits="all" if verify else "last", verify=verify)
+
+    def timed(make: Any, after: Any = None) -> float:
+        times = []
+        for _ in range(reps):
+            batch = make()
+            t = time.perf_counter()
+            runner.forward(batch)
+            times.append(time.perf_counter() - t)
+            if after is not None:
+                after()
+        return median_ms(times)
+
+    for b in batches:
+        if clock.left() < 10:
+            break
+        seqs = range(b)
+        out[f"b{b}_decode_ms"] = timed(lambda: StepBatch([chunk(s, 1, False) for s in seqs]))  # noqa: B023
+        for n in WINDOWS:
+            out[f"b{b}_verify{n}_ms"] = timed(lambda: StepBatch([chunk(s, n, True) for s in seqs]))  # noqa: B023
+
+        def reject_all() -> None:
+            for s in seqs:  # noqa: B023
+                runner.rollback_state(s, 1)
+                length[s] += 1
+
+        out[f"b{b}_verify{K + 1}_reject_all_ms"] = timed(
+            lambda: StepBatch([chunk(s, K + 1, True) for s in seqs]), reject_all)  # noqa: B023
+        runner.forward(StepBatch([chunk(s, 1, False) for s in seqs]))  # takes the last refeed
+        for s in seqs:
+            length[s] += 1
+        for n in WINDOWS:
+            out[f"b{b}_verify{n}_over_decode"] = out[f"b{b}_verify{n}_ms"] / out[f"b{b}_decode_ms"]
+    return out
+
+
+def e2e(engine: Any, prompts: list[list[int]], max_tokens: int, override: Any = None, method: str = "auto"
+        ) -> dict[str, Any]:
+    """Tokens/s of the decode phase (from the step after which every request has its first token) and the
+    outputs; the speculative counters this run moved."""
+    from gpu_engine.params import SamplingParams
+
+    engine.spec.override = override
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=method)
+    before = dict(engine.stats())
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"r{i}")
+    done: dict[str, list[int]] = {}
+    produced: dict[str, int] = {}
+    t_start, at_start, steps = None, 0, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            produced[o.request_id] = len(o.token_ids)
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        steps += 1
+        if t_start is None and len(produced) == len(prompts):
+            t_start, at_start, steps = time.perf_counter(), sum(produced.values()), 0
+    wall = time.perf_counter() - (t_start or time.perf_counter())
+    after = engine.stats()
+    moved = {k: after[k] - before.get(k, 0) for k in ("spec_draft_tokens", "spec_accepted_tokens",
+                                                       "spec_verify_windows")}
+    tokens = sum(len(t) for t in done.values()) - at_start
+    drafted, windows = moved["spec_draft_tokens"], moved["spec_verify_windows"]
+    return {"tok_s": tokens / wall if wall > 0 else float("nan"), "decode_steps": steps, "outputs": done,
+            "acceptance_rate": moved["spec_accepted_tokens"] / drafted if drafted else 0.0,
+            "mean_accepted_length": (moved["spec_accepted_tokens"] + windows) / windows if windows else 0.0}
+
+
+def e2e_rows(make_engine: Any, vocab: int, batches: tuple[int, ...], max_tokens: int, rng: np.random.Generator,
+             clock: Clock, seed: int) -> dict[str, Any]:
+    """Per batch: plain, Replay at each acceptance; at the largest batch also `auto` with no room for drafts.
+    A plain and a speculative run of the same prompts go first, untimed: they capture the graphs the timed runs
+    replay (prompts of PROMPT tokens keep the block-table width bucket fixed over the run)."""
+    from gpu_engine.speculative.drafters import Replay
+
+    out: dict[str, Any] = {}
+    engine = make_engine(128)
+    for b in batches:
+        if clock.left() < 8 + 0.25 * b:
+            break
+        prompts = [rng.integers(3, min(vocab, 2000), PROMPT).tolist() for _ in range(b)]
+        recorded = e2e(engine, prompts, max_tokens, method="off")["outputs"]
+        e2e(engine, prompts, max_tokens, Replay(recorded, 0.3, vocab, seed=seed))
+        plain = e2e(engine, prompts, max_tokens, method="off")
+        out[f"b{b}_plain_tok_s"] = plain["tok_s"]
+        out[f"b{b}_plain_repeatable"] = plain["outputs"] == recorded
+        for a in ACCEPTANCE:
+            got = e2e(engine, prompts, max_tokens, Replay(plain["outputs"], 1.0 - a, vocab, seed=seed))
+            key = f"b{b}_a{a}"
+            same = sum(got["outputs"][r] == t for r, t in plain["outputs"].items())
+            out.update({f"{key}_tok_s": got["tok_s"], f"{key}_speedup": got["tok_s"] / plain["tok_s"],
+                        f"{key}_acceptance_rate": got["acceptance_rate"],
+                        f"{key}_mean_accepted_length": got["mean_accepted_length"],
+                        f"{key}_identical_requests": f"{same}/{b}"})
+    b = max(batches)
+    if f"b{b}_plain_tok_s" in out and clock.left() > 10:
+        off = make_engine(32)  # room = 32 - 32 decoding sequences: the cost rule gives `auto` no drafts
+        prompts = [rng.integers(3, min(vocab, 2000), PROMPT).tolist() for _ in range(b)]
+        e2e(off, prompts, max_tokens, method="off")  # graphs
+        plain = e2e(off, prompts, max_tokens, method="off")
+        got = e2e(off, prompts, max_tokens, Replay(plain["outputs"], 0.1, vocab, seed=seed))
+        out[f"b{b}_auto_off_tok_s"], out[f"b{b}_auto_off_plain_tok_s"] = got["tok_s"], plain["tok_s"]
+        out[f"b{b}_auto_off_over_plain"] = got["tok_s"] / plain["tok_s"]
+    return out
+
+
+def build_runner(shape: str, extra_gib: int) -> tuple[Any, Any]:
+    from cuda_bench import model_config, random_bf16_weights
+
+    from gpu_engine.cuda.options import CudaOptions
+    from gpu_engine.cuda.runner import CudaRunner
+
+    config, _ = model_config(shape)
+    weights = random_bf16_weights(config, np.random.default_rng(0))
+    nbytes = sum(a.nbytes for a in weights.text.values()) + (0 if config.tie_word_embeddings else
+                                                            weights.lm_head.nbytes)
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=nbytes + (extra_gib << 30)))
+    return runner, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="27b")
+    parser.add_argument("--json")
+    parser.add_argument("--deadline-s", type=float, default=150.0)
+    parser.add_argument("--wait-for", help="after the set-up, wait (up to 60 s) for this file before timing")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--strategies", default="recompute,window")
+    args = parser.parse_args(argv)
+    clock = Clock(args.deadline_s)
+    from doc_models import write_model
+
+    from gpu_engine.cache_sizing import size_cache  # noqa: F401  (import check before the long set-up)
+    from gpu_engine.engine import Engine
+    from gpu_engine.engine_config import EngineConfig
+    from gpu_engine.runner_api import CacheSpec
+    from gpu_engine.speculative import SpeculativeConfig
+    from gpu_engine.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    runner, config = build_runner(args.shape, 40)
+    info = {"device": runner.ctx.device.info.name, "shape": args.shape, "k": K, "context": CONTEXT,
+            "setup_s": round(time.perf_counter() - t0, 1), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "command": " ".join(sys.argv), "drafter": "Replay (benchmark-only: recorded greedy continuation, "
+                                                       "each draft replaced with probability 1 - a)"}
+    result: dict[str, Any] = {"info": info}
+
+    def write() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
+    if args.wait_for:
+        for _ in range(120):
+            if os.path.exists(args.wait_for):
+                break
+            time.sleep(0.5)
+    vocab, pool = config.text.vocab_size, max(BATCHES)
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_model(args.shape, Path(tmp) / "m", 0, 1 << 20, weights=False)
+        tokenizer = Tokenizer.from_pretrained(folder)
+        for strategy in args.strategies.split(","):
+            # every sequence of the largest batch verifies at once (window: 3 windows of 151 MB each at 27B)
+            runner.rollback, runner.verify_rows, runner.verify_memory_fraction = strategy, pool + 1, 0.8
+            bs = 16
+            per = (CONTEXT + REPS * 8 + 64) // bs + 1
+            runner.allocate_cache(CacheSpec(num_kv_blocks=per * pool, block_size=bs, num_state_slots=pool + 1))
+            result[f"steps_{strategy}"] = step_costs(runner, vocab, BATCHES, rng, clock)
+            write()
+
+        def make_engine(max_step_tokens: int) -> Any:
+            cfg = EngineConfig(max_num_seqs=pool, max_batched_tokens=4096, kv_cache_bytes=16 << 30, block_size=16)
+            return Engine(runner, tokenizer, vocab_size=vocab, config=cfg,
+                          speculative=SpeculativeConfig(num_tokens=K, max_step_tokens=max_step_tokens))
+
+        for strategy in args.strategies.split(","):
+            if clock.left() < 15:
+                break
+            runner.rollback = strategy
+            result[f"e2e_{strategy}"] = e2e_rows(make_engine, vocab, BATCHES, args.max_tokens, rng, clock, seed=2)
+            write()
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    write()
+    print(table(result))
+    runner.close()
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"spec_cost_bench {result['info'].get('shape')} (Replay-drafter figures, k = {K})"]
+    for name, rows in result.items():
+        if name == "info":
+            continue
+        lines.append(f"[{name}]")
+        lines.extend(f"  {key:<34} {val:.3f}" if isinstance(val, float) else f"  {key:<34} {val}"
+                     for key, val in rows.items())
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
