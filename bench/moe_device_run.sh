@@ -5,8 +5,8 @@
 # then run with carry [".snap_moe", ".whl14"]:  bash bench/moe_device_run.sh <commit> [rerun seed]
 # Order: the correctness checks in parallel (check_moe kernels and model on one fresh seed; with a rerun seed, the
 # model part again on that seed with DOCPIPE_CUDA_GRAPHS=0 and =1), then the 35b-a3b layer timing alone on the card.
-# Each part has its own time limit (CHECK_S / BENCH_S) and log under $OUT, so a part that runs long leaves the
-# others' results.
+# Each part has its own time limit (CHECK_S / BENCH_S) and log (all joined in $OUT/logs.txt), so a part that runs
+# long leaves the others' results; $OUT holds 7 files (the device brings back 8 at most).
 set -u
 OUT=${OUT:-/tmp/out}
 REPO=$PWD
@@ -23,11 +23,13 @@ seed=$(python3 -c "import secrets; print(secrets.randbits(31))")
     date -u +%FT%TZ
     echo "commit $commit, fresh seed $seed, rerun seed ${rerun:-none}"
 } | tee "$OUT/card.txt"
+LOGS=/tmp/moe_logs  # joined into $OUT/logs.txt at the end: $OUT brings back at most 8 files
+rm -rf "$LOGS" && mkdir -p "$LOGS"
 run_part() {  # name, limit, command...
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
     echo "== $name: rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/card.txt"
 }
 check="python3 -m tests.cuda_runner.check_moe"
@@ -42,11 +44,15 @@ fi
 wait
 OMP_NUM_THREADS=8 run_part bench "${BENCH_S:-30}" python3 bench/moe_layer_bench.py --json "$OUT/moe_bench.json" \
     --reps 15
-for f in "$OUT"/check_*.log "$OUT"/rerun_*.log; do
+for f in "$LOGS"/*.log; do
+    echo "==== $(basename "$f")" >>"$OUT/logs.txt"
+    cat "$f" >>"$OUT/logs.txt"
+done
+for f in "$LOGS"/check_*.log "$LOGS"/rerun_*.log; do
     [ -f "$f" ] || continue
     echo "-- $(basename "$f")"
     grep -E "Traceback|Error" "$f" | head -n 5
     grep -E "^row: model|FAIL|passed|SKIP" "$f" | tail -n 12
 done
-tail -n 12 "$OUT/bench.log"
+tail -n 30 "$LOGS/bench.log"
 cat "$OUT/card.txt"
