@@ -87,6 +87,10 @@ VARIANTS: dict[str, dict[str, Overrides]] = {
     # decode attention on the CUDA cores (the runner's choice through session 6) and on the tensor cores (session 7)
     "grouped": {"paged_attention": {"method": "grouped"}},
     "mma": {"paged_attention": {"method": "mma"}},
+    # the decode kernels of session 6 (for 16+ rows: two-pass delta rule) and of session 7 (tensor-core
+    # attention, one block per DeltaNet head and sequence)
+    "s6": {"paged_attention": {"method": "grouped"}, "gated_delta_rule": {"method": "two_pass"}},
+    "s7": {"paged_attention": {"method": "mma"}, "gated_delta_rule": {"method": "decode"}},
     "before": {"paged_attention": {"method": "per_head"},
                # then: the token-parallel conv for any step of 16+ tokens (args[1] is `out`, one row per token)
                "conv1d_silu": lambda args: {"method": "tokens" if args[1].shape[0] >= ops.GDN_TWO_PASS_MIN_TOKENS

@@ -404,6 +404,14 @@ def gdn_recurrent_rows(ctx: GpuContext, seqs: int, v_heads: int, dv: int) -> int
     return 4 if blocks_with_4 >= 4 * ctx.device.info.sm_count else 1
 
 
+GDN_DECODE_DK, GDN_DECODE_MAX_DV = 128, 128  # gdn_decode in kernels/deltanet.cu: 8 warps x 16 value columns
+
+
+def gdn_decode_fits(state: DArray, dk: int, dv: int) -> bool:
+    """Whether gated_delta_rule's decode kernel applies: dk 128 (a float4 per lane), dv <= 128, aligned state."""
+    return dk == GDN_DECODE_DK and dv <= GDN_DECODE_MAX_DV and state.ptr % 16 == 0
+
+
 def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int, a: DArray,
                      b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray, cu_seqlens: DArray,
                      state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int, dk: int, dv: int,
@@ -411,7 +419,9 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
     """Gated delta rule over a varlen batch; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv].
 
     method: "one_pass" (normalisation and gates inside the sequential kernel: one launch, for decode),
-    "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill), or "auto".
+    "decode" (the same in one block per value head and sequence, 16-byte state loads: dk 128, dv <= 128; see
+    gdn_decode_fits), "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill),
+    or "auto".
     rows: state rows per warp of the two-pass recurrence, 1 or 4 (default gdn_recurrent_rows()).
     """
     t = _same_float(out, q, k, v, a, b)
@@ -423,11 +433,19 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
                          f"(dk={dk}, k_heads={k_heads}, v_heads={v_heads})")
     if state.shape[1:] != (v_heads, dv, dk):
         raise ShapeError(f"state {state.shape}, expected [*, {v_heads}, {dv}, {dk}]")
-    if method not in ("auto", "one_pass", "two_pass"):
-        raise ShapeError(f"method must be auto, one_pass or two_pass, got {method!r}")
+    if method not in ("auto", "one_pass", "decode", "two_pass"):
+        raise ShapeError(f"method must be auto, one_pass, decode or two_pass, got {method!r}")
+    if method == "decode" and not gdn_decode_fits(state, dk, dv):
+        raise ShapeError(f"gated_delta_rule decode needs dk == {GDN_DECODE_DK}, dv <= {GDN_DECODE_MAX_DV} and a "
+                         f"16-byte aligned state (dk={dk}, dv={dv})")
     if rows not in (None, 1, 4):
         raise ShapeError(f"gdn_recurrent rows must be 1 or 4, got {rows}")
     seqs, n = state_slots.size, out.shape[0]
+    if method == "decode":
+        ctx.device.launch("deltanet", f"gdn_decode_{t}", (v_heads, seqs), 256, out.ptr, q.ptr, k.ptr, v.ptr,
+                          i64(qkv_stride), a.ptr, b.ptr, i64(ab_stride), A_log.ptr, dt_bias.ptr, state.ptr,
+                          cu_seqlens.ptr, state_slots.ptr, fresh.ptr, i32(k_heads), i32(v_heads), i32(dv))
+        return
     grid = ((dv + 7) // 8, v_heads, seqs)
     if method == "one_pass" or (method == "auto" and n < GDN_TWO_PASS_MIN_TOKENS):
         ctx.device.launch("deltanet", f"gated_delta_rule_{t}", grid, 256, out.ptr, q.ptr, k.ptr, v.ptr, i64(qkv_stride),

@@ -365,8 +365,9 @@ class Checker:
                 self.record(f"{label} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
                 self.record(f"{label} (state)", t, rel_err(self.get(cs), exp_state))
         # gated delta rule on independent random q/k/v (so this check does not inherit conv errors); the second
-        # shape takes gdn_recurrent's dk > 128 kernel and a dv that leaves its last warp's rows partly idle
-        for dk_, dv_ in ((dk, dv), (192, 30)):
+        # shape takes gdn_recurrent's dk > 128 kernel and a dv that leaves its last warp's rows partly idle; the
+        # third is the Qwen3.5 head (dk = dv = 128: every warp of gdn_decode busy)
+        for dk_, dv_ in ((dk, dv), (192, 30), (128, 128)):
             self.gated_delta_case(t, kh, vh, dk_, dv_, seqs, slots, num_slots)
 
     def gated_delta_case(self, t: str, kh: int, vh: int, dk: int, dv: int, seqs: list[tuple[bool, int]],
@@ -384,7 +385,10 @@ class Checker:
         state = (self.rng.standard_normal((num_slots, vh, dv, dk)) * 0.3).astype(np.float32)
         qkvd, abd = self.up(qkv, t), self.up(ab, t)
         results = {}
-        for method, rows in (("one_pass", None), ("two_pass", 1), ("two_pass", 4)):
+        cases: list[tuple[str, int | None]] = [("one_pass", None), ("two_pass", 1), ("two_pass", 4)]
+        if dk == self.ops.GDN_DECODE_DK and dv <= self.ops.GDN_DECODE_MAX_DV:
+            cases.append(("decode", None))  # one block per (head, sequence), 16-byte state rows
+        for method, rows in cases:
             sd = self.up(state, "f32")
             o = self.out((total, vh * dv), t)
             self.ops.gated_delta_rule(ctx, o, qkvd, qkvd.at(kh * dk), qkvd.at(2 * kh * dk), qkv_w, abd, abd.at(vh),

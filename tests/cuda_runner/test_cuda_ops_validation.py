@@ -104,6 +104,12 @@ def test_deltanet_shapes(ctx) -> None:
         ops.gated_delta_rule(ctx, arr((2, 64)), x, x, x, 64, x, x, 64, arr((2,), "f32"), arr((2,), "f32"),
                              arr((4, 2, 32, 32), "f32"), arr((2,), "i32"), arr((1,), "i32"), arr((1,), "i32"),
                              k_heads=1, v_heads=2, dk=32, dv=32, method="chunked")
+    with pytest.raises(ShapeError, match="decode needs dk == 128"):
+        ops.gated_delta_rule(ctx, arr((2, 64)), x, x, x, 64, x, x, 64, arr((2,), "f32"), arr((2,), "f32"),
+                             arr((4, 2, 32, 32), "f32"), arr((2,), "i32"), arr((1,), "i32"), arr((1,), "i32"),
+                             k_heads=1, v_heads=2, dk=32, dv=32, method="decode")
+    assert ops.gdn_decode_fits(arr((4, 32, 128, 128), "f32"), 128, 128)
+    assert not ops.gdn_decode_fits(arr((4, 32, 256, 128), "f32"), 128, 256)  # more columns than 8 warps x 16
 
 
 def test_sampling_inputs(ctx) -> None:

@@ -115,6 +115,79 @@ __device__ void gated_delta_rule_impl(T* out, const T* q, const T* k, const T* v
 }
 
 
+// gdn_decode: the gated delta rule of gated_delta_rule (same arguments, same result) for dk == 128 (every Qwen3.5
+//   class), one block per (value head, sequence) instead of one per 8 value columns. Measured at 9B, 192 rows
+//   (bench/results/cuda_notes.md, session 7): gated_delta_rule moves its state at ~67% of the copy rate, with 4 KiB
+//   of state per 256-thread block, 4-byte loads and two block-wide reductions per token redone by each of a head's
+//   16 blocks. Here 8 warps x GDN_DEC_ROWS value columns; lane l holds state elements 4l..4l+3 of each of its warp's
+//   columns (16-byte loads, all GDN_DEC_ROWS in flight before the first use); each warp normalises q and k itself
+//   (warp sums, no block barrier); the state is read once and written once per step.
+#define GDN_DEC_ROWS 16  // value columns per warp: dv <= GDN_WARPS * GDN_DEC_ROWS = 128
+
+template <typename T>
+__device__ void gdn_decode_impl(T* out, const T* q, const T* k, const T* v, long long qkv_stride, const T* a,
+                                const T* b, long long ab_stride, const float* A_log, const float* dt_bias,
+                                float* state, const int* cu_seqlens, const int* state_slots, const int* fresh,
+                                int k_heads, int v_heads, int dv) {
+    constexpr int DK = 128;
+    pdl_entry();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int kh = h / (v_heads / k_heads), j0 = warp * GDN_DEC_ROWS;
+    float* S = state + ((long long)state_slots[s] * v_heads + h) * dv * DK + 4 * lane;
+    const bool from_zero = fresh[s] != 0;
+    float4 Sr[GDN_DEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < GDN_DEC_ROWS; ++r)
+        Sr[r] = (j0 + r < dv && !from_zero) ? *reinterpret_cast<const float4*>(S + (long long)(j0 + r) * DK)
+                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float neg_A = -expf(A_log[h]);
+    const float q_scale = rsqrtf((float)DK);
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        const T* qt = q + t * qkv_stride + (long long)kh * DK + 4 * lane;
+        const T* kt = k + t * qkv_stride + (long long)kh * DK + 4 * lane;
+        float qv[4], kv4[4], qss = 0.0f, kss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            qv[e] = to_f(qt[e]);
+            kv4[e] = to_f(kt[e]);
+            qss += qv[e] * qv[e];
+            kss += kv4[e] * kv4[e];
+        }
+        const float q_inv = rsqrtf(warp_sum(qss) + 1e-6f) * q_scale, k_inv = rsqrtf(warp_sum(kss) + 1e-6f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            qv[e] *= q_inv;
+            kv4[e] *= k_inv;
+        }
+        const float decay = expf(neg_A * softplusf(to_f(a[t * ab_stride + h]) + dt_bias[h]));
+        const float beta = sigmoidf(to_f(b[t * ab_stride + h]));
+        const T* vt = v + t * qkv_stride + (long long)h * dv + j0;
+        float o_mine = 0.0f;  // lane r < GDN_DEC_ROWS ends with column j0 + r's output
+#pragma unroll
+        for (int r = 0; r < GDN_DEC_ROWS; ++r) {
+            float4& x = Sr[r];
+            x.x *= decay;
+            x.y *= decay;
+            x.z *= decay;
+            x.w *= decay;
+            const float kv = warp_sum(x.x * kv4[0] + x.y * kv4[1] + x.z * kv4[2] + x.w * kv4[3]);
+            const float delta = ((j0 + r < dv ? to_f(vt[r]) : 0.0f) - kv) * beta;
+            x.x += kv4[0] * delta;
+            x.y += kv4[1] * delta;
+            x.z += kv4[2] * delta;
+            x.w += kv4[3] * delta;
+            const float o = warp_sum(x.x * qv[0] + x.y * qv[1] + x.z * qv[2] + x.w * qv[3]);
+            if (lane == r) o_mine = o;
+        }
+        if (lane < GDN_DEC_ROWS && j0 + lane < dv)
+            out[(long long)t * v_heads * dv + (long long)h * dv + j0 + lane] = from_f<T>(o_mine);
+    }
+#pragma unroll
+    for (int r = 0; r < GDN_DEC_ROWS; ++r)
+        if (j0 + r < dv) *reinterpret_cast<float4*>(S + (long long)(j0 + r) * DK) = Sr[r];
+}
+
 // Prefill form of the gated delta rule, in two passes (the recurrent pass is the sequential part, so it must do
 // as little as possible per token):
 // gdn_prepare: fully parallel over tokens. Block (t, kh): L2-normalised k and q (q also scaled by 1/sqrt(dk)) in
@@ -414,6 +487,13 @@ __device__ void conv1d_state_update_impl(const T* x, long long x_stride, T* conv
                                                int v_heads, int dk) {                                             \
         gdn_prepare_impl<T>(qn, kn, db, q, k, qkv_stride, a, b, ab_stride, A_log, dt_bias, n, k_heads, v_heads,   \
                             dk);                                                                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_decode_##S(                                   \
+        T* out, const T* q, const T* k, const T* v, long long qkv_stride, const T* a, const T* b,                 \
+        long long ab_stride, const float* A_log, const float* dt_bias, float* state, const int* cu_seqlens,       \
+        const int* state_slots, const int* fresh, int k_heads, int v_heads, int dv) {                             \
+        gdn_decode_impl<T>(out, q, k, v, qkv_stride, a, b, ab_stride, A_log, dt_bias, state, cu_seqlens,          \
+                           state_slots, fresh, k_heads, v_heads, dv);                                             \
     }                                                                                                             \
     GDN_RECURRENT(S, T, gdn_recurrent_##S, MAX_DK_PER_LANE, 1)                                                    \
     GDN_RECURRENT(S, T, gdn_recurrent_r4_##S, MAX_DK_PER_LANE, 4)                                                 \
