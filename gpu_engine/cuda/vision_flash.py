@@ -11,6 +11,10 @@ memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m
 On the H200 (bench/results/cuda/vision_flash_bench.json, 16 heads x 72) m2n32 ran 208 / 225 / 258 TFLOP/s at 4096 /
 8580 / 47376 rows, m2n64 205-242, m1 143-170: DEFAULT_VARIANT is m2n32. Head dims without an m2 instantiation (128)
 run "m1".
+
+"wg64" (kernels/vision_flash_wg.cu) is the same schedule on Hopper's warpgroup MMA (wgmma, compiled for sm_90a):
+two warpgroups of 64 query rows (128 a block, 256 threads), 64 keys a step, head_dim 72 only; elsewhere (another
+head dim, a device that is not sm_90) it runs m2n32 instead (resolve_variant).
 """
 from __future__ import annotations
 
@@ -23,8 +27,14 @@ from .ops import _need
 HEAD_DIMS = (64, 72, 80, 128)  # instantiated in kernels/vision_flash.cu
 TILE_ROWS = 64  # query rows per block of the m1 variant (VF_ROWS in the kernel: 4 warps x 16)
 KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
-VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32)}  # name -> (m-tiles per warp, keys per step)
+# name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
+# warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
+VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
+WG_VARIANTS = ("wg64",)  # kernels/vision_flash_wg.cu: wgmma, sm_90a
+WG_HEAD_DIMS = (72,)
+WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
+WG_THREADS = 256
 DEFAULT_VARIANT = "m2n32"
 _PAD = 8  # bf16 elements of padding per shared-memory row (VF_PAD)
 _MAX_GRID_X = 2**31 - 1
@@ -42,18 +52,36 @@ def shared_bytes(head_dim: int, keys: int = KEYS_PER_STEP) -> int:
     return 2 * 4 * keys * (padded_head_dim(head_dim) + _PAD)
 
 
-def resolve_variant(head_dim: int, variant: str | None = None) -> str:
-    """The variant that runs for this head dim: `variant` (DEFAULT_VARIANT when None), "m1" where no m2 kernel
-    exists for head_dim."""
+def wg_shared_bytes(head_dim: int, keys: int = 64) -> int:
+    """Dynamic shared memory of the wgmma kernel (VwShape::SMEM_BYTES): two stages of a K tile (padded_head_dim
+    columns) and a V tile (head_dim columns), `keys` rows each, unpadded rows (core-matrix layout)."""
+    return 2 * keys * (padded_head_dim(head_dim) + head_dim) * 2
+
+
+def resolve_variant(head_dim: int, variant: str | None = None, arch: str | None = None) -> str:
+    """The variant that runs for this head dim on a device of `arch`: `variant` (DEFAULT_VARIANT when None); a wgmma
+    variant only on WG_ARCHS at WG_HEAD_DIMS, else m2n32; "m1" where no m2 kernel exists for head_dim."""
     name = DEFAULT_VARIANT if variant is None else variant
     if name not in VARIANTS:
         raise ShapeError(f"vision_flash variant must be one of {sorted(VARIANTS)}, got {name!r}")
+    if name in WG_VARIANTS and (head_dim not in WG_HEAD_DIMS or arch not in WG_ARCHS):
+        name = "m2n32"
     return name if name == "m1" or head_dim in M2_HEAD_DIMS else "m1"
 
 
 def kernel_name(head_dim: int, variant: str) -> str:
     m, keys = VARIANTS[variant]
+    if variant in WG_VARIANTS:
+        return f"vision_flash_wg_bf16_hd{head_dim}_n{keys}"
     return f"vision_flash_bf16_hd{head_dim}" if m == 1 else f"vision_flash_bf16_hd{head_dim}_m{m}_n{keys}"
+
+
+def launch_shape(head_dim: int, variant: str) -> tuple[str, int, int]:
+    """(kernel family, threads per block, dynamic shared bytes) of a resolved variant."""
+    keys = VARIANTS[variant][1]
+    if variant in WG_VARIANTS:
+        return "vision_flash_wg", WG_THREADS, wg_shared_bytes(head_dim, keys)
+    return "vision_flash", 128, shared_bytes(head_dim, keys)
 
 
 def tile_rows(variant: str) -> int:
@@ -74,7 +102,8 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
     """out [n, heads*head_dim] = softmax(scale * q k^T) v inside each segment of seg_len rows; qkv [n, 3*heads*
     head_dim] bf16 (q | k | v per row). Rows are copied in 16-byte pieces: qkv must be 16-byte aligned (head_dim is
     a multiple of 8, so every head's columns are too) and out 4-byte aligned. scale > 0 (the kernel's running max
-    starts at -inf and is scaled by it). `variant`: a VARIANTS name (None: DEFAULT_VARIANT, see resolve_variant)."""
+    starts at -inf and is scaled by it). `variant`: a VARIANTS name (None: DEFAULT_VARIANT; resolve_variant says
+    what runs on this device)."""
     for arr, what in ((out, "out"), (qkv, "qkv")):
         _need(arr, "bf16", f"vision_flash_attention {what}")
     n = qkv.shape[0]
@@ -87,11 +116,11 @@ def vision_flash_attention(ctx: GpuContext, out: DArray, qkv: DArray, heads: int
                          f"{head_dim}, seg_len {seg_len} must divide n >= 1, scale {scale} must be > 0")
     if qkv.ptr % 16 or out.ptr % 4:
         raise ShapeError("vision_flash_attention needs a 16-byte aligned qkv and a 4-byte aligned out")
-    name = resolve_variant(head_dim, variant)
+    name = resolve_variant(head_dim, variant, getattr(ctx.device.info, "arch", None))
     tiles = tiles_per_segment(seg_len, tile_rows(name))
     blocks = n // seg_len * tiles
     if blocks > _MAX_GRID_X:
         raise ShapeError(f"vision_flash_attention: {blocks} query tiles exceed the grid")
-    ctx.device.launch("vision_flash", kernel_name(head_dim, name), (blocks, heads), 128, out.ptr, qkv.ptr,
-                      np.int32(heads), np.int32(seg_len), np.int32(tiles), np.float32(scale),
-                      shmem=shared_bytes(head_dim, VARIANTS[name][1]))
+    family, threads, shmem = launch_shape(head_dim, name)
+    ctx.device.launch(family, kernel_name(head_dim, name), (blocks, heads), threads, out.ptr, qkv.ptr,
+                      np.int32(heads), np.int32(seg_len), np.int32(tiles), np.float32(scale), shmem=shmem)

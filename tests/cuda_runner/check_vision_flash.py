@@ -5,10 +5,12 @@
 Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is peaky enough that a wrong max,
 mask or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first.
 Cases: head_dim 72 (padded to 80 inside) and 64, also 80 and 128; 16 and 4 heads; segments of 1, 17, 64, 100,
-1024 and 4096 rows, n = several segments. Pass: rel-L2 <= 1e-2
-against float64 segment attention on the same bf16 inputs, and no row left unwritten. Info (not a pass criterion):
-device time of one 4096-row, 16-head, head_dim 72 launch (the 1024^2 image's per-layer attention) and its
-TFLOP/s. The tower itself (auto -> flash in bf16) is covered by check_vision. Skips (exit 0) without a GPU.
+129, 1024, 4096 and 8580 rows, n = several segments. Each case runs every kernel this device has for its head dim:
+the default variant and the wgmma one (vision_flash.WG_VARIANTS, Hopper only; elsewhere it resolves to the same).
+Pass: rel-L2 <= 1e-2 against float64 segment attention on the same bf16 inputs, and no row left unwritten. Info (not
+a pass criterion): device time of one 4096-row, 16-head, head_dim 72 launch (the 1024^2 image's per-layer attention)
+and its TFLOP/s, per variant. The tower itself (auto -> flash in bf16) is covered by check_vision. Skips (exit 0)
+without a GPU.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ CASES = [
     (64, 16, 1, 5), (64, 16, 17, 4), (64, 16, 64, 2), (64, 16, 100, 3), (64, 16, 1024, 2), (64, 16, 4096, 1),
     (64, 4, 1, 3), (64, 4, 17, 3), (64, 4, 64, 3), (64, 4, 100, 2), (64, 4, 1024, 2), (64, 4, 4096, 2),
     (80, 4, 100, 3), (80, 4, 1024, 1), (128, 4, 100, 3), (128, 4, 1024, 2),
+    (72, 16, 129, 3), (72, 2, 8580, 1),  # one row past a 128-row tile; an A4 page's segment
 ]
 
 
@@ -48,6 +51,14 @@ def reference_f64(qkv: np.ndarray, heads: int, head_dim: int, seg_len: int, scal
     return out
 
 
+def checked_variants(head_dim: int, arch: str) -> list[str]:
+    """The kernels this device runs for head_dim: the default variant's and every wgmma variant's (each once)."""
+    from gpu_engine.cuda import vision_flash
+
+    names = [vision_flash.resolve_variant(head_dim, v, arch) for v in (None, *vision_flash.WG_VARIANTS)]
+    return list(dict.fromkeys(names))
+
+
 def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.cuda.vision_flash import vision_flash_attention
@@ -57,22 +68,24 @@ def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:
         n, width = seg * segments, heads * hd
         qkv = np.concatenate([1.5 * rng.standard_normal((n, 2 * width)), rng.standard_normal((n, width))], axis=1)
         qkv = round_to_bf16(qkv.astype(np.float32))
-        mark = ctx.arena.mark()
-        d_qkv = ctx.to_device(qkv, "bf16", "check.qkv")
-        out = ctx.empty((n, width), "bf16", "check.out")
-        ctx.poison(out)
-        vision_flash_attention(ctx, out, d_qkv, heads, hd, seg, hd ** -0.5)
-        got = ctx.to_host(out)
-        ctx.device.sync()
-        ctx.arena.release(mark)
-        err = rel_err(got, reference_f64(qkv, heads, hd, seg, hd ** -0.5))
-        label = f"hd{hd} x{heads} heads, seg {seg} x {segments}"
-        results.append(FlashResult(label, err, bool(err <= TOL)))
-        print(f"{label:<34} rel. err {err:.2e}  {'PASS' if err <= TOL else 'FAIL'}", flush=True)
+        ref = reference_f64(qkv, heads, hd, seg, hd ** -0.5)
+        for variant in checked_variants(hd, ctx.device.info.arch):
+            mark = ctx.arena.mark()
+            d_qkv = ctx.to_device(qkv, "bf16", "check.qkv")
+            out = ctx.empty((n, width), "bf16", "check.out")
+            ctx.poison(out)
+            vision_flash_attention(ctx, out, d_qkv, heads, hd, seg, hd ** -0.5, variant)
+            got = ctx.to_host(out)
+            ctx.device.sync()
+            ctx.arena.release(mark)
+            err = rel_err(got, ref)
+            label = f"{variant} hd{hd} x{heads} heads, seg {seg} x {segments}"
+            results.append(FlashResult(label, err, bool(err <= TOL)))
+            print(f"{label:<40} rel. err {err:.2e}  {'PASS' if err <= TOL else 'FAIL'}", flush=True)
     return results
 
 
-def time_layer(ctx, rng: np.random.Generator) -> dict:
+def time_layer(ctx, rng: np.random.Generator, variant: str | None = None) -> dict:
     """Median device ms of the 1024^2 image's attention (4096 rows, 16 heads, head_dim 72), by CUDA events."""
     from gpu_engine.cuda.vision_flash import vision_flash_attention
 
@@ -80,7 +93,7 @@ def time_layer(ctx, rng: np.random.Generator) -> dict:
     mark = ctx.arena.mark()
     qkv = ctx.to_device(rng.standard_normal((n, 3 * heads * hd), dtype=np.float32), "bf16", "time.qkv")
     out = ctx.empty((n, heads * hd), "bf16", "time.out")
-    launch = lambda: vision_flash_attention(ctx, out, qkv, heads, hd, n, hd ** -0.5)
+    launch = lambda: vision_flash_attention(ctx, out, qkv, heads, hd, n, hd ** -0.5, variant)
     for _ in range(3):
         launch()
     ctx.device.sync()
@@ -117,14 +130,16 @@ def run_all(seed: int | None = None) -> tuple[list[FlashResult], dict]:
             results = [FlashResult("check_cases raised", float("nan"), False)]
         if all(r.ok for r in results):
             info.update(time_layer(ctx, rng))
+            for variant in checked_variants(72, ctx.device.info.arch)[1:]:
+                info[variant] = time_layer(ctx, rng, variant)
     finally:
         ctx.close()
     return results, info
 
 
 def format_table(results: list[FlashResult]) -> str:
-    lines = [f"{'case':<34} {'rel.err':>9}  ok", "-" * 50]
-    lines += [f"{r.case:<34} {r.rel_err:>9.2e}  {'PASS' if r.ok else 'FAIL'}" for r in results]
+    lines = [f"{'case':<40} {'rel.err':>9}  ok", "-" * 56]
+    lines += [f"{r.case:<40} {r.rel_err:>9.2e}  {'PASS' if r.ok else 'FAIL'}" for r in results]
     return "\n".join(lines)
 
 

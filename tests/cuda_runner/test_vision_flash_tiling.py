@@ -91,11 +91,24 @@ def test_host_constants_match_the_kernel_source() -> None:
     assert vision_flash.shared_bytes(72) <= 48 * 1024  # hd 72 needs no raised shared-memory limit
 
 
+def test_wgmma_kernel_constants_match_the_host() -> None:
+    src = (KERNEL.parent / "vision_flash_wg.cu").read_text()
+    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))
+    assert define("VW_THREADS") == vision_flash.WG_THREADS == 256
+    assert define("VW_ROWS") == vision_flash.tile_rows("wg64") and define("VW_BN") == vision_flash.VARIANTS["wg64"][1]
+    assert (define("VW_HD"),) == vision_flash.WG_HEAD_DIMS
+    # two stages of K (80 columns, pad included) + V (72 columns), 64 rows each, no row padding
+    assert "SMEM_BYTES = 2 * STAGE" in src and vision_flash.wg_shared_bytes(72) == 2 * 64 * (80 + 72) * 2 == 38912
+    assert vision_flash.wg_shared_bytes(72) <= 48 * 1024  # no raised shared-memory limit; two blocks fit an SM
+
+
 class RecordingDevice:
     info = SimpleNamespace(sm_count=132)
 
-    def __init__(self) -> None:
+    def __init__(self, arch: str | None = None) -> None:
         self.calls: list[tuple] = []
+        if arch is not None:
+            self.info = SimpleNamespace(sm_count=132, arch=arch)
 
     def launch(self, family, name, grid, block, *args, shmem=0, stream=None):
         self.calls.append((family, name, grid, block, [type(a).__name__ for a in args], shmem))
@@ -121,6 +134,19 @@ def test_two_m_tile_variants_launch_128_row_tiles(variant, name, blocks, keys) -
     (call,) = ctx.device.calls
     assert call[1:3] == (name, (blocks, 16)) and call[5] == vision_flash.shared_bytes(72, keys)
     assert call[4] == ["int", "int", "int32", "int32", "int32", "float32"]
+
+
+@pytest.mark.parametrize("arch,name,threads", [("sm_90", "vision_flash_wg_bf16_hd72_n64", 256),
+                                               ("sm_80", "vision_flash_bf16_hd72_m2_n32", 128)])
+def test_wgmma_variant_launch(arch, name, threads) -> None:
+    ctx = SimpleNamespace(device=RecordingDevice(arch))
+    n, seg = 8192, 4096  # 32 tiles of 128 rows per segment, either kernel
+    vision_flash.vision_flash_attention(ctx, arr((n, 16 * 72)), arr((n, 3 * 16 * 72)), 16, 72, seg, 72 ** -0.5,
+                                        variant="wg64")
+    (call,) = ctx.device.calls
+    family = "vision_flash_wg" if threads == 256 else "vision_flash"
+    shmem = vision_flash.wg_shared_bytes(72) if threads == 256 else vision_flash.shared_bytes(72, 32)
+    assert call == (family, name, (64, 16), threads, ["int", "int", "int32", "int32", "int32", "float32"], shmem)
 
 
 def test_default_variant_and_fallback_to_m1() -> None:

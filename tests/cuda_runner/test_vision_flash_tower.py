@@ -19,36 +19,40 @@ from tests.cuda_runner.check_vision import CONFIGS, random_vision_weights
 from tests.cuda_runner.test_cuda_vision_emulated import FakeDevice, fake_context
 from tests.cuda_runner.vision_flash_emulation import vision_flash_emulated
 
+FLASH_FAMILIES = ("vision_flash", "vision_flash_wg")
+
 
 class FlashFakeDevice(FakeDevice):
-    """FakeDevice plus the vision_flash kernel; records which attention kernels ran."""
+    """FakeDevice plus the vision_flash kernels; records which attention kernels ran. `arch` is what the launcher
+    reads to pick a variant (sm_90: the wgmma kernel may run)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, arch: str = "sm_90") -> None:
         super().__init__(nbytes)
+        self.info = SimpleNamespace(**vars(self.info), arch=arch)
         self.attention_launches: list[str] = []
 
     def launch(self, family: str, name: str, grid, block, *args, shmem: int = 0) -> None:
-        if "attention" in name or family == "vision_flash":
+        if "attention" in name or family in FLASH_FAMILIES:
             self.attention_launches.append(name)
-        if family != "vision_flash":
+        if family not in FLASH_FAMILIES:
             super().launch(family, name, grid, block, *args)
             return
         out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
         scale = float(args[5])
-        head_dim = int(re.fullmatch(r"vision_flash_bf16_hd(\d+)(_m\d+_n\d+)?", name).group(1))
+        head_dim = int(re.fullmatch(r"vision_flash(?:_wg)?_bf16_hd(\d+)(_m\d+)?(_n\d+)?", name).group(1))
         variant = next(v for v in vision_flash.VARIANTS if vision_flash.kernel_name(head_dim, v) == name)
         blocks, grid_heads = grid
         rows = vision_flash.tile_rows(variant)
         assert grid_heads == heads and tiles == -(-seg // rows) and blocks % tiles == 0
-        assert shmem == vision_flash.shared_bytes(head_dim, vision_flash.VARIANTS[variant][1])
+        assert (family, block, shmem) == vision_flash.launch_shape(head_dim, variant)
         n = blocks // tiles * seg
         values = self.read(qkv, n * 3 * heads * head_dim, "bf16").reshape(n, -1)
         self.write(out, vision_flash_emulated(values, heads, head_dim, seg, scale, variant=variant), "bf16")
 
 
-def flash_context(nbytes: int = 64 << 20):
+def flash_context(nbytes: int = 64 << 20, arch: str = "sm_90"):
     ctx = fake_context(nbytes)
-    ctx.device = FlashFakeDevice(nbytes)
+    ctx.device = FlashFakeDevice(nbytes, arch)
     ctx.blas.dev = ctx.device
     return ctx
 
