@@ -163,6 +163,7 @@ def run_all(seed: int | None = None) -> tuple[list[SpecResult], dict]:
                         results.append(SpecResult(cname, dtype, rollback, name, same, tie,
                                                   moved["spec_draft_tokens"], moved["spec_accepted_tokens"], graphed,
                                                   bool(ok), note))
+                        print(format_table(results[-1:]).splitlines()[-1], flush=True)  # progress, if cut short
     return results, {"seed": seed, "k": K, "max_tokens": MAX_TOKENS, "near_tie": NEAR_TIE}
 
 
