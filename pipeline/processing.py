@@ -142,7 +142,7 @@ def process_paths(
 
     # Several jobs at once, so the engine batches pages of different documents together (one document's pages
     # alone rarely fill a batch).
-    with ThreadPoolExecutor(max_workers=p.settings.embedded_jobs, thread_name_prefix="docpipe-job") as pool:
+    with ThreadPoolExecutor(max_workers=p.settings.embedded_job_threads(), thread_name_prefix="docpipe-job") as pool:
         futures = []
         for outcome in iter_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password,
                                    include=include):

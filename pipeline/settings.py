@@ -32,6 +32,7 @@ BUNDLED_MAX_ARRAY_ITEMS = 3
 # tokens a step), so before it is built a job-slot count can only assume that cap.
 REFERENCE_MAX_NUM_SEQS = 16
 REFERENCE_MAX_BATCHED_TOKENS = 2048
+REFERENCE_EMBEDDED_JOBS = 4
 WatchAction = Literal["leave", "move"]
 
 
@@ -122,8 +123,8 @@ class Settings(BaseSettings):
     render_max_per_key: int = Field(
         1, ge=1, description="Documents one API key may have rendering at once (embedded server).")
     # --- jobs and queue ------------------------------------------------------------------------------------------
-    embedded_jobs: int = Field(4, ge=1, description="Jobs `docpipe process` runs at once (the engine batches "
-                               "their pages together).")
+    embedded_jobs: int = Field(0, ge=0, description="Jobs `docpipe process` runs at once (the engine batches "
+                               "their pages together); 0 = 4 on reference, the engine's job slots on cuda.")
     broker_url: str | None = Field(None, description="Celery broker (redis://...); None = embedded in-process runs.")
     job_lease_s: float = Field(900.0, gt=0, description="A running job whose lease passed may be taken over.")
     job_max_attempts: int = Field(3, ge=1, description="Attempts before a job is failed for good (poison cap).")
@@ -215,6 +216,13 @@ class Settings(BaseSettings):
         from gpu_engine.batch_defaults import MAX_SIZED_NUM_SEQS  # imported late, as bundled_model_dir
 
         return self.engine_batch()[0] or MAX_SIZED_NUM_SEQS
+
+    def embedded_job_threads(self) -> int:
+        """Jobs `docpipe process` runs at once: the setting, else 4 on the reference runner (a small CPU), else as
+        many as the GPU worker runs (engine_job_slots), so the pages in flight can fill the engine's batch."""
+        if self.embedded_jobs:
+            return self.embedded_jobs
+        return REFERENCE_EMBEDDED_JOBS if self.runner == "reference" else self.engine_job_slots()
 
     def engine_quantize_option(self) -> str | None:
         """`quantize` for gpu_engine.load / Engine.from_pretrained: None for "none"."""

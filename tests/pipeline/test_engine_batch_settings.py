@@ -37,3 +37,10 @@ def test_the_engine_client_reports_the_batch_it_was_built_with(tmp_path: Path) -
         assert client.max_num_seqs == 6
     finally:
         client.close()
+
+
+def test_embedded_jobs_fill_the_engine_on_cuda_and_stay_four_on_reference(tmp_path: Path) -> None:
+    assert Settings(data_dir=tmp_path).embedded_job_threads() == 4
+    assert Settings(data_dir=tmp_path, runner="cuda").embedded_job_threads() == 256
+    assert Settings(data_dir=tmp_path, runner="cuda", engine_max_num_seqs=32).embedded_job_threads() == 32
+    assert Settings(data_dir=tmp_path, runner="cuda", embedded_jobs=3).embedded_job_threads() == 3
