@@ -44,3 +44,22 @@ def test_e2e_rows_report_speedups_with_plain_outputs(tmp_path: Path, monkeypatch
             assert out[f"b{b}_a{a}_identical_requests"] == f"{b}/{b}"
             assert 0 < out[f"b{b}_a{a}_acceptance_rate"] <= 1 and out[f"b{b}_a{a}_mean_accepted_length"] > 1
     assert out["b2_auto_off_over_plain"] > 0
+
+
+def test_main_runs_every_part_and_writes_json(tmp_path: Path, monkeypatch: Any) -> None:
+    import json
+
+    from gpu_engine.config import ModelConfig
+
+    folder = make_tiny_checkpoint(tmp_path / "m", seed=5)
+    eng = Engine.from_pretrained(folder)
+    monkeypatch.setattr(scb, "build_runner", lambda shape, gib: (eng.runner, ModelConfig.from_pretrained(folder)))
+    monkeypatch.setattr(scb, "BATCHES", (1, 2))
+    monkeypatch.setattr(scb, "CONTEXT", 12)
+    monkeypatch.setattr(scb, "PROMPT", 8)
+    out = tmp_path / "r.json"
+    assert scb.main(["--shape", "tiny", "--json", str(out), "--deadline-s", "100", "--max-tokens", "8"]) == 0
+    result = json.loads(out.read_text())
+    for strategy in ("recompute", "window"):
+        assert "error" not in result[f"steps_{strategy}"] and "b2_decode_ms" in result[f"steps_{strategy}"]
+        assert result[f"e2e_{strategy}"]["b1_a0.9_identical_requests"] == "1/1"
