@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runner, config = build_runner(args.shape, 40)
     ctx = getattr(runner, "ctx", None)  # the CPU test runs the reference runner
-    info = {"device": ctx.device.info.name if ctx is not None else runner.name, "shape": args.shape, "k": K, "context": CONTEXT,
+    info = {"device": ctx.device.info.name if ctx is not None else runner.name, "shape": args.shape, "k": K,
+            "context": CONTEXT,
             "setup_s": round(time.perf_counter() - t0, 1), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
             "command": " ".join(sys.argv), "drafter": "Replay (benchmark-only: recorded greedy continuation, "
                                                        "each draft replaced with probability 1 - a)"}
