@@ -1,6 +1,6 @@
-"""Typed launchers for the vision tower's kernels (kernels/vision.cu): LayerNorm, bias + activation, the patch
-embedding's position taps, segment attention on the CUDA cores, row softmax and the f32 cast. Same conventions
-as ops.py (enqueue only; row-major shapes, strides in elements, scalars with explicit C types)."""
+"""Typed launchers for the vision tower's kernels (kernels/vision.cu): LayerNorm (a warp or a block per row), bias +
+activation, the patch embedding's position taps, segment attention on the CUDA cores, row softmax and the f32 cast.
+Same conventions as ops.py (enqueue only; row-major shapes, strides in elements, scalars with explicit C types)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,12 +14,22 @@ i32, i64, f32 = np.int32, np.int64, np.float32
 VISION_ACTS = {"none": 0, "gelu_tanh": 1, "gelu": 2}  # gelu = exact (erf) GELU
 
 
+LAYERNORM_ROWS_MAX = {"bf16": 32 * 8 * 8, "f32": 32 * 8 * 4}  # layernorm_rows: 32 lanes x LN_VECS x 16 bytes
+_ROWS_PER_BLOCK = 8  # layernorm_rows: one warp per row
+
+
 def layernorm(ctx: GpuContext, out: DArray, x: DArray, w: DArray, b: DArray, eps: float) -> None:
-    """out = LayerNorm(x) * w + b over the last dim (biased variance, like torch). x/out [rows, dim]; may alias."""
+    """out = LayerNorm(x) * w + b over the last dim (biased variance, like torch). x/out [rows, dim]; may alias.
+    Rows of whole 16-byte vectors up to LAYERNORM_ROWS_MAX run one warp a row (layernorm_rows), others a block."""
     t = _same_float(out, x, w, b)
     rows, dim = x.shape
     if out.shape != x.shape or w.size != dim or b.size != dim:
         raise ShapeError(f"layernorm shapes: x {x.shape}, out {out.shape}, w {w.shape}, b {b.shape}")
+    per = 16 // out.itemsize
+    if dim % per == 0 and dim <= LAYERNORM_ROWS_MAX[t] and not (out.ptr | x.ptr | w.ptr | b.ptr) % 16:
+        ctx.device.launch("vision", f"layernorm_rows_{t}", -(-rows // _ROWS_PER_BLOCK), 32 * _ROWS_PER_BLOCK,
+                          out.ptr, x.ptr, w.ptr, b.ptr, i32(rows), i32(dim), f32(eps))
+        return
     ctx.device.launch("vision", f"layernorm_{t}", rows, _threads(dim), out.ptr, x.ptr, w.ptr, b.ptr, i32(rows),
                       i32(dim), f32(eps))
 

@@ -80,6 +80,8 @@ class FakeDevice:
         var = ((xv - mean) ** 2).mean(1, keepdims=True)
         self.write(out, (xv - mean) / np.sqrt(var + eps) * self.read(w, dim, t) + self.read(b, dim, t), t)
 
+    k_layernorm_rows = k_layernorm  # the same function, one warp a row
+
     def k_bias_act(self, t, out, x, bias, rows, cols, act):
         from gpu_engine.reference.vision_tower import gelu_exact, gelu_tanh
 

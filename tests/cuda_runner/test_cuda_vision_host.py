@@ -114,3 +114,31 @@ def test_vision_launchers_refuse_bad_shapes(ctx) -> None:
         vision_ops.vision_attention(ctx, arr((6, 48)), arr((6, 48 * 3)), 2, 24, 4, 0.2)
     with pytest.raises(ShapeError, match="max 256"):
         vision_ops.vision_attention(ctx, arr((4, 512)), arr((4, 1536)), 1, 512, 4, 0.2)
+
+
+class _Launches:
+    info = SimpleNamespace(sm_count=132)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def launch(self, family, name, grid, block, *args, **kwargs):
+        self.calls.append((family, name, grid, block))
+
+
+@pytest.mark.parametrize("dtype,dim,ptr,kernel", [
+    ("bf16", 1152, 1 << 20, "layernorm_rows_bf16"),  # the 9B tower: a warp a row, 8 rows a block
+    ("f32", 1024, 1 << 20, "layernorm_rows_f32"),
+    ("bf16", 2056, 1 << 20, "layernorm_bf16"),  # past 32 lanes x 8 vectors
+    ("bf16", 1156, 1 << 20, "layernorm_bf16"),  # not whole 16-byte vectors
+    ("bf16", 1152, (1 << 20) + 8, "layernorm_bf16"),  # unaligned rows
+])
+def test_layernorm_picks_the_warp_per_row_kernel_where_it_applies(dtype, dim, ptr, kernel) -> None:
+    from gpu_engine.cuda.context import DArray
+
+    ctx = SimpleNamespace(device=_Launches())
+    x = DArray(ptr, (8580, dim), dtype)
+    vision_ops.layernorm(ctx, x, x, arr((dim,), dtype), arr((dim,), dtype), 1e-6)
+    ((family, name, grid, block),) = ctx.device.calls
+    assert (family, name) == ("vision", kernel)
+    assert (grid, block) == ((1073, 256) if "rows" in kernel else (8580, vision_ops._threads(dim)))

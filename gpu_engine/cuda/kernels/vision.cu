@@ -2,6 +2,9 @@
 //   layernorm:        out = (x - mean) * rsqrt(var + eps) * w + b     one block per row, fp32 statistics, two
 //                                                                     passes (mean, then centred variance: no
 //                                                                     E[x^2] - mean^2 cancellation); out may alias x
+//   layernorm_rows:   the same, one warp per row (8 rows a block), the row read once into registers as 16-byte
+//                     vectors, warp-shuffle sums (dim % (16 / sizeof(T)) == 0 and dim <= 32 * LN_VECS vectors: the
+//                     host picks it then); for short rows (the tower's 1152) a block per row left most threads idle
 //   bias_act:         out[r, c] = act(x[r, c] + bias[c])              act 0 none, 1 GELU-tanh, 2 exact GELU (erfc
 //                                                                     form: stays accurate for x << 0); may alias
 //   bias_residual:    x[r, c] += y[r, c] + bias[c]                    one rounding to storage, after both adds
@@ -45,6 +48,62 @@ __device__ void layernorm_impl(T* out, const T* x, const T* w, const T* b, int r
     const float inv = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         yr[i] = from_f<T>((to_f(xr[i]) - mean) * inv * to_f(w[i]) + to_f(b[i]));
+}
+
+#define LN_VECS 8  // 16-byte vectors per lane: rows of up to 2048 bf16 / 1024 f32 (vision_ops.LAYERNORM_ROWS_MAX)
+
+template <typename T> union LnVec {
+    uint4 u;
+    T e[16 / sizeof(T)];
+};
+
+template <typename T>
+__device__ void layernorm_rows_impl(T* out, const T* x, const T* w, const T* b, int rows, int dim, float eps) {
+    pdl_entry();
+    constexpr int PER = 16 / sizeof(T);
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;   // whole warps leave: the shuffles below see all 32 lanes
+    const int nvec = dim / PER;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)row * dim);
+    LnVec<T> v[LN_VECS];
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < LN_VECS; ++j) {
+        const int p = lane + 32 * j;
+        v[j].u = p < nvec ? xr[p] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int e = 0; e < PER; ++e) s += to_f(v[j].e[e]);   // zero vectors add 0
+    }
+    const float mean = warp_sum(s) / (float)dim;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < LN_VECS; ++j) {
+        if (lane + 32 * j < nvec) {
+#pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                const float d = to_f(v[j].e[e]) - mean;
+                ss += d * d;
+            }
+        }
+    }
+    const float inv = rsqrtf(warp_sum(ss) / (float)dim + eps);
+    uint4* yr = reinterpret_cast<uint4*>(out + (long long)row * dim);
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint4* bv = reinterpret_cast<const uint4*>(b);
+#pragma unroll
+    for (int j = 0; j < LN_VECS; ++j) {
+        const int p = lane + 32 * j;
+        if (p < nvec) {
+            LnVec<T> wj, bj, y;
+            wj.u = wv[p];
+            bj.u = bv[p];
+#pragma unroll
+            for (int e = 0; e < PER; ++e)
+                y.e[e] = from_f<T>((to_f(v[j].e[e]) - mean) * inv * to_f(wj.e[e]) + to_f(bj.e[e]));
+            yr[p] = y.u;
+        }
+    }
 }
 
 __device__ __forceinline__ float apply_act(float v, int act) {
@@ -215,6 +274,10 @@ __device__ void vision_attention_impl(T* out, const T* qkv, int n, int heads, in
     extern "C" __global__ void layernorm_##S(T* out, const T* x, const T* w, const T* b, int rows, int dim,    \
                                              float eps) {                                                     \
         layernorm_impl<T>(out, x, w, b, rows, dim, eps);                                                       \
+    }                                                                                                         \
+    extern "C" __global__ void layernorm_rows_##S(T* out, const T* x, const T* w, const T* b, int rows,       \
+                                                  int dim, float eps) {                                       \
+        layernorm_rows_impl<T>(out, x, w, b, rows, dim, eps);                                                  \
     }                                                                                                         \
     extern "C" __global__ void bias_act_##S(T* out, const T* x, const T* bias, int rows, int cols, int act) {  \
         bias_act_impl<T>(out, x, bias, rows, cols, act);                                                       \
