@@ -25,6 +25,7 @@ import numpy as np
 from ..tensors import Fp8Tensor
 from .context import DArray, GpuContext
 from .errors import CudaBackendError, ShapeError
+from .ops import _threads as norm_threads  # the norms' block size: the same sums, so the same bits
 
 i32, i64 = np.int32, np.int64
 BLOCK = 128
@@ -33,6 +34,9 @@ GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
 GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
 CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
+# streaming-kernel family by its k-loop form (kernels/fp8.cu): 0 = unrolled by 2, 4 = W loads in batches of 4 groups
+GEMV_KERNELS = {0: "fp8_gemv", 4: "fp8_gemv4"}
+GEMV_DEPTH = 0  # the one the layers use (bench/fp8_gemm_bench.py times both)
 
 
 def _round_up(x: int, to: int) -> int:
@@ -151,9 +155,40 @@ def quantize_activations(ctx: GpuContext, x: DArray, m: int, k: int, x_ld: int |
     return xa
 
 
+def fused_quant_ok(m: int) -> bool:
+    """Whether m rows quantised at once (by norm_quant) can feed an FP8 GEMM: only where row_plan takes them in one
+    slice, since cuBLASLt reads the activation scales with a row stride of its own m rounded to 4."""
+    return len(row_plan(m)) == 1
+
+
+def norm_quant(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, eps: float, zero_centred: bool,
+               residual: DArray | None = None) -> Fp8Activations:
+    """ops.rmsnorm (residual None: out = rmsnorm(x)) or ops.add_rmsnorm (residual += x, out = rmsnorm(residual)) on
+    bf16 rows [rows, dim], bit for bit, and `out` quantised as quantize_activations would (fresh arena buffers,
+    the caller's scratch): one launch for the norm and the next FP8 linear's input."""
+    dim = x.shape[1]
+    if {a.dtype for a in (out, x, w)} != {"bf16"} or (residual is not None and residual.dtype != "bf16"):
+        raise ShapeError("norm_quant reads and writes bf16")
+    if x.shape[0] < rows or out.shape[0] < rows or out.shape[1] != dim or w.size != dim or dim % 16:
+        raise ShapeError(f"norm_quant shapes: x {x.shape}, out {out.shape}, w {w.shape}, rows {rows}")
+    if residual is not None and (residual.shape[0] < rows or residual.shape[1] != dim):
+        raise ShapeError(f"norm_quant residual {residual.shape} for x {x.shape}")
+    xa = act_buffers(ctx, rows, dim)
+    offset = np.float32(1.0 if zero_centred else 0.0)
+    tail = (w.ptr, xa.q.ptr, i64(dim), xa.scales.ptr, i64(xa.g_stride), i64(xa.t_stride), i32(rows), i32(dim),
+            np.float32(eps), offset)
+    if residual is None:
+        ctx.device.launch("fp8", "fp8_rmsnorm_quant_bf16", rows, norm_threads(dim), out.ptr, x.ptr, *tail)
+    else:
+        ctx.device.launch("fp8", "fp8_add_rmsnorm_quant_bf16", rows, norm_threads(dim), out.ptr, residual.ptr,
+                          x.ptr, *tail)
+    return xa
+
+
 def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
-             first_token: int = 0, tokens: int | None = None) -> None:
-    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel."""
+             first_token: int = 0, tokens: int | None = None, depth: int | None = None) -> None:
+    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel
+    (`depth`: its k-loop form, GEMV_KERNELS; default GEMV_DEPTH)."""
     n, k = w.shape
     tokens = xa.m - first_token if tokens is None else tokens
     if xa.k != k or not 0 < tokens <= GEMV_TOKENS * GEMV_MAX_TILES or first_token + tokens > xa.m:
@@ -162,7 +197,10 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
     y_ld = y_ld or n
     tiles = -(-tokens // GEMV_TOKENS)
-    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
+    family = GEMV_KERNELS.get(GEMV_DEPTH if depth is None else depth)
+    if family is None:
+        raise ShapeError(f"fp8_gemv: no streaming kernel of depth {depth}; have {sorted(GEMV_KERNELS)}")
+    ctx.device.launch("fp8", f"{family}_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),
                       w.bits.ptr, i64(k), w.scales.ptr, i64(w.scale_row_stride), i64(w.scale_col_stride),

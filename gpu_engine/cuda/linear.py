@@ -7,7 +7,9 @@
   parts cannot share one matrix: DeltaNet's in_proj with FP8 qkv|z beside BF16 b|a, or FP8 parts whose scale
   grids do not join). Its FP8 parts quantise x once.
 Each also takes its input as the MLP's gate|up output (`swiglu`: y = (silu(gate) * up) W^T), so that an FP8 down
-projection quantises the activation as it computes it. All enqueue on the context's stream (graph-capturable);
+projection quantises the activation as it computes it, and x already quantised (`xq`, from fp8_ops.norm_quant: the
+norm before the layer writes both) where `fp8_input` says the layer reads FP8 and fused_quant_ok(m) holds.
+All enqueue on the context's stream (graph-capturable);
 scratch comes from the arena, released by the caller.
 """
 from __future__ import annotations
@@ -18,12 +20,19 @@ from dataclasses import dataclass
 from . import ops
 from .context import DArray, GpuContext
 from .errors import ShapeError
-from .fp8_ops import Fp8Activations, Fp8Weight, fp8_matmul, quantize_activations, row_plan
+from .fp8_ops import Fp8Activations, Fp8Weight, fp8_matmul, fused_quant_ok, quantize_activations, row_plan
 
 
 def _rows(arr: DArray, first: int, ld: int) -> DArray:
     """The rows from `first` on of a row-major buffer with row stride `ld` (same shape label: only ptr is read)."""
     return DArray(arr.ptr + first * ld * arr.itemsize, arr.shape, arr.dtype)
+
+
+def _usable(xq: Fp8Activations, m: int, k: int) -> bool:
+    """Whether pre-quantised activations can feed this GEMM as they are (module docstring)."""
+    if xq.m != m or xq.k != k:
+        raise ShapeError(f"quantised activations {xq.q.shape} for {m} rows of {k}")
+    return fused_quant_ok(m)
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,10 @@ class DenseLinear:
     def nbytes(self) -> int:
         return self.w.nbytes
 
-    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None) -> None:
+    fp8_input = False
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None,
+                 xq: Fp8Activations | None = None) -> None:
         n, k = self.shape
         ctx.blas.linear(y.ptr, x.ptr, self.w.ptr, m, n, k, dtype=self.w.dtype, y_ld=y_ld)
 
@@ -61,8 +73,14 @@ class Fp8Linear:
     def nbytes(self) -> int:
         return self.w.nbytes
 
-    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None) -> None:
-        self._run(ctx, y, x, m, y_ld, swiglu=False)
+    fp8_input = True
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None,
+                 xq: Fp8Activations | None = None) -> None:
+        if xq is not None and _usable(xq, m, self.shape[1]):
+            self.apply(ctx, y, xq, y_ld)
+        else:
+            self._run(ctx, y, x, m, y_ld, swiglu=False)
 
     def swiglu(self, ctx: GpuContext, y: DArray, gate_up: DArray, m: int) -> None:
         """y = (silu(gate) * up) W^T, the activation computed inside the FP8 quantisation (no bf16 round trip)."""
@@ -96,7 +114,12 @@ class ConcatLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None) -> None:
+    @property
+    def fp8_input(self) -> bool:
+        return any(p.fp8_input for p in self.parts)
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, y_ld: int | None = None,
+                 xq: Fp8Activations | None = None) -> None:
         n, k = self.shape
         y_ld = y_ld or n
         cols, col = [], 0
@@ -106,7 +129,11 @@ class ConcatLinear:
         for part, out in zip(self.parts, cols):
             if isinstance(part, DenseLinear):
                 part(ctx, out, x, m, y_ld)
-        if any(isinstance(p, Fp8Linear) for p in self.parts):
+        if xq is not None and _usable(xq, m, k):
+            for part, out in zip(self.parts, cols):
+                if isinstance(part, Fp8Linear):
+                    part.apply(ctx, out, xq, y_ld)
+        elif any(isinstance(p, Fp8Linear) for p in self.parts):
             for first, rows, path in row_plan(m):  # each row slice quantised once for every FP8 part
                 xa = quantize_activations(ctx, _rows(x, first, k), rows, k)
                 for part, out in zip(self.parts, cols):
@@ -130,9 +157,13 @@ class SwigluMlp:
     gate_up: Linear  # [2I, hidden]
     down: Linear  # [hidden, I]
 
-    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> None:
+    @property
+    def fp8_input(self) -> bool:
+        return self.gate_up.fp8_input
+
+    def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int, xq: Fp8Activations | None = None) -> None:
         gu = ctx.empty((m, self.gate_up.shape[0]), x.dtype, "gate_up")
-        self.gate_up(ctx, gu, x, m)
+        self.gate_up(ctx, gu, x, m, xq=xq)
         self.down.swiglu(ctx, y, gu, m)  # silu(gate) * up, then down (an FP8 down quantises it on the way)
 
 

@@ -6,7 +6,10 @@ reference runner's FP8 emulation.
 Kernels (fresh random inputs, every output poisoned first, metric ||out - ref|| / ||ref||):
 - fp8_quant_act_bf16 against gpu_engine/fp8.py's recipe on the same bf16 values: scales and e4m3 bytes must be
   identical (tolerance 0 on the dequantised values);
-- the FP8 GEMMs (the streaming kernel for decode batches, cuBLASLt's block-scaled matmul) on host-quantised
+- the norms with their output quantised (fp8_ops.norm_quant: rmsnorm and add_rmsnorm -> bf16 + e4m3 + scales)
+  against ops.rmsnorm / ops.add_rmsnorm then fp8_quant_act_bf16: every output bit-identical (tolerance 0);
+- the FP8 GEMMs (the streaming kernel for decode batches in both k-loop forms, cuBLASLt's block-scaled matmul) on
+  host-quantised
   operands, written into a column slice of a wider output whose other columns must stay poisoned: bf16 output,
   tolerance 1e-2 (bf16 paths' rule; the error is the output rounding, ~1e-3);
 - Fp8Linear / ConcatLinear (quantisation + GEMM, mixed FP8 and BF16 parts) on bf16 inputs against
@@ -167,7 +170,37 @@ class Checker:
         deq = fp8.e4m3_to_float32(q).astype(np.float64) * np.repeat(s.T, 128, axis=1)[:, :k]
         return Fp8Activations(qd, sd, ld, 1), deq, (q, s)
 
-    def gemm(self, path: str, m: int, n: int, k: int) -> None:
+    def norm_quant(self, m: int, dim: int, add: bool) -> None:
+        """fp8_ops.norm_quant vs the norm kernel then the quantisation kernel: out, residual, bytes, scales."""
+        from gpu_engine.cuda import ops
+        from gpu_engine.cuda.fp8_ops import act_buffers, norm_quant, quantize_activations
+
+        ctx = self.ctx
+        x = self._round((self.rng.standard_normal((m, dim)) * 10.0 ** self.rng.uniform(-2, 2, (m, 1)))
+                        .astype(np.float32))
+        resid = self._round((self.rng.standard_normal((m, dim)) * 3.0).astype(np.float32))
+        w = self._round((0.3 * self.rng.standard_normal(dim)).astype(np.float32))
+        wd, xd = ctx.to_device(w, "bf16", "w"), ctx.to_device(x, "bf16", "x")
+        rf, rp = ctx.to_device(resid, "bf16", "rf"), ctx.to_device(resid, "bf16", "rp")
+        of, op = ctx.empty((m, dim), "bf16", "of"), ctx.empty((m, dim), "bf16", "op")
+        ctx.poison(of)
+        ctx.poison(op)
+        fused = norm_quant(ctx, of, xd, wd, m, 1e-6, True, residual=rf if add else None)
+        if add:
+            ops.add_rmsnorm(ctx, op, rp, xd, wd, 1e-6, True)
+        else:
+            ops.rmsnorm(ctx, op, xd, wd, m, dim, 1e-6, True)
+        plain = act_buffers(ctx, m, dim)
+        quantize_activations(ctx, op, m, dim, out=plain)
+        pairs = {"out": (of, op), "q": (fused.q, plain.q)} | ({"residual": (rf, rp)} if add else {})
+        same = {name: bool(np.array_equal(ctx.to_host(a), ctx.to_host(b))) for name, (a, b) in pairs.items()}
+        same["scales"] = bool(np.array_equal(ctx.to_host(fused.scales)[:, :m], ctx.to_host(plain.scales)[:, :m]))
+        err = rel_err(ctx.to_host(of).astype(np.float64), ctx.to_host(op).astype(np.float64))
+        self.record(f"{'add_' if add else ''}rmsnorm+quant m{m} d{dim}", err if all(same.values()) else float("nan"),
+                    0.0, "identical to norm then quant: " + ", ".join(f"{k} {v}" for k, v in same.items()))
+
+    def gemm(self, path: str, m: int, n: int, k: int, depth: int | None = None) -> None:
+        from gpu_engine.cuda import fp8_ops
         from gpu_engine.cuda.fp8_ops import fp8_matmul, upload_fp8_weight
 
         ctx = self.ctx
@@ -177,13 +210,19 @@ class Checker:
         pad, off = 24, 8
         y = ctx.empty((m, n + pad), "bf16", "y")
         ctx.poison(y)
-        took = fp8_matmul(ctx, y.view((m, n + pad - off), off), xa, w, y_ld=n + pad, path=path)
+        default = fp8_ops.GEMV_DEPTH
+        fp8_ops.GEMV_DEPTH = default if depth is None else depth
+        try:
+            took = fp8_matmul(ctx, y.view((m, n + pad - off), off), xa, w, y_ld=n + pad, path=path)
+        finally:
+            fp8_ops.GEMV_DEPTH = default
         out = ctx.to_host(y)
         expect = xdeq @ wt.dequantize().astype(np.float64).T
         err = rel_err(out[:, off: off + n], expect)
         outside = np.concatenate([out[:, :off], out[:, off + n:]], axis=1)
         untouched = bool(np.all(np.isnan(outside)))
-        self.record(f"gemm[{path}] m{m} n{n} k{k}", err if untouched else float("nan"), GEMM_TOL,
+        label = path if depth is None else f"{path} d{depth}"
+        self.record(f"gemm[{label}] m{m} n{n} k{k}", err if untouched else float("nan"), GEMM_TOL,
                     f"ran {took}; columns outside the slice {'untouched' if untouched else 'WRITTEN'}")
         if path == "cublaslt" and not (np.isfinite(err) and err <= GEMM_TOL):
             self.probe_layouts(m, n, k)
@@ -259,6 +298,7 @@ class Checker:
 
 def run_kernels(seed: int) -> tuple[list[Result], dict]:
     from gpu_engine.cuda.context import GpuContext
+    from gpu_engine.cuda.fp8_ops import GEMV_KERNELS
 
     ctx = GpuContext(budget_bytes=2 << 30)
     info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch,
@@ -268,8 +308,14 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
         t0 = time.perf_counter()
         for m, k in ((3, 64), (37, 640), (5, 5120), (2, 17408), (300, 1152)):
             c.run(f"quant_act m{m} k{k}", 0.0, lambda m=m, k=k: c.quant(m, k))
+        for m, dim in ((1, 5120), (5, 336), (8, 2048), (37, 640)):
+            for add in (False, True):
+                name = f"{'add_' if add else ''}rmsnorm+quant m{m} d{dim}"
+                c.run(name, 0.0, lambda m=m, d=dim, a=add: c.norm_quant(m, d, a))
         for m, n, k in GEMV_CASES:
-            c.run(f"gemm[gemv] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("gemv", m, n, k))
+            for depth in sorted(GEMV_KERNELS):
+                c.run(f"gemm[gemv d{depth}] m{m} n{n} k{k}", GEMM_TOL,
+                      lambda m=m, n=n, k=k, d=depth: c.gemm("gemv", m, n, k, d))
         for m, n, k in CUBLAS_CASES:
             c.run(f"gemm[cublaslt] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("cublaslt", m, n, k))
         for m, inter in ((3, 128), (37, 17408), (300, 1152)):
