@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import TextConfig
-from . import deltanet_chunked, ops, rotary, verify_ops
+from . import deltanet_chunked, fp8_ops, ops, rotary, verify_ops
 from .context import DArray, GpuContext
+from .fp8_ops import Fp8Activations
+from .linear import SwigluMlp
 from .step import StepTables
 from .weights import AttentionWeights, DeltaNetWeights, LayerWeights, TextWeights
 
@@ -75,17 +77,18 @@ class CudaTextModel:
         ctx, cfg = self.ctx, self.config
         eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.w.layers):
-            if i == 0:
-                ops.rmsnorm(ctx, a.h, a.x, layer.input_norm, n, cfg.hidden_size, eps, True)
-            else:  # x += previous MLP output; h = rms_norm(x)
-                ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.input_norm, eps, True)
             scratch = ctx.arena.mark()
-            if isinstance(layer.mixer, AttentionWeights):
-                self._attention(layer.mixer, a, t, n, longest_chunk, cache.attention[i], cache.block_size)
+            mixer = layer.mixer
+            first_proj = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.in_proj
+            # x += previous MLP output (not before layer 0); h = rms_norm(x), quantised too when FP8 reads it
+            hq = self._norm(a, layer.input_norm, n, first_proj.fp8_input, add=i > 0)
+            if isinstance(mixer, AttentionWeights):
+                self._attention(mixer, a, t, n, longest_chunk, cache.attention[i], cache.block_size, hq)
             else:
-                self._deltanet(layer.mixer, a, t, n, longest_chunk, cache.deltanet[i])
-            ops.add_rmsnorm(ctx, a.h, a.x, a.d, layer.post_norm, eps, True)  # x += mixer output; h = rms_norm(x)
-            self._mlp(layer, a, n)
+                self._deltanet(mixer, a, t, n, longest_chunk, cache.deltanet[i], hq)
+            # x += mixer output; h = rms_norm(x)
+            hq = self._norm(a, layer.post_norm, n, isinstance(layer.mlp, SwigluMlp) and layer.mlp.fp8_input)
+            self._mlp(layer, a, n, hq)
             if not keep_scratch:
                 ctx.arena.release(scratch)
         ops.add_rmsnorm(ctx, a.h, a.x, a.d, self.w.final_norm, eps, True)
@@ -96,19 +99,36 @@ class CudaTextModel:
         self.ctx.blas.linear(out.ptr, rows.ptr, self.w.lm_head.ptr, count, self.config.vocab_size,
                              self.config.hidden_size, dtype=self.dtype, y_dtype="f32")
 
-    def _mlp(self, layer: LayerWeights, a: Activations, n: int) -> None:
+    def _norm(self, a: Activations, w: DArray, n: int, fp8_next: bool, add: bool = True) -> Fp8Activations | None:
+        """h = rms_norm(x) (add: x += d first). Where the next linear reads FP8 and can take the rows in one slice,
+        the norm also writes h quantised (fp8_ops.norm_quant, one launch) and returns it for that linear."""
+        ctx, cfg = self.ctx, self.config
+        eps = cfg.rms_norm_eps
+        if fp8_next and self.dtype == "bf16" and fp8_ops.fused_quant_ok(n):
+            return fp8_ops.norm_quant(ctx, a.h, a.x, w, n, eps, True, residual=None) if not add else \
+                fp8_ops.norm_quant(ctx, a.h, a.d, w, n, eps, True, residual=a.x)
+        if add:
+            ops.add_rmsnorm(ctx, a.h, a.x, a.d, w, eps, True)
+        else:
+            ops.rmsnorm(ctx, a.h, a.x, w, n, cfg.hidden_size, eps, True)
+        return None
+
+    def _mlp(self, layer: LayerWeights, a: Activations, n: int, hq: Fp8Activations | None = None) -> None:
         """d = MLP(h): SwiGLU with gate and up as one GEMM (linear.SwigluMlp), or routed + shared experts
-        (moe.MoeLayer)."""
-        layer.mlp(self.ctx, a.d, a.h, n)
+        (moe.MoeLayer). hq: h quantised by the norm (SwiGLU with FP8 gate|up only)."""
+        if isinstance(layer.mlp, SwigluMlp):
+            layer.mlp(self.ctx, a.d, a.h, n, hq)
+        else:
+            layer.mlp(self.ctx, a.d, a.h, n)
 
     def _attention(self, w: AttentionWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
-                   cache: AttentionCache, block_size: int) -> None:
+                   cache: AttentionCache, block_size: int, hq: Fp8Activations | None = None) -> None:
         """Gated full attention over the paged KV cache: d = o_proj(attention(q, k, v) * sigmoid(gate))."""
         ctx, cfg, t = self.ctx, self.config, self.dtype
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         width = (2 * nh + 2 * kvh) * hd
         proj = ctx.empty((n, width), t, "qkv")
-        w.qkv(ctx, proj, a.h, n)
+        w.qkv(ctx, proj, a.h, n, xq=hq)
         q = ctx.empty((n, nh * hd), t, "q")
         ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m.pos, self.rope_inv,
                                self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
@@ -121,7 +141,7 @@ class CudaTextModel:
         w.o_proj(ctx, a.d, out, n)
 
     def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
-                  cache: DeltaNetCache) -> None:
+                  cache: DeltaNetCache, hq: Fp8Activations | None = None) -> None:
         """Gated DeltaNet: causal conv + SiLU, the gated delta rule over the slot's state, gated RMSNorm, out_proj."""
         ctx, cfg, t = self.ctx, self.config, self.dtype
         kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -129,7 +149,7 @@ class CudaTextModel:
         conv_dim, vdim = cfg.linear_conv_dim, cfg.linear_value_dim
         width = conv_dim + vdim + 2 * vh
         proj = ctx.empty((n, width), t, "in_proj")
-        w.in_proj(ctx, proj, a.h, n)
+        w.in_proj(ctx, proj, a.h, n, xq=hq)
         conv_out = ctx.empty((n, conv_dim), t, "conv_out")
         windows = verify_ops.window_rows(m.win, cache.window_conv, cache.window_state)
         if windows is not None:  # a verify step keeping every window token's state (the decode kernels' window form)
