@@ -2,11 +2,15 @@
 
     python3 bench/fp8_gemm_bench.py [--json out.json] [--shape 27b]
 
-Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z) and tokens M in 1, 8, 16, 32, 8192:
-- FP8 streaming kernel (fp8_ops.fp8_gemv, M <= 32), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
+Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z, attention's q|gate|k|v, o_proj = DeltaNet's
+out_proj) and tokens M in 1, 4, 8, 16, 32, 8192:
+- FP8 streaming kernel (fp8_ops.fp8_gemv, M <= 32) in each k-loop form (GEMV_KERNELS: depth 0 and 4), FP8 cuBLASLt
+  block-scaled matmul, BF16 cuBLASLt;
 - decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the measured copy
   bandwidth (a 2 GiB device-to-device copy kernel, read + write) = fraction of the roofline;
-- prefill (M = 8192): TFLOP/s of FP8 (GEMM alone, and with the activation quantisation kernel) and BF16.
+- prefill (M = 8192): TFLOP/s of FP8 (GEMM alone, and with the activation quantisation kernel) and BF16;
+- the norm before an FP8 linear at the hidden size: add_rmsnorm then the quantisation kernel vs the two in one
+  (fp8_ops.norm_quant), per M.
 Timing: each variant is captured in a CUDA graph of REPS launches cycling over ROTATE weight copies (no L2 reuse,
 no host launch gaps), replayed after a warm-up; median of 5 replays / REPS. Inputs are random, never zeros.
 """
@@ -33,15 +37,17 @@ from gpu_engine.cuda.bf16 import f32_to_bf16_bits  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 from gpu_engine.cuda.fp8_ops import (  # noqa: E402
+    GEMV_KERNELS,
     Fp8Weight,
     act_buffers,
     fp8_gemv,
+    norm_quant,
     quantize_activations,
     weight_scale_grid,
 )
 
 ROTATE = 3
-DECODE_M = (1, 8, 16, 32)
+DECODE_M = (1, 4, 8, 16, 32)
 PREFILL_M = 8192
 
 
@@ -108,13 +114,15 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
         except Exception as exc:  # noqa: BLE001 - reported, the other variants still run
             row["fp8_cublaslt_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if m <= 32:
-            row["fp8_gemv_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w) for w in w8], reps)
+            for depth, family in sorted(GEMV_KERNELS.items()):  # fp8_gemv_us: depth 0, fp8_gemv4_us: depth 4 ...
+                row[f"{family}_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, depth=depth) for w in w8], reps)
             fp8_bytes = n * k + w8[0].scales.nbytes + m * k + xa.scales.nbytes + m * n * 2
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
-            best = min(row["fp8_gemv_us"], row.get("fp8_cublaslt_us", float("inf")))
+            best = min(*(row[f"{f}_us"] for f in GEMV_KERNELS.values()), row.get("fp8_cublaslt_us", float("inf")))
             row["fp8_roofline_us"] = fp8_bytes / copy_gbps / 1e3
             row["fp8_best_fraction_of_roofline"] = row["fp8_roofline_us"] / best
-            row["fp8_gemv_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_gemv_us"]
+            for family in GEMV_KERNELS.values():
+                row[f"{family}_fraction_of_roofline"] = row["fp8_roofline_us"] / row[f"{family}_us"]
             row["bf16_fraction_of_roofline"] = bf16_bytes / copy_gbps / 1e3 / row["bf16_us"]
             row["speedup_fp8_vs_bf16"] = row["bf16_us"] / best
         else:
@@ -141,12 +149,43 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
     return rows
 
 
+def bench_norm_quant(ctx: GpuContext, rng: np.random.Generator, dim: int, sizes: tuple[int, ...]) -> list[dict]:
+    """add_rmsnorm then fp8_quant_act_bf16 vs fp8_add_rmsnorm_quant_bf16 on m rows of `dim`."""
+    rows = []
+    w = ctx.to_device(rng.standard_normal(dim, dtype=np.float32) * 0.1, "bf16", "norm.w")
+    for m in sizes:
+        mark = ctx.arena.mark()
+        x, d = (ctx.to_device(rng.standard_normal((m, dim), dtype=np.float32), "bf16", n) for n in ("x", "d"))
+        h = ctx.empty((m, dim), "bf16", "h")
+        xq = act_buffers(ctx, m, dim)
+        reps = 5 if m == PREFILL_M else 30
+
+        def separate() -> None:
+            ops.add_rmsnorm(ctx, h, x, d, w, 1e-6, True)
+            quantize_activations(ctx, h, m, dim, out=xq)
+
+        inner = ctx.arena.mark()
+
+        def fused() -> None:  # norm_quant takes fresh scratch each call: release it (graph capture keeps the last)
+            norm_quant(ctx, h, d, w, m, 1e-6, True, residual=x)
+            ctx.arena.release(inner)
+
+        row = {"op": "add_rmsnorm+quant", "m": m, "dim": dim, "separate_us": graph_us(ctx, [separate], reps),
+               "fused_us": graph_us(ctx, [fused], reps)}
+        row["saved_us"] = row["separate_us"] - row["fused_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        ctx.arena.release(mark)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>9} {'fp8 gemv':>9} {'fp8 cuBLASLt':>12} {'roof us':>8} "
+    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>9} {'fp8 gemv':>9} {'gemv4':>7} {'fp8 cuBLASLt':>12} {'roof us':>8} "
             f"{'best/roof':>9} {'x bf16':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['proj']:<10} {r['m']:>5} {r['bf16_us']:>9.1f} {r.get('fp8_gemv_us', float('nan')):>9.1f} "
+                     f"{r.get('fp8_gemv4_us', float('nan')):>7.1f} "
                      f"{r.get('fp8_cublaslt_us', float('nan')):>12.1f} {r.get('fp8_roofline_us', float('nan')):>8.1f} "
                      f"{r.get('fp8_best_fraction_of_roofline', float('nan')):>9.2f} "
                      f"{r.get('speedup_fp8_vs_bf16', float('nan')):>7.2f}")
@@ -170,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     hidden, inter = text["hidden_size"], text["intermediate_size"]
     conv = 2 * text["linear_num_key_heads"] * 128 + text["linear_num_value_heads"] * 128
     zdim = text["linear_num_value_heads"] * 128
-    shapes = (("gate_up", 2 * inter, hidden), ("down", hidden, inter), ("in_proj", conv + zdim, hidden))
+    heads, kv_heads, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    shapes = (("gate_up", 2 * inter, hidden), ("down", hidden, inter), ("in_proj", conv + zdim, hidden),
+              ("qkv", (2 * heads + 2 * kv_heads) * hd, hidden), ("o_proj", hidden, heads * hd))
     try:
         ctx = GpuContext(budget_bytes=12 << 30)
     except CudaUnavailable as exc:
@@ -189,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.arena.release(mark)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
+    out["norm_quant"] = bench_norm_quant(ctx, rng, hidden, DECODE_M if args.decode_only else (*DECODE_M, PREFILL_M))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     ctx.close()
     print(f"copy {copy_gbps:.0f} GB/s (read + write), cuBLASLt {out['cublaslt_version']}")
     print(table(out["rows"]))

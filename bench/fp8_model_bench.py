@@ -1,12 +1,14 @@
 """The whole decoder with block-FP8 weights on the CUDA runner: bench/cuda_bench.py's model benchmark (prefill 1024
 and 8192 tokens, batch-1 decode eager / graphs / replay, batched decode 8 and 32) with random FP8 Linears.
 
-    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json]
+    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json] [--with-bf16] [--gemv-depth D]
 
 The weights are cuda_bench's random bf16 tensors, except that every Linear quantize="fp8" would convert
 (fp8_checkpoint.QUANTIZE_SKIP honoured: lm_head, embeddings, conv1d, in_proj_a / in_proj_b stay bf16) is random
 e4m3 bytes (no NaN patterns) with random 128x128 block scales. decode_bytes / roofline_ms count the FP8 bytes.
-Compare with cuda_bench's BF16 run of the same shape (bench/results/cuda/cuda_bench.json).
+--with-bf16 runs cuda_bench's BF16 model of the same shape first, in the same process (the peer measured in the
+same run), and reports the FP8/BF16 ratios and the fraction of each roofline; --gemv-depth picks the streaming
+kernel's k-loop form (fp8_ops.GEMV_KERNELS) for the FP8 run.
 """
 from __future__ import annotations
 
@@ -75,10 +77,25 @@ def random_fp8_weights(config, rng: np.random.Generator):
     return ModelWeights(text=made, vision={}, lm_head=made["embed_tokens.weight"] if lm_head is None else lm_head)
 
 
+def ratios(fp8: dict, bf16: dict) -> dict:
+    """FP8 over BF16 tokens/s per workload, and each run's decode time over its own roofline."""
+    out = {}
+    for key in ("prefill_1024_tok_s", "prefill_8192_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s"):
+        if key in fp8 and key in bf16:
+            out[key.removesuffix("_tok_s") + "_speedup"] = fp8[key] / bf16[key]
+    for name, run in (("fp8", fp8), ("bf16", bf16)):
+        if "roofline_ms" in run:
+            out[f"{name}_b1_replay_fraction_of_roofline"] = run["roofline_ms"] / run["decode_graph_replay_ms"]
+            out[f"{name}_b1_forward_fraction_of_roofline"] = run["roofline_ms"] / run["decode_b1_forward_ms"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--json")
+    parser.add_argument("--with-bf16", action="store_true", help="the BF16 model first, same process")
+    parser.add_argument("--gemv-depth", type=int, help="fp8_ops.GEMV_DEPTH for the FP8 run")
     args = parser.parse_args(argv)
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
@@ -88,11 +105,25 @@ def main(argv: list[str] | None = None) -> int:
     copy = cuda_bench.bench_copy(ctx, np.random.default_rng(0), 1 << 30)
     version, device = ctx.blas.version, ctx.device.info.name
     ctx.close()
+    def run() -> dict:
+        return cuda_bench.bench_model(args.shape, np.random.default_rng(0), (1024, 8192), 20, copy["memcpy_GBps"],
+                                      (1, 8, 32))
+
+    bf16 = run() if args.with_bf16 else None
+    if args.gemv_depth is not None:
+        from gpu_engine.cuda import fp8_ops
+
+        fp8_ops.GEMV_DEPTH = args.gemv_depth
     cuda_bench.random_bf16_weights = random_fp8_weights  # bench_model builds its weights through this name
-    out = cuda_bench.bench_model(args.shape, np.random.default_rng(0), (1024, 8192), 20, copy["memcpy_GBps"],
-                                 (1, 8, 32))
+    out = run()
     out.update({"weights": "fp8 (random e4m3, 128x128 block scales)", "copy": copy, "cublaslt_version": version,
                 "device": device, "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+    if args.gemv_depth is not None:
+        out["gemv_depth"] = args.gemv_depth
+    if bf16 is not None:
+        out["bf16"] = bf16
+        out["vs_bf16"] = ratios(out, bf16)
+        print(json.dumps(out["vs_bf16"], indent=1))
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
