@@ -8,7 +8,8 @@ timed as issue 17 sets its targets:
   chosen experts' weights + router + shared expert + activations) at the device-to-device copy bandwidth measured
   here; also whether every chosen expert sits in one tile (its weights streamed once a step), and each step of the
   layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own;
-- the kernels on trial (moe_plan_v2, moe_plan.TRIAL_TILES) beside the chosen ones, on the same tables.
+- both plan kernels (moe_plan, moe_plan_v2) at every size, and the tile shapes on trial (moe_plan.TRIAL_TILES) beside
+  the chosen ones on the same tables.
     python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
 Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
 numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
@@ -129,12 +130,12 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             out["prefill"][name] = {"ms": t, "TFLOPs": flop / (t * 1e-3) / 1e12,
                                     "vs_gemm_rate": flop / (t * 1e-3) / rate}
         out["prefill"]["trials"] = _trials(ctx, layer, x, bufs, rate, reps)
-        for name, trial in (("plan", False), ("plan_v2", True)):  # the routing plan of 8192 tokens alone
-            def plan_once(trial: bool = trial) -> None:
+        for kernel in ("moe_plan", "moe_plan_v2"):  # the routing plan of 8192 tokens alone
+            def plan_once(kernel: str = kernel) -> None:
                 inner = ctx.arena.mark()
-                plan(ctx, bufs.ids, layer.gate_up.shape[0], bufs.tile, trial=trial, shared_last=stacked)
+                plan(ctx, bufs.ids, layer.gate_up.shape[0], bufs.tile, shared_last=stacked, kernel=kernel)
                 ctx.arena.release(inner)
-            out["prefill"][f"{name}_ms"] = _time_ms(ctx, plan_once, reps)
+            out["prefill"][f"{kernel}_ms"] = _time_ms(ctx, plan_once, reps)
         small = TILES["decode"]  # the same gate|up work on the decode tiles (32 rows): data for the tile choice
         pb = plan(ctx, bufs.ids, layer.gate_up.shape[0], small)
         t = _time_ms(ctx, lambda: grouped_gemm(ctx, bufs.act, x, h, pb.sorted_token, layer.gate_up, pb.tiles, small,
@@ -178,7 +179,7 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             out["decode"][-1]["stages_us"] = _decode_stages(ctx, layer, xs, ys, batch, reps)
             mark = ctx.arena.mark()
             out["decode"][-1]["trials"] = _trials(ctx, layer, xs[0], layer.forward(ctx, ys[0], xs[0], batch), rate,
-                                                  reps)
+                                                  reps, timed=False)  # timed among the steps, in graphs
             ctx.device.sync()
             ctx.arena.release(mark)
     finally:
@@ -186,10 +187,12 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
     return out
 
 
-def _trials(ctx: Any, layer: Any, x: Any, bufs: Any, rate: float, reps: int) -> dict[str, dict[str, float]]:
+def _trials(ctx: Any, layer: Any, x: Any, bufs: Any, rate: float, reps: int, timed: bool = True
+            ) -> dict[str, dict[str, float]]:
     """The trial tile shapes (moe_plan.TRIAL_TILES) with the bm of the call's own tile, on its tables: each GEMM's
-    ms, TFLOP/s against the dense rate, and its output's rel. err. against the chosen tile's (same inputs; only the
-    blocking differs, so a right kernel agrees to fp32 summation order, ~1e-3 after the bf16 store)."""
+    output's rel. err. against the chosen tile's (same inputs; only the blocking differs, so a right kernel agrees to
+    fp32 summation order, ~1e-3 after the bf16 store) and, timed, its ms and TFLOP/s against the dense rate (eager
+    launches: for prefill; decode's are timed in graphs by _decode_stages)."""
     from gpu_engine.cuda.moe import grouped_gemm
     from gpu_engine.cuda.moe_plan import TRIAL_TILES
 
@@ -205,10 +208,12 @@ def _trials(ctx: Any, layer: Any, x: Any, bufs: Any, rate: float, reps: int) -> 
         for tile in (t for t in TRIAL_TILES.values() if t.bm == bufs.tile.bm):
             mark = ctx.arena.mark()
             got = ctx.empty(ref.shape, ref.dtype, "trial.out")
-            ms = _time_ms(ctx, lambda: run(got, src, tile), reps)
+            run(got, src, tile)
             err = float(np.linalg.norm(ctx.to_host(got) - want) / max(float(np.linalg.norm(want)), 1e-30))
-            out[f"{name}[{tile.name}]"] = {"ms": ms, "TFLOPs": flop / (ms * 1e-3) / 1e12,
-                                           "vs_gemm_rate": flop / (ms * 1e-3) / rate, "rel_err_vs_chosen": err}
+            row = out[f"{name}[{tile.name}]"] = {"rel_err_vs_chosen": err}
+            if timed:
+                ms = _time_ms(ctx, lambda: run(got, src, tile), reps)
+                row.update(ms=ms, TFLOPs=flop / (ms * 1e-3) / 1e12, vs_gemm_rate=flop / (ms * 1e-3) / rate)
             ctx.arena.release(mark)
     return out
 
@@ -230,9 +235,10 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
         "router_gemm": lambda x, y, b: ctx.blas.linear(b.logits.ptr, x.ptr, layer.router.ptr, batch, e + 1, h,
                                                        dtype=x.dtype, y_dtype="f32", y_ld=ld),
         "route": lambda x, y, b: moe.route(ctx, b.ids, b.weights, b.shared_gate, b.logits, e, k),
-        "plan": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile),
-        "plan_v2": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile, trial=True,
-                                            shared_last=layer.shared is None),
+        "moe_plan": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile,
+                                             shared_last=layer.shared is None, kernel="moe_plan"),
+        "moe_plan_v2": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile,
+                                                shared_last=layer.shared is None, kernel="moe_plan_v2"),
         "gate_up": lambda x, y, b: moe.grouped_gemm(ctx, b.act, x, h, b.sorted_token, layer.gate_up, b.tiles, b.tile,
                                                     swiglu=True),
         "down": lambda x, y, b: moe.grouped_gemm(ctx, b.expert_out, b.act, inter, None, layer.down, b.tiles, b.tile,
@@ -242,6 +248,13 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
     }
     if layer.shared is not None:
         steps["shared_expert"] = lambda x, y, b: layer.shared(ctx, shared_y, x, batch)
+    from gpu_engine.cuda.moe_plan import TRIAL_TILES
+
+    for tile in (t for t in TRIAL_TILES.values() if t.bm == bufs[0].tile.bm):
+        steps[f"gate_up[{tile.name}]"] = lambda x, y, b, t=tile: moe.grouped_gemm(
+            ctx, b.act, x, h, b.sorted_token, layer.gate_up, b.tiles, t, swiglu=True)
+        steps[f"down[{tile.name}]"] = lambda x, y, b, t=tile: moe.grouped_gemm(
+            ctx, b.expert_out, b.act, inter, None, layer.down, b.tiles, t, swiglu=False)
     out: dict[str, float] = {}
     try:
         for name, step in steps.items():
@@ -266,7 +279,8 @@ def table(r: dict[str, Any]) -> str:
     for name in ("gate_up", "down"):
         g = p[name]
         lines.append(f"  grouped {name}: {g['ms']:.3f} ms, {g['TFLOPs']:.0f} TFLOP/s = {g['vs_gemm_rate']:.2f}")
-    lines.append(f"  routing plan: moe_plan {p['plan_ms'] * 1e3:.1f} us, moe_plan_v2 {p['plan_v2_ms'] * 1e3:.1f} us")
+    lines.append(f"  routing plan: moe_plan {p['moe_plan_ms'] * 1e3:.1f} us, "
+                 f"moe_plan_v2 {p['moe_plan_v2_ms'] * 1e3:.1f} us")
     for name, t in p.get("trials", {}).items():
         lines.append(f"  trial {name}: {t['ms']:.3f} ms, {t['TFLOPs']:.0f} TFLOP/s = {t['vs_gemm_rate']:.2f} "
                      f"(err vs chosen {t['rel_err_vs_chosen']:.1e})")
@@ -278,7 +292,7 @@ def table(r: dict[str, Any]) -> str:
                      f"{d['bytes_MB']:.1f} MB -> roofline {d['roofline_us']:.1f} us = {d['vs_roofline']:.2f} "
                      f"(target >= 0.7), tiles per expert <= {d['max_tiles_per_expert']}")
         for name, t in d.get("trials", {}).items():
-            lines.append(f"  trial {name}: {t['ms'] * 1e3:.1f} us (err vs chosen {t['rel_err_vs_chosen']:.1e})")
+            lines.append(f"  trial {name}: err vs chosen {t['rel_err_vs_chosen']:.1e}")
         if "stages_us" in d:
             lines.append("  steps alone (us a call): " + ", ".join(f"{n} {t:.1f}" for n, t in d["stages_us"].items()))
     return "\n".join(lines)

@@ -5,7 +5,7 @@ The steps (kernels/moe.cu; tables moe_plan.py), all enqueued on the context's st
 decode step with its routing is captured in a CUDA graph like any other:
 1. router logits f32 [m, E + 1] in one GEMM (the router's rows and shared_expert_gate's row, uploaded as one matrix);
 2. moe_route: softmax, top-k (ties toward the lower expert id), renormalised weights, sigmoid of the shared gate;
-3. moe_plan: per-expert counts and offsets, the tile table, token rows in expert order;
+3. moe_plan (moe_plan_v2 at decode): per-expert counts and offsets, the tile table, token rows in expert order;
 4. the grouped gate|up GEMM (one launch for all experts, rows gathered from x, silu(gate) * up in its epilogue) and
    the grouped down GEMM (one launch) into expert-sorted rows; each block streams its slice of one expert's weight
    once, so a decode step reads each chosen expert's weights once;
@@ -111,7 +111,7 @@ class MoeLayer:
                               ctx.empty((m, slots), "f32", "moe.weights"), ctx.empty((m,), "f32", "moe.shared_gate"))
         route(ctx, ids, weights, gate, logits, e, self.top_k)
         tile = choose_tile(m, slots, stacks)
-        bufs = plan(ctx, ids, stacks, tile)
+        bufs = plan(ctx, ids, stacks, tile, shared_last=self.shared is None)
         act = ctx.empty((m * slots, inter), dtype, "moe.act")
         out = ctx.empty((m * slots, h), dtype, "moe.expert_out")
         grouped_gemm(ctx, act, x, h, bufs.sorted_token, self.gate_up, bufs.tiles, tile, swiglu=True)
@@ -150,26 +150,36 @@ def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, lo
                       i32(stride), ids.ptr, weights.ptr, shared_gate.ptr)
 
 
-def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile, trial: bool = False,
-         shared_last: bool = False) -> PlanBuffers:
+PLAN_KERNELS = ("moe_plan", "moe_plan_v2")
+
+
+def plan_kernel(experts: int, tile: GemmTile) -> str:
+    """moe_plan_v2 for the decode tiles (its scan over the experts: 3.6 us against moe_plan's 17.6 at 35B-A3B batch
+    1), moe_plan for prefill (v2's __match_any_sync over 73,728 entries: 177 us against 131; cuda_notes 2026-12-02)
+    and beyond one expert a thread."""
+    return "moe_plan_v2" if tile.name == "decode" and experts <= PLAN_THREADS else "moe_plan"
+
+
+def plan(ctx: GpuContext, ids: DArray, experts: int, tile: GemmTile, shared_last: bool = False,
+         kernel: str | None = None) -> PlanBuffers:
     """The routing plan of ids [m, k] (moe_plan.py's docstring), built on the device in one block.
 
-    trial: kernels/moe.cu's moe_plan_v2 (on trial; experts <= PLAN_THREADS), which with shared_last places every
-    token's entry k - 1 (the stacked shared expert, expert experts - 1) without an atomic."""
+    shared_last: every token's entry k - 1 is the stacked shared expert (expert experts - 1), which moe_plan_v2
+    places by token without an atomic. kernel: one of PLAN_KERNELS (the checks and the bench name it); None:
+    plan_kernel's choice."""
     m, k = ids.shape
     entries = m * k
+    kernel = kernel or plan_kernel(experts, tile)
+    if kernel not in PLAN_KERNELS or (kernel == "moe_plan_v2" and experts > PLAN_THREADS):
+        raise ShapeError(f"plan kernel {kernel!r} for {experts} experts (moe_plan_v2 scans one a thread, "
+                         f"<= {PLAN_THREADS})")
     bound = max_tiles(entries, experts, tile.bm)
     bufs = PlanBuffers(ctx.empty((experts + 1,), "i32", "moe.offsets"), ctx.empty((bound, 3), "i32", "moe.tiles"),
                        ctx.empty((entries,), "i32", "moe.sorted_token"), ctx.empty((entries,), "i32", "moe.entry_row"))
-    tail = (bufs.offsets.ptr, bufs.tiles.ptr, bufs.sorted_token.ptr, bufs.entry_row.ptr)
     head = (ids.ptr, i32(entries), i32(k), i32(experts), i32(tile.bm), i32(bound))
-    if trial:
-        if experts > PLAN_THREADS:
-            raise ShapeError(f"moe_plan_v2 scans one expert a thread: {experts} experts > {PLAN_THREADS}")
-        ctx.device.launch("moe", "moe_plan_v2", 1, PLAN_THREADS, *head, i32(shared_last), *tail,
-                          shmem=plan_shared_bytes(experts))
-    else:
-        ctx.device.launch("moe", "moe_plan", 1, PLAN_THREADS, *head, *tail, shmem=plan_shared_bytes(experts))
+    flag = (i32(shared_last),) if kernel == "moe_plan_v2" else ()
+    ctx.device.launch("moe", kernel, 1, PLAN_THREADS, *head, *flag, bufs.offsets.ptr, bufs.tiles.ptr,
+                      bufs.sorted_token.ptr, bufs.entry_row.ptr, shmem=plan_shared_bytes(experts))
     return bufs
 
 

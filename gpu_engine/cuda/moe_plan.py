@@ -37,16 +37,11 @@ class GemmTile:
 
 TILES = {
     "decode": GemmTile("decode", bm=32, bn=64, bk=128, stages=3, warps=4),
-    "prefill": GemmTile("prefill", bm=128, bn=128, bk=32, stages=4, warps=8),
+    "prefill": GemmTile("prefill", bm=128, bn=128, bk=64, stages=3, warps=8),
 }
 # On trial (kernels/moe.cu's last MOE_GEMM_ENTRY lines): timed by bench/moe_layer_bench.py on the plan of the tile
 # with the same bm, never chosen by choose_tile.
-TRIAL_TILES = {
-    "decode_bn32": GemmTile("decode_bn32", bm=32, bn=32, bk=128, stages=3, warps=2),
-    "decode_s5": GemmTile("decode_s5", bm=32, bn=64, bk=128, stages=5, warps=4),
-    "prefill_bk64": GemmTile("prefill_bk64", bm=128, bn=128, bk=64, stages=3, warps=8),
-    "prefill_bn256": GemmTile("prefill_bn256", bm=128, bn=256, bk=32, stages=4, warps=8),
-}
+TRIAL_TILES = {"decode_bn32": GemmTile("decode_bn32", bm=32, bn=32, bk=128, stages=3, warps=2)}
 DECODE_MAX_ROWS_PER_EXPERT = 16  # mean rows an expert up to which the 32-row tiles win (few tokens: decode)
 SIMPLE_COLS = 16  # output columns (features) a block of the plain kernel
 PLAN_THREADS = 1024

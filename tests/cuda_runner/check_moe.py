@@ -8,8 +8,8 @@ Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - r
   reference rule (largest probability first, ties toward the lower id) exactly; weights and the shared gate's
   sigmoid within 1e-5;
 - moe_plan: offsets and the tile table equal moe_plan.host_plan exactly, each expert's rows hold the same tokens
-  (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k; the same for moe_plan_v2 (on
-  trial), whose stacked shared expert's rows must come in token order;
+  (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k; the same for moe_plan_v2 (the
+  decode tiles' plan), whose stacked shared expert's rows must come in token order;
 - the grouped GEMMs (tensor-core decode / prefill tiles, the plain kernel for f32 and odd K; gate|up with
   silu * up, and down) against moe_plan.emulate_grouped_gemm over the device's own tables: bf16 1e-2, f32 1e-4;
 - MoeLayer.forward (router GEMM .. combine) against the float64 formula of reference/moe.py on the same rounded
@@ -38,7 +38,7 @@ from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, r
 
 TOL = {"bf16": 1e-2, "f32": 1e-4}
 ROUTE_CASES = ((1, 256, 8, False), (33, 6, 2, False), (1000, 256, 8, True), (7, 5, 3, True), (64, 512, 10, False))
-# moe_plan_v2 (on trial): (tokens, experts, entries a token, tile, the last entry is the stacked shared expert)
+# moe_plan_v2: (tokens, experts, entries a token, tile, the last entry is the stacked shared expert)
 PLAN_V2_CASES = ((1, 257, 9, "decode", True), (32, 257, 9, "decode", True), (8192, 257, 9, "prefill", True),
                  (300, 5, 3, "prefill", False), (77, 6, 2, "decode", False), (1000, 1024, 8, "prefill", False),
                  (40, 1024, 11, "decode", True))
@@ -132,9 +132,10 @@ class Checker:
         self.record(f"route n{n} E{e} top-{k}{' +shared' if stacked else ''} (ties)", "f32",
                     err if same == 1.0 else float("nan"), 1e-5, f"ids equal the reference rule in {same:.4f} of rows")
 
-    def plan(self, n: int, e: int, k: int, tile_name: str, trial: bool = False, shared_last: bool = False) -> None:
-        """moe_plan (trial: moe_plan_v2; shared_last: every token's last entry is expert e - 1, the stacked shared
-        expert, whose rows must then come in token order)."""
+    def plan(self, n: int, e: int, k: int, tile_name: str, kernel: str = "moe_plan", shared_last: bool = False
+             ) -> None:
+        """One plan kernel (moe.PLAN_KERNELS); shared_last: every token's last entry is expert e - 1, the stacked
+        shared expert, whose rows must then come in token order."""
         from gpu_engine.cuda import moe
         from gpu_engine.cuda.moe_plan import TILES, host_plan
 
@@ -143,7 +144,7 @@ class Checker:
             ids = np.concatenate([self.ids(n, e - 1, k - 1), np.full((n, 1), e - 1, np.int32)], axis=1)
         else:
             ids = self.ids(n, e, k)
-        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile, trial=trial, shared_last=shared_last)
+        bufs = moe.plan(ctx, ctx.to_device(ids, "i32", "ids"), e, tile, shared_last=shared_last, kernel=kernel)
         want = host_plan(ids, e, tile.bm)
         offsets, tiles = ctx.to_host(bufs.offsets), ctx.to_host(bufs.tiles)
         sorted_token, entry_row = ctx.to_host(bufs.sorted_token), ctx.to_host(bufs.entry_row)
@@ -153,7 +154,7 @@ class Checker:
         ok = ok and np.array_equal(sorted_token[entry_row], np.arange(n * k) // k)
         if shared_last:
             ok = ok and np.array_equal(sorted_token[want.offsets[e - 1]:want.offsets[e]], np.arange(n))
-        name = f"plan{'_v2' if trial else ''} n{n} E{e} top-{k}{' +shared last' if shared_last else ''} {tile_name}"
+        name = f"{kernel} n{n} E{e} top-{k}{' +shared last' if shared_last else ''} {tile_name}"
         self.record(name, "i32", 0.0 if ok else float("nan"), 0.0,
                     f"{int(np.count_nonzero(tiles[:, 2]))} tiles of {tiles.shape[0]}")
 
@@ -262,7 +263,7 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
             c.run(f"plan n{n} E{e}", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
         for n, e, k, tile, shared in PLAN_V2_CASES:
             c.run(f"plan_v2 n{n} E{e}", "f32",
-                  lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, trial=True, shared_last=sh))
+                  lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, "moe_plan_v2", sh))
         for case in GEMM_CASES:
             c.run(f"gemm {case[0]}", case[6], lambda case=case: c.gemm(*case))
         for case in LAYER_CASES:

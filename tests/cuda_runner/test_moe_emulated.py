@@ -28,7 +28,7 @@ def test_route_and_plan_checks_pass_on_the_emulation() -> None:
         c.run("plan", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
     for n, e, k, tile, shared in ((1, 257, 9, "decode", True), (300, 5, 3, "prefill", False),
                                   (40, 9, 4, "decode", True)):
-        c.run("plan_v2", "f32", lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, True, sh))
+        c.run("plan_v2", "f32", lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, "moe_plan_v2", sh))
     _assert_all_pass(c)
 
 
@@ -134,4 +134,5 @@ def test_the_layer_bench_runs_end_to_end_on_the_emulation() -> None:
     assert r["prefill"]["gate_up"]["ms"] >= 0 and len(r["decode"]) == 4
     assert all(d["max_tiles_per_expert"] == 1 for d in r["decode"])
     assert "decode batch 32 pdl" in moe_layer_bench.table(r)
-    assert {"router_gemm", "route", "plan", "gate_up", "down", "combine"} <= set(r["decode"][-1]["stages_us"])
+    assert {"router_gemm", "route", "moe_plan", "moe_plan_v2", "gate_up", "down", "combine",
+            "gate_up[decode_bn32]"} <= set(r["decode"][-1]["stages_us"])

@@ -143,7 +143,7 @@ class _Recorder:
         return DArray(self.arena.alloc(arr.nbytes, name), arr.shape, dtype)
 
     def _launch(self, family: str, name: str, grid, block, *args, shmem: int = 0) -> None:
-        self.calls.append(("launch", family, name, grid, block, shmem))
+        self.calls.append(("launch", family, name, grid, block, shmem, args))
 
     def _linear(self, y, x, w, m, n, k, **kw) -> None:
         self.calls.append(("gemm", m, n, k, kw.get("dtype"), kw.get("y_dtype"), kw.get("y_ld")))
@@ -174,8 +174,11 @@ def test_forward_launches_depend_on_the_token_count_only_and_fit_the_scratch_est
     slots, stacks = 8 + stacked, 256 + stacked
     tile = choose_tile(m, slots, stacks)
     shared = [] if stacked else ["gemm", "silu_mul_bf16", "gemm"]
-    assert names == ["gemm", "moe_route", "moe_plan", f"moe_gemm_{tile.name}_swiglu_bf16",
+    plan_name = "moe_plan_v2" if tile.name == "decode" else "moe_plan"  # moe.plan_kernel: v2's scan at decode
+    assert names == ["gemm", "moe_route", plan_name, f"moe_gemm_{tile.name}_swiglu_bf16",
                      f"moe_gemm_{tile.name}_plain_bf16", *shared, "moe_combine_bf16"]
+    if plan_name == "moe_plan_v2":  # its shared_last flag: set exactly when the shared expert rides in the stacks
+        assert int(ctx.calls[2][6][6]) == int(stacked)
     bound = max_tiles(m * slots, stacks, tile.bm)
     gate_up, down = ctx.calls[3], ctx.calls[4]
     assert gate_up[3] == (512 // (tile.bn // 2), bound) and down[3] == (-(-h // tile.bn), bound)

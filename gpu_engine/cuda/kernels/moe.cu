@@ -349,7 +349,8 @@ __device__ __forceinline__ void grouped_gemm(bf16_t* __restrict__ y, long long y
 }
 
 // Tile shapes (moe_plan.py TILES mirrors them): "decode" (few rows an expert: 32-row tiles, the weight streamed in
-// 128-wide k steps, 3 stages) and "prefill" (128 x 128 tiles, 4 stages).
+// 128-wide k steps, 3 stages) and "prefill" (128 x 128 tiles, 64-wide k steps, 3 stages: 1.23-1.25x faster than
+// 32-wide k steps with 4 stages at 35B-A3B's shapes, bench/results/cuda_notes.md 2026-12-02, same sums).
 #define MOE_GEMM_ENTRY(NAME, BM, BN, BK, ST, WMS, WNS, SW)                                                         \
     extern "C" __global__ void __launch_bounds__(WMS * WNS * 32)                                                   \
         NAME(bf16_t* y, long long y_ld, const bf16_t* x, long long x_ld, const int* row_src, const bf16_t* w,     \
@@ -358,19 +359,12 @@ __device__ __forceinline__ void grouped_gemm(bf16_t* __restrict__ y, long long y
     }
 MOE_GEMM_ENTRY(moe_gemm_decode_swiglu_bf16, 32, 64, 128, 3, 1, 4, true)
 MOE_GEMM_ENTRY(moe_gemm_decode_plain_bf16, 32, 64, 128, 3, 1, 4, false)
-MOE_GEMM_ENTRY(moe_gemm_prefill_swiglu_bf16, 128, 128, 32, 4, 2, 4, true)
-MOE_GEMM_ENTRY(moe_gemm_prefill_plain_bf16, 128, 128, 32, 4, 2, 4, false)
-// Tile shapes on trial (moe_plan.TRIAL_TILES; bench/moe_layer_bench.py times them on the tables of the two above,
-// choose_tile never picks them): decode with half-width blocks (twice the blocks) or 5 stages (more bytes in
-// flight), prefill with 64-wide k steps or 256-wide blocks (twice the MMAs a loaded A tile).
+MOE_GEMM_ENTRY(moe_gemm_prefill_swiglu_bf16, 128, 128, 64, 3, 2, 4, true)
+MOE_GEMM_ENTRY(moe_gemm_prefill_plain_bf16, 128, 128, 64, 3, 2, 4, false)
+// On trial (moe_plan.TRIAL_TILES; bench/moe_layer_bench.py times it on the decode tile's tables, choose_tile never
+// picks it): decode with half-width blocks, twice the blocks (slower at batch 32; batch 1 not yet timed in a graph).
 MOE_GEMM_ENTRY(moe_gemm_decode_bn32_swiglu_bf16, 32, 32, 128, 3, 1, 2, true)
 MOE_GEMM_ENTRY(moe_gemm_decode_bn32_plain_bf16, 32, 32, 128, 3, 1, 2, false)
-MOE_GEMM_ENTRY(moe_gemm_decode_s5_swiglu_bf16, 32, 64, 128, 5, 1, 4, true)
-MOE_GEMM_ENTRY(moe_gemm_decode_s5_plain_bf16, 32, 64, 128, 5, 1, 4, false)
-MOE_GEMM_ENTRY(moe_gemm_prefill_bk64_swiglu_bf16, 128, 128, 64, 3, 2, 4, true)
-MOE_GEMM_ENTRY(moe_gemm_prefill_bk64_plain_bf16, 128, 128, 64, 3, 2, 4, false)
-MOE_GEMM_ENTRY(moe_gemm_prefill_bn256_swiglu_bf16, 128, 256, 32, 4, 2, 4, true)
-MOE_GEMM_ENTRY(moe_gemm_prefill_bn256_plain_bf16, 128, 256, 32, 4, 2, 4, false)
 
 // ---- grouped expert GEMM, plain arithmetic (f32 runners; bf16 shapes the tensor-core kernel cannot load, such as
 // an odd K). Same tables and meaning as grouped_gemm; 256 threads = 16 rows x 16 output columns (SWIGLU:
