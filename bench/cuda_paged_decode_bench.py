@@ -8,7 +8,9 @@ One full-attention layer's decode step: b sequences, one query token each at pos
 context + 1 cached keys), K/V cache [blocks, 16, kv_heads, head_dim] bf16 with random rows (a 64 MiB random piece
 tiled by device copies: never zeros), each sequence's blocks drawn from a shuffled pool. A variant is a method
 ("grouped" / "per_head" or any later one ops.paged_attention takes), optionally ":s<N>" for N key splits (the
-default is the op's own choice). Bytes: every K and V row once (b x (context + 1) x kv_heads x head_dim x 2 x 2);
+default is the op's own choice); "flash" is flash_prefill over the same rows, one query tile each, as a step that
+also carries a prompt chunk of 32+ tokens runs its decode rows today (text_model picks flash for every row).
+Bytes: every K and V row once (b x (context + 1) x kv_heads x head_dim x 2 x 2);
 GB/s against a device-to-device copy of 1 GiB (read + write). Timing: CUDA events, warm-up, median of repeats,
 the caches ~6 GB per layer at 192 x 8k so L2 holds none of it. "agree" is each variant's output against the first
 variant's (all bf16: ~1e-3 is rounding). Prints a table last.
@@ -77,6 +79,7 @@ def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, batch: int
         proj = ctx.to_device(rng.standard_normal((batch, 2 * heads * hd)).astype(np.float32), "bf16", "q|gate")
         gate = proj.at(hd)  # as the runner passes it: the fused q|gate rows, gate_h at (2h+1)*hd
         nbytes = kv_bytes(batch, context, kvh, hd)
+        tiles = ctx.to_device(ops.flash_tiles([1] * batch), "i32", "tiles")
         rows, first = [], None
         for text in variants:
             method, splits = parse_variant(text)
@@ -84,6 +87,10 @@ def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, batch: int
             ctx.poison(out)
 
             def call(out=out, method=method, splits=splits) -> None:
+                if method == "flash":
+                    ops.flash_prefill(ctx, out, q, heads * hd, gate, 2 * heads * hd, 2 * hd, kc, vc, table, seq, pos,
+                                      tiles, heads, kvh, hd, BLOCK_SIZE, hd ** -0.5)
+                    return
                 ops.paged_attention(ctx, out, q, heads * hd, gate, 2 * heads * hd, 2 * hd, kc, vc, table, seq, pos,
                                     heads, kvh, hd, BLOCK_SIZE, hd ** -0.5, splits=splits, method=method)
 
