@@ -52,7 +52,7 @@ def load(
     (CudaOptions.from_env). `quantize="fp8"`: a BF16 checkpoint's eligible Linears become 128x128-block FP8 at load
     (gpu_engine/fp8_checkpoint.py); `fp8_activations`: the reference runner also quantises those Linears' inputs
     as the FP8 kernels do. The cuda runner runs FP8 models with dtype "bf16" only (its FP8 GEMMs read and write
-    bf16), and refuses MoE models (qwen3_5_moe) until its grouped expert GEMMs exist (issue 17).
+    bf16), and MoE models (qwen3_5_moe) from BF16 weights only (no FP8 expert stacks yet, issue 17).
     `kv_cache_dtype`: "auto" (the compute dtype) or "fp8_e4m3" (the reference runner stores full-attention K / V in
     e4m3 with a scale per token and kv head, reference/fp8_kv.py); independent of the weights. The cuda runner's
     attention kernels do not read an FP8 cache yet and refuse it."""
@@ -72,6 +72,13 @@ def load(
         )
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
+    if runner == "cuda" and config.text.moe is not None and (config.quantization is not None or quantize == "fp8"):
+        what = "an FP8 checkpoint" if config.quantization is not None else "quantize='fp8'"
+        raise RunnerUnavailableError(
+            f"runner='cuda' runs model_type={config.model_type!r} (a mixture of experts) from BF16 weights only, not "
+            f"{what}: its grouped expert GEMMs have no FP8 path yet (issue 17). Load the BF16 release without "
+            "quantize, or use runner='reference' (numpy, exact dequantisation)."
+        )
     if runner == "cuda" and (config.quantization is not None or quantize == "fp8"):
         dtype = (cuda_options or CudaOptions.from_env()).dtype
         if dtype != "bf16":
@@ -80,11 +87,6 @@ def load(
                 f"runner='cuda' runs {what} with dtype='bf16' only (its FP8 GEMMs read and write bf16), not "
                 f"dtype={dtype!r}. Use dtype='bf16', or runner='reference' (numpy, exact dequantisation)."
             )
-    if runner == "cuda" and config.text.moe is not None:
-        raise RunnerUnavailableError(
-            f"runner='cuda' cannot run model_type={config.model_type!r} (a mixture of experts) yet: its grouped "
-            "expert GEMMs and router are not written (issue 17). Use runner='reference' (numpy, exact) for now."
-        )
     weights, fingerprint = load_weights(folder, config, expected_digests=expected_digests, quantize=quantize)
     return LoadedModel(config=config, fingerprint=fingerprint, path=folder,
                        runner=_make_runner(runner, config, weights, cuda_options, fp8_activations, kv_cache_dtype))

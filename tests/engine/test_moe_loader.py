@@ -1,6 +1,6 @@
 """Loading a qwen3_5_moe checkpoint: both expert layouts, one clear error per bad tensor (named as the checkpoint
-names it), the fingerprint over the expert bytes, the cuda runner's refusal, and the unchanged serving surface
-(gpu_engine.load / Engine on an MoE model folder)."""
+names it), the fingerprint over the expert bytes, the cuda runner's gate (BF16 MoE taken, FP8 MoE refused), and the
+unchanged serving surface (gpu_engine.load / Engine on an MoE model folder)."""
 from __future__ import annotations
 
 import shutil
@@ -17,7 +17,7 @@ import gpu_engine
 from gpu_engine.config import ModelConfig
 from gpu_engine.engine import Engine
 from gpu_engine.engine_config import EngineConfig
-from gpu_engine.loader import CheckpointError, load_weights
+from gpu_engine.loader import CheckpointError, IntegrityError, load_weights
 from gpu_engine.model import RunnerUnavailableError
 from gpu_engine.params import SamplingParams
 from gpu_engine.reference.moe import MoeMlp
@@ -150,19 +150,41 @@ def test_dense_and_moe_checkpoints_do_not_pass_for_each_other(fused, tmp_path):
         load_weights(fused, ModelConfig.from_pretrained(dense))
 
 
-def test_cuda_runner_refuses_an_moe_model_before_reading_weights(fused, tmp_path):
+def test_cuda_runner_takes_a_bf16_moe_model(fused, tmp_path):
+    """The refusal is lifted for BF16 MoE checkpoints (check_moe passes on the GPU, bench/results/cuda_notes.md):
+    gpu_engine.load goes on to read the weights (here damaged, so it stops there, before any GPU is needed)."""
     folder = shutil.copytree(fused, tmp_path / "m")
-    (folder / "model.safetensors").write_bytes(b"not read")
-    with pytest.raises(RunnerUnavailableError, match=r"model_type='qwen3_5_moe' \(a mixture of experts\).*issue 17"):
+    (folder / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(IntegrityError, match="model.safetensors"):
         gpu_engine.load(folder, runner="cuda")
 
 
-def test_cli_says_why_it_cannot_run_an_moe_folder_on_cuda(fused):
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory) -> Path:
+    from gpu_engine.tiny_fp8 import make_tiny_fp8_checkpoint
+
+    return make_tiny_fp8_checkpoint(tmp_path_factory.mktemp("fp8moe") / "m", seed=4, base=make_tiny_moe_checkpoint,
+                                    layout="per_expert")
+
+
+def test_cuda_runner_refuses_fp8_moe_before_reading_weights(fp8_moe, fused, tmp_path):
+    """FP8 MoE stays refused on cuda (no FP8 expert stacks yet), an FP8 checkpoint and quantize='fp8' alike, before
+    a weight file is read."""
+    for source, quantize in ((fp8_moe, None), (fused, "fp8")):
+        folder = shutil.copytree(source, tmp_path / f"m{quantize}")
+        for f in folder.glob("*.safetensors"):
+            f.write_bytes(b"not read")
+        with pytest.raises(RunnerUnavailableError, match=r"mixture of experts\) from BF16 weights only.*issue 17"):
+            gpu_engine.load(folder, runner="cuda", quantize=quantize)
+
+
+def test_cli_says_why_it_cannot_run_an_fp8_moe_folder_on_cuda(fp8_moe):
     """python -m gpu_engine with runner cuda: the refusal as one line and exit code 2, no traceback."""
-    cmd = [sys.executable, "-m", "gpu_engine", "generate", "--model", str(fused), "--runner", "cuda", "--prompt", "hi"]
+    cmd = [sys.executable, "-m", "gpu_engine", "generate", "--model", str(fp8_moe), "--runner", "cuda",
+           "--prompt", "hi"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: runner='cuda' cannot run model_type='qwen3_5_moe'")
+    assert proc.stderr.startswith("error: runner='cuda' runs model_type='qwen3_5_moe' (a mixture of experts) from BF16")
     assert "Traceback" not in proc.stderr
 
 
