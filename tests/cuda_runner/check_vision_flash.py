@@ -59,29 +59,52 @@ def checked_variants(head_dim: int, arch: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_cases(ctx, rng: np.random.Generator) -> list[FlashResult]:
-    from gpu_engine.cuda.bf16 import round_to_bf16
-    from gpu_engine.cuda.vision_flash import vision_flash_attention
+@dataclass
+class Case:
+    head_dim: int
+    heads: int
+    seg: int
+    segments: int
+    qkv: np.ndarray  # bf16 values as float32
+    ref: np.ndarray  # float64 attention of qkv
 
-    results = []
+
+def make_cases(rng: np.random.Generator) -> list[Case]:
+    from gpu_engine.cuda.bf16 import round_to_bf16
+
+    cases = []
     for hd, heads, seg, segments in CASES:
         n, width = seg * segments, heads * hd
         qkv = np.concatenate([1.5 * rng.standard_normal((n, 2 * width)), rng.standard_normal((n, width))], axis=1)
         qkv = round_to_bf16(qkv.astype(np.float32))
-        ref = reference_f64(qkv, heads, hd, seg, hd ** -0.5)
-        for variant in checked_variants(hd, ctx.device.info.arch):
-            mark = ctx.arena.mark()
-            d_qkv = ctx.to_device(qkv, "bf16", "check.qkv")
-            out = ctx.empty((n, width), "bf16", "check.out")
-            ctx.poison(out)
-            vision_flash_attention(ctx, out, d_qkv, heads, hd, seg, hd ** -0.5, variant)
-            got = ctx.to_host(out)
-            ctx.device.sync()
-            ctx.arena.release(mark)
-            err = rel_err(got, ref)
-            label = f"{variant} hd{hd} x{heads} heads, seg {seg} x {segments}"
-            results.append(FlashResult(label, err, bool(err <= TOL)))
-            print(f"{label:<40} rel. err {err:.2e}  {'PASS' if err <= TOL else 'FAIL'}", flush=True)
+        cases.append(Case(hd, heads, seg, segments, qkv, reference_f64(qkv, heads, hd, seg, hd ** -0.5)))
+    return cases
+
+
+def check_cases(ctx, cases: list[Case], variant: str | None) -> list[FlashResult]:
+    """Every case on the kernel `variant` resolves to for its head dim (None: the default variant); a wgmma variant
+    only where it runs itself (the cases it would hand to m2n32 are the default's)."""
+    from gpu_engine.cuda.vision_flash import resolve_variant, vision_flash_attention
+
+    results = []
+    arch = ctx.device.info.arch
+    for c in cases:
+        name = resolve_variant(c.head_dim, variant, arch)
+        if variant is not None and name != variant:
+            continue
+        n, width = c.qkv.shape[0], c.heads * c.head_dim
+        mark = ctx.arena.mark()
+        d_qkv = ctx.to_device(c.qkv, "bf16", "check.qkv")
+        out = ctx.empty((n, width), "bf16", "check.out")
+        ctx.poison(out)
+        vision_flash_attention(ctx, out, d_qkv, c.heads, c.head_dim, c.seg, c.head_dim ** -0.5, name)
+        got = ctx.to_host(out)
+        ctx.device.sync()
+        ctx.arena.release(mark)
+        err = rel_err(got, c.ref)
+        label = f"{name} hd{c.head_dim} x{c.heads} heads, seg {c.seg} x {c.segments}"
+        results.append(FlashResult(label, err, bool(err <= TOL)))
+        print(f"{label:<40} rel. err {err:.2e}  {'PASS' if err <= TOL else 'FAIL'}", flush=True)
     return results
 
 
@@ -112,6 +135,11 @@ def time_layer(ctx, rng: np.random.Generator, variant: str | None = None) -> dic
 
 
 def run_all(seed: int | None = None) -> tuple[list[FlashResult], dict]:
+    """The default variant's cases and timing first, then each wgmma variant's: a new kernel that faults (a sticky
+    CUDA error) cannot take the default's results with it."""
+    import traceback
+
+    from gpu_engine.cuda import vision_flash
     from gpu_engine.cuda.context import GpuContext
     from gpu_engine.cuda.device import require_gpu
 
@@ -120,18 +148,19 @@ def run_all(seed: int | None = None) -> tuple[list[FlashResult], dict]:
     rng = np.random.default_rng(seed)
     info: dict = {"seed": seed}
     ctx = GpuContext(1 << 30)
+    results: list[FlashResult] = []
     try:
-        try:
-            results = check_cases(ctx, rng)
-        except Exception:  # noqa: BLE001 - a compile or launch failure is a failed result with its traceback
-            import traceback
-
-            traceback.print_exc()
-            results = [FlashResult("check_cases raised", float("nan"), False)]
-        if all(r.ok for r in results):
-            info.update(time_layer(ctx, rng))
-            for variant in checked_variants(72, ctx.device.info.arch)[1:]:
-                info[variant] = time_layer(ctx, rng, variant)
+        cases = make_cases(rng)
+        for variant in (None, *vision_flash.WG_VARIANTS):
+            name = variant or "default"
+            try:
+                got = check_cases(ctx, cases, variant)
+            except Exception:  # noqa: BLE001 - a compile or launch failure is a failed result with its traceback
+                traceback.print_exc()
+                got = [FlashResult(f"{name} check_cases raised", float("nan"), False)]
+            results += got
+            if got and all(r.ok for r in got):
+                info[name] = time_layer(ctx, rng, variant)
     finally:
         ctx.close()
     return results, info
