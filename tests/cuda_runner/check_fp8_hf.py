@@ -124,21 +124,22 @@ def teacher_forced(runner, ids: np.ndarray, prefill: int) -> np.ndarray:
     return np.concatenate(rows).astype(np.float32)
 
 
-def _hf_logits(folder: Path, ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """transformers bf16 logits over the whole sequence and the number of FP8Linear modules holding e4m3."""
+def _hf_logits(folder: Path, ids: np.ndarray) -> tuple[np.ndarray, int, str]:
+    """transformers bf16 logits over the whole sequence, the number of FP8Linear modules holding e4m3 and the dtype
+    their scales were loaded in."""
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
     dev = _MODE["device"]
     hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.bfloat16, device_map=dev).eval()
-    fp8_modules = sum(1 for m in hf.modules() if type(m).__name__ == "FP8Linear"
-                      and m.weight.dtype == torch.float8_e4m3fn)
+    fp8 = [m for m in hf.modules() if type(m).__name__ == "FP8Linear" and m.weight.dtype == torch.float8_e4m3fn]
+    scale_dtype = str(fp8[0].weight_scale_inv.dtype) if fp8 else ""
     with torch.no_grad():
         logits = hf(input_ids=torch.from_numpy(ids)[None].to(dev)).logits[0].float().cpu().numpy()
     del hf
     if dev == "cuda":
         torch.cuda.empty_cache()
-    return logits, fp8_modules
+    return logits, len(fp8), scale_dtype
 
 
 def _top1(a: np.ndarray, b: np.ndarray) -> float:
@@ -158,14 +159,15 @@ def check_config(name: str, text_cfg: dict, seed: int, rng: np.random.Generator)
         config = ModelConfig.from_pretrained(folders["fp8"])
         ids = rng.integers(0, config.text.vocab_size, PREFILL + DECODE)
         logits: dict[str, dict[str, np.ndarray]] = {"truth": {}, "hf": {}, "ours": {}}
-        fp8_modules = 0
+        fp8_modules, scale_dtype = 0, ""
         for kind, folder in folders.items():
             weights, _ = load_weights(folder, ModelConfig.from_pretrained(folder))
             logits["truth"][kind] = teacher_forced(_runner(config, weights, True), ids, PREFILL)
             emulate = _MODE["reference"] and kind == "fp8"  # the CPU harness's stand-in for the FP8 kernels
             logits["ours"][kind] = teacher_forced(_runner(config, weights, _MODE["reference"], emulate), ids, PREFILL)
-            logits["hf"][kind], count = _hf_logits(folder, ids)
-            fp8_modules += count if kind == "fp8" else 0
+            logits["hf"][kind], count, dtype = _hf_logits(folder, ids)
+            if kind == "fp8":
+                fp8_modules, scale_dtype = count, dtype
     truth = logits["truth"]
     table = {}
     for engine in ("ours", "hf"):
@@ -193,7 +195,7 @@ def check_config(name: str, text_cfg: dict, seed: int, rng: np.random.Generator)
             {"ours": ours_d, "transformers": hf_d}))
     ran_fp8 = fp8_modules > 0 or _MODE["reference"]  # the CPU harness: transformers dequantises (no GPU)
     results.append(Fp8ParityResult(f"{name} fp8", "transformers ran FP8Linear (e4m3)", float(fp8_modules), "> 0",
-                                   ran_fp8))
+                                   ran_fp8, {"weight_scale_inv dtype": scale_dtype}))
     info = {"positions": PREFILL + DECODE, "prefill": PREFILL, "vocab": int(config.text.vocab_size),
             "hidden": int(config.text.hidden_size), "seconds": round(time.perf_counter() - t0, 2), **table}
     for r in results:
