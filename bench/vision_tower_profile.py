@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", default="168,12,12", help="pages, photos, videos of the document run")
     parser.add_argument("--photo-caps", default="", help="comma-separated photo pixel caps to profile too")
     parser.add_argument("--kinds", default="", help="only these kinds (default all)")
+    parser.add_argument("--arena-gib", type=float, default=6.0,
+                        help="device memory taken (a full-size photo's encode needs ~3 GiB with the weights)")
     args = parser.parse_args(argv)
     from cuda_bench import bench_gemm
 
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variants.split(",")
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     rng = np.random.default_rng(seed)
-    ctx = GpuContext(24 << 30)
+    ctx = GpuContext(int(args.arena_gib * (1 << 30)))
     result: dict[str, Any] = {"bench": "bench/vision_tower_profile.py", "seed": seed,
                               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "grids": grids}
     try:
