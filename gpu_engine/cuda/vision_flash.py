@@ -14,7 +14,10 @@ run "m1".
 
 "wg64" (kernels/vision_flash_wg.cu) is the same schedule on Hopper's warpgroup MMA (wgmma, compiled for sm_90a):
 two warpgroups of 64 query rows (128 a block, 256 threads), 64 keys a step, head_dim 72 only; elsewhere (another
-head dim, a device that is not sm_90) it runs m2n32 instead (resolve_variant).
+head dim, a device that is not sm_90) it runs m2n32 instead (resolve_variant). On the H200 it passes every check
+(check_vision_flash, check_vision with it as default) but ran no faster than m2n32 at 4,096 rows (219 vs 218 TFLOP/s,
+bench/results/cuda_notes.md, session 7): each warpgroup still waits on its own Q K^T, softmax and P V in turn, so
+it stays an option until the softmax overlaps the other warpgroup's MMAs.
 """
 from __future__ import annotations
 
