@@ -8,8 +8,8 @@ timed as issue 17 sets its targets:
   chosen experts' weights + router + shared expert + activations) at the device-to-device copy bandwidth measured
   here; also whether every chosen expert sits in one tile (its weights streamed once a step), and each step of the
   layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own;
-- both plan kernels (moe_plan, moe_plan_v2) at every size, and the tile shapes on trial (moe_plan.TRIAL_TILES) beside
-  the chosen ones on the same tables.
+- both plan kernels (moe_plan, moe_plan_v2) at every size, and the kernels on trial (moe_route_v2, moe_combine_v2,
+  the tile shapes of moe_plan.TRIAL_TILES) beside the chosen ones on the same tables.
     python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
 Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
 numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
@@ -235,6 +235,8 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
         "router_gemm": lambda x, y, b: ctx.blas.linear(b.logits.ptr, x.ptr, layer.router.ptr, batch, e + 1, h,
                                                        dtype=x.dtype, y_dtype="f32", y_ld=ld),
         "route": lambda x, y, b: moe.route(ctx, b.ids, b.weights, b.shared_gate, b.logits, e, k),
+        "route_v2": lambda x, y, b: moe.route(ctx, b.ids, b.weights, b.shared_gate, b.logits, e, k,
+                                              kernel="moe_route_v2"),
         "moe_plan": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile,
                                              shared_last=layer.shared is None, kernel="moe_plan"),
         "moe_plan_v2": lambda x, y, b: moe.plan(ctx, b.ids, layer.gate_up.shape[0], b.tile,
@@ -245,6 +247,8 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
                                                  swiglu=False),
         "combine": lambda x, y, b: moe.combine(ctx, y, b.expert_out, b.entry_row, b.weights, b.shared_gate,
                                                shared_y, batch, slots),
+        "combine_v2": lambda x, y, b: moe.combine(ctx, y, b.expert_out, b.entry_row, b.weights, b.shared_gate,
+                                                  shared_y, batch, slots, vectorised=True),
     }
     if layer.shared is not None:
         steps["shared_expert"] = lambda x, y, b: layer.shared(ctx, shared_y, x, batch)

@@ -134,10 +134,11 @@ class PlanBuffers:
 
 
 def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, logits: DArray, experts: int,
-          top_k: int) -> None:
+          top_k: int, kernel: str = "moe_route") -> None:
     """Top-k of softmax(logits[:, :E]) renormalised into ids / weights [m, top_k], and sigmoid(logits[:, E]) into
     shared_gate; ids / weights [m, top_k + 1] also get (E, sigmoid) as each token's last entry (the stacked shared
-    expert). logits f32 [m, ld >= E + 1]."""
+    expert). logits f32 [m, ld >= E + 1]. kernel: "moe_route", or "moe_route_v2" (on trial: the row in registers,
+    the same values)."""
     m, stride = ids.shape
     ld, k = logits.shape[1], top_k
     if (logits.dtype != "f32" or ld < experts + 1 or logits.shape[0] < m or weights.shape != (m, stride)
@@ -146,7 +147,9 @@ def route(ctx: GpuContext, ids: DArray, weights: DArray, shared_gate: DArray, lo
                          f" for top-{k}")
     if not 0 < k <= min(experts, MAX_TOP_K) or experts > MAX_EXPERTS:
         raise ShapeError(f"moe_route: top-{k} of {experts} experts (at most {MAX_EXPERTS}, k <= {MAX_TOP_K})")
-    ctx.device.launch("moe", "moe_route", -(-m // 4), 128, logits.ptr, i32(ld), i32(m), i32(experts), i32(k),
+    if kernel not in ("moe_route", "moe_route_v2"):
+        raise ShapeError(f"unknown route kernel {kernel!r}")
+    ctx.device.launch("moe", kernel, -(-m // 4), 128, logits.ptr, i32(ld), i32(m), i32(experts), i32(k),
                       i32(stride), ids.ptr, weights.ptr, shared_gate.ptr)
 
 
@@ -213,13 +216,25 @@ def grouped_gemm(ctx: GpuContext, y: DArray, x: DArray, x_ld: int, row_src: DArr
     return path
 
 
+COMBINE_V2_THREADS = 128
+
+
 def combine(ctx: GpuContext, y: DArray, expert_out: DArray, entry_row: DArray, weights: DArray, shared_gate: DArray,
-            shared_y: DArray | None, m: int, k: int) -> None:
-    """y[t] = sum_j<k weights[t, j] expert_out[entry_row[t, j]] (+ shared_gate[t] shared_y[t])."""
+            shared_y: DArray | None, m: int, k: int, vectorised: bool = False) -> None:
+    """y[t] = sum_j<k weights[t, j] expert_out[entry_row[t, j]] (+ shared_gate[t] shared_y[t]).
+    vectorised: moe_combine_v2 (on trial: 16-byte loads, more blocks, the same sums; H a multiple of 16 bytes)."""
     h = y.shape[-1]
     dtypes = {y.dtype, expert_out.dtype} | ({shared_y.dtype} if shared_y is not None else set())
     if expert_out.shape[-1] != h or (shared_y is not None and shared_y.shape[-1] != h) or len(dtypes) != 1:
         raise ShapeError(f"moe_combine: y {y.shape}, expert_out {expert_out.shape}, shared "
                          f"{shared_y.shape if shared_y is not None else None}")
-    ctx.device.launch("moe", f"moe_combine_{y.dtype}", m, 256, y.ptr, expert_out.ptr, entry_row.ptr, weights.ptr,
-                      i32(k), shared_gate.ptr, shared_y.ptr if shared_y is not None else 0, i32(m), i32(h))
+    args = (y.ptr, expert_out.ptr, entry_row.ptr, weights.ptr, i32(k), shared_gate.ptr,
+            shared_y.ptr if shared_y is not None else 0, i32(m), i32(h))
+    if not vectorised:
+        ctx.device.launch("moe", f"moe_combine_{y.dtype}", m, 256, *args)
+        return
+    per = 16 // y.itemsize  # values a 16-byte load
+    if h % per:
+        raise ShapeError(f"moe_combine_v2 reads 16-byte pieces of a row: H {h} is not a multiple of {per}")
+    ctx.device.launch("moe", f"moe_combine_v2_{y.dtype}", (m, -(-h // (per * COMBINE_V2_THREADS))),
+                      COMBINE_V2_THREADS, *args)

@@ -7,6 +7,8 @@ Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - r
 - moe_route on random f32 logits with exact ties planted among each row's largest: the chosen ids equal the
   reference rule (largest probability first, ties toward the lower id) exactly; weights and the shared gate's
   sigmoid within 1e-5;
+  moe_route_v2 (on trial) the same on every case;
+- moe_combine_v2 (on trial): within the dtype's tolerance of the float64 sum and bit for bit moe_combine's;
 - moe_plan: offsets and the tile table equal moe_plan.host_plan exactly, each expert's rows hold the same tokens
   (their order within an expert is atomic), sorted_token[entry_row[i]] == i // k; the same for moe_plan_v2 (the
   decode tiles' plan), whose stacked shared expert's rows must come in token order;
@@ -37,7 +39,11 @@ import numpy as np
 from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
 
 TOL = {"bf16": 1e-2, "f32": 1e-4}
-ROUTE_CASES = ((1, 256, 8, False), (33, 6, 2, False), (1000, 256, 8, True), (7, 5, 3, True), (64, 512, 10, False))
+ROUTE_CASES = ((1, 256, 8, False), (33, 6, 2, False), (1000, 256, 8, True), (7, 5, 3, True), (64, 512, 10, False),
+               (5, 1024, 10, True))
+# moe_combine_v2 (on trial): (tokens, entries a token, hidden, dtype, with a separate shared expert output)
+COMBINE_CASES = ((1, 9, 2048, "bf16", False), (32, 9, 2048, "bf16", False), (7, 4, 256, "bf16", True),
+                 (300, 3, 96, "f32", True), (5, 2, 64, "f32", False), (3, 2, 1032, "bf16", True))
 # moe_plan_v2: (tokens, experts, entries a token, tile, the last entry is the stacked shared expert)
 PLAN_V2_CASES = ((1, 257, 9, "decode", True), (32, 257, 9, "decode", True), (8192, 257, 9, "prefill", True),
                  (300, 5, 3, "prefill", False), (77, 6, 2, "decode", False), (1000, 1024, 8, "prefill", False),
@@ -106,7 +112,7 @@ class Checker:
         return np.stack([self.rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
 
     # ---- kernels ---------------------------------------------------------------------------------------------
-    def route(self, n: int, e: int, k: int, stacked: bool = False) -> None:
+    def route(self, n: int, e: int, k: int, stacked: bool = False, kernel: str = "moe_route") -> None:
         from gpu_engine.cuda import moe
 
         ctx, ld = self.ctx, -(-(e + 1) // 8) * 8
@@ -120,7 +126,7 @@ class Checker:
         ids, w, g = ctx.empty((n, slots), "i32", "ids"), ctx.empty((n, slots), "f32", "w"), ctx.empty((n,), "f32", "g")
         for arr in (ids, w, g):
             ctx.poison(arr)
-        moe.route(ctx, ids, w, g, d_logits, e, k)
+        moe.route(ctx, ids, w, g, d_logits, e, k, kernel=kernel)
         want_ids, want_w = route_reference(logits[:, :e], k)
         gate = 1 / (1 + np.exp(-logits[:, e].astype(np.float64)))
         if stacked:  # the shared expert as every token's entry k
@@ -129,8 +135,40 @@ class Checker:
         got_ids = ctx.to_host(ids)
         same = float(np.mean(np.all(got_ids == want_ids, axis=-1)))
         err = max(rel_err(ctx.to_host(w), want_w), rel_err(ctx.to_host(g), gate))
-        self.record(f"route n{n} E{e} top-{k}{' +shared' if stacked else ''} (ties)", "f32",
+        self.record(f"{kernel} n{n} E{e} top-{k}{' +shared' if stacked else ''} (ties)", "f32",
                     err if same == 1.0 else float("nan"), 1e-5, f"ids equal the reference rule in {same:.4f} of rows")
+
+    def combine(self, n: int, k: int, h: int, dtype: str, shared: bool) -> None:
+        """moe_combine_v2 (on trial) against the float64 sum, and bit for bit against moe_combine (the same sums in
+        the same order); one entry of the first token is -1 (no row), which both skip."""
+        from gpu_engine.cuda import moe
+
+        ctx, rows = self.ctx, n * k
+        rnd = _bf16 if dtype == "bf16" else (lambda a: np.asarray(a, np.float32))
+        ys = rnd(self.normal((rows, h)))
+        entry_row = self.rng.permutation(rows).astype(np.int32).reshape(n, k)
+        entry_row[0, -1] = -1
+        weights = self.rng.random((n, k)).astype(np.float32)
+        gate = self.rng.random(n).astype(np.float32)
+        shared_y = rnd(self.normal((n, h))) if shared else None
+        put = ctx.to_device
+        args = (put(ys, dtype, "ys"), put(entry_row, "i32", "rows"), put(weights, "f32", "w"), put(gate, "f32", "g"),
+                put(shared_y, dtype, "sy") if shared_y is not None else None)
+        outs = []
+        for vectorised in (False, True):
+            y = ctx.empty((n, h), dtype, "y")
+            ctx.poison(y)
+            moe.combine(ctx, y, *args, n, k, vectorised=vectorised)
+            outs.append(ctx.to_host(y))
+        want = np.zeros((n, h)) if shared_y is None else gate[:, None].astype(np.float64) * shared_y
+        for t in range(n):
+            for j in range(k):
+                if entry_row[t, j] >= 0:
+                    want[t] += float(weights[t, j]) * ys[entry_row[t, j]].astype(np.float64)
+        same = bool(np.array_equal(outs[0], outs[1]))
+        self.record(f"moe_combine_v2 n{n} k{k} H{h}{' +shared' if shared else ''}", dtype,
+                    rel_err(outs[1], want) if same else float("nan"), TOL[dtype],
+                    "bit-identical to moe_combine" if same else "differs from moe_combine")
 
     def plan(self, n: int, e: int, k: int, tile_name: str, kernel: str = "moe_plan", shared_last: bool = False
              ) -> None:
@@ -261,6 +299,11 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
         for n, e, k, tile in ((1, 256, 8, "decode"), (32, 256, 8, "decode"), (8192, 256, 8, "prefill"),
                               (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
             c.run(f"plan n{n} E{e}", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
+        for n, e, k, stacked in ROUTE_CASES:
+            c.run(f"moe_route_v2 n{n} E{e}", "f32",
+                  lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st, kernel="moe_route_v2"))
+        for case in COMBINE_CASES:
+            c.run(f"moe_combine_v2 {case}", case[3], lambda case=case: c.combine(*case))
         for n, e, k, tile, shared in PLAN_V2_CASES:
             c.run(f"plan_v2 n{n} E{e}", "f32",
                   lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, "moe_plan_v2", sh))

@@ -127,7 +127,7 @@ class EmulatedContext:
     def _launch(self, family: str, name: str, grid: Any, block: Any, *args: Any, shmem: int = 0) -> None:
         self.launches.append(name)
         a = [int(v) if not isinstance(v, float) else v for v in args]
-        if name == "moe_route":
+        if name in ("moe_route", "moe_route_v2"):
             self._route(*a)
         elif name == "moe_plan":
             self._plan(*a)
@@ -207,7 +207,8 @@ class EmulatedContext:
         sy = self.read(shared, t, (n, h)).astype(np.float64) if shared else np.zeros((n, h))
         total = rows.max() + 1
         yv = self.read(ys, t, (int(total), h)).astype(np.float64)
-        self.write(out, t, (g[:, None] * sy + np.einsum("nk,nkh->nh", w, yv[rows])).astype(np.float32))
+        w = np.where(rows >= 0, w, 0.0)  # an entry without a row (-1) adds nothing, as in the kernel
+        self.write(out, t, (g[:, None] * sy + np.einsum("nk,nkh->nh", w, yv[np.maximum(rows, 0)])).astype(np.float32))
 
     @staticmethod
     def _round(v: np.ndarray, t: str) -> np.ndarray:

@@ -26,6 +26,10 @@ def test_route_and_plan_checks_pass_on_the_emulation() -> None:
         c.run("route", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st))
     for n, e, k, tile in ((1, 256, 8, "decode"), (300, 5, 3, "prefill"), (77, 6, 2, "decode")):
         c.run("plan", "f32", lambda n=n, e=e, k=k, tile=tile: c.plan(n, e, k, tile))
+    for n, e, k, stacked in ((1, 256, 8, False), (7, 5, 3, True)):
+        c.run("route_v2", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st, kernel="moe_route_v2"))
+    for case in ((1, 9, 64, "bf16", False), (7, 4, 32, "bf16", True), (6, 3, 24, "f32", True)):
+        c.run("combine_v2", case[3], lambda case=case: c.combine(*case))
     for n, e, k, tile, shared in ((1, 257, 9, "decode", True), (300, 5, 3, "prefill", False),
                                   (40, 9, 4, "decode", True)):
         c.run("plan_v2", "f32", lambda n=n, e=e, k=k, tile=tile, sh=shared: c.plan(n, e, k, tile, "moe_plan_v2", sh))
@@ -134,5 +138,5 @@ def test_the_layer_bench_runs_end_to_end_on_the_emulation() -> None:
     assert r["prefill"]["gate_up"]["ms"] >= 0 and len(r["decode"]) == 4
     assert all(d["max_tiles_per_expert"] == 1 for d in r["decode"])
     assert "decode batch 32 pdl" in moe_layer_bench.table(r)
-    assert {"router_gemm", "route", "moe_plan", "moe_plan_v2", "gate_up", "down", "combine",
+    assert {"router_gemm", "route", "route_v2", "moe_plan", "moe_plan_v2", "gate_up", "down", "combine", "combine_v2",
             "gate_up[decode_bn32]"} <= set(r["decode"][-1]["stages_us"])

@@ -61,6 +61,66 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
     }
 }
 
+// moe_route_v2 (on trial: moe.route(kernel="moe_route_v2"); bench/moe_layer_bench.py times it beside moe_route):
+// the same arguments and the same values bit for bit (the same expressions in the same order), with the row's
+// probabilities kept in registers (32 a lane: E <= 1024) instead of re-read from memory for each of the k picks.
+extern "C" __global__ void moe_route_v2(const float* __restrict__ logits, int ld, int n, int E, int k, int stride,
+                                        int* __restrict__ ids, float* __restrict__ weights,
+                                        float* __restrict__ shared_gate) {
+    pdl_entry();
+    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (tok >= n) return;
+    const float* row = logits + (long long)tok * ld;
+    float p[32];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int s = 0; s < 32; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? row[e] : NEG_INF;
+        mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < 32; ++s)
+        if (lane + 32 * s < E) sum += expf(p[s] - mx);
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < 32; ++s) p[s] = lane + 32 * s < E ? expf(p[s] - mx) / sum : -1.f;  // -1: never picked
+    unsigned taken = 0u;
+    float top_sum = 0.f, my_p = 0.f;
+    int my_id = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = -1.f;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int s = 0; s < 32; ++s) {
+            if (!(taken & (1u << s)) && p[s] > bv) { bv = p[s]; be = lane + 32 * s; }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+            if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
+        }
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        top_sum += bv;
+        if (lane == j) { my_p = bv; my_id = be; }
+    }
+    if (lane < k) {
+        ids[(long long)tok * stride + lane] = my_id;
+        weights[(long long)tok * stride + lane] = my_p / top_sum;
+    }
+    if (lane == 0) {
+        const float sg = sigmoidf(row[E]);
+        shared_gate[tok] = sg;
+        if (stride > k) {
+            ids[(long long)tok * stride + k] = E;
+            weights[(long long)tok * stride + k] = sg;
+        }
+    }
+}
+
 // ---- routing plan ------------------------------------------------------------------------------------------
 // One block. ids [entries] (entry i = token i / k, slot i % k). Writes
 //   offsets [E + 1]: expert e's rows are offsets[e] .. offsets[e + 1] of the expert-sorted order;
@@ -440,6 +500,55 @@ __device__ __forceinline__ void combine(T* __restrict__ out, const T* __restrict
         }
         out[(long long)t * H + c] = from_f<T>(v);
     }
+}
+
+// combine_vec (on trial: moe.combine(kernel="moe_combine_v2_*")): the same sums in the same order, each thread 16
+// bytes of a row (V values) and grid (n, ceil(H / (V * blockDim.x))), so every expert row is read with 16-byte
+// loads, all k of them in flight at once. Needs H % V == 0 and 16-byte aligned rows.
+template <typename T, int V>
+__device__ __forceinline__ void combine_vec(T* __restrict__ out, const T* __restrict__ y_sorted,
+                                            const int* __restrict__ entry_row, const float* __restrict__ weights,
+                                            int k, const float* __restrict__ shared_gate,
+                                            const T* __restrict__ shared_y, int n, int H) {
+    pdl_entry();
+    const int t = blockIdx.x, c0 = (blockIdx.y * blockDim.x + threadIdx.x) * V;
+    if (t >= n || c0 >= H) return;
+    union Pack { uint4 u; T v[V]; };
+    float acc[V];
+    if (shared_y) {
+        const float sg = shared_gate[t];
+        Pack s;
+        s.u = *reinterpret_cast<const uint4*>(shared_y + (long long)t * H + c0);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = sg * to_f(s.v[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = 0.f;
+    }
+    for (int j = 0; j < k; ++j) {
+        const int r = entry_row[t * k + j];
+        if (r < 0) continue;
+        const float w = weights[t * k + j];
+        Pack y;
+        y.u = *reinterpret_cast<const uint4*>(y_sorted + (long long)r * H + c0);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = fmaf(w, to_f(y.v[i]), acc[i]);
+    }
+    Pack o;
+#pragma unroll
+    for (int i = 0; i < V; ++i) o.v[i] = from_f<T>(acc[i]);
+    *reinterpret_cast<uint4*>(out + (long long)t * H + c0) = o.u;
+}
+
+extern "C" __global__ void moe_combine_v2_f32(float* out, const float* y_sorted, const int* entry_row,
+                                              const float* weights, int k, const float* shared_gate,
+                                              const float* shared_y, int n, int H) {
+    combine_vec<float, 4>(out, y_sorted, entry_row, weights, k, shared_gate, shared_y, n, H);
+}
+extern "C" __global__ void moe_combine_v2_bf16(bf16_t* out, const bf16_t* y_sorted, const int* entry_row,
+                                               const float* weights, int k, const float* shared_gate,
+                                               const bf16_t* shared_y, int n, int H) {
+    combine_vec<bf16_t, 8>(out, y_sorted, entry_row, weights, k, shared_gate, shared_y, n, H);
 }
 
 extern "C" __global__ void moe_combine_f32(float* out, const float* y_sorted, const int* entry_row,
