@@ -274,7 +274,7 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     method: "mma" (bf16 on the tensor cores: one block per KV head streams its keys through shared memory, the
     query heads sharing it are the columns of the score mma; see paged_mma_fits), "grouped" (one block per KV
     head computes all its query heads on the CUDA cores: each K/V row read once, with 16-byte loads; see
-    gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (grouped where it fits).
+    gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (the first that fits).
     """
     t = _same_float(out, q, gate, k_cache, v_cache)
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
@@ -295,7 +295,7 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
                          f"{PAGED_MMA_HEAD_DIMS} and 16-byte aligned rows (dtype={q.dtype}, heads={heads}, "
                          f"kv_heads={kv_heads}, head_dim={head_dim})")
     if method == "auto":
-        method = "grouped" if fits else "per_head"  # mma: opt-in until checked on a GPU (session 7, call 2)
+        method = "mma" if mma_fits else "grouped" if fits else "per_head"
     n = token_seq.size
     # the grouped and mma kernels have G times fewer blocks per split: 8 waves of blocks keep loads in flight and
     # the tail short
@@ -420,8 +420,8 @@ def gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArr
 
     method: "one_pass" (normalisation and gates inside the sequential kernel: one launch, for decode),
     "decode" (the same in one block per value head and sequence, 16-byte state loads: dk 128, dv <= 128; see
-    gdn_decode_fits), "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill),
-    or "auto".
+    gdn_decode_fits; correct on the H200 (check_kernels) but not yet timed there, so "auto" does not pick it),
+    "two_pass" (a parallel gdn_prepare pass, then a barrier-free sequential pass: for prefill), or "auto".
     rows: state rows per warp of the two-pass recurrence, 1 or 4 (default gdn_recurrent_rows()).
     """
     t = _same_float(out, q, k, v, a, b)
