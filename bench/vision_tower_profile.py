@@ -1,11 +1,12 @@
 """The 9B-class vision tower at the document run's input sizes: time per item by kind, split by op, against its limit.
 
-    python3 bench/vision_tower_profile.py [--json out.json] [--variants m2n32,...] [--reps 3]
-                                          [--mix 168,12,12] [--photo-caps 3145728,2359296]
+    python3 bench/vision_tower_profile.py [--json out.json] [--variants m2n32,wg64] [--reps 3]
+                                          [--mix 168,12,12] [--photo-caps 3145728,2359296] [--arena-gib 6]
 
 Kinds, sized by the processor's own rule (gpu_engine.preprocessing, Qwen3-VL's pixel budgets as bench/doc_models
 writes them) from the sizes bench/doc_workload makes: an A4 PDF page at 150 dpi (1240 x 1755), a phone photo
-(4032 x 3024, and each --photo-caps pixel cap applied before the processor, the product's photo default among them)
+(4032 x 3024 at full size, as the processor would take it, and at each --photo-caps pixel cap, by default the
+product's MediaLimits.max_photo_pixels, applied as vision/raster applies it)
 and a video (16 frames of 960 x 540, 8 frame groups of temporal 2). For each (kind, attention variant):
 - `encode_ms`: wall time of GpuVisionTower.encode (synchronous: uploads, host tables, every launch), median of
   --reps after a warm-up;
@@ -60,6 +61,15 @@ def kind_grids(photo_caps: list[int]) -> dict[str, tuple[int, int, int]]:
                                 min_pixels=QWEN_VIDEO_MIN_PIXELS, max_pixels=QWEN_VIDEO_MAX_PIXELS)
     grids["video"] = (VIDEO_FRAMES // temporal, vh // patch, vw // patch)
     return grids
+
+
+def photo_caps(arg: str | None) -> list[int]:
+    """--photo-caps as integers; None: the product default (vision.MediaLimits().max_photo_pixels)."""
+    if arg is None:
+        from vision.limits import MediaLimits
+
+        return [MediaLimits().max_photo_pixels]
+    return [int(c) for c in arg.split(",") if c]
 
 
 def capped(size: tuple[int, int], max_pixels: int) -> tuple[int, int]:
@@ -203,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="m2n32")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--mix", default="168,12,12", help="pages, photos, videos of the document run")
-    parser.add_argument("--photo-caps", default="", help="comma-separated photo pixel caps to profile too")
+    parser.add_argument("--photo-caps", default=None,
+                        help="comma-separated photo pixel caps to profile too (default: the product's, "
+                             "vision.MediaLimits().max_photo_pixels)")
     parser.add_argument("--kinds", default="", help="only these kinds (default all)")
     parser.add_argument("--arena-gib", type=float, default=6.0,
                         help="device memory taken (a full-size photo's encode needs ~3 GiB with the weights)")
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_engine.cuda.device import require_gpu
 
     require_gpu()
-    caps = [int(c) for c in args.photo_caps.split(",") if c]
+    caps = photo_caps(args.photo_caps)
     grids = kind_grids(caps)
     if args.kinds:
         grids = {k: g for k, g in grids.items() if k in args.kinds.split(",")}
