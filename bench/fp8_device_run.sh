@@ -3,10 +3,8 @@
 #     bash bench/fp8_device_run.sh OUT_DIR BUDGET_S [HF_KERNEL_DIR]
 # 1. the checks at once (GPU correctness only, so they may share the card): check_fp8 (fresh seed), check_runner,
 #    check_fp8_hf (HF_KERNEL_DIR: the fine-grained FP8 kernel package for transformers, see its docstring);
-# 2. then alone: fp8_gemm_bench (decode rows: both streaming-kernel forms, norm+quant separate vs fused);
-# 3. the streaming-kernel form for the model run is the one with the least decode time over a 27B layer stack
-#    (M = 1 and 8 rows, each projection weighted by how many the 27B model has);
-# 4. fp8_model_bench --with-bf16 at 27B in whatever is left of BUDGET_S.
+# 2. then alone: fp8_gemm_bench (decode rows, norm+quant separate vs fused);
+# 3. fp8_model_bench --with-bf16 at 27B in whatever is left of BUDGET_S.
 # Everything lands in OUT_DIR: log plus one JSON per step (6 files).
 set -u -o pipefail
 out=${1:?OUT_DIR}
@@ -29,14 +27,10 @@ echo "checks: check_fp8 rc=$r1 check_runner rc=$r2 check_fp8_hf rc=$r3 at $((SEC
 echo "==== fp8_gemm_bench"
 timeout 40 python3 bench/fp8_gemm_bench.py --decode-only --json "$out/fp8_gemm_bench.json" 2>&1 | tail -40
 echo "fp8_gemm_bench rc=$? at $((SECONDS - start)) s"
-choice=$(python3 bench/fp8_gemv_choice.py "$out/fp8_gemm_bench.json" 2>&1)
-echo "$choice"
-depth=$(echo "$choice" | sed -n 's/^DEPTH=//p')
-depth=${depth:-0}
-echo "==== fp8_model_bench --with-bf16 --gemv-depth $depth"
+echo "==== fp8_model_bench --with-bf16"
 left=$((budget - (SECONDS - start)))
 [ "$left" -gt 20 ] || { echo "no time left for the model bench ($left s)"; exit 0; }
-timeout "$left" python3 bench/fp8_model_bench.py --with-bf16 --gemv-depth "$depth" \
+timeout "$left" python3 bench/fp8_model_bench.py --with-bf16 \
     --json "$out/fp8_model_bench.json" 2>&1 | grep -v '^ *"' | tail -30
 echo "fp8_model_bench rc=$? at $((SECONDS - start)) s"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('vs_bf16'), indent=1))" \

@@ -4,8 +4,7 @@
 
 Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z, attention's q|gate|k|v, o_proj = DeltaNet's
 out_proj) and tokens M in 1, 4, 8, 16, 32, 8192:
-- FP8 streaming kernel (fp8_ops.fp8_gemv, M <= 32) in each k-loop form (GEMV_KERNELS: depth 0 and 4), FP8 cuBLASLt
-  block-scaled matmul, BF16 cuBLASLt;
+- FP8 streaming kernel (fp8_ops.fp8_gemv, M <= 32), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
 - decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the measured copy
   bandwidth (a 2 GiB device-to-device copy kernel, read + write) = fraction of the roofline;
 - prefill (M = 8192): TFLOP/s of FP8 (GEMM alone, and with the activation quantisation kernel) and BF16;
@@ -37,7 +36,6 @@ from gpu_engine.cuda.bf16 import f32_to_bf16_bits  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 from gpu_engine.cuda.fp8_ops import (  # noqa: E402
-    GEMV_KERNELS,
     Fp8Weight,
     act_buffers,
     fp8_gemv,
@@ -114,15 +112,13 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
         except Exception as exc:  # noqa: BLE001 - reported, the other variants still run
             row["fp8_cublaslt_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if m <= 32:
-            for depth, family in sorted(GEMV_KERNELS.items()):  # fp8_gemv_us: depth 0, fp8_gemv4_us: depth 4 ...
-                row[f"{family}_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, depth=depth) for w in w8], reps)
+            row["fp8_gemv_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w) for w in w8], reps)
             fp8_bytes = n * k + w8[0].scales.nbytes + m * k + xa.scales.nbytes + m * n * 2
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
-            best = min(*(row[f"{f}_us"] for f in GEMV_KERNELS.values()), row.get("fp8_cublaslt_us", float("inf")))
+            best = min(row["fp8_gemv_us"], row.get("fp8_cublaslt_us", float("inf")))
             row["fp8_roofline_us"] = fp8_bytes / copy_gbps / 1e3
             row["fp8_best_fraction_of_roofline"] = row["fp8_roofline_us"] / best
-            for family in GEMV_KERNELS.values():
-                row[f"{family}_fraction_of_roofline"] = row["fp8_roofline_us"] / row[f"{family}_us"]
+            row["fp8_gemv_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_gemv_us"]
             row["bf16_fraction_of_roofline"] = bf16_bytes / copy_gbps / 1e3 / row["bf16_us"]
             row["speedup_fp8_vs_bf16"] = row["bf16_us"] / best
         else:
@@ -180,12 +176,11 @@ def bench_norm_quant(ctx: GpuContext, rng: np.random.Generator, dim: int, sizes:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>9} {'fp8 gemv':>9} {'gemv4':>7} {'fp8 cuBLASLt':>12} {'roof us':>8} "
+    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>9} {'fp8 gemv':>9} {'fp8 cuBLASLt':>12} {'roof us':>8} "
             f"{'best/roof':>9} {'x bf16':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['proj']:<10} {r['m']:>5} {r['bf16_us']:>9.1f} {r.get('fp8_gemv_us', float('nan')):>9.1f} "
-                     f"{r.get('fp8_gemv4_us', float('nan')):>7.1f} "
                      f"{r.get('fp8_cublaslt_us', float('nan')):>12.1f} {r.get('fp8_roofline_us', float('nan')):>8.1f} "
                      f"{r.get('fp8_best_fraction_of_roofline', float('nan')):>9.2f} "
                      f"{r.get('speedup_fp8_vs_bf16', float('nan')):>7.2f}")

@@ -1,14 +1,13 @@
 """The whole decoder with block-FP8 weights on the CUDA runner: bench/cuda_bench.py's model benchmark (prefill 1024
 and 8192 tokens, batch-1 decode eager / graphs / replay, batched decode 8 and 32) with random FP8 Linears.
 
-    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json] [--with-bf16] [--gemv-depth D]
+    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json] [--with-bf16]
 
 The weights are cuda_bench's random bf16 tensors, except that every Linear quantize="fp8" would convert
 (fp8_checkpoint.QUANTIZE_SKIP honoured: lm_head, embeddings, conv1d, in_proj_a / in_proj_b stay bf16) is random
 e4m3 bytes (no NaN patterns) with random 128x128 block scales. decode_bytes / roofline_ms count the FP8 bytes.
 --with-bf16 runs cuda_bench's BF16 model of the same shape first, in the same process (the peer measured in the
-same run), and reports the FP8/BF16 ratios and the fraction of each roofline; --gemv-depth picks the streaming
-kernel's k-loop form (fp8_ops.GEMV_KERNELS) for the FP8 run.
+same run), and reports the FP8/BF16 ratios and the fraction of each roofline.
 """
 from __future__ import annotations
 
@@ -95,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--json")
     parser.add_argument("--with-bf16", action="store_true", help="the BF16 model first, same process")
-    parser.add_argument("--gemv-depth", type=int, help="fp8_ops.GEMV_DEPTH for the FP8 run")
     args = parser.parse_args(argv)
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
@@ -110,16 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                                       (1, 8, 32))
 
     bf16 = run() if args.with_bf16 else None
-    if args.gemv_depth is not None:
-        from gpu_engine.cuda import fp8_ops
-
-        fp8_ops.GEMV_DEPTH = args.gemv_depth
     cuda_bench.random_bf16_weights = random_fp8_weights  # bench_model builds its weights through this name
     out = run()
     out.update({"weights": "fp8 (random e4m3, 128x128 block scales)", "copy": copy, "cublaslt_version": version,
                 "device": device, "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
-    if args.gemv_depth is not None:
-        out["gemv_depth"] = args.gemv_depth
     if bf16 is not None:
         out["bf16"] = bf16
         out["vs_bf16"] = ratios(out, bf16)

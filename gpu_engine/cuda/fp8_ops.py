@@ -34,9 +34,6 @@ GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
 GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
 CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
-# streaming-kernel family by its k-loop form (kernels/fp8.cu): 0 = unrolled by 2, 4 = W loads in batches of 4 groups
-GEMV_KERNELS = {0: "fp8_gemv", 4: "fp8_gemv4"}
-GEMV_DEPTH = 0  # the one the layers use (bench/fp8_gemm_bench.py times both)
 
 
 def _round_up(x: int, to: int) -> int:
@@ -186,9 +183,8 @@ def norm_quant(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, ep
 
 
 def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
-             first_token: int = 0, tokens: int | None = None, depth: int | None = None) -> None:
-    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel
-    (`depth`: its k-loop form, GEMV_KERNELS; default GEMV_DEPTH)."""
+             first_token: int = 0, tokens: int | None = None) -> None:
+    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel."""
     n, k = w.shape
     tokens = xa.m - first_token if tokens is None else tokens
     if xa.k != k or not 0 < tokens <= GEMV_TOKENS * GEMV_MAX_TILES or first_token + tokens > xa.m:
@@ -197,10 +193,7 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
     y_ld = y_ld or n
     tiles = -(-tokens // GEMV_TOKENS)
-    family = GEMV_KERNELS.get(GEMV_DEPTH if depth is None else depth)
-    if family is None:
-        raise ShapeError(f"fp8_gemv: no streaming kernel of depth {depth}; have {sorted(GEMV_KERNELS)}")
-    ctx.device.launch("fp8", f"{family}_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
+    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),
                       w.bits.ptr, i64(k), w.scales.ptr, i64(w.scale_row_stride), i64(w.scale_col_stride),

@@ -113,16 +113,3 @@ def test_concat_and_mlp_pass_the_quantised_rows_to_their_fp8_parts():
     assert mlp.fp8_input
     mlp(ctx, ctx.empty((1, 512), "bf16", "y"), ctx.empty((1, 512), "bf16", "x"), 1, xq)
     assert ctx.names() == ["fp8_gemv_bf16_t1", "fp8_silu_mul_quant_bf16", "fp8_gemv_bf16_t1"]
-
-
-def test_the_streaming_kernel_form_is_chosen_by_depth():
-    ctx = LaunchLog()
-    layer = fp8_linear(ctx, 256, 512)
-    xa = fp8_ops.act_buffers(ctx, 4, 512)
-    y = ctx.empty((4, 256), "bf16", "y")
-    fp8_ops.fp8_gemv(ctx, y, xa, layer.w, depth=4)
-    fp8_ops.fp8_gemv(ctx, y, xa, layer.w)
-    assert ctx.names() == ["fp8_gemv4_bf16_t1", f"{fp8_ops.GEMV_KERNELS[fp8_ops.GEMV_DEPTH]}_bf16_t1"]
-    with pytest.raises(ShapeError):
-        fp8_ops.fp8_gemv(ctx, y, xa, layer.w, depth=3)
-    assert np.all([c[1][0] == 16 for c in ctx.calls])  # 256 rows / 16 a block

@@ -172,41 +172,7 @@ __device__ __forceinline__ uint4 load16(const u8_t* base, long long row, long lo
     return __ldg(reinterpret_cast<const uint4*>(base + row * ld + col));
 }
 
-// One 128-group of the k loop for all NT token tiles: wv holds the lane's W bytes at (r0, c0), (r0, c1), (r1, c0),
-// (r1, c1) with c1 = c0 + 64, scaled by the group's weight scale and each token's activation scale before joining acc.
 template <int NT>
-__device__ __forceinline__ void gemv_group(float (&acc)[NT][4], const uint4 (&wv)[4], float wscale, int g, int c0,
-                                           int gid, int tig, const u8_t* __restrict__ xq, long long xq_ld,
-                                           const float* __restrict__ sx, long long sx_g, long long sx_m, int m,
-                                           int k) {
-    const int c1 = c0 + 64;
-    const unsigned int a0[4] = {wv[0].x, wv[2].x, wv[0].y, wv[2].y}, a1[4] = {wv[0].z, wv[2].z, wv[0].w, wv[2].w};
-    const unsigned int a2[4] = {wv[1].x, wv[3].x, wv[1].y, wv[3].y}, a3[4] = {wv[1].z, wv[3].z, wv[1].w, wv[3].w};
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        const int tok = t * 8 + gid;
-        const uint4 x0 = load16(xq, tok, xq_ld, c0, tok < m && c0 < k);
-        const uint4 x1 = load16(xq, tok, xq_ld, c1, tok < m && c1 < k);
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_e4m3(c, a0, x0.x, x0.y);
-        mma_e4m3(c, a1, x0.z, x0.w);
-        mma_e4m3(c, a2, x1.x, x1.y);
-        mma_e4m3(c, a3, x1.z, x1.w);
-        const int col = t * 8 + tig * 2;  // c[0], c[2]: token col; c[1], c[3]: col + 1
-        const float s0 = col < m ? __ldg(sx + (long long)g * sx_g + (long long)col * sx_m) * wscale : 0.f;
-        const float s1 = col + 1 < m ? __ldg(sx + (long long)g * sx_g + (long long)(col + 1) * sx_m) * wscale
-                                     : 0.f;
-        acc[t][0] += c[0] * s0;
-        acc[t][1] += c[1] * s1;
-        acc[t][2] += c[2] * s0;
-        acc[t][3] += c[3] * s1;
-    }
-}
-
-// DEPTH 0: the k loop unrolled by 2 as written (the compiler schedules the loads). DEPTH > 0: the warp's groups in
-// batches of DEPTH, every W load of a batch issued before its first mma (more bytes in flight per warp, for
-// projections with few 16-row tiles such as the down projection). Same group order either way: same sums.
-template <int NT, int DEPTH>
 __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld, const u8_t* __restrict__ xq,
                                          long long xq_ld, const float* __restrict__ sx, long long sx_g,
                                          long long sx_m, const u8_t* __restrict__ w, long long w_ld,
@@ -224,37 +190,32 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
     for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
-    if (DEPTH == 0) {
 #pragma unroll 2
-        for (int g = warp; g < groups; g += FP8_GEMV_WARPS) {
-            const int c0 = g * 128 + tig * 16, c1 = c0 + 64;
-            const uint4 wv[4] = {load16(w, r0, w_ld, c0, r0 < n && c0 < k), load16(w, r0, w_ld, c1, r0 < n && c1 < k),
-                                 load16(w, r1, w_ld, c0, r1 < n && c0 < k), load16(w, r1, w_ld, c1, r1 < n && c1 < k)};
-            gemv_group<NT>(acc, wv, __ldg(swrow + (long long)g * sw_kb), g, c0, gid, tig, xq, xq_ld, sx, sx_g, sx_m,
-                           m, k);
-        }
-    } else {
-        constexpr int D = DEPTH > 0 ? DEPTH : 1;
-        for (int g0 = warp; g0 < groups; g0 += FP8_GEMV_WARPS * D) {
-            uint4 wv[D][4];
-            float wscale[D];
+    for (int g = warp; g < groups; g += FP8_GEMV_WARPS) {
+        const int c0 = g * 128 + tig * 16, c1 = c0 + 64;
+        const uint4 w00 = load16(w, r0, w_ld, c0, r0 < n && c0 < k), w01 = load16(w, r0, w_ld, c1, r0 < n && c1 < k);
+        const uint4 w10 = load16(w, r1, w_ld, c0, r1 < n && c0 < k), w11 = load16(w, r1, w_ld, c1, r1 < n && c1 < k);
+        const float wscale = __ldg(swrow + (long long)g * sw_kb);
+        const unsigned int a0[4] = {w00.x, w10.x, w00.y, w10.y}, a1[4] = {w00.z, w10.z, w00.w, w10.w};
+        const unsigned int a2[4] = {w01.x, w11.x, w01.y, w11.y}, a3[4] = {w01.z, w11.z, w01.w, w11.w};
 #pragma unroll
-            for (int d = 0; d < D; ++d) {
-                const int g = g0 + d * FP8_GEMV_WARPS, c0 = g * 128 + tig * 16, c1 = c0 + 64;
-                const bool gin = g < groups;
-                wv[d][0] = load16(w, r0, w_ld, c0, gin && r0 < n && c0 < k);
-                wv[d][1] = load16(w, r0, w_ld, c1, gin && r0 < n && c1 < k);
-                wv[d][2] = load16(w, r1, w_ld, c0, gin && r1 < n && c0 < k);
-                wv[d][3] = load16(w, r1, w_ld, c1, gin && r1 < n && c1 < k);
-                wscale[d] = gin ? __ldg(swrow + (long long)g * sw_kb) : 0.f;
-            }
-#pragma unroll
-            for (int d = 0; d < D; ++d) {
-                const int g = g0 + d * FP8_GEMV_WARPS;
-                if (g < groups)
-                    gemv_group<NT>(acc, wv[d], wscale[d], g, g * 128 + tig * 16, gid, tig, xq, xq_ld, sx, sx_g,
-                                   sx_m, m, k);
-            }
+        for (int t = 0; t < NT; ++t) {
+            const int tok = t * 8 + gid;
+            const uint4 x0 = load16(xq, tok, xq_ld, c0, tok < m && c0 < k);
+            const uint4 x1 = load16(xq, tok, xq_ld, c1, tok < m && c1 < k);
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_e4m3(c, a0, x0.x, x0.y);
+            mma_e4m3(c, a1, x0.z, x0.w);
+            mma_e4m3(c, a2, x1.x, x1.y);
+            mma_e4m3(c, a3, x1.z, x1.w);
+            const int col = t * 8 + tig * 2;  // c[0], c[2]: token col; c[1], c[3]: col + 1
+            const float s0 = col < m ? __ldg(sx + (long long)g * sx_g + (long long)col * sx_m) * wscale : 0.f;
+            const float s1 = col + 1 < m ? __ldg(sx + (long long)g * sx_g + (long long)(col + 1) * sx_m) * wscale
+                                         : 0.f;
+            acc[t][0] += c[0] * s0;
+            acc[t][1] += c[1] * s1;
+            acc[t][2] += c[2] * s0;
+            acc[t][3] += c[3] * s1;
         }
     }
 #pragma unroll
@@ -276,18 +237,14 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
     }
 }
 
-#define FP8_GEMV_ENTRY(NAME, NT, DEPTH)                                                                             \
+#define FP8_GEMV_ENTRY(NT)                                                                                           \
     extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 2)                                          \
-        NAME##_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
+        fp8_gemv_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
                             long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,         \
                             long long sw_nb, long long sw_kb, int m, int n, int k) {                                \
-        fp8_gemv<NT, DEPTH>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k);                       \
+        fp8_gemv<NT>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k);                       \
     }
-FP8_GEMV_ENTRY(fp8_gemv, 1, 0)
-FP8_GEMV_ENTRY(fp8_gemv, 2, 0)
-FP8_GEMV_ENTRY(fp8_gemv, 3, 0)
-FP8_GEMV_ENTRY(fp8_gemv, 4, 0)
-FP8_GEMV_ENTRY(fp8_gemv4, 1, 4)  // DEPTH 4 (bench/fp8_gemm_bench.py times both)
-FP8_GEMV_ENTRY(fp8_gemv4, 2, 4)
-FP8_GEMV_ENTRY(fp8_gemv4, 3, 4)
-FP8_GEMV_ENTRY(fp8_gemv4, 4, 4)
+FP8_GEMV_ENTRY(1)
+FP8_GEMV_ENTRY(2)
+FP8_GEMV_ENTRY(3)
+FP8_GEMV_ENTRY(4)
