@@ -17,7 +17,9 @@ two warpgroups of 64 query rows (128 a block, 256 threads), 64 keys a step, head
 head dim, a device that is not sm_90) it runs m2n32 instead (resolve_variant). On the H200 it passes every check
 (check_vision_flash, check_vision with it as default) but ran no faster than m2n32 at 4,096 rows (219 vs 218 TFLOP/s,
 bench/results/cuda_notes.md, session 7): each warpgroup still waits on its own Q K^T, softmax and P V in turn, so
-it stays an option until the softmax overlaps the other warpgroup's MMAs.
+it stays an option until the softmax overlaps the other warpgroup's MMAs. "wg64s" is the same kernel with one
+barrier a step and the next tile's copies issued after it (so the step's fence.proxy.async has no copies in flight
+behind it); it has not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ TILE_ROWS = 64  # query rows per block of the m1 variant (VF_ROWS in the kernel:
 KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
 # name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
 # warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
-VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64)}
+VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
-WG_VARIANTS = ("wg64",)  # kernels/vision_flash_wg.cu: wgmma, sm_90a
+# kernels/vision_flash_wg.cu (wgmma, sm_90a): name -> kernel name suffix. wg64s: the next tile's copies issued after
+# the step's barrier, one barrier a step (not yet run on a GPU)
+WG_VARIANTS = {"wg64": "", "wg64s": "_sb"}
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256
@@ -75,7 +79,7 @@ def resolve_variant(head_dim: int, variant: str | None = None, arch: str | None 
 def kernel_name(head_dim: int, variant: str) -> str:
     m, keys = VARIANTS[variant]
     if variant in WG_VARIANTS:
-        return f"vision_flash_wg_bf16_hd{head_dim}_n{keys}"
+        return f"vision_flash_wg_bf16_hd{head_dim}_n{keys}{WG_VARIANTS[variant]}"
     return f"vision_flash_bf16_hd{head_dim}" if m == 1 else f"vision_flash_bf16_hd{head_dim}_m{m}_n{keys}"
 
 

@@ -6,7 +6,7 @@ Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is 
 mask or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first.
 Cases: head_dim 72 (padded to 80 inside) and 64, also 80 and 128; 16 and 4 heads; segments of 1, 17, 64, 100,
 129, 1024, 4096 and 8580 rows, n = several segments. Each case runs every kernel this device has for its head dim:
-the default variant and the wgmma one (vision_flash.WG_VARIANTS, Hopper only; elsewhere it resolves to the same).
+the default variant and the wgmma ones (vision_flash.WG_VARIANTS, Hopper only; elsewhere they resolve to m2n32).
 Pass: rel-L2 <= 1e-2 against float64 segment attention on the same bf16 inputs, and no row left unwritten. Info (not
 a pass criterion): device time of one 4096-row, 16-head, head_dim 72 launch (the 1024^2 image's per-layer attention)
 and its TFLOP/s, per variant. The tower itself (auto -> flash in bf16) is covered by check_vision. Skips (exit 0)

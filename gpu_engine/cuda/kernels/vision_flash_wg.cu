@@ -121,8 +121,14 @@ __device__ __forceinline__ void vw_load_kv(unsigned k_dst, unsigned v_dst, const
     }
 }
 
-extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64(
-        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+// PREFETCH_AFTER_BARRIER = false (wg64, checked on the H200 in session 7): tile j + 1's copies are issued at the
+// top of step j, before this thread's fence.proxy.async and the barrier, and a second barrier ends the step.
+// true (wg64s, not yet run on a GPU): wait for tile j, fence, barrier, then issue tile j + 1 into the other stage
+// (every warp has passed the barrier, so it is done with step j - 1, the last reader of that stage) and compute:
+// one barrier a step, and the fence never has the next tile's copies in flight behind it.
+template <bool PREFETCH_AFTER_BARRIER>
+__device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int heads, int seg_len,
+                                             int tiles_per_seg, float scale) {
     using S = VwShape;
     constexpr int HD = VW_HD, BN = VW_BN, KSTEPS = S::HDP / 16, NT_S = BN / 8, NT_O = HD / 8;
     extern __shared__ __align__(128) bf16_t smem[];
@@ -185,19 +191,27 @@ extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16
 
     for (int j = 0; j < n_kt; ++j) {
         const int kt = j * BN, stage = j & 1;
-        if (j + 1 < n_kt) {
+        const auto prefetch = [&]() {   // tile j + 1 into the other stage
             const unsigned next = (unsigned)((stage ^ 1) * S::STAGE);
             k_src += tile_step;
             const bool valid = kt + BN + kr < seg_len;
             const bf16_t* src = valid ? k_src : k_head;
             vw_load_kv(base + next + k_slot, base + next + v_slot, src, src + width, kp, valid);
             cp_async_commit();
+        };
+        if constexpr (PREFETCH_AFTER_BARRIER) {
+            cp_async_wait<0>();
+        } else if (j + 1 < n_kt) {
+            prefetch();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         fence_proxy_async();   // this thread's copies (and the pad zeros) -> visible to wgmma after the barrier
         __syncthreads();
+        if constexpr (PREFETCH_AFTER_BARRIER) {
+            if (j + 1 < n_kt) prefetch();
+        }
         const unsigned k_buf = base + (unsigned)(stage * S::STAGE), v_buf = k_buf + (unsigned)S::K_TILE;
 
         unsigned long long kd[KSTEPS];
@@ -225,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16
 #pragma unroll
         for (int k2 = 0; k2 < BN / 16; ++k2) vd[k2] = vw_desc(v_buf + (unsigned)(k2 * 2 * S::V_GROUP), S::V_GROUP, 128);
         vw_pv(o, pf, vd);
-        __syncthreads();   // this stage is refilled by the next iteration's copy
+        if constexpr (!PREFETCH_AFTER_BARRIER) __syncthreads();   // this stage is refilled by the next copy
     }
 
     softmax_row_sums(l_a, l_b);
@@ -240,4 +254,14 @@ extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16
         for (int nt = 0; nt < NT_O; ++nt)
             oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vw_attention<false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64_sb(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vw_attention<true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
