@@ -184,7 +184,35 @@ def e2e_rows(make_engine: Any, vocab: int, batches: tuple[int, ...], max_tokens:
     return out
 
 
-def build_runner(shape: str, extra_gib: int) -> tuple[Any, Any]:
+FALLBACK = ("27b", "9b", "2b")  # smaller classes, tried in order when a shape's weights do not fit
+E2E_BLOCKS = 600  # KV blocks of 16 tokens for the end-to-end engine: 32 sequences of PROMPT + 48 tokens, and more
+SCRATCH_BYTES = 6 << 30  # step activations, logits rows, the graphs' shared buffers
+
+
+def sizes(shape: str) -> tuple[int, int]:
+    """(bf16 weight bytes, arena bytes past them): the larger cache of the two parts, state slots and the verify
+    rows of the window strategy (3 windows a sequence) for the largest batch, and step scratch."""
+    from cuda_bench import model_config
+
+    from gpu_engine.loader import expected_shapes
+    from gpu_engine.runner_rules import kv_bytes_per_block, state_bytes_per_slot
+
+    config, _ = model_config(shape)
+    weights = sum(2 * int(np.prod(v)) for k, v in expected_shapes(config).items()
+                  if k.startswith(("text/", "lm_head/")))
+    rows = max(BATCHES) + 1
+    cache = max(E2E_BLOCKS, rows * ((CONTEXT + REPS * 8 + 64) // 16 + 1)) * kv_bytes_per_block(config.text, 16, 2)
+    return weights, cache + 4 * rows * state_bytes_per_slot(config.text, 2, 4) + SCRATCH_BYTES
+
+
+def fitting_shape(shape: str, free_bytes: int) -> str:
+    """`shape`, or the first smaller class of FALLBACK whose weights and extra arena fit in `free_bytes` (a shared
+    card may have far less free than its size); `shape` itself when none does (the runner then says why)."""
+    order = [shape, *FALLBACK[FALLBACK.index(shape) + 1:]] if shape in FALLBACK else [shape]
+    return next((name for name in order if sum(sizes(name)) <= free_bytes), shape)
+
+
+def build_runner(shape: str) -> tuple[Any, Any]:
     from cuda_bench import model_config, random_bf16_weights
 
     from gpu_engine.cuda.options import CudaOptions
@@ -192,9 +220,7 @@ def build_runner(shape: str, extra_gib: int) -> tuple[Any, Any]:
 
     config, _ = model_config(shape)
     weights = random_bf16_weights(config, np.random.default_rng(0))
-    nbytes = sum(a.nbytes for a in weights.text.values()) + (0 if config.tie_word_embeddings else
-                                                            weights.lm_head.nbytes)
-    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=nbytes + (extra_gib << 30)))
+    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=sum(sizes(shape))))
     return runner, config
 
 
@@ -218,10 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_engine.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    runner, config = build_runner(args.shape, 40)
+    asked = args.shape
+    if args.shape in FALLBACK:
+        from gpu_engine.cuda.device import CudaDevice
+
+        args.shape = fitting_shape(args.shape, CudaDevice(0).mem_info()[0])
+    runner, config = build_runner(args.shape)
     ctx = getattr(runner, "ctx", None)  # the CPU test runs the reference runner
     info = {"device": ctx.device.info.name if ctx is not None else runner.name, "shape": args.shape, "k": K,
-            "context": CONTEXT,
+            "context": CONTEXT, "shape_asked": asked,
             "setup_s": round(time.perf_counter() - t0, 1), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
             "command": " ".join(sys.argv), "drafter": "Replay (benchmark-only: recorded greedy continuation, "
                                                        "each draft replaced with probability 1 - a)"}
@@ -253,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             write()
 
         def make_engine(max_step_tokens: int) -> Any:
-            cfg = EngineConfig(max_num_seqs=pool, max_batched_tokens=4096, kv_cache_bytes=16 << 30, block_size=16)
+            cfg = EngineConfig(max_num_seqs=pool, max_batched_tokens=4096, num_kv_blocks=E2E_BLOCKS,
+                               num_state_slots=pool + 1, block_size=16)
             return Engine(runner, tokenizer, vocab_size=vocab, config=cfg,
                           speculative=SpeculativeConfig(num_tokens=K, max_step_tokens=max_step_tokens))
 

@@ -53,7 +53,7 @@ def test_main_runs_every_part_and_writes_json(tmp_path: Path, monkeypatch: Any) 
 
     folder = make_tiny_checkpoint(tmp_path / "m", seed=5)
     eng = Engine.from_pretrained(folder)
-    monkeypatch.setattr(scb, "build_runner", lambda shape, gib: (eng.runner, ModelConfig.from_pretrained(folder)))
+    monkeypatch.setattr(scb, "build_runner", lambda shape: (eng.runner, ModelConfig.from_pretrained(folder)))
     monkeypatch.setattr(scb, "BATCHES", (1, 2))
     monkeypatch.setattr(scb, "CONTEXT", 12)
     monkeypatch.setattr(scb, "PROMPT", 8)
@@ -63,3 +63,13 @@ def test_main_runs_every_part_and_writes_json(tmp_path: Path, monkeypatch: Any) 
     for strategy in ("recompute", "window"):
         assert "error" not in result[f"steps_{strategy}"] and "b2_decode_ms" in result[f"steps_{strategy}"]
         assert result[f"e2e_{strategy}"]["b1_a0.9_identical_requests"] == "1/1"
+
+
+def test_a_shape_that_does_not_fit_falls_back_to_a_smaller_class() -> None:
+    gib = 1 << 30
+    need = {name: sum(scb.sizes(name)) for name in scb.FALLBACK}
+    assert need["27b"] > need["9b"] > need["2b"] and 50 * gib < need["27b"] < 90 * gib
+    assert scb.fitting_shape("27b", 139 * gib) == "27b"
+    assert scb.fitting_shape("27b", need["27b"] - 1) == "9b"
+    assert scb.fitting_shape("27b", 21 * gib) == "2b"  # the shared card of session 7 had 21.8 GB free
+    assert scb.fitting_shape("27b", 1 * gib) == "27b"  # nothing fits: the runner says why
