@@ -32,6 +32,10 @@ class CudaOptions:
     use_graphs: bool = True  # decode steps replay CUDA graphs (DOCPIPE_CUDA_GRAPHS=0 turns that off)
     graph_memory: int = 2 << 30  # most bytes one decode graph's buffers may take (graphs share them); larger: eager
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
+    # A step carrying a 32+-token prompt chunk gives its one-token rows to the decode attention kernel instead of
+    # flash_prefill (text_model.CudaTextModel.decode_rows_apart; DOCPIPE_CUDA_DECODE_ROWS_APART=1); not yet checked
+    # on a GPU, so off.
+    decode_rows_apart: bool = False
     # Bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY), also the engine's default encoder
     # budget on this runner; None: encoder_region_bytes(budget) = DEFAULT_ENCODER_MEMORY (1 GiB: 65,536 tokens of
     # 27B-class embeddings; a 12 MP photo at 9B is 92.5 MiB), at most a quarter of the memory budget.
@@ -75,6 +79,8 @@ class CudaOptions:
             read["graph_memory"] = int(env["DOCPIPE_CUDA_GRAPH_MEMORY"])
         if "DOCPIPE_CUDA_PDL" in env:
             read["use_pdl"] = env["DOCPIPE_CUDA_PDL"] == "1"
+        if "DOCPIPE_CUDA_DECODE_ROWS_APART" in env:
+            read["decode_rows_apart"] = env["DOCPIPE_CUDA_DECODE_ROWS_APART"] == "1"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
             read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
         if env.get("DOCPIPE_CUDA_VISION_FLASH"):

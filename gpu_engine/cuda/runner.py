@@ -100,6 +100,7 @@ class CudaRunner:
         self.ctx.device.pdl = o.use_pdl and int(self.ctx.device.info.arch.removeprefix("sm_")) >= 90
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
+        self.model.decode_rows_apart = o.decode_rows_apart
         cfg = self.cfg
         # The vision tower and its encoder-cache region come before the cache mark: they outlive cache changes.
         # A checkpoint whose tower cannot feed its decoder still runs text; encode_vision then says why.

@@ -27,6 +27,7 @@ ALIGN_I32 = 64  # pack offsets in elements (256 bytes)
 PAD_SAMPLE_PARAMS = np.array([0.0, 0.0, 1.0, 0.0, 0.5, 0.0, -1.0, -1.0], np.float32)
 
 T = TypeVar("T", np.ndarray, DArray)
+SPLIT_MIN_CHUNK = 32  # = text_model.FLASH_MIN_CHUNK: from this chunk length on a step's attention is flash_prefill
 
 
 @dataclass
@@ -48,6 +49,13 @@ class StepTables(Generic[T]):
     tiles: T  # [tiles, 2] flash-prefill query tiles (ops.flash_tiles)
     sample_params: T | None = None  # float32 bits [rows, 8] of the SamplingRequest (sampler.pack_params)
     win: T | None = None  # [seqs] first verify-window row of each sequence, -1 = none (verify.py, window strategy)
+    # Steps that carry a prompt chunk of SPLIT_MIN_CHUNK+ tokens beside one-token chunks (decode rows): those rows,
+    # their sequences and positions, and the flash-prefill tiles of the other chunks, so that the attention can
+    # give the decode rows to the decode kernel (text_model.CudaTextModel.decode_rows_apart). None otherwise.
+    dec_rows: T | None = None  # [d] step rows of the one-token chunks
+    dec_seq: T | None = None  # [d] their sequences (tok_seq of those rows)
+    dec_pos: T | None = None  # [d] their positions (tok_pos of those rows)
+    tiles_apart: T | None = None  # [tiles, 2] flash_tiles of the step without the one-token chunks
 
     def items(self) -> list[tuple[str, T]]:
         """(name, table) in field order: the packing order."""
@@ -153,6 +161,13 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         tables=block_tables.astype(i32), logit_rows=logit_rows.astype(i32), vis_rows=_cat(vis_rows),
         tiles=ops.flash_tiles(lens.tolist()).astype(i32),
     )
+    single = np.flatnonzero(lens == 1)
+    if single.size and int(lens.max()) >= SPLIT_MIN_CHUNK:
+        rows = cu[single]
+        step_tables.dec_rows, step_tables.dec_seq = rows.astype(i32), single.astype(i32)
+        step_tables.dec_pos = tok_pos[rows].astype(i32)
+        tiles = step_tables.tiles
+        step_tables.tiles_apart = tiles[~np.isin(tiles[:, 0], rows)]  # a one-token chunk is one tile, at its row
     step = HostStep(n=n, longest_chunk=int(lens.max()), tables=step_tables,
                     logit_rows=int(step_tables.logit_rows.size),
                     vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)

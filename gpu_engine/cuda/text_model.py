@@ -64,6 +64,11 @@ class CudaTextModel:
         self.ctx, self.config, self.w, self.dtype = ctx, config, weights, dtype
         self.rope_inv = ctx.to_device(rotary.inv_freq(config.rope_theta, config.rotary_dim), "f32", "rope.inv_freq")
         self.rope_axis = ctx.to_device(rotary.mrope_axis(config.rotary_dim, config.mrope_section), "i32", "rope.axis")
+        # In a step that carries a prompt chunk of FLASH_MIN_CHUNK+ tokens, give its one-token rows (decode tokens)
+        # to paged_attention instead of one flash_prefill tile each (step.StepTables.dec_rows): on the H200 at
+        # 192 x 8k that is 2.0 instead of 8.1 ms a layer. Off until the runner with it is checked on a GPU
+        # (bench/results/cuda_notes.md, session 7, #14 decode helper).
+        self.decode_rows_apart = False
 
     def embed_tokens(self, x: DArray, ids: DArray) -> None:
         ops.embed_gather(self.ctx, x, self.w.embed, ids)
@@ -134,11 +139,33 @@ class CudaTextModel:
                                self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
         out = ctx.empty((n, nh * hd), t, "attn")
         args = (out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m.tables, m.tok_seq, m.tok_pos)
+        rows, seqs, pos, tiles_apart = m.dec_rows, m.dec_seq, m.dec_pos, m.tiles_apart
         if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
-            ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5)
+            if self.decode_rows_apart and rows is not None and seqs is not None and pos is not None \
+                    and tiles_apart is not None:
+                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5)
+                self._decode_rows(out, q, proj, cache, m.tables, rows, seqs, pos, block_size)
+            else:
+                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5)
         else:  # decode steps, short chunks, fp32 runs
             ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5)
         w.o_proj(ctx, a.d, out, n)
+
+    def _decode_rows(self, out: DArray, q: DArray, proj: DArray, cache: AttentionCache, tables: DArray,
+                     rows: DArray, seqs: DArray, pos: DArray, block_size: int) -> None:
+        """Attention of a mixed step's decode rows: their q and q|gate rows gathered, paged_attention over them
+        (each K/V row read once for the query heads sharing it), the output rows scattered back into `out`."""
+        ctx, cfg, t = self.ctx, self.config, self.dtype
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width, d = proj.shape[1], rows.size
+        qd = ctx.empty((d, nh * hd), t, "q-decode-rows")
+        ops.embed_gather(ctx, qd, q, rows)
+        pd = ctx.empty((d, width), t, "qkv-decode-rows")
+        ops.embed_gather(ctx, pd, proj, rows)
+        od = ctx.empty((d, nh * hd), t, "attn-decode-rows")
+        ops.paged_attention(ctx, od, qd, nh * hd, pd.at(hd), width, 2 * hd, cache.k, cache.v, tables, seqs, pos, nh,
+                            kvh, hd, block_size, hd ** -0.5)
+        ops.scatter_rows(ctx, out, od, rows)
 
     def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,
                   cache: DeltaNetCache, hq: Fp8Activations | None = None) -> None:
