@@ -1,9 +1,10 @@
 """Embedded processing: ingest files and folders, then run their jobs in this process (CLI `process`, `demo`).
 
 The same library functions a queue worker calls (`ingest_file`, `run_job`) run here, so the embedded path and the
-distributed path cannot drift apart. Files are read one by one on the calling thread; each file's job starts as
-soon as the file is in, on a small pool of job threads, so reading, rendering and the model overlap and the
-engine batches pages of several documents together.
+distributed path cannot drift apart. Files are read and rendered by a few intake threads (each render runs in a
+process of its own: DOCPIPE_EMBEDDED_RENDERS); each file's job starts, in file order, as soon as the file is in,
+on a pool of job threads, so reading, rendering and the model overlap and the engine batches pages of several
+documents together.
 """
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from .context import Pipeline
 from .ingest import IngestOutcome, create_batch, ingest_file
 from .jobs import run_job
 from .queries import document_repaired, get_job
 from .schemas import get_schema
-from .walk import iter_folder
+from .walk import folder_intakes
 
 FAILED_STATES = frozenset({"failed", "partial"})
 
@@ -78,16 +80,20 @@ class Progress:
     def file_done(self, report: FileReport) -> None: ...
 
 
-def iter_inputs(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
-                batch_id: int, password: str | None,
-                include: Callable[[Path], bool] | None = None) -> Iterator[IngestOutcome]:
-    """Ingest files and folders one file at a time. `password` applies to the files named directly."""
+def input_intakes(p: Pipeline, paths: Sequence[str | os.PathLike[str]], *, schema: str | None,
+                  batch_id: int, password: str | None,
+                  include: Callable[[Path], bool] | None = None) -> list[Callable[[], IngestOutcome]]:
+    """One intake call per file of `paths` (folders walked now), in order, not yet run. `password` applies to the
+    files named directly."""
+    intakes: list[Callable[[], IngestOutcome]] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            yield from iter_folder(p, path, schema=schema, batch_id=batch_id, include=include)
+            intakes += folder_intakes(p, path, schema=schema, batch_id=batch_id, include=include)
         else:
-            yield ingest_file(p, path, name=str(path), schema=schema, password=password, batch_id=batch_id)
+            intakes.append(partial(ingest_file, p, path, name=str(path), schema=schema, password=password,
+                                   batch_id=batch_id))
+    return intakes
 
 
 def process_paths(
@@ -141,11 +147,13 @@ def process_paths(
         return item
 
     # Several jobs at once, so the engine batches pages of different documents together (one document's pages
-    # alone rarely fill a batch).
-    with ThreadPoolExecutor(max_workers=p.settings.embedded_job_threads(), thread_name_prefix="docpipe-job") as pool:
+    # alone rarely fill a batch); several files taken in (rendered) at once, so intake keeps ahead of the engine.
+    intakes = input_intakes(p, paths, schema=schema, batch_id=report.batch_id, password=password, include=include)
+    with ThreadPoolExecutor(max_workers=p.settings.embedded_job_threads(), thread_name_prefix="docpipe-job") as pool, \
+            ThreadPoolExecutor(max_workers=p.settings.embedded_render_threads(),
+                               thread_name_prefix="docpipe-intake") as intake:
         futures = []
-        for outcome in iter_inputs(p, paths, schema=schema, batch_id=report.batch_id, password=password,
-                                   include=include):
+        for outcome in intake.map(lambda run: run(), intakes):  # file order, each once it and those before are in
             with lock:
                 progress.file_ingested(outcome)
             futures.append(pool.submit(one, outcome))

@@ -17,6 +17,7 @@ engine's and the jobs' own threads; on a busy 2-core machine the in-process path
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -125,6 +126,8 @@ class Settings(BaseSettings):
     # --- jobs and queue ------------------------------------------------------------------------------------------
     embedded_jobs: int = Field(0, ge=0, description="Jobs `docpipe process` runs at once (the engine batches "
                                "their pages together); 0 = 4 on reference, the engine's job slots on cuda.")
+    embedded_renders: int = Field(0, ge=0, description="Files `docpipe process` reads and renders at once (each "
+                                  "in a render process of its own); 0 = half the CPUs, 1 to 8.")
     broker_url: str | None = Field(None, description="Celery broker (redis://...); None = embedded in-process runs.")
     job_lease_s: float = Field(900.0, gt=0, description="A running job whose lease passed may be taken over.")
     job_max_attempts: int = Field(3, ge=1, description="Attempts before a job is failed for good (poison cap).")
@@ -223,6 +226,11 @@ class Settings(BaseSettings):
         if self.embedded_jobs:
             return self.embedded_jobs
         return REFERENCE_EMBEDDED_JOBS if self.runner == "reference" else self.engine_job_slots()
+
+    def embedded_render_threads(self) -> int:
+        """Files `docpipe process` takes in at once: the setting, else half the CPUs (1 to 8). Each render runs
+        in its own process and the thread only waits on it, so several keep the intake ahead of a fast engine."""
+        return self.embedded_renders or max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def engine_quantize_option(self) -> str | None:
         """`quantize` for gpu_engine.load / Engine.from_pretrained: None for "none"."""

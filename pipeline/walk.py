@@ -87,6 +87,22 @@ def iter_folder(
     """Ingest every stable file under `folder` (recursively, hidden files skipped, `include` filters paths), one
     outcome per file, yielded as each is read (callers can start a file's job while the next is read; `list()` it
     for all of them). Argument errors (not a folder, unknown schema) are raised by the call itself."""
+    intakes = folder_intakes(p, folder, schema=schema, batch_id=batch_id, stable_seconds=stable_seconds,
+                             include=include)
+    return (intake() for intake in intakes)
+
+
+def folder_intakes(
+    p: Pipeline,
+    folder: str | os.PathLike[str],
+    *,
+    schema: str | None = None,
+    batch_id: int | None = None,
+    stable_seconds: float | None = None,
+    include: Callable[[Path], bool] | None = None,
+) -> list[Callable[[], IngestOutcome]]:
+    """iter_folder's files as one intake call each, in its order, not yet run (so a caller can run several at
+    once: each renders in a process of its own)."""
     root = Path(folder)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
@@ -98,10 +114,10 @@ def iter_folder(
         stable = [f for f in stable if include(f)]
         unstable = [f for f in unstable if include(f)]
 
-    def outcomes() -> Iterator[IngestOutcome]:
-        for path in stable:
-            yield ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
-        for path in unstable:
-            yield IngestOutcome(str(path.relative_to(root)), "unstable")
+    def intake(path: Path) -> Callable[[], IngestOutcome]:
+        return lambda: ingest_file(p, path, name=str(path.relative_to(root)), schema=schema, batch_id=batch_id)
 
-    return outcomes()
+    def unstable_file(path: Path) -> Callable[[], IngestOutcome]:
+        return lambda: IngestOutcome(str(path.relative_to(root)), "unstable")
+
+    return [intake(path) for path in stable] + [unstable_file(path) for path in unstable]
