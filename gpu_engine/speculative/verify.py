@@ -35,7 +35,10 @@ def verify_window(seq: Sequence, rows: np.ndarray, drafts: list[int], accept: Ac
     accepted = 0
     while True:  # ends at the first token that is not the draft (always at the last row: it has no draft)
         draft = drafts[accepted] if accepted < len(drafts) else None
-        logits = np.array(rows[accepted:accepted + 1], dtype=np.float32, copy=True)
+        if table.has_penalties or seq.matcher is not None:  # written below: a copy of the runner's row
+            logits = np.array(rows[accepted:accepted + 1], dtype=np.float32, copy=True)
+        else:  # only read (choose / logprob_entries copy what they change): no vocabulary-wide copy per row
+            logits = np.asarray(rows[accepted:accepted + 1], dtype=np.float32)
         if table.has_penalties:
             apply_penalties(logits, table, [seq.token_ids], [seq.output_ids])
         if seq.matcher is not None:
