@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_probe
 
 
+def say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)  # the part's log: where a cut-short part was
+
+
 def batch_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.pdf"))
 
@@ -57,10 +61,17 @@ def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | 
         return listen
 
     start = time.perf_counter()
+
+    def submit(i: int) -> bool:
+        if limit is not None and time.perf_counter() - start > limit:
+            return False  # past the window: the rest stays unsubmitted
+        front.submit(requests[i].messages, requests[i].params, listener=listener(i))
+        return True
+
     with ThreadPoolExecutor(max_workers=submitters) as pool:
-        list(pool.map(lambda i: front.submit(requests[i].messages, requests[i].params, listener=listener(i)),
-                      range(len(requests))))
-    complete = done.wait(None if limit is None else max(0.0, limit - (time.perf_counter() - start)))
+        submitted = sum(pool.map(submit, range(len(requests))))
+    complete = submitted == len(requests) and done.wait(
+        None if limit is None else max(0.0, limit - (time.perf_counter() - start)))
     return list(outputs), time.perf_counter() - start, complete
 
 
@@ -77,9 +88,11 @@ def run_engine(args: argparse.Namespace, probe: pipeline_probe.Probe) -> dict[st
     units = render_units(batch_files(args.batch), args.render_processes)
     warm = render_units([args.warmup], 1)
     render_s = time.perf_counter() - t0
+    say(f"rendered {len(units)} pages in {render_s:.1f} s")
     t0 = time.perf_counter()
     client = EngineClient.from_settings(settings)
     build_s = time.perf_counter() - t0
+    say(f"engine built in {build_s:.1f} s")
     spec = BUILTIN_SCHEMAS[args.schema]
     params = sampling_params(spec.json_schema, settings)
     front = client.async_engine
@@ -88,6 +101,7 @@ def run_engine(args: argparse.Namespace, probe: pipeline_probe.Probe) -> dict[st
         submit_all(front, [build_request(u.unit, spec.prompt, params, settings) for u in warm], args.submitters,
                    None)
         requests = [build_request(u.unit, spec.prompt, params, settings) for u in units]
+        say("warm-up done; timed run")
         before = probe.snapshot()
         outputs, wall, complete = submit_all(front, requests, args.submitters, args.run_limit_s)
         split = pipeline_probe.delta(before, probe.snapshot())
@@ -156,6 +170,7 @@ def run_embedded(args: argparse.Namespace, probe: pipeline_probe.Probe) -> dict[
         t0 = time.perf_counter()
         process_paths(p, [args.warmup], schema=args.schema)  # builds the engine
         build_s = time.perf_counter() - t0
+        say(f"engine built and warm-up file done in {build_s:.1f} s; timed run")
         before = probe.snapshot()
         t0 = time.perf_counter()
         reports: list[Any] = []

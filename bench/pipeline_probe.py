@@ -13,7 +13,10 @@ Timed (thread-seconds, summed over threads; a nested call inside an already-time
 - render: `pipeline.rendering.render_pages` (the isolated render process, PNG encoding, blob store);
 - page_images: `pipeline.jobs._unit_input` (a job's page images from the cache, or PNG decoding);
 - build_request / interpret: `pipeline.jobs.build_request` / `pipeline.jobs.interpret_reply` (answer parsing,
-  jsonschema validation, confidences).
+  jsonschema validation, confidences);
+- inside the steps, for every engine built in the process (bench/step_profile.StepProfile attached at its
+  construction): vision encodes, prefill / decode forwards, grammar masks, host scheduling (the rest of the step),
+  and the processor's image preprocessing on the submitting threads; and the engine's batch sizes as built.
 Each snapshot also holds the process CPU time and wall clocks, so a part's split is the delta over its window.
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Probe:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.step_rows = 0  # sum over steps of the sequences running at the step's start
+        self.profiles: list[Any] = []  # a StepProfile per engine built here
+        self.engine_config: dict[str, int] = {}
         self._depth = threading.local()
 
     @contextlib.contextmanager
@@ -80,8 +85,24 @@ class Probe:
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
+            seconds = dict(self.seconds)
+            for name, value in self._inside_steps().items():
+                seconds[name] = value
             return {"time": time.time(), "perf": time.perf_counter(), "cpu_s": time.process_time(),
-                    "seconds": dict(self.seconds), "calls": dict(self.calls), "step_rows": self.step_rows}
+                    "seconds": seconds, "calls": dict(self.calls), "step_rows": self.step_rows,
+                    "engine_config": dict(self.engine_config)}
+
+    def _inside_steps(self) -> dict[str, float]:
+        out = dict.fromkeys(("step_vision_encode", "step_prefill_forward", "step_decode_forward", "step_grammar_mask",
+                             "step_host", "image_preprocessing"), 0.0)
+        for profile in self.profiles:
+            for r in list(profile.steps):
+                out["step_vision_encode"] += r.encode_s
+                out["step_prefill_forward" if r.has_prefill else "step_decode_forward"] += r.forward_s
+                out["step_grammar_mask"] += r.mask_s
+                out["step_host"] += r.host_s
+            out["image_preprocessing"] += profile.prepare_s
+        return out
 
 
 def _wrap_engine_step(probe: Probe) -> None:
@@ -101,6 +122,20 @@ def _wrap_engine_step(probe: Probe) -> None:
                 probe.step_rows += rows
 
     Engine.step = timed  # type: ignore[method-assign]  # a bench probe, this process only
+    init = Engine.__init__
+
+    @functools.wraps(init)
+    def built(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from step_profile import StepProfile
+
+        cfg = self.config
+        with probe.lock:
+            probe.profiles.append(StepProfile.attach(self))
+            probe.engine_config.update(max_num_seqs=cfg.max_num_seqs, max_batched_tokens=cfg.max_batched_tokens,
+                                       cache_bytes=int(self.cache_bytes))
+
+    Engine.__init__ = built  # type: ignore[method-assign]  # a bench probe, this process only
 
 
 def _wrap_sql(probe: Probe) -> None:
@@ -187,6 +222,7 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     steps = calls.get("engine_step", 0)
     rows = after["step_rows"] - before["step_rows"]
     return {"wall_s": after["perf"] - before["perf"], "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "engine_config": after.get("engine_config", {}),
             "thread_s": {n: after["seconds"].get(n, 0.0) - before["seconds"].get(n, 0.0) for n in names},
             "calls": calls, "engine_steps": steps, "mean_batch": rows / steps if steps else 0.0}
 

@@ -45,8 +45,10 @@ from doc_models import QWEN_IMAGE_MAX_PIXELS, write_model
 from doc_throughput import git_commit
 from pipeline_batch import write_batch
 
-PARTS = ("engine", "embedded", "celery")
-TIMERS = ("db_txn", "db_sql", "db_commit", "render", "page_images", "build_request", "interpret")
+PARTS = ("engine", "celery", "embedded")  # the ceiling, then the goal's path
+TIMERS = ("db_txn", "db_sql", "db_commit", "render", "page_images", "build_request", "interpret",
+          "step_vision_encode", "step_prefill_forward", "step_decode_forward", "step_grammar_mask", "step_host",
+          "image_preprocessing")
 
 
 def part_env(args: argparse.Namespace, model: Path, data_dir: Path, cuda_cache: Path) -> dict[str, str]:
@@ -80,11 +82,15 @@ def run_part(part: str, args: argparse.Namespace, env: dict[str, str], work: Pat
     if args.run_limit_s:
         cmd += ["--run-limit-s", str(args.run_limit_s)]
     with open(work / f"{part}.log", "wb") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=args.part_timeout)
-    if proc.returncode != 0:
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.part_timeout)
+        except subprocess.TimeoutExpired:
+            proc = None
+    if proc is None or proc.returncode != 0:
         tail = (work / f"{part}.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{part} exited {proc.returncode}:\n{tail}")
+        what = f"not done within {args.part_timeout:.0f} s" if proc is None else f"exited {proc.returncode}"
+        raise RuntimeError(f"{part} {what}; its log ends:\n{tail}")
     return json.loads(out.read_text())
 
 
@@ -109,14 +115,15 @@ def summarise(part: str, raw: dict[str, Any], pages: int) -> dict[str, Any]:
     row = {"part": part, "pages": pages, "pages_done": done, "complete": bool(raw["complete"]) and done == pages,
            "pages_ok": pages_ok, "wall_s": wall, "pages_per_s": done / wall,
            "engine_busy_fraction": busy / wall, "engine_steps": int(probe["engine_steps"]),
-           "mean_batch": float(probe["mean_batch"]), "time_split": split,
+           "mean_batch": float(probe["mean_batch"]), "engine_config": probe.get("engine_config", {}),
+           "timer_calls": probe["calls"],
+           "time_split": split,
            "share_of_wall": {k: v / wall for k, v in split.items()}}
     if db:
         row["job_states"] = db["job_states"]
         row["completion_tokens"] = db["completion_tokens"]
     else:
         row["completion_tokens"] = raw["completion_tokens"]
-        row["engine_config"] = raw["engine_config"]
     row["tokens_per_page"] = row["completion_tokens"] / max(1, done)
     return row
 

@@ -55,6 +55,10 @@ def test_engine_and_embedded_runs_add_up(tmp_path: Path) -> None:
     assert split["model_wait_s"] > 0 and embedded["job_states"] == {"succeeded": 3}
     assert engine["time_split"]["db_txn_s"] == engine["time_split"]["render_s"] == 0.0
     assert engine["completion_tokens"] == embedded["completion_tokens"]  # same pages, same greedy answers
+    for row in (engine, embedded):  # inside the engine's steps: the profile attached when the engine was built
+        assert row["engine_config"]["max_num_seqs"] == 16
+        assert row["time_split"]["step_prefill_forward_s"] > 0 and row["time_split"]["step_vision_encode_s"] > 0
+        assert row["time_split"]["image_preprocessing_s"] > 0
 
 
 def test_a_run_cut_short_reports_what_finished(tmp_path: Path) -> None:
