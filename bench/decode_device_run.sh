@@ -2,7 +2,7 @@
 # One device call for issue 14's decode kernels (session 7), from a snapshot of a commit. Prepare here:
 #   mkdir -p .snap14d && git archive <commit> > .snap14d/x.tar   (carry [".snap14d", ".whl14"])
 # then as the device command, from the repo root:
-#   CAP=480 COMMIT=<commit> bash <(tar -xOf .snap14d/x.tar ./bench/decode_device_run.sh)
+#   CAP=480 COMMIT=<commit> bash <(tar -xOf .snap14d/x.tar bench/decode_device_run.sh)
 # Stages (each inside the call's CAP, the doc runs last, each given what is left, ~150 s each on a warm card):
 #   check_kernels, check_decode_rows_apart, check_runner; cuda_decode_profile s6 vs s7 (9B, 192 rows, 4k / 8k);
 #   the 9B document run (fixed256, 192 units, max-num-seqs 256, runner-sized cache) with the defaults, then with
