@@ -5,14 +5,15 @@
 #                     billiard, vine, amqp, click*, prompt_toolkit, wcwidth, tzlocal, redis, alembic, Mako
 #   redis-*.tar.xz    redis-server 7.0.15 (Debian 12) + the non-glibc libraries it links (lib/)
 # Run as:  SNAP=.snap_X bash <(tar -xzOf .snap_X/x.tar.gz bench/pipeline_device_run.sh) [bench args...]
-# Environment: TOTAL (seconds for the bench, default 205), DOCS, PAGES (per PDF), SHAPE, RUN_LIMIT.
+# Environment: TOTAL (seconds for the bench, default 205), DOCS, PAGES (per PDF), SHAPE, RUN_LIMIT, COMMIT (the
+# archived commit, written into the JSON: the archive has no .git).
 set -uo pipefail
 SNAP=${SNAP:?the snapshot folder}
 OUT=${OUT:-/tmp/out}
 ROOT=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$SNAP"/whl/*.whl || exit 1
 mkdir -p /tmp/s && tar -xzf "$SNAP"/x.tar.gz -C /tmp/s && cd /tmp/s || exit 1
-export PYTHONPATH=/tmp/site:/tmp/s PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=/tmp/site:/tmp/s PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DOCPIPE_BENCH_COMMIT=${COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 date -u +%FT%TZ >>"$OUT/gpu.txt"
 archive=$(ls "$ROOT/$SNAP"/redis-*.tar.xz | head -n 1)
