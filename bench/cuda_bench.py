@@ -1,13 +1,12 @@
 """CUDA backend benchmark: the two ceilings (HBM copy bandwidth, bf16 cuBLASLt GEMM rate) and what runs on them.
 
-    python3 bench/cuda_bench.py [--json out.json] [--quick] [--shapes 2b,9b,27b,35b-a3b --moe-cuda-unchecked]
+    python3 bench/cuda_bench.py [--json out.json] [--quick] [--shapes 2b,9b,27b,35b-a3b]
 
 Timing: CUDA events around the region, warm-up first, median of repeats; inputs are random (never zeros).
 Prints a table last; writes JSON with the device, versions, date and every number.
-MoE shapes (qwen35_shapes.MOE_SHAPE_NAMES: 35b-a3b) run a CudaRunner built directly, which gpu_engine.load refuses
-for MoE until tests/cuda_runner/check_moe.py passes (bench/doc_models.py says why timing it is still honest): they
-need --moe-cuda-unchecked and their results say "moe_cuda_unchecked": true. Their prefill TFLOP/s count active
-parameters and their decode rooflines the experts a step touches (bench/limit_model.py: k per layer at batch 1,
+MoE shapes (qwen35_shapes.MOE_SHAPE_NAMES: 35b-a3b; BF16 MoE runs on cuda since tests/cuda_runner/check_moe.py
+passed on the GPU) run a CudaRunner on random in-memory weights like the dense shapes. Their prefill TFLOP/s count
+active parameters and their decode rooflines the experts a step touches (bench/limit_model.py: k per layer at batch 1,
 E(1-(1-k/E)^B) at batch B under uniform routing).
 """
 from __future__ import annotations
@@ -188,7 +187,7 @@ def bench_model(name: str, rng: np.random.Generator, prompt_lens: tuple[int, ...
     del weights
     out: dict = {"shape": name, "text_config": text_cfg,
                  "tied": tied, "weight_bytes": runner.model.w.nbytes, "setup_s": time.perf_counter() - t0,
-                 **({"moe_cuda_unchecked": True, "active_linear_params": linear_params} if cost.moe_layers else {})}
+                 **({"active_linear_params": linear_params} if cost.moe_layers else {})}
     bs, short = 16, prompt_lens[0]
     blocks_per_seq = (max(prompt_lens) + 4 * decode_steps + 64) // bs + 1
     # the batched-decode sequences (2 .. 1 + max batch) hold a short prompt and every batch's decode steps
@@ -351,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-model", action="store_true", help="ceilings only, no model shapes")
     parser.add_argument("--shapes", default="2b,9b,27b",
                         help="our runner: comma-separated subset of " + ",".join([*SHAPES, *MOE_SHAPES]))
-    parser.add_argument("--moe-cuda-unchecked", action="store_true",
-                        help="allow MoE shapes: a CudaRunner built directly, which gpu_engine.load refuses for MoE")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (ours and transformers)")
     parser.add_argument("--hf-shapes", default="9b,27b",
                         help="transformers on the same card and configs, one child process per shape ('' = none)")
@@ -362,9 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     hf_shapes = [s for s in args.hf_shapes.split(",") if s]
     for name in args.shapes.split(","):
-        if name in MOE_SHAPES and not args.moe_cuda_unchecked:
-            parser.error(f"shape {name!r} is a mixture of experts: gpu_engine.load refuses qwen3_5_moe on cuda (a bf16 "
-                         "row of check_moe is out of bound); --moe-cuda-unchecked times a CudaRunner built directly")
         if name not in SHAPES and name not in MOE_SHAPES:
             parser.error(f"unknown shape {name!r}; choose from {', '.join([*SHAPES, *MOE_SHAPES])}")
     for name in hf_shapes:  # the transformers child builds dense models
@@ -416,8 +410,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # keep what is done if a later shape runs out of time
             Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"{name}: " + json.dumps({k: v for k, v in dec.items() if k != "text_config"}), flush=True)
-        if dec.get("moe_cuda_unchecked"):
-            rows.append((f"{name}: MoE, CudaRunner built directly", "unchecked (gpu_engine.load refuses MoE on cuda)"))
         for length in lens:
             tflops = dec[f"prefill_{length}_TFLOPs"]
             rows.append((f"{name}: prefill 1 x {length} tokens", f"{dec[f'prefill_{length}_tok_s']:.0f} tok/s, "

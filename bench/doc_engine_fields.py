@@ -8,7 +8,8 @@ import resource
 from typing import Any
 
 COUNTERS = ("steps", "prompt_tokens_computed", "decode_tokens", "forced_tokens", "sampled_tokens", "preemptions",
-            "chunked_output_tokens")
+            "chunked_output_tokens", "spec_verify_windows", "spec_draft_tokens", "spec_accepted_tokens",
+            "spec_rejected_tokens", "spec_auto_off_steps", "spec_grammar_cut_tokens")
 
 
 @dataclasses.dataclass(frozen=True)

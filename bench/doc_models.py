@@ -5,16 +5,11 @@ Shapes: "tiny" (gpu_engine.tiny's config) and "tiny-moe" (gpu_engine.tiny_moe's:
 (MOE_SHAPE_NAMES: 35b-a3b). An MoE folder stores its routed experts in --expert-layout (fused, as the BF16 release,
 or one tensor per expert, as the FP8 releases; bench/random_model_dir.py).
 
-MoE on runner='cuda' is bench-only and must be asked for: gpu_engine.load refuses qwen3_5_moe on cuda (one bf16 row
-of tests/cuda_runner/check_moe.py is out of bound), so without --moe-cuda-unchecked doc_throughput refuses the
-shape with that reason. With it, the CUDA runner is built directly from random bf16 weights in memory (the fused
-[E, 2I, H] / [E, H, I] stacks cuda/moe_weights.py uploads as they are), as gpu_engine/README.md says a CudaRunner
-built directly runs MoE, and every row says "moe_cuda_unchecked": true: its speed is the code path's, its outputs
-have not passed the GPU check. Why this rather than no MoE on cuda: the kernels and the f32 models pass that
-check, the open row is a bf16 model-level divergence, and random weights make the outputs meaningless anyway; what
-the run measures (steps, bytes, FLOPs) does not depend on it. --load-weights is refused for MoE on cuda (it goes
-through gpu_engine.load, and the loader's float32 host copy of 35B parameters, ~140 GB, exceeds the GPU machine's
-128 GB), and so is --quantize fp8 (the CUDA runner has no FP8 routed experts).
+MoE on runner='cuda' (BF16; gpu_engine.load takes it since tests/cuda_runner/check_moe.py passed on the GPU, session
+7): the runner is built from random bf16 weights in memory, as for the dense shapes, its routed experts as the fused
+[E, 2I, H] / [E, H, I] stacks cuda/moe_weights.py uploads. Refused for MoE on cuda: --quantize fp8 (the CUDA runner
+has no FP8 routed experts) and --load-weights (writing and reading ~70 GB of 35B-A3B weights costs minutes of lease
+time and measures the loader, not the serving).
 """
 from __future__ import annotations
 
@@ -45,14 +40,9 @@ def check_shapes(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
         if not is_moe(shape) or args.runner != "cuda":
             continue
-        if not args.moe_cuda_unchecked:
-            raise SystemExit(
-                f"shape {shape!r} is a mixture of experts: gpu_engine.load refuses qwen3_5_moe on runner='cuda' (one "
-                "bf16 row of tests/cuda_runner/check_moe.py is out of bound). Use --runner reference (tiny-moe), or "
-                "pass --moe-cuda-unchecked to time a CudaRunner built directly (rows say moe_cuda_unchecked: true)")
         if args.load_weights:
-            raise SystemExit(f"--load-weights with MoE shape {shape!r} on cuda goes through gpu_engine.load, which "
-                             "refuses MoE (and its float32 host copy of the weights would not fit): drop it")
+            raise SystemExit(f"--load-weights with MoE shape {shape!r} on cuda: the bench builds MoE weights in "
+                             "memory (writing and loading ~70 GB would time the loader); drop it")
         if args.quantize != "none":
             raise SystemExit(f"--quantize {args.quantize} with MoE shape {shape!r} on cuda: the CUDA runner has no "
                              "FP8 routed experts")
@@ -65,7 +55,6 @@ def row_labels(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     labels: dict[str, Any] = {"limit_basis": "bf16 active parameters (k routed experts + shared + dense) per token; "
                                              "decode bytes: dense + E(1-(1-k/E)^B) experts per layer, uniform routing"}
     if args.runner == "cuda":
-        labels["moe_cuda_unchecked"] = True
         labels["expert_layout"] = "fused, in memory"
     else:
         labels["expert_layout"] = args.expert_layout
@@ -124,8 +113,7 @@ def in_memory_engine(folder: Path, config: Any, options: Any, seed: int, quantiz
     with the checkpoint beside it) and hashes the files, which costs minutes of lease time and measures the
     loader, not the serving. The folder still supplies config.json, the tokenizer and the processor.
     quantize="fp8": the Linears quantize="fp8" converts are random FP8 instead (bench/fp8_model_bench.py).
-    An MoE model's experts come fused, the stacks cuda/moe_weights.py uploads (check_shapes lets only a
-    --moe-cuda-unchecked run get here with one)."""
+    An MoE model's experts come fused, the stacks cuda/moe_weights.py uploads."""
     from cuda_bench import random_bf16_weights
     from fp8_model_bench import random_fp8_weights
 

@@ -3,10 +3,10 @@
     python3 bench/doc_throughput.py --runner cuda --shapes 9b,27b --modes fixed256,fixed1024,grammar \
         [--units 128] [--max-num-seqs 64] [--json bench/results/doc_throughput.json]
     python3 bench/doc_throughput.py --runner reference --shapes tiny --units 3 --modes fixed4,grammar   # CPU
-    python3 bench/doc_throughput.py --runner cuda --shapes 35b-a3b --moe-cuda-unchecked   # MoE, rows labelled
+    python3 bench/doc_throughput.py --runner cuda --shapes 35b-a3b   # MoE (BF16)
 
 What runs, per shape (bench/doc_models.py: tiny / tiny-moe for the CPU, bench/qwen35_shapes.py's classes, 35b-a3b
-among them; MoE on cuda needs --moe-cuda-unchecked and is labelled so, for the reason doc_models gives):
+among them):
 1. the two ceilings of this run: a 2 GiB device-to-device copy (bytes read + written) and a bf16 8192^3 GEMM
    (bench/cuda_bench.py); on the reference runner, a numpy copy and a float32 matmul of the same kind.
 2. a model folder with random bf16 weights (bench/random_model_dir.py) and the real processor's pixel budgets
@@ -138,6 +138,8 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
         for m, mode in enumerate(args.modes):
             spec = BUILTIN_SCHEMAS[args.grammar_schema if mode == "grammar" else args.schema]
             settings, params, fixed = mode_params(mode, spec, folder)
+            if args.speculative != "product":
+                params = dataclasses.replace(params, speculative=args.speculative)
             warm = make_units(3, args.seed + 1000 + m, settings, mix=(1, 1, 1), **_sizes(args))
             warm_out, warm_wall = drive(front, warm, [unit_request(u, spec.prompt, params, settings) for u in warm],
                                         args.submitters)
@@ -145,7 +147,8 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             units = make_units(args.units, args.seed + m, settings, mix=args.mix, **_sizes(args))
             row = {"shape": shape, "output_mode": mode, "runner": args.runner, "quantize": args.quantize,
                    "limit_basis": "bf16 weight bytes, bf16 GEMM ceiling", "schema": spec.name,
-                   "max_tokens": params.max_tokens, "max_num_seqs": args.max_num_seqs,
+                   "max_tokens": params.max_tokens, "speculative": params.speculative,
+                   "max_num_seqs": args.max_num_seqs,
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
                    "hbm_bytes_per_s": ceilings["hbm_bytes_per_s"], "gemm_flops_per_s": ceilings["gemm_flops_per_s"],
@@ -231,9 +234,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cuda: write the weights into the folder and load them with Engine.from_pretrained")
     parser.add_argument("--expert-layout", default="fused", choices=("fused", "per_expert"),
                         help="MoE folders: routed experts fused (BF16 release) or one tensor per expert (FP8 releases)")
-    parser.add_argument("--moe-cuda-unchecked", action="store_true",
-                        help="bench only: MoE shapes on cuda through a CudaRunner built directly, which "
-                             "gpu_engine.load refuses (bench/doc_models.py says why); rows say moe_cuda_unchecked")
+    parser.add_argument("--speculative", choices=("product", "auto", "off", "ngram"), default="product",
+                        help="SamplingParams.speculative of every request: 'product' keeps what the pipeline sends "
+                             "(its default, auto); rows say which")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]

@@ -65,11 +65,11 @@ def test_operator_bench_rejects_bad_arguments_before_the_gpu() -> None:
             cuda_operator_bench.main(argv)
 
 
-def test_moe_shapes_need_the_unchecked_flag_and_stay_off_the_transformers_side() -> None:
+def test_moe_shapes_stay_off_the_transformers_side() -> None:
     with pytest.raises(SystemExit):
-        cuda_bench.main(["--shapes", "9b,35b-a3b"])  # MoE without --moe-cuda-unchecked
+        cuda_bench.main(["--hf-shapes", "35b-a3b"])  # the transformers child is dense only
     with pytest.raises(SystemExit):
-        cuda_bench.main(["--hf-shapes", "35b-a3b", "--moe-cuda-unchecked"])  # the transformers child is dense only
+        cuda_bench.main(["--shapes", "9b,35b"])  # unknown shape
     assert "35b-a3b" not in cuda_bench.SHAPES  # the benches that index SHAPES keep building dense models
 
 

@@ -112,6 +112,8 @@ def test_report_carries_the_issue_fields(tiny_run: dict) -> None:
         assert split["image_preprocessing_count"] == 3 and split["vision_encode_s"] > 0
         # the reference runner declares no longest decode chunk, so no forced run is cut
         assert r["max_decode_chunk_tokens"] is None and r["cut_forced_runs"] == 0
+        assert r["speculative"] == "auto"  # the pipeline's default
+        assert {"spec_verify_windows", "spec_draft_tokens", "spec_accepted_tokens"} <= set(r["engine_counters"])
         lat = r["latency_all"]
         assert 0 < lat["ttft_p50_s"] <= lat["latency_p95_s"] <= r["wall_s"] + 1e-6
     fixed, grammar = rows
@@ -121,6 +123,18 @@ def test_report_carries_the_issue_fields(tiny_run: dict) -> None:
     assert grammar["schema_valid"] == 3 and grammar["max_tokens"] == 2048
     assert grammar["tokens_per_page"] < 2048
     assert tiny_run["ceilings"]["hbm_bytes_per_s"] > 0 and tiny_run["ceilings"]["gemm_flops_per_s"] > 0
+
+
+def test_speculation_can_be_turned_off_for_every_request(tmp_path: Path) -> None:
+    out = tmp_path / "doc.json"
+    argv = ["--runner", "reference", "--shapes", "tiny", "--units", "1", "--mix", "1,0,0", "--modes", "fixed12",
+            "--image-max-pixels", str(64 * 32 * 32), "--submitters", "1", "--max-num-seqs", "4",
+            "--max-batched-tokens", "256", "--kv-cache-gib", "0.05", "--encoder-cache-gib", "0.05",
+            "--speculative", "off", "--json", str(out)]
+    assert dtp.main(argv) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["speculative"] == "off"
+    assert row["engine_counters"]["spec_verify_windows"] == 0 and row["engine_counters"]["spec_draft_tokens"] == 0
 
 
 def test_bad_modes_and_arguments_are_refused() -> None:
