@@ -85,6 +85,8 @@ ENGINE_COUNTERS = {
                             "Steps where the cost rule left an auto request without drafts"),
     "spec_window_retries": ("docpipe_engine_spec_window_retries",
                             "Requests retried without drafts after their verify window failed in the runner"),
+    "spec_room_cut_windows": ("docpipe_engine_spec_room_cut_windows",
+                              "Sequences left without drafts: the runner could roll back no more windows that step"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

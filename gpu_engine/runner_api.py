@@ -188,7 +188,8 @@ class Runner(Protocol):
     # `supports_verify: bool` — forward() honours SeqChunk.verify and the runner has
     #     rollback_state(state_slot: int, keep_tokens: int) -> None: the slot's linear-attention state becomes the
     #     one after the first `keep_tokens` tokens of its last verify window (called before the slot's next forward;
-    #     KV needs no rollback: rejected positions are rewritten before they are ever read);
+    #     KV needs no rollback: rejected positions are rewritten before they are ever read); optionally
+    #     verify_room() -> int: windows the next step can roll back (the speculator drafts for no more sequences);
     # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
     #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request.
     # Optional attribute `max_decode_chunk_tokens: int` (read once, at engine construction; absent / None = no

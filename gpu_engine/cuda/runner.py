@@ -62,6 +62,9 @@ from .vision import GpuVisionTower
 from .weights import upload_text_weights
 
 MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side executable); past it new keys run eagerly
+# Verify windows a step can roll back by default: the cost rule at its defaults (128 step tokens, k = 3) lets at
+# most 42 `auto` sequences draft; 27B-class recompute rows are 151 MB each (7.2 GB for 48).
+DEFAULT_VERIFY_ROWS = 48
 
 
 @dataclass
@@ -83,8 +86,9 @@ class CudaRunner:
     # replay a graph; the pieces before it want no logits, so _graphable leaves those steps eager.
     max_decode_chunk_tokens = GRAPH_MAX_CHUNK
     # Speculative decoding (runner_api: SeqChunk.verify, rollback_state; cuda/verify.py; the rollback strategy is
-    # CudaOptions.rollback). verify_rows: sequences that may verify at once (None: every state slot), cut by
-    # allocate_cache to what fits in verify_memory_fraction of the memory the cache leaves.
+    # CudaOptions.rollback). verify_rows: windows a step may hold rollback state for (None: DEFAULT_VERIFY_ROWS,
+    # at most the state slots), kept out of the default cache budget and cut by allocate_cache to what fits in
+    # verify_memory_fraction of the memory the cache leaves; the speculator drafts for no more (verify_room).
     supports_verify = True
     verify_rows: int | None = None
     verify_memory_fraction = 0.5
@@ -156,12 +160,18 @@ class CudaRunner:
 
     def cache_budget(self, max_num_seqs: int, max_batched_tokens: int) -> CacheBudget:
         """What the engine's cache may take when it is given no kv_cache_bytes (memory_plan.py): the arena left
-        after the weights, less graphs, one step's activations and one vision encode."""
+        after the weights, less graphs, one step's activations (with the verify windows' rollback rows) and one
+        vision encode."""
         item = ITEMSIZE[self.dtype]
+        per_row = self.state_bytes_per_slot() * (self.verify_window_tokens if self.rollback == "window" else 1)
+        verify = self._verify_rows(max_num_seqs) * per_row
         return default_cache_budget(
             self.ctx.arena.capacity, self._free_after_weights, self.graph_memory_cap,
-            step_reserve_bytes(self.cfg, max_batched_tokens, max_num_seqs, item),
+            step_reserve_bytes(self.cfg, max_batched_tokens, max_num_seqs, item) + verify,
             vision_reserve_bytes(self.vision.dims if self.vision is not None else None, item))
+
+    def _verify_rows(self, slots: int) -> int:
+        return min(slots, DEFAULT_VERIFY_ROWS if self.verify_rows is None else self.verify_rows)
 
     # ---- cache -----------------------------------------------------------------------------------------------
     def allocate_cache(self, spec: CacheSpec) -> None:
@@ -199,10 +209,9 @@ class CudaRunner:
         arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
         for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
             ctx.device.memset(arr.ptr, 0, arr.nbytes)
-        wanted = spec.num_state_slots if self.verify_rows is None else self.verify_rows
         self.book, self._verify_layers = allocate_verify_rows(
-            self.ctx, self.cache, self.dtype, self.rollback, wanted, self.verify_window_tokens,
-            self.verify_memory_fraction)
+            self.ctx, self.cache, self.dtype, self.rollback, self._verify_rows(spec.num_state_slots),
+            self.verify_window_tokens, self.verify_memory_fraction)
         self.spec = spec
 
     def rollback_state(self, state_slot: int, keep_tokens: int) -> None:
@@ -210,6 +219,10 @@ class CudaRunner:
         copy or the re-fed tokens come with the slot's next forward)."""
         check_state_slots(allocated(self.spec), state_slot)
         self._book().rollback(state_slot, keep_tokens)
+
+    def verify_room(self) -> int:
+        """Verify windows the next step can hold rollback state for (the speculator drafts for no more)."""
+        return self._book().room()
 
     def _book(self) -> VerifyBook:
         if self.book is None:

@@ -65,6 +65,7 @@ class StepPlan:
     win: np.ndarray | None  # window strategy: int32 [seqs] first window row of each sequence, -1 = none
     windows: dict[int, Window] = field(default_factory=dict)  # slot -> the window this step opens
     refed: list[int] = field(default_factory=list)  # slots whose Refeed this step consumes
+    evicted: list[int] = field(default_factory=list)  # slots whose old window gave its row to this step
 
 
 
@@ -76,7 +77,10 @@ class VerifyBook:
         if strategy not in STRATEGIES:
             raise ValueError(f"rollback strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         self.strategy, self.capacity, self.window_tokens = strategy, rows, window_tokens
-        self.windows: dict[int, Window] = {}  # slot -> its last verify window (until the slot's next forward)
+        # slot -> its last verify window (until the slot's next forward), oldest first: a window no rollback came for
+        # (all accepted, or its sequence finished) holds its row until the slot runs again, or until a step short
+        # of rows takes it (the oldest first: rollbacks come right after their own step)
+        self.windows: dict[int, Window] = {}
         self.refeeds: dict[int, Refeed] = {}  # slot -> tokens to re-feed (recompute, after a rollback)
         self.pending: list[Copy] = []  # rollbacks of the window strategy, copied before the next step's kernels
 
@@ -88,9 +92,17 @@ class VerifyBook:
         # Rows this plan may not take: other slots' windows and every refeed's snapshot (read by this plan's
         # restore copy, in the same launch as its snapshot copies, or kept for a later step). A step slot's old
         # window is over; the rows pending rollback copies read may be taken: the copies run before the kernels.
-        busy = {w.row for s, w in self.windows.items() if s not in step_slots}
-        busy |= {r.row for r in self.refeeds.values()}
+        stale = [s for s in self.windows if s not in step_slots]  # oldest first
+        busy = {self.windows[s].row for s in stale} | {r.row for r in self.refeeds.values()}
         free = sorted(set(range(self.capacity)) - busy, reverse=True)  # pop() takes the lowest
+        evicted: list[int] = []
+
+        def take(slot: int, what: str) -> int:
+            if not free and len(evicted) < len(stale):
+                evicted.append(stale[len(evicted)])
+                free.append(self.windows[evicted[-1]].row)
+            return _take(free, slot, what)
+
         copies = list(self.pending)
         chunks: list[SeqChunk] = []
         skip: list[int] = []
@@ -120,7 +132,7 @@ class VerifyBook:
                     assert refeed is not None
                     row = refeed.row
                 else:
-                    row = _take(free, slot, "snapshot rows")
+                    row = take(slot, "snapshot rows")
                     copies.append(Copy("slot_to_snap", slot, row))
             else:
                 if chunk.num_tokens - 1 > self.window_tokens:
@@ -128,18 +140,18 @@ class VerifyBook:
                         f"sequence {chunk.seq_id}: a verify window of {chunk.num_tokens} tokens needs "
                         f"{chunk.num_tokens - 1} window rows, this runner keeps {self.window_tokens} "
                         "(CudaRunner.verify_window_tokens)")
-                row = _take(free, slot, "verify windows")
+                row = take(slot, "verify windows")
                 assert win is not None
                 win[i] = row * self.window_tokens
             opened[slot] = Window(chunk.start, chunk.token_ids, chunk.positions, prefix, row)
-        return StepPlan(StepBatch(chunks, batch.sampling), skip, copies, win, opened, refed)
+        return StepPlan(StepBatch(chunks, batch.sampling), skip, copies, win, opened, refed, evicted)
 
     def commit(self, plan: StepPlan) -> None:
         """The step's forward succeeded: its copies are done, its windows are the slots' last ones, its refeeds
         are consumed."""
         self.pending = []
-        for chunk in plan.batch.chunks:
-            self.windows.pop(chunk.state_slot, None)
+        for slot in [c.state_slot for c in plan.batch.chunks] + plan.evicted:
+            self.windows.pop(slot, None)
         for slot in plan.refed:
             self.refeeds.pop(slot, None)
         self.windows.update(plan.windows)
@@ -167,6 +179,10 @@ class VerifyBook:
         self.windows.pop(slot, None)
         self.refeeds.pop(slot, None)
         self.pending = [c for c in self.pending if c.slot != slot]
+
+    def room(self) -> int:
+        """Windows the next step can open for sure: rows not held by a refeed (stale windows give theirs up)."""
+        return max(0, self.capacity - len(self.refeeds))
 
     def owes(self, slot: int) -> bool:
         """The slot's device state is not its sequence's yet (a refeed or a rollback copy is due)."""

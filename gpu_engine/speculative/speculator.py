@@ -36,6 +36,7 @@ def spec_counters() -> dict[str, int]:
         "spec_grammar_cut_tokens": 0,  # drafts cut before verification because the grammar refused them
         "mtp_head_runs": 0,  # MTP head calls (KV fill + chained drafts)
         "spec_window_retries": 0,  # requests retried without drafts after their verify window failed in the runner
+        "spec_room_cut_windows": 0,  # sequences left without drafts: the runner had no room for more windows a step
     }
 
 
@@ -83,9 +84,15 @@ class Speculator:
         room = self.config.max_step_tokens - len(decoding)
         cut = False
         free = blocks.num_free_blocks
+        # A runner may hold rollback state for a limited number of windows a step (CudaRunner.verify_room)
+        windows = getattr(self.runner, "verify_room", None)
+        window_room = int(windows()) if callable(windows) else len(decoding)
         for seq in decoding:
             method = seq.params.speculative
             if method == "off" or not seq.speculate or seq.remaining_tokens <= 1:
+                continue
+            if window_room <= 0:
+                self.counters["spec_room_cut_windows"] += 1
                 continue
             want = k if method != "auto" else min(k, max(room, 0))
             if want == 0:
@@ -104,6 +111,7 @@ class Speculator:
             free -= extra
             seq.set_drafts(drafts)
             room -= seq.num_drafts
+            window_room -= 1
         if cut:
             self.counters["spec_auto_off_steps"] += 1
 
