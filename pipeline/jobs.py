@@ -354,8 +354,8 @@ def _run_claimed(p: Pipeline, job_id: int, takeover: bool, alone: bool, started:
             ):
                 return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
         todo = [u for u in runnable if u["unit"] not in claim.done_units]
-        # Pages per submission: the engine's batch as built (bounds decoded images held in memory at once).
-        window = max(1, getattr(client, "max_num_seqs", 0) or p.settings.engine_job_slots())
+        # Pages per submission (bounds decoded and processed images held in memory at once).
+        window = p.settings.job_page_window(getattr(client, "max_num_seqs", 0) or p.settings.engine_job_slots())
         done_now = 0
         for start in range(0, len(todo), window):
             group = todo[start : start + window]

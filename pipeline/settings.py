@@ -34,6 +34,9 @@ BUNDLED_MAX_ARRAY_ITEMS = 3
 REFERENCE_MAX_NUM_SEQS = 16
 REFERENCE_MAX_BATCHED_TOKENS = 2048
 REFERENCE_EMBEDDED_JOBS = 4
+# With the engine sizing its batch, a process's job threads together keep about this many batches of pages in
+# flight (a processed A4 page at 150 dpi holds 53 MB of float32 pixels until its vision encode).
+PAGES_IN_FLIGHT_PER_BATCH = 2
 WatchAction = Literal["leave", "move"]
 
 
@@ -219,6 +222,16 @@ class Settings(BaseSettings):
         from gpu_engine.batch_defaults import MAX_SIZED_NUM_SEQS  # imported late, as bundled_model_dir
 
         return self.engine_batch()[0] or MAX_SIZED_NUM_SEQS
+
+    def job_page_window(self, engine_max_num_seqs: int) -> int:
+        """Pages one job submits at once, given the engine's batch as built. With an explicit batch size or on the
+        reference runner: that batch, as always. With the engine sizing it (cuda, 0): PAGES_IN_FLIGHT_PER_BATCH
+        batches shared by the engine_job_slots() job threads, at least 1 page, so 256 threads of 10-page documents
+        hold ~512 pages (~27 GB of pixels), not 2,560."""
+        if self.engine_batch()[0]:
+            return max(1, engine_max_num_seqs)
+        return max(1, min(engine_max_num_seqs, PAGES_IN_FLIGHT_PER_BATCH * engine_max_num_seqs
+                          // self.engine_job_slots()))
 
     def embedded_job_threads(self) -> int:
         """Jobs `docpipe process` runs at once: the setting, else 4 on the reference runner (a small CPU), else as
