@@ -5,11 +5,12 @@
 Per tiny random Qwen3.5 checkpoint (check_runner's two configs) and dtype (f32, bf16): the engine on the CUDA
 runner without speculation gives each prompt's greedy continuation (with top-2 logprobs); then, per rollback
 strategy (CudaOptions.rollback: recompute, window), one engine with k = 3 runs the same prompts with the Replay
-drafter at corrupt 0.0 / 0.4 / 1.0 (every draft right, some, none) and with prompt lookup (prompts that repeat a
-span, so n-grams match). Its verify steps replay CUDA graphs after their first sighting (counted). Pass: token for
-token the plain output; in bf16 a divergence is tolerated only at a near tie of the plain run (its top-2 logprob
-gap < NEAR_TIE: the verify step's GEMMs and kernels run other shapes than decode steps, so bf16 roundings
-differ). f32 also against the reference runner's speculative run (Replay, corrupt 0.4): identical tokens.
+drafter at corrupt 0.0 / 0.4 / 1.0 (every draft right, some, none) and with prompt lookup (its lookup_text is
+the plain continuation, as a page's text layer holds what is copied from it). Its verify steps replay CUDA
+graphs after their first sighting (counted). Pass: token for token the plain output; in bf16 a divergence is
+tolerated only at a near tie of the plain run (its top-2 logprob gap < NEAR_TIE: the verify step's GEMMs and
+kernels run other shapes than decode steps, so bf16 roundings differ). f32 also against the reference runner's
+speculative run (Replay, corrupt 0.4): identical tokens.
 Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
@@ -56,9 +57,11 @@ def prompts(rng: np.random.Generator, vocab: int, count: int = 4) -> list[list[i
     return out
 
 
-def run(engine: Any, prompt_ids: list[list[int]], params: SamplingParams) -> dict[str, RequestOutput]:
-    for i, p in enumerate(prompt_ids):
-        engine.add_request(p, params, request_id=f"r{i}")
+def run(engine: Any, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+        ) -> dict[str, RequestOutput]:
+    per = params if isinstance(params, list) else [params] * len(prompt_ids)
+    for i, (p, sp) in enumerate(zip(prompt_ids, per)):
+        engine.add_request(p, sp, request_id=f"r{i}")
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -84,9 +87,9 @@ def compare(plain: dict[str, RequestOutput], got: dict[str, RequestOutput]) -> t
     return not notes, ties and bool(notes), "; ".join(notes)[:300]
 
 
-def drafter_params(name: str) -> SamplingParams:
+def drafter_params(name: str, lookup_text: str | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2,
-                          speculative="ngram" if name == "ngram" else "auto")
+                          speculative="ngram" if name == "ngram" else "auto", lookup_text=lookup_text)
 
 
 def run_drafters(engine: Any, prompt_ids: list[list[int]], plain: dict[str, RequestOutput], vocab: int,
@@ -100,7 +103,12 @@ def run_drafters(engine: Any, prompt_ids: list[list[int]], plain: dict[str, Requ
         engine.spec.override = (Replay(recorded, float(name.split("-")[1]), vocab, seed=seed)
                                 if name.startswith("replay") else None)
         before = dict(engine.stats())
-        got = run(engine, prompt_ids, drafter_params(name))
+        if name == "ngram":  # the page's text layer holds the plain continuation: prompt lookup finds it
+            params = [drafter_params(name, engine.tokenizer.decode(plain[f"r{i}"].token_ids))
+                      for i in range(len(prompt_ids))]
+            got = run(engine, prompt_ids, params)
+        else:
+            got = run(engine, prompt_ids, drafter_params(name))
         after = engine.stats()
         moved = {key: int(after[key] - before.get(key, 0)) for key in ("spec_draft_tokens", "spec_accepted_tokens")}
         rows.append((name, got, moved))

@@ -30,6 +30,7 @@ def test_the_drafters_agree_with_plain_decoding_on_the_reference_runner(tmp_path
     by_name = {name: moved for name, _, moved in rows}
     assert by_name["replay-0.0"]["spec_accepted_tokens"] == by_name["replay-0.0"]["spec_draft_tokens"]
     assert by_name["replay-1.0"]["spec_accepted_tokens"] == 0
+    assert by_name["ngram"]["spec_accepted_tokens"] > 0  # the lookup text holds the continuation
 
 
 def out(tokens: list[int], gaps: list[float]) -> RequestOutput:
