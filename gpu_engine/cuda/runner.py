@@ -16,6 +16,10 @@ array instead (uploaded by the step that uses them, like any host embeddings).
 Sampling: a step whose batch carries a SamplingRequest (runner_api) is sampled on the GPU after the LM head
 (sampler.py, kernels/sampling.cu); only token ids and logprobs come back, not the logits. Its parameter table
 travels in the packed tables (so decode graphs, captured per sampling on/off, replay it like the rest).
+Speculative decoding: verify windows (SeqChunk.verify) run on the decode kernels with logits at every token and
+replay their own graphs; rollback_state returns a slot's DeltaNet state to the last accepted token by the
+strategy of CudaOptions.rollback (verify.py keeps the book: snapshot or window rows, tokens re-fed in front of a
+rolled-back slot's next chunk; verify_ops.py launches the copies).
 """
 from __future__ import annotations
 
