@@ -189,7 +189,8 @@ class Runner(Protocol):
     #     rollback_state(state_slot: int, keep_tokens: int) -> None: the slot's linear-attention state becomes the
     #     one after the first `keep_tokens` tokens of its last verify window (called before the slot's next forward;
     #     KV needs no rollback: rejected positions are rewritten before they are ever read); optionally
-    #     verify_room() -> int: windows the next step can roll back (the speculator drafts for no more sequences);
+    #     verify_room() -> int: windows the next step can roll back (the speculator drafts for no more sequences),
+    #     and max_verify_drafts: int | None, the most drafts one window may carry;
     # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
     #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request.
     # Optional attribute `max_decode_chunk_tokens: int` (read once, at engine construction; absent / None = no

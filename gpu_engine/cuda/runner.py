@@ -224,6 +224,11 @@ class CudaRunner:
         check_state_slots(allocated(self.spec), state_slot)
         self._book().rollback(state_slot, keep_tokens)
 
+    @property
+    def max_verify_drafts(self) -> int | None:
+        """Drafts a window may carry: the window strategy keeps verify_window_tokens states a window."""
+        return self.verify_window_tokens if self.rollback == "window" else None
+
     def verify_room(self) -> int:
         """Verify windows the next step can hold rollback state for (the speculator drafts for no more)."""
         return self._book().room()

@@ -78,6 +78,9 @@ class Speculator:
         if not self.can_verify:
             return
         k = self.config.num_tokens
+        longest = getattr(self.runner, "max_verify_drafts", None)  # a runner's longest window, less one
+        if longest is not None:
+            k = min(k, int(longest))
         decoding = [s for s in running if s.status is SeqStatus.RUNNING and s.num_uncomputed == 1
                     and s.num_computed >= s.prompt_len]
         # The cost rule: `auto` drafts only with the tokens the step has left under max_step_tokens.

@@ -41,3 +41,20 @@ def test_drafts_go_to_no_more_sequences_than_the_runner_has_room_for(tmp_path: P
     got, eng, windows = run(3, 1)
     assert got == plain
     assert max(windows) == 1 and eng.stats()["spec_room_cut_windows"] > 0
+
+
+def test_windows_carry_no_more_drafts_than_the_runner_keeps(tmp_path: Path) -> None:
+    folder = make_tiny_checkpoint(tmp_path / "m", seed=7)
+    eng = Engine.from_pretrained(folder, config=EngineConfig(max_num_seqs=2, block_size=4),
+                                 speculative=SpeculativeConfig(num_tokens=5))
+    eng.runner.max_verify_drafts = 2  # type: ignore[attr-defined]  # as CudaRunner with rollback="window"
+    eng.spec.override = Replay({"r0": list(range(100, 140))}, 0.0, eng.vocab_size)
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True), request_id="r0")
+    longest = 0
+    while eng.has_unfinished():
+        eng.spec.propose(eng.scheduler.running, eng.blocks)
+        longest = max([longest, *(s.num_drafts for s in eng.scheduler.running)])
+        for seq in eng.scheduler.running:
+            seq.num_drafts = 0
+        eng.step()
+    assert longest == 2 and eng.stats()["spec_draft_tokens"] > 0
