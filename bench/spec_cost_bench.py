@@ -110,7 +110,27 @@ def step_costs(runner: Any, vocab: int, batches: tuple[int, ...], rng: np.random
             length[s] += 1
         for n in WINDOWS:
             out[f"b{b}_verify{n}_over_decode"] = out[f"b{b}_verify{n}_ms"] / out[f"b{b}_decode_ms"]
+        out[f"b{b}_logits_to_host{K + 1}_ms"] = logits_download_ms(runner, b * (K + 1), vocab)
     return out
+
+
+def logits_download_ms(runner: Any, rows: int, vocab: int) -> float:
+    """The part of a verify step that copies its window rows' f32 logits to the host (what the engine's host-side
+    verification needs), timed alone; nan for runners without a device."""
+    ctx = getattr(runner, "ctx", None)
+    if ctx is None:
+        return float("nan")
+    mark = ctx.arena.mark()
+    try:
+        buf = ctx.empty((rows, vocab), "f32", "bench-logits")
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            ctx.to_host(buf)
+            times.append(time.perf_counter() - t)
+        return median_ms(times, skip=1)
+    finally:
+        ctx.arena.release(mark)
 
 
 def e2e(engine: Any, prompts: list[list[int]], max_tokens: int, override: Any = None, method: str = "auto"
@@ -138,10 +158,12 @@ def e2e(engine: Any, prompts: list[list[int]], max_tokens: int, override: Any = 
     wall = time.perf_counter() - (t_start or time.perf_counter())
     after = engine.stats()
     moved = {k: after[k] - before.get(k, 0) for k in ("spec_draft_tokens", "spec_accepted_tokens",
-                                                       "spec_verify_windows")}
+                                                       "spec_verify_windows", "forward_time_s")}
     tokens = sum(len(t) for t in done.values()) - at_start
     drafted, windows = moved["spec_draft_tokens"], moved["spec_verify_windows"]
     return {"tok_s": tokens / wall if wall > 0 else float("nan"), "decode_steps": steps, "outputs": done,
+            # the runner's forward() share of the run (prefill steps included): the rest is the engine's host work
+            "forward_share": moved["forward_time_s"] / wall if wall > 0 else float("nan"),
             "acceptance_rate": moved["spec_accepted_tokens"] / drafted if drafted else 0.0,
             "mean_accepted_length": (moved["spec_accepted_tokens"] + windows) / windows if windows else 0.0}
 
@@ -163,12 +185,15 @@ def e2e_rows(make_engine: Any, vocab: int, batches: tuple[int, ...], max_tokens:
         e2e(engine, prompts, max_tokens, Replay(recorded, 0.3, vocab, seed=seed))
         plain = e2e(engine, prompts, max_tokens, method="off")
         out[f"b{b}_plain_tok_s"] = plain["tok_s"]
+        out[f"b{b}_plain_decode_steps"] = plain["decode_steps"]
+        out[f"b{b}_plain_forward_share"] = plain["forward_share"]
         out[f"b{b}_plain_repeatable"] = plain["outputs"] == recorded
         for a in ACCEPTANCE:
             got = e2e(engine, prompts, max_tokens, Replay(plain["outputs"], 1.0 - a, vocab, seed=seed))
             key = f"b{b}_a{a}"
             same = sum(got["outputs"][r] == t for r, t in plain["outputs"].items())
             out.update({f"{key}_tok_s": got["tok_s"], f"{key}_speedup": got["tok_s"] / plain["tok_s"],
+                        f"{key}_decode_steps": got["decode_steps"], f"{key}_forward_share": got["forward_share"],
                         f"{key}_acceptance_rate": got["acceptance_rate"],
                         f"{key}_mean_accepted_length": got["mean_accepted_length"],
                         f"{key}_identical_requests": f"{same}/{b}"})
