@@ -72,10 +72,15 @@ def run_part(part: str, args: argparse.Namespace, env: dict[str, str], work: Pat
     if part == "celery":
         from pipeline_celery import run_celery
 
-        os.environ.update({k: v for k, v in env.items() if k.startswith("DOCPIPE_")})  # Settings() in this process
-        return run_celery(env, files, warmup, work / "celery", schema=args.schema, timeout=args.part_timeout,
-                          redis_archive=args.redis_archive, ingest_concurrency=args.ingest_concurrency,
-                          run_limit=args.run_limit_s)
+        saved = dict(os.environ)
+        os.environ.update({k: v for k, v in env.items() if k.startswith("DOCPIPE_")})  # WorkerSettings() here
+        try:
+            return run_celery(env, files, warmup, work / "celery", schema=args.schema, timeout=args.part_timeout,
+                              redis_archive=args.redis_archive, ingest_concurrency=args.ingest_concurrency,
+                              run_limit=args.run_limit_s)
+        finally:  # this process's environment as it was (the bench runs inside pytest too)
+            os.environ.clear()
+            os.environ.update(saved)
     out = work / f"{part}.json"
     cmd = [sys.executable, str(Path(__file__).with_name("pipeline_part.py")), part, "--out", str(out),
            "--batch", str(files[0].parent), "--warmup", str(warmup), "--schema", args.schema,
