@@ -168,7 +168,9 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         step_tables.dec_pos = tok_pos[rows].astype(i32)
         tiles = step_tables.tiles
         step_tables.tiles_apart = tiles[~np.isin(tiles[:, 0], rows)]  # a one-token chunk is one tile, at its row
-    step = HostStep(n=n, longest_chunk=int(lens.max()), tables=step_tables,
+    # Re-fed tokens do not pick the kernels: a decode-phase chunk with a refeed in front (at most 31 + k tokens)
+    # stays on the decode kernels, which take chunks of any length, instead of sending the step to flash prefill.
+    step = HostStep(n=n, longest_chunk=int((lens - np.asarray(skip, np.int64)).max()), tables=step_tables,
                     logit_rows=int(step_tables.logit_rows.size),
                     vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)
     _add_sampling(batch, step, cfg.vocab_size)

@@ -232,3 +232,12 @@ def test_a_step_short_of_rows_takes_the_oldest_stale_window() -> None:
     assert book.room() == 1
     with pytest.raises(RunnerInputError, match="no free snapshot rows"):
         book.plan(StepBatch([chunk(3, [1, 2], 4, 3, True), chunk(0, [1, 2], 7, 0, True)]))
+
+
+def test_refed_tokens_do_not_send_a_step_to_the_prefill_kernels() -> None:
+    run = chunk(0, list(range(1, 32)), 6, 0, False)  # a 31-token forced run, 3 re-fed tokens in front
+    refed = SeqChunk(seq_id=0, token_ids=np.concatenate([[7, 8, 9], run.token_ids]),
+                     positions=np.tile(np.arange(3, 37), (3, 1)), start=3,
+                     block_table=np.arange(10, dtype=np.int32) % 8, state_slot=0)
+    host = build_step(StepBatch([refed]), SPEC, CFG, "bf16", logit_skip=[3])
+    assert host.n == 34 and host.longest_chunk == 31 < 32  # text_model.FLASH_MIN_CHUNK
