@@ -87,6 +87,8 @@ ENGINE_COUNTERS = {
                             "Requests retried without drafts after their verify window failed in the runner"),
     "spec_room_cut_windows": ("docpipe_engine_spec_room_cut_windows",
                               "Sequences left without drafts: the runner could roll back no more windows that step"),
+    "spec_auto_rest_skips": ("docpipe_engine_spec_auto_rest_skips",
+                             "Auto requests not drafting in a step: their last drafts gained nothing (backoff)"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -6,8 +6,10 @@ Drafters (`SamplingParams.speculative`): "ngram" is prompt lookup (prompt, outpu
 lookup_text); "mtp" is the checkpoint's MTP head, run by the runner after each step; "auto" (the default) takes a
 prompt-lookup match when there is one and the MTP head's drafts otherwise (when the runner has one), and obeys the
 cost rule (config.py): `auto` drafts only with the tokens a step has left under max_step_tokens after one per
-decoding sequence. "off" never drafts. Runners without verify (runner_api.py: supports_verify) run every request
-without speculation; a request that names a drafter such a runner cannot serve is refused at add_request.
+decoding sequence, and an `auto` sequence whose attempts gain nothing rests from drafting for longer and longer
+(backoff.py: measured at saturation, rejected drafts cost more than they save). "off" never drafts. Runners
+without verify (runner_api.py: supports_verify) run every request without speculation; a request that names a
+drafter such a runner cannot serve is refused at add_request.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..params import RequestOutput, SamplingParams
 from ..runner_api import MtpDraftRequest
 from ..scheduler import ScheduledChunk
 from ..sequence import SeqStatus, Sequence
+from .backoff import AutoBackoff
 from .config import METHODS, SpeculativeConfig
 from .drafters import Auto, Drafter, MtpHead, PromptLookup
 from .verify import Accept, Finish, verify_window
@@ -37,6 +40,7 @@ def spec_counters() -> dict[str, int]:
         "mtp_head_runs": 0,  # MTP head calls (KV fill + chained drafts)
         "spec_window_retries": 0,  # requests retried without drafts after their verify window failed in the runner
         "spec_room_cut_windows": 0,  # sequences left without drafts: the runner had no room for more windows a step
+        "spec_auto_rest_skips": 0,  # `auto` sequences not drafting this step: their last attempts gained nothing
     }
 
 
@@ -54,6 +58,7 @@ class Speculator:
         if mtp is not None:
             self.drafters["mtp"] = mtp
         self.override: Drafter | None = None  # benchmarks / tests: one drafter for every speculating request
+        self.backoff = AutoBackoff()
 
     # ---- requests ----
     def problem(self, params: SamplingParams) -> str | None:
@@ -77,6 +82,7 @@ class Speculator:
         """Write this step's drafts after the real tokens of the running sequences that decode."""
         if not self.can_verify:
             return
+        self.backoff.new_step()
         k = self.config.num_tokens
         longest = getattr(self.runner, "max_verify_drafts", None)  # a runner's longest window, less one
         if longest is not None:
@@ -97,7 +103,11 @@ class Speculator:
             if window_room <= 0:
                 self.counters["spec_room_cut_windows"] += 1
                 continue
-            want = k if method != "auto" else min(k, max(room, 0))
+            auto = method == "auto"
+            if auto and self.backoff.resting(seq.seq_id):
+                self.counters["spec_auto_rest_skips"] += 1
+                continue
+            want = k if not auto else min(k, max(room, 0))
             if want == 0:
                 cut = True
                 continue
@@ -107,6 +117,8 @@ class Speculator:
                 self.counters["spec_grammar_cut_tokens"] += len(drafts) - ok
                 drafts = drafts[:ok]
             if not drafts:
+                if auto:
+                    self.backoff.record(seq.seq_id, gained=False)
                 continue
             extra = blocks.blocks_needed(seq, 1 + len(drafts)) - blocks.blocks_needed(seq, 1)
             if extra > free:  # drafts never take blocks that would force a preemption
@@ -162,6 +174,8 @@ class Speculator:
         seq.verify_steps += 1
         seq.draft_tokens += len(drafts)
         seq.accepted_draft_tokens += result.accepted
+        if seq.params.speculative == "auto":
+            self.backoff.record(seq.seq_id, gained=result.accepted > 0)
         if seq.status is SeqStatus.RUNNING:
             seq.num_computed = base + result.accepted  # the last real token and the accepted drafts
             if seq.num_computed < sc.end:
@@ -208,6 +222,7 @@ class Speculator:
             return
         for seq in running:
             seq.num_drafts = 0
+        self.backoff.forget_all_but({seq.seq_id for seq in running})
 
     def stats(self) -> dict[str, float]:
         c = self.counters
