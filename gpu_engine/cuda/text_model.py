@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..config import TextConfig
 from . import deltanet_chunked, fp8_ops, ops, rotary, verify_ops
 from .context import DArray, GpuContext
+from .errors import ShapeError
 from .fp8_ops import Fp8Activations
 from .linear import SwigluMlp
 from .step import StepTables
@@ -80,23 +81,31 @@ class CudaTextModel:
         Per-layer scratch is reused layer after layer (stream order makes that safe); keep_scratch=True gives
         every layer its own, so that a captured graph owns all the memory it touches."""
         ctx, cfg = self.ctx, self.config
-        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.w.layers):
             scratch = ctx.arena.mark()
-            mixer = layer.mixer
-            first_proj = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.in_proj
-            # x += previous MLP output (not before layer 0); h = rms_norm(x), quantised too when FP8 reads it
-            hq = self._norm(a, layer.input_norm, n, first_proj.fp8_input, add=i > 0)
-            if isinstance(mixer, AttentionWeights):
-                self._attention(mixer, a, t, n, longest_chunk, cache.attention[i], cache.block_size, hq)
-            else:
-                self._deltanet(mixer, a, t, n, longest_chunk, cache.deltanet[i], hq)
-            # x += mixer output; h = rms_norm(x)
-            hq = self._norm(a, layer.post_norm, n, isinstance(layer.mlp, SwigluMlp) and layer.mlp.fp8_input)
-            self._mlp(layer, a, n, hq)
+            layer_cache = cache.attention[i] if isinstance(layer.mixer, AttentionWeights) else cache.deltanet[i]
+            self.decoder_layer(layer, a, t, n, longest_chunk, layer_cache, cache.block_size, add=i > 0)
             if not keep_scratch:
                 ctx.arena.release(scratch)
-        ops.add_rmsnorm(ctx, a.h, a.x, a.d, self.w.final_norm, eps, True)
+        ops.add_rmsnorm(ctx, a.h, a.x, a.d, self.w.final_norm, cfg.rms_norm_eps, True)
+
+    def decoder_layer(self, layer: LayerWeights, a: Activations, t: StepTables[DArray], n: int, longest_chunk: int,
+                      cache: AttentionCache | DeltaNetCache, block_size: int, add: bool) -> None:
+        """One decoder layer on the step's rows: x (+= d first when `add`), mixer, MLP; its MLP output is left in
+        a.d for the next fused norm to add. The MTP head (mtp.py) runs its one layer through this too."""
+        mixer = layer.mixer
+        first_proj = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.in_proj
+        # x += previous MLP output (not before layer 0); h = rms_norm(x), quantised too when FP8 reads it
+        hq = self._norm(a, layer.input_norm, n, first_proj.fp8_input, add=add)
+        if isinstance(mixer, AttentionWeights) and isinstance(cache, AttentionCache):
+            self._attention(mixer, a, t, n, longest_chunk, cache, block_size, hq)
+        elif isinstance(mixer, DeltaNetWeights) and isinstance(cache, DeltaNetCache):
+            self._deltanet(mixer, a, t, n, longest_chunk, cache, hq)
+        else:
+            raise ShapeError(f"a {layer.kind} layer was given a {type(cache).__name__}")
+        # x += mixer output; h = rms_norm(x)
+        hq = self._norm(a, layer.post_norm, n, isinstance(layer.mlp, SwigluMlp) and layer.mlp.fp8_input)
+        self._mlp(layer, a, n, hq)
 
     def logits(self, out: DArray, rows: DArray, hidden: DArray, logit_rows: DArray, count: int) -> None:
         """float32 logits [count, vocab] into `out` of the hidden rows `logit_rows` (gathered into `rows`)."""
