@@ -91,19 +91,17 @@ def frame_group_timestamps(frame_times: Sequence[float], temporal_patch_size: in
 # ------------------------------------------------------------------------------------------- pixels to patches
 
 
-def _patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
-    """[F, C, H, W] (F a multiple of temporal_patch_size) -> [groups*gh*gw, C*tp*p*p].
-
-    Rows run frame group by frame group, and inside a group merge window by merge window (each window's
-    merge_size**2 patches adjacent), which is the order the vision tower's patch merger expects.
-    """
-    f, c, h, w = frames.shape
-    gt, gh, gw = f // temporal_patch_size, h // patch_size, w // patch_size
-    x = frames.reshape(gt, temporal_patch_size, c, gh // merge_size, merge_size, patch_size,
-                       gw // merge_size, merge_size, patch_size)
+def _patch_view(frames: np.ndarray, patch_size: int, merge_size: int, frames_per_group: int) -> np.ndarray:
+    """uint8 [F, H, W, C] (F a multiple of frames_per_group) -> a view
+    [groups, gh/m, (gw/m)*m*m, C, frames_per_group, p*p]: frame group, band of merge windows, then the band's
+    rows, in the vision tower's row order (group by group, inside a group merge window by merge window, each
+    window's merge_size**2 patches adjacent: the order its patch merger expects)."""
+    f, h, w, c = frames.shape
+    gt, gh, gw = f // frames_per_group, h // patch_size, w // patch_size
+    x = frames.reshape(gt, frames_per_group, gh // merge_size, merge_size, patch_size,
+                       gw // merge_size, merge_size, patch_size, c)
     # -> (gt, gh/m, gw/m, m_h, m_w, C, tp, p_h, p_w)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(gt * gh * gw, c * temporal_patch_size * patch_size * patch_size))
+    return x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
 
 
 @dataclass(frozen=True)
@@ -160,25 +158,59 @@ class _PixelParams:
             raise ProcessorError(f"{source}: image_mean and image_std need 3 values (RGB)")
         return params
 
-    def to_float(self, frames: np.ndarray) -> np.ndarray:
-        """uint8 [F, C, H, W] -> float32, rescaled and normalised as transformers' fused torch op does.
+    def patches(self, frames: np.ndarray, *, still: bool = False) -> np.ndarray:
+        """uint8 [F, H, W, C] -> float32 [rows, C*tp*p*p]: the vision tower's input rows, normalised.
+
+        `still`: F == 1, a still image repeated to fill one temporal patch (its copies are normalised once and
+        duplicated); otherwise F is a multiple of temporal_patch_size. Values equal transformers' (see
+        `_mean_std`), whatever the order in which they are computed: each is a function of one pixel.
+        """
+        tp = self.temporal_patch_size
+        per_group = 1 if still else tp
+        if frames.shape[0] % per_group or (still and frames.shape[0] != 1):
+            raise ProcessorError(f"{frames.shape[0]} frames do not fill whole temporal patches of {per_group}")
+        view = _patch_view(frames, self.patch_size, self.merge_size, per_group)
+        gt, bands, band_w, m = view.shape[0], view.shape[1], view.shape[2], self.merge_size
+        c, pp = frames.shape[3], self.patch_size * self.patch_size
+        out = np.empty((gt, bands, band_w * m * m, c, tp, pp), dtype=np.float32)
+        mean_std = self._mean_std()
+        # One band of merge windows at a time (~0.1-1 MB): the uint8 gather, the normalisation and the copies of a
+        # still image stay in the CPU cache, and no full-size temporary is made.
+        for g in range(gt):
+            for band in range(bands):
+                pixels = np.ascontiguousarray(view[g, band]).reshape(-1, c, per_group, pp)
+                rows = out[g, band]
+                self._normalise_into(rows[:, :, :per_group], pixels, mean_std)
+                if per_group < tp:
+                    rows[:, :, per_group:] = rows[:, :, :per_group]
+        return out.reshape(-1, c * tp * pp)
+
+    def _mean_std(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """float32 mean and std per channel, shaped to broadcast over [rows, C, t, p*p]; None without do_normalize.
 
         transformers folds the rescale into mean/std (mean/rescale, std/rescale, in float32), then subtracts and
         divides in float32; its PIL backend rescales then normalises, which agrees to ~1e-7.
         """
-        x = frames.astype(np.float32)
-        if self.do_rescale and self.do_normalize:
-            inv = np.float32(1.0 / self.rescale_factor)
-            mean = np.asarray(self.image_mean, dtype=np.float32) * inv
-            std = np.asarray(self.image_std, dtype=np.float32) * inv
-            return (x - mean[None, :, None, None]) / std[None, :, None, None]
-        if self.do_normalize:
-            mean = np.asarray(self.image_mean, dtype=np.float32)
-            std = np.asarray(self.image_std, dtype=np.float32)
-            return (x - mean[None, :, None, None]) / std[None, :, None, None]
+        if not self.do_normalize:
+            return None
+        mean = np.asarray(self.image_mean, dtype=np.float32)
+        std = np.asarray(self.image_std, dtype=np.float32)
         if self.do_rescale:
-            return (frames.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        return x
+            inv = np.float32(1.0 / self.rescale_factor)
+            mean, std = mean * inv, std * inv
+        return mean.reshape(1, -1, 1, 1), std.reshape(1, -1, 1, 1)
+
+    def _normalise_into(self, out: np.ndarray, pixels: np.ndarray,
+                        mean_std: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """uint8 `pixels` -> float32 `out` (same shape), as transformers' fused torch op computes each value.
+        Writing into `out` changes no rounding: uint8 -> float32 is exact, then one float32 subtract and divide."""
+        if mean_std is not None:
+            np.subtract(pixels, mean_std[0], out=out)
+            np.divide(out, mean_std[1], out=out)
+        elif self.do_rescale:
+            out[...] = pixels.astype(np.float64) * self.rescale_factor  # float64, rounded once to float32
+        else:
+            out[...] = pixels
 
     def fingerprint(self, kind: str, extra: Mapping[str, Any] | None = None) -> bytes:
         """Canonical bytes of every parameter that changes pixels: part of each item's content hash."""
@@ -193,10 +225,6 @@ def _resize_rgb(image: Image.Image, height: int, width: int) -> Image.Image:
     if image.size == (width, height):
         return image
     return image.resize((width, height), resample=Image.Resampling.BICUBIC)
-
-
-def _to_chw(image: Image.Image) -> np.ndarray:
-    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -239,10 +267,14 @@ class ProcessedVideo:
         return [g.timestamp for g in self.frame_groups]
 
 
-def _hash(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], params: bytes) -> str:
+def hash_pixels(pixels: np.ndarray, grid_thw: tuple[int, int, int], params: bytes) -> str:
+    """The encoder- and prefix-cache key of one vision item: sha256 over its uint8 pixels after resizing
+    ([F, H, W, C]: one image, or the frames of one temporal patch), their shape, the grid and the processor
+    parameters. The float32 rows are a function of exactly these, so equal keys mean equal rows; hashing the
+    uint8 pixels reads a quarter (an image: an eighth) of the bytes."""
     digest = hashlib.sha256()
-    digest.update(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes())
-    digest.update(json.dumps(list(grid_thw)).encode())
+    digest.update(np.ascontiguousarray(pixels, dtype=np.uint8).data)
+    digest.update(json.dumps([list(pixels.shape), list(grid_thw)]).encode())
     digest.update(params)
     return digest.hexdigest()
 
@@ -277,11 +309,10 @@ class ImageProcessor:
         height, width = self.target_size(image.height, image.width)
         if height % p.factor or width % p.factor:
             raise ProcessorError(f"image size {width}x{height} is not a multiple of {p.factor} (do_resize is off)")
-        chw = _to_chw(_resize_rgb(image, height, width))
-        frames = np.repeat(chw[None], p.temporal_patch_size, axis=0)  # a still image fills one temporal patch
-        pixel_values = _patchify(p.to_float(frames), p.patch_size, p.merge_size, p.temporal_patch_size)
+        hwc = np.asarray(_resize_rgb(image, height, width), dtype=np.uint8)[None]  # [1, H, W, 3]
+        pixel_values = p.patches(hwc, still=True)  # a still image fills one temporal patch
         grid = (1, height // p.patch_size, width // p.patch_size)
-        return ProcessedImage(pixel_values, grid, _hash(pixel_values, grid, p.fingerprint("image")))
+        return ProcessedImage(pixel_values, grid, hash_pixels(hwc, grid, p.fingerprint("image")))
 
 
 @dataclass(frozen=True)
@@ -369,19 +400,20 @@ class VideoProcessor:
         target_h, target_w = self.target_size(len(frames), height, width)
         if target_h % p.factor or target_w % p.factor:
             raise ProcessorError(f"frame size {target_w}x{target_h} is not a multiple of {p.factor} (do_resize is off)")
-        chw = np.stack([resize_like_torch_uint8(f, target_h, target_w).transpose(2, 0, 1) for f in frames])
-        if pad := -len(chw) % p.temporal_patch_size:  # an odd count is completed with the last frame
-            chw = np.concatenate([chw, np.repeat(chw[-1:], pad, axis=0)])
-        pixel_values = _patchify(p.to_float(chw), p.patch_size, p.merge_size, p.temporal_patch_size)
+        hwc = np.stack([resize_like_torch_uint8(f, target_h, target_w) for f in frames])
+        if pad := -len(hwc) % p.temporal_patch_size:  # an odd count is completed with the last frame
+            hwc = np.concatenate([hwc, np.repeat(hwc[-1:], pad, axis=0)])
+        pixel_values = p.patches(hwc)
         gh, gw = target_h // p.patch_size, target_w // p.patch_size
         group_rows = gh * gw
-        timestamps = frame_group_timestamps(frame_times, p.temporal_patch_size)
+        tp = p.temporal_patch_size
+        timestamps = frame_group_timestamps(frame_times, tp)
         fingerprint = p.fingerprint("video")
         groups = []
         for g, seconds in enumerate(timestamps):
             rows = pixel_values[g * group_rows:(g + 1) * group_rows]
             grid = (1, gh, gw)
-            groups.append(FrameGroup(rows, grid, seconds, _hash(rows, grid, fingerprint)))
+            groups.append(FrameGroup(rows, grid, seconds, hash_pixels(hwc[g * tp:(g + 1) * tp], grid, fingerprint)))
         return ProcessedVideo(groups, [float(t) for t in frame_times])
 
 
