@@ -192,7 +192,8 @@ class Runner(Protocol):
     #     verify_room() -> int: windows the next step can roll back (the speculator drafts for no more sequences),
     #     and max_verify_drafts: int | None, the most drafts one window may carry;
     # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
-    #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request.
+    #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request;
+    #     optionally mtp_in_auto: bool (default True) — False keeps the head for speculative="mtp" requests only;
     # Optional attribute `max_decode_chunk_tokens: int` (read once, at engine construction; absent / None = no
     # limit): the longest chunk of a decoding sequence the engine sends; longer grammar-forced runs are computed
     # over several steps (gpu_engine/forced_runs.py). Prompt chunks and verify windows are not cut by it.

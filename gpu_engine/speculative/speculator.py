@@ -50,11 +50,13 @@ class Speculator:
         self.runner = runner
         self.can_verify = config.enabled and bool(getattr(runner, "supports_verify", False))
         self.has_mtp = self.can_verify and bool(getattr(runner, "mtp_head", False))
+        # a runner may keep its MTP head for speculative="mtp" alone (runner_api: mtp_in_auto)
+        self.mtp_in_auto = self.has_mtp and bool(getattr(runner, "mtp_in_auto", True))
         self.counters = counters
         counters.update(spec_counters())
         lookup = PromptLookup(config)
         mtp = MtpHead() if self.has_mtp else None
-        self.drafters: dict[str, Drafter] = {"ngram": lookup, "auto": Auto(lookup, mtp)}
+        self.drafters: dict[str, Drafter] = {"ngram": lookup, "auto": Auto(lookup, mtp if self.mtp_in_auto else None)}
         if mtp is not None:
             self.drafters["mtp"] = mtp
         self.override: Drafter | None = None  # benchmarks / tests: one drafter for every speculating request
@@ -75,7 +77,8 @@ class Speculator:
         return None
 
     def uses_mtp(self, seq: Sequence) -> bool:
-        return self.has_mtp and seq.speculate and seq.params.speculative in ("mtp", "auto")
+        method = seq.params.speculative
+        return self.has_mtp and seq.speculate and (method == "mtp" or (method == "auto" and self.mtp_in_auto))
 
     # ---- before scheduling ----
     def propose(self, running: list[Sequence], blocks: BlockManager) -> None:
