@@ -22,8 +22,9 @@ def _decode_image_bytes(data: bytes, what: str) -> Image.Image:
         try:
             image: Image.Image = Image.open(io.BytesIO(data))
             image.load()
-            # Like transformers' load_image for files/URLs: honour the EXIF orientation.
-            image = ImageOps.exif_transpose(image)
+            # Like transformers' load_image for files/URLs: honour the EXIF orientation. In place: the image is
+            # ours, and an image without a rotation then costs no full-size copy.
+            ImageOps.exif_transpose(image, in_place=True)
         except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise ProcessorError(f"{what}: not a decodable image ({exc})") from exc
         except (OSError, ValueError, SyntaxError) as exc:
