@@ -49,6 +49,9 @@ class CudaOptions:
     # at most verify_window_tokens + 1 tokens).
     rollback: str = "recompute"
     verify_window_tokens: int = 3
+    # The checkpoint's MTP head drafts for speculative="auto" requests too (DOCPIPE_CUDA_MTP_AUTO=1), not only for
+    # speculative="mtp" ones: auto's prompt lookup and its backoff otherwise. Opt-in until checked on a GPU (#16).
+    mtp_in_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +82,8 @@ class CudaOptions:
             read["graph_memory"] = int(env["DOCPIPE_CUDA_GRAPH_MEMORY"])
         if "DOCPIPE_CUDA_PDL" in env:
             read["use_pdl"] = env["DOCPIPE_CUDA_PDL"] == "1"
+        if "DOCPIPE_CUDA_MTP_AUTO" in env:
+            read["mtp_in_auto"] = env["DOCPIPE_CUDA_MTP_AUTO"] == "1"
         if "DOCPIPE_CUDA_DECODE_ROWS_APART" in env:
             read["decode_rows_apart"] = env["DOCPIPE_CUDA_DECODE_ROWS_APART"] == "1"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:

@@ -20,6 +20,9 @@ Speculative decoding: verify windows (SeqChunk.verify) run on the decode kernels
 replay their own graphs; rollback_state returns a slot's DeltaNet state to the last accepted token by the
 strategy of CudaOptions.rollback (verify.py keeps the book: snapshot or window rows, tokens re-fed in front of a
 rolled-back slot's next chunk; verify_ops.py launches the copies).
+MTP head (checkpoints with a complete BF16/F32 `mtp.*`, mtp.py): forward keeps the final-norm hidden rows of
+keep_hidden chunks (downloaded, raw); mtp_draft fills the head's own KV layer and chains greedy drafts on the GPU.
+`auto` requests use it only with CudaOptions.mtp_in_auto (opt-in until checked on a GPU); speculative="mtp" does.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from ..config import ModelConfig
 from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, StepBatch, StepOutput
+from ..runner_api import CacheSpec, MtpDraftRequest, StepBatch, StepOutput
 from ..runner_rules import (
     allocated,
     check_cache_spec,
@@ -56,6 +59,15 @@ from .decode_graphs import (
 )
 from .embeddings import BlockPool, DeviceEmbeddings
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
+from .mtp import (
+    CudaMtpHead,
+    KeptRows,
+    MtpCache,
+    allocate_mtp_cache,
+    mtp_cache_bytes,
+    mtp_kv_bytes_per_block,
+    plan_drafts,
+)
 from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
 from .step import HostStep, StepTables, build_step, fill_logit_rows, pack_tables, pad_step, upload_tables
@@ -63,7 +75,7 @@ from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCach
 from .verify import StepPlan, Strategy, VerifyBook
 from .verify_ops import VerifyRows, allocate_verify_rows, copy_segments, copy_table
 from .vision import GpuVisionTower
-from .weights import upload_text_weights
+from .weights import mtp_head_problem, upload_mtp_weights, upload_text_weights
 
 MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side executable); past it new keys run eagerly
 # Verify windows a step can roll back by default: the cost rule at its defaults (128 step tokens, k = 3) lets at
@@ -109,6 +121,18 @@ class CudaRunner:
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
         self.model.decode_rows_apart = o.decode_rows_apart
+        # The MTP head, when the checkpoint has a complete one in a format this runner computes (mtp_problem: why
+        # not); its weights sit beside the trunk's, its KV layer joins the cache (allocate_cache).
+        self.mtp_problem = mtp_head_problem(self.cfg, weights)
+        self.mtp: CudaMtpHead | None = None
+        if self.mtp_problem is None:
+            self.mtp = CudaMtpHead(self.ctx, self.cfg, upload_mtp_weights(self.ctx, self.cfg, weights, o.dtype),
+                                   self.model, o.dtype)
+        self.mtp_head = self.mtp is not None
+        self.mtp_in_auto = self.mtp_head and o.mtp_in_auto  # the speculator's `auto` drafts with it (opt-in)
+        self.mtp_cache: MtpCache | None = None
+        self.kept = KeptRows()
+        self._keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
         cfg = self.cfg
         # The vision tower and its encoder-cache region come before the cache mark: they outlive cache changes.
         # A checkpoint whose tower cannot feed its decoder still runs text; encode_vision then says why.
@@ -148,6 +172,10 @@ class CudaRunner:
     # ---- sizes -----------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
         size = block_size if block_size is not None else allocated(self.spec).block_size
+        mtp = mtp_kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype]) if self.mtp is not None else 0
+        return self._trunk_kv_bytes_per_block(size) + mtp  # the MTP head's layer stays in the compute dtype
+
+    def _trunk_kv_bytes_per_block(self, size: int) -> int:
         return kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype])
 
     def state_bytes_per_slot(self) -> int:
@@ -183,6 +211,8 @@ class CudaRunner:
         cfg, ctx = self.cfg, self.ctx
         need = (spec.num_kv_blocks * self.kv_bytes_per_block(spec.block_size)
                 + spec.num_state_slots * self.state_bytes_per_slot())
+        if self.mtp is not None:  # the head's scratch blocks for chained drafts
+            need += mtp_cache_bytes(cfg, spec, ITEMSIZE[self.dtype])
         if need > self._free_after_weights:
             raise RunnerInputError(
                 f"the cache ({spec.num_kv_blocks} KV blocks + {spec.num_state_slots} state slots = {need} bytes) does "
@@ -216,6 +246,8 @@ class CudaRunner:
         self.book, self._verify_layers = allocate_verify_rows(
             self.ctx, self.cache, self.dtype, self.rollback, self._verify_rows(spec.num_state_slots),
             self.verify_window_tokens, self.verify_memory_fraction)
+        self.mtp_cache = allocate_mtp_cache(ctx, cfg, spec, self.dtype) if self.mtp is not None else None
+        self.kept.clear()
         self.spec = spec
 
     def rollback_state(self, state_slot: int, keep_tokens: int) -> None:
@@ -232,6 +264,48 @@ class CudaRunner:
     def verify_room(self) -> int:
         """Verify windows the next step can hold rollback state for (the speculator drafts for no more)."""
         return self._book().room()
+
+    def mtp_draft(self, requests: list[MtpDraftRequest]) -> list[list[int]]:
+        """The MTP head for the sequences of the last forward (runner_api.MtpDraftRequest): its KV for their final
+        positions, then their greedy drafts; drafting requests past the head's scratch run in further rounds."""
+        if self.mtp is None:
+            raise RunnerInputError(self.mtp_problem or "this runner has no MTP head")
+        spec, cache = allocated(self.spec), self.mtp_cache
+        if cache is None:
+            raise RuntimeError("allocate_cache() must be called before running the model")
+        rows = [self.kept.take(r) for r in requests]
+        out: list[list[int]] = [[] for _ in requests]
+        group: list[int] = []
+        for i in range(len(requests) + 1):
+            full = sum(requests[j].num_drafts > 0 for j in group) == cache.requests
+            if group and (i == len(requests) or (full and requests[i].num_drafts > 0)):
+                plan = plan_drafts([requests[j] for j in group], [rows[j] for j in group], spec, cache, self.cfg,
+                                   self.dtype)
+                drafts = self.mtp.run(plan, cache.kv, spec.block_size)
+                for p, g in enumerate(plan.drafting):
+                    out[group[g]] = drafts[:plan.num_drafts[g], p].tolist()
+                group = []
+            if i < len(requests):
+                group.append(i)
+        return out
+
+    def _keep_hidden(self, host: HostStep, hidden: DArray) -> None:
+        """The final-norm rows of the step's keep_hidden chunks, from `hidden` (the step's a.h, all its rows), into
+        the book; a chunk's rows are the last ones of its run chunk (re-fed tokens run in front of it)."""
+        batch = self._keeping
+        if batch is None:
+            return
+        ends = host.tables.cu[1:len(batch.chunks) + 1].astype(np.int64)
+        keep = [i for i, c in enumerate(batch.chunks) if c.keep_hidden]
+        raw = np.empty((int(ends[keep].max()), self.cfg.hidden_size), np.uint16 if self.dtype == "bf16"
+                       else np.float32)
+        self.ctx.device.download(raw, hidden.ptr)  # in stream order, after the step's kernels
+        for i in keep:
+            chunk = batch.chunks[i]
+            vision = [(piece.chunk_offset, self._download(piece.embeddings) if isinstance(
+                piece.embeddings, DeviceEmbeddings) else np.asarray(piece.embeddings, np.float32))
+                for piece in chunk.vision]
+            self.kept.keep(chunk, raw[int(ends[i]) - chunk.num_tokens:int(ends[i])].copy(), vision)
 
     def _book(self) -> VerifyBook:
         if self.book is None:
@@ -292,14 +366,19 @@ class CudaRunner:
         run = plan.batch if plan is not None else batch
         offsets = row_offsets(batch.chunks)
         self._copy_states(plan)
-        if self.use_graphs and _graphable(run):
-            out = self._forward_graphed(run, offsets, plan)
-        else:
-            if _graphable(run):
-                self.decode_counts.eager_graphable += 1
+        self.kept.begin_step()  # kept rows live until the next forward (runner_api.MtpDraftRequest)
+        self._keeping = batch if self.mtp is not None and any(c.keep_hidden for c in batch.chunks) else None
+        try:
+            if self.use_graphs and _graphable(run):
+                out = self._forward_graphed(run, offsets, plan)
             else:
-                self.decode_counts.other += 1
-            out = self._forward_eager(run, offsets, plan)
+                if _graphable(run):
+                    self.decode_counts.eager_graphable += 1
+                else:
+                    self.decode_counts.other += 1
+                out = self._forward_eager(run, offsets, plan)
+        finally:
+            self._keeping = None
         if plan is not None:
             self._book().commit(plan)
         return out
@@ -332,6 +411,7 @@ class CudaRunner:
             return out
         step.load(host, batch)
         step.replay()
+        self._keep_hidden(host, step.bufs.act.h)
         counts.graphed += 1
         counts.padded += host.padding > 0
         counts.with_runs += max(lens) > 1
@@ -366,6 +446,7 @@ class CudaRunner:
             if batch.sampling is not None and bufs.sampler is not None and host.logit_rows:
                 self.sampler.upload_masks(bufs.sampler, batch.sampling)
             self._run(host, tables, bufs)
+            self._keep_hidden(host, bufs.act.h)
             if batch.sampling is not None and bufs.sampler is not None:
                 sampled = self.sampler.results(bufs.sampler, batch.sampling)  # zero rows when no logits rows
                 out_logits = self._no_logits()

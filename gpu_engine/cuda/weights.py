@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import TextConfig
 from ..loader import ModelWeights
+from ..mtp_layout import held_layout_shapes
 from ..tensors import Fp8Tensor, Tensors, raw_tensor
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from .context import DArray, GpuContext
@@ -92,8 +93,8 @@ def _fp8_entry(text: object, name: str) -> Fp8Tensor | None:
 
 def refuse_unsupported_fp8(weights: ModelWeights, dtype: str) -> None:
     """What the CUDA runner cannot run in FP8 fails here, by name, before anything is uploaded: FP8 with an f32
-    runner, an FP8 vision tower, lm_head or embedding (Qwen's FP8 releases keep those BF16). The MTP layer is not
-    run by this runner, whatever its format."""
+    runner, an FP8 vision tower, lm_head or embedding (Qwen's FP8 releases keep those BF16). The MTP head is
+    checked apart (mtp_head_problem): an FP8 head leaves the runner without one."""
     names = weights.fp8_names()  # the loader's "group/name"; a plain dict's Fp8Tensor entries count as text
     if not isinstance(weights.text, Tensors):
         names += [f"text/{n}" for n, v in weights.text.items() if isinstance(v, Fp8Tensor)]
@@ -171,13 +172,7 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
         p = f"layers.{i}."
         mixer: AttentionWeights | DeltaNetWeights
         if kind == "full_attention":
-            a = p + "self_attn."
-            mixer = AttentionWeights(
-                qkv=up.linear(f"{a}qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                q_norm=up.put(a + "q_norm", w[a + "q_norm.weight"]),
-                k_norm=up.put(a + "k_norm", w[a + "k_norm.weight"]),
-                o_proj=up.linear(a + "o_proj", a + "o_proj.weight"),
-            )
+            mixer = _full_attention(up, w, p + "self_attn.")
         else:
             a = p + "linear_attn."
             conv = w[a + "conv1d.weight"]
@@ -190,15 +185,76 @@ def upload_text_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights,
                 norm=up.put(a + "norm", w[a + "norm.weight"]),
                 out_proj=up.linear(a + "out_proj", a + "out_proj.weight"),
             )
-        layers.append(LayerWeights(
-            kind=kind,
-            input_norm=up.put(p + "input_layernorm", w[p + "input_layernorm.weight"]),
-            post_norm=up.put(p + "post_attention_layernorm", w[p + "post_attention_layernorm.weight"]),
-            mixer=mixer,
-            mlp=(upload_moe_mlp(up, cfg.moe, w, p + "mlp.") if cfg.moe is not None else
-                 SwigluMlp(up.linear(p + "mlp.gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                           up.linear(p + "mlp.down", p + "mlp.down_proj.weight"))),
-        ))
+        layers.append(_layer(up, cfg, w, p, kind, mixer))
     final_norm = up.put("norm", w["norm.weight"])
     lm_head = embed if tied else up.put("lm_head", head)
     return TextWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, nbytes=up.nbytes)
+
+
+def _full_attention(up: _Uploader, w: Mapping[str, np.ndarray], a: str) -> AttentionWeights:
+    """The gated full-attention mixer whose tensors are named `a` + ... (e.g. "layers.3.self_attn.")."""
+    return AttentionWeights(
+        qkv=up.linear(f"{a}qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+        q_norm=up.put(a + "q_norm", w[a + "q_norm.weight"]),
+        k_norm=up.put(a + "k_norm", w[a + "k_norm.weight"]),
+        o_proj=up.linear(a + "o_proj", a + "o_proj.weight"),
+    )
+
+
+def _layer(up: _Uploader, cfg: TextConfig, w: Mapping[str, np.ndarray], p: str, kind: str,
+           mixer: AttentionWeights | DeltaNetWeights) -> LayerWeights:
+    """A decoder layer at prefix `p`: its norms, `mixer`, and its MLP (dense SwiGLU or the layer's experts)."""
+    return LayerWeights(
+        kind=kind,
+        input_norm=up.put(p + "input_layernorm", w[p + "input_layernorm.weight"]),
+        post_norm=up.put(p + "post_attention_layernorm", w[p + "post_attention_layernorm.weight"]),
+        mixer=mixer,
+        mlp=(upload_moe_mlp(up, cfg.moe, w, p + "mlp.") if cfg.moe is not None else
+             SwigluMlp(up.linear(p + "mlp.gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                       up.linear(p + "mlp.down", p + "mlp.down_proj.weight"))),
+    )
+
+
+@dataclass(frozen=True)
+class MtpWeights:
+    """The checkpoint's MTP head (gpu_engine/mtp_layout.py): fc over [embedding | hidden] (each normed first), one
+    full-attention decoder layer of the trunk's kind, its final norm; embeddings and lm_head are the trunk's."""
+
+    fc: Linear  # [hidden, 2 * hidden]
+    pre_fc_norm_embedding: DArray
+    pre_fc_norm_hidden: DArray
+    layer: LayerWeights
+    norm: DArray
+    nbytes: int
+
+
+def mtp_head_problem(cfg: TextConfig, weights: ModelWeights) -> str | None:
+    """Why this runner has no MTP head for `weights` (None: it has one). A checkpoint without a complete head
+    still runs; it just has no MTP drafter."""
+    held = weights.mtp
+    if not held:
+        return "the checkpoint has no MTP head (mtp.* weights)"
+    missing = [n for n in held_layout_shapes(cfg, held) if n not in held]
+    if missing:
+        return f"the checkpoint's MTP head lacks mtp.{', mtp.'.join(missing[:3])}"
+    fp8 = [n for n in weights.fp8_names() if n.startswith("mtp/")]
+    if not isinstance(held, Tensors):
+        fp8 += [f"mtp/{n}" for n, v in held.items() if isinstance(v, Fp8Tensor)]
+    if fp8:
+        return f"the CUDA runner has no FP8 path for the MTP head yet ({', '.join(fp8[:3])})"
+    return None
+
+
+def upload_mtp_weights(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights, dtype: str) -> MtpWeights:
+    """The MTP head on the device, in the runner's dtype (mtp_head_problem(...) must be None)."""
+    held = weights.mtp
+    # bf16: the stored bits as they are; f32: float32 from the loader (as upload_text_weights)
+    w = {n: raw_tensor(held, n) for n in held} if dtype == "bf16" else held
+    up = _Uploader(ctx, dtype, held, w)
+    p = "layers.0."
+    layer = _layer(up, cfg, w, p, "full_attention", _full_attention(up, w, p + "self_attn."))
+    return MtpWeights(
+        fc=up.linear("mtp.fc", "fc.weight"),
+        pre_fc_norm_embedding=up.put("mtp.pre_fc_norm_embedding", w["pre_fc_norm_embedding.weight"]),
+        pre_fc_norm_hidden=up.put("mtp.pre_fc_norm_hidden", w["pre_fc_norm_hidden.weight"]),
+        layer=layer, norm=up.put("mtp.norm", w["norm.weight"]), nbytes=up.nbytes)
