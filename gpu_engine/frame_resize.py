@@ -60,16 +60,29 @@ def _axis_filter(size_in: int, size_out: int) -> _AxisFilter:
     return _AxisFilter(taps, fixed.astype(np.int32), precision)
 
 
-def _resample_first_axis(x: np.ndarray, size_out: int) -> np.ndarray:
-    """Resize axis 0 of a uint8 array; rounds to uint8 like torch's uint8 loops (int32 accumulation)."""
-    f = _axis_filter(x.shape[0], size_out)
-    values = np.ascontiguousarray(x, dtype=np.int32)  # row-major, so each tap gathers whole rows
-    acc = np.full((size_out,) + x.shape[1:], 1 << (f.precision - 1), dtype=np.int32)
-    weight_shape = (size_out,) + (1,) * (x.ndim - 1)
+def _resample_axis(x: np.ndarray, axis: int, size_out: int) -> np.ndarray:
+    """Resize one axis of a uint8 array; rounds to uint8 like torch's uint8 loops (int32 accumulation).
+
+    Each tap gathers uint8 slices along `axis` (np.take: no transposed copy for the width pass, no int32 copy of
+    the input) and adds weight * pixel in int32; taps whose weight is 0 for every output are skipped. Integer
+    arithmetic, so the result is torch's whatever the order.
+    """
+    f = _axis_filter(x.shape[axis], size_out)
+    shape = list(x.shape)
+    shape[axis] = size_out
+    weight_shape = [1] * x.ndim
+    weight_shape[axis] = size_out
+    acc = np.full(shape, 1 << (f.precision - 1), dtype=np.int32)
+    term = np.empty(shape, dtype=np.int32)
     for k in range(f.weights.shape[1]):
-        acc += values[f.taps[:, k]] * f.weights[:, k].reshape(weight_shape)
+        weights = f.weights[:, k]
+        if not weights.any():
+            continue
+        np.multiply(np.take(x, f.taps[:, k], axis=axis), weights.reshape(weight_shape), out=term)
+        acc += term
     np.right_shift(acc, f.precision, out=acc)  # arithmetic shift: floor, as torch's srai / >>
-    return np.clip(acc, 0, 255).astype(np.uint8)
+    np.clip(acc, 0, 255, out=acc)
+    return acc.astype(np.uint8)
 
 
 def resize_like_torch_uint8(frame: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -84,7 +97,7 @@ def resize_like_torch_uint8(frame: np.ndarray, height: int, width: int) -> np.nd
         raise ProcessorError(f"cannot resize to {width}x{height}")
     out = frame
     if out.shape[1] != width:
-        out = _resample_first_axis(out.transpose(1, 0, 2), width).transpose(1, 0, 2)
+        out = _resample_axis(out, 1, width)
     if out.shape[0] != height:
-        out = _resample_first_axis(out, height)
+        out = _resample_axis(out, 0, height)
     return np.ascontiguousarray(out)
