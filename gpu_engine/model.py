@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,8 @@ def load(
     as the FP8 kernels do. The cuda runner runs FP8 models with dtype "bf16" only (its FP8 GEMMs read and write
     bf16), and MoE models (qwen3_5_moe) from BF16 weights only (no FP8 expert stacks yet, issue 17).
     `kv_cache_dtype`: "auto" (the compute dtype) or "fp8_e4m3" (the reference runner stores full-attention K / V in
-    e4m3 with a scale per token and kv head, reference/fp8_kv.py); independent of the weights. The cuda runner's
-    attention kernels do not read an FP8 cache yet and refuse it."""
+    e4m3 with a scale per token and kv head, reference/fp8_kv.py); independent of the weights. On the cuda runner
+    it sets CudaOptions.kv_cache_dtype (same layout and rule, cuda/kv_fp8.py; opt-in: default "auto")."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     if cuda_options is not None and runner != "cuda":
@@ -64,12 +64,6 @@ def load(
         raise ValueError(f"fp8_activations is an option of runner='reference' (got runner={runner!r})")
     check_quantize(quantize)
     check_kv_cache_dtype(kv_cache_dtype)
-    if runner == "cuda" and kv_cache_dtype != "auto":
-        raise RunnerUnavailableError(
-            f"runner='cuda' cannot use kv_cache_dtype={kv_cache_dtype!r} yet: its paged attention and flash prefill "
-            "kernels read a bf16 / float32 cache only (issue 15). Use kv_cache_dtype='auto', or runner='reference' "
-            "(numpy, the FP8 KV oracle)."
-        )
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     if runner == "cuda" and config.text.moe is not None and (config.quantization is not None or quantize == "fp8"):
@@ -107,7 +101,10 @@ def _make_runner(
             f"runner='cuda' is unavailable: {exc}. Install the extra (pip install -e '.[cuda]') on a machine with an "
             "NVIDIA GPU, or use runner='reference'."
         ) from exc
-    return CudaRunner(config, weights, options or CudaOptions.from_env())
+    options = options or CudaOptions.from_env()
+    if kv_cache_dtype != "auto":  # the argument names a cache dtype: it wins over the options' default
+        options = replace(options, kv_cache_dtype=kv_cache_dtype)
+    return CudaRunner(config, weights, options)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import numpy as np
 
 from .context import ITEMSIZE, DArray, GpuContext
 from .errors import ShapeError
+from .kv_fp8 import kv_operands
 
 i32, i64, f32 = np.int32, np.int64, np.float32
 FLOAT_TYPES = ("bf16", "f32")
@@ -153,10 +154,13 @@ def kv_store(ctx: GpuContext, k_cache: DArray, v_cache: DArray, k: DArray, k_str
 def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache: DArray, proj: DArray,
                        proj_stride: int, q_norm: DArray, k_norm: DArray, pos: DArray, inv_freq: DArray, axis: DArray,
                        slots: DArray, heads: int, kv_heads: int, head_dim: int, rot_dim: int, eps: float,
-                       zero_centred: bool = True) -> None:
+                       zero_centred: bool = True, k_scale: DArray | None = None,
+                       v_scale: DArray | None = None) -> None:
     """Per-head RMSNorm of q and k, rotary on both, q -> q_out [n, heads*head_dim], k/v -> cache slots; proj rows
-    are [q_0 gate_0 ... q_{H-1} gate_{H-1} | k | v] as the fused q|k|v projection emits them."""
-    t = _same_float(q_out, k_cache, v_cache, proj, q_norm, k_norm)
+    are [q_0 gate_0 ... q_{H-1} gate_{H-1} | k | v] as the fused q|k|v projection emits them. An FP8 cache (u8
+    caches with k_scale / v_scale) gets k and v quantised with one scale per (token, kv head)."""
+    f8, scales = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    t = _same_float(q_out, proj, q_norm, k_norm, *(() if f8 else (k_cache, v_cache)))
     for arr, name in ((pos, "pos"), (axis, "axis"), (slots, "slots")):
         _need(arr, "i32", name)
     _need(inv_freq, "f32", "inv_freq")
@@ -164,10 +168,10 @@ def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache:
     if head_dim > 256 or rot_dim > head_dim or rot_dim % 2 or pos.shape[-1] != n:
         raise ShapeError(f"qk_norm_rope_store: head_dim {head_dim} (max 256), rot_dim {rot_dim}, pos {pos.shape}, "
                          f"n {n}")
-    ctx.device.launch("attention", f"qk_norm_rope_store_{t}", (n, heads + kv_heads), 128, q_out.ptr, k_cache.ptr,
-                      v_cache.ptr, proj.ptr, i64(proj_stride), q_norm.ptr, k_norm.ptr, pos.ptr, i32(n), inv_freq.ptr,
-                      axis.ptr, slots.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim), i32(rot_dim), f32(eps),
-                      f32(1.0 if zero_centred else 0.0))
+    ctx.device.launch("attention", f"qk_norm_rope_store{f8}_{t}", (n, heads + kv_heads), 128, q_out.ptr,
+                      k_cache.ptr, v_cache.ptr, *scales, proj.ptr, i64(proj_stride), q_norm.ptr, k_norm.ptr, pos.ptr,
+                      i32(n), inv_freq.ptr, axis.ptr, slots.ptr, i32(n), i32(heads), i32(kv_heads), i32(head_dim),
+                      i32(rot_dim), f32(eps), f32(1.0 if zero_centred else 0.0))
 
 
 FLASH_HEAD_DIMS = (64, 128, 256)  # instantiated in kernels/flash_prefill.cu
@@ -175,14 +179,17 @@ FLASH_TILE = 64  # query rows per tile (FP_ROWS in flash_prefill.cu: 4 warps x 1
 FLASH_MAX_TILES = 65535  # the tile index is gridDim.y
 
 
-def flash_shared_bytes(head_dim: int) -> int:
+def flash_shared_bytes(head_dim: int, fp8: bool = False) -> int:
     """Dynamic shared memory of flash_prefill_bf16_hd<head_dim> (FlashShape<HD>::SMEM_BYTES in the kernel, which
     traps if it gets less): double-buffered K and V tiles of `keys` rows, plus the Q tile where Q does not live in
-    registers (head_dim 256); every row padded by 8 bf16."""
+    registers (head_dim 256); every row padded by 8 bf16. fp8 (flash_prefill_fp8_*): one bf16 K and V tile, the
+    double-buffered raw e4m3 rows (padded by 16 bytes) and their float32 scales."""
     keys = 32 if head_dim >= 256 else 64
     row = head_dim + 8
     q_rows = 0 if head_dim <= 128 else FLASH_TILE
-    return 2 * (4 * keys * row + q_rows * row)
+    tiles = 1 if fp8 else 2
+    base = 2 * (2 * tiles * keys * row + q_rows * row)
+    return base + 4 * keys * (head_dim + 16) + 2 * 2 * keys * 4 if fp8 else base
 
 
 def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
@@ -198,12 +205,14 @@ def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
 def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
                   gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
                   token_pos: DArray, tiles: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                  scale: float) -> None:
+                  scale: float, k_scale: DArray | None = None, v_scale: DArray | None = None) -> None:
     """Same function as paged_attention for bf16 prefill chunks, on the tensor cores (see flash_prefill.cu).
     tiles: i32 [T, 2] from flash_tiles() (at most FLASH_TILE rows each); each tile's tokens belong to one sequence,
     in position order. q rows, k_cache and v_cache are copied in 16-byte pieces: their addresses must be 16-byte
-    aligned and q_stride a multiple of 8 elements."""
-    for arr in (out, q, gate, k_cache, v_cache):
+    aligned and q_stride a multiple of 8 elements. An FP8 cache (u8 caches with k_scale / v_scale) is dequantised
+    tile by tile in shared memory (flash_prefill_fp8_bf16_hd<D>)."""
+    f8, scales = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    for arr in (out, q, gate, *(() if f8 else (k_cache, v_cache))):
         _need(arr, "bf16", "flash_prefill operand")
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos"),
                       (tiles, "tiles")):
@@ -215,11 +224,11 @@ def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: 
         raise ShapeError("flash_prefill needs 16-byte aligned q, k_cache and v_cache")
     if len(tiles.shape) != 2 or tiles.shape[1] != 2 or not 0 < tiles.shape[0] <= FLASH_MAX_TILES:
         raise ShapeError(f"flash_prefill tiles must be [1..{FLASH_MAX_TILES}, 2], got {tiles.shape}")
-    ctx.device.launch("flash_prefill", f"flash_prefill_bf16_hd{head_dim}", (heads, tiles.shape[0]), 128, out.ptr,
-                      q.ptr, i64(q_stride), gate.ptr, i64(gate_stride), i32(gate_head_stride), k_cache.ptr,
-                      v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr,
-                      tiles.ptr, i32(heads), i32(kv_heads), i32(block_size), f32(scale),
-                      shmem=flash_shared_bytes(head_dim))
+    ctx.device.launch("flash_prefill", f"flash_prefill{f8}_bf16_hd{head_dim}",
+                      (heads, tiles.shape[0]), 128, out.ptr, q.ptr, i64(q_stride), gate.ptr, i64(gate_stride),
+                      i32(gate_head_stride), k_cache.ptr, v_cache.ptr, *scales, block_tables.ptr,
+                      i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr, tiles.ptr, i32(heads), i32(kv_heads),
+                      i32(block_size), f32(scale), shmem=flash_shared_bytes(head_dim, bool(f8)))
 
 
 def attention_splits(ctx: GpuContext, n_tokens: int, heads: int, waves: int = 2) -> int:
@@ -245,17 +254,19 @@ PAGED_MMA_HEAD_DIMS = (64, 128, 256)  # paged_attention_mma_bf16_hd<D> in kernel
 PAGED_MMA_MAX_GROUP = 8  # query heads per KV head: the n = 8 columns of the score mma
 
 
-def paged_mma_shared_bytes(head_dim: int) -> int:
+def paged_mma_shared_bytes(head_dim: int, fp8: bool = False) -> int:
     """Dynamic shared memory of paged_attention_mma_bf16_hd<head_dim> (PagedMmaShape<HD>::SMEM_BYTES, which traps
     if it gets less): 3 stages of 64 K and 64 V rows padded by 8 bf16 (the warps' merge reuses them), plus P^T
-    [16 keys][8 heads] bf16 per warp."""
-    pipe = 3 * 2 * 64 * (head_dim + 8) * 2
+    [16 keys][8 heads] bf16 per warp. fp8 (paged_attention_mma_fp8_*): one bf16 K and V tile, 3 stages of raw e4m3
+    rows padded by 16 bytes and their float32 scales."""
+    tile = 2 * 64 * (head_dim + 8) * 2
+    pipe = tile + 3 * 2 * 64 * (head_dim + 16) + 3 * 2 * 64 * 4 if fp8 else 3 * tile
     merge = 4 * 8 * (head_dim + 2) * 4
     return max(pipe, merge) + 4 * 16 * 8 * 2
 
 
 def paged_mma_fits(q: DArray, q_stride: int, k_cache: DArray, v_cache: DArray, heads: int, kv_heads: int,
-                   head_dim: int) -> bool:
+                   head_dim: int) -> bool:  # an FP8 cache (u8) fits as its bf16 form does
     """Whether paged_attention's tensor-core kernel applies: bf16, at most 8 query heads per KV head, a head size
     it is built for, 16-byte aligned rows (cp.async of 16 bytes, 4-byte Q fragment loads)."""
     return (q.dtype == "bf16" and heads % kv_heads == 0 and heads // kv_heads <= PAGED_MMA_MAX_GROUP
@@ -266,7 +277,8 @@ def paged_mma_fits(q: DArray, q_stride: int, k_cache: DArray, v_cache: DArray, h
 def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
                     gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
                     token_pos: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float,
-                    splits: int | None = None, method: str = "auto") -> None:
+                    splits: int | None = None, method: str = "auto", k_scale: DArray | None = None,
+                    v_scale: DArray | None = None) -> None:
     """Causal paged attention with GQA and sigmoid output gate; out [n, heads*head_dim].
 
     Split-K over the keys (`splits`, default attention_splits()) into a float32 workspace taken from the arena for
@@ -275,8 +287,11 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     query heads sharing it are the columns of the score mma; see paged_mma_fits), "grouped" (one block per KV
     head computes all its query heads on the CUDA cores: each K/V row read once, with 16-byte loads; see
     gqa_attention_fits), "per_head" (one block per query head, any shape), or "auto" (the first that fits).
+    An FP8 cache (u8 caches with k_scale / v_scale, kernels/fp8_kv.cuh) is read by the mma and per_head kernels
+    (paged_attention_mma_fp8_*, paged_attention_fp8_*); "grouped" refuses it.
     """
-    t = _same_float(out, q, gate, k_cache, v_cache)
+    f8, scales = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    t = _same_float(out, q, gate, *(() if f8 else (k_cache, v_cache)))
     for arr, name in ((block_tables, "block_tables"), (token_seq, "token_seq"), (token_pos, "token_pos")):
         _need(arr, "i32", name)
     if head_dim > 256 or heads % kv_heads:
@@ -284,7 +299,9 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
                          f"(got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads})")
     if method not in ("auto", "mma", "grouped", "per_head"):
         raise ShapeError(f"method must be auto, mma, grouped or per_head, got {method!r}")
-    fits = gqa_attention_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
+    fits = not f8 and gqa_attention_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
+    if method == "grouped" and f8:
+        raise ShapeError("grouped paged_attention has no FP8 KV form: use method 'mma' or 'per_head'")
     mma_fits = paged_mma_fits(q, q_stride, k_cache, v_cache, heads, kv_heads, head_dim)
     if method == "grouped" and not fits:
         raise ShapeError(f"grouped paged_attention needs heads/kv_heads in {GQA_GROUPS}, head_dim in "
@@ -304,18 +321,18 @@ def paged_attention(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate
     mark = ctx.arena.mark()
     part_acc = ctx.empty((n, heads, splits, head_dim), "f32", "attn-partials")
     part_ml = ctx.empty((n, heads, splits, 2), "f32", "attn-max-sum")
-    common = (q.ptr, i64(q_stride), k_cache.ptr, v_cache.ptr, block_tables.ptr, i32(block_tables.shape[1]),
+    common = (q.ptr, i64(q_stride), k_cache.ptr, v_cache.ptr, *scales, block_tables.ptr, i32(block_tables.shape[1]),
               token_seq.ptr, token_pos.ptr, i32(n))
     if method == "mma":
-        ctx.device.launch("attention", f"paged_attention_mma_bf16_hd{head_dim}", (n, kv_heads, splits), 128,
+        ctx.device.launch("attention", f"paged_attention_mma{f8}_bf16_hd{head_dim}", (n, kv_heads, splits), 128,
                           part_acc.ptr, part_ml.ptr, *common, i32(kv_heads), i32(heads // kv_heads),
-                          i32(block_size), f32(scale), shmem=paged_mma_shared_bytes(head_dim))
+                          i32(block_size), f32(scale), shmem=paged_mma_shared_bytes(head_dim, bool(f8)))
     elif method == "grouped":
         ctx.device.launch("attention", f"paged_attention_gqa{heads // kv_heads}_{t}", (n, kv_heads, splits), 128,
                           part_acc.ptr, part_ml.ptr, *common, i32(kv_heads), i32(head_dim), i32(block_size),
                           f32(scale))
     else:
-        ctx.device.launch("attention", f"paged_attention_{t}", (n, heads, splits), 128, part_acc.ptr, part_ml.ptr,
+        ctx.device.launch("attention", f"paged_attention{f8}_{t}", (n, heads, splits), 128, part_acc.ptr, part_ml.ptr,
                           *common, i32(heads), i32(kv_heads), i32(head_dim), i32(block_size), f32(scale))
     ctx.device.launch("attention", f"attention_combine_{t}", (n, heads), 128, out.ptr, part_acc.ptr, part_ml.ptr,
                       i32(splits), gate.ptr, i64(gate_stride), i32(gate_head_stride), i32(n), i32(heads),

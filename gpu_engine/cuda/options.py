@@ -52,6 +52,9 @@ class CudaOptions:
     # The checkpoint's MTP head drafts for speculative="auto" requests too (DOCPIPE_CUDA_MTP_AUTO=1), not only for
     # speculative="mtp" ones: auto's prompt lookup and its backoff otherwise. Opt-in until checked on a GPU (#16).
     mtp_in_auto: bool = False
+    # The full-attention layers' KV cache: "auto" (the compute dtype) or "fp8_e4m3" (e4m3 bytes with a float32 scale
+    # per token and kv head, kv_fp8.py; gpu_engine.load's kv_cache_dtype). Opt-in until checked on a GPU.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +65,9 @@ class CudaOptions:
 
         if self.vision_flash is not None and self.vision_flash not in VARIANTS:
             raise ShapeError(f"DOCPIPE_CUDA_VISION_FLASH must be one of {sorted(VARIANTS)}, got {self.vision_flash!r}")
+        from ..reference.fp8_kv import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.rollback not in ("recompute", "window"):
             raise ShapeError(f"CudaOptions.rollback must be 'recompute' or 'window', got {self.rollback!r}")
         for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id", "verify_window_tokens"):

@@ -29,8 +29,10 @@ FLASH_MIN_CHUNK = 32  # steps whose longest chunk has this many tokens use the t
 class AttentionCache:
     """A full-attention layer's share of the runner's cache: its paged keys and values."""
 
-    k: DArray  # [blocks, block_size, kv_heads, head_dim]
+    k: DArray  # [blocks, block_size, kv_heads, head_dim]: the compute dtype, or u8 e4m3 bytes (FP8 cache, kv_fp8.py)
     v: DArray
+    k_scale: DArray | None = None  # FP8 cache only: f32 [blocks, block_size, kv_heads], one scale per token and head
+    v_scale: DArray | None = None
 
 
 @dataclass
@@ -145,19 +147,21 @@ class CudaTextModel:
         w.qkv(ctx, proj, a.h, n, xq=hq)
         q = ctx.empty((n, nh * hd), t, "q")
         ops.qk_norm_rope_store(ctx, q, cache.k, cache.v, proj, width, w.q_norm, w.k_norm, m.pos, self.rope_inv,
-                               self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps)
+                               self.rope_axis, m.kv_slots, nh, kvh, hd, cfg.rotary_dim, cfg.rms_norm_eps,
+                               k_scale=cache.k_scale, v_scale=cache.v_scale)
         out = ctx.empty((n, nh * hd), t, "attn")
         args = (out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m.tables, m.tok_seq, m.tok_pos)
+        ks, vs = cache.k_scale, cache.v_scale  # FP8 cache only (kv_fp8.py)
         rows, seqs, pos, tiles_apart = m.dec_rows, m.dec_seq, m.dec_pos, m.tiles_apart
         if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
             if self.decode_rows_apart and rows is not None and seqs is not None and pos is not None \
                     and tiles_apart is not None:
-                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5)
+                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
                 self._decode_rows(out, q, proj, cache, m.tables, rows, seqs, pos, block_size)
             else:
-                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5)
+                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
         else:  # decode steps, short chunks, fp32 runs
-            ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5)
+            ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
         w.o_proj(ctx, a.d, out, n)
 
     def _decode_rows(self, out: DArray, q: DArray, proj: DArray, cache: AttentionCache, tables: DArray,
@@ -173,7 +177,8 @@ class CudaTextModel:
         ops.embed_gather(ctx, pd, proj, rows)
         od = ctx.empty((d, nh * hd), t, "attn-decode-rows")
         ops.paged_attention(ctx, od, qd, nh * hd, pd.at(hd), width, 2 * hd, cache.k, cache.v, tables, seqs, pos, nh,
-                            kvh, hd, block_size, hd ** -0.5)
+                            kvh, hd, block_size, hd ** -0.5, k_scale=cache.k_scale,
+                            v_scale=cache.v_scale)
         ops.scatter_rows(ctx, out, od, rows)
 
     def _deltanet(self, w: DeltaNetWeights, a: Activations, m: StepTables[DArray], n: int, longest_chunk: int,

@@ -10,7 +10,6 @@ import gpu_engine
 from gpu_engine.engine import Engine
 from gpu_engine.engine_config import EngineConfig
 from gpu_engine.fp8 import E4M3_MAX
-from gpu_engine.model import RunnerUnavailableError
 from gpu_engine.params import SamplingParams
 from gpu_engine.reference.fp8_kv import Fp8KvArray, dequantize_kv, kv_array, quantize_kv
 from gpu_engine.tiny import make_tiny_checkpoint
@@ -77,9 +76,12 @@ def test_an_unknown_kv_cache_dtype_is_refused_by_name(value, tmp_path):
         gpu_engine.load(tmp_path / "no-such-checkpoint", kv_cache_dtype=value)
 
 
-def test_the_cuda_runner_refuses_fp8_kv_before_reading_files(tmp_path):
-    with pytest.raises(RunnerUnavailableError, match="kv_cache_dtype='fp8_e4m3'.*runner='reference'"):
-        gpu_engine.load(tmp_path / "no-such-checkpoint", runner="cuda", kv_cache_dtype="fp8_e4m3")
+def test_the_cuda_runner_takes_the_same_kv_cache_dtypes_by_name():
+    from gpu_engine.cuda.options import CudaOptions  # its FP8 cache: tests/cuda_runner/test_kv_fp8.py
+
+    assert CudaOptions(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CudaOptions(kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")

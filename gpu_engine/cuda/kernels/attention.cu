@@ -13,10 +13,15 @@
 // attention_combine: merges the splits and multiplies by sigmoid(gate) (Qwen3.5's attention output gate), read
 //   in place from the fused q|gate projection (gate_stride per token, gate_head_stride per head).
 // Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
+// FP8 KV cache (fp8_kv.cuh, opt-in): the *_fp8 entries take e4m3 caches with float32 scales k_scale, v_scale
+//   [num_blocks, block_size, kv_heads]; qk_norm_rope_store_fp8 quantises K and V as it writes them, the per-head
+//   kernel widens bytes as it reads them and paged_attention_mma_fp8 dequantises each staged tile into bf16 in
+//   shared memory (the grouped kernel has no FP8 form: the host refuses it).
 // Not tiled: prefill cost is one pass over the keys per query row. bf16 prefill steps whose longest chunk has 32+
 // tokens use the tiled tensor-core kernel instead (flash_prefill.cu); this one serves decode, short chunks and fp32.
 #include "common.cuh"
 #include "tensor_core.cuh"
+#include "fp8_kv.cuh"
 
 #define MAX_PER_LANE 8
 #define ATT_WARPS 4
@@ -36,9 +41,14 @@ __device__ void kv_store_impl(T* k_cache, T* v_cache, const T* k, long long k_st
     }
 }
 
-template <typename T>
+// a cached element as float: the compute dtype as stored, or e4m3 times its row's scale
+template <typename T> __device__ __forceinline__ float kv_at(const T* c, long long i, float) { return to_f(c[i]); }
+__device__ __forceinline__ float kv_at(const unsigned char* c, long long i, float s) { return e4m3_to_f(c[i]) * s; }
+
+template <typename T, typename C>
 __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q, long long q_stride,
-                                     const T* k_cache, const T* v_cache, const int* block_tables,
+                                     const C* k_cache, const C* v_cache, const float* k_scale,
+                                     const float* v_scale, const int* block_tables,
                                      int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
                                      int heads, int kv_heads, int head_dim, int block_size, float scale) {
     pdl_entry();
@@ -67,17 +77,20 @@ __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q
     // Each warp takes KEY_GROUP consecutive keys per step: their loads are independent, so they are in flight
     // together (decode is latency-bound: one key per step left the memory system idle between keys).
     for (int base = lo + warp * KEY_GROUP; base < hi; base += ATT_WARPS * KEY_GROUP) {
-        float s[KEY_GROUP];
+        float s[KEY_GROUP], vs[KEY_GROUP];
         long long off[KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) {
             const int p = min(base + g, hi - 1);  // clamp: rows past hi are loaded but masked below
             const long long slot = (long long)table[p / block_size] * block_size + p % block_size;
             off[g] = slot * row_width + (long long)kvh * head_dim;
+            const long long row = slot * kv_heads + kvh;  // scale index (FP8 caches only)
+            const float ks = k_scale != nullptr ? k_scale[row] : 1.0f;
+            vs[g] = v_scale != nullptr ? v_scale[row] : 1.0f;
             float dot = 0.0f;
 #pragma unroll
             for (int e = 0; e < MAX_PER_LANE; ++e)
-                if (lane + 32 * e < head_dim) dot += qv[e] * to_f(k_cache[off[g] + lane + 32 * e]);
+                if (lane + 32 * e < head_dim) dot += qv[e] * kv_at(k_cache, off[g] + lane + 32 * e, ks);
             s[g] = dot;
         }
         float m_new = m;
@@ -96,7 +109,7 @@ __device__ void paged_attention_impl(float* part_acc, float* part_ml, const T* q
             l += pw;
 #pragma unroll
             for (int e = 0; e < MAX_PER_LANE; ++e)
-                if (lane + 32 * e < head_dim) acc[e] += pw * to_f(v_cache[off[g] + lane + 32 * e]);
+                if (lane + 32 * e < head_dim) acc[e] += pw * kv_at(v_cache, off[g] + lane + 32 * e, vs[g]);
         }
         m = m_new;
     }
@@ -305,21 +318,29 @@ __device__ void paged_attention_gqa_impl(float* part_acc, float* part_ml, const 
 #define PM_STAGES 3            // stages in flight: 2 tiles load while one is used
 #define PM_PAD 8               // bf16 elements of padding per shared row (16 bytes: ldmatrix rows hit 8 bank groups)
 
-template <int HD> struct PagedMmaShape {
+// FP8: the PM_STAGES stages hold the raw e4m3 rows (row stride HD + 16 bytes) and their scales; the stage in use
+// is dequantised into one bf16 K and V tile, which the mma code reads as it reads a bf16 stage.
+template <int HD, bool FP8 = false> struct PagedMmaShape {
     static constexpr int LD = HD + PM_PAD;
-    static constexpr int KV_TILE = PM_BN * LD;                             // elements of one K (or V) stage
-    static constexpr int PIPE_BYTES = PM_STAGES * 2 * KV_TILE * 2;
+    static constexpr int KV_TILE = PM_BN * LD;                             // elements of one bf16 K (or V) tile
+    static constexpr int TILES = FP8 ? 1 : PM_STAGES;                      // bf16 tiles (stages for bf16)
+    static constexpr int LDB = HD + 16;                                    // raw fp8 row stride, bytes
+    static constexpr int RAW_OFFSET = TILES * 2 * KV_TILE * 2;             // bytes: raw stages after the tiles
+    static constexpr int RAW_TILE = PM_BN * LDB;                           // bytes of one raw K (or V) stage
+    static constexpr int SCALE_OFFSET = RAW_OFFSET + PM_STAGES * 2 * RAW_TILE;  // [stage][K, V][PM_BN] float
+    static constexpr int PIPE_BYTES = FP8 ? SCALE_OFFSET + PM_STAGES * 2 * PM_BN * 4 : RAW_OFFSET;
     static constexpr int MERGE_BYTES = PM_WARPS * 8 * (HD + 2) * 4;        // reuses the pipeline after the loop
     static constexpr int P_OFFSET = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int SMEM_BYTES = P_OFFSET + PM_WARPS * 16 * 8 * 2;  // + P^T [16 keys][8 heads] per warp
-};  // SMEM_BYTES must equal ops.paged_mma_shared_bytes(HD)
+};  // SMEM_BYTES must equal ops.paged_mma_shared_bytes(HD, fp8)
 
-template <int HD>
+template <int HD, bool FP8, typename C>
 __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const bf16_t* q, long long q_stride,
-                                         const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,
+                                         const C* k_cache, const C* v_cache, const float* k_scale,
+                                         const float* v_scale, const int* block_tables,
                                          int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
                                          int kv_heads, int group, int block_size, float scale) {
-    using S = PagedMmaShape<HD>;
+    using S = PagedMmaShape<HD, FP8>;
     constexpr int LD = S::LD, KSTEPS = HD / 16, MT_O = HD / 16, THREADS = PM_WARPS * 32;
     constexpr int CHUNKS_PER_ROW = HD / 8, ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
     static_assert(THREADS % CHUNKS_PER_ROW == 0 && PM_BN % ROWS_PER_PASS == 0, "copy layout");
@@ -349,14 +370,50 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         }
     }
 
-    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + PM_STAGES * S::KV_TILE * 2;
+    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + S::TILES * S::KV_TILE * 2;
     const unsigned ps_base = smem_addr(smem) + S::P_OFFSET + warp * 16 * 8 * 2;
     const int copy_row0 = threadIdx.x / CHUNKS_PER_ROW, copy_d8 = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-    const bf16_t* k_head = k_cache + (long long)kvh * HD + copy_d8;
-    const bf16_t* v_head = v_cache + (long long)kvh * HD + copy_d8;
+    const bf16_t* k_head = reinterpret_cast<const bf16_t*>(k_cache) + (long long)kvh * HD + copy_d8;
+    const bf16_t* v_head = reinterpret_cast<const bf16_t*>(v_cache) + (long long)kvh * HD + copy_d8;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
+    // FP8: 16-byte chunks of e4m3 rows (HD / 16 a row), and one scale of K (threads 0..63) or V (64..127) a row
+    constexpr int CHUNKS8 = HD / 16, ROWS8 = THREADS / CHUNKS8;
+    static_assert(!FP8 || (THREADS % CHUNKS8 == 0 && PM_BN % ROWS8 == 0 && THREADS == 2 * PM_BN), "fp8 copy");
+    const unsigned raw_base = smem_addr(smem) + S::RAW_OFFSET, sc_base = smem_addr(smem) + S::SCALE_OFFSET;
+    const int r8 = threadIdx.x / CHUNKS8, c8 = (threadIdx.x % CHUNKS8) * 16;
+    auto load_kv8 = [&](int t, int buf) {
+        const int k0 = lo + t * PM_BN;
+        const unsigned char* kb8 = reinterpret_cast<const unsigned char*>(k_cache) + (long long)kvh * HD + c8;
+        const unsigned char* vb8 = reinterpret_cast<const unsigned char*>(v_cache) + (long long)kvh * HD + c8;
+#pragma unroll
+        for (int i = 0; i < PM_BN / ROWS8; ++i) {
+            const int r = r8 + i * ROWS8, kp = k0 + r;
+            const bool valid = kp < hi;
+            long long slot = 0;
+            if (valid) {
+                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+                slot = (long long)table[blk] * block_size + (kp - blk * block_size);
+            }
+            const unsigned so = (unsigned)(buf * S::RAW_TILE + r * S::LDB + c8);
+            cp_async16(raw_base + so, kb8 + slot * row_width, valid ? 16 : 0);
+            cp_async16(raw_base + PM_STAGES * S::RAW_TILE + so, vb8 + slot * row_width, valid ? 16 : 0);
+        }
+        const int r = threadIdx.x % PM_BN, kp = k0 + r;  // threads 0..63: K scales, 64..127: V scales
+        const bool valid = kp < hi;
+        long long row = 0;
+        if (valid) {
+            const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+            row = ((long long)table[blk] * block_size + (kp - blk * block_size)) * kv_heads + kvh;
+        }
+        const float* src = threadIdx.x < PM_BN ? k_scale : v_scale;
+        cp_async4(sc_base + (unsigned)(((buf * 2 + threadIdx.x / PM_BN) * PM_BN + r) * 4), src + row, valid ? 4 : 0);
+    };
     auto load_kv = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
+        if constexpr (FP8) {
+            load_kv8(t, buf);
+            return;
+        }
         const int k0 = lo + t * PM_BN;
 #pragma unroll
         for (int i = 0; i < PM_BN / ROWS_PER_PASS; ++i) {
@@ -395,7 +452,17 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         __syncthreads();                 // ... for every thread, and stage (t - 1) % STAGES is free again
         if (t + PM_STAGES - 1 < n_tiles) load_kv(t + PM_STAGES - 1, (t + PM_STAGES - 1) % PM_STAGES);
         cp_async_commit();
-        const int buf = t % PM_STAGES;
+        int buf = t % PM_STAGES;
+        if constexpr (FP8) {  // stage buf -> the one bf16 K and V tile (free: every warp passed the barrier above)
+            const unsigned char* raw = reinterpret_cast<const unsigned char*>(smem) + S::RAW_OFFSET;
+            const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(smem)
+                                                             + S::SCALE_OFFSET) + buf * 2 * PM_BN;
+            dequant_tile<HD, PM_BN, S::LDB, LD, THREADS>(smem, raw + buf * S::RAW_TILE, sc);
+            dequant_tile<HD, PM_BN, S::LDB, LD, THREADS>(smem + S::KV_TILE,
+                                                         raw + (PM_STAGES + buf) * S::RAW_TILE, sc + PM_BN);
+            __syncthreads();
+            buf = 0;
+        }
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // two chains of mma
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -525,14 +592,18 @@ __device__ void attention_combine_impl(T* out, const float* part_acc, const floa
 //   proj rows hold [q_0 gate_0 q_1 gate_1 ... | k_0 .. k_{KV-1} | v_0 .. v_{KV-1}] (head_dim each). One block per
 //   (token, head) with heads + kv_heads heads: zero-centred RMSNorm with q_norm / k_norm, rotate-half rotary on
 //   the first rot_dim dims (tables as in rope.cu), then q -> q_out [n, heads*head_dim], k and v -> their cache
-//   slot. The gate stays in proj, read later by attention_combine.
-template <typename T>
-__device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const T* proj, long long proj_stride,
+//   slot. The gate stays in proj, read later by attention_combine. FP8 caches (C = unsigned char): the k / v row is
+//   rounded to T as the T cache would hold it, then quantised (fp8_kv.cuh) with its scale into k_scale / v_scale.
+template <typename T, typename C>
+__device__ void qk_norm_rope_store_impl(T* q_out, C* k_cache, C* v_cache, float* k_scale, float* v_scale,
+                                        const T* proj, long long proj_stride,
                                         const T* q_norm_w, const T* k_norm_w, const int* pos, int pos_row_stride,
                                         const float* inv_freq, const int* axis, const int* slots, int n, int heads,
                                         int kv_heads, int head_dim, int rot_dim, float eps, float offset) {
     pdl_entry();
+    constexpr bool FP8 = sizeof(C) == 1;
     __shared__ float xs[MAX_PER_LANE * 32], scratch[32];
+    __shared__ float ks_row[FP8 ? MAX_PER_LANE * 32 : 1], vs_row[FP8 ? MAX_PER_LANE * 32 : 1];
     const int tok = blockIdx.x, hh = blockIdx.y;
     if (tok >= n) return;
     const bool is_q = hh < heads;
@@ -562,10 +633,31 @@ __device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const 
         }
         if (is_q) {
             q_out[(long long)tok * heads * head_dim + (long long)hh * head_dim + d] = from_f<T>(y);
+        } else if constexpr (FP8) {
+            ks_row[d] = to_f(from_f<T>(y));
+            vs_row[d] = to_f(src[(long long)kv_heads * head_dim + d]);
         } else {
             const long long dst = (slot * kv_heads + kvh) * head_dim + d;
             k_cache[dst] = from_f<T>(y);
             v_cache[dst] = src[(long long)kv_heads * head_dim + d];  // v sits kv_heads heads after k
+        }
+    }
+    if constexpr (FP8) {
+        if (is_q) return;  // whole block
+        float ka = 0.0f, va = 0.0f;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {  // each thread reads back what it wrote
+            ka = fmaxf(ka, fabsf(ks_row[d]));
+            va = fmaxf(va, fabsf(vs_row[d]));
+        }
+        const float k_s = kv_scale_of(block_max(ka, scratch)), v_s = kv_scale_of(block_max(va, scratch));
+        const long long row = slot * kv_heads + kvh;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            k_cache[row * head_dim + d] = e4m3_from_f(ks_row[d] / k_s);
+            v_cache[row * head_dim + d] = e4m3_from_f(vs_row[d] / v_s);
+        }
+        if (threadIdx.x == 0) {
+            k_scale[row] = k_s;
+            v_scale[row] = v_s;
         }
     }
 }
@@ -580,7 +672,7 @@ __device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const 
         float* part_acc, float* part_ml, const T* q, long long q_stride, const T* k_cache, const T* v_cache,      \
         const int* block_tables, int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,      \
         int heads, int kv_heads, int head_dim, int block_size, float scale) {                                    \
-        paged_attention_impl<T>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,                   \
+        paged_attention_impl<T, T>(part_acc, part_ml, q, q_stride, k_cache, v_cache, nullptr, nullptr, block_tables,                   \
                                 max_blocks_per_seq, token_seq, token_pos, n, heads, kv_heads, head_dim,           \
                                 block_size, scale);                                                              \
     }                                                                                                            \
@@ -594,13 +686,38 @@ __device__ void qk_norm_rope_store_impl(T* q_out, T* k_cache, T* v_cache, const 
         T* q_out, T* k_cache, T* v_cache, const T* proj, long long proj_stride, const T* q_norm_w,               \
         const T* k_norm_w, const int* pos, int pos_row_stride, const float* inv_freq, const int* axis,           \
         const int* slots, int n, int heads, int kv_heads, int head_dim, int rot_dim, float eps, float offset) {  \
-        qk_norm_rope_store_impl<T>(q_out, k_cache, v_cache, proj, proj_stride, q_norm_w, k_norm_w, pos,           \
+        qk_norm_rope_store_impl<T, T>(q_out, k_cache, v_cache, nullptr, nullptr, proj, proj_stride, q_norm_w,     \
+                                      k_norm_w, pos,                                                             \
                                    pos_row_stride, inv_freq, axis, slots, n, heads, kv_heads, head_dim, rot_dim, \
                                    eps, offset);                                                                 \
     }
 DEFINE(bf16, bf16_t)
 DEFINE(f32, float)
 #undef DEFINE
+
+// FP8 KV cache entries (q, gate and outputs in T; caches e4m3 bytes + float32 scales)
+#define DEFINE_FP8(S, T)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_fp8_##S(                         \
+        float* part_acc, float* part_ml, const T* q, long long q_stride, const unsigned char* k_cache,            \
+        const unsigned char* v_cache, const float* k_scale, const float* v_scale, const int* block_tables,       \
+        int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n, int heads, int kv_heads,      \
+        int head_dim, int block_size, float scale) {                                                             \
+        paged_attention_impl<T, unsigned char>(part_acc, part_ml, q, q_stride, k_cache, v_cache, k_scale,         \
+                                               v_scale, block_tables, max_blocks_per_seq, token_seq, token_pos,  \
+                                               n, heads, kv_heads, head_dim, block_size, scale);                 \
+    }                                                                                                            \
+    extern "C" __global__ void qk_norm_rope_store_fp8_##S(                                                        \
+        T* q_out, unsigned char* k_cache, unsigned char* v_cache, float* k_scale, float* v_scale, const T* proj,  \
+        long long proj_stride, const T* q_norm_w, const T* k_norm_w, const int* pos, int pos_row_stride,         \
+        const float* inv_freq, const int* axis, const int* slots, int n, int heads, int kv_heads, int head_dim,   \
+        int rot_dim, float eps, float offset) {                                                                  \
+        qk_norm_rope_store_impl<T, unsigned char>(q_out, k_cache, v_cache, k_scale, v_scale, proj, proj_stride,   \
+                                                  q_norm_w, k_norm_w, pos, pos_row_stride, inv_freq, axis,       \
+                                                  slots, n, heads, kv_heads, head_dim, rot_dim, eps, offset);    \
+    }
+DEFINE_FP8(bf16, bf16_t)
+DEFINE_FP8(f32, float)
+#undef DEFINE_FP8
 
 #define DEFINE_GQA(S, T, G)                                                                                      \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, GQA_MIN_BLOCKS) paged_attention_gqa##G##_##S(                    \
@@ -623,9 +740,19 @@ DEFINE_GQA_ALL(f32, float)
         float* part_acc, float* part_ml, const bf16_t* q, long long q_stride, const bf16_t* k_cache,              \
         const bf16_t* v_cache, const int* block_tables, int max_blocks_per_seq, const int* token_seq,             \
         const int* token_pos, int n, int kv_heads, int group, int block_size, float scale) {                     \
-        paged_attention_mma_impl<HD>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,              \
-                                     max_blocks_per_seq, token_seq, token_pos, n, kv_heads, group, block_size,   \
-                                     scale);                                                                     \
+        paged_attention_mma_impl<HD, false, bf16_t>(part_acc, part_ml, q, q_stride, k_cache, v_cache, nullptr,  \
+                                                    nullptr, block_tables, max_blocks_per_seq, token_seq,        \
+                                                    token_pos, n, kv_heads, group, block_size, scale);           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(PM_WARPS * 32, 1) paged_attention_mma_fp8_bf16_hd##HD(            \
+        float* part_acc, float* part_ml, const bf16_t* q, long long q_stride, const unsigned char* k_cache,       \
+        const unsigned char* v_cache, const float* k_scale, const float* v_scale, const int* block_tables,       \
+        int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n, int kv_heads, int group,      \
+        int block_size, float scale) {                                                                           \
+        paged_attention_mma_impl<HD, true, unsigned char>(part_acc, part_ml, q, q_stride, k_cache, v_cache,      \
+                                                          k_scale, v_scale, block_tables, max_blocks_per_seq,    \
+                                                          token_seq, token_pos, n, kv_heads, group, block_size,  \
+                                                          scale);                                                \
     }
 DEFINE_MMA(64)
 DEFINE_MMA(128)

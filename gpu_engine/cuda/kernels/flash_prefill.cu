@@ -18,37 +18,48 @@
 // Online softmax in the exp2 domain (scores * scale * log2 e), fp32 running max and sum per row; P is rounded to
 // bf16 for the PV product. Output = softmax(q k^T * scale) v * sigmoid(gate), like paged_attention + combine.
 // mma.sync m16n8k16 / ldmatrix fragment layouts follow the PTX ISA (groupID g = lane / 4, tig = lane % 4).
+//
+// FP8 KV cache (flash_prefill_fp8_*, fp8_kv.cuh): the two buffers hold raw e4m3 rows and their scales (every key of
+// the sequence, earlier chunks' included, comes from the paged cache); the buffer in use is dequantised into one
+// bf16 K and V tile, bf16(e4m3 * scale), which the mma code reads as it reads a bf16 buffer.
 #include "common.cuh"
 #include "tensor_core.cuh"
+#include "fp8_kv.cuh"
 
 #define FP_ROWS 64     // query rows per tile (4 warps x 16); ops.FLASH_TILE must match
 #define FP_THREADS 128
 #define FP_PAD 8       // bf16 elements of padding per shared-memory row (16 bytes)
 
-template <int HD> struct FlashShape {
+template <int HD, bool FP8 = false> struct FlashShape {
     static constexpr int BN = HD >= 256 ? 32 : 64;    // keys per step
     static constexpr bool Q_IN_REGS = HD <= 128;
     static constexpr int LD = HD + FP_PAD;             // shared row stride, elements
     static constexpr int KV_TILE = BN * LD;            // elements of one K (or V) buffer
-    // K[2] + V[2] (+ Q): must equal ops.flash_shared_bytes(HD)
-    static constexpr int SMEM_BYTES = 2 * (4 * KV_TILE + (Q_IN_REGS ? 0 : FP_ROWS * LD));
+    static constexpr int TILES = FP8 ? 1 : 2;          // bf16 K / V buffers
+    static constexpr int LDB = HD + 16;                // FP8: raw row stride, bytes
+    static constexpr int RAW_TILE = BN * LDB;          // FP8: bytes of one raw K (or V) buffer
+    static constexpr int RAW_OFFSET = 2 * (2 * TILES * KV_TILE + (Q_IN_REGS ? 0 : FP_ROWS * LD));  // bytes
+    static constexpr int SCALE_OFFSET = RAW_OFFSET + 4 * RAW_TILE;  // [buffer][K, V][BN] float
+    // K[2] + V[2] (+ Q), FP8: K + V (+ Q) + raw K[2] + V[2] + scales: must equal ops.flash_shared_bytes(HD, fp8)
+    static constexpr int SMEM_BYTES = FP8 ? SCALE_OFFSET + 2 * 2 * BN * 4 : RAW_OFFSET;
 };
 
-template <int HD>
+template <int HD, bool FP8, typename C>
 __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate,
-                                   long long gate_stride, int gate_head_stride, const bf16_t* k_cache,
-                                   const bf16_t* v_cache, const int* block_tables, int max_blocks_per_seq,
+                                   long long gate_stride, int gate_head_stride, const C* k_cache,
+                                   const C* v_cache, const float* k_scale, const float* v_scale,
+                                   const int* block_tables, int max_blocks_per_seq,
                                    const int* token_seq, const int* token_pos, const int* tiles, int heads,
                                    int kv_heads, int block_size, float scale) {
-    using S = FlashShape<HD>;
+    using S = FlashShape<HD, FP8>;
     constexpr int BN = S::BN, LD = S::LD, KSTEPS = HD / 16, NT_S = BN / 8, NT_O = HD / 8;
     constexpr int CHUNKS_PER_ROW = HD / 8;                       // 16-byte chunks in a head row
     constexpr int ROWS_PER_PASS = FP_THREADS / CHUNKS_PER_ROW;   // rows one pass of the block copies
     static_assert(FP_THREADS % CHUNKS_PER_ROW == 0 && BN % ROWS_PER_PASS == 0, "copy layout");
     extern __shared__ __align__(16) bf16_t smem[];
-    bf16_t* Ks = smem;                    // [2][BN][LD]
-    bf16_t* Vs = smem + 2 * S::KV_TILE;   // [2][BN][LD]
-    bf16_t* Qs = smem + 4 * S::KV_TILE;   // [FP_ROWS][LD] when !Q_IN_REGS
+    bf16_t* Ks = smem;                                // [TILES][BN][LD]
+    bf16_t* Vs = smem + S::TILES * S::KV_TILE;        // [TILES][BN][LD]
+    bf16_t* Qs = smem + 2 * S::TILES * S::KV_TILE;    // [FP_ROWS][LD] when !Q_IN_REGS
 
     pdl_entry();
     if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)S::SMEM_BYTES) __trap();  // host/kernel mismatch
@@ -71,12 +82,49 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
 
     // ---- async copy of key tile kt.. into buffer `buf` (K and V rows of the same slots)
     const int copy_row0 = threadIdx.x / CHUNKS_PER_ROW, copy_d8 = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-    const bf16_t* k_head = k_cache + (long long)kvh * HD + copy_d8;
-    const bf16_t* v_head = v_cache + (long long)kvh * HD + copy_d8;
+    const bf16_t* k_head = reinterpret_cast<const bf16_t*>(k_cache) + (long long)kvh * HD + copy_d8;
+    const bf16_t* v_head = reinterpret_cast<const bf16_t*>(v_cache) + (long long)kvh * HD + copy_d8;
     const unsigned ks_base = smem_addr(Ks), vs_base = smem_addr(Vs);
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;   // the usual case: shift, not divide
     const int bs_shift = __ffs(block_size) - 1;
+    // FP8: 16-byte chunks of e4m3 rows, and one scale of K (threads 0..BN-1) or V (BN..2BN-1) a row
+    constexpr int CHUNKS8 = HD / 16, ROWS8 = FP_THREADS / CHUNKS8;
+    static_assert(!FP8 || (FP_THREADS % CHUNKS8 == 0 && BN % ROWS8 == 0 && 2 * BN <= FP_THREADS), "fp8 copy");
+    const unsigned raw_base = smem_addr(smem) + S::RAW_OFFSET, sc_base = smem_addr(smem) + S::SCALE_OFFSET;
+    const int r8 = threadIdx.x / CHUNKS8, c8 = (threadIdx.x % CHUNKS8) * 16;
+    auto load_kv8 = [&](int kt, int buf) {
+        const unsigned char* kb8 = reinterpret_cast<const unsigned char*>(k_cache) + (long long)kvh * HD + c8;
+        const unsigned char* vb8 = reinterpret_cast<const unsigned char*>(v_cache) + (long long)kvh * HD + c8;
+#pragma unroll
+        for (int i = 0; i < BN / ROWS8; ++i) {
+            const int r = r8 + i * ROWS8, kp = kt + r;
+            const bool valid = kp <= p_last;
+            long long slot = 0;
+            if (valid) {
+                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+                slot = (long long)table[blk] * block_size + (kp - blk * block_size);
+            }
+            const unsigned so = (unsigned)(buf * S::RAW_TILE + r * S::LDB + c8);
+            cp_async16(raw_base + so, kb8 + slot * row_width, valid ? 16 : 0);
+            cp_async16(raw_base + 2 * S::RAW_TILE + so, vb8 + slot * row_width, valid ? 16 : 0);
+        }
+        if (threadIdx.x < 2 * BN) {
+            const int r = threadIdx.x % BN, kp = kt + r;
+            const bool valid = kp <= p_last;
+            long long row = 0;
+            if (valid) {
+                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
+                row = ((long long)table[blk] * block_size + (kp - blk * block_size)) * kv_heads + kvh;
+            }
+            const float* src = threadIdx.x < BN ? k_scale : v_scale;
+            cp_async4(sc_base + (unsigned)(((buf * 2 + threadIdx.x / BN) * BN + r) * 4), src + row, valid ? 4 : 0);
+        }
+    };
     auto load_kv = [&](int kt, int buf) {
+        if constexpr (FP8) {
+            load_kv8(kt, buf);
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < BN / ROWS_PER_PASS; ++i) {
             const int r = copy_row0 + i * ROWS_PER_PASS, kp = kt + r;
@@ -139,7 +187,16 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
             cp_async_wait<0>();
         }
         __syncthreads();
-        const unsigned kb = ks_base + (unsigned)(buf * S::KV_TILE * 2), vb = vs_base + (unsigned)(buf * S::KV_TILE * 2);
+        if constexpr (FP8) {  // raw buffer buf -> the bf16 K and V tile (free since the previous iteration's barrier)
+            const unsigned char* raw = reinterpret_cast<const unsigned char*>(smem) + S::RAW_OFFSET;
+            const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(smem)
+                                                             + S::SCALE_OFFSET) + buf * 2 * BN;
+            dequant_tile<HD, BN, S::LDB, LD, FP_THREADS>(Ks, raw + buf * S::RAW_TILE, sc);
+            dequant_tile<HD, BN, S::LDB, LD, FP_THREADS>(Vs, raw + (2 + buf) * S::RAW_TILE, sc + BN);
+            __syncthreads();
+        }
+        const int tb = FP8 ? 0 : buf;
+        const unsigned kb = ks_base + (unsigned)(tb * S::KV_TILE * 2), vb = vs_base + (unsigned)(tb * S::KV_TILE * 2);
 
         // ---- scores: 16 rows x BN keys
         float s[NT_S][4];
@@ -217,9 +274,19 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
         int gate_head_stride, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,              \
         int max_blocks_per_seq, const int* token_seq, const int* token_pos, const int* tiles, int heads,          \
         int kv_heads, int block_size, float scale) {                                                              \
-        flash_prefill_impl<HD>(out, q, q_stride, gate, gate_stride, gate_head_stride, k_cache, v_cache,           \
-                               block_tables, max_blocks_per_seq, token_seq, token_pos, tiles, heads, kv_heads,    \
-                               block_size, scale);                                                                \
+        flash_prefill_impl<HD, false, bf16_t>(out, q, q_stride, gate, gate_stride, gate_head_stride, k_cache,     \
+                                              v_cache, nullptr, nullptr, block_tables, max_blocks_per_seq,        \
+                                              token_seq, token_pos, tiles, heads, kv_heads, block_size, scale);   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FP_THREADS, 2) flash_prefill_fp8_bf16_hd##HD(                    \
+        bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate, long long gate_stride,              \
+        int gate_head_stride, const unsigned char* k_cache, const unsigned char* v_cache, const float* k_scale,   \
+        const float* v_scale, const int* block_tables, int max_blocks_per_seq, const int* token_seq,             \
+        const int* token_pos, const int* tiles, int heads, int kv_heads, int block_size, float scale) {           \
+        flash_prefill_impl<HD, true, unsigned char>(out, q, q_stride, gate, gate_stride, gate_head_stride,        \
+                                                    k_cache, v_cache, k_scale, v_scale, block_tables,             \
+                                                    max_blocks_per_seq, token_seq, token_pos, tiles, heads,       \
+                                                    kv_heads, block_size, scale);                                 \
     }
 DEFINE(64)
 DEFINE(128)
