@@ -40,6 +40,7 @@ from ..runner_rules import (
     allocated,
     check_cache_spec,
     check_state_slots,
+    kv_bytes_per_block,
     row_offsets,
     state_bytes_per_slot,
 )
@@ -57,8 +58,6 @@ from .decode_graphs import (
     table_width_bucket,
 )
 from .embeddings import BlockPool, DeviceEmbeddings
-from .kv_fp8 import allocate_layer
-from .kv_fp8 import kv_bytes_per_block as attention_kv_bytes_per_block
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .mtp import (
     CudaMtpHead,
@@ -109,6 +108,11 @@ class CudaRunner:
     supports_verify = True
     verify_rows: int | None = None
     verify_memory_fraction = 0.5
+    # The checkpoint's MTP head (runner_api: mtp_head, mtp_draft; mtp.py), set up by __init__ when it has one.
+    mtp: CudaMtpHead | None = None
+    mtp_head = False
+    mtp_in_auto = False  # CudaOptions.mtp_in_auto: `auto` requests draft with the head too
+    _keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
         o = self.options = options or CudaOptions()
@@ -130,10 +134,9 @@ class CudaRunner:
             self.mtp = CudaMtpHead(self.ctx, self.cfg, upload_mtp_weights(self.ctx, self.cfg, weights, o.dtype),
                                    self.model, o.dtype)
         self.mtp_head = self.mtp is not None
-        self.mtp_in_auto = self.mtp_head and o.mtp_in_auto  # the speculator's `auto` drafts with it (opt-in)
+        self.mtp_in_auto = self.mtp_head and o.mtp_in_auto
         self.mtp_cache: MtpCache | None = None
         self.kept = KeptRows()
-        self._keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
         cfg = self.cfg
         # The vision tower and its encoder-cache region come before the cache mark: they outlive cache changes.
         # A checkpoint whose tower cannot feed its decoder still runs text; encode_vision then says why.
@@ -177,7 +180,7 @@ class CudaRunner:
         return self._trunk_kv_bytes_per_block(size) + mtp  # the MTP head's layer stays in the compute dtype
 
     def _trunk_kv_bytes_per_block(self, size: int) -> int:
-        return attention_kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype], self.options.kv_cache_dtype)
+        return kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype])
 
     def state_bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.cfg, ITEMSIZE[self.dtype], ITEMSIZE["f32"])  # the recurrent state is f32
@@ -233,15 +236,14 @@ class CudaRunner:
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 shape = (blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
-                self.cache.attention[i] = AttentionCache(*allocate_layer(ctx, self.options.kv_cache_dtype, shape,
-                                                                         self.dtype, i))
+                self.cache.attention[i] = AttentionCache(ctx.empty(shape, self.dtype, f"k{i}"),
+                                                         ctx.empty(shape, self.dtype, f"v{i}"))
             else:
                 conv = ctx.empty((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype, f"conv{i}")
                 state = ctx.empty((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                                    cfg.linear_key_head_dim), "f32", f"state{i}")
                 self.cache.deltanet[i] = DeltaNetCache(conv, state)
-        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v, a.k_scale, a.v_scale)
-                  if arr is not None]
+        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v)]
         arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
         for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
             ctx.device.memset(arr.ptr, 0, arr.nbytes)
@@ -291,12 +293,10 @@ class CudaRunner:
                 group.append(i)
         return out
 
-    def _keep_hidden(self, host: HostStep, hidden: DArray) -> None:
-        """The final-norm rows of the step's keep_hidden chunks, from `hidden` (the step's a.h, all its rows), into
-        the book; a chunk's rows are the last ones of its run chunk (re-fed tokens run in front of it)."""
-        batch = self._keeping
-        if batch is None:
-            return
+    def _keep_hidden(self, batch: StepBatch, host: HostStep, hidden: DArray) -> None:
+        """The final-norm rows of the keep_hidden chunks of `batch` (as the engine sent it), from `hidden` (the
+        step's a.h, all its rows), into the book; a chunk's rows are the last ones of its run chunk (re-fed tokens
+        run in front of it)."""
         ends = host.tables.cu[1:len(batch.chunks) + 1].astype(np.int64)
         keep = [i for i, c in enumerate(batch.chunks) if c.keep_hidden]
         raw = np.empty((int(ends[keep].max()), self.cfg.hidden_size), np.uint16 if self.dtype == "bf16"
@@ -368,8 +368,9 @@ class CudaRunner:
         run = plan.batch if plan is not None else batch
         offsets = row_offsets(batch.chunks)
         self._copy_states(plan)
-        self.kept.begin_step()  # kept rows live until the next forward (runner_api.MtpDraftRequest)
-        self._keeping = batch if self.mtp is not None and any(c.keep_hidden for c in batch.chunks) else None
+        if self.mtp is not None:
+            self.kept.begin_step()  # kept rows live until the next forward (runner_api.MtpDraftRequest)
+            self._keeping = batch if any(c.keep_hidden for c in batch.chunks) else None
         try:
             if self.use_graphs and _graphable(run):
                 out = self._forward_graphed(run, offsets, plan)
@@ -413,7 +414,8 @@ class CudaRunner:
             return out
         step.load(host, batch)
         step.replay()
-        self._keep_hidden(host, step.bufs.act.h)
+        if self._keeping is not None:
+            self._keep_hidden(self._keeping, host, step.bufs.act.h)
         counts.graphed += 1
         counts.padded += host.padding > 0
         counts.with_runs += max(lens) > 1
@@ -448,7 +450,8 @@ class CudaRunner:
             if batch.sampling is not None and bufs.sampler is not None and host.logit_rows:
                 self.sampler.upload_masks(bufs.sampler, batch.sampling)
             self._run(host, tables, bufs)
-            self._keep_hidden(host, bufs.act.h)
+            if self._keeping is not None:
+                self._keep_hidden(self._keeping, host, bufs.act.h)
             if batch.sampling is not None and bufs.sampler is not None:
                 sampled = self.sampler.results(bufs.sampler, batch.sampling)  # zero rows when no logits rows
                 out_logits = self._no_logits()
