@@ -409,11 +409,7 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         const float* src = threadIdx.x < PM_BN ? k_scale : v_scale;
         cp_async4(sc_base + (unsigned)(((buf * 2 + threadIdx.x / PM_BN) * PM_BN + r) * 4), src + row, valid ? 4 : 0);
     };
-    auto load_kv = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
-        if constexpr (FP8) {
-            load_kv8(t, buf);
-            return;
-        }
+    auto load_kv16 = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
         const int k0 = lo + t * PM_BN;
 #pragma unroll
         for (int i = 0; i < PM_BN / ROWS_PER_PASS; ++i) {
@@ -428,6 +424,10 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
             cp_async16(ks_base + so, k_head + off, valid ? 16 : 0);
             cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
         }
+    };
+    auto load_kv = [&](int t, int buf) {
+        if constexpr (FP8) load_kv8(t, buf);
+        else load_kv16(t, buf);
     };
 
     // per-lane ldmatrix offsets (elements within a stage): K as A (keys lo/hi x dims lo/hi), V^T as A via .trans

@@ -120,11 +120,7 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
             cp_async4(sc_base + (unsigned)(((buf * 2 + threadIdx.x / BN) * BN + r) * 4), src + row, valid ? 4 : 0);
         }
     };
-    auto load_kv = [&](int kt, int buf) {
-        if constexpr (FP8) {
-            load_kv8(kt, buf);
-            return;
-        }
+    auto load_kv16 = [&](int kt, int buf) {
 #pragma unroll
         for (int i = 0; i < BN / ROWS_PER_PASS; ++i) {
             const int r = copy_row0 + i * ROWS_PER_PASS, kp = kt + r;
@@ -138,6 +134,10 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
             cp_async16(ks_base + so, k_head + off, valid ? 16 : 0);
             cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
         }
+    };
+    auto load_kv = [&](int kt, int buf) {
+        if constexpr (FP8) load_kv8(kt, buf);
+        else load_kv16(kt, buf);
     };
 
     // ---- Q: registers (hd <= 128, straight from global) or shared memory (hd 256, with the first K/V tile)
