@@ -10,9 +10,10 @@ Inputs, as the product hands them to the engine (pipeline/extraction.py passes P
 - video: 8 sampled frames of 960x540 (4 s at 2 fps), 4 frame groups; times are given per frame group.
 Processor parameters are Qwen3.5's (patch 16, temporal patch 2, merge 2, the checkpoints' pixel budgets).
 
-Each stage is timed on its own (best of --repeats, process-wide wall time on an otherwise shared machine) with the
-bytes it produces; `total` runs the whole public call. Threads: N threads each preprocess the same number of
-fresh copies at once; `speedup` is items/s over one thread's. `python_share`: how fast a pure-Python counting
+Each stage is timed on its own (best of --repeats, in this thread's CPU time and in wall time) with the bytes it
+produces; `total` runs the whole public call. Threads: N threads each preprocess the same number of
+fresh copies at once (wall time); `speedup` is items/s over one thread's -- meaningful only with N idle cores
+(the JSON keeps cpu_count and loadavg). `python_share`: how fast a pure-Python counting
 thread runs next to one preprocessing thread, over its speed alone -- near 1 when the stages release the GIL
 (numpy, Pillow and hashlib do so on large buffers), near 0.5 when they hold it. `--before FILE` copies the rows of
 an earlier run (e.g. of an older commit) into the output under "before", for a before/after table.
@@ -82,13 +83,16 @@ def video_clip(rng: np.random.Generator, n: int = 8) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------------------------------- timing
 
 
-def best_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    best, out = float("inf"), None
+def best_s(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
+    """Best wall seconds and best CPU seconds of this thread (time.thread_time: what the work costs, unlike wall
+    time hardly changed by other processes on a shared machine) over `repeats` calls, and the last result."""
+    wall, cpu, out = float("inf"), float("inf"), None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        cpu = min(cpu, time.thread_time() - c)
+        wall = min(wall, time.perf_counter() - t)
+    return wall, cpu, out
 
 
 def nbytes(value: Any) -> int:
@@ -114,9 +118,9 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
 def stage_rows(kind: str, stages: list[tuple[str, Callable[[], Any]]], repeats: int, per: int = 1) -> list[dict]:
     rows = []
     for name, fn in stages:
-        seconds, out = best_s(fn, repeats)
-        rows.append({"input": kind, "stage": name, "ms": round(1e3 * seconds / per, 2),
-                     "out_bytes": nbytes(out) // per})
+        wall, cpu, out = best_s(fn, repeats)
+        rows.append({"input": kind, "stage": name, "cpu_ms": round(1e3 * cpu / per, 2),
+                     "wall_ms": round(1e3 * wall / per, 2), "out_bytes": nbytes(out) // per})
     return rows
 
 
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, totals = image_stages(page, jpeg, args.repeats)
     video_rows, video_total = video_stages(frames, args.repeats)
     rows += video_rows
-    print(table(rows, ["input", "stage", "ms", "out_bytes"]), flush=True)
+    print(table(rows, ["input", "stage", "cpu_ms", "wall_ms", "out_bytes"]), flush=True)
 
     memory = [{"input": kind, "pixel_values_bytes": nbytes(fn()), "numpy_peak_bytes": peak_bytes(fn)}
               for kind, fn in (*totals.items(), ("video (whole clip)", video_total))]
