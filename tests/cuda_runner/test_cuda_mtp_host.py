@@ -13,7 +13,7 @@ import pytest
 
 import gpu_engine
 from gpu_engine.cuda.context import DArray
-from gpu_engine.cuda.mtp import DraftPlan, KeptRows, MtpCache, plan_drafts, scratch_blocks_per_request
+from gpu_engine.cuda.mtp import DraftPlan, Kept, KeptRows, MtpCache, plan_drafts, scratch_blocks_per_request
 from gpu_engine.cuda.options import CudaOptions
 from gpu_engine.cuda.text_model import AttentionCache
 from gpu_engine.engine import Engine
@@ -214,3 +214,53 @@ def test_auto_keeps_prompt_lookup_unless_opted_in(folder: Path) -> None:
     assert eng.stats()["mtp_head_runs"] == 0
     generate_all(eng, PROMPTS[:1], speculative="mtp")
     assert eng.stats()["mtp_head_runs"] > 0
+
+
+
+def test_the_runner_keeps_each_chunks_own_rows_and_drafts_in_rounds_of_its_scratch(folder: Path) -> None:
+    """CudaRunner._keep_hidden takes a chunk's rows at the end of its run chunk (re-fed tokens run in front);
+    mtp_draft runs drafting requests past the head's scratch in further rounds and hands each its own drafts."""
+    from types import SimpleNamespace
+
+    from gpu_engine.cuda.runner import CudaRunner
+    from gpu_engine.runner_api import StepBatch
+
+    cfg = gpu_engine.load(folder).config.text
+    h = cfg.hidden_size
+    source = np.arange(7 * h, dtype=np.float32).reshape(7, h)
+    r = CudaRunner.__new__(CudaRunner)
+    r.cfg, r.dtype, r.kept = cfg, "f32", KeptRows()
+    r.ctx = SimpleNamespace(device=SimpleNamespace(  # type: ignore[assignment]
+        download=lambda host, ptr: host.__setitem__(slice(None), source[:host.shape[0]])))
+
+    def chunk(seq: int, n: int, keep: bool) -> SeqChunk:
+        return SeqChunk(seq_id=seq, token_ids=np.arange(n) + 10 * seq, positions=np.zeros((3, n), np.int64),
+                        start=4, block_table=np.arange(4, dtype=np.int32), state_slot=seq, keep_hidden=keep)
+
+    batch = StepBatch([chunk(0, 3, True), chunk(1, 1, False), chunk(2, 1, True)])
+    host = SimpleNamespace(tables=SimpleNamespace(cu=np.array([0, 3, 4, 6, 7], np.int32)))  # 1 re-fed row at 4
+    r._keep_hidden(batch, host, DArray(0, (7, h), "f32"))  # type: ignore[arg-type]
+    assert r.kept.by_seq[0].hidden.tolist() == source[0:3].tolist()
+    assert r.kept.by_seq[2].hidden.tolist() == source[5:6].tolist() and 1 not in r.kept.by_seq
+
+    runs: list[list[int]] = []
+
+    class Head:
+        def run(self, plan: DraftPlan, kv: Any, block_size: int) -> np.ndarray:
+            t = plan.fill.tables
+            seqs = [int(t.ids[t.cu[plan.drafting[p]]]) for p in range(len(plan.drafting))]  # next token = seq id
+            runs.append(seqs)
+            return np.array([[100 * s + j for s in seqs] for j in range(3)], np.int64)
+
+    dummy = DArray(0, (1,), "f32")
+    r.mtp, r.spec = Head(), CacheSpec(8, 4, 4)  # type: ignore[assignment]
+    r.mtp_cache = MtpCache(AttentionCache(dummy, dummy), num_kv_blocks=8, per_request=1, requests=1)
+    r.kept = KeptRows()
+    reqs = []
+    for seq, drafts in ((1, 3), (2, 0), (3, 2), (4, 3)):
+        r.kept.by_seq[seq] = Kept(0, np.zeros((1, h), np.float32), np.array([seq]))
+        reqs.append(MtpDraftRequest(seq_id=seq, start=0, next_tokens=np.array([seq]),
+                                    positions=np.zeros((3, 3), np.int64), block_table=np.array([seq], np.int32),
+                                    num_drafts=drafts))
+    assert r.mtp_draft(reqs) == [[100, 101, 102], [], [300, 301], [400, 401, 402]]
+    assert runs == [[1], [3], [4]]
