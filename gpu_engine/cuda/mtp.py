@@ -213,6 +213,25 @@ def plan_drafts(requests: list[MtpDraftRequest], rows: list[HeadRows], spec: Cac
     return DraftPlan(fill, np.ascontiguousarray(hidden), chain, drafting, [r.num_drafts for r in requests])
 
 
+def draft_in_rounds(head: CudaMtpHead, requests: list[MtpDraftRequest], rows: list[HeadRows], spec: CacheSpec,
+                    cache: MtpCache, cfg: TextConfig, dtype: str) -> list[list[int]]:
+    """Each request's drafts (none for num_drafts 0), the head run over as many requests at once as its scratch
+    holds drafting ones (requests that only fill their KV ride along)."""
+    out: list[list[int]] = [[] for _ in requests]
+    group: list[int] = []
+    for i in range(len(requests) + 1):
+        full = sum(requests[j].num_drafts > 0 for j in group) == cache.requests
+        if group and (i == len(requests) or (full and requests[i].num_drafts > 0)):
+            plan = plan_drafts([requests[j] for j in group], [rows[j] for j in group], spec, cache, cfg, dtype)
+            drafts = head.run(plan, cache.kv, spec.block_size)
+            for p, g in enumerate(plan.drafting):
+                out[group[g]] = drafts[:plan.num_drafts[g], p].tolist()
+            group = []
+        if i < len(requests):
+            group.append(i)
+    return out
+
+
 # ---- device side ----------------------------------------------------------------------------------------------
 class CudaMtpHead:
     """Runs a DraftPlan on the device (everything on the context's stream; one download at the end)."""

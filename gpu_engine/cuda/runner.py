@@ -64,9 +64,9 @@ from .mtp import (
     KeptRows,
     MtpCache,
     allocate_mtp_cache,
+    draft_in_rounds,
     mtp_cache_bytes,
     mtp_kv_bytes_per_block,
-    plan_drafts,
 )
 from .options import CudaOptions, encoder_region_bytes
 from .sampler import DeviceSampler, SamplerBuffers
@@ -278,20 +278,7 @@ class CudaRunner:
         if cache is None:
             raise RuntimeError("allocate_cache() must be called before running the model")
         rows = [self.kept.take(r) for r in requests]
-        out: list[list[int]] = [[] for _ in requests]
-        group: list[int] = []
-        for i in range(len(requests) + 1):
-            full = sum(requests[j].num_drafts > 0 for j in group) == cache.requests
-            if group and (i == len(requests) or (full and requests[i].num_drafts > 0)):
-                plan = plan_drafts([requests[j] for j in group], [rows[j] for j in group], spec, cache, self.cfg,
-                                   self.dtype)
-                drafts = self.mtp.run(plan, cache.kv, spec.block_size)
-                for p, g in enumerate(plan.drafting):
-                    out[group[g]] = drafts[:plan.num_drafts[g], p].tolist()
-                group = []
-            if i < len(requests):
-                group.append(i)
-        return out
+        return draft_in_rounds(self.mtp, requests, rows, spec, cache, self.cfg, self.dtype)
 
     def _keep_hidden(self, batch: StepBatch, host: HostStep, hidden: DArray) -> None:
         """The final-norm rows of the keep_hidden chunks of `batch` (as the engine sent it), from `hidden` (the
