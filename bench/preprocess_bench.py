@@ -11,16 +11,18 @@ Inputs, as the product hands them to the engine (pipeline/extraction.py passes P
 Processor parameters are Qwen3.5's (patch 16, temporal patch 2, merge 2, the checkpoints' pixel budgets).
 
 Each stage is timed on its own (best of --repeats, in this thread's CPU time and in wall time) with the bytes it
-produces; `total` runs the whole public call. Threads: N threads each preprocess the same number of
-fresh copies at once (wall time); `speedup` is items/s over one thread's -- meaningful only with N idle cores
-(the JSON keeps cpu_count and loadavg). `python_share`: how fast a pure-Python counting
-thread runs next to one preprocessing thread, over its speed alone -- near 1 when the stages release the GIL
-(numpy, Pillow and hashlib do so on large buffers), near 0.5 when they hold it. `--before FILE` copies the rows of
+produces; `total` runs the whole public call. Threads: N threads each preprocess the same number of fresh copies at
+once (wall time); `speedup` is items/s over one thread's -- meaningful only with N idle cores (the JSON keeps
+cpu_count and loadavg). `python_share`: how fast a pure-Python counting thread runs next to one preprocessing
+thread, over its speed alone, beside the same measure for a C call known to release the GIL (sha256 of 64 MB) and
+for pure Python (holds it): near the first when the stages release the GIL (numpy, Pillow and hashlib do so on
+large buffers). On a loaded machine both references drop; compare with them. `--before FILE` copies the rows of
 an earlier run (e.g. of an older commit) into the output under "before", for a before/after table.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -124,30 +126,31 @@ def stage_rows(kind: str, stages: list[tuple[str, Callable[[], Any]]], repeats: 
     return rows
 
 
-def image_stages(page: Image.Image, jpeg: bytes, repeats: int) -> tuple[list[dict], dict[str, Callable[[], Any]]]:
+def one_image_stages(kind: str, load: Callable[[], Image.Image], repeats: int) -> list[dict]:
     ip = preprocessing.ImageProcessor.from_dict(IMAGE_CFG)
     p = ip.params
-    rows: list[dict] = []
-    totals: dict[str, Callable[[], Any]] = {}
-    for kind, load in (("page", lambda: page), ("photo", lambda: media_io.load_image(jpeg))):
-        image = load()
-        h, w = ip.target_size(image.height, image.width)
-        resized = preprocessing._resize_rgb(image, h, w)
-        hwc = np.asarray(resized, dtype=np.uint8)[None]
-        grid = (1, h // p.patch_size, w // p.patch_size)
-        stages: list[tuple[str, Callable[[], Any]]] = []
-        if kind == "photo":
-            stages.append(("decode+exif", load))
-        stages += [
-            ("resize", lambda image=image, h=h, w=w: preprocessing._resize_rgb(image, h, w)),
-            ("to_uint8", lambda resized=resized: np.asarray(resized, dtype=np.uint8)),
-            ("normalise+patchify", lambda hwc=hwc: p.patches(hwc, still=True)),
-            ("hash", lambda hwc=hwc, grid=grid: preprocessing.hash_pixels(hwc, grid, p.fingerprint("image"))),
-            ("total", lambda load=load: ip.preprocess(load())),
-        ]
-        rows += stage_rows(kind, stages, repeats)
-        totals[kind] = lambda load=load: ip.preprocess(load())
-    return rows, totals
+    image = load()
+    h, w = ip.target_size(image.height, image.width)
+    resized = preprocessing._resize_rgb(image, h, w)
+    hwc = np.asarray(resized, dtype=np.uint8)[None]
+    grid = (1, h // p.patch_size, w // p.patch_size)
+    stages: list[tuple[str, Callable[[], Any]]] = [("decode+exif", load)] if kind == "photo" else []
+    stages += [
+        ("resize", lambda: preprocessing._resize_rgb(image, h, w)),
+        ("to_uint8", lambda: np.asarray(resized, dtype=np.uint8)),
+        ("normalise+patchify", lambda: p.patches(hwc, still=True)),
+        ("hash", lambda: preprocessing.hash_pixels(hwc, grid, p.fingerprint("image"))),
+        ("total", lambda: ip.preprocess(load())),
+    ]
+    return stage_rows(kind, stages, repeats)
+
+
+def image_stages(page: Image.Image, jpeg: bytes, repeats: int) -> tuple[list[dict], dict[str, Callable[[], Any]]]:
+    """Stage rows of the page and the photo, and each one's whole preprocessing call (load included)."""
+    ip = preprocessing.ImageProcessor.from_dict(IMAGE_CFG)
+    loads: dict[str, Callable[[], Image.Image]] = {"page": lambda: page, "photo": lambda: media_io.load_image(jpeg)}
+    rows = [row for kind, load in loads.items() for row in one_image_stages(kind, load, repeats)]
+    return rows, {"page": lambda: ip.preprocess(page), "photo": lambda: ip.preprocess(media_io.load_image(jpeg))}
 
 
 def video_stages(frames: list[np.ndarray], repeats: int) -> tuple[list[dict], Callable[[], Any]]:
@@ -197,7 +200,7 @@ def python_share(fn: Callable[[], Any], seconds: float = 1.5) -> float:
         out.append(n)
 
     def rate(with_work: bool) -> float:
-        stop, out = threading.Event(), []
+        stop, out = threading.Event(), list[int]()
         counter = threading.Thread(target=count, args=(stop, out))
         busy = threading.Event()
 
@@ -241,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--thread-items", type=int, default=4, help="items per thread in the threads rows")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/preprocess_bench.json")
+    parser.add_argument("--gil-seconds", type=float, default=1.5, help="window of each python_share measure")
     parser.add_argument("--before", type=Path, help="an earlier run's JSON, copied under 'before'")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.thread_items < 1 or min(args.threads) < 1:
-        parser.error("--repeats, --thread-items and --threads must be positive")
+    if args.repeats < 1 or args.thread_items < 1 or min(args.threads) < 1 or args.gil_seconds <= 0:
+        parser.error("--repeats, --thread-items, --threads and --gil-seconds must be positive")
 
     rng = np.random.default_rng(0)
     page, jpeg, frames = a4_page(rng), phone_jpeg(rng), video_clip(rng)
@@ -260,9 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = []
     for kind, fn in (*totals.items(), ("video", video_total)):
         threads += thread_rows(kind, fn, args.threads, args.thread_items)
-    share = {kind: python_share(fn) for kind, fn in (*totals.items(), ("video", video_total))}
+    # References on the same (possibly busy) machine: a C call that releases the GIL (sha256 of 64 MB) and pure
+    # Python that holds it; a stage's share near the first means it releases the GIL.
+    big = np.zeros(64 << 20, np.uint8)
+    references: dict[str, Callable[[], Any]] = {
+        "ref_releases_gil": lambda: hashlib.sha256(big.data).digest(), "ref_holds_gil": lambda: sum(range(200_000))}
+    share = {kind: python_share(fn, args.gil_seconds)
+             for kind, fn in (*totals.items(), ("video", video_total), *references.items())}
     print("\n" + table(threads, ["input", "threads", "items_per_s", "speedup"]), flush=True)
-    print(f"\npython_share (GIL left to other threads, 1 = all): {share}", flush=True)
+    print(f"\npython_share (speed of a pure-Python thread beside it, over alone): {share}", flush=True)
 
     result: dict[str, Any] = {
         "bench": "preprocess_bench", "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
