@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .loader import INDEX_FILE, SINGLE_FILE, SUMS_FILE, checkpoint_name, expected_shapes, sha256_file
+from .mtp_layout import mtp_shapes
 from .tiny_assets import write_processor_configs, write_tokenizer_files
 
 # Qwen3.5-like proportions at toy size: 3 DeltaNet layers then 1 gated full-attention layer, GQA 4:2,
@@ -74,13 +75,15 @@ def make_tiny_checkpoint(
     shards: int = 1,
     text_config: dict[str, Any] | None = None,
     vision_config: dict[str, Any] | None = None,
+    mtp: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny checkpoint into `folder` (created if needed) and return it.
 
     dtype: "float32" or "bfloat16" for the stored weights. shards > 1 writes an index + that many files.
     text_config / vision_config: keys merged over TINY_TEXT / TINY_VISION; other keyword arguments override
-    top-level config.json keys (e.g. tie_word_embeddings=True).
+    top-level config.json keys (e.g. tie_word_embeddings=True). mtp: add a random MTP head (`mtp.*`, the 15 tensors
+    of the published dense checkpoints; transformers ignores them).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -120,6 +123,9 @@ def make_tiny_checkpoint(
 
     model_config = ModelConfig.from_pretrained(folder)
     tensors = random_weights(model_config, seed=seed)
+    if mtp and model_config.text.moe is None:  # gpu_engine/tiny_moe.py writes a MoE head itself
+        rng = np.random.default_rng([seed, 1])  # its own stream: the trunk's weights do not change with mtp=True
+        tensors.update({"mtp." + n: _init(n, shape, rng) for n, shape in sorted(mtp_shapes(model_config.text).items())})
     _write_weights(folder, tensors, dtype=dtype, shards=shards)
     write_sums(folder)
     return folder

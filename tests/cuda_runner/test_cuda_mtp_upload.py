@@ -75,3 +75,22 @@ def test_no_head_part_of_one_or_an_fp8_one_leaves_the_runner_without(tmp_path) -
     fp8["layers.0.mlp.down_proj.weight"] = Fp8Tensor(np.zeros(q.shape, np.uint8), np.ones((1, 1), np.float32),
                                                      (128, 128), "F32")
     assert "FP8" in (mtp_head_problem(config.text, _weights(folder, fp8)[1]) or "")
+
+
+def test_a_tiny_checkpoint_with_a_head_loads_it_and_uploads_its_stored_bits(tmp_path) -> None:
+    """make_tiny_checkpoint(mtp=True) writes the 15 tensors of a dense head under `mtp.`; the loader keeps them,
+    the reference runner drafts with them, and a bf16 upload sends the file's bits."""
+    import gpu_engine
+    from gpu_engine.reference.runner import ReferenceRunner
+
+    folder = make_tiny_checkpoint(tmp_path / "m", seed=2, dtype="bfloat16", mtp=True)
+    loaded = gpu_engine.load(folder)
+    assert isinstance(loaded.runner, ReferenceRunner) and loaded.runner.mtp_head
+    weights = loaded.runner.weights
+    assert len(list(weights.mtp)) == 15 and mtp_head_problem(loaded.config.text, weights) is None
+    ctx = RecordingContext()
+    upload_mtp_weights(ctx, loaded.config.text, weights, "bf16")
+    assert np.array_equal(ctx.sent["mtp.fc"], f32_to_bf16_bits(np.asarray(weights.mtp["fc.weight"], np.float32)))
+    plain = make_tiny_checkpoint(tmp_path / "p", seed=2, dtype="bfloat16")
+    assert np.array_equal(gpu_engine.load(plain).runner.weights.text["embed_tokens.weight"],
+                          weights.text["embed_tokens.weight"])  # the head does not change the trunk's draw
