@@ -2,7 +2,7 @@
 
     python3 -m tests.cuda_runner.check_mtp [--json out.json] [--seed N]
 
-Per tiny random Qwen3.5 checkpoint (check_runner's two configs, random mtp.* weights attached) and dtype (f32,
+Per tiny random Qwen3.5 checkpoint (check_runner's two configs, with a random MTP head: mtp=True) and dtype (f32,
 bf16): (1) drafts — an engine whose runner sends every call to both the CUDA runner and the reference runner (the
 reference gets the bf16-rounded weights in bf16) runs two prompts with speculative="mtp", k = 3; every mtp_draft call's
 CUDA drafts are compared with the reference's for the same requests (same tokens, same KV history). Pass: f32 every
@@ -120,8 +120,6 @@ def engine_for(runner: Any, loaded: Any, folder: Path, k: int) -> Any:
 def run_all(seed: int | None = None) -> tuple[list[MtpResult], dict]:
     import gpu_engine
     from gpu_engine.cuda.device import require_gpu
-    from gpu_engine.loader import ModelWeights
-    from gpu_engine.reference.mtp import random_mtp_weights
     from gpu_engine.reference.runner import ReferenceRunner
     from gpu_engine.tiny import make_tiny_checkpoint
 
@@ -132,10 +130,10 @@ def run_all(seed: int | None = None) -> tuple[list[MtpResult], dict]:
                                 speculative=m) for m in ("off", "mtp", "auto")}
     for cname, text_cfg in CONFIGS.items():
         with tempfile.TemporaryDirectory() as tmp:
-            folder = make_tiny_checkpoint(Path(tmp) / "m", seed=seed % 1000, text_config=text_cfg)
+            # the head as a checkpoint holds it (mtp.* in the safetensors, read by the loader)
+            folder = make_tiny_checkpoint(Path(tmp) / "m", seed=seed % 1000, text_config=text_cfg, mtp=True)
             loaded = gpu_engine.load(folder)
-            w = loaded.runner.weights
-            weights = ModelWeights(w.text, w.vision, w.lm_head, mtp=random_mtp_weights(loaded.config.text, seed=3))
+            weights = loaded.runner.weights
             prompt_ids = prompts(np.random.default_rng(seed), loaded.config.text.vocab_size)
             for dtype in ("f32", "bf16"):
                 plain_runner = cuda_runner(loaded.config, weights, dtype)
@@ -195,7 +193,7 @@ def _with_mtp(rounded: Any, weights: Any) -> Any:
     from gpu_engine.cuda.bf16 import round_to_bf16
     from gpu_engine.loader import ModelWeights
 
-    mtp = {k: round_to_bf16(v) for k, v in weights.mtp.items()}
+    mtp = {k: round_to_bf16(np.asarray(weights.mtp[k], np.float32)) for k in weights.mtp}
     return ModelWeights(text=rounded.text, vision=rounded.vision, lm_head=rounded.lm_head, mtp=mtp)
 
 
