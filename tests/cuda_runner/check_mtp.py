@@ -9,7 +9,8 @@ CUDA drafts are compared with the reference's for the same requests (same tokens
 draft equal (divergent hidden states of 1e-4 can flip only a near tie: reported); bf16 the share is reported and
 must be >= BF16_MIN_SHARE. (2) exactness — greedy output of the CUDA engine with speculative="mtp" (rollback
 recompute and window) and with `auto` opted in (CudaOptions.mtp_in_auto) equals the same runner without
-speculation token for token (bf16: a divergence only at a near tie of the plain run, as check_speculative).
+speculation token for token (bf16: a divergence only at a near tie of the plain run, as check_speculative); a tiny
+qwen3_5_moe checkpoint's head (routed experts, one tensor per expert) gets the first exactness row.
 Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
@@ -30,6 +31,10 @@ from tests.cuda_runner.harness import check_main, fresh_seed
 K = 3
 MAX_TOKENS = 20
 F32_MIN_SHARE = 0.98  # f32 drafts: equal but for near ties of the head's logits (1e-4 apart hidden states)
+EXACT_ROWS = [("mtp, recompute", "recompute", "mtp"), ("mtp, window", "window", "mtp"),
+              ("auto + mtp_in_auto", "recompute", "auto")]  # (row, CudaOptions.rollback, speculative)
+PARAMS = {m: SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2, speculative=m)
+          for m in ("off", "mtp", "auto")}
 TEE_PROMPTS = 2  # prompts of the drafts-vs-reference run (the numpy reference runner sets its time)
 BF16_MIN_SHARE = 0.6  # bf16 drafts: random heads have flat logits, bf16 activations flip their argmax more often
 
@@ -120,64 +125,79 @@ def engine_for(runner: Any, loaded: Any, folder: Path, k: int) -> Any:
 def run_all(seed: int | None = None) -> tuple[list[MtpResult], dict]:
     import gpu_engine
     from gpu_engine.cuda.device import require_gpu
-    from gpu_engine.reference.runner import ReferenceRunner
     from gpu_engine.tiny import make_tiny_checkpoint
+    from gpu_engine.tiny_moe import make_tiny_moe_checkpoint
 
     require_gpu()
     seed = fresh_seed(seed)
     results: list[MtpResult] = []
-    params = {m: SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2,
-                                speculative=m) for m in ("off", "mtp", "auto")}
-    for cname, text_cfg in CONFIGS.items():
+    cases = [(name, lambda f, c=cfg: make_tiny_checkpoint(f, seed=seed % 1000, text_config=c, mtp=True), EXACT_ROWS)
+             for name, cfg in CONFIGS.items()]
+    # a qwen3_5_moe head (its MLP the routed experts, stored one tensor per expert): exactness only
+    cases.append(("moe tiny (per-expert MTP head)", lambda f: make_tiny_moe_checkpoint(f, seed=seed % 1000, mtp=True),
+                  EXACT_ROWS[:1]))
+    for cname, make, exact in cases:
         with tempfile.TemporaryDirectory() as tmp:
             # the head as a checkpoint holds it (mtp.* in the safetensors, read by the loader)
-            folder = make_tiny_checkpoint(Path(tmp) / "m", seed=seed % 1000, text_config=text_cfg, mtp=True)
+            folder = make(Path(tmp) / "m")
             loaded = gpu_engine.load(folder)
-            weights = loaded.runner.weights
             prompt_ids = prompts(np.random.default_rng(seed), loaded.config.text.vocab_size)
             for dtype in ("f32", "bf16"):
-                plain_runner = cuda_runner(loaded.config, weights, dtype)
-                assert plain_runner.mtp_head, plain_runner.mtp_problem
-                plain = run(engine_for(plain_runner, loaded, folder, 0), prompt_ids, params["off"])
-                plain_runner.close()
-                # (1) drafts against the reference's, same requests
-                ref_weights = weights if dtype == "f32" else _with_mtp(_rounded(weights), weights)
-                tee = Tee(cuda_runner(loaded.config, weights, dtype), ReferenceRunner(loaded.config, ref_weights))
+                plain_runner = cuda_runner(loaded.config, loaded.runner.weights, dtype)
                 try:
-                    run(engine_for(tee, loaded, folder, K), prompt_ids[:TEE_PROMPTS], params["mtp"])
-                    share = tee.equal / max(tee.compared, 1)
-                    floor = F32_MIN_SHARE if dtype == "f32" else BF16_MIN_SHARE
-                    results.append(MtpResult(cname, dtype, "drafts vs reference", tee.compared, share,
-                                             tee.equal == tee.compared, tee.compared > 0 and share >= floor,
-                                             tee.first_diff[:200]))
-                except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
-                    results.append(MtpResult(cname, dtype, "drafts vs reference", 0, 0.0, False, False,
-                                             f"{type(exc).__name__}: {exc}"[:300]))
+                    if not plain_runner.mtp_head:
+                        raise RuntimeError(f"no MTP head on the CUDA runner: {plain_runner.mtp_problem}")
+                    plain = run(engine_for(plain_runner, loaded, folder, 0), prompt_ids, PARAMS["off"])
                 finally:
-                    tee.cuda.close()
-                print(format_table(results[-1:]).splitlines()[-1], flush=True)
-                # (2) greedy exactness of speculative runs on the CUDA runner alone
-                for row, rollback, method in (("mtp, recompute", "recompute", "mtp"), ("mtp, window", "window", "mtp"),
-                                              ("auto + mtp_in_auto", "recompute", "auto")):
-                    runner = cuda_runner(loaded.config, weights, dtype, rollback, auto=method == "auto")
-                    try:
-                        eng = engine_for(runner, loaded, folder, K)
-                        got = run(eng, prompt_ids, params[method])
-                        st = eng.stats()
-                        same, tie, note = compare(plain, got)
-                        drafted, accepted = int(st["spec_draft_tokens"]), int(st["spec_accepted_tokens"])
-                        ran = int(st["mtp_head_runs"]) > 0
-                        ok = ran and (same or (dtype == "bf16" and tie))
-                        results.append(MtpResult(cname, dtype, row, drafted, accepted / max(drafted, 1), same, ok,
-                                                 note if ran else "the MTP head never ran"))
-                    except Exception as exc:  # noqa: BLE001
-                        results.append(MtpResult(cname, dtype, row, 0, 0.0, False, False,
-                                                 f"{type(exc).__name__}: {exc}"[:300]))
-                    finally:
-                        runner.close()
+                    plain_runner.close()
+                if exact is EXACT_ROWS:
+                    results.append(draft_row(cname, dtype, loaded, folder, prompt_ids[:TEE_PROMPTS]))
+                    print(format_table(results[-1:]).splitlines()[-1], flush=True)
+                for row in exact:
+                    results.append(exact_row(cname, dtype, row, loaded, folder, prompt_ids, plain))
                     print(format_table(results[-1:]).splitlines()[-1], flush=True)
     return results, {"seed": seed, "k": K, "max_tokens": MAX_TOKENS, "f32_min_share": F32_MIN_SHARE,
                      "bf16_min_share": BF16_MIN_SHARE}
+
+
+def draft_row(cname: str, dtype: str, loaded: Any, folder: Path, prompt_ids: list[list[int]]) -> MtpResult:
+    """(1): every mtp_draft's CUDA drafts against the reference runner's, same requests."""
+    from gpu_engine.reference.runner import ReferenceRunner
+
+    weights = loaded.runner.weights
+    ref_weights = weights if dtype == "f32" else _with_mtp(_rounded(weights), weights)
+    tee = Tee(cuda_runner(loaded.config, weights, dtype), ReferenceRunner(loaded.config, ref_weights))
+    row = "drafts vs reference"
+    try:
+        run(engine_for(tee, loaded, folder, K), prompt_ids, PARAMS["mtp"])
+        share = tee.equal / max(tee.compared, 1)
+        floor = F32_MIN_SHARE if dtype == "f32" else BF16_MIN_SHARE
+        return MtpResult(cname, dtype, row, tee.compared, share, tee.equal == tee.compared,
+                         tee.compared > 0 and share >= floor, tee.first_diff[:200])
+    except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
+        return MtpResult(cname, dtype, row, 0, 0.0, False, False, f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        tee.cuda.close()
+
+
+def exact_row(cname: str, dtype: str, row: tuple[str, str, str], loaded: Any, folder: Path,
+              prompt_ids: list[list[int]], plain: dict) -> MtpResult:
+    """(2): greedy output of a speculative run on the CUDA runner alone against its plain run."""
+    name, rollback, method = row
+    runner = cuda_runner(loaded.config, loaded.runner.weights, dtype, rollback, auto=method == "auto")
+    try:
+        eng = engine_for(runner, loaded, folder, K)
+        got = run(eng, prompt_ids, PARAMS[method])
+        st = eng.stats()
+        same, tie, note = compare(plain, got)
+        drafted, accepted = int(st["spec_draft_tokens"]), int(st["spec_accepted_tokens"])
+        ran = int(st["mtp_head_runs"]) > 0
+        return MtpResult(cname, dtype, name, drafted, accepted / max(drafted, 1), same,
+                         ran and (same or (dtype == "bf16" and tie)), note if ran else "the MTP head never ran")
+    except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
+        return MtpResult(cname, dtype, name, 0, 0.0, False, False, f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        runner.close()
 
 
 def cuda_runner(config: Any, weights: Any, dtype: str, rollback: str = "recompute", auto: bool = False) -> Any:
