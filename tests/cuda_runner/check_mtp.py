@@ -143,13 +143,13 @@ def run_all(seed: int | None = None) -> tuple[list[MtpResult], dict]:
             loaded = gpu_engine.load(folder)
             prompt_ids = prompts(np.random.default_rng(seed), loaded.config.text.vocab_size)
             for dtype in ("f32", "bf16"):
-                plain_runner = cuda_runner(loaded.config, loaded.runner.weights, dtype)
                 try:
-                    if not plain_runner.mtp_head:
-                        raise RuntimeError(f"no MTP head on the CUDA runner: {plain_runner.mtp_problem}")
-                    plain = run(engine_for(plain_runner, loaded, folder, 0), prompt_ids, PARAMS["off"])
-                finally:
-                    plain_runner.close()
+                    plain = plain_run(loaded, folder, dtype, prompt_ids)
+                except Exception as exc:  # noqa: BLE001 - the other dtypes and checkpoints still run
+                    results.append(MtpResult(cname, dtype, "plain run", 0, 0.0, False, False,
+                                             f"{type(exc).__name__}: {exc}"[:300]))
+                    print(format_table(results[-1:]).splitlines()[-1], flush=True)
+                    continue
                 if exact is EXACT_ROWS:
                     results.append(draft_row(cname, dtype, loaded, folder, prompt_ids[:TEE_PROMPTS]))
                     print(format_table(results[-1:]).splitlines()[-1], flush=True)
@@ -158,6 +158,17 @@ def run_all(seed: int | None = None) -> tuple[list[MtpResult], dict]:
                     print(format_table(results[-1:]).splitlines()[-1], flush=True)
     return results, {"seed": seed, "k": K, "max_tokens": MAX_TOKENS, "f32_min_share": F32_MIN_SHARE,
                      "bf16_min_share": BF16_MIN_SHARE}
+
+
+def plain_run(loaded: Any, folder: Path, dtype: str, prompt_ids: list[list[int]]) -> dict:
+    """The CUDA runner's greedy outputs without speculation (the runner must have the head: it is checked here)."""
+    runner = cuda_runner(loaded.config, loaded.runner.weights, dtype)
+    try:
+        if not runner.mtp_head:
+            raise RuntimeError(f"no MTP head on the CUDA runner: {runner.mtp_problem}")
+        return run(engine_for(runner, loaded, folder, 0), prompt_ids, PARAMS["off"])
+    finally:
+        runner.close()
 
 
 def draft_row(cname: str, dtype: str, loaded: Any, folder: Path, prompt_ids: list[list[int]]) -> MtpResult:
