@@ -177,9 +177,10 @@ def draft_row(cname: str, dtype: str, loaded: Any, folder: Path, prompt_ids: lis
 
     weights = loaded.runner.weights
     ref_weights = weights if dtype == "f32" else _with_mtp(_rounded(weights), weights)
-    tee = Tee(cuda_runner(loaded.config, weights, dtype), ReferenceRunner(loaded.config, ref_weights))
     row = "drafts vs reference"
+    tee = None
     try:
+        tee = Tee(cuda_runner(loaded.config, weights, dtype), ReferenceRunner(loaded.config, ref_weights))
         run(engine_for(tee, loaded, folder, K), prompt_ids, PARAMS["mtp"])
         share = tee.equal / max(tee.compared, 1)
         floor = F32_MIN_SHARE if dtype == "f32" else BF16_MIN_SHARE
@@ -188,15 +189,17 @@ def draft_row(cname: str, dtype: str, loaded: Any, folder: Path, prompt_ids: lis
     except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
         return MtpResult(cname, dtype, row, 0, 0.0, False, False, f"{type(exc).__name__}: {exc}"[:300])
     finally:
-        tee.cuda.close()
+        if tee is not None:
+            tee.cuda.close()
 
 
 def exact_row(cname: str, dtype: str, row: tuple[str, str, str], loaded: Any, folder: Path,
               prompt_ids: list[list[int]], plain: dict) -> MtpResult:
     """(2): greedy output of a speculative run on the CUDA runner alone against its plain run."""
     name, rollback, method = row
-    runner = cuda_runner(loaded.config, loaded.runner.weights, dtype, rollback, auto=method == "auto")
+    runner = None
     try:
+        runner = cuda_runner(loaded.config, loaded.runner.weights, dtype, rollback, auto=method == "auto")
         eng = engine_for(runner, loaded, folder, K)
         got = run(eng, prompt_ids, PARAMS[method])
         st = eng.stats()
@@ -208,7 +211,8 @@ def exact_row(cname: str, dtype: str, row: tuple[str, str, str], loaded: Any, fo
     except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
         return MtpResult(cname, dtype, name, 0, 0.0, False, False, f"{type(exc).__name__}: {exc}"[:300])
     finally:
-        runner.close()
+        if runner is not None:
+            runner.close()
 
 
 def cuda_runner(config: Any, weights: Any, dtype: str, rollback: str = "recompute", auto: bool = False) -> Any:
