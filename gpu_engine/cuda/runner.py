@@ -40,7 +40,6 @@ from ..runner_rules import (
     allocated,
     check_cache_spec,
     check_state_slots,
-    kv_bytes_per_block,
     row_offsets,
     state_bytes_per_slot,
 )
@@ -58,6 +57,8 @@ from .decode_graphs import (
     table_width_bucket,
 )
 from .embeddings import BlockPool, DeviceEmbeddings
+from .kv_fp8 import allocate_layer
+from .kv_fp8 import kv_bytes_per_block as attention_kv_bytes_per_block
 from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
 from .mtp import (
     CudaMtpHead,
@@ -180,7 +181,7 @@ class CudaRunner:
         return self._trunk_kv_bytes_per_block(size) + mtp  # the MTP head's layer stays in the compute dtype
 
     def _trunk_kv_bytes_per_block(self, size: int) -> int:
-        return kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype])
+        return attention_kv_bytes_per_block(self.cfg, size, ITEMSIZE[self.dtype], self.options.kv_cache_dtype)
 
     def state_bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.cfg, ITEMSIZE[self.dtype], ITEMSIZE["f32"])  # the recurrent state is f32
@@ -236,14 +237,15 @@ class CudaRunner:
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 shape = (blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
-                self.cache.attention[i] = AttentionCache(ctx.empty(shape, self.dtype, f"k{i}"),
-                                                         ctx.empty(shape, self.dtype, f"v{i}"))
+                self.cache.attention[i] = AttentionCache(*allocate_layer(ctx, self.options.kv_cache_dtype, shape,
+                                                                         self.dtype, i))
             else:
                 conv = ctx.empty((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype, f"conv{i}")
                 state = ctx.empty((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                                    cfg.linear_key_head_dim), "f32", f"state{i}")
                 self.cache.deltanet[i] = DeltaNetCache(conv, state)
-        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v)]
+        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v, a.k_scale, a.v_scale)
+                  if arr is not None]
         arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
         for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
             ctx.device.memset(arr.ptr, 0, arr.nbytes)
