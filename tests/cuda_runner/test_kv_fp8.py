@@ -213,3 +213,16 @@ def test_what_the_fp8_cache_refuses():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CudaOptions(kv_cache_dtype="fp8")
     assert CudaOptions().kv_cache_dtype == "auto"  # opt-in
+
+
+def test_the_cuda_runner_sizes_its_cache_by_the_fp8_rule():
+    from gpu_engine.cuda.runner import CudaRunner
+
+    cfg = SimpleNamespace(num_key_value_heads=4, head_dim=256, full_attention_layers=[3, 7, 11])
+    sizes = {}
+    for kv in ("auto", "fp8_e4m3"):
+        runner = object.__new__(CudaRunner)  # no GPU: only what kv_bytes_per_block reads
+        runner.cfg, runner.dtype, runner.options, runner.spec = cfg, "bf16", CudaOptions(kv_cache_dtype=kv), None
+        runner.mtp = None
+        sizes[kv] = runner.kv_bytes_per_block(16)
+    assert sizes == {"auto": 3 * 16 * 2 * 4 * 256 * 2, "fp8_e4m3": 3 * 16 * 2 * 4 * (256 + 4)}
