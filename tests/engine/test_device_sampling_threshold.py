@@ -6,8 +6,9 @@ key interval by splitting it into 32 power-of-two buckets per pass (count and ex
 keep the highest bucket whose g(K) still reaches the target); top-k = count search from key 0, top-p = mass
 search starting 40 below the max (restarting from the top-k key if that guess fails), min-p = key of max +
 log(min_p); kept = key >= the largest of the three. Sums are float32 like the kernel's (in another order than
-numpy's), so a top-p cut may differ only where the cumulative mass lies within float rounding of top_p: such rows
-are counted and must be rare and truly at a boundary (|mass - top_p| < 1e-5). Everything else is exact.
+numpy's), so a top-p cut may differ only where the cumulative mass lies within float32 summation error of top_p
+(at_top_p_boundary; with ties the cut moves a whole tie group): such rows are counted and must be rare and truly at
+a boundary. Everything else is exact.
 The GPU check (tests/cuda_runner/check_sampling.py) runs the kernel itself against the same numpy sampler.
 """
 from __future__ import annotations
@@ -80,16 +81,27 @@ def kernel_keep(y: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.nda
 
 
 def at_top_p_boundary(y: np.ndarray, top_k: int, top_p: float, a: np.ndarray, b: np.ndarray) -> bool:
-    """True when the two kept sets differ only by where the cumulative top-k mass crosses top_p (float64)."""
+    """True when the two kept sets differ only by where the cumulative top-k mass crosses top_p: each set is every
+    token at or above its smallest kept value (ties at the cut stay together), and top_p lies within float32
+    summation error of that set's last tie group, in float64 (the kernel and numpy sum in other orders; the error of
+    a float32 sum of n terms is below n * 2^-24 of the total). A tie group cut by the crossing moves a whole group
+    of tokens between the sets, so the two counts can differ by many."""
     vocab = y.shape[0]
     s = np.sort(y.astype(np.float64))[::-1]
     kth = s[min(top_k, vocab) - 1] if top_k > 0 else -np.inf
     p = np.exp(s - s[0]) * (s >= kth)
     p /= p.sum()
     cum = np.cumsum(p)
-    n_a, n_b = int(a.sum()), int(b.sum())
-    lo, hi = sorted((n_a, n_b))
-    return bool(np.all(np.abs(cum[lo - 1 : hi] - top_p) < 1e-5))
+    tol = vocab * 2.0 ** -24
+    for kept in (a, b):
+        n = int(kept.sum())
+        if n == 0 or not np.array_equal(kept, y >= y[kept].min()):
+            return False
+        group = int(np.searchsorted(-s, -s[n - 1], side="left"))  # first index of the last kept tie group
+        before = cum[group - 1] if group > 0 else 0.0
+        if not before - tol <= top_p <= cum[n - 1] + tol:
+            return False
+    return True
 
 
 def random_rows(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
@@ -128,7 +140,9 @@ def test_emulated_kernel_threshold_matches_filter_logits(vocab):
             continue
         assert top_p[r] < 1.0 and at_top_p_boundary(y[r], int(top_k[r]), float(top_p[r]), got, expected[r]), r
         boundary += 1
-    assert boundary <= 1, f"{boundary} rows differ at a top-p boundary"
+    # ~1 row in 1,200 sits at such a boundary (24 in 600 draws of 48 rows, vocab 97 and 3001): two in one draw
+    # happen (seed 288, vocab 3001), three would mean the kernel's cut is off
+    assert boundary <= 2, f"{boundary} rows differ at a top-p boundary"
 
 
 def test_every_filter_off_keeps_every_finite_token():
