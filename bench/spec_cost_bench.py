@@ -182,14 +182,17 @@ def e2e_rows(make_engine: Any, vocab: int, batches: tuple[int, ...], max_tokens:
             break
         prompts = [rng.integers(3, min(vocab, 2000), PROMPT).tolist() for _ in range(b)]
         recorded = e2e(engine, prompts, max_tokens, method="off")["outputs"]
-        e2e(engine, prompts, max_tokens, Replay(recorded, 0.3, vocab, seed=seed))
+        # a named drafter ("ngram", replaced by Replay) drafts every step: the mechanism at acceptance a, without
+        # auto's backoff (speculative/backoff.py) resting sequences after windows that gained nothing
+        e2e(engine, prompts, max_tokens, Replay(recorded, 0.3, vocab, seed=seed), method="ngram")
         plain = e2e(engine, prompts, max_tokens, method="off")
         out[f"b{b}_plain_tok_s"] = plain["tok_s"]
         out[f"b{b}_plain_decode_steps"] = plain["decode_steps"]
         out[f"b{b}_plain_forward_share"] = plain["forward_share"]
         out[f"b{b}_plain_repeatable"] = plain["outputs"] == recorded
         for a in ACCEPTANCE:
-            got = e2e(engine, prompts, max_tokens, Replay(plain["outputs"], 1.0 - a, vocab, seed=seed))
+            got = e2e(engine, prompts, max_tokens, Replay(plain["outputs"], 1.0 - a, vocab, seed=seed),
+                      method="ngram")
             key = f"b{b}_a{a}"
             same = sum(got["outputs"][r] == t for r, t in plain["outputs"].items())
             out.update({f"{key}_tok_s": got["tok_s"], f"{key}_speedup": got["tok_s"] / plain["tok_s"],
