@@ -71,3 +71,11 @@ def default_cache_budget(arena_bytes: int, after_weights_bytes: int, graph_bytes
     reserve = min(graph_bytes + step_bytes + vision_bytes + MARGIN_BYTES, max(0, after_weights_bytes) // 2)
     return CacheBudget(nbytes=max(0, after_weights_bytes - reserve), arena_bytes=arena_bytes,
                        after_weights_bytes=after_weights_bytes, reserve_bytes=reserve)
+
+
+def default_memory_budget(device_id: int, fraction: float) -> int:
+    """`fraction` (CudaOptions.memory_fraction) of the device's free memory, taken once."""
+    from .device import CudaDevice
+
+    free, _ = CudaDevice(device_id).mem_info()
+    return int(free * fraction) // (1 << 20) * (1 << 20)

@@ -18,19 +18,22 @@ trunk's rejected positions), so the drafts equal the reference's, which chains o
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..config import TextConfig
 from ..errors import RunnerInputError
+from ..loader import ModelWeights
 from ..runner_api import CacheSpec, MtpDraftRequest, SamplingRequest, SeqChunk, StepBatch, VisionSlice
 from . import ops
 from .context import DArray, GpuContext
+from .embeddings import DeviceEmbeddings
 from .sampler import DeviceSampler, SamplerBuffers
 from .step import HostStep, StepTables, build_step, upload_tables
 from .text_model import Activations, AttentionCache, CudaTextModel
-from .weights import MtpWeights
+from .weights import MtpWeights, mtp_head_problem, upload_mtp_weights
 
 MAX_CHAINED = 7  # chained drafts after the first: speculative.config.MAX_DRAFTS - 1
 
@@ -119,6 +122,22 @@ class KeptRows:
         self.by_seq[chunk.seq_id] = Kept(start, hidden, tokens, vision)
         tail = [(0, rows[-1:]) for row, rows in vision if row + rows.shape[0] == n]
         self.last_row[chunk.state_slot] = Kept(start + n - 1, hidden[-1:], tokens[-1:], tail)
+
+    def keep_step(self, ctx: GpuContext, batch: StepBatch, cu: np.ndarray, hidden: DArray, hidden_size: int,
+                  dtype: str, download: Callable[[DeviceEmbeddings], np.ndarray]) -> None:
+        """The final-norm rows of the keep_hidden chunks of `batch` (as the engine sent it), from `hidden` (the
+        step's a.h, all its rows; `cu` the step's cumulative run-chunk ends), into the book; a chunk's rows are
+        the last ones of its run chunk (re-fed tokens run in front of it)."""
+        ends = cu[1:len(batch.chunks) + 1].astype(np.int64)
+        keep = [i for i, c in enumerate(batch.chunks) if c.keep_hidden]
+        raw = np.empty((int(ends[keep].max()), hidden_size), np.uint16 if dtype == "bf16" else np.float32)
+        ctx.device.download(raw, hidden.ptr)  # in stream order, after the step's kernels
+        for i in keep:
+            chunk = batch.chunks[i]
+            vision = [(piece.chunk_offset, download(piece.embeddings) if isinstance(
+                piece.embeddings, DeviceEmbeddings) else np.asarray(piece.embeddings, np.float32))
+                for piece in chunk.vision]
+            self.keep(chunk, raw[int(ends[i]) - chunk.num_tokens:int(ends[i])].copy(), vision)
 
     def take(self, r: MtpDraftRequest) -> HeadRows:
         """The rows request `r` reads (each sequence's rows serve one request per forward)."""
@@ -297,3 +316,13 @@ class CudaMtpHead:
             self.model.logits(logits, out, a.h, m.logit_rows, host.logit_rows)
             self.sampler.enqueue(sampled, logits, m.sample_params, host.logit_rows)
         ctx.arena.release(mark)
+
+
+def build_mtp_head(ctx: GpuContext, cfg: TextConfig, weights: ModelWeights, model: CudaTextModel, dtype: str
+                   ) -> tuple[CudaMtpHead | None, str | None]:
+    """(the head, None) when the checkpoint has a complete MTP head this runner computes, else (None, why not);
+    its weights are uploaded beside the trunk's."""
+    problem = mtp_head_problem(cfg, weights)
+    if problem is not None:
+        return None, problem
+    return CudaMtpHead(ctx, cfg, upload_mtp_weights(ctx, cfg, weights, dtype), model, dtype), None

@@ -2,32 +2,23 @@
 The decoder itself is text_model.py; this file owns memory, the cache, step buffers, graphs and sampling.
 
 Memory: one cuMemAlloc of `options.memory_budget` bytes at start-up; weights first, then the cache
-(allocate_cache), and per-step activations from what is left (released at the end of every step).
+(allocate_cache, cache_layers.py), and per-step activations from what is left (released at the end of every step).
 Step: all sequences of the batch run together (varlen): the host-side tables (step.py) are packed into one int32
 array and uploaded once; logits come back as float32 for the requested rows only. Decode steps (one token per
-sequence) and steps of short grammar-forced runs beside them replay CUDA graphs captured per (batch-size bucket,
-token bucket, block-table width bucket) unless options.use_graphs is off: a step is padded to its buckets with rows
-that write only the runner's scratch block and slot, and the graphs own no memory (decode_graphs.py says why
-that is safe).
-Vision: encode_vision runs the tower on the GPU (vision.py) into a block of the encoder-cache region (a fixed
-part of the arena, options.encoder_memory bytes) and returns DeviceEmbeddings; the prefill steps copy their rows
-into the residual stream on the device. When that region is full the embeddings come back as a host float32
-array instead (uploaded by the step that uses them, like any host embeddings).
-Sampling: a step whose batch carries a SamplingRequest (runner_api) is sampled on the GPU after the LM head
-(sampler.py, kernels/sampling.cu); only token ids and logprobs come back, not the logits. Its parameter table
-travels in the packed tables (so decode graphs, captured per sampling on/off, replay it like the rest).
-Speculative decoding: verify windows (SeqChunk.verify) run on the decode kernels with logits at every token and
-replay their own graphs; rollback_state returns a slot's DeltaNet state to the last accepted token by the
-strategy of CudaOptions.rollback (verify.py keeps the book: snapshot or window rows, tokens re-fed in front of a
-rolled-back slot's next chunk; verify_ops.py launches the copies).
-MTP head (checkpoints with a complete BF16/F32 `mtp.*`, mtp.py): forward keeps the final-norm hidden rows of
-keep_hidden chunks (downloaded, raw); mtp_draft fills the head's own KV layer and chains greedy drafts on the GPU.
-`auto` requests use it only with CudaOptions.mtp_in_auto (opt-in until checked on a GPU); speculative="mtp" does.
+sequence), short grammar-forced runs and verify windows replay CUDA graphs (captured_step.py) per (batch-size
+bucket, token bucket, block-table width bucket) unless options.use_graphs is off: padding rows write only the
+runner's scratch block and slot, and the graphs own no memory (decode_graphs.py says why that is safe).
+Vision: encode_vision runs the tower (vision.py) into the encoder-cache region (options.encoder_memory bytes) and
+returns DeviceEmbeddings, or a host float32 array when that region is full.
+Sampling: a step whose batch carries a SamplingRequest is sampled on the GPU after the LM head (sampler.py); only
+token ids and logprobs come back. Its parameter table travels in the packed tables, so graphs replay it too.
+Speculative decoding: verify windows (SeqChunk.verify) run on the decode kernels with logits at every token;
+rollback_state returns a slot's DeltaNet state to the last accepted token by CudaOptions.rollback (verify.py keeps
+the book, verify_ops.py launches the copies). MTP head (checkpoints with a complete BF16/F32 `mtp.*`, mtp.py):
+forward keeps the final-norm rows of keep_hidden chunks; mtp_draft fills the head's KV layer and chains greedy
+drafts on the GPU; `auto` uses it only with CudaOptions.mtp_in_auto (opt-in until checked on a GPU).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -44,6 +35,8 @@ from ..runner_rules import (
     state_bytes_per_slot,
 )
 from . import ops
+from .cache_layers import allocate_layers, copy_slot_states
+from .captured_step import CapturedStep, StepBuffers, first_rows, graphable
 from .context import ITEMSIZE, DArray, GpuContext
 from .decode_graphs import (
     GRAPH_MAX_CHUNK,
@@ -57,42 +50,37 @@ from .decode_graphs import (
     table_width_bucket,
 )
 from .embeddings import BlockPool, DeviceEmbeddings
-from .kv_fp8 import allocate_layer
 from .kv_fp8 import kv_bytes_per_block as attention_kv_bytes_per_block
-from .memory_plan import CacheBudget, default_cache_budget, step_reserve_bytes, vision_reserve_bytes
+from .memory_plan import (
+    CacheBudget,
+    default_cache_budget,
+    default_memory_budget,
+    step_reserve_bytes,
+    vision_reserve_bytes,
+)
 from .mtp import (
     CudaMtpHead,
     KeptRows,
     MtpCache,
     allocate_mtp_cache,
+    build_mtp_head,
     draft_in_rounds,
     mtp_cache_bytes,
     mtp_kv_bytes_per_block,
 )
 from .options import CudaOptions, encoder_region_bytes
-from .sampler import DeviceSampler, SamplerBuffers
-from .step import HostStep, StepTables, build_step, fill_logit_rows, pack_tables, pad_step, upload_tables
-from .text_model import Activations, AttentionCache, CudaTextModel, DeltaNetCache, DeviceCache
+from .sampler import DeviceSampler
+from .step import HostStep, StepTables, build_step, fill_logit_rows, pad_step, upload_tables
+from .text_model import Activations, CudaTextModel, DeviceCache
 from .verify import StepPlan, Strategy, VerifyBook
 from .verify_ops import VerifyRows, allocate_verify_rows, copy_segments, copy_table
 from .vision import GpuVisionTower
-from .weights import mtp_head_problem, upload_mtp_weights, upload_text_weights
+from .weights import upload_text_weights
 
 MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side executable); past it new keys run eagerly
-# Verify windows a step can roll back by default: the cost rule at its defaults (128 step tokens, k = 3) lets at
-# most 42 `auto` sequences draft; 27B-class recompute rows are 151 MB each (7.2 GB for 48).
+# Verify windows a step can roll back by default: the cost rule (128 step tokens, k = 3) lets <= 42 `auto` sequences
+# draft; 27B-class recompute rows are 151 MB each (7.2 GB for 48).
 DEFAULT_VERIFY_ROWS = 48
-
-
-@dataclass
-class StepBuffers:
-    """Device buffers of one step (sizes depend on the token and logits-row counts only)."""
-
-    act: Activations  # [n, hidden] each
-    rows: DArray  # [R, hidden] final hidden states of the logits rows
-    logits: DArray  # f32 [R, vocab]
-    sampler: SamplerBuffers | None = None  # when the step samples on the device
-    vision: DArray | None = None  # host vision embeddings of this step, uploaded
 
 
 class CudaRunner:
@@ -107,10 +95,10 @@ class CudaRunner:
     # at most the state slots), kept out of the default cache budget and cut by allocate_cache to what fits in
     # verify_memory_fraction of the memory the cache leaves; the speculator drafts for no more (verify_room).
     supports_verify = True
+    book: VerifyBook | None = None  # the verify windows' book (allocate_cache)
     verify_rows: int | None = None
     verify_memory_fraction = 0.5
-    # The checkpoint's MTP head (runner_api: mtp_head, mtp_draft; mtp.py), set up by __init__ when it has one.
-    mtp: CudaMtpHead | None = None
+    mtp: CudaMtpHead | None = None  # the checkpoint's MTP head (runner_api: mtp_head, mtp_draft; mtp.py)
     mtp_head = False
     mtp_in_auto = False  # CudaOptions.mtp_in_auto: `auto` requests draft with the head too
     _keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
@@ -120,20 +108,15 @@ class CudaRunner:
         self.config = model_config
         self.cfg = model_config.text
         self.dtype = o.dtype
-        budget = o.memory_budget or _default_budget(o.device_id, o.memory_fraction)
+        budget = o.memory_budget or default_memory_budget(o.device_id, o.memory_fraction)
         self.ctx = GpuContext(budget, o.device_id, o.module_cache)
         # Programmatic dependent launch between our kernels needs sm_90 or newer.
         self.ctx.device.pdl = o.use_pdl and int(self.ctx.device.info.arch.removeprefix("sm_")) >= 90
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
         self.model.decode_rows_apart = o.decode_rows_apart
-        # The MTP head, when the checkpoint has a complete one in a format this runner computes (mtp_problem: why
-        # not); its weights sit beside the trunk's, its KV layer joins the cache (allocate_cache).
-        self.mtp_problem = mtp_head_problem(self.cfg, weights)
-        self.mtp: CudaMtpHead | None = None
-        if self.mtp_problem is None:
-            self.mtp = CudaMtpHead(self.ctx, self.cfg, upload_mtp_weights(self.ctx, self.cfg, weights, o.dtype),
-                                   self.model, o.dtype)
+        # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
+        self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
         self.mtp_head = self.mtp is not None
         self.mtp_in_auto = self.mtp_head and o.mtp_in_auto
         self.mtp_cache: MtpCache | None = None
@@ -171,7 +154,6 @@ class CudaRunner:
         self.sampler = DeviceSampler(self.ctx, cfg.vocab_size)
         self.rollback: Strategy = "window" if o.rollback == "window" else "recompute"
         self.verify_window_tokens = o.verify_window_tokens
-        self.book: VerifyBook | None = None  # verify windows (allocate_cache)
         self._verify_layers: list[VerifyRows] = []
 
     # ---- sizes -----------------------------------------------------------------------------------------------
@@ -233,22 +215,8 @@ class CudaRunner:
         pad = need + self.kv_bytes_per_block(spec.block_size) + self.state_bytes_per_slot() <= self._free_after_weights
         self.scratch = ScratchRows(spec.num_kv_blocks, spec.num_state_slots) if pad else None
         self.buckets = bucket_sizes(max(spec.num_state_slots, 1)) if pad else ()
-        blocks, slots = spec.num_kv_blocks + pad, spec.num_state_slots + pad
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == "full_attention":
-                shape = (blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
-                self.cache.attention[i] = AttentionCache(*allocate_layer(ctx, self.options.kv_cache_dtype, shape,
-                                                                         self.dtype, i))
-            else:
-                conv = ctx.empty((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), self.dtype, f"conv{i}")
-                state = ctx.empty((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
-                                   cfg.linear_key_head_dim), "f32", f"state{i}")
-                self.cache.deltanet[i] = DeltaNetCache(conv, state)
-        arrays = [arr for a in self.cache.attention.values() for arr in (a.k, a.v, a.k_scale, a.v_scale)
-                  if arr is not None]
-        arrays += [arr for d in self.cache.deltanet.values() for arr in (d.conv, d.state)]
-        for arr in arrays:  # deterministic contents (fresh sequences never read them anyway)
-            ctx.device.memset(arr.ptr, 0, arr.nbytes)
+        allocate_layers(ctx, cfg, self.cache, spec.num_kv_blocks + pad, spec.num_state_slots + pad, self.dtype,
+                        self.options.kv_cache_dtype)
         self.book, self._verify_layers = allocate_verify_rows(
             self.ctx, self.cache, self.dtype, self.rollback, self._verify_rows(spec.num_state_slots),
             self.verify_window_tokens, self.verify_memory_fraction)
@@ -263,12 +231,10 @@ class CudaRunner:
         self._book().rollback(state_slot, keep_tokens)
 
     @property
-    def max_verify_drafts(self) -> int | None:
-        """Drafts a window may carry: the window strategy keeps verify_window_tokens states a window."""
+    def max_verify_drafts(self) -> int | None:  # the window strategy keeps verify_window_tokens states a window
         return self.verify_window_tokens if self.rollback == "window" else None
 
-    def verify_room(self) -> int:
-        """Verify windows the next step can hold rollback state for (the speculator drafts for no more)."""
+    def verify_room(self) -> int:  # windows the next step can hold rollback state for (no more get drafts)
         return self._book().room()
 
     def mtp_draft(self, requests: list[MtpDraftRequest]) -> list[list[int]]:
@@ -281,22 +247,6 @@ class CudaRunner:
             raise RuntimeError("allocate_cache() must be called before running the model")
         rows = [self.kept.take(r) for r in requests]
         return draft_in_rounds(self.mtp, requests, rows, spec, cache, self.cfg, self.dtype)
-
-    def _keep_hidden(self, batch: StepBatch, host: HostStep, hidden: DArray) -> None:
-        """The final-norm rows of the keep_hidden chunks of `batch` (as the engine sent it), from `hidden` (the
-        step's a.h, all its rows), into the book; a chunk's rows are the last ones of its run chunk (re-fed tokens
-        run in front of it)."""
-        ends = host.tables.cu[1:len(batch.chunks) + 1].astype(np.int64)
-        keep = [i for i, c in enumerate(batch.chunks) if c.keep_hidden]
-        raw = np.empty((int(ends[keep].max()), self.cfg.hidden_size), np.uint16 if self.dtype == "bf16"
-                       else np.float32)
-        self.ctx.device.download(raw, hidden.ptr)  # in stream order, after the step's kernels
-        for i in keep:
-            chunk = batch.chunks[i]
-            vision = [(piece.chunk_offset, self._download(piece.embeddings) if isinstance(
-                piece.embeddings, DeviceEmbeddings) else np.asarray(piece.embeddings, np.float32))
-                for piece in chunk.vision]
-            self.kept.keep(chunk, raw[int(ends[i]) - chunk.num_tokens:int(ends[i])].copy(), vision)
 
     def _book(self) -> VerifyBook:
         if self.book is None:
@@ -318,11 +268,7 @@ class CudaRunner:
             raise RunnerInputError(f"state slot {src} was rolled back and its next forward has not run yet: its "
                                    "state cannot be copied now")
         book.forget(dst)
-        for c in self.cache.deltanet.values():
-            for arr in (c.conv, c.state):
-                row = arr.nbytes // arr.shape[0]
-                self.ctx.device.copy(arr.ptr + dst * row, arr.ptr + src * row, row)
-        self.ctx.device.sync()
+        copy_slot_states(self.ctx, self.cache, src, dst)
 
     # ---- vision ----------------------------------------------------------------------------------------------
     def encode_vision(self, item: VisionItem) -> DeviceEmbeddings | np.ndarray:
@@ -361,10 +307,10 @@ class CudaRunner:
             self.kept.begin_step()  # kept rows live until the next forward (runner_api.MtpDraftRequest)
             self._keeping = batch if any(c.keep_hidden for c in batch.chunks) else None
         try:
-            if self.use_graphs and _graphable(run):
+            if self.use_graphs and graphable(run):
                 out = self._forward_graphed(run, offsets, plan)
             else:
-                if _graphable(run):
+                if graphable(run):
                     self.decode_counts.eager_graphable += 1
                 else:
                     self.decode_counts.other += 1
@@ -404,7 +350,8 @@ class CudaRunner:
         step.load(host, batch)
         step.replay()
         if self._keeping is not None:
-            self._keep_hidden(self._keeping, host, step.bufs.act.h)
+            self.kept.keep_step(self.ctx, self._keeping, host.tables.cu, step.bufs.act.h, self.cfg.hidden_size,
+                                self.dtype, self._download)
         counts.graphed += 1
         counts.padded += host.padding > 0
         counts.with_runs += max(lens) > 1
@@ -440,14 +387,15 @@ class CudaRunner:
                 self.sampler.upload_masks(bufs.sampler, batch.sampling)
             self._run(host, tables, bufs)
             if self._keeping is not None:
-                self._keep_hidden(self._keeping, host, bufs.act.h)
+                self.kept.keep_step(ctx, self._keeping, host.tables.cu, bufs.act.h, self.cfg.hidden_size,
+                                    self.dtype, self._download)
             if batch.sampling is not None and bufs.sampler is not None:
                 sampled = self.sampler.results(bufs.sampler, batch.sampling)  # zero rows when no logits rows
                 out_logits = self._no_logits()
             else:
-                out_logits = ctx.to_host(_first_rows(bufs.logits, logit_rows)) if logit_rows else self._no_logits()
+                out_logits = ctx.to_host(first_rows(bufs.logits, logit_rows)) if logit_rows else self._no_logits()
             if logit_rows:
-                out_hidden = ctx.to_host(_first_rows(bufs.rows, logit_rows)).astype(np.float32, copy=False)
+                out_hidden = ctx.to_host(first_rows(bufs.rows, logit_rows)).astype(np.float32, copy=False)
             else:
                 out_hidden = np.zeros((0, self.cfg.hidden_size), np.float32)
         finally:
@@ -550,69 +498,3 @@ class CudaRunner:
 
     def close(self) -> None:
         self.ctx.close()
-
-
-class CapturedStep:
-    """A recorded step (see CudaRunner.capture_step); its last tables may carry padding rows (HostStep.padding)."""
-
-    def __init__(self, runner: CudaRunner, graph: Any, host: HostStep, tables: StepTables[DArray],
-                 bufs: StepBuffers, mark: int | None, table_width: int) -> None:
-        self.runner, self.graph, self.host, self.tables, self.bufs = runner, graph, host, tables, bufs
-        self._mark, self._width = mark, table_width
-        self._base = min(a.ptr for _, a in tables.items())
-
-    @property
-    def size(self) -> int:
-        """Sequences the graph was captured for."""
-        return int(self.host.tables.slots.size)
-
-    def update(self, batch: StepBatch) -> None:
-        """Upload the tables of the next step of the same shape (or, with the runner's scratch rows, of one that
-        pads to it) into the captured buffers."""
-        self.load(self.runner._graph_host(batch, self._width, self.size, self.host.n), batch)
-
-    def load(self, host: HostStep, batch: StepBatch) -> None:
-        if host.n != self.host.n or host.shapes() != self.host.shapes():
-            raise RunnerInputError("captured step replayed with a batch of another shape")
-        self.host = host
-        packed, _ = pack_tables(host.tables)
-        self.runner.ctx.device.upload(self._base, packed)
-        if batch.sampling is not None and self.bufs.sampler is not None:
-            self.runner.sampler.upload_masks(self.bufs.sampler, batch.sampling)
-
-    def replay(self) -> None:
-        self.runner.ctx.device.launch_graph(self.graph)
-
-    def logits(self) -> np.ndarray:
-        return self.runner.ctx.to_host(_first_rows(self.bufs.logits, self.host.batch_logit_rows))
-
-    def hidden(self) -> np.ndarray:
-        """Final hidden states of the batch's rows, float32."""
-        rows = _first_rows(self.bufs.rows, self.host.batch_logit_rows)
-        return self.runner.ctx.to_host(rows).astype(np.float32, copy=False)
-
-    def close(self) -> None:
-        self.runner.ctx.device.sync()
-        if self._mark is not None:
-            self.runner.ctx.arena.release(self._mark)
-
-
-def _graphable(batch: StepBatch) -> bool:
-    """Short chunks (decode tokens, jump-forward runs) with last-row logits, or verify windows with logits at
-    every token, and no vision: the steps graphs are captured for (decode_graphs.graph_shape decides the rest)."""
-    return bool(batch.chunks) and all(
-        c.num_tokens <= GRAPH_MAX_CHUNK and not c.vision and (c.logits == "last" or (c.verify and c.logits == "all"))
-        for c in batch.chunks)
-
-
-def _first_rows(arr: DArray, rows: int) -> DArray:
-    """The leading `rows` rows of a row-major [R, ...] device array (the batch's rows ahead of padding)."""
-    return arr.view((rows, *arr.shape[1:]))
-
-
-def _default_budget(device_id: int, fraction: float) -> int:
-    """`fraction` (CudaOptions.memory_fraction) of the device's free memory, taken once."""
-    from .device import CudaDevice
-
-    free, _ = CudaDevice(device_id).mem_info()
-    return int(free * fraction) // (1 << 20) * (1 << 20)

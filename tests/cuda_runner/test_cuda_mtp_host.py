@@ -218,7 +218,7 @@ def test_auto_keeps_prompt_lookup_unless_opted_in(folder: Path) -> None:
 
 
 def test_the_runner_keeps_each_chunks_own_rows_and_drafts_in_rounds_of_its_scratch(folder: Path) -> None:
-    """CudaRunner._keep_hidden takes a chunk's rows at the end of its run chunk (re-fed tokens run in front);
+    """KeptRows.keep_step takes a chunk's rows at the end of its run chunk (re-fed tokens run in front);
     mtp_draft runs drafting requests past the head's scratch in further rounds and hands each its own drafts."""
     from types import SimpleNamespace
 
@@ -238,8 +238,8 @@ def test_the_runner_keeps_each_chunks_own_rows_and_drafts_in_rounds_of_its_scrat
                         start=4, block_table=np.arange(4, dtype=np.int32), state_slot=seq, keep_hidden=keep)
 
     batch = StepBatch([chunk(0, 3, True), chunk(1, 1, False), chunk(2, 1, True)])
-    host = SimpleNamespace(tables=SimpleNamespace(cu=np.array([0, 3, 4, 6, 7], np.int32)))  # 1 re-fed row at 4
-    r._keep_hidden(batch, host, DArray(0, (7, h), "f32"))  # type: ignore[arg-type]
+    cu = np.array([0, 3, 4, 6, 7], np.int32)  # the step's run-chunk ends: 1 re-fed row at 4
+    r.kept.keep_step(r.ctx, batch, cu, DArray(0, (7, h), "f32"), h, "f32", r._download)
     assert r.kept.by_seq[0].hidden.tolist() == source[0:3].tolist()
     assert r.kept.by_seq[2].hidden.tolist() == source[5:6].tolist() and 1 not in r.kept.by_seq
 
