@@ -190,7 +190,8 @@ class Runner(Protocol):
     #     one after the first `keep_tokens` tokens of its last verify window (called before the slot's next forward;
     #     KV needs no rollback: rejected positions are rewritten before they are ever read); optionally
     #     verify_room() -> int: windows the next step can roll back (the speculator drafts for no more sequences),
-    #     and max_verify_drafts: int | None, the most drafts one window may carry;
+    #     max_verify_drafts: int | None, the most drafts one window may carry, and spec_max_step_tokens: int, a
+    #     tighter cost rule for `auto` than SpeculativeConfig.max_step_tokens (decode rows + drafts a step);
     # `mtp_head: bool` — forward() honours SeqChunk.keep_hidden and the runner has
     #     mtp_draft(requests: list[MtpDraftRequest]) -> list[list[int]]: one list of greedy drafts per request;
     #     optionally mtp_in_auto: bool (default True) — False keeps the head for speculative="mtp" requests only;

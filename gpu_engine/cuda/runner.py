@@ -90,11 +90,11 @@ class CudaRunner:
     # decode step onto the prefill kernels (GRAPH_MAX_CHUNK < text_model.FLASH_MIN_CHUNK). A run's last piece can
     # replay a graph; the pieces before it want no logits, so _graphable leaves those steps eager.
     max_decode_chunk_tokens = GRAPH_MAX_CHUNK
-    # Speculative decoding (runner_api: SeqChunk.verify, rollback_state; cuda/verify.py; the rollback strategy is
-    # CudaOptions.rollback). verify_rows: windows a step may hold rollback state for (None: DEFAULT_VERIFY_ROWS,
-    # at most the state slots), kept out of the default cache budget and cut by allocate_cache to what fits in
-    # verify_memory_fraction of the memory the cache leaves; the speculator drafts for no more (verify_room).
+    # Speculative decoding (runner_api: SeqChunk.verify, rollback_state; cuda/verify.py; CudaOptions.rollback).
+    # verify_rows: windows a step may hold rollback state for (None: DEFAULT_VERIFY_ROWS, at most the state slots),
+    # kept out of the default cache budget, cut by allocate_cache to verify_memory_fraction of what the cache leaves.
     supports_verify = True
+    spec_max_step_tokens = 32  # auto's cost rule (27B, H200: a k=3 verify step 1.09x decode at b8, 2.57x at b32)
     book: VerifyBook | None = None  # the verify windows' book (allocate_cache)
     verify_rows: int | None = None
     verify_memory_fraction = 0.5

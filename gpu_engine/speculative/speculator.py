@@ -61,6 +61,9 @@ class Speculator:
             self.drafters["mtp"] = mtp
         self.override: Drafter | None = None  # benchmarks / tests: one drafter for every speculating request
         self.backoff = AutoBackoff()
+        # A runner may measure a tighter cost rule than the engine's (runner_api: spec_max_step_tokens)
+        declared = getattr(runner, "spec_max_step_tokens", None)
+        self.max_step_tokens = min(config.max_step_tokens, int(declared)) if declared else config.max_step_tokens
 
     # ---- requests ----
     def problem(self, params: SamplingParams) -> str | None:
@@ -93,7 +96,7 @@ class Speculator:
         decoding = [s for s in running if s.status is SeqStatus.RUNNING and s.num_uncomputed == 1
                     and s.num_computed >= s.prompt_len]
         # The cost rule: `auto` drafts only with the tokens the step has left under max_step_tokens.
-        room = self.config.max_step_tokens - len(decoding)
+        room = self.max_step_tokens - len(decoding)
         cut = False
         free = blocks.num_free_blocks
         # A runner may hold rollback state for a limited number of windows a step (CudaRunner.verify_room)

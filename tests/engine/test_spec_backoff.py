@@ -96,3 +96,37 @@ def test_right_drafts_keep_auto_drafting_every_step(folder: Path, plain: dict[st
     assert got == plain
     assert st["spec_auto_rest_skips"] == 0
     assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > TOKENS  # all accepted: ~4 tokens a window
+
+
+def test_a_runner_may_declare_a_tighter_cost_rule(folder: Path, plain: dict[str, list[int]]) -> None:
+    """CudaRunner.spec_max_step_tokens (32, measured): `auto` drafts only while decode rows + drafts fit it."""
+    from gpu_engine.cuda.runner import CudaRunner
+
+    assert CudaRunner.spec_max_step_tokens == 32
+    eng = Engine.from_pretrained(folder, config=EngineConfig(max_num_seqs=4, block_size=4),
+                                 speculative=SpeculativeConfig(num_tokens=3))
+    eng.runner.spec_max_step_tokens = 5  # type: ignore[attr-defined]  # 3 decoding sequences leave 2 drafts
+    from gpu_engine.speculative import Speculator
+
+    eng.spec = Speculator(eng.spec.config, eng.runner, eng._counters)
+    eng.spec.override = Replay(plain, 0.0, VOCAB)
+    assert eng.spec.max_step_tokens == 5
+    widths: list[int] = []
+    propose = eng.spec.propose
+
+    def spy(running: list, blocks: object) -> None:
+        propose(running, blocks)  # type: ignore[arg-type]
+        decoding = [s for s in running if s.num_uncomputed == 1 and s.num_computed >= s.prompt_len]
+        widths.append(len(decoding) + sum(s.num_drafts for s in decoding))
+
+    eng.spec.propose = spy  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, params, request_id=f"r{i}")
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert done == plain
+    assert max(widths) <= 5 and 5 in widths and eng.stats()["spec_auto_off_steps"] > 0
