@@ -94,7 +94,7 @@ class CudaRunner:
     # verify_rows: windows a step may hold rollback state for (None: DEFAULT_VERIFY_ROWS, at most the state slots),
     # kept out of the default cache budget, cut by allocate_cache to verify_memory_fraction of what the cache leaves.
     supports_verify = True
-    spec_max_step_tokens = 32  # auto's cost rule (27B, H200: a k=3 verify step 1.09x decode at b8, 2.57x at b32)
+    spec_max_step_tokens = 32  # auto's cost rule (27B, H200: a k=3 verify step 1.19x decode at b8, 3.03x at b32)
     book: VerifyBook | None = None  # the verify windows' book (allocate_cache)
     verify_rows: int | None = None
     verify_memory_fraction = 0.5
