@@ -64,7 +64,11 @@ def generate(folder: Path, method: str, corrupt: float | None, plain: dict[str, 
     if corrupt is not None:
         assert plain is not None
         eng.spec.override = Replay(plain, corrupt, VOCAB, seed=1)
-    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, speculative=method)
+    return drive(eng, SamplingParams(max_tokens=TOKENS, ignore_eos=True, speculative=method)), eng.stats()
+
+
+def drive(eng: Engine, params: SamplingParams) -> dict[str, list[int]]:
+    """Every prompt through `eng` with `params`, to the end: the token ids by request."""
     for i, p in enumerate(PROMPTS):
         eng.add_request(p, params, request_id=f"r{i}")
     done: dict[str, list[int]] = {}
@@ -72,7 +76,7 @@ def generate(folder: Path, method: str, corrupt: float | None, plain: dict[str, 
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    return done, eng.stats()
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +124,5 @@ def test_a_runner_may_declare_a_tighter_cost_rule(folder: Path, plain: dict[str,
         widths.append(len(decoding) + sum(s.num_drafts for s in decoding))
 
     eng.spec.propose = spy  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(p, params, request_id=f"r{i}")
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    assert done == plain
+    assert drive(eng, SamplingParams(max_tokens=TOKENS, ignore_eos=True)) == plain
     assert max(widths) <= 5 and 5 in widths and eng.stats()["spec_auto_off_steps"] > 0
