@@ -47,7 +47,8 @@ def test_spec_figures_of_a_real_engine_reach_metrics() -> None:
     engine = Engine.from_pretrained(bundled_model_dir(), config=EngineConfig(max_num_seqs=4, max_batched_tokens=64),
                                     speculative=SpeculativeConfig(num_tokens=3))
     prompt = rng.integers(10, 500, size=12).tolist()
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    # a named drafter drafts every step (auto would rest after windows that gain nothing: speculative/backoff.py)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculative="ngram")
     truth = _run(engine, prompt, SamplingParams(max_tokens=24, ignore_eos=True, speculative="off"))
     # The greedy continuation itself as drafts, half of them corrupted: some accepted, some rejected.
     engine.spec.override = Replay({"r0": truth}, 0.5, engine.vocab_size, seed=int(rng.integers(1 << 30)))
