@@ -17,7 +17,8 @@ shift
 # A process an earlier call of the session left behind can hold most of the card (session 7: 121.8 GiB, and the
 # engine's arena did not fit): every GPU compute process on a lent machine is this session's, so end them first.
 leftover=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)
-[ -n "$leftover" ] && { echo "ending leftover GPU processes: $leftover"; kill -9 $leftover; sleep 2; }  # shellcheck disable=SC2086
+# shellcheck disable=SC2086
+[ -n "$leftover" ] && { echo "ending leftover GPU processes: $leftover"; kill -9 $leftover; sleep 2; }
 rm -rf /tmp/snap && mkdir -p /tmp/snap && tar -xf "$REPO/.snap14/${SNAP:-head.tar}" -C /tmp/snap || exit 1
 [ -d "$REPO/.snap14/overlay" ] && cp -r "$REPO/.snap14/overlay/." /tmp/snap/
 [ -d /tmp/site/nvmath ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
