@@ -29,43 +29,25 @@ import time
 import numpy as np
 
 from tests.cuda_runner import references as ref
+from tests.cuda_runner.check_kernels import TOL
+from tests.cuda_runner.check_kernels import Checker as KernelChecker
 from tests.cuda_runner.harness import Result, fresh_seed, passed, rel_err, result_table, run_guarded, write_json
 
-TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
 FP8_FLIP_BOUND = 2e-3
 PARTS = ("store", "attention", "timing", "runner")
 BS = 16
 
 
-class Checker:
-    def __init__(self, ctx, rng: np.random.Generator) -> None:
-        from gpu_engine.cuda import ops
-        from gpu_engine.cuda.bf16 import round_to_bf16
+class Checker(KernelChecker):
+    """check_kernels' helpers (rand, up, out, get, record) with timing rows beside, each row printed as it comes."""
 
-        self.ctx, self.rng, self.ops, self._round = ctx, rng, ops, round_to_bf16
-        self.results: list[Result] = []
+    def __init__(self, ctx, rng: np.random.Generator) -> None:
+        super().__init__(ctx, rng)
         self.timing: list[dict] = []
 
-    def rand(self, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
-        x = (self.rng.standard_normal(shape) * scale).astype(np.float32)
-        return self._round(x) if dtype == "bf16" else x
-
-    def up(self, host: np.ndarray, dtype: str):
-        return self.ctx.to_device(host, dtype, "in")
-
-    def out(self, shape, dtype: str):
-        arr = self.ctx.empty(shape, dtype, "out")
-        self.ctx.poison(arr)
-        return arr
-
-    def get(self, arr) -> np.ndarray:
-        self.ctx.device.sync()
-        return self.ctx.to_host(arr)
-
     def record(self, name: str, dtype: str, err: float, note: str = "", tol: float | None = None) -> None:
-        tol = TOL[dtype] if tol is None else tol
-        self.results.append(Result(name, dtype, err, tol, bool(np.isfinite(err) and err <= tol), note))
-        print(f"{name:<58} {dtype:<6} {err:.2e} (tol {tol:.0e}) {note}", flush=True)
+        super().record(name, dtype, err, note, tol)
+        print(f"{name:<58} {dtype:<6} {err:.2e} (tol {self.results[-1].tol:.0e}) {note}", flush=True)
 
     # ---- store ---------------------------------------------------------------------------------------------
     def store(self, t: str) -> None:
