@@ -7,9 +7,10 @@ import dataclasses
 import resource
 from typing import Any
 
+from gpu_engine.speculative.speculator import spec_counters
+
 COUNTERS = ("steps", "prompt_tokens_computed", "decode_tokens", "forced_tokens", "sampled_tokens", "preemptions",
-            "chunked_output_tokens", "spec_verify_windows", "spec_draft_tokens", "spec_accepted_tokens",
-            "spec_rejected_tokens", "spec_auto_off_steps", "spec_grammar_cut_tokens")
+            "chunked_output_tokens", *spec_counters())  # the speculator's counters, named where they are kept
 
 
 @dataclasses.dataclass(frozen=True)
