@@ -84,7 +84,8 @@ def profile(shape_name: str, steps: int, rng: np.random.Generator) -> dict:
                                     "tie_word_embeddings": tied})
     weights = random_bf16_weights(config, rng)
     weight_bytes = sum(a.nbytes for a in weights.text.values()) + (0 if tied else weights.lm_head.nbytes)
-    runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=weight_bytes + (40 << 30)))
+    # DOCPIPE_CUDA_* options apply (e.g. DOCPIPE_CUDA_DECODE_ROWS_APART=1 to profile that split)
+    runner = CudaRunner(config, weights, CudaOptions.from_env(dtype="bf16", memory_budget=weight_bytes + (40 << 30)))
     del weights
     cfg = config.text
     cost = ModelCost.from_config(config, kv_bytes_per_token=runner.kv_bytes_per_block(16) // 16,
