@@ -33,9 +33,10 @@ class CudaOptions:
     graph_memory: int = 2 << 30  # most bytes one decode graph's buffers may take (graphs share them); larger: eager
     use_pdl: bool = False  # programmatic dependent launch between kernels (needs sm_90; DOCPIPE_CUDA_PDL=1)
     # A step carrying a 32+-token prompt chunk gives its one-token rows to the decode attention kernel instead of
-    # flash_prefill (text_model.CudaTextModel.decode_rows_apart; DOCPIPE_CUDA_DECODE_ROWS_APART=1); not yet checked
-    # on a GPU, so off.
-    decode_rows_apart: bool = False
+    # flash_prefill (text_model.CudaTextModel.decode_rows_apart; DOCPIPE_CUDA_DECODE_ROWS_APART=0 turns it off).
+    # On by default since session 8: check_decode_rows_apart passed on the H200, and the 9B document step (56 decode
+    # rows + 4 prompt chunks, 8192 tokens) ran 243.3 -> 236.1 ms, flash_prefill 30.8 -> 19.1 ms (cuda_notes.md).
+    decode_rows_apart: bool = True
     # Bytes of the on-device encoder-cache region (DOCPIPE_CUDA_ENCODER_MEMORY), also the engine's default encoder
     # budget on this runner; None: encoder_region_bytes(budget) = DEFAULT_ENCODER_MEMORY (1 GiB: 65,536 tokens of
     # 27B-class embeddings; a 12 MP photo at 9B is 92.5 MiB), at most a quarter of the memory budget.

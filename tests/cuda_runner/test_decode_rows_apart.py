@@ -120,9 +120,9 @@ def test_with_the_option_the_decode_rows_take_the_decode_kernel_and_come_back_to
     assert ops.attention_splits(ctx, 3, 2, waves=8) == grid[2]
 
 
-def test_the_option_is_off_by_default_and_read_from_the_environment():
+def test_the_option_is_on_by_default_and_read_from_the_environment():
     from gpu_engine.cuda.options import CudaOptions
 
-    assert CudaOptions().decode_rows_apart is False
+    assert CudaOptions().decode_rows_apart is True
     assert CudaOptions.from_env({"DOCPIPE_CUDA_DECODE_ROWS_APART": "1"}).decode_rows_apart is True
     assert CudaOptions.from_env({"DOCPIPE_CUDA_DECODE_ROWS_APART": "0"}).decode_rows_apart is False
