@@ -132,7 +132,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
     load_s = time.perf_counter() - t0
     print(f"{shape}: model folder in {write_s:.1f} s, engine built in {load_s:.1f} s", flush=True)
     cost = model_cost(engine)
-    profile = StepProfile.attach(engine)
+    profile = StepProfile.attach(engine, host_profile=args.host_profile)
     front = AsyncEngine(engine)
     try:
         for m, mode in enumerate(args.modes):
@@ -158,6 +158,8 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             rows.append(row)
             row.update(run_mode(front, engine, profile, cost, ceilings, units, spec, settings, params, fixed,
                                 args.submitters))
+            if args.timeline:
+                write_timeline(Path(args.timeline), row, profile)
             save()
             print(mode_line(row), flush=True)
     finally:
@@ -170,6 +172,17 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_timeline(path: Path, row: dict[str, Any], profile: StepProfile) -> None:
+    """Append one mode's step timeline (and the engine steps' cProfile with --host-profile) to `path`."""
+    runs = json.loads(path.read_text()) if path.exists() else []
+    t0 = profile.steps[0].started_s if profile.steps else 0.0
+    runs.append({"shape": row["shape"], "output_mode": row["output_mode"], "git_commit": row.get("git_commit"),
+                 "columns": ["start_s", "wall_s", "device_s", "encode_s", "mask_s", "decode_rows", "chunks",
+                             "chunk_tokens", "vision_items"],
+                 "steps": profile.timeline(t0), "host_profile_top": profile.host_profile_top()})
+    path.write_text(json.dumps(runs))
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,6 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cuda: write the weights into the folder and load them with Engine.from_pretrained")
     parser.add_argument("--expert-layout", default="fused", choices=("fused", "per_expert"),
                         help="MoE folders: routed experts fused (BF16 release) or one tensor per expert (FP8 releases)")
+    parser.add_argument("--timeline", help="write each mode's per-step timeline (JSON) here")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile the engine steps (into --timeline's file); slows the steps: not for timing")
     parser.add_argument("--speculative", choices=("product", "auto", "off", "ngram"), default="product",
                         help="SamplingParams.speculative of every request: 'product' keeps what the pipeline sends "
                              "(its default, auto); rows say which")

@@ -6,6 +6,10 @@
     rows = profile.steps                       # one StepRecord per engine.step()
     profile.detach()
 
+StepProfile.attach(engine, host_profile=True) also runs cProfile over every engine.step() (the engine's own thread
+only), so host_profile_top() can say where the host time between forwards goes; it slows the steps, so a run that
+is timed should not use it. timeline() lists the steps in order for a plot of the run's phases.
+
 Per step: wall time of step(), of runner.forward (prefill / decode run, its device sync and downloads included),
 of vision encodes, of grammar masks (the engine's own mask timer), what was run (limit_model.StepShape) and, for
 the cuda runner, the device time between CUDA events recorded on the runner's stream before and after each forward
@@ -14,6 +18,9 @@ the submitting threads) is timed apart, as it overlaps the steps.
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ from limit_model import StepShape
 
 @dataclass
 class StepRecord:
+    started_s: float = 0.0  # perf_counter() when the step began
     wall_s: float = 0.0
     forward_s: float = 0.0
     encode_s: float = 0.0
@@ -42,8 +50,9 @@ class StepRecord:
 
 
 class StepProfile:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, host_profile: bool = False) -> None:
         self.engine = engine
+        self.host_profile = cProfile.Profile() if host_profile else None
         self.steps: list[StepRecord] = []
         self.prepare_s = 0.0
         self.prepare_count = 0
@@ -55,8 +64,8 @@ class StepProfile:
         self._thread = threading.local()
 
     @classmethod
-    def attach(cls, engine: Any) -> StepProfile:
-        profile = cls(engine)
+    def attach(cls, engine: Any, host_profile: bool = False) -> StepProfile:
+        profile = cls(engine, host_profile)
         profile._wrap(engine, "step", profile._step)
         profile._wrap(engine.runner, "forward", profile._forward)
         profile._wrap(engine.encoder, "_encode", profile._encode)
@@ -73,6 +82,8 @@ class StepProfile:
         with self._lock:
             self.steps = []
             self.prepare_s, self.prepare_count = 0.0, 0
+        if self.host_profile is not None:
+            self.host_profile = cProfile.Profile()
 
     def resolve(self) -> None:
         """Read the CUDA event spans (call once the device is idle)."""
@@ -80,6 +91,30 @@ class StepProfile:
             if rec.events and rec.device_s is None:
                 rec.device_s = sum(float(stop - start) for start, stop in rec.events) / 1e3  # events give ms
                 rec.events = []
+
+    def timeline(self, t0: float) -> list[list[float]]:
+        """One row per step, in order: [start s after t0, wall s, device s (None without events), vision-encode
+        s, mask s, decode rows, multi-token chunks, their tokens (prompt chunks and jump-forward runs), vision
+        items encoded]."""
+        rows = []
+        for r in self.steps:
+            chunks = r.shape.prefill_chunks
+            rows.append([round(r.started_s - t0, 4), round(r.wall_s, 5),
+                         None if r.device_s is None else round(r.device_s, 5), round(r.encode_s, 5),
+                         round(r.mask_s, 5), len(r.shape.decode_contexts), len(chunks), sum(n for _, n, _ in chunks),
+                         len(r.shape.vision_grids)])
+        return rows
+
+    def host_profile_top(self, lines: int = 45) -> list[str]:
+        """cProfile's top functions of the engine steps by own time, then by cumulative time ([] when off)."""
+        if self.host_profile is None:
+            return []
+        out = []
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(self.host_profile, stream=buf).sort_stats(key).print_stats(lines)
+            out.extend(buf.getvalue().splitlines())
+        return out
 
     # ---- wrappers ----------------------------------------------------------------------------------------
     def _wrap(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -107,8 +142,15 @@ class StepProfile:
         def step() -> Any:
             mask0 = _mask_seconds(self.engine)
             t0 = time.perf_counter()
-            out = original()
+            if self.host_profile is not None:
+                self.host_profile.enable()
+            try:
+                out = original()
+            finally:
+                if self.host_profile is not None:
+                    self.host_profile.disable()
             rec, self._current = self._current, StepRecord()
+            rec.started_s = t0
             rec.wall_s = time.perf_counter() - t0
             rec.mask_s = _mask_seconds(self.engine) - mask0
             if rec.forward_s or rec.encode_s:  # steps that ran nothing (idle polls) are not steps of the run

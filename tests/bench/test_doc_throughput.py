@@ -137,6 +137,27 @@ def test_speculation_can_be_turned_off_for_every_request(tmp_path: Path) -> None
     assert row["engine_counters"]["spec_verify_windows"] == 0 and row["engine_counters"]["spec_draft_tokens"] == 0
 
 
+def test_the_timeline_lists_every_step_and_the_host_profile_its_functions(tmp_path: Path) -> None:
+    out, timeline = tmp_path / "doc.json", tmp_path / "timeline.json"
+    argv = ["--runner", "reference", "--shapes", "tiny", "--units", "2", "--mix", "1,0,0", "--modes", "fixed12",
+            "--image-max-pixels", str(64 * 32 * 32), "--submitters", "1", "--max-num-seqs", "4",
+            "--max-batched-tokens", "256", "--kv-cache-gib", "0.05", "--encoder-cache-gib", "0.05",
+            "--json", str(out), "--timeline", str(timeline), "--host-profile"]
+    assert dtp.main(argv) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    [run] = json.loads(timeline.read_text())
+    steps = run["steps"]
+    assert len(steps) == row["time_split"]["steps"]
+    col = {name: i for i, name in enumerate(run["columns"])}
+    starts = [s[col["start_s"]] for s in steps]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    # every prompt token and every decode row of the run is in some step
+    assert sum(s[col["chunk_tokens"]] for s in steps) >= row["prompt_tokens"]
+    assert sum(s[col["decode_rows"]] for s in steps) > 0
+    assert sum(s[col["vision_items"]] for s in steps) == 2  # one page each, encoded once
+    assert any("step" in line for line in run["host_profile_top"])
+
+
 def test_bad_modes_and_arguments_are_refused() -> None:
     with pytest.raises(SystemExit):
         dtp.parse_args(["--mix", "1,2"])
