@@ -86,15 +86,17 @@ def silu_mul(ctx: GpuContext, out: DArray, gate_up: DArray) -> None:
     rows, inter = out.shape
     if gate_up.shape != (rows, 2 * inter):
         raise ShapeError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
-    ctx.device.launch("elementwise", f"silu_mul_{t}", _grid_1d(ctx, rows * inter), 256, out.ptr, gate_up.ptr,
-                      i32(rows), i32(inter))
+    vec = 8 if t == "bf16" else 4  # one 16-byte vector per thread; grid (column block, row slice), no div/mod
+    grid = (max(1, -(-inter // (256 * vec))), max(1, min(rows, 65535)))
+    ctx.device.launch("elementwise", f"silu_mul_{t}", grid, 256, out.ptr, gate_up.ptr, i32(rows), i32(inter))
 
 
 def add(ctx: GpuContext, out: DArray, a: DArray, b: DArray) -> None:
     t = _same_float(out, a, b)
     if not out.size == a.size == b.size:
         raise ShapeError(f"add sizes differ: {out.shape} {a.shape} {b.shape}")
-    ctx.device.launch("elementwise", f"add_{t}", _grid_1d(ctx, out.size), 256, out.ptr, a.ptr, b.ptr, i64(out.size))
+    vectors = -(-out.size // (8 if t == "bf16" else 4))  # one 16-byte vector per thread (scalar tail in-kernel)
+    ctx.device.launch("elementwise", f"add_{t}", _grid_1d(ctx, vectors), 256, out.ptr, a.ptr, b.ptr, i64(out.size))
 
 
 # ---- rotary --------------------------------------------------------------------------------------------------

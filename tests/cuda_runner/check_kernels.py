@@ -115,17 +115,19 @@ class Checker:
         self.record("rmsnorm_gated", t, rel_err(self.get(out), ref.rmsnorm_gated(x, z, w, 1e-6)))
 
     def silu_mul(self, t: str) -> None:
-        rows, inter = 13, 3000
-        gu = self.rand((rows, 2 * inter), t, 2.0)
-        out = self.out((rows, inter), t)
-        self.ops.silu_mul(self.ctx, out, self.up(gu, t))
-        self.record("silu_mul", t, rel_err(self.get(out), ref.silu(gu[:, :inter]) * gu[:, inter:]))
+        # 3000: vector path; 3001: scalar fallback (rows not 16-byte aligned); 12288: the 9B MLP width
+        for rows, inter in ((13, 3000), (13, 3001), (70, 12288)):
+            gu = self.rand((rows, 2 * inter), t, 2.0)
+            out = self.out((rows, inter), t)
+            self.ops.silu_mul(self.ctx, out, self.up(gu, t))
+            self.record(f"silu_mul {rows}x{inter}", t, rel_err(self.get(out), ref.silu(gu[:, :inter]) * gu[:, inter:]))
 
     def add(self, t: str) -> None:
-        a, b = self.rand((77, 515), t), self.rand((77, 515), t)
-        out = self.out((77, 515), t)
-        self.ops.add(self.ctx, out, self.up(a, t), self.up(b, t))
-        self.record("add", t, rel_err(self.get(out), a.astype(np.float64) + b))
+        for shape in ((77, 515), (64, 4096)):  # 39655 elements: vectors plus a scalar tail; 9B hidden rows
+            a, b = self.rand(shape, t), self.rand(shape, t)
+            out = self.out(shape, t)
+            self.ops.add(self.ctx, out, self.up(a, t), self.up(b, t))
+            self.record(f"add {shape[0]}x{shape[1]}", t, rel_err(self.get(out), a.astype(np.float64) + b))
 
     def rope(self, t: str) -> None:
         from gpu_engine.cuda import rotary
