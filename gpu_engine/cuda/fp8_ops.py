@@ -34,6 +34,18 @@ GEMV_MAX_TILES = 4  # kernel instances fp8_gemv_bf16_t1..t4
 GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (bench/fp8_gemm_bench.py, 2026-12-02)
 CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
+GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
+RESIDENT_BLOCKS = 132 * 2  # H200 SMs x __launch_bounds__(256, 2)
+SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
+
+
+def split_k_plan(n: int, k: int) -> tuple[int, int]:
+    """(splits, groups a split) for the split-K streaming kernel: enough splits that ceil(n/16) * splits fills
+    SPLITK_WAVES waves, each split a whole multiple of GEMV_WARPS groups, no split empty. (1, groups) = no split."""
+    tiles, g = -(-n // GEMV_ROWS), groups(k)
+    want = max(1, -(-SPLITK_WAVES * RESIDENT_BLOCKS // tiles))
+    gps = _round_up(-(-g // want), GEMV_WARPS)
+    return -(-g // gps), gps
 
 
 def _round_up(x: int, to: int) -> int:
@@ -183,8 +195,9 @@ def norm_quant(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, ep
 
 
 def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
-             first_token: int = 0, tokens: int | None = None) -> None:
-    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel."""
+             first_token: int = 0, tokens: int | None = None, variant: str = "stream") -> None:
+    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel;
+    variant "splitk": K split over blocks (split_k_plan), f32 partials summed in split order by a second pass."""
     n, k = w.shape
     tokens = xa.m - first_token if tokens is None else tokens
     if xa.k != k or not 0 < tokens <= GEMV_TOKENS * GEMV_MAX_TILES or first_token + tokens > xa.m:
@@ -193,6 +206,18 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
     y_ld = y_ld or n
     tiles = -(-tokens // GEMV_TOKENS)
+    if variant == "splitk":
+        splits, gps = split_k_plan(n, k)
+        part = ctx.empty((splits * tokens, n), "f32", "fp8.splitk")
+        ctx.device.launch("fp8", f"fp8_gemv_splitk_t{tiles}", (-(-n // GEMV_ROWS), splits), 256, part.ptr, i32(gps),
+                          xa.q.ptr + first_token * k, i64(k), xa.scales.ptr + first_token * xa.t_stride * 4,
+                          i64(xa.g_stride), i64(xa.t_stride), w.bits.ptr, i64(k), w.scales.ptr,
+                          i64(w.scale_row_stride), i64(w.scale_col_stride), i32(tokens), i32(n), i32(k))
+        ctx.device.launch("fp8", "fp8_splitk_reduce_bf16", -(-tokens * n // 256), 256,
+                          y.ptr + first_token * y_ld * 2, i64(y_ld), part.ptr, i32(splits), i32(tokens), i32(n))
+        return
+    if variant != "stream":
+        raise ShapeError(f"unknown FP8 GEMV variant {variant!r}")
     ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),

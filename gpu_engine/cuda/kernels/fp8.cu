@@ -172,18 +172,23 @@ __device__ __forceinline__ uint4 load16(const u8_t* base, long long row, long lo
     return __ldg(reinterpret_cast<const uint4*>(base + row * ld + col));
 }
 
-template <int NT>
+// SPLIT (split-K): blockIdx.y takes the groups [blockIdx.y * gps, + gps) and stores its f32 sums to
+// part[blockIdx.y][tok][row]; fp8_splitk_reduce_bf16 adds the splits in index order (deterministic). Why: N = 5120
+// is 320 tiles, 1.2 waves of 264 resident blocks, so a third of the machine idles in the last wave.
+template <int NT, bool SPLIT>
 __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld, const u8_t* __restrict__ xq,
                                          long long xq_ld, const float* __restrict__ sx, long long sx_g,
                                          long long sx_m, const u8_t* __restrict__ w, long long w_ld,
                                          const float* __restrict__ sw, long long sw_nb, long long sw_kb, int m,
-                                         int n, int k) {
+                                         int n, int k, float* __restrict__ part, int gps) {
     pdl_entry();
     __shared__ float red[FP8_GEMV_WARPS][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int n0 = blockIdx.x * 16;
     const int r0 = n0 + gid, r1 = n0 + gid + 8;
-    const int groups = (k + 127) / 128;
+    const int all_groups = (k + 127) / 128;
+    const int g_lo = SPLIT ? blockIdx.y * gps : 0;
+    const int groups = SPLIT ? min(all_groups, g_lo + gps) : all_groups;
     const float* swrow = sw + (long long)(n0 / 128) * sw_nb;
     float acc[NT][4];
 #pragma unroll
@@ -191,7 +196,7 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
 #pragma unroll 2
-    for (int g = warp; g < groups; g += FP8_GEMV_WARPS) {
+    for (int g = g_lo + warp; g < groups; g += FP8_GEMV_WARPS) {
         const int c0 = g * 128 + tig * 16, c1 = c0 + 64;
         const uint4 w00 = load16(w, r0, w_ld, c0, r0 < n && c0 < k), w01 = load16(w, r0, w_ld, c1, r0 < n && c1 < k);
         const uint4 w10 = load16(w, r1, w_ld, c0, r1 < n && c0 < k), w11 = load16(w, r1, w_ld, c1, r1 < n && c1 < k);
@@ -232,7 +237,12 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
 #pragma unroll
             for (int wi = 0; wi < FP8_GEMV_WARPS; ++wi) v += red[wi][t * 4 + i][lane];
             const int row = i < 2 ? r0 : r1, tok = t * 8 + tig * 2 + (i & 1);
-            if (row < n && tok < m) y[(long long)tok * y_ld + row] = from_f<bf16_t>(v);
+            if (row < n && tok < m) {
+                if (SPLIT)
+                    part[((long long)blockIdx.y * m + tok) * n + row] = v;
+                else
+                    y[(long long)tok * y_ld + row] = from_f<bf16_t>(v);
+            }
         }
     }
 }
@@ -242,9 +252,26 @@ __device__ __forceinline__ void fp8_gemv(bf16_t* __restrict__ y, long long y_ld,
         fp8_gemv_bf16_t##NT(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx,            \
                             long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,         \
                             long long sw_nb, long long sw_kb, int m, int n, int k) {                                \
-        fp8_gemv<NT>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k);                       \
+        fp8_gemv<NT, false>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k, nullptr, 0);    \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 2)                                          \
+        fp8_gemv_splitk_t##NT(float* part, int gps, const u8_t* xq, long long xq_ld, const float* sx,               \
+                              long long sx_g, long long sx_m, const u8_t* w, long long w_ld, const float* sw,       \
+                              long long sw_nb, long long sw_kb, int m, int n, int k) {                              \
+        fp8_gemv<NT, true>(nullptr, 0, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k, part, gps);   \
     }
 FP8_GEMV_ENTRY(1)
 FP8_GEMV_ENTRY(2)
 FP8_GEMV_ENTRY(3)
 FP8_GEMV_ENTRY(4)
+
+// y[tok, row] = bf16(sum over s of part[s][tok][row]), s in index order; one thread an output
+extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, const float* part, int splits, int m,
+                                                  int n) {
+    pdl_entry();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, mn = (long long)m * n;
+    if (i >= mn) return;
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += part[s * mn + i];
+    y[(i / n) * y_ld + i % n] = from_f<bf16_t>(v);
+}
