@@ -113,12 +113,15 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
             row["fp8_cublaslt_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if m <= 32:
             row["fp8_gemv_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w) for w in w8], reps)
+            row["fp8_splitk_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, variant="splitk") for w in w8],
+                                            reps)
             fp8_bytes = n * k + w8[0].scales.nbytes + m * k + xa.scales.nbytes + m * n * 2
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             best = min(row["fp8_gemv_us"], row.get("fp8_cublaslt_us", float("inf")))
             row["fp8_roofline_us"] = fp8_bytes / copy_gbps / 1e3
             row["fp8_best_fraction_of_roofline"] = row["fp8_roofline_us"] / best
             row["fp8_gemv_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_gemv_us"]
+            row["fp8_splitk_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_splitk_us"]
             row["bf16_fraction_of_roofline"] = bf16_bytes / copy_gbps / 1e3 / row["bf16_us"]
             row["speedup_fp8_vs_bf16"] = row["bf16_us"] / best
         else:

@@ -227,7 +227,8 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
 
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
                path: str = "auto") -> str:
-    """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "cublaslt".
+    """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_splitk" |
+    "cublaslt" (gemv_splitk: the streaming kernel with K split over blocks; not yet timed, so auto keeps "gemv").
     Returns the path taken."""
     n, k = w.shape
     if path == "auto":
@@ -241,9 +242,10 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
             return "cublaslt"
         except ShapeError:  # no block-scaled algorithm in this cuBLASLt: the streaming kernel, 32 tokens a launch
             path = "gemv"
-    if path != "gemv":
+    if path not in ("gemv", "gemv_splitk"):
         raise ShapeError(f"unknown FP8 GEMM path {path!r}")
     step = GEMV_TOKENS * GEMV_MAX_TILES
+    variant = "splitk" if path == "gemv_splitk" else "stream"
     for first in range(0, xa.m, step):
-        fp8_gemv(ctx, y, xa, w, y_ld, first, min(step, xa.m - first))
-    return "gemv"
+        fp8_gemv(ctx, y, xa, w, y_ld, first, min(step, xa.m - first), variant=variant)
+    return path

@@ -303,8 +303,9 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
             for add in (False, True):
                 name = f"{'add_' if add else ''}rmsnorm+quant m{m} d{dim}"
                 c.run(name, 0.0, lambda m=m, d=dim, a=add: c.norm_quant(m, d, a))
-        for m, n, k in GEMV_CASES:
-            c.run(f"gemm[gemv] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("gemv", m, n, k))
+        for path in ("gemv", "gemv_splitk"):
+            for m, n, k in GEMV_CASES:
+                c.run(f"gemm[{path}] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k, p=path: c.gemm(p, m, n, k))
         for m, n, k in CUBLAS_CASES:
             c.run(f"gemm[cublaslt] m{m} n{n} k{k}", GEMM_TOL, lambda m=m, n=n, k=k: c.gemm("cublaslt", m, n, k))
         for m, inter in ((3, 128), (37, 17408), (300, 1152)):
