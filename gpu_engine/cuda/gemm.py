@@ -41,6 +41,16 @@ ITEMSIZE = {"f32": 4, "bf16": 2, "e4m3": 1}
 SCALED_DTYPES = ("e4m3",)  # operand dtypes that only come block-scaled (linear_fp8)
 TUNE_MAX_M = 64  # shapes with at most this many rows get their algorithm chosen by timing
 TUNE_CANDIDATES = 16
+# ...unless the weight is this big: timing 16 candidates of the 9B LM head (2 GB) costs ~0.1 s of a run per new row
+# count, where its heuristic choice loses at most a fraction of its ~0.5 ms (the 9B document run spent 2.2 s of
+# 29 s in candidate timing, session 8's host profile).
+TUNE_MAX_WEIGHT_BYTES = 512 << 20
+TUNE_REPS = 3  # timed calls a candidate, after one warm-up call (events: enough to rank weight-streaming GEMMs)
+
+
+def tune_candidates(m: int, n: int, k: int, itemsize: int, tune: bool) -> int:
+    """How many heuristic candidates a new plan times (1: take the heuristic's first)."""
+    return TUNE_CANDIDATES if tune and m <= TUNE_MAX_M and n * k * itemsize < TUNE_MAX_WEIGHT_BYTES else 1
 GEMM_ACTS = ("none", "gelu_tanh")
 BIAS_ALIGN = 16  # bytes; our arena hands out 256-aligned vectors, cuBLASLt's vectorised bias loads need <= 16
 # (bias given, act) -> our epilogue name; cuBLASLt's Epilogue enum member of each
@@ -268,7 +278,7 @@ class CublasLt:
             for value in (5, 6, 7, 8):
                 self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref,
                           lt.MatmulPreferenceAttribute(value), key.align)
-        wanted = TUNE_CANDIDATES if tune and key.m <= TUNE_MAX_M else 1
+        wanted = tune_candidates(key.m, key.n, key.k, ITEMSIZE[key.w_dtype], tune)
         heuristics = lt.MatmulHeuristicResult(wanted)
         count = np.zeros(1, np.int32)
         why = ""
@@ -299,11 +309,10 @@ class CublasLt:
         self._plans[key] = plan
         return plan
 
-    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, bias: int = 0, reps: int = 10,
+    def _time(self, plan: _Plan, algo_ptr: int, y: int, x: int, w: int, bias: int = 0, reps: int = TUNE_REPS,
               scales: tuple[int, int] = (0, 0)) -> float:
         dev = self.device
-        for _ in range(2):
-            self._matmul(plan, algo_ptr, y, x, w, False, None, bias, scales)
+        self._matmul(plan, algo_ptr, y, x, w, False, None, bias, scales)
         start, stop = dev.event(), dev.event()
         dev.stream.record(start)
         for _ in range(reps):
