@@ -35,15 +35,16 @@ GEMV_MAX_M = 8  # up to this many tokens the streaming kernel beats cuBLASLt (be
 CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row counts (m 33, 34; 36, 40, 44 run)
 GEMV_ROWS = 16  # weight rows a block
 GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
-RESIDENT_BLOCKS = 132 * 2  # H200 SMs x __launch_bounds__(256, 2)
+GEMV_BLOCKS_PER_SM = 2  # the streaming kernels' __launch_bounds__(256, 2)
 SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
 
 
-def split_k_plan(n: int, k: int) -> tuple[int, int]:
+def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
     """(splits, groups a split) for the split-K streaming kernel: enough splits that ceil(n/16) * splits fills
-    SPLITK_WAVES waves, each split a whole multiple of GEMV_WARPS groups, no split empty. (1, groups) = no split."""
+    SPLITK_WAVES waves of the device's resident blocks, each split a whole multiple of GEMV_WARPS groups, no split
+    empty. (1, groups) = no split."""
     tiles, g = -(-n // GEMV_ROWS), groups(k)
-    want = max(1, -(-SPLITK_WAVES * RESIDENT_BLOCKS // tiles))
+    want = max(1, -(-SPLITK_WAVES * GEMV_BLOCKS_PER_SM * sm_count // tiles))
     gps = _round_up(-(-g // want), GEMV_WARPS)
     return -(-g // gps), gps
 
@@ -207,7 +208,7 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
     y_ld = y_ld or n
     tiles = -(-tokens // GEMV_TOKENS)
     if variant == "splitk":
-        splits, gps = split_k_plan(n, k)
+        splits, gps = split_k_plan(n, k, ctx.device.info.sm_count)
         part = ctx.empty((splits * tokens, n), "f32", "fp8.splitk")
         ctx.device.launch("fp8", f"fp8_gemv_splitk_t{tiles}", (-(-n // GEMV_ROWS), splits), 256, part.ptr, i32(gps),
                           xa.q.ptr + first_token * k, i64(k), xa.scales.ptr + first_token * xa.t_stride * 4,
@@ -228,7 +229,8 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
                path: str = "auto") -> str:
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_splitk" |
-    "cublaslt" (gemv_splitk: the streaming kernel with K split over blocks; not yet timed, so auto keeps "gemv").
+    "cublaslt" (gemv_splitk: the streaming kernel with K split over blocks; on the H200 only the long-K down_proj
+    gained (0.650 -> 0.695 of the FP8 roofline at M=1), the others lost, so auto keeps "gemv").
     Returns the path taken."""
     n, k = w.shape
     if path == "auto":

@@ -46,17 +46,17 @@ TUNE_CANDIDATES = 16
 # 29 s in candidate timing, session 8's host profile).
 TUNE_MAX_WEIGHT_BYTES = 512 << 20
 TUNE_REPS = 3  # timed calls a candidate, after one warm-up call (events: enough to rank weight-streaming GEMMs)
-
-
-def tune_candidates(m: int, n: int, k: int, itemsize: int, tune: bool) -> int:
-    """How many heuristic candidates a new plan times (1: take the heuristic's first)."""
-    return TUNE_CANDIDATES if tune and m <= TUNE_MAX_M and n * k * itemsize < TUNE_MAX_WEIGHT_BYTES else 1
 GEMM_ACTS = ("none", "gelu_tanh")
 BIAS_ALIGN = 16  # bytes; our arena hands out 256-aligned vectors, cuBLASLt's vectorised bias loads need <= 16
 # (bias given, act) -> our epilogue name; cuBLASLt's Epilogue enum member of each
 EPILOGUES = {(False, "none"): "none", (True, "none"): "bias", (False, "gelu_tanh"): "gelu",
              (True, "gelu_tanh"): "gelu_bias"}
 _LT_EPILOGUE = {"bias": "BIAS", "gelu": "GELU", "gelu_bias": "GELU_BIAS"}
+
+
+def tune_candidates(m: int, n: int, k: int, itemsize: int, tune: bool) -> int:
+    """How many heuristic candidates a new plan times (1: take the heuristic's first)."""
+    return TUNE_CANDIDATES if tune and m <= TUNE_MAX_M and n * k * itemsize < TUNE_MAX_WEIGHT_BYTES else 1
 
 
 class EpilogueUnsupported(ShapeError):

@@ -80,14 +80,19 @@ def _grid_1d(ctx: GpuContext, n: int, threads: int = 256) -> int:
     return max(1, min((n + threads - 1) // threads, ctx.device.info.sm_count * 16))
 
 
+def _vector_elems(t: str) -> int:
+    """Elements of dtype `t` in the 16-byte vectors the elementwise kernels load (elementwise.cu's VEC)."""
+    return 8 if t == "bf16" else 4
+
+
 def silu_mul(ctx: GpuContext, out: DArray, gate_up: DArray) -> None:
     """out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up [rows, 2*inter], out [rows, inter]."""
     t = _same_float(out, gate_up)
     rows, inter = out.shape
     if gate_up.shape != (rows, 2 * inter):
         raise ShapeError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
-    vec = 8 if t == "bf16" else 4  # one 16-byte vector per thread; grid (column block, row slice), no div/mod
-    grid = (max(1, -(-inter // (256 * vec))), max(1, min(rows, 65535)))
+    # one 16-byte vector per thread; grid (column block, row slice), no div/mod
+    grid = (max(1, -(-inter // (256 * _vector_elems(t)))), max(1, min(rows, 65535)))
     ctx.device.launch("elementwise", f"silu_mul_{t}", grid, 256, out.ptr, gate_up.ptr, i32(rows), i32(inter))
 
 
@@ -95,7 +100,7 @@ def add(ctx: GpuContext, out: DArray, a: DArray, b: DArray) -> None:
     t = _same_float(out, a, b)
     if not out.size == a.size == b.size:
         raise ShapeError(f"add sizes differ: {out.shape} {a.shape} {b.shape}")
-    vectors = -(-out.size // (8 if t == "bf16" else 4))  # one 16-byte vector per thread (scalar tail in-kernel)
+    vectors = -(-out.size // _vector_elems(t))  # one 16-byte vector per thread (scalar tail in-kernel)
     ctx.device.launch("elementwise", f"add_{t}", _grid_1d(ctx, vectors), 256, out.ptr, a.ptr, b.ptr, i64(out.size))
 
 
