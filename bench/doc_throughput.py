@@ -70,7 +70,7 @@ from doc_table import mode_line, table
 from doc_workload import Unit, make_units, unit_request
 from gpu_busy import NvmlSampler, busy_fields
 from limit_model import ModelCost
-from step_profile import StepProfile
+from step_profile import TIMELINE_COLUMNS, StepProfile
 
 # ------------------------------------------------------------------------------------------------ one mode
 
@@ -179,8 +179,7 @@ def write_timeline(path: Path, row: dict[str, Any], profile: StepProfile) -> Non
     runs = json.loads(path.read_text()) if path.exists() else []
     t0 = profile.steps[0].started_s if profile.steps else 0.0
     runs.append({"shape": row["shape"], "output_mode": row["output_mode"], "git_commit": row.get("git_commit"),
-                 "columns": ["start_s", "wall_s", "device_s", "encode_s", "mask_s", "decode_rows", "chunks",
-                             "chunk_tokens", "vision_items"],
+                 "columns": TIMELINE_COLUMNS,
                  "steps": profile.timeline(t0), "host_profile_top": profile.host_profile_top()})
     path.write_text(json.dumps(runs))
 

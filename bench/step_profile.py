@@ -36,6 +36,11 @@ class StepRecord:
     forward_s: float = 0.0
     encode_s: float = 0.0
     mask_s: float = 0.0
+    schedule_s: float = 0.0  # Scheduler.schedule
+    sampling_plan_s: float = 0.0  # Engine._runner_sampling (the step's sampling request, masks included)
+    after_s: float = 0.0  # Engine._after_forward (tokens appended, grammars advanced, outputs built)
+    wait_s: float = 0.0  # inside forward / encodes: the host blocked on the device (stream syncs, copies back)
+    cpu_s: float = 0.0  # the engine thread's CPU time in step() (wall - cpu: waits, and the GIL held elsewhere)
     shape: StepShape = field(default_factory=StepShape)
     events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (start, stop) CUDA events
     device_s: float | None = None  # sum of the event spans, filled by StepProfile.resolve()
@@ -69,6 +74,13 @@ class StepProfile:
         profile._wrap(engine, "step", profile._step)
         profile._wrap(engine.runner, "forward", profile._forward)
         profile._wrap(engine.encoder, "_encode", profile._encode)
+        profile._wrap(engine.scheduler, "schedule", profile._timer("schedule_s"))
+        profile._wrap(engine, "_after_forward", profile._timer("after_s"))
+        if getattr(engine, "_runner_sampling", None) is not None:
+            profile._wrap(engine, "_runner_sampling", profile._timer("sampling_plan_s"))
+        device = getattr(getattr(engine.runner, "ctx", None), "device", None)
+        if device is not None and hasattr(device, "sync"):
+            profile._wrap(device, "sync", profile._timer("wait_s"))
         if getattr(engine, "_prepare", None) is not None:
             profile._wrap(engine, "_prepare", profile._prepare)
         return profile
@@ -93,16 +105,19 @@ class StepProfile:
                 rec.events = []
 
     def timeline(self, t0: float) -> list[list[float]]:
-        """One row per step, in order: [start s after t0, wall s, device s (None without events), vision-encode
-        s, mask s, decode rows, multi-token chunks, their tokens (prompt chunks and jump-forward runs), vision
-        items encoded]."""
+        """One row per step, in order (TIMELINE_COLUMNS): start s after t0, wall s, device s (None without
+        events), vision-encode s, mask s, decode rows, multi-token chunks, their tokens (prompt chunks and
+        jump-forward runs), vision items encoded, then runner.forward's wall s, the host's waits on the device s,
+        Scheduler.schedule s, the sampling plan s (masks included), _after_forward s and the engine thread's CPU
+        s."""
         rows = []
         for r in self.steps:
             chunks = r.shape.prefill_chunks
             rows.append([round(r.started_s - t0, 4), round(r.wall_s, 5),
                          None if r.device_s is None else round(r.device_s, 5), round(r.encode_s, 5),
                          round(r.mask_s, 5), len(r.shape.decode_contexts), len(chunks), sum(n for _, n, _ in chunks),
-                         len(r.shape.vision_grids)])
+                         len(r.shape.vision_grids), round(r.forward_s, 5), round(r.wait_s, 5), round(r.schedule_s, 5),
+                         round(r.sampling_plan_s, 5), round(r.after_s, 5), round(r.cpu_s, 5)])
         return rows
 
     def host_profile_top(self, lines: int = 45) -> list[str]:
@@ -141,7 +156,7 @@ class StepProfile:
     def _step(self, original: Callable[[], Any]) -> Callable[[], Any]:
         def step() -> Any:
             mask0 = _mask_seconds(self.engine)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if self.host_profile is not None:
                 self.host_profile.enable()
             try:
@@ -152,11 +167,25 @@ class StepProfile:
             rec, self._current = self._current, StepRecord()
             rec.started_s = t0
             rec.wall_s = time.perf_counter() - t0
+            rec.cpu_s = time.thread_time() - c0
             rec.mask_s = _mask_seconds(self.engine) - mask0
             if rec.forward_s or rec.encode_s:  # steps that ran nothing (idle polls) are not steps of the run
                 self.steps.append(rec)
             return out
         return step
+
+    def _timer(self, field_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A wrapper adding the call's wall time to the current step's `field_name` (engine thread only)."""
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    rec = self._current
+                    setattr(rec, field_name, getattr(rec, field_name) + time.perf_counter() - t0)
+            return timed
+        return make
 
     def _forward(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def forward(batch: Any) -> Any:
@@ -190,6 +219,10 @@ class StepProfile:
                 self.prepare_count += 1
             return out
         return prepare
+
+
+TIMELINE_COLUMNS = ["start_s", "wall_s", "device_s", "encode_s", "mask_s", "decode_rows", "chunks", "chunk_tokens",
+                    "vision_items", "forward_s", "wait_s", "schedule_s", "sampling_plan_s", "after_s", "cpu_s"]
 
 
 def _mask_seconds(engine: Any) -> float:

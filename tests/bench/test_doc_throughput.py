@@ -156,6 +156,14 @@ def test_the_timeline_lists_every_step_and_the_host_profile_its_functions(tmp_pa
     assert sum(s[col["decode_rows"]] for s in steps) > 0
     assert sum(s[col["vision_items"]] for s in steps) == 2  # one page each, encoded once
     assert any("step" in line for line in run["host_profile_top"])
+    # the host phases lie inside their step: each phase and the engine thread's CPU time within its wall
+    for s in steps:
+        wall = s[col["wall_s"]]
+        for phase in ("forward_s", "schedule_s", "sampling_plan_s", "after_s"):
+            assert 0.0 <= s[col[phase]] <= wall + 1e-4, (phase, s)
+        assert s[col["wait_s"]] <= s[col["forward_s"]] + s[col["encode_s"]] + 1e-4
+    assert sum(s[col["schedule_s"]] for s in steps) > 0 and sum(s[col["after_s"]] for s in steps) > 0
+    assert 0 < sum(s[col["cpu_s"]] for s in steps) <= sum(s[col["wall_s"]] for s in steps) + 1e-3
 
 
 def test_bad_modes_and_arguments_are_refused() -> None:
