@@ -5,11 +5,14 @@ The engine is only built when a job actually runs, so an API process that only e
 """
 from __future__ import annotations
 
+import threading
+
 from .blobs import BlobStore
 from .db import Database
 from .engine_client import ExtractionClient, model_key, model_key_for_id, shared_client
 from .errors import ModelNotAvailableError
 from .image_cache import ImageCache
+from .page_feed import PageSlots
 from .settings import Settings
 
 
@@ -28,6 +31,8 @@ class Pipeline:
         self.blobs = BlobStore(self.settings.blob_dir)
         self.images = ImageCache(self.settings.image_cache_bytes)
         self._client = client
+        self._page_slots: PageSlots | None = None
+        self._page_slots_lock = threading.Lock()
         self._model_key: str | None = client.model_key if client is not None else None
         if migrate:
             self.db.upgrade()  # cheap when already at head; a fresh data dir just works
@@ -42,6 +47,16 @@ class Pipeline:
         if self._client is None:
             self._client = shared_client(self.settings)
         return self._client
+
+    @property
+    def page_slots(self) -> PageSlots:
+        """The bound on page requests this process's jobs keep at the engine together (Settings.pages_in_flight),
+        sized from the engine's batch once the client exists."""
+        with self._page_slots_lock:
+            if self._page_slots is None:
+                seqs = getattr(self.client, "max_num_seqs", 0) or self.settings.engine_job_slots()
+                self._page_slots = PageSlots(self.settings.pages_in_flight(seqs))
+            return self._page_slots
 
     @property
     def model_key(self) -> str:

@@ -51,7 +51,9 @@ class ExtractionClient(Protocol):
     engine_version: str
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
-        """Submit all requests, then yield one reply per request, in request order."""
+        """Submit all requests, then yield one reply per request, in request order. A client that can submits
+        before returning (jobs call it once a page and keep several calls open: pipeline.page_feed), and closing
+        the iterator early cancels the requests not yet answered."""
         ...
 
 
@@ -91,7 +93,7 @@ class EngineClient:
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
         self._timeout_s = timeout_s
-        self.max_num_seqs = max_num_seqs  # the engine's batch size as built (0: not known); jobs' page windows
+        self.max_num_seqs = max_num_seqs  # the engine's batch as built (0: not known); sizes the page slots
 
     @property
     def async_engine(self) -> Any:
@@ -132,40 +134,64 @@ class EngineClient:
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
         """A request the engine refuses (too long, bad media) or that times out becomes a reply with `error`;
         a dead or stopped engine raises (that is the job's problem, not the page's)."""
+        started = time.perf_counter()
+        # Submitted now, not at the first next(): a job keeps several of these open at once (pipeline.page_feed).
+        handles = [self._async_engine.submit(r.messages, r.params) for r in requests]
+        return _Replies(self, handles, started)
+
+    def _reply(self, handle: Any, started: float) -> EngineReply:
         from gpu_engine.engine import RequestError
 
-        started = time.perf_counter()
-        handles = [self._async_engine.submit(r.messages, r.params) for r in requests]
-        for handle in handles:
-            try:
-                # The engine ends a request itself at arrival + timeout_s (SamplingParams); this wait is only the
-                # safety net against an engine that stopped answering.
-                out = handle.result(self._timeout_s + _GRACE_S)
-            except RequestError as exc:
-                yield EngineReply(text="", finish_reason="error", error=f"the engine refused the request: {exc}",
-                                  seconds=time.perf_counter() - started)
-                continue
-            except TimeoutError:
-                handle.cancel()
-                yield EngineReply(text="", finish_reason="abort",
-                                  error=f"no answer within {self._timeout_s + _GRACE_S:.0f} s "
-                                  "(DOCPIPE_REQUEST_TIMEOUT_S)",
-                                  seconds=time.perf_counter() - started)
-                continue
-            logprobs = out.logprobs or []
-            yield EngineReply(
-                text=out.text,
-                finish_reason=out.finish_reason,
-                error=out.error,
-                token_texts=[lp.text for lp in logprobs],
-                token_logprobs=[float(lp.logprob) for lp in logprobs],
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                seconds=time.perf_counter() - started,
-            )
+        try:
+            # The engine ends a request itself at arrival + timeout_s (SamplingParams); this wait is only the
+            # safety net against an engine that stopped answering.
+            out = handle.result(self._timeout_s + _GRACE_S)
+        except RequestError as exc:
+            return EngineReply(text="", finish_reason="error", error=f"the engine refused the request: {exc}",
+                               seconds=time.perf_counter() - started)
+        except TimeoutError:
+            handle.cancel()
+            return EngineReply(text="", finish_reason="abort",
+                               error=f"no answer within {self._timeout_s + _GRACE_S:.0f} s (DOCPIPE_REQUEST_TIMEOUT_S)",
+                               seconds=time.perf_counter() - started)
+        logprobs = out.logprobs or []
+        return EngineReply(
+            text=out.text,
+            finish_reason=out.finish_reason,
+            error=out.error,
+            token_texts=[lp.text for lp in logprobs],
+            token_logprobs=[float(lp.logprob) for lp in logprobs],
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            seconds=time.perf_counter() - started,
+        )
 
     def close(self) -> None:
         self._async_engine.shutdown()
+
+
+class _Replies:
+    """One run's replies, in request order; close() cancels the requests not yet answered (the run was taken
+    over or failed: the engine need not finish them), whether or not any reply was asked for."""
+
+    def __init__(self, client: EngineClient, handles: list[Any], started: float) -> None:
+        self._client, self._handles, self._started = client, handles, started
+        self._next = 0
+
+    def __iter__(self) -> "_Replies":
+        return self
+
+    def __next__(self) -> EngineReply:
+        if self._next >= len(self._handles):
+            raise StopIteration
+        handle = self._handles[self._next]
+        self._next += 1
+        return self._client._reply(handle, self._started)
+
+    def close(self) -> None:
+        for handle in self._handles[self._next:]:
+            handle.cancel()
+        self._next = len(self._handles)
 
 
 _shared: dict[tuple[str, str, str], EngineClient] = {}

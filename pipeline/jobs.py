@@ -45,6 +45,7 @@ from .extraction import (
 from .leases import aware, run_lapsed, this_owner
 from .merge import UnitData, merge_units
 from .models import DocumentStatus, Job, JobState, Page, Result, utcnow
+from .page_feed import stream_replies
 from .quotas import JobCap, take_job_slots
 
 DOCUMENT_UNIT = "document"
@@ -354,29 +355,25 @@ def _run_claimed(p: Pipeline, job_id: int, takeover: bool, alone: bool, started:
             ):
                 return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
         todo = [u for u in runnable if u["unit"] not in claim.done_units]
-        # Pages per submission (bounds decoded and processed images held in memory at once).
-        window = p.settings.job_page_window(getattr(client, "max_num_seqs", 0) or p.settings.engine_job_slots())
         done_now = 0
-        for start in range(0, len(todo), window):
-            group = todo[start : start + window]
-            inputs = [_unit_input(p, u) for u in group]
-            requests = [build_request(u, claim.prompt, params, p.settings) for u in inputs]
-            replies = iter(client.run(requests))
-            for unit in group:
-                t0 = time.perf_counter()  # only the wait for the next reply counts as model time
-                reply = next(replies, None)
-                waited = time.perf_counter() - t0
-                if reply is None:
-                    raise RuntimeError(f"the engine client gave {group.index(unit)} replies for {len(group)} requests")
-                model_seconds += waited
+        # Each page goes to the engine as soon as the process has a page slot free, while earlier replies are
+        # stored: the engine batches pages of all running jobs (pipeline.page_feed).
+        replies = stream_replies(client, todo, lambda u: build_request(_unit_input(p, u), claim.prompt, params,
+                                                                       p.settings), p.page_slots)
+        try:
+            for got in replies:
+                unit, reply = got.unit, got.reply
+                model_seconds += got.waited
                 outcome = interpret_reply(reply, claim.json_schema, params.max_tokens)
                 if not _write_unit(p, job_id, claim, unit["unit"], unit["page_index"], outcome,
                                    provenance=provenance, prompt_tokens=reply.prompt_tokens,
-                                   completion_tokens=reply.completion_tokens, model_seconds=waited):
+                                   completion_tokens=reply.completion_tokens, model_seconds=got.waited):
                     return JobRun(job_id, "running", ran=False, note="taken over by another attempt")
                 done_now += 1
                 if on_unit is not None:
                     on_unit(unit["unit"], outcome.ok, len(unit["pages"]))
+        finally:  # taken over or failed: this run's pages still at the engine are cancelled, their slots freed
+            replies.close()
         state = _finish(p, job_id, claim, unit_names, provenance)
         if state is None:
             return JobRun(job_id, "running", ran=False, note="taken over by another attempt")

@@ -34,8 +34,9 @@ BUNDLED_MAX_ARRAY_ITEMS = 3
 REFERENCE_MAX_NUM_SEQS = 16
 REFERENCE_MAX_BATCHED_TOKENS = 2048
 REFERENCE_EMBEDDED_JOBS = 4
-# With the engine sizing its batch, a process's job threads together keep about this many batches of pages in
-# flight (a processed A4 page at 150 dpi holds 53 MB of float32 pixels until its vision encode).
+# Page requests a process keeps at the engine by default, in engine batches: one batch running, the next one's
+# pages decoded and preprocessed, waiting (a processed A4 page at 150 dpi holds 53 MB of float32 pixels until its
+# vision encode).
 PAGES_IN_FLIGHT_PER_BATCH = 2
 WatchAction = Literal["leave", "move"]
 
@@ -82,6 +83,12 @@ class Settings(BaseSettings):
     engine_max_model_len: int = Field(16384, ge=256, description="Longest prompt + output the engine accepts.")
     engine_kv_cache_bytes: int | None = Field(
         None, ge=1, description="Memory budget for the KV cache; None = the engine's own default."
+    )
+    engine_pages_in_flight: int = Field(
+        0, ge=0, description="Page requests one process (a GPU worker, `docpipe process`) keeps at the engine at "
+        "once, over all its jobs; each holds its page image and, until its vision encode, its processed pixels (~53 MB "
+        "at 150 dpi). 0 = 2 x the engine's max_num_seqs (512 on an H200 with the engine sizing its batch, 32 on "
+        "reference)."
     )
     engine_quantize: Quantize = Field(
         "none", description="Weights: none (as the checkpoint stores them; an FP8 checkpoint runs in FP8) or fp8 (a "
@@ -223,15 +230,11 @@ class Settings(BaseSettings):
 
         return self.engine_batch()[0] or MAX_SIZED_NUM_SEQS
 
-    def job_page_window(self, engine_max_num_seqs: int) -> int:
-        """Pages one job submits at once, given the engine's batch as built. With an explicit batch size or on the
-        reference runner: that batch, as always. With the engine sizing it (cuda, 0): PAGES_IN_FLIGHT_PER_BATCH
-        batches shared by the engine_job_slots() job threads, at least 1 page, so 256 threads of 10-page documents
-        hold ~512 pages (~27 GB of pixels), not 2,560."""
-        if self.engine_batch()[0]:
-            return max(1, engine_max_num_seqs)
-        return max(1, min(engine_max_num_seqs, PAGES_IN_FLIGHT_PER_BATCH * engine_max_num_seqs
-                          // self.engine_job_slots()))
+    def pages_in_flight(self, engine_max_num_seqs: int) -> int:
+        """Page requests one process keeps at the engine at once, over all its jobs (pipeline.page_feed), given
+        the engine's batch as built: the setting, else PAGES_IN_FLIGHT_PER_BATCH batches. So 12 jobs of 10 pages
+        have all 120 pages at an engine batching 256, and 256 jobs hold ~512 pages (~27 GB of pixels), not 2,560."""
+        return self.engine_pages_in_flight or max(1, PAGES_IN_FLIGHT_PER_BATCH * engine_max_num_seqs)
 
     def embedded_job_threads(self) -> int:
         """Jobs `docpipe process` runs at once: the setting, else 4 on the reference runner (a small CPU), else as

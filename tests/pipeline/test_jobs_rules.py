@@ -29,26 +29,28 @@ COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "requi
 
 class Replies:
     """Answers request n with `texts[n]` (a JSON text; token per character, logprob `logprobs[n]` each, -0.5 by
-    default); `short` drops the last reply of every batch (a broken client). Records each batch's size."""
+    default); the request numbered `silent` (0-based, over the client's life) gets no reply (a broken client).
+    Records each submission's size."""
 
     model_key, model_fingerprint, engine_version = "scripted" * 8, "fp-rules-1", "engine-rules-1"
 
-    def __init__(self, *texts: str, logprobs: Sequence[float] = (), short: bool = False,
+    def __init__(self, *texts: str, logprobs: Sequence[float] = (), silent: int | None = None,
                  bare: frozenset[int] = frozenset(), finish: str = "stop") -> None:
         self.bare = bare  # replies (by number) that come without tokens, so without confidences
         self.finish = finish  # every reply's finish_reason
         self.texts = list(texts)
         self.logprobs = list(logprobs)
-        self.short = short
+        self.silent = silent
         self.seen = 0
         self.batches: list[int] = []
         self.requests: list[EngineRequest] = []
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
         self.batches.append(len(requests))
+        first = len(self.requests)
         self.requests.extend(requests)
         for n, _ in enumerate(requests):
-            if self.short and n == len(requests) - 1:
+            if self.silent == first + n:
                 return
             text = self.texts[min(self.seen, len(self.texts) - 1)]
             lp = self.logprobs[self.seen] if self.seen < len(self.logprobs) else -0.5
@@ -360,31 +362,31 @@ def test_a_merged_result_that_breaks_the_schema_is_stored_as_not_ok(make_pipelin
     assert doc.error.startswith("merged result does not match the schema: ") and "does not match" in doc.error
 
 
-def test_pages_are_sent_in_windows_of_engine_max_num_seqs(make_pipeline: Any, tmp_path: Path) -> None:
+def test_each_page_is_submitted_on_its_own_in_page_order(make_pipeline: Any, tmp_path: Path) -> None:
+    # one submission a page, so a page goes to the engine as soon as a page slot is free (pipeline.page_feed)
     p = make_pipeline(client=Replies('{"colour":"red"}'), engine_max_num_seqs=2)
     job_id = _job_of(p, _pdf(tmp_path, 5))
     assert run_job(p, job_id).state == "succeeded"
-    assert p.client.batches == [2, 2, 1]
-    q = make_pipeline(client=Replies('{"colour":"red"}'), engine_max_num_seqs=1)
-    job_id = _job_of(q, _pdf(tmp_path, 2))
-    assert run_job(q, job_id).state == "succeeded" and q.client.batches == [1, 1]
+    assert p.client.batches == [1, 1, 1, 1, 1]
+    texts = [r.messages[0]["content"][-1]["text"] for r in p.client.requests]
+    assert all(f"This is page {n + 1}." in text for n, text in enumerate(texts))
 
 
 def test_a_client_that_gives_fewer_replies_than_requests_fails_the_run(make_pipeline: Any, tmp_path: Path) -> None:
-    p = make_pipeline(client=Replies('{"colour":"red"}', short=True), engine_max_num_seqs=3)
+    p = make_pipeline(client=Replies('{"colour":"red"}', silent=2), engine_max_num_seqs=3)
     job_id = _job_of(p, _pdf(tmp_path, 3))
     with pytest.raises(RuntimeError) as caught:
         run_job(p, job_id)
-    assert str(caught.value) == "the engine client gave 2 replies for 3 requests"
+    assert str(caught.value) == "the engine client gave no reply for page:2"
     job = _job(p, job_id)
-    assert (job.state, job.error) == ("queued", "RuntimeError: the engine client gave 2 replies for 3 requests")
+    assert (job.state, job.error) == ("queued", "RuntimeError: the engine client gave no reply for page:2")
     assert (job.attempts, job.owner, job.lease_until) == (1, None, None)  # the failed run's attempt counts
     assert _units_stored(p, job_id) == {"page:0", "page:1"}  # what came back is kept
 
 
 def test_a_rerun_resumes_after_the_stored_units_and_an_unrendered_page_fails_alone(make_pipeline: Any,
                                                                                   tmp_path: Path) -> None:
-    p = make_pipeline(client=Replies('{"colour":"red"}', short=True), engine_max_num_seqs=3)
+    p = make_pipeline(client=Replies('{"colour":"red"}', silent=2), engine_max_num_seqs=3)
     job_id = _job_of(p, _pdf(tmp_path, 3))
     with pytest.raises(RuntimeError):
         run_job(p, job_id)
@@ -392,7 +394,7 @@ def test_a_rerun_resumes_after_the_stored_units_and_an_unrendered_page_fails_alo
         page = s.scalars(select(models.Page).where(models.Page.document_id == _job(p, job_id).document_id,
                                                    models.Page.index == 2)).one()
         page.error = "the page was too large to render"
-    p.client.short = False
+    p.client.silent = None
     before = p.client.seen
     run = run_job(p, job_id)
     assert p.client.seen == before  # pages 0 and 1 are stored, page 2 never reaches the model

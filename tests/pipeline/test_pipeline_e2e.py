@@ -135,10 +135,12 @@ CRASHING_RUN = textwrap.dedent("""
             self.inner = inner
             self.model_key, self.model_fingerprint = inner.model_key, inner.model_fingerprint
             self.engine_version = inner.engine_version
+            self.replies = 0  # over all submissions (a job submits one a page)
 
         def run(self, requests):
-            for n, reply in enumerate(self.inner.run(requests)):
-                if n == 1:
+            for reply in self.inner.run(requests):
+                self.replies += 1
+                if self.replies == 2:
                     os._exit(17)  # the process dies after page 0 is stored, before page 1 is
                 yield reply
 
