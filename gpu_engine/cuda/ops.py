@@ -12,6 +12,7 @@ import numpy as np
 from .context import ITEMSIZE, DArray, GpuContext
 from .errors import ShapeError
 from .kv_fp8 import kv_operands
+from .norm_launch import norm_launch
 
 i32, i64, f32 = np.int32, np.int64, np.float32
 FLOAT_TYPES = ("bf16", "f32")
@@ -30,7 +31,8 @@ def _need(arr: DArray, dtype: str, what: str) -> None:
 
 
 def _threads(width: int) -> int:
-    """Threads for a one-block-per-row kernel: ~2 elements a thread, a multiple of 32, at most 1024."""
+    """Threads for a one-block-per-row kernel: ~2 elements a thread, a multiple of 32, at most 1024 (the norms keep
+    this layout's sum order: norm_launch)."""
     return min(1024, max(32, ((width + 1) // 2 + 31) // 32 * 32))
 
 
@@ -48,9 +50,10 @@ def rmsnorm(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, dim: 
         raise ShapeError(f"norm weight has {w.size} elements (dim {dim}); rows {rows} vs heads {heads}")
     x_head = dim if x_head_stride is None else x_head_stride
     o_head = dim if out_head_stride is None else out_head_stride
-    ctx.device.launch("norm", f"rmsnorm_{t}", rows, _threads(dim), out.ptr, i64(out_tok_stride or heads * dim),
+    lp = norm_launch(rows, dim, ITEMSIZE[t], _threads(dim))
+    ctx.device.launch("norm", f"rmsnorm_{t}", lp.grid, lp.block, out.ptr, i64(out_tok_stride or heads * dim),
                       i32(o_head), x.ptr, i64(x_tok_stride or heads * dim), i32(x_head), i32(heads), w.ptr,
-                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
+                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0), *lp.args(), shmem=lp.shmem)
 
 
 def add_rmsnorm(ctx: GpuContext, out: DArray, residual: DArray, x: DArray, w: DArray, eps: float,
@@ -60,8 +63,9 @@ def add_rmsnorm(ctx: GpuContext, out: DArray, residual: DArray, x: DArray, w: DA
     rows, dim = residual.shape
     if x.shape != residual.shape or out.shape != residual.shape or w.size != dim:
         raise ShapeError(f"add_rmsnorm shapes: residual {residual.shape}, x {x.shape}, out {out.shape}, w {w.shape}")
-    ctx.device.launch("norm", f"add_rmsnorm_{t}", rows, _threads(dim), out.ptr, residual.ptr, x.ptr, w.ptr,
-                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0))
+    lp = norm_launch(rows, dim, ITEMSIZE[t], _threads(dim))
+    ctx.device.launch("norm", f"add_rmsnorm_{t}", lp.grid, lp.block, out.ptr, residual.ptr, x.ptr, w.ptr,
+                      i32(rows), i32(dim), f32(eps), f32(1.0 if zero_centred else 0.0), *lp.args(), shmem=lp.shmem)
 
 
 def rmsnorm_gated(ctx: GpuContext, out: DArray, x: DArray, z: DArray, w: DArray, eps: float,
@@ -71,8 +75,9 @@ def rmsnorm_gated(ctx: GpuContext, out: DArray, x: DArray, z: DArray, w: DArray,
     rows, dim = x.shape
     if out.shape != x.shape or w.size != dim:
         raise ShapeError(f"rmsnorm_gated shapes: x {x.shape}, out {out.shape}, w {w.shape}")
-    ctx.device.launch("norm", f"rmsnorm_gated_{t}", rows, _threads(dim), out.ptr, x.ptr, z.ptr, i32(z_stride),
-                      w.ptr, i32(rows), i32(dim), i32(heads_per_z_row), f32(eps))
+    lp = norm_launch(rows, dim, ITEMSIZE[t], _threads(dim), staged=2)
+    ctx.device.launch("norm", f"rmsnorm_gated_{t}", lp.grid, lp.block, out.ptr, x.ptr, z.ptr, i32(z_stride),
+                      w.ptr, i32(rows), i32(dim), i32(heads_per_z_row), f32(eps), *lp.args(), shmem=lp.shmem)
 
 
 # ---- element-wise --------------------------------------------------------------------------------------------

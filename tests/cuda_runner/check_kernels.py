@@ -6,7 +6,8 @@ Without a GPU or cuda-python it prints why and exits 0 (skip). Exit 1 if any che
 Rules: inputs are fresh random draws each run (the seed is printed so a failure can be replayed); bf16 inputs
 are rounded to bf16 on upload and the reference sees the same rounded values; every output is poisoned (0xFF:
 NaN / -1) before the launch, so an unwritten element fails; metric = ||out - ref|| / ||ref|| (any NaN fails).
-Tolerances: fp32 paths 1e-4, bf16 paths 1e-2; index outputs must match exactly.
+Tolerances: fp32 paths 1e-4, bf16 paths 1e-2; index outputs and the norms' path-against-path rows (norm_checks)
+must match exactly.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import numpy as np
 from tests.cuda_runner import logits_checks
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
+from tests.cuda_runner.norm_checks import NormChecks
 
 TOL = {"f32": 1e-4, "bf16": 1e-2, "exact": 0.0}
 
 
-class Checker:
+class Checker(NormChecks):
     def __init__(self, ctx, rng: np.random.Generator) -> None:
         from gpu_engine.cuda import ops
         from gpu_engine.cuda.bf16 import round_to_bf16
@@ -58,62 +60,7 @@ class Checker:
     def run(self, name: str, dtype: str, fn: Callable[[str], None]) -> None:
         run_guarded(self.ctx, self.results, name, dtype, TOL.get(dtype, 0.0), lambda: fn(dtype))
 
-    # checks ----------------------------------------------------------------------------------------------
-    def rmsnorm(self, t: str) -> None:
-        rows, dim, eps = 37, 1000, 1e-6
-        xs = self.rand((rows, 2 * dim), t)  # read with a row stride: q out of a fused q|gate projection
-        w = self.rand((dim,), t, 0.1)
-        for zc in (True, False):
-            x, wd = self.up(xs, t), self.up(w, t)
-            out = self.out((rows, dim), t)
-            self.ops.rmsnorm(self.ctx, out, x, wd, rows, dim, eps, zc, x_tok_stride=2 * dim)
-            self.record(f"rmsnorm{'(zero-centred)' if zc else ''}", t,
-                        rel_err(self.get(out), ref.rmsnorm(xs[:, :dim], w, eps, zc)))
-        # per-head q/k norm straight out of a fused projection row [q0 g0 q1 g1 ... | k0 k1 | v0 v1]
-        n, heads, kvh, hd = 11, 4, 2, 128
-        width = (2 * heads + 2 * kvh) * hd
-        rows_h = self.rand((n, width), t)
-        wq, wk = self.rand((hd,), t, 0.1), self.rand((hd,), t, 0.1)
-        proj = self.up(rows_h, t)
-        q = self.out((n, heads * hd), t)
-        self.ops.rmsnorm(self.ctx, q, proj, self.up(wq, t), n * heads, hd, eps, True, heads=heads,
-                         x_tok_stride=width, x_head_stride=2 * hd)
-        k_at = proj.at(2 * heads * hd)
-        self.ops.rmsnorm(self.ctx, k_at, k_at, self.up(wk, t), n * kvh, hd, eps, True, heads=kvh,
-                         x_tok_stride=width, out_tok_stride=width)  # in place
-        q_ref = ref.rmsnorm(rows_h[:, : 2 * heads * hd].reshape(n, heads, 2, hd)[:, :, 0], wq, eps, True)
-        self.record("rmsnorm(per-head q, strided)", t, rel_err(self.get(q), q_ref.reshape(n, -1)))
-        expect = rows_h.astype(np.float64).copy()
-        k_cols = slice(2 * heads * hd, (2 * heads + kvh) * hd)
-        expect[:, k_cols] = ref.rmsnorm(rows_h[:, k_cols].reshape(n, kvh, hd), wk, eps, True).reshape(n, -1)
-        self.record("rmsnorm(per-head k, in place)", t, rel_err(self.get(proj), expect))
-
-    def add_rmsnorm(self, t: str) -> None:
-        # 2048 and 5120 (27B hidden) keep the row in registers, 5121 leaves the last threads partly idle, 16384 is
-        # past 8 elements per thread (the looping path)
-        for rows, dim in ((19, 2048), (3, 5120), (2, 5121), (2, 16384)):
-            eps = 1e-6
-            r0, x, w = self.rand((rows, dim), t), self.rand((rows, dim), t), self.rand((dim,), t, 0.1)
-            rd, xd, wd = self.up(r0, t), self.up(x, t), self.up(w, t)
-            out = self.out((rows, dim), t)
-            self.ops.add_rmsnorm(self.ctx, out, rd, xd, wd, eps, True)
-            s = r0.astype(np.float64) + x
-            stored = self._round(s.astype(np.float32)) if t == "bf16" else s
-            self.record(f"add_rmsnorm dim {dim} (out)", t, rel_err(self.get(out), ref.rmsnorm(stored, w, eps, True)))
-            self.record(f"add_rmsnorm dim {dim} (residual)", t, rel_err(self.get(rd), s))
-
-    def rmsnorm_gated(self, t: str) -> None:
-        tokens, heads, dv = 9, 6, 128
-        x = self.rand((tokens * heads, dv), t)
-        zwide = self.rand((tokens, heads * dv + 40), t)  # z sits in a wider fused-projection row
-        w = (1.0 + self.rand((dv,), "f32", 0.1)).astype(np.float32)
-        w = self._round(w) if t == "bf16" else w
-        out = self.out((tokens * heads, dv), t)
-        self.ops.rmsnorm_gated(self.ctx, out, self.up(x, t), self.up(zwide, t), self.up(w, t), 1e-6, heads,
-                               heads * dv + 40)
-        z = zwide[:, : heads * dv].reshape(tokens * heads, dv)
-        self.record("rmsnorm_gated", t, rel_err(self.get(out), ref.rmsnorm_gated(x, z, w, 1e-6)))
-
+    # checks (the norms: NormChecks) -------------------------------------------------------------------------
     def silu_mul(self, t: str) -> None:
         # 3000: vector path; 3001: scalar fallback (rows not 16-byte aligned); 12288: the 9B MLP width
         for rows, inter in ((13, 3000), (13, 3001), (70, 12288)):
@@ -336,41 +283,48 @@ class Checker:
         seqs = [(True, 6), (False, 1), (False, 11)]  # (fresh, tokens)
         slots_list = [3, 0, 5]
         num_slots = 6
-        total = sum(n for _, n in seqs)
-        cu = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
-        fresh = np.array([int(f) for f, _ in seqs], np.int32)
         slots = np.array(slots_list, np.int32)
-        ctx = self.ctx
         # conv1d: x inside a wider projection row. Row width conv_dim + 96 keeps rows 16-byte aligned (vector
         # path of the token-parallel kernel), + 97 does not (one channel per thread); runs of 4 and 5 rows put
         # run starts inside sequences (halo from x) and sequence starts inside runs (window refill).
-        w = self.rand((conv_dim, K), t, 0.5)
-        conv_state = self.rand((num_slots, K - 1, conv_dim), t)
-        token_seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs]).astype(np.int32)
-        for extra in (96, 97):
-            xw = conv_dim + extra
-            x = self.rand((total, xw), t)
-            exp_out, exp_state = [], conv_state.astype(np.float64).copy()
-            for i, (f, _n) in enumerate(seqs):
-                st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
-                o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
-                exp_out.append(o)
-                exp_state[slots[i]] = new
-            cases = [("sequential", None), ("tokens", None), ("tokens", 4), ("tokens", 5)]
-            for method, run in cases if extra == 96 else cases[1:]:
-                cs = self.up(conv_state, t)
-                conv_out = self.out((total, conv_dim), t)
-                self.ops.conv1d_silu(ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs,
-                                     self.up(cu, "i32"), self.up(slots, "i32"), self.up(fresh, "i32"),
-                                     token_seq=self.up(token_seq, "i32"), method=method, run=run)
-                label = f"conv1d_silu {method}" + (f" run={run}" if run else "") + f" width+{extra}"
-                self.record(f"{label} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
-                self.record(f"{label} (state)", t, rel_err(self.get(cs), exp_state))
+        cases = [("sequential", None), ("tokens", None), ("tokens", 4), ("tokens", 5)]
+        self.conv1d_case(t, conv_dim, K, conv_dim + 96, seqs, slots, num_slots, cases)
+        self.conv1d_case(t, conv_dim, K, conv_dim + 97, seqs, slots, num_slots, cases[1:])
+        # the 9B conv: 2 * 16 * 128 + 32 * 128 = 8192 channels in the 12,352-wide in_proj row; 37 and 22 tokens
+        # leave the 4-row load batches of a 16-row run partly filled at sequence ends
+        seqs_9b = [(True, 37), (False, 1), (False, 22)]
+        self.conv1d_case(t, 8192, K, 8192 + 4096 + 64, seqs_9b, slots, num_slots, cases[:2])
         # gated delta rule on independent random q/k/v (so this check does not inherit conv errors); the second
         # shape takes gdn_recurrent's dk > 128 kernel and a dv that leaves its last warp's rows partly idle; the
         # third is the Qwen3.5 head (dk = dv = 128: every warp of gdn_decode busy)
         for dk_, dv_ in ((dk, dv), (192, 30), (128, 128)):
             self.gated_delta_case(t, kh, vh, dk_, dv_, seqs, slots, num_slots)
+
+    def conv1d_case(self, t: str, conv_dim: int, K: int, xw: int, seqs: list[tuple[bool, int]], slots: np.ndarray,
+                    num_slots: int, cases: list[tuple[str, int | None]]) -> None:
+        """ops.conv1d_silu on x = the first conv_dim columns of xw-wide rows, against the float64 conv per sequence."""
+        total = sum(n for _, n in seqs)
+        cu = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+        fresh = np.array([int(f) for f, _ in seqs], np.int32)
+        w = self.rand((conv_dim, K), t, 0.5)
+        conv_state = self.rand((num_slots, K - 1, conv_dim), t)
+        token_seq = np.repeat(np.arange(len(seqs)), [n for _, n in seqs]).astype(np.int32)
+        x = self.rand((total, xw), t)
+        exp_out, exp_state = [], conv_state.astype(np.float64).copy()
+        for i, (f, _n) in enumerate(seqs):
+            st = np.zeros((K - 1, conv_dim)) if f else conv_state[slots[i]]
+            o, new = ref.causal_conv1d_silu(x[cu[i] : cu[i + 1], :conv_dim], w, st)
+            exp_out.append(o)
+            exp_state[slots[i]] = new
+        for method, run in cases:
+            cs = self.up(conv_state, t)
+            conv_out = self.out((total, conv_dim), t)
+            self.ops.conv1d_silu(self.ctx, conv_out, conv_dim, self.up(x, t), xw, self.up(w, t), cs,
+                                 self.up(cu, "i32"), self.up(slots, "i32"), self.up(fresh, "i32"),
+                                 token_seq=self.up(token_seq, "i32"), method=method, run=run)
+            label = f"conv1d_silu {method}" + (f" run={run}" if run else "") + f" {conv_dim} of {xw}"
+            self.record(f"{label} (out)", t, rel_err(self.get(conv_out), np.concatenate(exp_out)))
+            self.record(f"{label} (state)", t, rel_err(self.get(cs), exp_state))
 
     def gated_delta_case(self, t: str, kh: int, vh: int, dk: int, dv: int, seqs: list[tuple[bool, int]],
                          slots: np.ndarray, num_slots: int) -> None:
