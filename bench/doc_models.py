@@ -94,7 +94,8 @@ def build_engine(folder: Path, runner: str, args: argparse.Namespace) -> Any:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                           kv_cache_bytes=kv, encoder_cache_bytes=enc, min_prefill_tokens=args.min_prefill_tokens,
                           max_prefill_hold_steps=args.max_prefill_hold_steps,
-                          enable_jump_forward=not args.no_jump_forward)
+                          enable_jump_forward=not args.no_jump_forward,
+                          lookahead=not getattr(args, "no_lookahead", False))
     quantize = None if args.quantize == "none" else args.quantize
     if runner != "cuda":
         return Engine.from_pretrained(folder, runner=runner, config=config, quantize=quantize)

@@ -148,6 +148,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             row = {"shape": shape, "output_mode": mode, "runner": args.runner, "quantize": args.quantize,
                    "limit_basis": "bf16 weight bytes, bf16 GEMM ceiling", "schema": spec.name,
                    "max_tokens": params.max_tokens, "speculative": params.speculative,
+                   "lookahead": engine.lookahead.enabled,
                    "max_num_seqs": args.max_num_seqs,
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
@@ -232,6 +233,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-jump-forward", action="store_true",
                         help="EngineConfig.enable_jump_forward=False: grammar-forced tokens one per decode step (a "
                              "step with a forced run is not a plain decode step: no CUDA graph)")
+    parser.add_argument("--no-lookahead", action="store_true",
+                        help="EngineConfig.lookahead=False: every step's tokens are taken in before the next step is "
+                             "launched (gpu_engine/lookahead.py); rows say which")
     parser.add_argument("--kv-cache-gib", type=float, default=24.0, help="0: the engine's default (runner-sized)")
     parser.add_argument("--encoder-cache-gib", type=float, default=2.0, help="0: the engine's and runner's defaults")
     parser.add_argument("--image-max-pixels", type=int, default=QWEN_IMAGE_MAX_PIXELS)

@@ -73,6 +73,9 @@ class StepProfile:
         profile = cls(engine, host_profile)
         profile._wrap(engine, "step", profile._step)
         profile._wrap(engine.runner, "forward", profile._forward)
+        if getattr(engine.runner, "supports_lookahead", False):  # launched steps (gpu_engine/lookahead.py)
+            profile._wrap(engine.runner, "launch", profile._launch)
+            profile._wrap(engine.runner, "finish", profile._finish)
         profile._wrap(engine.encoder, "_encode", profile._encode)
         profile._wrap(engine.scheduler, "schedule", profile._timer("schedule_s"))
         profile._wrap(engine, "_after_forward", profile._timer("after_s"))
@@ -190,17 +193,37 @@ class StepProfile:
     def _forward(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def forward(batch: Any) -> Any:
             out, seconds = self._timed_on_device(lambda: original(batch))
-            rec = self._current
-            rec.forward_s += seconds
-            for chunk in batch.chunks:
-                n = chunk.num_tokens
-                rows = {"none": 0, "last": 1, "all": n}[chunk.logits]
-                if n == 1 and chunk.start > 0:
-                    rec.shape.decode_contexts.append(chunk.start + 1)
-                else:
-                    rec.shape.prefill_chunks.append((chunk.start, n, rows))
+            self._current.forward_s += seconds
+            self._record_shape(batch)
             return out
         return forward
+
+    def _launch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A launch: the step before it sampled, then this one enqueued. Its device span runs from the sampler to
+        the end of the enqueued forward, so spans of consecutive steps do not overlap and add up to busy time."""
+        def launch(batch: Any, previous: Any, feed: Any) -> Any:
+            out, seconds = self._timed_on_device(lambda: original(batch, previous, feed))
+            self._current.forward_s += seconds
+            self._record_shape(batch)
+            return out
+        return launch
+
+    def _finish(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def finish(request: Any) -> Any:
+            out, seconds = self._timed_on_device(lambda: original(request))
+            self._current.forward_s += seconds
+            return out
+        return finish
+
+    def _record_shape(self, batch: Any) -> None:
+        rec = self._current
+        for chunk in batch.chunks:
+            n = chunk.num_tokens
+            rows = {"none": 0, "last": 1, "all": n}[chunk.logits]
+            if n == 1 and chunk.start > 0:
+                rec.shape.decode_contexts.append(chunk.start + 1)
+            else:
+                rec.shape.prefill_chunks.append((chunk.start, n, rows))
 
     def _encode(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def encode(item: Any) -> Any:

@@ -12,11 +12,11 @@ Failures stay with their request: a bad image, a grammar dead end or a timeout e
 finish_reason "error"; a forward that raises is re-run in halves to find the request(s) that make it fail
 (failure_isolation.py), and only those end with the runner's error.
 
-Sampling happens on the runner when it can (runner.samples_on_device and no row of the step has a repetition or
-presence penalty): the engine draws each sampled row's uniform and builds the grammar bitmask before the forward,
-sends them as a SamplingRequest and gets token ids (+ logprobs) back instead of logits. Otherwise the runner
-returns logits and gpu_engine.sampling samples them here. Everything after the token is chosen is shared: the
-grammar advances here, and output_processor.py turns tokens into text and RequestOutputs.
+Sampling happens on the runner when it can (samples_on_device, no repetition / presence penalty): the engine draws
+each row's uniform and builds the grammar bitmask, sends them as a SamplingRequest and gets token ids (+ logprobs)
+back; otherwise gpu_engine.sampling samples the runner's logits here. A runner that launches steps gets them with
+their tokens taken in one step() later, the next decode step launched first (lookahead.py). Then the grammar
+advances here, and output_processor.py turns tokens into text and RequestOutputs.
 """
 from __future__ import annotations
 
@@ -40,21 +40,15 @@ from .errors import RequestError
 from .failure_isolation import FailureIsolation
 from .forced_runs import decode_chunk_limit
 from .inputs import ProcessedPrompt
+from .lookahead import Lookahead
 from .metrics import LatencyWindow, StepMetrics, count_computed, engine_counters
 from .output_processor import OutputProcessor
 from .params import FinishReason, RequestOutput, SamplingParams
-from .prompts import Prompt, processed_prompt, prompt_batch
+from .prompts import Prompt, processed_prompt, prompt_batch, run_to_completion
 from .request_checks import check_request
 from .runner_api import Runner, SeqChunk, StepBatch
 from .runner_sampling import Rows, RunnerSampling, plan_runner_sampling, sampled_rows
-from .sampling import (
-    Drawn,
-    SampleResult,
-    SamplingRows,
-    apply_bitmask_rows,
-    apply_penalties,
-    sample,
-)
+from .sampling import Drawn, SampleResult, SamplingRows, apply_bitmask_rows, apply_penalties, sample
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import SeqStatus, Sequence
 from .speculative import SpeculativeConfig, Speculator
@@ -120,6 +114,7 @@ class Engine:
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._counters = engine_counters()
         self.spec = Speculator(speculative or SpeculativeConfig(), runner, self._counters)
+        self.lookahead = Lookahead(self)  # the step in flight on runners that launch steps (lookahead.py)
         self._metrics = StepMetrics()
         self._latencies = LatencyWindow()  # time to first token and latency of the most recent finished requests
         # Uniforms drawn for a runner-sampled row whose token was never used (the sequence was preempted after a
@@ -221,7 +216,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._live) or bool(self._pending)
+        return bool(self._live) or bool(self._pending) or self.lookahead.in_flight is not None
 
     @property
     def num_unfinished(self) -> int:
@@ -235,6 +230,11 @@ class Engine:
             now = time.monotonic()
             for seq in [s for s in self._with_deadline.values() if s.deadline is not None and now > s.deadline]:
                 outputs.append(self._finish(seq, "error", f"timed out after {seq.params.timeout_s} s"))
+        if self.lookahead.in_flight is not None:  # its tokens come in now; the next decode step may go first
+            delivered, launched = self.lookahead.advance()
+            outputs.extend(delivered)
+            if launched:
+                return self._stepped(outputs, t0)
 
         self.spec.propose(self.scheduler.running, self.blocks)
         sched = self.scheduler.schedule()
@@ -272,23 +272,33 @@ class Engine:
             if any(c.vision for c in chunks):
                 vision_rows = sum(int(v.embeddings.shape[0]) for c in chunks for v in c.vision)
                 self._metrics.peak_vision_rows = max(self._metrics.peak_vision_rows, vision_rows)
+            launch = self.lookahead.can_launch(chunks, scheduled)  # its tokens then come with the next step()
             # verify windows pick their tokens on the host (speculative/verify.py)
-            plan = None if any(c.verify for c in chunks) else self._runner_sampling(scheduled)
+            plan = None if launch or any(c.verify for c in chunks) else self._runner_sampling(scheduled)
             tf = time.perf_counter()
             failed = False
             try:
-                result = self.runner.forward(StepBatch(chunks, sampling=plan.request if plan else None))
-                rows: Rows = result.logits if plan is None else sampled_rows(self.runner.name, result)
-                offsets = result.row_offsets
+                if launch:
+                    self.lookahead.launch(chunks, scheduled)
+                else:
+                    result = self.runner.forward(StepBatch(chunks, sampling=plan.request if plan else None))
+                    rows: Rows = result.logits if plan is None else sampled_rows(self.runner.name, result)
+                    offsets = result.row_offsets
             except Exception as exc:
                 scheduled, rows, offsets = self._recover(chunks, scheduled, exc, outputs, plan)
                 failed = True  # the re-runs left no hidden states for the MTP head: it sees these positions never
+                launch = False
             self._metrics.forward_s += time.perf_counter() - tf
-            if scheduled:
+            if launch:
+                self.lookahead.plan_launched()  # uniforms and bitmasks while the layers run
+            elif scheduled:
                 outputs.extend(self._after_forward(scheduled, rows, offsets, plan))
                 if not failed and self.spec.has_mtp:
                     self.spec.run_mtp(scheduled)
         self.spec.end_step(self.scheduler.running)
+        return self._stepped(outputs, t0)
+
+    def _stepped(self, outputs: list[RequestOutput], t0: float) -> list[RequestOutput]:
         self._counters["steps"] += 1
         self._metrics.add(time.perf_counter() - t0)
         return outputs
@@ -463,13 +473,7 @@ class Engine:
                 self.abort(rid)
             self._pending = [o for o in self._pending if o.request_id not in ids]
             raise
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while wanted - final.keys():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-        return [final[r] for r in ids]
+        return run_to_completion(self.step, ids)
 
     # ------------------------------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class EngineConfig:
     encoder_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     enable_jump_forward: bool = True  # feed grammar-forced token runs into the next forward as one chunk
+    # Launch the next decode step before taking in the tokens of the one in flight (gpu_engine/lookahead.py), on
+    # runners that support it (the cuda runner): the host's per-token work then overlaps the GPU's forward.
+    lookahead: bool = True
     max_model_len: int | None = None  # prompt + generated tokens; None -> what the KV cache can hold
     max_logprobs: int = 20  # largest SamplingParams.top_logprobs accepted
     json_whitespace_flexible: bool = False  # compact JSON (no free whitespace) keeps outputs short and finite

@@ -76,6 +76,12 @@ def engine_counters() -> dict[str, int]:
         "decode_tokens": 0,  # tokens run as single decode steps
         "forced_tokens": 0,  # jump-forward tokens appended without sampling
         "sampled_tokens": 0,
+        # Lookahead decoding (lookahead.py): steps launched before the previous one's tokens were taken in, their
+        # rows whose logits were thrown away (the sequence ended, or forced tokens came first), runner failures
+        # while a step was in flight (lookahead is then off for the engine).
+        "lookahead_steps": 0,
+        "lookahead_discarded_rows": 0,
+        "lookahead_failures": 0,
         # Request isolation: forwards that raised, the re-runs that located the failing requests, requests
         # ended by the runner's error, and survivors preempted to rebuild linear-attention state.
         "forward_failures": 0,

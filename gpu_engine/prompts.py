@@ -9,7 +9,7 @@ import numpy as np
 
 from .errors import RequestError
 from .inputs import ProcessedPrompt, is_token_ids
-from .params import SamplingParams
+from .params import RequestOutput, SamplingParams
 from .rope_index import text_positions
 
 Prompt = list[dict[str, Any]] | SequenceABC[int] | np.ndarray | ProcessedPrompt
@@ -56,3 +56,14 @@ def prompt_batch(prompts: SequenceABC[Prompt] | Prompt,
     if len(plist) != len(batch):
         raise RequestError(f"{len(batch)} prompts but {len(plist)} SamplingParams")
     return list(zip(batch, plist))
+
+
+def run_to_completion(step: Callable[[], list[RequestOutput]], ids: list[str]) -> list[RequestOutput]:
+    """Engine.generate's loop: step until every request of `ids` has its final output; those, in `ids` order."""
+    final: dict[str, RequestOutput] = {}
+    wanted = set(ids)
+    while wanted - final.keys():
+        for out in step():
+            if out.finished and out.request_id in wanted:
+                final[out.request_id] = out
+    return [final[r] for r in ids]

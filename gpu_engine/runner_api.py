@@ -13,6 +13,7 @@ rounding at a CDF / top-p boundary.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -142,6 +143,21 @@ def sample_on_host(logits: np.ndarray, request: SamplingRequest) -> SampleResult
     return sample(x, rows_table, [Drawn(float(u)) for u in request.uniform])
 
 
+def fed_chunks(chunks: list[SeqChunk], feed: np.ndarray | None, tokens: np.ndarray | None) -> list[SeqChunk]:
+    """A lookahead launch's chunks with each fed chunk's one token set to tokens[feed[i]] (runner_api: launch)."""
+    if feed is None:
+        return chunks
+    if tokens is None or len(feed) != len(chunks):
+        raise ValueError("feed needs the previous step's tokens and one entry per chunk")
+    out = list(chunks)
+    for i in np.nonzero(np.asarray(feed) >= 0)[0]:
+        chunk = chunks[i]
+        if chunk.num_tokens != 1:
+            raise ValueError(f"chunk {i} is fed a token but has {chunk.num_tokens}")
+        out[i] = dataclasses.replace(chunk, token_ids=np.array([int(tokens[feed[i]])], np.int64))
+    return out
+
+
 @dataclass
 class MtpDraftRequest:
     """Run the checkpoint's MTP head for one sequence after a step (runners with `mtp_head`): positions
@@ -198,6 +214,13 @@ class Runner(Protocol):
     # Optional attribute `max_decode_chunk_tokens: int` (read once, at engine construction; absent / None = no
     # limit): the longest chunk of a decoding sequence the engine sends; longer grammar-forced runs are computed
     # over several steps (gpu_engine/forced_runs.py). Prompt chunks and verify windows are not cut by it.
+    # Optional `supports_lookahead: bool` (with samples_on_device; gpu_engine/lookahead.py) — the runner has
+    #     launch(batch, previous: SamplingRequest | None, feed: np.ndarray | None) -> SampleResult | None: samples
+    #     the step launched before (if any: `previous` is its request, the tokens are returned), then enqueues
+    #     `batch`'s forward and keeps its logits rows (batch.sampling is ignored); feed[i] >= 0 makes chunk i's
+    #     single token the token just sampled in row feed[i] (fed_chunks); and
+    #     finish(request: SamplingRequest) -> SampleResult: samples the launched step, leaving none launched.
+    #     A runner that raises in either leaves no step launched.
 
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""

@@ -4,19 +4,19 @@ The decoder itself is text_model.py; this file owns memory, the cache, step buff
 Memory: one cuMemAlloc of `options.memory_budget` bytes at start-up; weights first, then the cache
 (allocate_cache, cache_layers.py), and per-step activations from what is left (released at the end of every step).
 Step: all sequences of the batch run together (varlen): the host-side tables (step.py) are packed into one int32
-array and uploaded once; logits come back as float32 for the requested rows only. Decode steps (one token per
-sequence), short grammar-forced runs and verify windows replay CUDA graphs (captured_step.py) per (batch-size
-bucket, token bucket, block-table width bucket) unless options.use_graphs is off: padding rows write only the
-runner's scratch block and slot, and the graphs own no memory (decode_graphs.py says why that is safe).
+array and uploaded once; logits come back as float32 for the requested rows only. Decode steps, short forced runs
+and verify windows replay CUDA graphs (captured_step.py) per (batch-size bucket, token bucket, table width bucket)
+unless options.use_graphs is off: padding rows write only the runner's scratch block and slot; graphs own no
+memory (decode_graphs.py says why that is safe).
 Vision: encode_vision runs the tower (vision.py) into the encoder-cache region (options.encoder_memory bytes) and
 returns DeviceEmbeddings, or a host float32 array when that region is full.
 Sampling: a step whose batch carries a SamplingRequest is sampled on the GPU after the LM head (sampler.py); only
-token ids and logprobs come back. Its parameter table travels in the packed tables, so graphs replay it too.
+token ids and logprobs come back; its parameter table travels in the packed tables, so graphs replay it too.
+Launched steps (launch / finish, launch.py) keep their logits on the GPU until the engine's request comes.
 Speculative decoding: verify windows (SeqChunk.verify) run on the decode kernels with logits at every token;
-rollback_state returns a slot's DeltaNet state to the last accepted token by CudaOptions.rollback (verify.py keeps
-the book, verify_ops.py launches the copies). MTP head (checkpoints with a complete BF16/F32 `mtp.*`, mtp.py):
-forward keeps the final-norm rows of keep_hidden chunks; mtp_draft fills the head's KV layer and chains greedy
-drafts on the GPU; `auto` uses it only with CudaOptions.mtp_in_auto (opt-in until checked on a GPU).
+rollback_state returns a slot's DeltaNet state to the last accepted token (verify.py: the book, verify_ops.py: the
+copies). MTP head (a complete BF16/F32 `mtp.*`, mtp.py): forward keeps the rows of keep_hidden chunks, mtp_draft
+chains greedy drafts on the GPU; `auto` uses it only with CudaOptions.mtp_in_auto (opt-in until checked on a GPU).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from .decode_graphs import (
 )
 from .embeddings import BlockPool, DeviceEmbeddings
 from .kv_fp8 import kv_bytes_per_block as attention_kv_bytes_per_block
+from .launch import LaunchSteps
 from .memory_plan import (
     CacheBudget,
     default_cache_budget,
@@ -83,7 +84,7 @@ MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side execut
 DEFAULT_VERIFY_ROWS = 48
 
 
-class CudaRunner:
+class CudaRunner(LaunchSteps):
     name = "cuda"
     samples_on_device = True  # runner_api.SamplingRequest is honoured (sampler.py)
     # Longer jump-forward runs are spread over steps (gpu_engine/forced_runs.py), so that no forced run sends a
@@ -197,7 +198,7 @@ class CudaRunner:
         check_cache_spec(spec)
         cfg, ctx = self.cfg, self.ctx
         need = (spec.num_kv_blocks * self.kv_bytes_per_block(spec.block_size)
-                + spec.num_state_slots * self.state_bytes_per_slot())
+                + spec.num_state_slots * self.state_bytes_per_slot() + self._launch_sampler_bytes(spec))
         if self.mtp is not None:  # the head's scratch blocks for chained drafts
             need += mtp_cache_bytes(cfg, spec, ITEMSIZE[self.dtype])
         if need > self._free_after_weights:
@@ -221,6 +222,7 @@ class CudaRunner:
             self.ctx, self.cache, self.dtype, self.rollback, self._verify_rows(spec.num_state_slots),
             self.verify_window_tokens, self.verify_memory_fraction)
         self.mtp_cache = allocate_mtp_cache(ctx, cfg, spec, self.dtype) if self.mtp is not None else None
+        self._allocate_launch_sampler(spec)
         self.kept.clear()
         self.spec = spec
 
@@ -407,11 +409,9 @@ class CudaRunner:
         """Record this step's device work (decoder + LM head) in a CUDA graph, for decode loops.
 
         The graph keeps the addresses of this step's buffers: `CapturedStep.update(next_batch)` uploads the next
-        step's tables into the same place (same number of sequences and tokens, block tables padded to
-        `table_width`), `replay()` launches the graph (capture itself runs nothing), `logits()` reads the result.
-        Run one eager step of the same shape first (it loads the modules and builds the GEMM plans). close()
-        releases the graph's memory and everything allocated after it (the arena is a stack).
-        The graph owns its buffers; the ones forward() captures for itself own none (decode_graphs.py).
+        step's tables there (same sequences and tokens, tables padded to `table_width`), `replay()` launches it,
+        `logits()` reads the result. Run one eager step of the same shape first (modules, GEMM plans). close()
+        releases its memory and all allocated after it. It owns its buffers; forward()'s own graphs own none.
         """
         if any(c.vision for c in batch.chunks):
             raise RunnerInputError("steps with vision embeddings are not captured")

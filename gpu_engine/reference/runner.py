@@ -23,7 +23,16 @@ from ..config import ModelConfig
 from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
-from ..runner_api import CacheSpec, MtpDraftRequest, SeqChunk, StepBatch, StepOutput, sample_on_host
+from ..runner_api import (
+    CacheSpec,
+    MtpDraftRequest,
+    SamplingRequest,
+    SeqChunk,
+    StepBatch,
+    StepOutput,
+    fed_chunks,
+    sample_on_host,
+)
 from ..runner_rules import (
     allocated,
     check_cache_spec,
@@ -33,6 +42,7 @@ from ..runner_rules import (
     row_offsets,
     state_bytes_per_slot,
 )
+from ..sampling import SampleResult
 from .fp8_kv import SCALE_BYTES, KvArray, check_kv_cache_dtype, kv_array
 from .mtp import MtpHead, has_complete_head
 from .text_model import SequenceCache, TextModel
@@ -46,6 +56,10 @@ class ReferenceRunner:
     # on to drive the engine's runner-sampling path.
     samples_on_device = False
     supports_verify = True  # SeqChunk.verify + rollback_state()
+    # launch() / finish() (runner_api.py, lookahead.py); off like samples_on_device (nothing to overlap in numpy):
+    # tests switch both on to drive the engine's lookahead path
+    supports_lookahead = False
+    _launched: np.ndarray | None = None  # the launched step's logits rows, until they are sampled
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False,
                  kv_cache_dtype: str = "auto") -> None:
@@ -153,6 +167,26 @@ class ReferenceRunner:
             raise RunnerInputError(problem)
         return StepOutput(logits=logits[:0], row_offsets=offsets, hidden=hidden_rows,
                           sampled=sample_on_host(logits, batch.sampling))
+
+    def launch(self, batch: StepBatch, previous: SamplingRequest | None,
+               feed: np.ndarray | None) -> SampleResult | None:
+        """runner_api's lookahead launch: the step before is sampled (its tokens returned, fed to `feed`'s
+        chunks), then this one runs, its logits kept until finish() / the next launch samples them."""
+        sampled = self.finish(previous) if previous is not None else None
+        if self._launched is not None:
+            raise RunnerInputError("a launched step has not been sampled: pass its request as `previous`")
+        chunks = fed_chunks(batch.chunks, feed, None if sampled is None else sampled.token_ids)
+        self._launched = self.forward(StepBatch(chunks)).logits
+        return sampled
+
+    def finish(self, request: SamplingRequest) -> SampleResult:
+        logits, self._launched = self._launched, None
+        if logits is None:
+            raise RunnerInputError("no launched step to sample")
+        problem = request.problem(logits.shape[0], logits.shape[1])
+        if problem:
+            raise RunnerInputError(problem)
+        return sample_on_host(logits, request)
 
     def _run_chunk(self, chunk: SeqChunk) -> np.ndarray:
         slot = chunk.state_slot

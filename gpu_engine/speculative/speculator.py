@@ -83,6 +83,15 @@ class Speculator:
         method = seq.params.speculative
         return self.has_mtp and seq.speculate and (method == "mtp" or (method == "auto" and self.mtp_in_auto))
 
+    def may_draft(self, running: list[Sequence]) -> bool:
+        """Whether propose() could give some running sequence drafts this step (when not, a lookahead step, which
+        never drafts, loses nothing): `auto` only with room under the cost rule, `ngram` / `mtp` always."""
+        if not self.can_verify:
+            return False
+        room = self.max_step_tokens - len(running) > 0
+        return any(s.speculate and s.params.speculative != "off" and (room or s.params.speculative != "auto")
+                   for s in running)
+
     # ---- before scheduling ----
     def propose(self, running: list[Sequence], blocks: BlockManager) -> None:
         """Write this step's drafts after the real tokens of the running sequences that decode."""
