@@ -113,6 +113,7 @@ class EngineClient:
             "max_num_seqs": seqs,
             "max_batched_tokens": tokens,
             "max_model_len": settings.engine_max_model_len,
+            "lookahead": settings.engine_lookahead,
         }
         if settings.engine_kv_cache_bytes is not None:
             config_kwargs["kv_cache_bytes"] = settings.engine_kv_cache_bytes

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
         "reference, 8192 on cuda)."
     )
     engine_max_model_len: int = Field(16384, ge=256, description="Longest prompt + output the engine accepts.")
+    engine_lookahead: bool = Field(
+        True, description="Launch the next decode step before taking in the tokens of the one on the GPU (cuda "
+        "runner; gpu_engine/lookahead.py), so the host's per-token work overlaps the forward; false = every step's "
+        "tokens first."
+    )
     engine_kv_cache_bytes: int | None = Field(
         None, ge=1, description="Memory budget for the KV cache; None = the engine's own default."
     )

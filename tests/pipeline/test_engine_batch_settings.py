@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.settings import REFERENCE_MAX_BATCHED_TOKENS, REFERENCE_MAX_NUM_SEQS, Settings
 
 
@@ -52,3 +54,24 @@ def test_pages_in_flight_are_two_engine_batches_per_process_unless_set(tmp_path:
     assert cuda.pages_in_flight(256) == 512 and cuda.pages_in_flight(1) == 2  # for all jobs, not per job
     assert Settings(data_dir=tmp_path).pages_in_flight(16) == 32
     assert Settings(data_dir=tmp_path, runner="cuda", engine_pages_in_flight=40).pages_in_flight(256) == 40
+
+
+def test_the_lookahead_setting_reaches_the_engine_config(tmp_path, monkeypatch) -> None:
+    import gpu_engine
+    from pipeline.engine_client import EngineClient
+
+    built = []
+
+    def from_pretrained(folder, runner, config, quantize):
+        built.append(config)
+        raise RuntimeError("stop after the config")
+
+    monkeypatch.setattr(gpu_engine.Engine, "from_pretrained", staticmethod(from_pretrained))
+    for env, want in ((None, True), ("false", False)):
+        if env is None:
+            monkeypatch.delenv("DOCPIPE_ENGINE_LOOKAHEAD", raising=False)
+        else:
+            monkeypatch.setenv("DOCPIPE_ENGINE_LOOKAHEAD", env)
+        with pytest.raises(RuntimeError, match="stop after the config"):
+            EngineClient.from_settings(Settings(data_dir=tmp_path))
+        assert built[-1].lookahead is want
