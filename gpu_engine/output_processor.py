@@ -16,6 +16,7 @@ class OutputProcessor:
         self.vocab_size = vocab_size
         self._token_bytes: list[bytes] | None = None  # for the detokenizer's byte path (ByteLevel tokenizers)
         self._token_bytes_checked = False
+        self._token_text: dict[int, str] = {}  # decode([token]) of the tokens seen: a logprob entry's text
 
     @property
     def token_bytes(self) -> list[bytes] | None:
@@ -25,6 +26,13 @@ class OutputProcessor:
             self._token_bytes = byte_level_token_bytes(self.tokenizer, self.vocab_size, skip_special_tokens=True)
             self._token_bytes_checked = True
         return self._token_bytes
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (a tokenizer call per generated token with logprobs otherwise: ~10 us each)."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def start(self, seq: Sequence) -> None:
         """Give a new request its incremental detokenizer."""
@@ -40,7 +48,7 @@ class OutputProcessor:
             # A forced token was the only one the grammar allowed: probability 1 under the constrained distribution.
             lp = 0.0 if forced else logprob
             seq.logprobs.append(TokenLogprob(
-                token_id=token, text=self.tokenizer.decode([token]), logprob=lp,
+                token_id=token, text=self.token_text(token), logprob=lp,
                 top=[(token, 0.0)] if forced and seq.params.top_logprobs else list(top or []),
             ))
         if token in seq.eos_token_ids or token in seq.params.stop_token_ids:
