@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,8 +66,8 @@ class Lookahead:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        runner = engine.runner
-        self.enabled = engine.config.lookahead and bool(getattr(runner, "supports_lookahead", False))
+        self.runner: Any = engine.runner  # launch() / finish(): optional in the runner contract
+        self.enabled = engine.config.lookahead and bool(getattr(self.runner, "supports_lookahead", False))
         self.off_reason: str | None = None  # why lookahead was turned off after a failure
         self.in_flight: InFlight | None = None
 
@@ -88,7 +88,7 @@ class Lookahead:
         """Launch a plain step (nothing in flight): its forward now, its tokens with the next step() call. An
         error here is the plain forward's (the runner launched nothing: the engine's failure isolation runs)."""
         assert self.in_flight is None
-        self.engine.runner.launch(StepBatch(chunks), None, None)
+        self.runner.launch(StepBatch(chunks), None, None)
         n = len(scheduled)
         self.in_flight = InFlight(scheduled, row_offsets(chunks), [False] * n, [False] * n)
 
@@ -116,11 +116,11 @@ class Lookahead:
         t0 = time.perf_counter()
         try:
             if nxt is None:
-                sampled = eng.runner.finish(infl.request)
+                sampled = self.runner.finish(infl.request)
             else:
                 chunks, scheduled, fed = nxt
                 feed = np.array([infl.offsets[i] if i >= 0 else -1 for i in fed], np.int64)
-                sampled = eng.runner.launch(StepBatch(chunks), infl.request, feed)
+                sampled = self.runner.launch(StepBatch(chunks), infl.request, feed)
         except Exception as exc:  # noqa: BLE001 - contained: the sequences are recomputed on the plain path
             self._fail(exc, infl.scheduled + (nxt[1] if nxt is not None else []))
             return [], False
@@ -263,7 +263,7 @@ class Lookahead:
         its sequences are recomputed (their cache went past what the engine records)."""
         self.in_flight = None
         try:
-            self.engine.runner.finish(expand_request(None, infl.offsets[-1], []))
+            self.runner.finish(expand_request(None, infl.offsets[-1], []))
         except Exception:  # noqa: BLE001 - the step's results are dropped either way
             log.warning("clearing an abandoned launched step failed", exc_info=True)
         self._preempt(infl.scheduled)

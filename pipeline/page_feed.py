@@ -51,7 +51,8 @@ def _close(replies: Iterator[EngineReply]) -> None:
 
 
 def stream_replies(client: ExtractionClient, units: Sequence[dict[str, Any]],
-                   make_request: Callable[[dict[str, Any]], EngineRequest], slots: PageSlots) -> Generator[PageReply, None, None]:
+                   make_request: Callable[[dict[str, Any]], EngineRequest],
+                   slots: PageSlots) -> Generator[PageReply, None, None]:
     """Submit the units' requests, each as soon as a slot is free (a job with nothing at the engine waits for one;
     a job with pages at the engine only takes free ones, so it never waits for a slot while its replies wait for
     it), and yield their replies in unit order. `make_request` (page decoding, prompt) runs just before each

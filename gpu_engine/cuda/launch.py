@@ -17,7 +17,7 @@ launched eager step keeps its arena until it is sampled, and a decode graph for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -69,6 +69,11 @@ class Launched:
     capture: tuple[HostStep, StepBatch, int, GraphKey] | None = None  # a graph to capture once sampled
 
 
+def as_runner(mixin: LaunchSteps) -> CudaRunner:
+    """LaunchSteps is only ever mixed into CudaRunner: its methods use the runner's parts."""
+    return cast("CudaRunner", mixin)
+
+
 class LaunchSteps:
     """Mixed into CudaRunner: launch() and finish() (runner_api: supports_lookahead)."""
 
@@ -76,71 +81,77 @@ class LaunchSteps:
     _launched: Launched | None = None
     launch_sampler: LaunchSampler | None = None  # allocate_cache
 
-    def launch(self: CudaRunner, batch: StepBatch, previous: SamplingRequest | None,
+    def launch(self, batch: StepBatch, previous: SamplingRequest | None,
                feed: np.ndarray | None) -> SampleResult | None:
-        if (previous is None) != (self._launched is None):
+        r = as_runner(self)
+        if (previous is None) != (r._launched is None):
             raise RunnerInputError("launch: `previous` is the request of the launched step, and only then given")
         if feed is not None and (previous is None or len(feed) != len(batch.chunks)):
             raise RunnerInputError("launch: feed needs a previous step and one entry per chunk")
         if any(c.verify or c.keep_hidden or c.logits == "all" for c in batch.chunks):
             raise RunnerInputError("launch: verify windows, kept hidden rows and all-row logits are not launched")
-        plan = self._book().plan(batch) if batch.chunks else None
+        plan = r._book().plan(batch) if batch.chunks else None
         run = plan.batch if plan is not None else batch
-        host, key = self._launch_tables(run, plan)  # the GPU is still on the step before
-        sampled = self.finish(previous) if previous is not None else None
+        host, key = r._launch_tables(run, plan)  # the GPU is still on the step before
+        sampled = r.finish(previous) if previous is not None else None
         if feed is not None and sampled is not None:
             fed = np.nonzero(np.asarray(feed) >= 0)[0]
             last_token = host.tables.cu[fed + 1] - 1  # a fed chunk's token is its last (re-fed tokens go first)
             host.tables.ids[last_token] = sampled.token_ids[np.asarray(feed)[fed]].astype(np.int32)
-        self._copy_states(plan)
-        self._launched = self._enqueue(run, host, key)
+        r._copy_states(plan)
+        r._launched = r._enqueue(run, host, key)
         if plan is not None:
-            self._book().commit(plan)
+            r._book().commit(plan)
         return sampled
 
-    def finish(self: CudaRunner, request: SamplingRequest) -> SampleResult:
-        launched, self._launched = self._launched, None
+    def finish(self, request: SamplingRequest) -> SampleResult:
+        r = as_runner(self)
+        launched, r._launched = r._launched, None
         if launched is None:
             raise RunnerInputError("finish: no launched step")
         try:
-            sampled = self._sample_launched(launched, request)
+            sampled = r._sample_launched(launched, request)
         finally:
             if launched.mark is not None:
-                self.ctx.device.sync()
-                self.ctx.arena.release(launched.mark)
+                r.ctx.device.sync()
+                r.ctx.arena.release(launched.mark)
         if launched.capture is not None:  # the logits are read: the new graph's buffers may cover them now
             host, batch, width, key = launched.capture
-            step = self._capture(host, batch, width, key)
+            step = r._capture(host, batch, width, key)
             if step is not None:
-                self._graphs[key] = step
-                self.decode_counts.captures += 1
+                r._graphs[key] = step
+                r.decode_counts.captures += 1
         return sampled
 
     # ---- the parts --------------------------------------------------------------------------------------------
-    def _launch_sampler_bytes(self: CudaRunner, spec: CacheSpec) -> int:
-        return LaunchSampler.nbytes(spec.num_state_slots + 1, self.sampler.words)
+    def _launch_sampler_bytes(self, spec: CacheSpec) -> int:
+        r = as_runner(self)
+        return LaunchSampler.nbytes(spec.num_state_slots + 1, r.sampler.words)
 
-    def _allocate_launch_sampler(self: CudaRunner, spec: CacheSpec) -> None:
+    def _allocate_launch_sampler(self, spec: CacheSpec) -> None:
         """allocate_cache: the launch sampler next to the cache (a step has at most one row per state slot)."""
-        self.launch_sampler = LaunchSampler.allocate(self.ctx, spec.num_state_slots + 1, self.sampler.words)
-        self._launched = None
+        r = as_runner(self)
+        r.launch_sampler = LaunchSampler.allocate(r.ctx, spec.num_state_slots + 1, r.sampler.words)
+        r._launched = None
 
-    def _launch_tables(self: CudaRunner, run: StepBatch, plan: StepPlan | None) -> tuple[HostStep, GraphKey | None]:
+    def _launch_tables(self, run: StepBatch, plan: StepPlan | None) -> tuple[HostStep, GraphKey | None]:
         """The step's host tables, padded to a graph's shape when it can replay one (key), else eager (None)."""
-        if self.use_graphs and graphable(run):
+        r = as_runner(self)
+        if r.use_graphs and graphable(run):
             lens = [c.num_tokens for c in run.chunks]
             shape: tuple[int, int] | None = (len(lens), sum(lens))  # without scratch rows: exact shapes
-            if self.scratch is not None:
-                shape = graph_shape(lens, self.buckets, allocated(self.spec).block_size, TOKEN_BUCKETS)
+            if r.scratch is not None:
+                shape = graph_shape(lens, r.buckets, allocated(r.spec).block_size, TOKEN_BUCKETS)
             if shape is not None:
                 rows, tokens = shape
                 width = table_width_bucket(max(len(c.block_table) for c in run.chunks))
-                return self._graph_host(run, width, rows, tokens, plan), GraphKey(rows, tokens, width, False)
-        return self._prepare(run, None, plan), None
+                return r._graph_host(run, width, rows, tokens, plan), GraphKey(rows, tokens, width, False)
+        return r._prepare(run, None, plan), None
 
-    def _enqueue(self: CudaRunner, run: StepBatch, host: HostStep, key: GraphKey | None) -> Launched:
-        counts = self.decode_counts
-        step = self._graphs.get(key) if key is not None else None
+    def _enqueue(self, run: StepBatch, host: HostStep, key: GraphKey | None) -> Launched:
+        r = as_runner(self)
+        counts = r.decode_counts
+        step = r._graphs.get(key) if key is not None else None
         if step is not None:
             step.load(host, run)
             step.replay()
@@ -152,11 +163,11 @@ class LaunchSteps:
             counts.eager_graphable += 1
         else:
             counts.other += 1
-        ctx = self.ctx
+        ctx = r.ctx
         mark = ctx.arena.mark()
         try:
-            bufs = self._step_buffers(host)
-            self._run(host, upload_tables(ctx, host.tables), bufs)
+            bufs = r._step_buffers(host)
+            r._run(host, upload_tables(ctx, host.tables), bufs)
         except Exception:
             ctx.device.sync()
             ctx.arena.release(mark)
@@ -164,24 +175,25 @@ class LaunchSteps:
         from . import runner as runner_module  # its MAX_GRAPHS (tests lower it there)
 
         capture = None
-        if key is not None and key not in self._no_graph and len(self._graphs) < runner_module.MAX_GRAPHS:
+        if key is not None and key not in r._no_graph and len(r._graphs) < runner_module.MAX_GRAPHS:
             capture = (host, run, key.width, key)
         return Launched(first_rows(bufs.logits, host.batch_logit_rows), host.batch_logit_rows, mark, capture)
 
-    def _sample_launched(self: CudaRunner, launched: Launched, request: SamplingRequest) -> SampleResult:
+    def _sample_launched(self, launched: Launched, request: SamplingRequest) -> SampleResult:
+        r = as_runner(self)
         rows = request.num_rows
         if rows != launched.rows:
             raise RunnerInputError(f"finish: the request has {rows} rows, the launched step {launched.rows}")
-        if problem := request.problem(rows, self.cfg.vocab_size):
+        if problem := request.problem(rows, r.cfg.vocab_size):
             raise RunnerInputError(problem)
-        ls = self.launch_sampler
+        ls = r.launch_sampler
         if ls is None or rows > ls.rows:
             raise RunnerInputError(f"finish: {rows} rows, the launch sampler holds {ls.rows if ls else 0}")
         if rows == 0:
             return SampleResult(np.zeros(0, np.int64), np.zeros(0, np.float32), [])
-        dev = self.ctx.device
+        dev = r.ctx.device
         dev.upload(ls.params.ptr, pack_params(request))
-        self.sampler.upload_masks(ls.bufs, request)
-        self.sampler.enqueue(ls.bufs, launched.logits, ls.params, rows)
-        return self.sampler.results(ls.bufs, request)
+        r.sampler.upload_masks(ls.bufs, request)
+        r.sampler.enqueue(ls.bufs, launched.logits, ls.params, rows)
+        return r.sampler.results(ls.bufs, request)
 
