@@ -216,7 +216,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._live) or bool(self._pending) or self.lookahead.in_flight is not None
+        # a step still in flight holds rows of live requests only while they are live: those count already
+        return bool(self._live) or bool(self._pending)
 
     @property
     def num_unfinished(self) -> int:

@@ -163,7 +163,7 @@ class Lookahead:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             start = sc.end
-            if infl.discard[i]:  # jump-forward tokens follow the row: run them (known tokens)
+            if infl.discard[i] or not sc.wants_logits:  # known tokens follow (a forced run, or its cut rest)
                 n = decode_chunk(seq, min(seq.num_tokens - start, budget), sched.decode_chunk_limit)
                 src = -1
             elif seq.remaining_tokens <= 1:

@@ -81,11 +81,16 @@ def test_lookahead_gives_the_plain_paths_outputs(ckpt):
             assert out.finish_reason == "stop", out.error
             assert set(json.loads(out.text)) == {"name", "n", "ok"}
     stats = look.stats()
+    assert stats["lookahead_failures"] == 0, look.lookahead.off_reason
     assert stats["lookahead_steps"] > 0 and plain.stats()["lookahead_steps"] == 0
     assert stats["lookahead_discarded_rows"] > 0  # forced runs and finished rows took the discard path
     assert stats["sampled_tokens"] == plain.stats()["sampled_tokens"]
     assert stats["forced_tokens"] == plain.stats()["forced_tokens"]
-    assert not look.has_unfinished() and look.lookahead.in_flight is None
+    assert not look.has_unfinished()
+    left = look.lookahead.in_flight  # a last launched step may hold rows of requests that ended meanwhile
+    assert left is None or all(sc.seq.is_finished for sc in left.scheduled)
+    look.step()  # the next step takes it in and runs nothing
+    assert look.lookahead.in_flight is None
 
 
 def test_a_launch_feeds_the_previous_steps_tokens_to_the_next(ckpt):
@@ -206,3 +211,34 @@ def test_auto_speculation_keeps_its_steps(ckpt):
     ref.runner.samples_on_device = True
     same_outputs(ref.generate(ps, params), eng.generate(ps, params))
     assert eng.stats()["lookahead_steps"] == 0
+
+
+def test_forced_runs_cut_to_the_runners_decode_chunk_continue_on_the_lookahead_path(ckpt):
+    """A runner that takes decoding chunks of one token: a forced run is spread over steps, its first pieces want
+    no logits, and the lookahead step after such a piece runs the run's next piece (its tokens are known), never
+    a fed row."""
+    rng = fresh_rng()
+    ps = prompts(rng, 10)
+    params = [SamplingParams(max_tokens=120, json_schema=SCHEMA, temperature=0.0 if i % 2 else 1.1,
+                             seed=int(rng.integers(1 << 30)), speculative="off", logprobs=True) for i in range(10)]
+    plain, look = engine(ckpt, False), engine(ckpt, True)
+    for eng in (plain, look):
+        eng.scheduler.decode_chunk_limit = 1
+    launch, last = look.runner.launch, {}
+
+    def checked(batch, previous, feed):
+        """Every fed chunk takes the token of its own sequence's logits row in the step launched before."""
+        if feed is not None:
+            prev = last["batch"]
+            row_seq = [c.seq_id for c in prev.chunks for _ in range({"none": 0, "last": 1}[c.logits])]
+            for chunk, f in zip(batch.chunks, feed):
+                if f >= 0:
+                    assert row_seq[f] == chunk.seq_id, "fed from another sequence's row"
+        last["batch"] = batch
+        return launch(batch, previous, feed)
+
+    look.runner.launch = checked
+    same_outputs(plain.generate(ps, params), look.generate(ps, params))
+    stats = look.stats()
+    assert stats["lookahead_failures"] == 0, look.lookahead.off_reason  # the check above raised in the runner
+    assert stats["lookahead_steps"] > 0 and look.scheduler.num_cut_runs + stats["lookahead_discarded_rows"] > 0
