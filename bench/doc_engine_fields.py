@@ -10,7 +10,8 @@ from typing import Any
 from gpu_engine.speculative.speculator import spec_counters
 
 COUNTERS = ("steps", "prompt_tokens_computed", "decode_tokens", "forced_tokens", "sampled_tokens", "preemptions",
-            "chunked_output_tokens", *spec_counters())  # the speculator's counters, named where they are kept
+            "chunked_output_tokens", "lookahead_steps", "lookahead_discarded_rows", "lookahead_failures",
+            *spec_counters())  # the speculator's counters, named where they are kept
 
 
 @dataclasses.dataclass(frozen=True)

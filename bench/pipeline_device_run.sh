@@ -12,6 +12,7 @@ SNAP=${SNAP:?the snapshot folder}
 OUT=${OUT:-/tmp/out}
 ROOT=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$SNAP"/whl/*.whl || exit 1
+rm -rf /tmp/s /tmp/w  # a warm machine keeps an earlier call's tree and databases: start from nothing
 mkdir -p /tmp/s && tar -xzf "$SNAP"/x.tar.gz -C /tmp/s && cd /tmp/s || exit 1
 export PYTHONPATH=/tmp/site:/tmp/s PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DOCPIPE_BENCH_COMMIT=${COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader >"$OUT/gpu.txt" 2>&1

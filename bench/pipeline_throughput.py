@@ -188,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="docpipe-pipeline-tp-"))
     work.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in work.glob("data-*"))
+    if stale:  # an earlier run's databases would count its pages as this run's (session 9: 1,122 of 1,000)
+        print(f"--workdir {work} holds an earlier run's data ({', '.join(stale)}): give an empty folder",
+              file=sys.stderr)
+        return 2
     result: dict[str, Any] = {
         "bench": "pipeline_throughput", "git_commit": git_commit(), "command": " ".join(["python3", *sys.argv]),
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -77,3 +77,12 @@ def test_celery_run_adds_up(tmp_path: Path) -> None:
     assert split["ingest-worker:docpipe.ingest_s"] > 0 and split["gpu-worker:docpipe.extract_s"] > 0
     assert split["db_txn_s"] > 0 and split["page_images_s"] > 0  # the GPU worker decodes the stored pages
     assert row["job_states"] == {"succeeded": 3}
+
+
+def test_a_workdir_with_an_earlier_runs_data_is_refused(tmp_path: Path, capsys) -> None:
+    """Its databases would count the earlier run's pages as this run's."""
+    (tmp_path / "data-celery").mkdir()
+    out = tmp_path / "out.json"
+    assert pipeline_throughput.main(["--runner", "reference", "--shape", "tiny", "--docs", "1", "--pages-per-doc", "1",
+                                     "--workdir", str(tmp_path), "--json", str(out)]) == 2
+    assert "earlier run" in capsys.readouterr().err and not out.exists()
