@@ -130,11 +130,19 @@ class Lookahead:
             raise RuntimeError(f"runner {eng.runner.name!r} returned no tokens for the launched step")
         self.in_flight = None
         outputs = self._take_in(infl, sampled)
-        if nxt is not None:
-            chunks, scheduled, fed = nxt
+        if nxt is None:
+            return outputs, False
+        chunks, scheduled, fed = nxt
+        try:
             self.in_flight = self._planned(chunks, scheduled, [i >= 0 for i in fed])
-            eng._counters["lookahead_steps"] += 1
-        return outputs, nxt is not None
+        except Exception as exc:  # noqa: BLE001 - the delivered outputs must still go out
+            self.off_reason = f"building the sampling request failed: {type(exc).__name__}: {exc}"
+            log.exception("lookahead decoding is off for this engine: %s", self.off_reason)
+            eng._counters["lookahead_failures"] += 1
+            self._abandon(InFlight(scheduled, row_offsets(chunks), [i >= 0 for i in fed]))
+            return outputs, False
+        eng._counters["lookahead_steps"] += 1
+        return outputs, True
 
     def _next_step(self) -> tuple[list[SeqChunk], list[ScheduledChunk], list[int]] | None:
         """The lookahead step after the in-flight one (fed[i]: the in-flight chunk feeding chunk i, or -1), or

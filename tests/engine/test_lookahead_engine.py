@@ -242,3 +242,25 @@ def test_forced_runs_cut_to_the_runners_decode_chunk_continue_on_the_lookahead_p
     stats = look.stats()
     assert stats["lookahead_failures"] == 0, look.lookahead.off_reason  # the check above raised in the runner
     assert stats["lookahead_steps"] > 0 and look.scheduler.num_cut_runs + stats["lookahead_discarded_rows"] > 0
+
+
+def test_a_failing_sampling_plan_after_a_launch_loses_no_output(ckpt, monkeypatch):
+    """The bitmasks of a launched lookahead step cannot be built (the grammar library raises): the tokens already
+    taken in still come out, the launched step is dropped and its sequences recomputed, lookahead goes off."""
+    import gpu_engine.lookahead as la
+
+    rng = fresh_rng()
+    ps, params = prompts(rng, 5), mixed_params(rng, 5)
+    look = engine(ckpt, True)
+    real, calls = la.plan_runner_sampling, [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("matcher broke")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(la, "plan_runner_sampling", flaky)
+    got = look.generate(ps, params)
+    same_outputs(engine(ckpt, False).generate(ps, params), got)
+    assert "matcher broke" in look.lookahead.off_reason and look.stats()["lookahead_failures"] == 1
