@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from .inputs import VisionItem
 from .runner_api import VisionSlice
+from .vision_batch import same_grid_groups
 
 MIN_ENCODER_BUDGET = 64 * 1024**2  # the smallest default budget (the old fixed default)
 DEFAULT_ENCODER_TOKENS = 16384  # the largest image the Qwen3.5 processors make (16,777,216 pixels) is 16,384 tokens
@@ -63,10 +64,13 @@ class EncoderCache:
         budget_bytes: int,
         encode: Callable[[VisionItem], Any],
         nbytes: Callable[[VisionItem], int],
+        encode_batch: Callable[[list[VisionItem]], list[Any]] | None = None,
     ) -> None:
+        """`encode_batch`: the runner's encode_vision_batch (same-grid items in one tower call), if it has one."""
         self.budget_bytes = budget_bytes
         self._encode = encode
         self._nbytes = nbytes
+        self._encode_batch = encode_batch
         self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # content hash -> (embeddings, bytes)
         self._pinned: dict[str, int] = {}  # reserved for the step being built: content hash -> bytes
         self.bytes_cached = 0
@@ -76,6 +80,8 @@ class EncoderCache:
         self.encodes = 0
         self.hits = 0
         self.evictions = 0
+        self.batched_encodes = 0  # tower calls that encoded several items (prefetch)
+        self.batch_failures = 0  # batches that raised: their items were left to get(), one at a time
 
     def item_bytes(self, item: VisionItem) -> int:
         return int(self._nbytes(item))
@@ -133,6 +139,37 @@ class EncoderCache:
                 f"(budget {self.budget_bytes}); reserve() must run first"
             )
 
+    def prefetch(self, items: list[VisionItem]) -> None:
+        """Encode the step's uncached, reserved `items` ahead of get(), several of one grid in one tower call
+        (vision_batch.py). Best effort: a batch that does not fit or raises leaves its items to get(), where each
+        encodes alone and a bad one fails only its own request."""
+        if self._encode_batch is None:
+            return
+        todo = list({i.content_hash: i for i in items if i.content_hash not in self._entries}.values())
+        for group in same_grid_groups(todo):
+            if len(group) < 2:
+                continue
+            sizes = [self.item_bytes(item) for item in group]
+            try:
+                self._evict_until(sum(sizes))
+            except RuntimeError:
+                continue  # one at a time fits (reserve() saw to it), all at once does not
+            self.peak_bytes = max(self.peak_bytes, self.bytes_cached + sum(sizes)
+                                  + sum(int(i.pixel_values.nbytes) for i in group))
+            try:
+                embs = self._encode_batch(group)
+                for item, emb in zip(group, embs, strict=True):
+                    check_embeddings(item, emb)
+            except Exception:  # noqa: BLE001 - get() encodes them singly and reports a bad item on its own
+                self.batch_failures += 1
+                continue
+            self.batched_encodes += 1
+            for item, emb, size in zip(group, embs, sizes):
+                self.encodes += 1
+                self._entries[item.content_hash] = (emb, size)
+                self.bytes_cached += size
+            self.peak_cached_bytes = max(self.peak_cached_bytes, self.bytes_cached)
+
     def slices(self, items: list[VisionItem], start: int, end: int) -> list[VisionSlice]:
         """Embedding slices for the chunk covering tokens [start, end) (items already reserved)."""
         return chunk_slices(items, start, end, self.get)
@@ -146,4 +183,6 @@ class EncoderCache:
             "encoder_encodes": self.encodes,
             "encoder_hits": self.hits,
             "encoder_evictions": self.evictions,
+            "encoder_batched_encodes": self.batched_encodes,
+            "encoder_batch_failures": self.batch_failures,
         }

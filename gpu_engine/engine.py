@@ -101,7 +101,8 @@ class Engine:
         encoder_bytes = cfg.encoder_cache_bytes
         if encoder_bytes is None:
             encoder_bytes = default_encoder_budget(runner)
-        self.encoder = EncoderCache(encoder_bytes, runner.encode_vision, runner.embedding_nbytes)
+        batch = getattr(runner, "encode_vision_batch", None) if getattr(runner, "batches_vision", False) else None
+        self.encoder = EncoderCache(encoder_bytes, runner.encode_vision, runner.embedding_nbytes, batch)
         self.scheduler = Scheduler(cfg, self.blocks, self.encoder, decode_chunk_limit(runner))
         self.outputs = OutputProcessor(tokenizer, vocab_size)
         self.isolation = FailureIsolation(runner, vocab_size)
@@ -246,6 +247,7 @@ class Engine:
             [sc.start + sc.seq.prompt.rope_delta if sc.is_decode else 0 for sc in sched.chunks], dtype=np.int64
         )
         decode_pos = np.broadcast_to(decode_pos, (3, decode_pos.shape[0])).copy()
+        self.encoder.prefetch([item for sc in sched.chunks for item in sc.vision_items])  # same-grid items together
         for k, sc in enumerate(sched.chunks):
             try:
                 vision = self.encoder.slices(sc.vision_items, sc.start, sc.end) if sc.vision_items else []

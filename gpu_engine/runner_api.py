@@ -221,6 +221,8 @@ class Runner(Protocol):
     #     single token the token just sampled in row feed[i] (fed_chunks); and
     #     finish(request: SamplingRequest) -> SampleResult: samples the launched step, leaving none launched.
     #     A runner that raises in either leaves no step launched.
+    # Optional `batches_vision: bool` with encode_vision_batch(items) -> list of embeddings: items of one grid
+    #     (1, h, w) encoded in one tower call (gpu_engine/vision_batch.py), used by the encoder cache's prefetch.
 
     def allocate_cache(self, spec: CacheSpec) -> None:
         """Take the cache memory once; later forwards index into it."""

@@ -45,6 +45,9 @@ class CudaOptions:
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.
     vision_flash: str | None = None
+    # Same-grid vision items of a step in one tower call (encode_vision_batch, cuda/vision_batch.py;
+    # DOCPIPE_CUDA_VISION_BATCH=1). Opt-in until check_vision has run it on a GPU (the reference runner batches).
+    vision_batch: bool = False
     # Speculative decoding: how a verify window's linear-attention state is rolled back (cuda/verify.py):
     # "recompute" (snapshot + re-feed the accepted tokens) or "window" (keep every window token's state, windows of
     # at most verify_window_tokens + 1 tokens).
@@ -95,6 +98,8 @@ class CudaOptions:
             read["decode_rows_apart"] = env["DOCPIPE_CUDA_DECODE_ROWS_APART"] == "1"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
             read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
+        if "DOCPIPE_CUDA_VISION_BATCH" in env:
+            read["vision_batch"] = env["DOCPIPE_CUDA_VISION_BATCH"] == "1"
         if env.get("DOCPIPE_CUDA_VISION_FLASH"):
             read["vision_flash"] = env["DOCPIPE_CUDA_VISION_FLASH"]
         if "DOCPIPE_CUDA_CACHE" in env:

@@ -8,8 +8,8 @@ array and uploaded once; logits come back as float32 for the requested rows only
 and verify windows replay CUDA graphs (captured_step.py) per (batch-size bucket, token bucket, table width bucket)
 unless options.use_graphs is off: padding rows write only the runner's scratch block and slot; graphs own no
 memory (decode_graphs.py says why that is safe).
-Vision: encode_vision runs the tower (vision.py) into the encoder-cache region (options.encoder_memory bytes) and
-returns DeviceEmbeddings, or a host float32 array when that region is full.
+Vision: encode_vision (encode_vision_batch: same-grid items in one call, vision_batch.py) runs the tower (vision.py)
+into the encoder-cache region (options.encoder_memory bytes): DeviceEmbeddings, or host float32 when it is full.
 Sampling: a step whose batch carries a SamplingRequest is sampled on the GPU after the LM head (sampler.py); only
 token ids and logprobs come back; its parameter table travels in the packed tables, so graphs replay it too.
 Launched steps (launch / finish, launch.py) keep their logits on the GPU until the engine's request comes.
@@ -27,13 +27,7 @@ from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..loader import ModelWeights
 from ..runner_api import CacheSpec, MtpDraftRequest, StepBatch, StepOutput
-from ..runner_rules import (
-    allocated,
-    check_cache_spec,
-    check_state_slots,
-    row_offsets,
-    state_bytes_per_slot,
-)
+from ..runner_rules import allocated, check_cache_spec, check_state_slots, row_offsets, state_bytes_per_slot
 from . import ops
 from .cache_layers import allocate_layers, copy_slot_states
 from .captured_step import CapturedStep, StepBuffers, first_rows, graphable
@@ -76,6 +70,7 @@ from .text_model import Activations, CudaTextModel, DeviceCache
 from .verify import StepPlan, Strategy, VerifyBook
 from .verify_ops import VerifyRows, allocate_verify_rows, copy_segments, copy_table
 from .vision import GpuVisionTower
+from .vision_batch import VisionBatch
 from .weights import upload_text_weights
 
 MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side executable); past it new keys run eagerly
@@ -84,7 +79,7 @@ MAX_GRAPHS = 128  # captured decode graphs kept (each holds a driver-side execut
 DEFAULT_VERIFY_ROWS = 48
 
 
-class CudaRunner(LaunchSteps):
+class CudaRunner(LaunchSteps, VisionBatch):
     name = "cuda"
     samples_on_device = True  # runner_api.SamplingRequest is honoured (sampler.py)
     # Longer jump-forward runs are spread over steps (gpu_engine/forced_runs.py), so that no forced run sends a

@@ -133,7 +133,7 @@ class GpuVisionTower:
         t, h, w = grid_thw
         return t * h * w // self.dims.merge_unit
 
-    def _check(self, pixel_values: np.ndarray, grid_thw: tuple[int, ...], out: DArray) -> None:
+    def _check(self, parts: list[np.ndarray], grid_thw: tuple[int, ...], out: DArray) -> None:
         d = self.dims
         if len(grid_thw) != 3 or min(grid_thw) < 1:
             raise VisionEncodeError(f"grid_thw must be three positive integers, got {grid_thw!r}")
@@ -141,25 +141,34 @@ class GpuVisionTower:
         if h % d.spatial_merge_size or w % d.spatial_merge_size:
             raise VisionEncodeError(f"grid {grid_thw}: h and w must be multiples of spatial_merge_size "
                                     f"{d.spatial_merge_size}")
-        if pixel_values.ndim != 2 or pixel_values.shape != (t * h * w, d.patch_dim):
+        shapes = [p.shape for p in parts]
+        if any(len(s) != 2 or s[1] != d.patch_dim for s in shapes) or sum(s[0] for s in shapes) != t * h * w:
             raise VisionEncodeError(f"pixel_values must be [{t * h * w}, {d.patch_dim}] for grid {grid_thw}, got "
-                                    f"{pixel_values.shape}")
+                                    f"{shapes[0] if len(shapes) == 1 else shapes}")
         want = (self.num_tokens((t, h, w)), d.out_hidden_size)
         if out.shape != want or out.dtype != self.dtype:
             raise VisionEncodeError(f"output buffer {out.shape} {out.dtype}, expected {want} {self.dtype}")
 
-    def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], out: DArray) -> DArray:
-        """Encode one item into `out` [t*h*w / merge^2, out_hidden] (enqueued on the context's stream)."""
-        pixel_values = np.asarray(pixel_values, np.float32)
+    def encode(self, pixel_values: np.ndarray | list[np.ndarray], grid_thw: tuple[int, int, int],
+               out: DArray) -> DArray:
+        """Encode one item into `out` [t*h*w / merge^2, out_hidden] (enqueued on the context's stream).
+        `pixel_values` may be a list of consecutive row blocks (the items of encode_vision_batch): they are
+        uploaded into one buffer, with no host-side concatenation of tens of MB a page."""
+        blocks = pixel_values if isinstance(pixel_values, list) else [pixel_values]
+        parts = [np.asarray(p, np.float32) for p in blocks]
         grid = tuple(int(g) for g in grid_thw)
-        self._check(pixel_values, grid, out)
+        self._check(parts, grid, out)
         ctx, d, t_ = self.ctx, self.dims, self.dtype
         t, h, w = grid
         n, H, seg = t * h * w, d.hidden_size, h * w
         geo = frame_geometry(h, w, d.spatial_merge_size, d.pos_grid_side)
         mark = ctx.arena.mark()
         try:
-            pixels = ctx.to_device(pixel_values, "f32", "visual.pixels")
+            pixels = ctx.empty((n, d.patch_dim), "f32", "visual.pixels")
+            row = 0
+            for block in parts:
+                ctx.device.upload(pixels.ptr + row * d.patch_dim * 4, np.ascontiguousarray(block))
+                row += block.shape[0]
             if t_ != "f32":  # round on the device: numpy's bf16 rounding costs tens of ms for one large image
                 rounded = ctx.empty(pixels.shape, t_, "visual.pixels_" + t_)
                 vision_ops.cast_from_f32(ctx, rounded, pixels)

@@ -43,6 +43,7 @@ from ..runner_rules import (
     state_bytes_per_slot,
 )
 from ..sampling import SampleResult
+from ..vision_batch import row_ranges, stacked
 from .fp8_kv import SCALE_BYTES, KvArray, check_kv_cache_dtype, kv_array
 from .mtp import MtpHead, has_complete_head
 from .text_model import SequenceCache, TextModel
@@ -59,6 +60,7 @@ class ReferenceRunner:
     # launch() / finish() (runner_api.py, lookahead.py); off like samples_on_device (nothing to overlap in numpy):
     # tests switch both on to drive the engine's lookahead path
     supports_lookahead = False
+    batches_vision = True  # encode_vision_batch: same-grid items in one tower call
     _launched: np.ndarray | None = None  # the launched step's logits rows, until they are sampled
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, *, fp8_activations: bool = False,
@@ -272,15 +274,26 @@ class ReferenceRunner:
 
     def encode_vision(self, item: VisionItem) -> np.ndarray:
         """Vision tower for one item -> [item.num_tokens, text hidden] float32."""
-        if self._vision_tower is None:
-            from .vision_tower import VisionTower  # written separately; imported only when vision is used
-
-            self._vision_tower = VisionTower(self.config.vision, self.weights.vision)
-        out = np.asarray(self._vision_tower.encode(item.pixel_values, item.grid_thw), dtype=np.float32)
+        out = np.asarray(self._tower().encode(item.pixel_values, item.grid_thw), dtype=np.float32)
         if out.shape != (item.num_tokens, self.config.text.hidden_size):
             raise RunnerInputError(
                 f"vision item at token {item.token_start}: tower gave {out.shape}, expected "
                 f"({item.num_tokens}, {self.config.text.hidden_size})"
             )
         return out
+
+    def encode_vision_batch(self, items: list[VisionItem]) -> list[np.ndarray]:
+        """Items of one grid (1, h, w) in one tower call (vision_batch.py): each item's rows, in order."""
+        pixels, grid = stacked(items)
+        out = np.asarray(self._tower().encode(pixels, grid), dtype=np.float32)
+        if out.shape != (sum(i.num_tokens for i in items), self.config.text.hidden_size):
+            raise RunnerInputError(f"vision batch of {len(items)} items: tower gave {out.shape}")
+        return [out[a:b] for a, b in row_ranges(items)]
+
+    def _tower(self) -> Any:
+        if self._vision_tower is None:
+            from .vision_tower import VisionTower  # written separately; imported only when vision is used
+
+            self._vision_tower = VisionTower(self.config.vision, self.weights.vision)
+        return self._vision_tower
 

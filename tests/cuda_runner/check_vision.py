@@ -11,8 +11,8 @@ the flash kernel in bf16 (the GEMM path also run with query blocks smaller than 
 is poisoned (NaN) before each encode.
 Pass: rel-L2 <= 1e-4 in fp32; <= 1e-2 in bf16 against the reference run on the same bf16-rounded weights and pixels.
 Then through CudaRunner (tiny checkpoint, fp32): encode_vision returns DeviceEmbeddings equal to the reference,
-and a prefill chunk that scatters a slice of them on the device gives the same logits as the same slice passed
-as a host array. Skips (exit 0) without a GPU.
+encode_vision_batch three of them from one tower call, and a prefill chunk that scatters a slice of them on the
+device gives the same logits as the same slice passed as a host array. Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
@@ -185,6 +185,15 @@ def check_runner_path(rng: np.random.Generator) -> list[VisionResult]:
             logits.append(runner.forward(StepBatch([chunk])).logits)
         err = rel_err(logits[0], logits[1])
         results.append(VisionResult("runner device vs host scatter", "f32", grid, err, bool(err <= 1e-6)))
+        # encode_vision_batch: three items of one grid in one tower call, each its own DeviceEmbeddings
+        more = [rng.standard_normal(pixels.shape).astype(np.float32) for _ in range(3)]
+        items = [VisionItem("image", p, grid, token_start=3, num_tokens=tokens, content_hash=f"b{i}")
+                 for i, p in enumerate(more)]
+        batch = runner.encode_vision_batch(items)
+        err = max(rel_err(np.asarray(e), VisionTower(v, weights.vision).encode(p, grid)) for e, p in zip(batch, more))
+        ok = err <= TOL["f32"] and all(isinstance(e, DeviceEmbeddings) for e in batch)
+        results.append(VisionResult("runner encode_vision_batch x3", "f32", grid, err, bool(ok)))
+        del batch
         free_before = runner._encoded.free_bytes
         del emb, emb_piece
         import gc

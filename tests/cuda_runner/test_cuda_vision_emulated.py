@@ -272,3 +272,24 @@ def test_emulated_gemm_attention_in_query_blocks(monkeypatch) -> None:
     ctx.poison(out)
     got = ctx.to_host(tower.encode(pixels, (2, 4, 6), out))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-5
+
+
+def test_pixels_given_as_row_blocks_encode_as_the_stacked_array() -> None:
+    """encode_vision_batch hands the tower each item's pixels: uploaded into one buffer, the result is the stacked
+    array's, bit for bit; blocks that do not add up to the grid are refused."""
+    from gpu_engine.cuda.vision import VisionEncodeError
+
+    rng = np.random.default_rng()
+    cfg = SimpleNamespace(**CONFIGS["tiny hd16 gelu-tanh"])
+    ctx = fake_context()
+    tower = GpuVisionTower(ctx, cfg, random_vision_weights(cfg, rng), "f32")
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    blocks = [rng.standard_normal((24, patch_dim)).astype(np.float32) for _ in range(3)]
+    outs = []
+    for pixels in (np.concatenate(blocks), blocks):
+        out = ctx.empty((18, cfg.out_hidden_size), "f32", "out")
+        tower.encode(pixels, (3, 4, 6), out)
+        outs.append(ctx.to_host(out))
+    assert np.array_equal(outs[0], outs[1])
+    with pytest.raises(VisionEncodeError, match="pixel_values must be"):
+        tower.encode(blocks[:2], (3, 4, 6), ctx.empty((18, cfg.out_hidden_size), "f32", "out"))
