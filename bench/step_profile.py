@@ -77,6 +77,8 @@ class StepProfile:
             profile._wrap(engine.runner, "launch", profile._launch)
             profile._wrap(engine.runner, "finish", profile._finish)
         profile._wrap(engine.encoder, "_encode", profile._encode)
+        if getattr(engine.encoder, "_encode_batch", None) is not None:  # same-grid items in one tower call
+            profile._wrap(engine.encoder, "_encode_batch", profile._encode_batch)
         profile._wrap(engine.scheduler, "schedule", profile._timer("schedule_s"))
         profile._wrap(engine, "_after_forward", profile._timer("after_s"))
         if getattr(engine, "_runner_sampling", None) is not None:
@@ -232,6 +234,14 @@ class StepProfile:
             self._current.shape.vision_grids.append(tuple(int(x) for x in item.grid_thw))
             return out
         return encode
+
+    def _encode_batch(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def encode_batch(items: Any) -> Any:
+            out, seconds = self._timed_on_device(lambda: original(items))
+            self._current.encode_s += seconds
+            self._current.shape.vision_grids.extend(tuple(int(x) for x in item.grid_thw) for item in items)
+            return out
+        return encode_batch
 
     def _prepare(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def prepare(messages: Any) -> Any:

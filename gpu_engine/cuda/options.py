@@ -46,7 +46,7 @@ class CudaOptions:
     # vision_flash.DEFAULT_VARIANT.
     vision_flash: str | None = None
     # Same-grid vision items of a step in one tower call (encode_vision_batch, cuda/vision_batch.py;
-    # DOCPIPE_CUDA_VISION_BATCH=1). Opt-in until check_vision has run it on a GPU (the reference runner batches).
+    # DOCPIPE_CUDA_VISION_BATCH=1). check_vision passed it on an H200, the 9B document run gained nothing: opt-in.
     vision_batch: bool = False
     # Speculative decoding: how a verify window's linear-attention state is rolled back (cuda/verify.py):
     # "recompute" (snapshot + re-feed the accepted tokens) or "window" (keep every window token's state, windows of

@@ -22,7 +22,7 @@ class VisionBatch:
 
     @property
     def batches_vision(self) -> bool:
-        """Whether the engine should batch (CudaOptions.vision_batch: opt-in until checked on a GPU)."""
+        """Whether the engine should batch (CudaOptions.vision_batch: opt-in, no gain measured yet)."""
         return cast("CudaRunner", self).options.vision_batch
 
     def encode_vision_batch(self, items: list[VisionItem]) -> list[Any]:
