@@ -72,10 +72,10 @@ class StepProfile:
     def attach(cls, engine: Any, host_profile: bool = False) -> StepProfile:
         profile = cls(engine, host_profile)
         profile._wrap(engine, "step", profile._step)
-        profile._wrap(engine.runner, "forward", profile._forward)
+        profile._wrap(engine.runner, "forward", profile._runner_call(True))
         if getattr(engine.runner, "supports_lookahead", False):  # launched steps (gpu_engine/lookahead.py)
-            profile._wrap(engine.runner, "launch", profile._launch)
-            profile._wrap(engine.runner, "finish", profile._finish)
+            profile._wrap(engine.runner, "launch", profile._runner_call(True))
+            profile._wrap(engine.runner, "finish", profile._runner_call(False))
         profile._wrap(engine.encoder, "_encode", profile._encode)
         if getattr(engine.encoder, "_encode_batch", None) is not None:  # same-grid items in one tower call
             profile._wrap(engine.encoder, "_encode_batch", profile._encode_batch)
@@ -192,30 +192,20 @@ class StepProfile:
             return timed
         return make
 
-    def _forward(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def forward(batch: Any) -> Any:
-            out, seconds = self._timed_on_device(lambda: original(batch))
-            self._current.forward_s += seconds
-            self._record_shape(batch)
-            return out
-        return forward
-
-    def _launch(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """A launch: the step before it sampled, then this one enqueued. Its device span runs from the sampler to
-        the end of the enqueued forward, so spans of consecutive steps do not overlap and add up to busy time."""
-        def launch(batch: Any, previous: Any, feed: Any) -> Any:
-            out, seconds = self._timed_on_device(lambda: original(batch, previous, feed))
-            self._current.forward_s += seconds
-            self._record_shape(batch)
-            return out
-        return launch
-
-    def _finish(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def finish(request: Any) -> Any:
-            out, seconds = self._timed_on_device(lambda: original(request))
-            self._current.forward_s += seconds
-            return out
-        return finish
+    def _runner_call(self, records_batch: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """runner.forward / launch / finish: wall and device span into the step's forward time; forward and launch
+        also record what ran (their first argument, the batch). A launch samples the step before it, then enqueues
+        its own: its span runs from that sampler to the end of its forward, so spans of consecutive steps do not
+        overlap and add up to busy time."""
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                out, seconds = self._timed_on_device(lambda: original(*args))
+                self._current.forward_s += seconds
+                if records_batch:
+                    self._record_shape(args[0])
+                return out
+            return call
+        return make
 
     def _record_shape(self, batch: Any) -> None:
         rec = self._current
