@@ -369,7 +369,6 @@ __device__ void conv1d_silu_runs_impl(T* out, long long out_stride, const T* x, 
                                       const T* conv_state, const int* cu_seqlens, const int* token_seq,
                                       const int* state_slots, const int* fresh, int n, int seqs, int conv_dim, int K,
                                       int run) {
-    constexpr int NB = V * KM <= 32 ? 4 : 2;  // rows loaded at once (k8 vectors: 2, to stay out of spills)
     pdl_entry();
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
     const int t0 = blockIdx.y * run, t1 = min(t0 + run, n);
@@ -405,36 +404,25 @@ __device__ void conv1d_silu_runs_impl(T* out, long long out_stride, const T* x, 
                 load_row<V>(st + (long long)(K - 1 - (start - src)) * conv_dim, win[j]);
             }
         }
-        while (t < end) {
-            // NB rows' loads go out before the first of their stores: as far as the compiler knows out may alias
-            // x, so it does not hoist a load above the previous row's store (the row-by-row loop kept one 16-byte
-            // load in flight per thread). Same arithmetic per element as that loop: the same bits.
-            const int nb = min(NB, end - t);
-            float xt[NB][V];
+#pragma unroll 4
+        for (; t < end; ++t) {
+            float xt[V], acc[V];
+            load_row<V>(x + (long long)t * x_stride + c0, xt);
 #pragma unroll
-            for (int u = 0; u < NB; ++u)
-                if (u < nb) load_row<V>(x + (long long)(t + u) * x_stride + c0, xt[u]);
+            for (int i = 0; i < V; ++i) {
+                float a = wr[KM - 1][i] * xt[i];
 #pragma unroll
-            for (int u = 0; u < NB; ++u) {
-                if (u >= nb) continue;
-                float acc[V];
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    float a = wr[KM - 1][i] * xt[u][i];
-#pragma unroll
-                    for (int j = 0; j < KM - 1; ++j)
-                        if (j >= KM - K) a += wr[j][i] * win[j][i];  // unused leading slots: skip, not 0 * x
-                    acc[i] = silu(a);
-                }
-                store_row<V>(out + (long long)(t + u) * out_stride + c0, acc);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-#pragma unroll
-                    for (int j = 0; j < KM - 2; ++j) win[j][i] = win[j + 1][i];
-                    win[KM - 2][i] = xt[u][i];
-                }
+                for (int j = 0; j < KM - 1; ++j)
+                    if (j >= KM - K) a += wr[j][i] * win[j][i];  // unused leading slots: skip, not 0 * x
+                acc[i] = silu(a);
             }
-            t += nb;
+            store_row<V>(out + (long long)t * out_stride + c0, acc);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+#pragma unroll
+                for (int j = 0; j < KM - 2; ++j) win[j][i] = win[j + 1][i];
+                win[KM - 2][i] = xt[i];
+            }
         }
         ++s;
     }
