@@ -8,9 +8,9 @@ Variants (VARIANTS: name -> m-tiles per warp, keys per step): "m1" is the first 
 a step); "m2n32" / "m2n64" give each warp two m-tiles (128 rows a block), so every K / V fragment read from shared
 memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step (nvcc
 13.0 -Xptxas -v: 214 / 228 registers at head_dim 72 / 80, no spills; "m2n64" takes 254 / 255 and spills at 80).
-On the H200 (bench/results/cuda/vision_flash_bench.json, 16 heads x 72) m2n32 ran 208 / 225 / 258 TFLOP/s at 4096 /
-8580 / 47376 rows, m2n64 205-242, m1 143-170: DEFAULT_VARIANT is m2n32. Head dims without an m2 instantiation (128)
-run "m1".
+On the H200 (16 heads x 72; session 6 in git history of bench/results/cuda/vision_flash_bench.json) m2n32 ran 208 /
+225 / 258 TFLOP/s at 4096 / 8580 / 47376 rows, m2n64 205-242, m1 143-170: DEFAULT_VARIANT is m2n32. Head dims
+without an m2 instantiation (128) run "m1".
 
 "wg64" (kernels/vision_flash_wg.cu) is the same schedule on Hopper's warpgroup MMA (wgmma, compiled for sm_90a):
 two warpgroups of 64 query rows (128 a block, 256 threads), 64 keys a step, head_dim 72 only; elsewhere (another
@@ -19,7 +19,8 @@ head dim, a device that is not sm_90) it runs m2n32 instead (resolve_variant). O
 bench/results/cuda_notes.md, session 7): each warpgroup still waits on its own Q K^T, softmax and P V in turn, so
 it stays an option until the softmax overlaps the other warpgroup's MMAs. "wg64s" is the same kernel with one
 barrier a step and the next tile's copies issued after it (so the step's fence.proxy.async has no copies in flight
-behind it); it has not run on a GPU yet.
+behind it). Session 9 (vision_flash_bench.json): both pass check_vision_flash; wg64 244 / 226 / 281 and wg64s
+233 / 235 / 274 TFLOP/s against m2n32's 220 / 224 / 259 at those rows: not yet the default.
 """
 from __future__ import annotations
 
