@@ -118,11 +118,14 @@ class EncoderCache:
         self.peak_bytes = max(self.peak_bytes, self.bytes_cached + int(item.pixel_values.nbytes) + size)
         emb = self._encode(item)
         check_embeddings(item, emb)
+        self._store(item, emb, size)
+        return emb
+
+    def _store(self, item: VisionItem, emb: Any, size: int) -> None:
         self.encodes += 1
-        self._entries[key] = (emb, size)
+        self._entries[item.content_hash] = (emb, size)
         self.bytes_cached += size
         self.peak_cached_bytes = max(self.peak_cached_bytes, self.bytes_cached)
-        return emb
 
     def _evict_until(self, size: int) -> None:
         for key in list(self._entries):
@@ -165,10 +168,7 @@ class EncoderCache:
                 continue
             self.batched_encodes += 1
             for item, emb, size in zip(group, embs, sizes):
-                self.encodes += 1
-                self._entries[item.content_hash] = (emb, size)
-                self.bytes_cached += size
-            self.peak_cached_bytes = max(self.peak_cached_bytes, self.bytes_cached)
+                self._store(item, emb, size)
 
     def slices(self, items: list[VisionItem], start: int, end: int) -> list[VisionSlice]:
         """Embedding slices for the chunk covering tokens [start, end) (items already reserved)."""

@@ -55,7 +55,6 @@ class InFlight:
 
     scheduled: list[ScheduledChunk]
     offsets: list[int]  # logits row of each chunk (runner_api.row_offsets)
-    fed: list[bool]  # chunk i's token is the previous step's sampled token (a lookahead decode row)
     discard: list[bool] = field(default_factory=list)  # chunk i's row is not sampled (see the module docstring)
     plan: RunnerSampling | None = None  # the sampled rows' request (filled once the step is launched)
     request: SamplingRequest | None = None  # every row of the step: `plan`'s rows, neutral ones for discarded rows
@@ -90,7 +89,7 @@ class Lookahead:
         assert self.in_flight is None
         self.runner.launch(StepBatch(chunks), None, None)
         n = len(scheduled)
-        self.in_flight = InFlight(scheduled, row_offsets(chunks), [False] * n, [False] * n)
+        self.in_flight = InFlight(scheduled, row_offsets(chunks), [False] * n)
 
     def plan_launched(self) -> None:
         """The launched plain step's sampling request, built while its layers run (uniforms, bitmasks)."""
@@ -139,7 +138,7 @@ class Lookahead:
             self.off_reason = f"building the sampling request failed: {type(exc).__name__}: {exc}"
             log.exception("lookahead decoding is off for this engine: %s", self.off_reason)
             eng._counters["lookahead_failures"] += 1
-            self._abandon(InFlight(scheduled, row_offsets(chunks), [i >= 0 for i in fed]))
+            self._abandon(InFlight(scheduled, row_offsets(chunks)))
             return outputs, False
         eng._counters["lookahead_steps"] += 1
         return outputs, True
@@ -223,7 +222,7 @@ class Lookahead:
         rows = offsets[-1]
         request = expand_request(plan.request if plan is not None else None, rows, [offsets[i] for i in keep])
         eng._counters["lookahead_discarded_rows"] += sum(discard[i] and scheduled[i].wants_logits for i in range(n))
-        return InFlight(scheduled, offsets, fed, discard, plan, request)
+        return InFlight(scheduled, offsets, discard, plan, request)
 
     def _take_in(self, infl: InFlight, sampled: SampleResult) -> list[RequestOutput]:
         """The in-flight step's tokens into the engine: sampled rows through the plain path, discarded rows only

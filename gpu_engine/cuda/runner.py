@@ -271,20 +271,16 @@ class CudaRunner(LaunchSteps, VisionBatch):
     def encode_vision(self, item: VisionItem) -> DeviceEmbeddings | np.ndarray:
         """The item's embeddings [num_tokens, hidden], encoded on the GPU. DeviceEmbeddings in the encoder-cache
         region; a host float32 array when that region has no room left (the caller's cache then holds it)."""
-        if self.vision is None or self._encoded is None:
-            raise RunnerInputError(self._no_vision)
-        if self.vision.num_tokens(item.grid_thw) != item.num_tokens:
-            raise RunnerInputError(f"item with grid {item.grid_thw} has {item.num_tokens} placeholders, the tower "
-                                   f"makes {self.vision.num_tokens(item.grid_thw)}")
+        vision, pool = self._vision_for([item])
         shape = (item.num_tokens, self.cfg.hidden_size)
-        emb = DeviceEmbeddings.allocate(self._encoded, shape, self.dtype, ITEMSIZE[self.dtype], self._download)
+        emb = DeviceEmbeddings.allocate(pool, shape, self.dtype, ITEMSIZE[self.dtype], self._download)
         if emb is not None:
-            self.vision.encode(item.pixel_values, item.grid_thw, DArray(emb.ptr, shape, self.dtype))
+            vision.encode(item.pixel_values, item.grid_thw, DArray(emb.ptr, shape, self.dtype))
             return emb
         mark = self.ctx.arena.mark()
         try:
             out = self.ctx.empty(shape, self.dtype, "vision-out")
-            return self.ctx.to_host(self.vision.encode(item.pixel_values, item.grid_thw, out))
+            return self.ctx.to_host(vision.encode(item.pixel_values, item.grid_thw, out))
         finally:
             self.ctx.arena.release(mark)
 

@@ -11,10 +11,11 @@ from ..errors import RunnerInputError
 from ..inputs import VisionItem
 from ..vision_batch import row_ranges
 from .context import ITEMSIZE
-from .embeddings import DeviceEmbeddings
+from .embeddings import BlockPool, DeviceEmbeddings
 
 if TYPE_CHECKING:
     from .runner import CudaRunner
+    from .vision import GpuVisionTower
 
 
 class VisionBatch:
@@ -25,7 +26,9 @@ class VisionBatch:
         """Whether the engine should batch (CudaOptions.vision_batch: opt-in, no gain measured yet)."""
         return cast("CudaRunner", self).options.vision_batch
 
-    def encode_vision_batch(self, items: list[VisionItem]) -> list[Any]:
+    def _vision_for(self, items: list[VisionItem]) -> tuple[GpuVisionTower, BlockPool]:
+        """The tower and the encoder-cache region, once the items are known to fit the tower (encode_vision and
+        encode_vision_batch alike)."""
         r = cast("CudaRunner", self)
         if r.vision is None or r._encoded is None:
             raise RunnerInputError(r._no_vision)
@@ -33,9 +36,14 @@ class VisionBatch:
             if r.vision.num_tokens(item.grid_thw) != item.num_tokens:
                 raise RunnerInputError(f"item with grid {item.grid_thw} has {item.num_tokens} placeholders, the "
                                        f"tower makes {r.vision.num_tokens(item.grid_thw)}")
+        return r.vision, r._encoded
+
+    def encode_vision_batch(self, items: list[VisionItem]) -> list[Any]:
+        r = cast("CudaRunner", self)
+        vision, pool = self._vision_for(items)
         hidden, dtype = r.cfg.hidden_size, r.dtype
-        embs = [DeviceEmbeddings.allocate(r._encoded, (item.num_tokens, hidden), dtype, ITEMSIZE[dtype],
-                                          r._download) for item in items]
+        embs = [DeviceEmbeddings.allocate(pool, (item.num_tokens, hidden), dtype, ITEMSIZE[dtype], r._download)
+                for item in items]
         if any(e is None for e in embs):
             del embs  # their blocks go back to the region
             return [r.encode_vision(item) for item in items]
@@ -47,7 +55,7 @@ class VisionBatch:
         mark = ctx.arena.mark()
         try:
             out = ctx.empty((sum(i.num_tokens for i in items), hidden), dtype, "vision-batch-out")
-            r.vision.encode([i.pixel_values for i in items], (len(items), h, w), out)
+            vision.encode([i.pixel_values for i in items], (len(items), h, w), out)
             for emb, (a, b) in zip(embs, row_ranges(items)):
                 assert emb is not None
                 ctx.device.copy(emb.ptr, out.ptr + a * row_bytes, (b - a) * row_bytes)
