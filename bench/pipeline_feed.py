@@ -6,7 +6,7 @@ The H200 figures of issue 14 item 2 (bench/pipeline_throughput.py) cannot be rep
 requests the product keeps at the engine can. This builds the real engine on the bundled tiny model (reference
 runner) sized as the cuda engine sizes itself on an H200 (--max-num-seqs 256), and a Pipeline whose settings
 are a cuda deployment's (DOCPIPE_RUNNER=cuda, the engine's batch left to the engine), so the pipeline sizes its
-page windows and job threads exactly as on the GPU. The batch (bench/pipeline_batch.py's A4 invoice PDFs) is
+page slots and job threads exactly as on the GPU. The batch (bench/pipeline_batch.py's A4 invoice PDFs) is
 ingested first, as the Celery ingest worker renders before the gpu queue runs; then every job runs on its own
 thread (`run_job`, as the GPU worker's thread pool runs `docpipe.extract`), SQLite. Two runs on the same pages:
   engine    the same requests submitted all at once to the engine (the ceiling);
