@@ -117,6 +117,19 @@ __device__ __forceinline__ void block_inv_rms(float* inv_rms, const T* sa, int s
     __syncthreads();
 }
 
+// One staged chunk of a row normalised: x * inv_rms * (offset + w), element by element (rmsnorm, add_rmsnorm).
+template <typename T>
+__device__ __forceinline__ uint4 normed_chunk(const T* srow, int c, const uint4& wv, float inv, float offset) {
+    constexpr int VEC = 16 / sizeof(T);
+    const uint4 sv = reinterpret_cast<const uint4*>(srow)[c];
+    const T *xe = reinterpret_cast<const T*>(&sv), *we = reinterpret_cast<const T*>(&wv);
+    uint4 ov;
+    T* oe = reinterpret_cast<T*>(&ov);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) oe[j] = from_f<T>(to_f(xe[j]) * inv * (offset + to_f(we[j])));
+    return ov;
+}
+
 template <typename T>
 __device__ void rmsnorm_impl(T* out, long long out_tok_stride, int out_head_stride, const T* x,
                              long long x_tok_stride, int x_head_stride, int heads, const T* w, int rows, int dim,
@@ -144,15 +157,9 @@ __device__ void rmsnorm_impl(T* out, long long out_tok_stride, int out_head_stri
     for_block_chunks(rows, block_rows, cpr, [&](int k, int slot, int c) { wv[k] = load_chunk(w, c, dim, vec); },
                      [&](int k, int slot, int c) {
                          const int row = first + slot;
-                         const uint4 sv = reinterpret_cast<const uint4*>(sx + (long long)slot * sdim)[c];
-                         const T *xe = reinterpret_cast<const T*>(&sv), *we = reinterpret_cast<const T*>(&wv[k]);
-                         const float inv = inv_rms[slot];
-                         uint4 ov;
-                         T* oe = reinterpret_cast<T*>(&ov);
-#pragma unroll
-                         for (int j = 0; j < VEC; ++j) oe[j] = from_f<T>(to_f(xe[j]) * inv * (offset + to_f(we[j])));
                          store_chunk(out + (row / heads) * out_tok_stride + (long long)(row % heads) * out_head_stride,
-                                     c, dim, vec, ov);
+                                     c, dim, vec, normed_chunk(sx + (long long)slot * sdim, c, wv[k], inv_rms[slot],
+                                                               offset));
                      });
 }
 
@@ -188,14 +195,8 @@ __device__ void add_rmsnorm_impl(T* out, T* residual, const T* x, const T* w, in
     uint4 wv[NORM_BATCH];
     for_block_chunks(rows, block_rows, cpr, [&](int k, int slot, int c) { wv[k] = load_chunk(w, c, dim, vec); },
                      [&](int k, int slot, int c) {
-                         const uint4 sv = reinterpret_cast<const uint4*>(ss + (long long)slot * sdim)[c];
-                         const T *se = reinterpret_cast<const T*>(&sv), *we = reinterpret_cast<const T*>(&wv[k]);
-                         const float inv = inv_rms[slot];
-                         uint4 ov;
-                         T* oe = reinterpret_cast<T*>(&ov);
-#pragma unroll
-                         for (int j = 0; j < VEC; ++j) oe[j] = from_f<T>(to_f(se[j]) * inv * (offset + to_f(we[j])));
-                         store_chunk(out + (long long)(first + slot) * dim, c, dim, vec, ov);
+                         store_chunk(out + (long long)(first + slot) * dim, c, dim, vec,
+                                     normed_chunk(ss + (long long)slot * sdim, c, wv[k], inv_rms[slot], offset));
                      });
 }
 
