@@ -6,6 +6,7 @@ memset on raw addresses). Nothing here is tied to one card: the compile target i
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CudaUnavailable, KernelCompileError
+from .staging import STAGING_BYTES, StagingRing
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel may take without opting in
@@ -151,6 +153,8 @@ class CudaDevice:
         self._kernels: dict[tuple[str, str], Any] = {}
         self._shared_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory raised per kernel
         self._allocations: list[int] = []
+        self._staging: tuple[StagingRing, int, np.ndarray] | None = None  # ring, pinned address, its bytes (lazy)
+        self._capturing = False
         # Launch kernels with programmatic dependent launch (see pdl_entry in kernels/common.cuh); sm_90+ only.
         self.pdl = False
 
@@ -226,16 +230,38 @@ class CudaDevice:
         for ptr in self._allocations:
             check(self._driver.cuMemFree(ptr), "cuMemFree")
         self._allocations.clear()
+        if self._staging is not None:
+            ring, base, _ = self._staging
+            ring.drain()
+            self._staging = None
+            check(self._driver.cuMemFreeHost(base), "cuMemFreeHost")
 
     def mem_info(self) -> tuple[int, int]:
         free, total = check(self._driver.cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
     def upload(self, dst: int, host: np.ndarray, stream: Any = None) -> None:
-        host = np.ascontiguousarray(host)
-        check(self._driver.cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, self._handle(stream)),
-              "cuMemcpyHtoDAsync")
-        self.sync(stream)  # the host array may die right after; keep the copy safe and simple
+        """Copy `host` to device address `dst`, ordered on the stream; returns without waiting for the GPU (the
+        bytes go through the pinned staging ring, staging.py), and `host` may be reused at once."""
+        if self._capturing:
+            raise RuntimeError("upload inside a CUDA graph capture: a graph must not hold a staging-ring copy")
+        raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        ring, base, pinned = self._staging_ring()
+        target = stream or self.stream
+        for offset, n in ring.pieces(raw.nbytes):
+            if n == 0:
+                return
+            at = ring.reserve(n)
+            pinned[at : at + n] = raw[offset : offset + n]
+            check(self._driver.cuMemcpyHtoDAsync(dst + offset, base + at, n, target.handle), "cuMemcpyHtoDAsync")
+            ring.busy(at, n, target.record())
+
+    def _staging_ring(self) -> tuple[StagingRing, int, np.ndarray]:
+        if self._staging is None:
+            base = int(check(self._driver.cuMemHostAlloc(STAGING_BYTES, 0), f"cuMemHostAlloc({STAGING_BYTES})"))
+            pinned = np.ctypeslib.as_array((ctypes.c_uint8 * STAGING_BYTES).from_address(base))
+            self._staging = (StagingRing(STAGING_BYTES), base, pinned)
+        return self._staging
 
     def download(self, host: np.ndarray, src: int, stream: Any = None) -> np.ndarray:
         if not host.flags.c_contiguous:
@@ -267,11 +293,11 @@ class CudaDevice:
         builder = self.stream.create_graph_builder()
         builder.begin_building()
         saved = self.stream
-        self.stream = builder.stream
+        self.stream, self._capturing = builder.stream, True
         try:
             enqueue()
         finally:
-            self.stream = saved
+            self.stream, self._capturing = saved, False
             builder.end_building()
         return builder.complete()
 

@@ -27,6 +27,7 @@ the device in the runner's dtype with fp32 accumulation. Activations are per-cal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -78,14 +79,19 @@ class FrameGeometry:
     rowcol: np.ndarray  # int32 [2, h*w]: (row, col) of each patch, the 2-D rotary positions
 
 
+@lru_cache(maxsize=64)
 def frame_geometry(h: int, w: int, merge: int, side: int) -> FrameGeometry:
-    """Position-table taps/weights and rotary positions of an h x w frame (h, w multiples of `merge`)."""
+    """Position-table taps/weights and rotary positions of an h x w frame (h, w multiples of `merge`); cached per
+    grid (pages of one document share it), so the arrays must not be written to."""
     row, col = merge_window_coords(h, w, merge)
     r0, r1, fr = bilinear_taps(row, h, side)
     c0, c1, fc = bilinear_taps(col, w, side)
     taps = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
     weights = np.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], axis=1)
-    return FrameGeometry(taps.astype(np.int32), weights.astype(np.float32), np.stack([row, col]).astype(np.int32))
+    geo = FrameGeometry(taps.astype(np.int32), weights.astype(np.float32), np.stack([row, col]).astype(np.int32))
+    for arr in (geo.taps, geo.weights, geo.rowcol):
+        arr.setflags(write=False)
+    return geo
 
 
 class GpuVisionTower:
@@ -166,8 +172,8 @@ class GpuVisionTower:
         try:
             pixels = ctx.empty((n, d.patch_dim), "f32", "visual.pixels")
             row = 0
-            for block in parts:
-                ctx.device.upload(pixels.ptr + row * d.patch_dim * 4, np.ascontiguousarray(block))
+            for block in parts:  # staged uploads (device.upload): the host copies while the GPU works
+                ctx.device.upload(pixels.ptr + row * d.patch_dim * 4, block)
                 row += block.shape[0]
             if t_ != "f32":  # round on the device: numpy's bf16 rounding costs tens of ms for one large image
                 rounded = ctx.empty(pixels.shape, t_, "visual.pixels_" + t_)
@@ -204,9 +210,13 @@ class GpuVisionTower:
             vision_ops.bias_act(ctx, hidden, hidden, fc1_b, "gelu")
             ctx.blas.linear(out.ptr, hidden.ptr, fc2_w.ptr, rows, d.out_hidden_size, M, dtype=t_)
             vision_ops.bias_act(ctx, out, out, fc2_b)
-        finally:
-            ctx.device.sync()  # scratch is released below; nothing may still be reading it
+        except BaseException:
+            ctx.device.sync()  # a half-enqueued tower: let it finish before its scratch goes back
             ctx.arena.release(mark)
+            raise
+        # No sync: every later use of this scratch is a kernel or a copy on the same stream, ordered after these
+        # (uploads are stream-ordered too), so the host goes on while the tower runs.
+        ctx.arena.release(mark)
         return out
 
     def _linear_bias(self, out: DArray, inp: DArray, w: DArray, bias: DArray, act: str = "none") -> None:
