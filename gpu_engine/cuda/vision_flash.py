@@ -21,6 +21,11 @@ it stays an option until the softmax overlaps the other warpgroup's MMAs. "wg64s
 barrier a step and the next tile's copies issued after it (so the step's fence.proxy.async has no copies in flight
 behind it). Session 9 (vision_flash_bench.json): both pass check_vision_flash; wg64 244 / 226 / 281 and wg64s
 233 / 235 / 274 TFLOP/s against m2n32's 220 / 224 / 259 at those rows: not yet the default.
+"wg64p" (same file, vw_attention_pipelined) overlaps each warpgroup's softmax with its own tensor-core work as
+FlashAttention-3 does: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j alone, runs its
+softmax while the P V is in flight, then waits for that and rescales O. Q sits in shared memory (an SS-form operand:
+the registers it frees keep the kernel at 122, two blocks an SM, NVRTC 13.5 ptxas, no spills) and K | V stream through
+four stages copied two tiles ahead (98,304 bytes of shared memory a block). Compiled only, not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -35,11 +40,13 @@ TILE_ROWS = 64  # query rows per block of the m1 variant (VF_ROWS in the kernel:
 KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
 # name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
 # warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
-VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64)}
+VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64), "wg64p": (2, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
 # kernels/vision_flash_wg.cu (wgmma, sm_90a): name -> kernel name suffix. wg64s: the next tile's copies issued after
-# the step's barrier, one barrier a step (not yet run on a GPU)
-WG_VARIANTS = {"wg64": "", "wg64s": "_sb"}
+# the step's barrier, one barrier a step; wg64p: the pipelined kernel (softmax overlapping P V, not yet run on a GPU)
+WG_VARIANTS = {"wg64": "", "wg64s": "_sb", "wg64p": "_p"}
+# name -> (K | V stages in shared memory, Q rows staged there too: 0 = Q in registers)
+WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128)}
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256
@@ -60,10 +67,12 @@ def shared_bytes(head_dim: int, keys: int = KEYS_PER_STEP) -> int:
     return 2 * 4 * keys * (padded_head_dim(head_dim) + _PAD)
 
 
-def wg_shared_bytes(head_dim: int, keys: int = 64) -> int:
-    """Dynamic shared memory of the wgmma kernel (VwShape::SMEM_BYTES): two stages of a K tile (padded_head_dim
-    columns) and a V tile (head_dim columns), `keys` rows each, unpadded rows (core-matrix layout)."""
-    return 2 * keys * (padded_head_dim(head_dim) + head_dim) * 2
+def wg_shared_bytes(head_dim: int, keys: int = 64, stages: int = 2, q_rows: int = 0) -> int:
+    """Dynamic shared memory of a wgmma kernel (VwShape::SMEM_BYTES for wg64 / wg64s, vw_attention_pipelined's SMEM
+    for wg64p): `stages` stages of a K tile (padded_head_dim columns) and a V tile (head_dim columns), `keys` rows
+    each, unpadded rows (core-matrix layout), after `q_rows` rows of Q (padded_head_dim columns) when Q is staged."""
+    hdp = padded_head_dim(head_dim)
+    return (stages * keys * (hdp + head_dim) + q_rows * hdp) * 2
 
 
 def resolve_variant(head_dim: int, variant: str | None = None, arch: str | None = None) -> str:
@@ -88,7 +97,8 @@ def launch_shape(head_dim: int, variant: str) -> tuple[str, int, int]:
     """(kernel family, threads per block, dynamic shared bytes) of a resolved variant."""
     keys = VARIANTS[variant][1]
     if variant in WG_VARIANTS:
-        return "vision_flash_wg", WG_THREADS, wg_shared_bytes(head_dim, keys)
+        stages, q_rows = WG_STAGING[variant]
+        return "vision_flash_wg", WG_THREADS, wg_shared_bytes(head_dim, keys, stages, q_rows)
     return "vision_flash", 128, shared_bytes(head_dim, keys)
 
 

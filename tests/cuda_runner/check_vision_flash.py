@@ -2,10 +2,10 @@
 
     python3 -m tests.cuda_runner.check_vision_flash [--json out.json] [--seed N]
 
-Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is peaky enough that a wrong max,
-mask or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first.
-Cases: head_dim 72 (padded to 80 inside) and 64, also 80 and 128; 16 and 4 heads; segments of 1, 17, 64, 100,
-129, 1024, 4096 and 8580 rows, n = several segments. Each case runs every kernel this device has for its head dim:
+Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is peaky enough that a wrong max, mask
+or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first. Cases:
+head_dim 72 (padded to 80 inside) and 64, also 80 and 128; 16 and 4 heads; segments of 1, 17, 64, 100, 129, 257,
+333, 1024, 4096 and 8580 rows, n = several segments. Each case runs every kernel this device has for its head dim:
 the default variant and the wgmma ones (vision_flash.WG_VARIANTS, Hopper only; elsewhere they resolve to m2n32).
 Pass: rel-L2 <= 1e-2 against float64 segment attention on the same bf16 inputs, and no row left unwritten. Info (not
 a pass criterion): device time of one 4096-row, 16-head, head_dim 72 launch (the 1024^2 image's per-layer attention)
@@ -31,6 +31,8 @@ CASES = [
     (64, 4, 1, 3), (64, 4, 17, 3), (64, 4, 64, 3), (64, 4, 100, 2), (64, 4, 1024, 2), (64, 4, 4096, 2),
     (80, 4, 100, 3), (80, 4, 1024, 1), (128, 4, 100, 3), (128, 4, 1024, 2),
     (72, 16, 129, 3), (72, 2, 8580, 1),  # one row past a 128-row tile; an A4 page's segment
+    # more key tiles than wg64p's four stages, with odd tails (13 keys / rows; 1 key, 1 row) and several segments
+    (72, 16, 333, 3), (72, 4, 257, 4),
 ]
 
 

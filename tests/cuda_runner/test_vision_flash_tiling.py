@@ -184,3 +184,66 @@ def test_supported_only_in_bf16_with_an_instantiated_head_dim() -> None:
     assert vision_flash.supported("bf16", 72) and vision_flash.supported("bf16", 64)
     assert not vision_flash.supported("f32", 72)  # fp32 towers keep their exact paths
     assert not vision_flash.supported("bf16", 16)
+
+
+def test_pipelined_wgmma_kernel_constants_match_the_host() -> None:
+    src = (KERNEL.parent / "vision_flash_wg.cu").read_text()
+    stages, q_rows = vision_flash.WG_STAGING["wg64p"]
+    assert "vision_flash_wg_bf16_hd72_n64_p(" in src and f"vw_attention_pipelined<{stages}>(" in src
+    assert q_rows == vision_flash.tile_rows("wg64p") == 128 and "Q_TILE = VW_ROWS / 8 * K_GROUP" in src
+    assert "SMEM = S::Q_TILE + STAGES * S::STAGE" in src
+    shmem = vision_flash.wg_shared_bytes(72, 64, stages, q_rows)
+    assert shmem == 128 * 80 * 2 + stages * 64 * (80 + 72) * 2 == 98304
+    assert 2 * (shmem + 1024) <= 228 * 1024  # two blocks an SM (1 KiB reserved per block), as __launch_bounds__ asks
+
+
+def stage_ring_violations(n_kt: int, stages: int, dist: int) -> list[str]:
+    """vw_attention_pipelined's copy / read schedule over n_kt key tiles, replayed: tile t is copied into stage
+    t % stages in cp.async group t (prologue for t < dist, else after step t - dist's barrier); step j waits until at
+    most dist - 1 groups are pending, then reads K_j (S_j, retired in step j) and V_{j-1} (P V, retired in step j;
+    V of the last tile in the epilogue, after the loop). A barrier at the top of each step: a copy issued in step c
+    may overwrite only a stage whose reads all retired in steps < c. Returns what goes wrong."""
+    bad: list[str] = []
+    occupant: dict[int, int] = {}  # stage -> tile copied into it
+    last_read = {t: t + 1 for t in range(n_kt)}  # step whose P V read V_t (n_kt: the epilogue)
+    groups: list[int] = []  # committed cp.async groups, by the tile they copy (-1: empty)
+
+    def load(t: int, step: int) -> None:
+        if t < n_kt:
+            prev = occupant.get(t % stages)
+            if prev is not None and last_read[prev] >= step:
+                bad.append(f"tile {t} copied in step {step} over tile {prev}, still read in step {last_read[prev]}")
+            occupant[t % stages] = t
+        groups.append(t if t < n_kt else -1)
+
+    for t in range(dist):
+        load(t, -1)
+    for j in range(n_kt):
+        done = groups[: len(groups) - (dist - 1)]  # cp.async.wait_group dist - 1
+        if j not in done or occupant.get(j % stages) != j:
+            bad.append(f"step {j}: tile {j} not landed in stage {j % stages}")
+        if j > 0 and occupant.get((j - 1) % stages) != j - 1:
+            bad.append(f"step {j}: V of tile {j - 1} overwritten")
+        load(j + dist, j)
+    if n_kt and occupant.get((n_kt - 1) % stages) != n_kt - 1:
+        bad.append("epilogue: V of the last tile overwritten")
+    return bad
+
+
+@pytest.mark.parametrize("n_kt", range(1, 13))
+def test_pipelined_stage_ring_never_overwrites_a_tile_in_use(n_kt) -> None:
+    stages = vision_flash.WG_STAGING["wg64p"][0]
+    assert stage_ring_violations(n_kt, stages, stages - 2) == []  # the kernel's DIST = STAGES - 2
+    if n_kt > stages:  # the check has teeth: one tile further ahead refills a stage P V still reads
+        assert stage_ring_violations(n_kt, stages, stages - 1)
+
+
+@pytest.mark.parametrize("arch,name,threads", [("sm_90", "vision_flash_wg_bf16_hd72_n64_p", 256),
+                                               ("sm_80", "vision_flash_bf16_hd72_m2_n32", 128)])
+def test_pipelined_wgmma_variant_launch(arch, name, threads) -> None:
+    ctx = SimpleNamespace(device=RecordingDevice(arch))
+    vision_flash.vision_flash_attention(ctx, arr((8192, 16 * 72)), arr((8192, 3 * 16 * 72)), 16, 72, 4096,
+                                        72 ** -0.5, variant="wg64p")
+    (call,) = ctx.device.calls
+    shmem = vision_flash.wg_shared_bytes(72, 64, 4, 128) if threads == 256 else vision_flash.shared_bytes(72, 32)
+    assert call[1:4] == (name, (64, 16), threads) and call[5] == shmem

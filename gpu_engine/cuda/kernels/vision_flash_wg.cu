@@ -22,6 +22,8 @@
 // visible to the tensor cores' async proxy by fence.proxy.async in every writing thread before the barrier.
 // Keys past the segment end are zero rows with scores -inf; key tile 0 always holds the segment's first key, so the
 // running max is finite from the first step (softmax_rescale<false>).
+// wg64p (vw_attention_pipelined, below): Q in shared memory, four K | V stages, and each step's softmax overlapping
+// the previous step's P V on the tensor cores (its comment says how).
 #include "common.cuh"
 #include "tensor_core.cuh"
 
@@ -37,6 +39,7 @@ struct VwShape {
     static constexpr int K_TILE = VW_BN / 8 * K_GROUP;
     static constexpr int STAGE = K_TILE + VW_BN / 8 * V_GROUP;  // one K tile + one V tile
     static constexpr int SMEM_BYTES = 2 * STAGE;                 // must equal vision_flash.shared_bytes(72, "wg64")
+    static constexpr int Q_TILE = VW_ROWS / 8 * K_GROUP;         // wg64p: the block's Q rows, laid out like K
 };
 
 // wgmma shared-memory descriptor, no swizzle: start address, leading and stride byte offsets (all >> 4).
@@ -49,62 +52,127 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// s = Q K^T for this warpgroup's 64 rows x 64 keys (the first k-step overwrites s: scale-d false)
+// Operand lists and asm bodies of the warpgroup MMAs. Each body fences, issues its k-steps and commits one group;
+// the functions below either end the same asm statement with wait_group 0 (WAIT: the phase is synchronous, the
+// compiler cannot touch its registers while it runs; wg64, wg64s) or return with the group in flight (wg64p: the
+// caller waits with vw_wait<N> on the accumulators, which are fenced as asm operands so they are not moved across).
+#define VW_S_OPS(s) \
+    "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]), \
+    "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]), \
+    "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), \
+    "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), \
+    "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
+#define VW_O_OPS(o) \
+    "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]), "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]), "+f"(o[1][2]), \
+    "+f"(o[1][3]), "+f"(o[2][0]), "+f"(o[2][1]), "+f"(o[2][2]), "+f"(o[2][3]), "+f"(o[3][0]), "+f"(o[3][1]), \
+    "+f"(o[3][2]), "+f"(o[3][3]), "+f"(o[4][0]), "+f"(o[4][1]), "+f"(o[4][2]), "+f"(o[4][3]), "+f"(o[5][0]), \
+    "+f"(o[5][1]), "+f"(o[5][2]), "+f"(o[5][3]), "+f"(o[6][0]), "+f"(o[6][1]), "+f"(o[6][2]), "+f"(o[6][3]), \
+    "+f"(o[7][0]), "+f"(o[7][1]), "+f"(o[7][2]), "+f"(o[7][3]), "+f"(o[8][0]), "+f"(o[8][1]), "+f"(o[8][2]), \
+    "+f"(o[8][3])
+#define VW_Q_OPS(q) \
+    "r"(q[0][0]), "r"(q[0][1]), "r"(q[0][2]), "r"(q[0][3]), "r"(q[1][0]), "r"(q[1][1]), "r"(q[1][2]), "r"(q[1][3]), \
+    "r"(q[2][0]), "r"(q[2][1]), "r"(q[2][2]), "r"(q[2][3]), "r"(q[3][0]), "r"(q[3][1]), "r"(q[3][2]), "r"(q[3][3]), \
+    "r"(q[4][0]), "r"(q[4][1]), "r"(q[4][2]), "r"(q[4][3])
+#define VW_P_OPS(p) \
+    "r"(p[0][0]), "r"(p[0][1]), "r"(p[0][2]), "r"(p[0][3]), "r"(p[1][0]), "r"(p[1][1]), "r"(p[1][2]), "r"(p[1][3]), \
+    "r"(p[2][0]), "r"(p[2][1]), "r"(p[2][2]), "r"(p[2][3]), "r"(p[3][0]), "r"(p[3][1]), "r"(p[3][2]), "r"(p[3][3])
+#define VW_KD_OPS(kd) "l"(kd[0]), "l"(kd[1]), "l"(kd[2]), "l"(kd[3]), "l"(kd[4])
+#define VW_VD_OPS(vd) "l"(vd[0]), "l"(vd[1]), "l"(vd[2]), "l"(vd[3])
+
+// s = Q K^T for this warpgroup's 64 rows x 64 keys (the first k-step overwrites s: scale-d false); Q from registers
+#define VW_QK_RS_BODY \
+    "{\n.reg .pred zero, one;\n" \
+    "setp.ne.b32 zero, %57, 0;\n" \
+    "setp.eq.b32 one, %57, 0;\n" \
+    "wgmma.fence.sync.aligned;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "{%32,%33,%34,%35}, %52, zero, 1, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "{%36,%37,%38,%39}, %53, one, 1, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "{%40,%41,%42,%43}, %54, one, 1, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "{%44,%45,%46,%47}, %55, one, 1, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "{%48,%49,%50,%51}, %56, one, 1, 1, 0;\n" \
+    "wgmma.commit_group.sync.aligned;\n"
+
+// the same with Q from shared memory (A descriptors, K-major like K: imm-trans-a 0)
+#define VW_QK_SS_BODY \
+    "{\n.reg .pred zero, one;\n" \
+    "setp.ne.b32 zero, %42, 0;\n" \
+    "setp.eq.b32 one, %42, 0;\n" \
+    "wgmma.fence.sync.aligned;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "%32, %37, zero, 1, 1, 0, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "%33, %38, one, 1, 1, 0, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "%34, %39, one, 1, 1, 0, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "%35, %40, one, 1, 1, 0, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+    "%36, %41, one, 1, 1, 0, 0;\n" \
+    "wgmma.commit_group.sync.aligned;\n"
+
+// o += P V for this warpgroup's 64 rows x 72 dims over 64 keys (P from registers)
+#define VW_PV_BODY \
+    "{\n.reg .pred zero, one;\n" \
+    "setp.ne.b32 zero, %56, 0;\n" \
+    "setp.eq.b32 one, %56, 0;\n" \
+    "wgmma.fence.sync.aligned;\n" \
+    "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, " \
+    "{%36,%37,%38,%39}, %52, one, 1, 1, 1;\n" \
+    "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, " \
+    "{%40,%41,%42,%43}, %53, one, 1, 1, 1;\n" \
+    "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, " \
+    "{%44,%45,%46,%47}, %54, one, 1, 1, 1;\n" \
+    "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, " \
+    "{%48,%49,%50,%51}, %55, one, 1, 1, 1;\n" \
+    "wgmma.commit_group.sync.aligned;\n"
+
+template <bool WAIT = true>
 __device__ __forceinline__ void vw_qk(float (&s)[8][4], const unsigned (&q)[5][4], const unsigned long long (&kd)[5]) {
-    asm volatile(
-        "{\n.reg .pred zero, one;\n"
-        "setp.ne.b32 zero, %57, 0;\n"
-        "setp.eq.b32 one, %57, 0;\n"
-        "wgmma.fence.sync.aligned;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %52, zero, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%36,%37,%38,%39}, %53, one, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%40,%41,%42,%43}, %54, one, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%44,%45,%46,%47}, %55, one, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%48,%49,%50,%51}, %56, one, 1, 1, 0;\n"
-        "wgmma.commit_group.sync.aligned;\n"
-        "wgmma.wait_group.sync.aligned 0;\n}\n"
-        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]), "+f"(s[1][3]),
-          "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]),
-          "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]),
-          "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
-        : "r"(q[0][0]), "r"(q[0][1]), "r"(q[0][2]), "r"(q[0][3]), "r"(q[1][0]), "r"(q[1][1]), "r"(q[1][2]), "r"(q[1][3]),
-          "r"(q[2][0]), "r"(q[2][1]), "r"(q[2][2]), "r"(q[2][3]), "r"(q[3][0]), "r"(q[3][1]), "r"(q[3][2]), "r"(q[3][3]),
-          "r"(q[4][0]), "r"(q[4][1]), "r"(q[4][2]), "r"(q[4][3]), "l"(kd[0]), "l"(kd[1]), "l"(kd[2]), "l"(kd[3]),
-          "l"(kd[4]), "r"(0)
-        : "memory");
+    if constexpr (WAIT)
+        asm volatile(VW_QK_RS_BODY "wgmma.wait_group.sync.aligned 0;\n}\n" : VW_S_OPS(s) : VW_Q_OPS(q), VW_KD_OPS(kd), "r"(0) : "memory");
+    else
+        asm volatile(VW_QK_RS_BODY "}\n" : VW_S_OPS(s) : VW_Q_OPS(q), VW_KD_OPS(kd), "r"(0) : "memory");
 }
 
-// o += P V for this warpgroup's 64 rows x 72 dims over 64 keys
+// issue-only (the pipelined kernel waits itself)
+__device__ __forceinline__ void vw_qk_ss(float (&s)[8][4], const unsigned long long (&qd)[5],
+                                         const unsigned long long (&kd)[5]) {
+    asm volatile(VW_QK_SS_BODY "}\n" : VW_S_OPS(s) : VW_KD_OPS(qd), VW_KD_OPS(kd), "r"(0) : "memory");
+}
+
+template <bool WAIT = true>
 __device__ __forceinline__ void vw_pv(float (&o)[9][4], const unsigned (&p)[4][4], const unsigned long long (&vd)[4]) {
-    asm volatile(
-        "{\n.reg .pred zero, one;\n"
-        "setp.ne.b32 zero, %56, 0;\n"
-        "setp.eq.b32 one, %56, 0;\n"
-        "wgmma.fence.sync.aligned;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, "
-        "{%36,%37,%38,%39}, %52, one, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, "
-        "{%40,%41,%42,%43}, %53, one, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, "
-        "{%44,%45,%46,%47}, %54, one, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, "
-        "{%48,%49,%50,%51}, %55, one, 1, 1, 1;\n"
-        "wgmma.commit_group.sync.aligned;\n"
-        "wgmma.wait_group.sync.aligned 0;\n}\n"
-        : "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]), "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]), "+f"(o[1][2]), "+f"(o[1][3]),
-          "+f"(o[2][0]), "+f"(o[2][1]), "+f"(o[2][2]), "+f"(o[2][3]), "+f"(o[3][0]), "+f"(o[3][1]), "+f"(o[3][2]), "+f"(o[3][3]),
-          "+f"(o[4][0]), "+f"(o[4][1]), "+f"(o[4][2]), "+f"(o[4][3]), "+f"(o[5][0]), "+f"(o[5][1]), "+f"(o[5][2]), "+f"(o[5][3]),
-          "+f"(o[6][0]), "+f"(o[6][1]), "+f"(o[6][2]), "+f"(o[6][3]), "+f"(o[7][0]), "+f"(o[7][1]), "+f"(o[7][2]), "+f"(o[7][3]),
-          "+f"(o[8][0]), "+f"(o[8][1]), "+f"(o[8][2]), "+f"(o[8][3])
-        : "r"(p[0][0]), "r"(p[0][1]), "r"(p[0][2]), "r"(p[0][3]), "r"(p[1][0]), "r"(p[1][1]), "r"(p[1][2]), "r"(p[1][3]),
-          "r"(p[2][0]), "r"(p[2][1]), "r"(p[2][2]), "r"(p[2][3]), "r"(p[3][0]), "r"(p[3][1]), "r"(p[3][2]), "r"(p[3][3]),
-          "l"(vd[0]), "l"(vd[1]), "l"(vd[2]), "l"(vd[3]), "r"(0)
-        : "memory");
+    if constexpr (WAIT)
+        asm volatile(VW_PV_BODY "wgmma.wait_group.sync.aligned 0;\n}\n" : VW_O_OPS(o) : VW_P_OPS(p), VW_VD_OPS(vd), "r"(0) : "memory");
+    else
+        asm volatile(VW_PV_BODY "}\n" : VW_O_OPS(o) : VW_P_OPS(p), VW_VD_OPS(vd), "r"(0) : "memory");
+}
+
+// Registers an in-flight wgmma reads or writes, "touched" by an empty asm: the compiler keeps them where they are
+// across the issue .. wait window (CUTLASS's warpgroup_fence_operand).
+template <int R>
+__device__ __forceinline__ void vw_fence_operand(float (&a)[R][4]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) asm volatile("" : "+f"(a[r][c])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void vw_fence_operand(unsigned (&a)[R][4]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(a[r][c])::"memory");
+}
+
+// until at most N of this warpgroup's committed wgmma groups are still in flight
+template <int N> __device__ __forceinline__ void vw_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 // This thread's cp.async pieces of one key tile: row kr = tid / 4 of the tile, chunks kp, kp + 4, kp + 8 (< 9) of K
@@ -256,6 +324,228 @@ __device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int
     }
 }
 
+// ---- wg64p: the softmax of key tile j overlaps the tensor cores' P V of tile j - 1 (FlashAttention-3's
+// intra-warpgroup pipelining). Step j: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1}, wait for S_j only
+// (wait_group 1: groups retire in order), mask and exponentiate S_j in place, wait for the P V (wait_group 0), then
+// rescale O by the step's correction and pack P_j to bf16 for the next step; the last P V after the loop.
+// Shared memory: [Q tile (128 rows x 80 columns, K's core-matrix layout, zero rows past the segment and zero
+// columns 72..79)][STAGES stages of K | V as in wg64]. Q is an SS-form A operand (the registers it would take let the
+// kernel keep two blocks an SM). Tile t lives in stage t % STAGES and is copied DIST = STAGES - 2 steps ahead: the
+// copy issued at step j (after its barrier) refills the stage of tile j - 2, whose last reader (P V of j - 2, waited
+// in step j - 1) every warp has finished by then. One cp.async group is committed per step, empty past the last tile.
+
+// s (scores of one key tile) -> exp2(s sl - base) in place; the rows' running max m and sums l advanced; corr: the
+// factor O still needs (applied once the in-flight P V has retired). The first tile's max is finite (key 0 is in
+// it), so m = -inf only makes corr 0.
+template <int NT_S>
+__device__ __forceinline__ void vw_softmax_in_place(float (&s)[NT_S][4], float sl, float& m_a, float& m_b, float& l_a,
+                                                    float& l_b, float& corr_a, float& corr_b) {
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    const float base_a = mx_a * sl, base_b = mx_b * sl;
+    corr_a = exp2_ftz(m_a * sl - base_a);
+    corr_b = exp2_ftz(m_b * sl - base_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        s[nt][0] = exp2_ftz(fmaf(s[nt][0], sl, -base_a));
+        s[nt][1] = exp2_ftz(fmaf(s[nt][1], sl, -base_a));
+        s[nt][2] = exp2_ftz(fmaf(s[nt][2], sl, -base_b));
+        s[nt][3] = exp2_ftz(fmaf(s[nt][3], sl, -base_b));
+        sum_a += s[nt][0] + s[nt][1];
+        sum_b += s[nt][2] + s[nt][3];
+    }
+    l_a = l_a * corr_a + sum_a;
+    l_b = l_b * corr_b + sum_b;
+}
+
+// probabilities (fp32, score layout) -> the bf16 A fragments of P V, packed as softmax_p_fragment does (wg64)
+template <int NT_S>
+__device__ __forceinline__ void vw_pack_p(const float (&s)[NT_S][4], unsigned (&pf)[NT_S / 2][4]) {
+#pragma unroll
+    for (int k2 = 0; k2 < NT_S / 2; ++k2)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            pf[k2][half * 2 + 0] = pack_bf16(s[2 * k2 + half][0], s[2 * k2 + half][1]);
+            pf[k2][half * 2 + 1] = pack_bf16(s[2 * k2 + half][2], s[2 * k2 + half][3]);
+        }
+}
+
+template <int STAGES>
+__device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t* qkv, int heads, int seg_len,
+                                                       int tiles_per_seg, float scale) {
+    using S = VwShape;
+    constexpr int HD = VW_HD, BN = VW_BN, KSTEPS = S::HDP / 16, NT_S = BN / 8, NT_O = HD / 8, DIST = STAGES - 2;
+    constexpr int SMEM = S::Q_TILE + STAGES * S::STAGE;   // vision_flash.wg_shared_bytes(72, 64, STAGES, 128)
+    static_assert(DIST >= 1, "a stage is refilled two steps after its tile was read");
+    extern __shared__ __align__(128) bf16_t smem[];
+
+    pdl_entry();
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)SMEM) __trap();   // host/kernel mismatch
+
+    const int h = blockIdx.y;
+    const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * VW_ROWS;
+    const long long seg_first = (long long)segment * seg_len;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int g = lane >> 2, tig = lane & 3;
+    const long long width = (long long)heads * HD, row_stride = 3 * width;
+    const float sl = scale * 1.4426950408889634f;   // scores -> exp2 domain
+
+    const bf16_t* q_head = qkv + seg_first * row_stride + (long long)h * HD;
+    const bf16_t* k_head = q_head + width;
+    const unsigned q_buf = smem_addr(smem), stages = q_buf + (unsigned)S::Q_TILE;
+    const int n_kt = (seg_len + BN - 1) / BN;
+    char* const smem_bytes = reinterpret_cast<char*>(smem);
+
+    // zeros in K's padded chunk 9 (columns 72..79) of every stage, and in Q's
+    for (int i = threadIdx.x; i < STAGES * BN; i += VW_THREADS) {
+        const int r = i % BN, stage = i / BN;
+        *reinterpret_cast<uint4*>(smem_bytes + S::Q_TILE + stage * S::STAGE + (r >> 3) * S::K_GROUP + 9 * 128 +
+                                  (r & 7) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    {   // Q: row qr = tid / 2 of the tile, chunks qc, qc + 2, .. < 9 (zero rows past the segment); odd threads zero
+        // the row's chunk 9
+        const int qr = threadIdx.x >> 1, qc = threadIdx.x & 1;
+        const bool valid = q0 + qr < seg_len;
+        const bf16_t* src = valid ? q_head + (long long)(q0 + qr) * row_stride : q_head;
+        const unsigned dst = q_buf + (unsigned)((qr >> 3) * S::K_GROUP + (qr & 7) * 16);
+#pragma unroll
+        for (int c = qc; c < 9; c += 2) cp_async16(dst + (unsigned)(c * 128), src + c * 8, valid ? 16 : 0);
+        if (qc)
+            *reinterpret_cast<uint4*>(smem_bytes + (qr >> 3) * S::K_GROUP + 9 * 128 + (qr & 7) * 16) =
+                make_uint4(0, 0, 0, 0);
+    }
+
+    // copy slot: key row kr of every tile, chunks from kp (vw_load_kv); offsets inside a stage
+    const int kr = threadIdx.x >> 2, kp = threadIdx.x & 3;
+    const unsigned k_slot = (unsigned)((kr >> 3) * S::K_GROUP + (kr & 7) * 16 + kp * 128);
+    const unsigned v_slot = (unsigned)(S::K_TILE + (kr >> 3) * S::V_GROUP + (kr & 7) * 16 + kp * 128);
+    const bf16_t* k_src = k_head + (long long)kr * row_stride + kp * 8;
+    const long long tile_step = (long long)BN * row_stride;
+    const auto load_tile = [&](int t) {   // one commit group, empty past the last tile
+        if (t < n_kt) {
+            const unsigned st = stages + (unsigned)((t % STAGES) * S::STAGE);
+            const bool valid = t * BN + kr < seg_len;
+            const bf16_t* src = valid ? k_src + t * tile_step : k_head;
+            vw_load_kv(st + k_slot, st + v_slot, src, src + width, kp, valid);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < DIST; ++t) load_tile(t);   // Q rides in tile 0's group
+    const auto tile_ready = [&](int j) {   // tile j (and Q, pad zeros) visible to every warpgroup's wgmma
+        cp_async_wait<DIST - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        load_tile(j + DIST);
+    };
+
+    // this warpgroup's 64 Q rows as A descriptors, k-step kk 256 kk bytes in
+    unsigned long long qd[KSTEPS];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+        qd[kk] = vw_desc(q_buf + (unsigned)(wg * 8 * S::K_GROUP + kk * 256), 128, S::K_GROUP);
+    const auto k_descs = [&](int j, unsigned long long (&kd)[KSTEPS]) {
+        const unsigned k_buf = stages + (unsigned)((j % STAGES) * S::STAGE);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) kd[kk] = vw_desc(k_buf + (unsigned)(kk * 256), 128, S::K_GROUP);
+    };
+    const auto v_descs = [&](int j, unsigned long long (&vd)[BN / 16]) {
+        const unsigned v_buf = stages + (unsigned)((j % STAGES) * S::STAGE + S::K_TILE);
+#pragma unroll
+        for (int k2 = 0; k2 < BN / 16; ++k2) vd[k2] = vw_desc(v_buf + (unsigned)(k2 * 2 * S::V_GROUP), S::V_GROUP, 128);
+    };
+    float o[NT_O][4], s[NT_S][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f, corr_a, corr_b;
+    const auto mask_tail = [&](int j) {   // keys past the segment end (last tile only)
+        if (j * BN + BN > seg_len) {
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (j * BN + nt * 8 + tig * 2 + c >= seg_len) {
+                        s[nt][c] = NEG_INF;
+                        s[nt][2 + c] = NEG_INF;
+                    }
+                }
+        }
+    };
+
+    unsigned pf[BN / 16][4];
+    unsigned long long kd[KSTEPS], vd[BN / 16];
+
+    // step 0: S_0 alone (o is still 0: no rescale)
+    tile_ready(0);
+    k_descs(0, kd);
+    vw_fence_operand(s);
+    vw_qk_ss(s, qd, kd);
+    vw_wait<0>();
+    vw_fence_operand(s);
+    mask_tail(0);
+    vw_softmax_in_place(s, sl, m_a, m_b, l_a, l_b, corr_a, corr_b);
+    vw_pack_p(s, pf);
+
+    for (int j = 1; j < n_kt; ++j) {
+        tile_ready(j);
+        k_descs(j, kd);
+        v_descs(j - 1, vd);
+        vw_fence_operand(s);
+        vw_fence_operand(o);
+        vw_fence_operand(pf);
+        vw_qk_ss(s, qd, kd);          // S_j
+        vw_pv<false>(o, pf, vd);      // O += P_{j-1} V_{j-1}, in flight during S_j's softmax
+        vw_wait<1>();                 // S_j has retired (groups retire in order)
+        vw_fence_operand(s);
+        mask_tail(j);
+        vw_softmax_in_place(s, sl, m_a, m_b, l_a, l_b, corr_a, corr_b);
+        vw_wait<0>();                 // the P V too: O and P's registers are free
+        vw_fence_operand(o);
+        vw_fence_operand(pf);
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+            o[nt][0] *= corr_a;
+            o[nt][1] *= corr_a;
+            o[nt][2] *= corr_b;
+            o[nt][3] *= corr_b;
+        }
+        vw_pack_p(s, pf);
+    }
+    v_descs(n_kt - 1, vd);
+    vw_fence_operand(o);
+    vw_fence_operand(pf);
+    vw_pv<false>(o, pf, vd);
+    vw_wait<0>();
+    vw_fence_operand(o);
+
+    softmax_row_sums(l_a, l_b);
+    const int ra = q0 + warp * 16 + g, rb = ra + 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if ((half ? rb : ra) >= seg_len) continue;
+        const long long tok = seg_first + (half ? rb : ra);
+        const float inv_l = 1.0f / (half ? l_b : l_a);
+        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt)
+            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
     vw_attention<false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
@@ -264,4 +554,9 @@ extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16
 extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64_sb(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
     vw_attention<true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64_p(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vw_attention_pipelined<4>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
