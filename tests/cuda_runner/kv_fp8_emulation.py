@@ -4,10 +4,10 @@ flash_prefill.cu), so that check_fp8_kv's store and attention parts run end to e
 
 The emulations follow the kernels' contracts as their launchers pass the arguments (ops.py order): the store
 writes q and the K / V rows rounded to the compute dtype, or their quantize_kv bytes and scales; the paged kernels
-write each split's partial (acc, max, sum) over its key range, reading e4m3 x scale (the mma kernel's K / V
-rounded to bf16 as its shared-memory stage is); combine merges the splits and gates; flash prefill writes the gated
-output. `drop_v_scale` makes the FP8 readers ignore the V scales: the mutation the driver test shows the check
-catching.
+write each split's partial (acc, max, sum) over its key range, reading e4m3 x scale (exact in every paged kernel:
+the mma kernel applies the scales per key, paged_mma_fp8.cuh); combine merges the splits and gates; flash prefill
+writes the gated output over bf16(e4m3 x scale), the bf16 tile it dequantises into. `drop_v_scale` makes the
+FP8 readers ignore the V scales: the mutation the driver test shows the check catching.
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class Fp8KvContext(EmulatedContext):
 
     # ---- the K / V rows of a cache slot ---------------------------------------------------------------------
     def _rows(self, t: str, fp8: bool, cache: int, scales: int, slots: np.ndarray, kvh: int, hd: int,
-              is_v: bool, mma: bool) -> np.ndarray:
-        """[len(slots), kvh, hd] float32 as the reading kernel sees them."""
+              is_v: bool, bf16_tile: bool) -> np.ndarray:
+        """[len(slots), kvh, hd] float32 as the reading kernel sees them (bf16_tile: rounded to bf16)."""
         count = int(slots.max()) + 1
         if not fp8:
             return self.read(cache, t, (count * kvh, hd)).reshape(count, kvh, hd)[slots]
@@ -58,7 +58,7 @@ class Fp8KvContext(EmulatedContext):
         if is_v and self.drop_v_scale:
             s = np.ones_like(s)
         values = dequantize_kv(bits, s)
-        return round_to_bf16(values) if mma else values
+        return round_to_bf16(values) if bf16_tile else values
 
     # ---- kernels --------------------------------------------------------------------------------------------
     def _store(self, t: str, fp8: bool, q_out: int, k_cache: int, v_cache: int, *rest: Any) -> None:
@@ -108,8 +108,8 @@ class Fp8KvContext(EmulatedContext):
             last = int(poss[i])
             table = table_all[seqs[i]]
             slots = np.array([table[p // bs] * bs + p % bs for p in range(last + 1)])
-            k = self._rows(t, fp8, k_cache, ks, slots, kvh, hd, False, not per_head)
-            v = self._rows(t, fp8, v_cache, vs, slots, kvh, hd, True, not per_head)
+            k = self._rows(t, fp8, k_cache, ks, slots, kvh, hd, False, False)
+            v = self._rows(t, fp8, v_cache, vs, slots, kvh, hd, True, False)
             per_split = (last + splits) // splits
             for h in range(heads):
                 kh = h // (heads // kvh)

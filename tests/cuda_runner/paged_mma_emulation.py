@@ -11,9 +11,7 @@ paged_attention's partial form. What it cannot check is the CUDA itself (cp.asyn
 compiler): check_kernels does that on the GPU. Multiply-adds are float64 here, so only the bf16 rounding of P
 is modelled, not the tensor cores' accumulation order.
 
-FP8 KV cache (paged_attention_mma_fp8_*): `stage_fp8` emulates load_kv8's thread -> (row, 16-byte chunk) copy of
-the e4m3 bytes through the flat global addresses, the scale copy (threads 0..63 K, 64..127 V) and dequant_tile's
-chunk loop into the bf16 stage, bf16(e4m3 * scale) with the float32 product.
+The FP8 KV cache form (kernels/paged_mma_fp8.cuh) has its own emulation: paged_mma_fp8_emulation.py.
 """
 from __future__ import annotations
 
@@ -73,51 +71,10 @@ def shfl_xor_sum(v: np.ndarray, offsets=(4, 8, 16)) -> np.ndarray:
 THREADS = 32 * WARPS
 
 
-def stage_fp8(k_bits: np.ndarray, v_bits: np.ndarray, k_scale: np.ndarray, v_scale: np.ndarray, table: np.ndarray,
-              k0: int, hi: int, kvh: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The bf16 K and V stage (flat, row stride hd + PAD) the FP8 kernel builds for keys k0 .. k0 + BN - 1 (< hi):
-    caches uint8 [slots, kv_heads, hd], scales float32 [slots, kv_heads]."""
-    slots, kv_heads, hd = k_bits.shape
-    ld, ldb, chunks = hd + PAD, hd + 16, hd // 16
-    rows8 = THREADS // chunks
-    gk, gv = k_bits.reshape(-1), v_bits.reshape(-1)  # global memory, byte addresses
-    gks, gvs = k_scale.reshape(-1), v_scale.reshape(-1)
-    raw_k, raw_v = np.zeros(BN * ldb, np.uint8), np.zeros(BN * ldb, np.uint8)
-    sc = np.zeros((2, BN), np.float32)
-
-    def slot_of(kp: int) -> int:
-        blk = kp // block_size
-        return int(table[blk]) * block_size + (kp - blk * block_size)
-
-    for tid in range(THREADS):
-        r8, c8 = tid // chunks, (tid % chunks) * 16
-        for i in range(BN // rows8):
-            r = r8 + i * rows8
-            kp = k0 + r
-            if kp < hi:  # else zero-filled (src_bytes 0)
-                src = slot_of(kp) * kv_heads * hd + kvh * hd + c8
-                raw_k[r * ldb + c8:r * ldb + c8 + 16] = gk[src:src + 16]
-                raw_v[r * ldb + c8:r * ldb + c8 + 16] = gv[src:src + 16]
-        r, kind = tid % BN, tid // BN
-        if k0 + r < hi:
-            sc[kind, r] = (gks if kind == 0 else gvs)[slot_of(k0 + r) * kv_heads + kvh]
-    out = []
-    for raw, scales in ((raw_k, sc[0]), (raw_v, sc[1])):
-        mem = np.zeros(BN * ld)
-        for tid in range(THREADS):
-            for i in range(tid, BN * chunks, THREADS):
-                r, c = i // chunks, i % chunks
-                u = raw[r * ldb + c * 16:r * ldb + c * 16 + 16]
-                mem[r * ld + c * 16:r * ld + c * 16 + 16] = round_to_bf16(e4m3_to_float32(u) * scales[r])
-        out.append(mem)
-    return out[0], out[1]
-
-
 def block_emulated(q_row: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray, last: int,
-                   kvh: int, group: int, split: int, splits: int, block_size: int, scale: float,
-                   scales: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One block (token, kvh, split): (acc [group, hd], m [group] in scale * score units, l [group]). `scales`
-    (k_scale, v_scale): the caches are e4m3 bytes, staged as the FP8 kernel stages them."""
+                   kvh: int, group: int, split: int, splits: int, block_size: int,
+                   scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One block (token, kvh, split): (acc [group, hd], m [group] in scale * score units, l [group])."""
     hd = k_cache.shape[-1]
     ld, ksteps, mt_o = hd + PAD, hd // 16, hd // 16
     per_split = (last + splits) // splits
@@ -139,16 +96,13 @@ def block_emulated(q_row: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     m0, m1 = np.full((WARPS, 32), -np.inf), np.full((WARPS, 32), -np.inf)
     l0, l1 = np.zeros((WARPS, 32)), np.zeros((WARPS, 32))
     for t in range(n_tiles):
-        if scales is not None:
-            ks_mem, vs_mem = stage_fp8(k_cache, v_cache, *scales, table, lo + t * BN, hi, kvh, block_size)
-        else:
-            ks_mem, vs_mem = np.zeros(BN * ld), np.zeros(BN * ld)  # one stage (the kernel's buffer t % STAGES)
-            for r in range(BN):
-                kp = lo + t * BN + r
-                if kp < hi:
-                    slot = table[kp // block_size] * block_size + kp % block_size
-                    ks_mem[r * ld:r * ld + hd] = k_cache[slot, kvh]
-                    vs_mem[r * ld:r * ld + hd] = v_cache[slot, kvh]
+        ks_mem, vs_mem = np.zeros(BN * ld), np.zeros(BN * ld)  # one stage (the kernel's buffer t % STAGES)
+        for r in range(BN):
+            kp = lo + t * BN + r
+            if kp < hi:
+                slot = table[kp // block_size] * block_size + kp % block_size
+                ks_mem[r * ld:r * ld + hd] = k_cache[slot, kvh]
+                vs_mem[r * ld:r * ld + hd] = v_cache[slot, kvh]
         for w in range(WARPS):
             k_lane = (w * 16 + (LANES & 15)) * ld + (LANES >> 4) * 8
             v_lane = (w * 16 + (mat >> 1) * 8 + mrow) * ld + (mat & 1) * 8
@@ -206,17 +160,15 @@ def block_emulated(q_row: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
 
 def paged_attention_mma_emulated(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
                                  token_seq: np.ndarray, token_pos: np.ndarray, heads: int, kv_heads: int,
-                                 block_size: int, scale: float, splits: int,
-                                 scales: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """Every block, then attention_combine's merge (without the gate): [n, heads, hd] float64. `scales`: the FP8
-    kernel over e4m3 caches (uint8) with these float32 scales [slots, kv_heads]."""
+                                 block_size: int, scale: float, splits: int) -> np.ndarray:
+    """Every block, then attention_combine's merge (without the gate): [n, heads, hd] float64."""
     hd = k_cache.shape[-1]
     group = heads // kv_heads
     out = np.zeros((len(token_seq), heads, hd))
     for i, (seq, last) in enumerate(zip(token_seq, token_pos)):
         for kvh in range(kv_heads):
             parts = [block_emulated(q[i], k_cache, v_cache, tables[seq], int(last), kvh, group, s, splits,
-                                    block_size, scale, scales) for s in range(splits)]
+                                    block_size, scale) for s in range(splits)]
             for hh in range(group):
                 ms = np.array([p[1][hh] for p in parts])
                 m_all = ms.max()

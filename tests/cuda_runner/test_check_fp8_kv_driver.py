@@ -38,3 +38,8 @@ def test_a_reader_that_drops_the_v_scales_fails_the_check(monkeypatch):
     results, _ = _run(monkeypatch, ("attention",), drop_v_scale=True)
     bad = [r for r in results if not r.ok]
     assert bad and all("fp8" in r.name for r in bad) and not passed(results)
+
+
+def test_the_timing_part_covers_the_issue_shapes_bf16_against_fp8():
+    assert set(check_fp8_kv.TIMING_CASES) == {(1, 131072), (32, 32768), (192, 8192)}
+    assert check_fp8_kv.SPEEDUP_GOAL == 1.3 and "timing" in check_fp8_kv.PARTS

@@ -15,8 +15,9 @@
 // Lane l owns dims l, l+32, l+64, ... (coalesced across the warp); head_dim at most 256.
 // FP8 KV cache (fp8_kv.cuh, opt-in): the *_fp8 entries take e4m3 caches with float32 scales k_scale, v_scale
 //   [num_blocks, block_size, kv_heads]; qk_norm_rope_store_fp8 quantises K and V as it writes them, the per-head
-//   kernel widens bytes as it reads them and paged_attention_mma_fp8 dequantises each staged tile into bf16 in
-//   shared memory (the grouped kernel has no FP8 form: the host refuses it).
+//   kernel widens bytes as it reads them and paged_attention_mma_fp8 (paged_mma_fp8.cuh) builds its mma operands
+//   from the staged e4m3 rows in registers, scales applied per key (the grouped kernel has no FP8 form: the host
+//   refuses it).
 // Not tiled: prefill cost is one pass over the keys per query row. bf16 prefill steps whose longest chunk has 32+
 // tokens use the tiled tensor-core kernel instead (flash_prefill.cu); this one serves decode, short chunks and fp32.
 #include "common.cuh"
@@ -318,29 +319,21 @@ __device__ void paged_attention_gqa_impl(float* part_acc, float* part_ml, const 
 #define PM_STAGES 3            // stages in flight: 2 tiles load while one is used
 #define PM_PAD 8               // bf16 elements of padding per shared row (16 bytes: ldmatrix rows hit 8 bank groups)
 
-// FP8: the PM_STAGES stages hold the raw e4m3 rows (row stride HD + 16 bytes) and their scales; the stage in use
-// is dequantised into one bf16 K and V tile, which the mma code reads as it reads a bf16 stage.
-template <int HD, bool FP8 = false> struct PagedMmaShape {
+template <int HD> struct PagedMmaShape {
     static constexpr int LD = HD + PM_PAD;
-    static constexpr int KV_TILE = PM_BN * LD;                             // elements of one bf16 K (or V) tile
-    static constexpr int TILES = FP8 ? 1 : PM_STAGES;                      // bf16 tiles (stages for bf16)
-    static constexpr int LDB = HD + 16;                                    // raw fp8 row stride, bytes
-    static constexpr int RAW_OFFSET = TILES * 2 * KV_TILE * 2;             // bytes: raw stages after the tiles
-    static constexpr int RAW_TILE = PM_BN * LDB;                           // bytes of one raw K (or V) stage
-    static constexpr int SCALE_OFFSET = RAW_OFFSET + PM_STAGES * 2 * RAW_TILE;  // [stage][K, V][PM_BN] float
-    static constexpr int PIPE_BYTES = FP8 ? SCALE_OFFSET + PM_STAGES * 2 * PM_BN * 4 : RAW_OFFSET;
+    static constexpr int KV_TILE = PM_BN * LD;                             // elements of one K (or V) stage
+    static constexpr int PIPE_BYTES = PM_STAGES * 2 * KV_TILE * 2;
     static constexpr int MERGE_BYTES = PM_WARPS * 8 * (HD + 2) * 4;        // reuses the pipeline after the loop
     static constexpr int P_OFFSET = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int SMEM_BYTES = P_OFFSET + PM_WARPS * 16 * 8 * 2;  // + P^T [16 keys][8 heads] per warp
-};  // SMEM_BYTES must equal ops.paged_mma_shared_bytes(HD, fp8)
+};  // SMEM_BYTES must equal ops.paged_mma_shared_bytes(HD)
 
-template <int HD, bool FP8, typename C>
+template <int HD>
 __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const bf16_t* q, long long q_stride,
-                                         const C* k_cache, const C* v_cache, const float* k_scale,
-                                         const float* v_scale, const int* block_tables,
+                                         const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,
                                          int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n,
                                          int kv_heads, int group, int block_size, float scale) {
-    using S = PagedMmaShape<HD, FP8>;
+    using S = PagedMmaShape<HD>;
     constexpr int LD = S::LD, KSTEPS = HD / 16, MT_O = HD / 16, THREADS = PM_WARPS * 32;
     constexpr int CHUNKS_PER_ROW = HD / 8, ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
     static_assert(THREADS % CHUNKS_PER_ROW == 0 && PM_BN % ROWS_PER_PASS == 0, "copy layout");
@@ -370,46 +363,14 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         }
     }
 
-    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + S::TILES * S::KV_TILE * 2;
+    const unsigned ks_base = smem_addr(smem), vs_base = ks_base + PM_STAGES * S::KV_TILE * 2;
     const unsigned ps_base = smem_addr(smem) + S::P_OFFSET + warp * 16 * 8 * 2;
     const int copy_row0 = threadIdx.x / CHUNKS_PER_ROW, copy_d8 = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-    const bf16_t* k_head = reinterpret_cast<const bf16_t*>(k_cache) + (long long)kvh * HD + copy_d8;
-    const bf16_t* v_head = reinterpret_cast<const bf16_t*>(v_cache) + (long long)kvh * HD + copy_d8;
+    const bf16_t* k_head = k_cache + (long long)kvh * HD + copy_d8;
+    const bf16_t* v_head = v_cache + (long long)kvh * HD + copy_d8;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
-    // FP8: 16-byte chunks of e4m3 rows (HD / 16 a row), and one scale of K (threads 0..63) or V (64..127) a row
-    constexpr int CHUNKS8 = HD / 16, ROWS8 = THREADS / CHUNKS8;
-    static_assert(!FP8 || (THREADS % CHUNKS8 == 0 && PM_BN % ROWS8 == 0 && THREADS == 2 * PM_BN), "fp8 copy");
-    const unsigned raw_base = smem_addr(smem) + S::RAW_OFFSET, sc_base = smem_addr(smem) + S::SCALE_OFFSET;
-    const int r8 = threadIdx.x / CHUNKS8, c8 = (threadIdx.x % CHUNKS8) * 16;
-    auto load_kv8 = [&](int t, int buf) {
-        const int k0 = lo + t * PM_BN;
-        const unsigned char* kb8 = reinterpret_cast<const unsigned char*>(k_cache) + (long long)kvh * HD + c8;
-        const unsigned char* vb8 = reinterpret_cast<const unsigned char*>(v_cache) + (long long)kvh * HD + c8;
-#pragma unroll
-        for (int i = 0; i < PM_BN / ROWS8; ++i) {
-            const int r = r8 + i * ROWS8, kp = k0 + r;
-            const bool valid = kp < hi;
-            long long slot = 0;
-            if (valid) {
-                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
-                slot = (long long)table[blk] * block_size + (kp - blk * block_size);
-            }
-            const unsigned so = (unsigned)(buf * S::RAW_TILE + r * S::LDB + c8);
-            cp_async16(raw_base + so, kb8 + slot * row_width, valid ? 16 : 0);
-            cp_async16(raw_base + PM_STAGES * S::RAW_TILE + so, vb8 + slot * row_width, valid ? 16 : 0);
-        }
-        const int r = threadIdx.x % PM_BN, kp = k0 + r;  // threads 0..63: K scales, 64..127: V scales
-        const bool valid = kp < hi;
-        long long row = 0;
-        if (valid) {
-            const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
-            row = ((long long)table[blk] * block_size + (kp - blk * block_size)) * kv_heads + kvh;
-        }
-        const float* src = threadIdx.x < PM_BN ? k_scale : v_scale;
-        cp_async4(sc_base + (unsigned)(((buf * 2 + threadIdx.x / PM_BN) * PM_BN + r) * 4), src + row, valid ? 4 : 0);
-    };
-    auto load_kv16 = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
+    auto load_kv = [&](int t, int buf) {  // keys lo + t * PM_BN .. of this split into stage `buf`
         const int k0 = lo + t * PM_BN;
 #pragma unroll
         for (int i = 0; i < PM_BN / ROWS_PER_PASS; ++i) {
@@ -425,11 +386,6 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
             cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
         }
     };
-    auto load_kv = [&](int t, int buf) {
-        if constexpr (FP8) load_kv8(t, buf);
-        else load_kv16(t, buf);
-    };
-
     // per-lane ldmatrix offsets (elements within a stage): K as A (keys lo/hi x dims lo/hi), V^T as A via .trans
     // (matrices: dims lo/hi x keys lo/hi), P^T as B via .trans (keys lo/hi)
     const int mat = lane >> 3, mrow = lane & 7;
@@ -452,17 +408,7 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         __syncthreads();                 // ... for every thread, and stage (t - 1) % STAGES is free again
         if (t + PM_STAGES - 1 < n_tiles) load_kv(t + PM_STAGES - 1, (t + PM_STAGES - 1) % PM_STAGES);
         cp_async_commit();
-        int buf = t % PM_STAGES;
-        if constexpr (FP8) {  // stage buf -> the one bf16 K and V tile (free: every warp passed the barrier above)
-            const unsigned char* raw = reinterpret_cast<const unsigned char*>(smem) + S::RAW_OFFSET;
-            const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(smem)
-                                                             + S::SCALE_OFFSET) + buf * 2 * PM_BN;
-            dequant_tile<HD, PM_BN, S::LDB, LD, THREADS>(smem, raw + buf * S::RAW_TILE, sc);
-            dequant_tile<HD, PM_BN, S::LDB, LD, THREADS>(smem + S::KV_TILE,
-                                                         raw + (PM_STAGES + buf) * S::RAW_TILE, sc + PM_BN);
-            __syncthreads();
-            buf = 0;
-        }
+        const int buf = t % PM_STAGES;
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // two chains of mma
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -558,6 +504,9 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         }
     }
 }
+
+// paged_attention_mma_fp8_impl: the same kernel over an FP8 KV cache
+#include "paged_mma_fp8.cuh"
 
 // Merge the splits of each (token, head) and apply the output gate: out = (sum_s acc_s e^{m_s - M}) /
 // (sum_s l_s e^{m_s - M}) * sigmoid(gate). Splits that saw no key have m = -inf and drop out.
@@ -740,19 +689,18 @@ DEFINE_GQA_ALL(f32, float)
         float* part_acc, float* part_ml, const bf16_t* q, long long q_stride, const bf16_t* k_cache,              \
         const bf16_t* v_cache, const int* block_tables, int max_blocks_per_seq, const int* token_seq,             \
         const int* token_pos, int n, int kv_heads, int group, int block_size, float scale) {                     \
-        paged_attention_mma_impl<HD, false, bf16_t>(part_acc, part_ml, q, q_stride, k_cache, v_cache, nullptr,  \
-                                                    nullptr, block_tables, max_blocks_per_seq, token_seq,        \
-                                                    token_pos, n, kv_heads, group, block_size, scale);           \
+        paged_attention_mma_impl<HD>(part_acc, part_ml, q, q_stride, k_cache, v_cache, block_tables,             \
+                                     max_blocks_per_seq, token_seq, token_pos, n, kv_heads, group, block_size,   \
+                                     scale);                                                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(PM_WARPS * 32, 1) paged_attention_mma_fp8_bf16_hd##HD(            \
         float* part_acc, float* part_ml, const bf16_t* q, long long q_stride, const unsigned char* k_cache,       \
         const unsigned char* v_cache, const float* k_scale, const float* v_scale, const int* block_tables,       \
         int max_blocks_per_seq, const int* token_seq, const int* token_pos, int n, int kv_heads, int group,      \
         int block_size, float scale) {                                                                           \
-        paged_attention_mma_impl<HD, true, unsigned char>(part_acc, part_ml, q, q_stride, k_cache, v_cache,      \
-                                                          k_scale, v_scale, block_tables, max_blocks_per_seq,    \
-                                                          token_seq, token_pos, n, kv_heads, group, block_size,  \
-                                                          scale);                                                \
+        paged_attention_mma_fp8_impl<HD>(part_acc, part_ml, q, q_stride, k_cache, v_cache, k_scale, v_scale,     \
+                                         block_tables, max_blocks_per_seq, token_seq, token_pos, n, kv_heads,    \
+                                         group, block_size, scale);                                              \
     }
 DEFINE_MMA(64)
 DEFINE_MMA(128)

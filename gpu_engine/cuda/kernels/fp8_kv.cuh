@@ -3,9 +3,13 @@
 // A cached K or V row of one (token, kv head) is head_dim e4m3 bytes plus one float32 scale s = amax(|row|) / 448
 // (1 for an all-zero row); the bytes are e4m3(x / s), round to nearest even, saturating. Stores quantise the value
 // the bf16 / f32 cache would have held (x already rounded to the compute dtype), so the bytes equal
-// reference/fp8_kv.quantize_kv on that value. Readers either widen single bytes (per-head paged attention) or
-// dequantise a tile staged in shared memory into bf16 rows, bf16(e4m3 * s), for the tensor-core kernels.
-// sm_89+ PTX (cvt ... e4m3x2). Include after common.cuh.
+// reference/fp8_kv.quantize_kv on that value. Readers: the per-head paged attention widens single bytes;
+// flash_prefill dequantises its staged tile into bf16 rows, bf16(e4m3 * s); paged_attention_mma_fp8
+// (paged_mma_fp8.cuh) turns e4m3 words into exact bf16 mma operands in registers (e4m3x4_to_bf16x2) and applies
+// the scales per key, to the score and to P, never per element.
+// No NaN: the store saturates (cvt ... satfinite, scales amax / 448), so 0x7f / 0xff are never written, and the
+// readers do not test for them (e4m3x4_to_bf16x2 would read 0x7f as 480).
+// sm_90 PTX (cvt ... e4m3x2 is sm_89+, mul.bf16x2 sm_90). Include after common.cuh.
 #pragma once
 
 #define E4M3_MAX 448.0f
@@ -67,4 +71,31 @@ __device__ __forceinline__ void dequant_tile(bf16_t* dst, const unsigned char* r
         out[0] = lo;
         out[1] = hi;
     }
+}
+
+// e4m3 bits placed in a bf16 (sign to bit 15, exponent and mantissa to bits 10..4) read as e4m3 x 2^-120 exactly,
+// subnormals included (both formats' subnormals line up); one bf16 multiply by 2^120 makes it the e4m3 value
+// itself, exact (3 mantissa bits, result normal or zero; bf16 arithmetic keeps subnormal inputs, unlike an mma
+// operand of 2^-120 x e4m3 whose products would sink below the fp32 normal range).
+#define BF16X2_2P120 0x7B807B80u  // bf16 2^120 in both halves
+__device__ __forceinline__ unsigned e4m3_pair_bits(unsigned w) {  // bytes 1 and 3 of w (at bits 15..8, 31..24)
+    return (w & 0x80008000u) | ((w & 0x7F007F00u) >> 4);
+}
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// four e4m3 bytes b0..b3 of a word -> exact bf16 pairs even = (b0, b2) and odd = (b1, b3) (lo half first). The
+// pairing is the cheap one (no byte permute); the mma kernel lays its fragments out to match it.
+__device__ __forceinline__ void e4m3x4_to_bf16x2(unsigned w, unsigned& even, unsigned& odd) {
+    even = bf16x2_mul(e4m3_pair_bits(w << 8), BF16X2_2P120);
+    odd = bf16x2_mul(e4m3_pair_bits(w), BF16X2_2P120);
+}
+
+// byte permute: result byte i = byte sel_i of the 8 bytes {b (4..7), a (0..3)}
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
 }
