@@ -1,5 +1,6 @@
 """The CUDA runner's FP8 KV cache on the CPU (issue 15 item 5): the quantising store's rule against an independent
-e4m3 encoder, the FP8 paged_attention_mma emulated lane by lane (its staging and dequantisation) against float64
+e4m3 encoder, the FP8 paged_attention_mma emulated lane by lane (paged_mma_fp8_emulation: its staging, the
+e4m3 -> bf16 bit trick, its fragment layouts, the per-key scales) against float64
 attention over the dequantised cache, the cache sizes and allocation, the kernels the attention layer launches, and
 what is refused. The GPU check is tests/cuda_runner/check_fp8_kv.py."""
 from __future__ import annotations
