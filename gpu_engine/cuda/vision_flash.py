@@ -25,7 +25,9 @@ behind it). Session 9 (vision_flash_bench.json): both pass check_vision_flash; w
 FlashAttention-3 does: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j alone, runs its
 softmax while the P V is in flight, then waits for that and rescales O. Q sits in shared memory (an SS-form operand:
 the registers it frees keep the kernel at 122, two blocks an SM, NVRTC 13.5 ptxas, no spills) and K | V stream through
-four stages copied two tiles ahead (98,304 bytes of shared memory a block). Compiled only, not yet run on a GPU.
+four stages copied two tiles ahead (98,304 bytes of shared memory a block). "wg64pr" is the same schedule with Q in
+registers (RS form, wg64's checked building block, in case the SS-form Q operand is wrong): 126 registers and 40
+bytes of spills at two blocks an SM, 77,824 bytes of shared memory. Both compiled only, not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -40,13 +42,15 @@ TILE_ROWS = 64  # query rows per block of the m1 variant (VF_ROWS in the kernel:
 KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
 # name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
 # warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
-VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64), "wg64p": (2, 64)}
+VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64), "wg64p": (2, 64),
+            "wg64pr": (2, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
 # kernels/vision_flash_wg.cu (wgmma, sm_90a): name -> kernel name suffix. wg64s: the next tile's copies issued after
-# the step's barrier, one barrier a step; wg64p: the pipelined kernel (softmax overlapping P V, not yet run on a GPU)
-WG_VARIANTS = {"wg64": "", "wg64s": "_sb", "wg64p": "_p"}
+# the step's barrier, one barrier a step; wg64p: the pipelined kernel (softmax overlapping P V), wg64pr: the same with
+# Q in registers as wg64 (both not yet run on a GPU)
+WG_VARIANTS = {"wg64": "", "wg64s": "_sb", "wg64p": "_p", "wg64pr": "_pr"}
 # name -> (K | V stages in shared memory, Q rows staged there too: 0 = Q in registers)
-WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128)}
+WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128), "wg64pr": (4, 0)}
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256

@@ -189,12 +189,15 @@ def test_supported_only_in_bf16_with_an_instantiated_head_dim() -> None:
 def test_pipelined_wgmma_kernel_constants_match_the_host() -> None:
     src = (KERNEL.parent / "vision_flash_wg.cu").read_text()
     stages, q_rows = vision_flash.WG_STAGING["wg64p"]
-    assert "vision_flash_wg_bf16_hd72_n64_p(" in src and f"vw_attention_pipelined<{stages}>(" in src
+    assert "vision_flash_wg_bf16_hd72_n64_p(" in src and f"vw_attention_pipelined<{stages}, true>(" in src
+    assert vision_flash.WG_STAGING["wg64pr"] == (stages, 0)  # Q in registers
+    assert "vision_flash_wg_bf16_hd72_n64_pr(" in src and f"vw_attention_pipelined<{stages}, false>(" in src
+    assert "constexpr int SMEM = Q_BYTES + STAGES * S::STAGE" in src and "Q_BYTES = Q_SMEM ? S::Q_TILE : 0" in src
     assert q_rows == vision_flash.tile_rows("wg64p") == 128 and "Q_TILE = VW_ROWS / 8 * K_GROUP" in src
-    assert "SMEM = S::Q_TILE + STAGES * S::STAGE" in src
     shmem = vision_flash.wg_shared_bytes(72, 64, stages, q_rows)
     assert shmem == 128 * 80 * 2 + stages * 64 * (80 + 72) * 2 == 98304
     assert 2 * (shmem + 1024) <= 228 * 1024  # two blocks an SM (1 KiB reserved per block), as __launch_bounds__ asks
+    assert vision_flash.wg_shared_bytes(72, 64, stages, 0) == 77824
 
 
 def stage_ring_violations(n_kt: int, stages: int, dist: int) -> list[str]:
@@ -238,12 +241,13 @@ def test_pipelined_stage_ring_never_overwrites_a_tile_in_use(n_kt) -> None:
         assert stage_ring_violations(n_kt, stages, stages - 1)
 
 
-@pytest.mark.parametrize("arch,name,threads", [("sm_90", "vision_flash_wg_bf16_hd72_n64_p", 256),
-                                               ("sm_80", "vision_flash_bf16_hd72_m2_n32", 128)])
-def test_pipelined_wgmma_variant_launch(arch, name, threads) -> None:
+@pytest.mark.parametrize("variant,arch,name,threads,shmem", [
+    ("wg64p", "sm_90", "vision_flash_wg_bf16_hd72_n64_p", 256, 98304),
+    ("wg64pr", "sm_90", "vision_flash_wg_bf16_hd72_n64_pr", 256, 77824),
+    ("wg64p", "sm_80", "vision_flash_bf16_hd72_m2_n32", 128, vision_flash.shared_bytes(72, 32))])
+def test_pipelined_wgmma_variant_launch(variant, arch, name, threads, shmem) -> None:
     ctx = SimpleNamespace(device=RecordingDevice(arch))
     vision_flash.vision_flash_attention(ctx, arr((8192, 16 * 72)), arr((8192, 3 * 16 * 72)), 16, 72, 4096,
-                                        72 ** -0.5, variant="wg64p")
+                                        72 ** -0.5, variant=variant)
     (call,) = ctx.device.calls
-    shmem = vision_flash.wg_shared_bytes(72, 64, 4, 128) if threads == 256 else vision_flash.shared_bytes(72, 32)
     assert call[1:4] == (name, (64, 16), threads) and call[5] == shmem

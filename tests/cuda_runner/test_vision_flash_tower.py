@@ -39,7 +39,7 @@ class FlashFakeDevice(FakeDevice):
             return
         out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
         scale = float(args[5])
-        head_dim = int(re.fullmatch(r"vision_flash(?:_wg)?_bf16_hd(\d+)(_m\d+)?(_n\d+)?(_sb|_p)?", name).group(1))
+        head_dim = int(re.fullmatch(r"vision_flash(?:_wg)?_bf16_hd(\d+)(_m\d+)?(_n\d+)?(_sb|_p|_pr)?", name).group(1))
         variant = next(v for v in vision_flash.VARIANTS if vision_flash.kernel_name(head_dim, v) == name)
         blocks, grid_heads = grid
         rows = vision_flash.tile_rows(variant)

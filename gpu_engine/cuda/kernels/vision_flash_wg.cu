@@ -22,8 +22,8 @@
 // visible to the tensor cores' async proxy by fence.proxy.async in every writing thread before the barrier.
 // Keys past the segment end are zero rows with scores -inf; key tile 0 always holds the segment's first key, so the
 // running max is finite from the first step (softmax_rescale<false>).
-// wg64p (vw_attention_pipelined, below): Q in shared memory, four K | V stages, and each step's softmax overlapping
-// the previous step's P V on the tensor cores (its comment says how).
+// wg64p / wg64pr (vw_attention_pipelined, below): four K | V stages, and each step's softmax overlapping the previous
+// step's P V on the tensor cores (its comment says how); Q in shared memory (wg64p) or in registers (wg64pr).
 #include "common.cuh"
 #include "tensor_core.cuh"
 
@@ -134,7 +134,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 template <bool WAIT = true>
 __device__ __forceinline__ void vw_qk(float (&s)[8][4], const unsigned (&q)[5][4], const unsigned long long (&kd)[5]) {
     if constexpr (WAIT)
-        asm volatile(VW_QK_RS_BODY "wgmma.wait_group.sync.aligned 0;\n}\n" : VW_S_OPS(s) : VW_Q_OPS(q), VW_KD_OPS(kd), "r"(0) : "memory");
+        asm volatile(VW_QK_RS_BODY "wgmma.wait_group.sync.aligned 0;\n}\n"
+                     : VW_S_OPS(s) : VW_Q_OPS(q), VW_KD_OPS(kd), "r"(0) : "memory");
     else
         asm volatile(VW_QK_RS_BODY "}\n" : VW_S_OPS(s) : VW_Q_OPS(q), VW_KD_OPS(kd), "r"(0) : "memory");
 }
@@ -148,7 +149,8 @@ __device__ __forceinline__ void vw_qk_ss(float (&s)[8][4], const unsigned long l
 template <bool WAIT = true>
 __device__ __forceinline__ void vw_pv(float (&o)[9][4], const unsigned (&p)[4][4], const unsigned long long (&vd)[4]) {
     if constexpr (WAIT)
-        asm volatile(VW_PV_BODY "wgmma.wait_group.sync.aligned 0;\n}\n" : VW_O_OPS(o) : VW_P_OPS(p), VW_VD_OPS(vd), "r"(0) : "memory");
+        asm volatile(VW_PV_BODY "wgmma.wait_group.sync.aligned 0;\n}\n"
+                     : VW_O_OPS(o) : VW_P_OPS(p), VW_VD_OPS(vd), "r"(0) : "memory");
     else
         asm volatile(VW_PV_BODY "}\n" : VW_O_OPS(o) : VW_P_OPS(p), VW_VD_OPS(vd), "r"(0) : "memory");
 }
@@ -325,14 +327,15 @@ __device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int
 }
 
 // ---- wg64p: the softmax of key tile j overlaps the tensor cores' P V of tile j - 1 (FlashAttention-3's
-// intra-warpgroup pipelining). Step j: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1}, wait for S_j only
-// (wait_group 1: groups retire in order), mask and exponentiate S_j in place, wait for the P V (wait_group 0), then
-// rescale O by the step's correction and pack P_j to bf16 for the next step; the last P V after the loop.
-// Shared memory: [Q tile (128 rows x 80 columns, K's core-matrix layout, zero rows past the segment and zero
-// columns 72..79)][STAGES stages of K | V as in wg64]. Q is an SS-form A operand (the registers it would take let the
-// kernel keep two blocks an SM). Tile t lives in stage t % STAGES and is copied DIST = STAGES - 2 steps ahead: the
-// copy issued at step j (after its barrier) refills the stage of tile j - 2, whose last reader (P V of j - 2, waited
-// in step j - 1) every warp has finished by then. One cp.async group is committed per step, empty past the last tile.
+// intra-warpgroup pipelining). Step j: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1}, wait for S_j only (wait_group
+// 1: groups retire in order), mask and exponentiate S_j in place, wait for the P V (wait_group 0), then rescale O by
+// the step's correction and pack P_j to bf16 for the next step; the last P V after the loop. Shared memory (Q_SMEM,
+// wg64p): [Q tile (128 rows x 80 columns, K's core-matrix layout, zero rows past the segment and zero columns
+// 72..79)][STAGES stages of K | V as in wg64]; Q is then an SS-form A operand, which frees the 20 registers that keep
+// the kernel at two blocks an SM without spills. !Q_SMEM (wg64pr): Q in registers as in wg64 (RS form; ptxas spills a
+// little), no Q tile. Tile t lives in stage t % STAGES and is copied DIST = STAGES - 2 steps ahead: the copy issued at
+// step j (after its barrier) refills the stage of tile j - 2, whose last reader (P V of j - 2, waited in step j - 1)
+// every warp has finished by then. One cp.async group is committed per step, empty past the last tile.
 
 // s (scores of one key tile) -> exp2(s sl - base) in place; the rows' running max m and sums l advanced; corr: the
 // factor O still needs (applied once the in-flight P V has retired). The first tile's max is finite (key 0 is in
@@ -382,12 +385,13 @@ __device__ __forceinline__ void vw_pack_p(const float (&s)[NT_S][4], unsigned (&
         }
 }
 
-template <int STAGES>
+template <int STAGES, bool Q_SMEM>
 __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t* qkv, int heads, int seg_len,
                                                        int tiles_per_seg, float scale) {
     using S = VwShape;
     constexpr int HD = VW_HD, BN = VW_BN, KSTEPS = S::HDP / 16, NT_S = BN / 8, NT_O = HD / 8, DIST = STAGES - 2;
-    constexpr int SMEM = S::Q_TILE + STAGES * S::STAGE;   // vision_flash.wg_shared_bytes(72, 64, STAGES, 128)
+    constexpr int Q_BYTES = Q_SMEM ? S::Q_TILE : 0;
+    constexpr int SMEM = Q_BYTES + STAGES * S::STAGE;   // vision_flash.wg_shared_bytes(72, 64, STAGES, Q rows)
     static_assert(DIST >= 1, "a stage is refilled two steps after its tile was read");
     extern __shared__ __align__(128) bf16_t smem[];
 
@@ -404,18 +408,18 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
 
     const bf16_t* q_head = qkv + seg_first * row_stride + (long long)h * HD;
     const bf16_t* k_head = q_head + width;
-    const unsigned q_buf = smem_addr(smem), stages = q_buf + (unsigned)S::Q_TILE;
+    const unsigned q_buf = smem_addr(smem), stages = q_buf + (unsigned)Q_BYTES;
     const int n_kt = (seg_len + BN - 1) / BN;
     char* const smem_bytes = reinterpret_cast<char*>(smem);
 
     // zeros in K's padded chunk 9 (columns 72..79) of every stage, and in Q's
     for (int i = threadIdx.x; i < STAGES * BN; i += VW_THREADS) {
         const int r = i % BN, stage = i / BN;
-        *reinterpret_cast<uint4*>(smem_bytes + S::Q_TILE + stage * S::STAGE + (r >> 3) * S::K_GROUP + 9 * 128 +
+        *reinterpret_cast<uint4*>(smem_bytes + Q_BYTES + stage * S::STAGE + (r >> 3) * S::K_GROUP + 9 * 128 +
                                   (r & 7) * 16) = make_uint4(0, 0, 0, 0);
     }
-    {   // Q: row qr = tid / 2 of the tile, chunks qc, qc + 2, .. < 9 (zero rows past the segment); odd threads zero
-        // the row's chunk 9
+    if constexpr (Q_SMEM) {   // Q: row qr = tid / 2 of the tile, chunks qc, qc + 2, .. < 9 (zero rows past the
+        // segment); odd threads zero the row's chunk 9
         const int qr = threadIdx.x >> 1, qc = threadIdx.x & 1;
         const bool valid = q0 + qr < seg_len;
         const bf16_t* src = valid ? q_head + (long long)(q0 + qr) * row_stride : q_head;
@@ -456,6 +460,22 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk)
         qd[kk] = vw_desc(q_buf + (unsigned)(wg * 8 * S::K_GROUP + kk * 256), 128, S::K_GROUP);
+    // or (!Q_SMEM) the A fragments of this warp's 16 rows in registers, as wg64 loads them
+    unsigned qa[KSTEPS][4];
+    if constexpr (!Q_SMEM) {
+        const int ra = q0 + warp * 16 + g, rb = ra + 8;
+        const bool va = ra < seg_len, vb = rb < seg_len;
+        const unsigned* qra = (const unsigned*)(q_head + (long long)(va ? ra : 0) * row_stride);
+        const unsigned* qrb = (const unsigned*)(q_head + (long long)(vb ? rb : 0) * row_stride);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const bool lo_in = kk * 16 + 8 <= HD, hi_in = kk * 16 + 16 <= HD;   // compile-time per kk
+            qa[kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
+            qa[kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
+            qa[kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
+            qa[kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
+        }
+    }
     const auto k_descs = [&](int j, unsigned long long (&kd)[KSTEPS]) {
         const unsigned k_buf = stages + (unsigned)((j % STAGES) * S::STAGE);
 #pragma unroll
@@ -472,6 +492,12 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f, corr_a, corr_b;
+    const auto issue_qk = [&](const unsigned long long (&kd)[KSTEPS]) {   // S = Q K^T, left in flight
+        if constexpr (Q_SMEM)
+            vw_qk_ss(s, qd, kd);
+        else
+            vw_qk<false>(s, qa, kd);
+    };
     const auto mask_tail = [&](int j) {   // keys past the segment end (last tile only)
         if (j * BN + BN > seg_len) {
 #pragma unroll
@@ -493,7 +519,7 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
     tile_ready(0);
     k_descs(0, kd);
     vw_fence_operand(s);
-    vw_qk_ss(s, qd, kd);
+    issue_qk(kd);
     vw_wait<0>();
     vw_fence_operand(s);
     mask_tail(0);
@@ -507,7 +533,7 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
         vw_fence_operand(s);
         vw_fence_operand(o);
         vw_fence_operand(pf);
-        vw_qk_ss(s, qd, kd);          // S_j
+        issue_qk(kd);                 // S_j
         vw_pv<false>(o, pf, vd);      // O += P_{j-1} V_{j-1}, in flight during S_j's softmax
         vw_wait<1>();                 // S_j has retired (groups retire in order)
         vw_fence_operand(s);
@@ -558,5 +584,10 @@ extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16
 
 extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64_p(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
-    vw_attention_pipelined<4>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+    vw_attention_pipelined<4, true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64_pr(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vw_attention_pipelined<4, false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
