@@ -201,44 +201,64 @@ class BlockManager:
         seq.block_table = seq.block_table[:keep]  # a new list: Sequence.block_table_array() caches by identity
 
     # ---- after a forward ----
-    def commit(self, seq: Sequence) -> None:
-        """Offer the newly computed full blocks of `seq` to the prefix cache."""
+    def commit(self, seq: Sequence) -> list[bytes]:
+        """Offer the newly computed full blocks of `seq` to the prefix cache; returns the hashes it took."""
         if not self.enable_prefix_caching:
-            return
+            return []
         full = seq.num_computed // self.block_size
         if full <= seq.num_committed_blocks:
-            return
+            return []
         self.update_hashes(seq)
+        taken = []
         for i in range(seq.num_committed_blocks, full):
             h = seq.block_hashes[i]
             b = seq.block_table[i]
             if h not in self._hash_to_block and b not in self._block_to_hash:
                 self._hash_to_block[h] = b
                 self._block_to_hash[b] = h
+                taken.append(h)
         seq.num_committed_blocks = full
+        return taken
 
-    def snapshot_state(self, seq: Sequence) -> None:
-        """Keep the linear-attention state of `seq` at its current (block-aligned) length for later prefix hits."""
+    def withdraw(self, hashes: list[bytes], snapshots: list[bytes]) -> None:
+        """Take back what commit() / snapshot_state() returned for a step whose forward then failed (its KV and state
+        cannot be trusted): those blocks and snapshots are no prefix for anyone."""
+        for h in hashes:
+            b = self._hash_to_block.pop(h, None)
+            if b is not None:
+                del self._block_to_hash[b]
+                if b in self._evictable:
+                    del self._evictable[b]
+                    self._free.append(b)
+        for h in snapshots:
+            slot = self._snapshots.pop(h, None)
+            if slot is not None:
+                self._free_snapshot_slots.append(slot)
+
+    def snapshot_state(self, seq: Sequence) -> bytes | None:
+        """Keep the linear-attention state of `seq` at its current (block-aligned) length for later prefix hits;
+        returns the hash it is kept under when a snapshot was taken (copied) now."""
         if not (self.enable_prefix_caching and self.has_linear_state):
-            return
+            return None
         n = seq.num_computed
         if n == 0 or n % self.block_size or seq.state_slot is None:
-            return
+            return None
         h = seq.block_hashes[n // self.block_size - 1]
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
-            return
+            return None
         if h not in self._hash_to_block:
-            return  # the KV of this prefix is not cached (duplicate block): the snapshot could not be used
+            return None  # the KV of this prefix is not cached (duplicate block): the snapshot could not be used
         if self._free_snapshot_slots:
             slot = self._free_snapshot_slots.pop()
         elif self._snapshots:
             _, slot = self._snapshots.popitem(last=False)
         else:
-            return  # no snapshot slots configured
+            return None  # no snapshot slots configured
         self._copy_state_slot(seq.state_slot, slot)
         self._snapshots[h] = slot
         self.snapshots_taken += 1
+        return h
 
     def stats(self) -> dict[str, float]:
         return {

@@ -15,7 +15,7 @@ finish_reason "error"; a forward that raises is re-run in halves to find the req
 Sampling happens on the runner when it can (samples_on_device, no repetition / presence penalty): the engine draws
 each row's uniform and builds the grammar bitmask, sends them as a SamplingRequest and gets token ids (+ logprobs)
 back; otherwise gpu_engine.sampling samples the runner's logits here. A runner that launches steps gets them with
-their tokens taken in one step() later, the next decode step launched first (lookahead.py). Then the grammar
+their tokens taken in one step() later, the next step launched first (lookahead.py). Then the grammar
 advances here, and output_processor.py turns tokens into text and RequestOutputs.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lookahead decoding: the next decode step goes to the runner before the engine has taken in the tokens of the one
+"""Lookahead decoding: the next step goes to the runner before the engine has taken in the tokens of the one
 in flight, so the host's work on those tokens (appending them, advancing the grammars, jump-forward, outputs, the
 next step's bitmasks) runs while the GPU computes, instead of between forwards (issue 14: in the 9B document run's
 decode tail 23 ms of host a step sat between 33 ms forwards).
@@ -9,20 +9,29 @@ SamplingRequest) and returning those tokens; `feed[i] >= 0` makes chunk i's one 
 sequence's next row needs no host round trip. `finish(request)` samples the last launched step.
 
 The engine keeps at most one step in flight (InFlight). A step is launched (not run to completion) when the runner
-samples all its rows and it has no verify window, MTP rows or keep-hidden rows; its SamplingRequest is built after
-the launch, while the layers run. The next step is a lookahead step — built from the in-flight step alone, before
-its tokens are known — only when nothing else could run: every running sequence is in the in-flight step, no
-request waits for a free slot, the speculator would not draft. Each of its rows is, per sequence, one of
-- the sequence's next token: a decode row fed from the in-flight row's token (skipped when that token is the
-  request's last by max_tokens);
-- its known tokens after the in-flight row, when the grammar forced a run there (jump-forward): one chunk, as a
-  plain step would run them.
+samples all its rows (or it has none: prompt chunks only) and it has no verify window, MTP rows or keep-hidden
+rows; its SamplingRequest is built after the launch, while the layers run. The next step is a lookahead step,
+built before the in-flight tokens are known (lookahead_step.py): first the in-flight chunks are settled — counters,
+num_computed, prefix-cache commits and linear-attention snapshots, as the plain take-in does them, so a snapshot
+copy is ordered after the in-flight forward and before the next one and holds the state at its chunk's end — then
+the scheduler's own schedule() decides the step, told which sequences' sampled tokens are in flight. A lookahead
+step may hold, per sequence,
+- its next token: a decode row fed from the in-flight row's token (none when that token is the request's last by
+  max_tokens) — also after a last prompt chunk in flight;
+- its next prompt chunk (the in-flight one was a prompt chunk, or it was not in the in-flight step), sized and cut
+  by the scheduler (token budget, snapshot boundaries, encoder budget), its vision items encoded now;
+- its known tokens after the in-flight row, when the grammar forced a run there (jump-forward);
+- a newly admitted request's first chunk (slot, prefix-cache hit with its snapshot restored, vision items).
+The plain path runs instead when a waiting request would take the slot of a max_tokens ending, the speculator would
+draft, a row needs penalties, or the cache might have to preempt.
 When the in-flight tokens are taken in, a lookahead row whose sequence has ended (stop, error, abort) is dropped,
 and a fed row whose sequence received forced tokens is discarded — its KV stays (it is the token's own), its
-logits row is not sampled, and the forced run follows in the next step. So the outputs are what the plain path
-gives, token for token, up to float rounding of a different chunking; seeded requests draw one uniform per sampled
-token as before. Any runner failure while a step is in flight preempts the sequences involved (recomputed; no
-token is lost) and turns lookahead off for the engine, so the plain path's failure isolation takes over.
+logits row is not sampled, and the forced run follows in the next step. The grammar bitmasks of the lookahead step
+are built after that take-in. So the outputs are what the plain path gives, token for token, up to float rounding
+of a different chunking; seeded requests draw one uniform per sampled token as before. Any runner failure while a
+step is in flight withdraws what settling it offered to the prefix cache (blocks, snapshots), preempts the
+sequences involved (recomputed; no token is lost) and turns lookahead off for the engine, so the plain path's
+failure isolation takes over.
 """
 from __future__ import annotations
 
@@ -33,8 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .forced_runs import decode_chunk
-from .metrics import count_computed
+from .lookahead_step import NextStep, next_step, settle
 from .runner_api import SamplingRequest, SeqChunk, StepBatch
 from .runner_rules import row_offsets
 from .runner_sampling import RunnerSampling, plan_runner_sampling
@@ -58,6 +66,7 @@ class InFlight:
     discard: list[bool] = field(default_factory=list)  # chunk i's row is not sampled (see the module docstring)
     plan: RunnerSampling | None = None  # the sampled rows' request (filled once the step is launched)
     request: SamplingRequest | None = None  # every row of the step: `plan`'s rows, neutral ones for discarded rows
+    settled: bool = False  # its cache bookkeeping is done (lookahead_step.settle)
 
 
 class Lookahead:
@@ -81,7 +90,8 @@ class Lookahead:
         if any(c.verify or c.keep_hidden or c.logits == "all" for c in chunks):
             return False
         rows = [sc.seq.sampling_row for sc in scheduled if sc.wants_logits]
-        return bool(rows) and not SamplingRows.from_rows(rows).has_penalties
+        # a step without logits rows (prompt chunks only) is launched too: the next one's chunks follow it
+        return not rows or not SamplingRows.from_rows(rows).has_penalties
 
     def launch(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk]) -> None:
         """Launch a plain step (nothing in flight): its forward now, its tokens with the next step() call. An
@@ -97,110 +107,63 @@ class Lookahead:
         assert infl is not None and infl.plan is None
         try:
             plan = self.engine._runner_sampling(infl.scheduled)
-            if plan is None:
+            if plan is None and any(sc.wants_logits for sc in infl.scheduled):
                 raise RuntimeError("a launched step has no rows the runner can sample")
         except Exception:
             self._abandon(infl)
             raise
-        infl.plan, infl.request = plan, plan.request
+        infl.plan = plan
+        infl.request = plan.request if plan is not None else expand_request(None, infl.offsets[-1], [])
 
     # ---- the step after it ----
     def advance(self) -> tuple[list[RequestOutput], bool]:
         """Take in the in-flight step's tokens; when a lookahead step can run, launch it first (so the GPU computes
         it meanwhile). Returns the outputs and whether a step was launched."""
-        nxt = self._next_step()
         infl = self.in_flight
         assert infl is not None and infl.request is not None
         eng = self.engine
+        settled = settle(eng, infl)  # before the next step is decided or launched (lookahead_step.py)
+        nxt = self._next_step(infl)
+        outputs: list[RequestOutput] = nxt.outputs if nxt is not None else []
+        if nxt is not None and not nxt.scheduled:
+            nxt = None  # every chunk of it ended (vision encoding failed)
         t0 = time.perf_counter()
         try:
             if nxt is None:
                 sampled = self.runner.finish(infl.request)
             else:
-                chunks, scheduled, fed = nxt
-                feed = np.array([infl.offsets[i] if i >= 0 else -1 for i in fed], np.int64)
-                sampled = self.runner.launch(StepBatch(chunks), infl.request, feed)
+                feed = np.array([infl.offsets[i] if i >= 0 else -1 for i in nxt.fed], np.int64)
+                sampled = self.runner.launch(StepBatch(nxt.chunks), infl.request, feed)
         except Exception as exc:  # noqa: BLE001 - contained: the sequences are recomputed on the plain path
-            self._fail(exc, infl.scheduled + (nxt[1] if nxt is not None else []))
-            return [], False
+            eng.blocks.withdraw(settled.hashes, settled.snapshots)  # the KV and states behind them are suspect
+            self._fail(exc, infl.scheduled + (nxt.scheduled if nxt is not None else []))
+            return outputs, False
         finally:
             eng._metrics.forward_s += time.perf_counter() - t0
         if sampled is None:
             raise RuntimeError(f"runner {eng.runner.name!r} returned no tokens for the launched step")
         self.in_flight = None
-        outputs = self._take_in(infl, sampled)
+        outputs += self._take_in(infl, sampled)
         if nxt is None:
             return outputs, False
-        chunks, scheduled, fed = nxt
         try:
-            self.in_flight = self._planned(chunks, scheduled, [i >= 0 for i in fed])
+            self.in_flight = self._planned(nxt.chunks, nxt.scheduled, [i >= 0 for i in nxt.fed])
         except Exception as exc:  # noqa: BLE001 - the delivered outputs must still go out
             self.off_reason = f"building the sampling request failed: {type(exc).__name__}: {exc}"
             log.exception("lookahead decoding is off for this engine: %s", self.off_reason)
             eng._counters["lookahead_failures"] += 1
-            self._abandon(InFlight(scheduled, row_offsets(chunks)))
+            self._abandon(InFlight(nxt.scheduled, row_offsets(nxt.chunks)))
             return outputs, False
         eng._counters["lookahead_steps"] += 1
+        eng._counters["lookahead_prefill_steps"] += nxt.prefill
+        eng._counters["lookahead_admissions"] += nxt.admitted
         return outputs, True
 
-    def _next_step(self) -> tuple[list[SeqChunk], list[ScheduledChunk], list[int]] | None:
-        """The lookahead step after the in-flight one (fed[i]: the in-flight chunk feeding chunk i, or -1), or
-        None when the plain path must run next."""
-        eng, infl = self.engine, self.in_flight
-        if not self.enabled or self.off_reason is not None or infl is None or infl.plan is None:
+    def _next_step(self, infl: InFlight) -> NextStep | None:
+        """The lookahead step after the (settled) in-flight one, or None when the plain path must run next."""
+        if not self.enabled or self.off_reason is not None or infl.request is None:
             return None
-        sched = eng.scheduler
-        running = sched.running
-        # the in-flight rows that are their requests' last tokens (max_tokens) free their slots when taken in
-        ending = sum(sc.seq.status is SeqStatus.RUNNING and sc.wants_logits and not infl.discard[i]
-                     and sc.seq.remaining_tokens <= 1 for i, sc in enumerate(infl.scheduled))
-        if not running or (sched.waiting and len(running) - ending < eng.config.max_num_seqs):
-            return None  # a waiting request can be admitted now: the plain step admits it
-        in_step = {sc.seq.seq_id for sc in infl.scheduled}
-        if any(s.seq_id not in in_step or s.num_computed < s.prompt_len for s in running):
-            return None
-        if eng.spec.may_draft(running):
-            return None
-        budget = eng.config.max_batched_tokens
-        chunks: list[SeqChunk] = []
-        scheduled: list[ScheduledChunk] = []
-        fed: list[int] = []
-        for i, sc in enumerate(infl.scheduled):
-            seq = sc.seq
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            start = sc.end
-            if infl.discard[i] or not sc.wants_logits:  # known tokens follow (a forced run, or its cut rest)
-                n = decode_chunk(seq, min(seq.num_tokens - start, budget), sched.decode_chunk_limit)
-                src = -1
-            elif seq.remaining_tokens <= 1:
-                continue  # the in-flight token is the request's last
-            else:
-                n, src = 1, i
-            if n <= 0:
-                return None
-            need = start + n - seq.num_computed
-            if not eng.blocks.can_allocate(seq, need):
-                return None  # no preemption on this path: the plain step decides
-            eng.blocks.allocate(seq, need)
-            chunk = ScheduledChunk(seq, start, n, [])
-            if src >= 0:
-                chunk.wants_logits = True  # its token arrives with the in-flight step
-                token_ids = np.zeros(1, np.int64)  # the runner feeds the in-flight row's token
-                pos = np.full((3, 1), start + seq.prompt.rope_delta, np.int64)
-            else:
-                token_ids, pos = seq.token_slice(start, start + n).astype(np.int64), seq.positions(start, n)
-            chunks.append(SeqChunk(seq_id=seq.seq_id, token_ids=token_ids, positions=pos, start=start,
-                                   block_table=seq.block_table_array(), state_slot=seq.slot_in_use(),
-                                   logits="last" if chunk.wants_logits else "none"))
-            scheduled.append(chunk)
-            fed.append(src)
-            budget -= n
-            if budget <= 0:
-                break
-        if not scheduled:
-            return None
-        return chunks, scheduled, fed
+        return next_step(self.engine, infl)
 
     def _planned(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], fed: list[bool]) -> InFlight:
         """The launched lookahead step, with the sampling request of its rows (the grammars have taken in the
@@ -225,26 +188,12 @@ class Lookahead:
         return InFlight(scheduled, offsets, discard, plan, request)
 
     def _take_in(self, infl: InFlight, sampled: SampleResult) -> list[RequestOutput]:
-        """The in-flight step's tokens into the engine: sampled rows through the plain path, discarded rows only
-        advance their sequence (their KV was computed), ended sequences are skipped."""
+        """The in-flight step's sampled tokens into the engine (its cache bookkeeping is settled already): the
+        sampled rows through the plain path; discarded rows and ended sequences have nothing to take in."""
         eng = self.engine
-        sampled_rows: list[ScheduledChunk] = []
-        offsets: list[int] = []
-        for i, sc in enumerate(infl.scheduled):
-            seq = sc.seq
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            if infl.discard[i]:
-                count_computed(eng._counters, sc)
-                seq.num_computed = sc.end
-                if seq.num_computed % eng.config.block_size == 0 or sc.num_tokens > 1:
-                    eng.blocks.commit(seq)
-                continue
-            sampled_rows.append(sc)
-            offsets.append(infl.offsets[i])
-        if not sampled_rows:
-            return []
-        return eng._after_forward(sampled_rows, sampled, offsets, infl.plan)
+        rows = [(sc.seq, infl.offsets[i]) for i, sc in enumerate(infl.scheduled)
+                if sc.seq.status is SeqStatus.RUNNING and sc.wants_logits and not infl.discard[i]]
+        return eng._sample_rows(rows, sampled, infl.plan) if rows else []
 
     def _fail(self, exc: Exception, scheduled: list[ScheduledChunk]) -> None:
         """The runner raised with a step in flight: lookahead goes off, the in-flight rows' drawn uniforms stay

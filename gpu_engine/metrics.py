@@ -78,8 +78,11 @@ def engine_counters() -> dict[str, int]:
         "sampled_tokens": 0,
         # Lookahead decoding (lookahead.py): steps launched before the previous one's tokens were taken in, their
         # rows whose logits were thrown away (the sequence ended, or forced tokens came first), runner failures
-        # while a step was in flight (lookahead is then off for the engine).
+        # while a step was in flight (lookahead is then off for the engine); of those steps, the ones holding prompt
+        # chunks, and the requests admitted in them (lookahead_step.py).
         "lookahead_steps": 0,
+        "lookahead_prefill_steps": 0,
+        "lookahead_admissions": 0,
         "lookahead_discarded_rows": 0,
         "lookahead_failures": 0,
         # Request isolation: forwards that raised, the re-runs that located the failing requests, requests

@@ -13,10 +13,14 @@ Chunks are also cut so that the vision items they overlap fit the encoder-cache 
 prefix caching) so that they end on the block boundaries where linear-attention state snapshots are taken.
 With `min_prefill_tokens` set, a step that has decode rows leaves prompt chunks (and admissions) out until that many
 prompt tokens are ready, for at most `max_prefill_hold_steps` steps in a row: prompt work comes in fuller steps.
+The step after one still in flight (lookahead.py) is scheduled the same way, once the in-flight chunks' cache
+bookkeeping is done: a sequence whose sampled token is still in flight gets its next row (one token, fed from that
+token), none when the token is its request's last.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .cache import BlockManager
@@ -94,7 +98,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ----
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Collection[int] = ()) -> SchedulerOutput:
+        """`in_flight`: ids of sequences whose sampled token is in flight (computed up to num_tokens, the token not
+        appended yet): each gets the decode row that token is fed to (lookahead.py)."""
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
         hold = self._hold_prompts()
@@ -103,7 +109,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_tokens_with_drafts - seq.num_computed == 1 and seq.num_computed >= seq.prompt_len:
+            fed = seq.seq_id in in_flight
+            if fed and seq.remaining_tokens <= 1:
+                continue  # the token in flight is the request's last (max_tokens)
+            if fed or (seq.num_tokens_with_drafts - seq.num_computed == 1 and seq.num_computed >= seq.prompt_len):
                 n = 1  # plain decode (the common case, kept cheap)
                 if seq.num_computed % self.config.block_size:  # its block exists already
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, []))

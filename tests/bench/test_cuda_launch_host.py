@@ -107,3 +107,52 @@ def test_launch_and_finish_refuse_what_the_contract_does_not_allow(runner_and_ta
     verify.chunks[0].verify = True
     with pytest.raises(RunnerInputError, match="verify"):
         runner.launch(verify, None, None)
+
+
+def test_prefill_phase_steps_are_launched_eagerly_with_vision_rows_and_fed_rows(runner_and_tables):
+    """What the engine's prefill-phase lookahead sends (lookahead_step.py): a step of prompt chunks only (no logits
+    row, so its request has none), then one mixing a fed decode row, a prompt chunk with host vision embeddings
+    (logits "last") and a continuing prompt chunk (logits "none"); then finish. Eager steps keep their arena until
+    sampled; the fed token lands on its chunk's token."""
+    from gpu_engine.lookahead import expand_request
+    from gpu_engine.runner_api import VisionSlice
+
+    runner, tables = runner_and_tables
+    rec = Recorder(runner)
+    rng = np.random.default_rng()
+    vocab, hidden = runner.cfg.vocab_size, runner.cfg.hidden_size
+    seen: list[np.ndarray] = []
+    enqueue = runner._enqueue
+
+    def spy(run: StepBatch, host: Any, key: Any) -> Any:
+        seen.append(host.tables.ids.copy())
+        assert key is None  # prompt chunks and vision rows never replay a graph
+        return enqueue(run, host, key)
+
+    runner._enqueue = spy
+
+    def prompt(seq: int, start: int, n: int, logits: str, vision: list | None = None) -> SeqChunk:
+        pos = np.broadcast_to(np.arange(start, start + n), (3, n)).copy()
+        return SeqChunk(seq, rng.integers(0, vocab, n), pos, start, tables[seq], seq, vision=vision or [],
+                        logits=logits)
+
+    mark = runner.ctx.arena.mark()
+    first = StepBatch([prompt(0, 0, 16, "last"), prompt(1, 0, 16, "none")])
+    assert runner.launch(first, None, None) is None
+    n0 = len(rec.log)
+    rec.tokens = rng.integers(1, vocab, 1)
+    fed = SeqChunk(0, np.zeros(1, np.int64), np.full((3, 1), 16), 16, tables[0], 0)
+    image = VisionSlice(2, rng.standard_normal((6, hidden)).astype(np.float32))
+    second = StepBatch([fed, prompt(1, 16, 16, "last", [image]), prompt(2, 0, 12, "none")])
+    sampled = runner.launch(second, greedy(1), np.array([0, -1, -1]))
+    assert sampled is not None and sampled.token_ids.tolist() == rec.tokens.tolist()
+    assert "sample_rows_f32" in rec.log[n0:] and runner.decode_counts.graphed == 0
+    assert seen[1][0] == rec.tokens[0]  # the fed chunk's one token is the sampled one
+    assert runner.ctx.arena.mark() > mark
+    out = runner.finish(greedy(2))
+    assert out.token_ids.size == 2 and runner._launched is None and runner.ctx.arena.mark() == mark
+
+    only_prompts = StepBatch([prompt(3, 0, 16, "none")])  # no logits row: an empty request samples it
+    runner.launch(only_prompts, None, None)
+    assert runner.finish(expand_request(None, 0, [])).token_ids.size == 0
+    assert runner._launched is None and runner.ctx.arena.mark() == mark

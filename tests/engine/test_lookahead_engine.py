@@ -110,7 +110,8 @@ def test_a_launch_feeds_the_previous_steps_tokens_to_the_next(ckpt):
     assert all(len(o.token_ids) == 8 for o in out)
     assert calls[0] == (False, [])  # the first (prefill) step is launched plainly
     fed = [f for has_prev, f in calls if has_prev]
-    assert fed and all(f == [0, 1, 2] for f in fed[:3])  # three decode rows, each fed from its own row
+    decoding = [f for f in fed if len(f) == 3 and -1 not in f]  # earlier lookahead steps may hold prompt chunks
+    assert decoding and all(f == [0, 1, 2] for f in decoding[:3])  # three decode rows, each fed from its own row
     assert look.stats()["lookahead_steps"] == len(fed)
 
 
