@@ -52,6 +52,8 @@ def report(outcomes: list[Outcome], wall: float, profile: StepProfile, cost: Mod
     if device:
         split["device_event_s"] = sum(device)
         split["device_event_decode_s"] = sum(r.device_s for r in steps if r.device_s is not None and not r.has_prefill)
+        # the tower's GPU time (encodes return before it has run: vision_encode_s is their host enqueue time)
+        split["vision_encode_device_s"] = sum(r.encode_device_s or 0.0 for r in steps)
     decode_steps = [r for r in steps if not r.has_prefill]
     if decode_steps:
         split["decode_step_mean_ms"] = 1e3 * split["decode_forward_s"] / len(decode_steps)

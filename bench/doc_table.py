@@ -16,7 +16,8 @@ def mode_line(r: dict[str, Any]) -> str:
             f"limit {r['fraction_of_limit']:.2f}  busy {r['gpu_busy_fraction']:.2f}  "
             f"TTFT p50/p95 {lat['ttft_p50_s']:.2f}/{lat['ttft_p95_s']:.2f} s  "
             f"latency p50/p95 {lat['latency_p50_s']:.2f}/{lat['latency_p95_s']:.2f} s  "
-            f"[vision {s['vision_encode_s']:.1f} prefill {s['prefill_forward_s']:.1f} "
+            f"[vision {s['vision_encode_s']:.1f} (GPU {s.get('vision_encode_device_s', float('nan')):.1f}) "
+            f"prefill {s['prefill_forward_s']:.1f} "
             f"decode {s['decode_forward_s']:.1f} "
             f"mask {s['grammar_mask_s']:.1f} host {s['host_scheduling_s']:.1f} outside {s['outside_steps_s']:.1f} "
             f"preprocess {s['image_preprocessing_s']:.1f} s]")

@@ -43,7 +43,11 @@ class StepRecord:
     cpu_s: float = 0.0  # the engine thread's CPU time in step() (wall - cpu: waits, and the GIL held elsewhere)
     shape: StepShape = field(default_factory=StepShape)
     events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (start, stop) CUDA events
-    device_s: float | None = None  # sum of the event spans, filled by StepProfile.resolve()
+    encode_events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # those around vision encodes
+    device_s: float | None = None  # sum of all event spans (forwards and encodes), filled by StepProfile.resolve()
+    # device span of the vision encodes alone: encodes are enqueued without waiting (cuda/staging.py), so encode_s
+    # is the host's enqueue time and the tower's GPU time shows here (and inside the forward's wait)
+    encode_device_s: float | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -105,9 +109,11 @@ class StepProfile:
     def resolve(self) -> None:
         """Read the CUDA event spans (call once the device is idle)."""
         for rec in self.steps:
-            if rec.events and rec.device_s is None:
-                rec.device_s = sum(float(stop - start) for start, stop in rec.events) / 1e3  # events give ms
-                rec.events = []
+            if (rec.events or rec.encode_events) and rec.device_s is None:
+                encode = sum(float(stop - start) for start, stop in rec.encode_events) / 1e3  # events give ms
+                rec.device_s = sum(float(stop - start) for start, stop in rec.events) / 1e3 + encode
+                rec.encode_device_s = encode
+                rec.events, rec.encode_events = [], []
 
     def timeline(self, t0: float) -> list[list[float]]:
         """One row per step, in order (TIMELINE_COLUMNS): start s after t0, wall s, device s (None without
@@ -142,7 +148,7 @@ class StepProfile:
         self._saved.append((obj, name, original))
         setattr(obj, name, make(original))
 
-    def _timed_on_device(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+    def _timed_on_device(self, fn: Callable[[], Any], encode: bool = False) -> tuple[Any, float]:
         if self._device is None:
             t0 = time.perf_counter()
             return fn(), time.perf_counter() - t0
@@ -155,7 +161,7 @@ class StepProfile:
         out = fn()
         seconds = time.perf_counter() - t0
         self._device.stream.record(stop)
-        self._current.events.append((start, stop))
+        (self._current.encode_events if encode else self._current.events).append((start, stop))
         return out, seconds
 
     def _step(self, original: Callable[[], Any]) -> Callable[[], Any]:
@@ -219,7 +225,7 @@ class StepProfile:
 
     def _encode(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def encode(item: Any) -> Any:
-            out, seconds = self._timed_on_device(lambda: original(item))
+            out, seconds = self._timed_on_device(lambda: original(item), encode=True)
             self._current.encode_s += seconds
             self._current.shape.vision_grids.append(tuple(int(x) for x in item.grid_thw))
             return out
@@ -227,7 +233,7 @@ class StepProfile:
 
     def _encode_batch(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def encode_batch(items: Any) -> Any:
-            out, seconds = self._timed_on_device(lambda: original(items))
+            out, seconds = self._timed_on_device(lambda: original(items), encode=True)
             self._current.encode_s += seconds
             self._current.shape.vision_grids.extend(tuple(int(x) for x in item.grid_thw) for item in items)
             return out

@@ -106,10 +106,12 @@ def tower(ctx, rng: np.random.Generator, variants: list[str]) -> list[dict]:
         for v in variants:
             vision_flash.DEFAULT_VARIANT = v  # the tower's attention reads the module default
             tw.encode(pixels, grid, out)
+            ctx.device.sync()
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
                 tw.encode(pixels, grid, out)
+                ctx.device.sync()  # encode returns once enqueued
                 times.append(time.perf_counter() - t0)
             sec = float(np.median(times))
             rows.append({"variant": v, "item": label, "grid": grid, "encode_ms": 1e3 * sec,
