@@ -16,6 +16,7 @@ device gives the same logits as the same slice passed as a host array. Skips (ex
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -234,6 +235,14 @@ def format_table(results: list[VisionResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    variant = os.environ.get("DOCPIPE_CUDA_VISION_FLASH")
+    if variant:  # check the flash variant the runner would take from the same setting (towers built here use it)
+        from gpu_engine.cuda import vision_flash
+
+        if variant not in vision_flash.VARIANTS:
+            raise SystemExit(f"DOCPIPE_CUDA_VISION_FLASH={variant!r} is not one of {sorted(vision_flash.VARIANTS)}")
+        vision_flash.DEFAULT_VARIANT = variant
+        print(f"flash variant (DOCPIPE_CUDA_VISION_FLASH): {variant}")
     return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
 
 
