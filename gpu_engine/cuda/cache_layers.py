@@ -28,9 +28,10 @@ def allocate_layers(ctx: GpuContext, cfg: TextConfig, cache: DeviceCache, blocks
 
 
 def copy_slot_states(ctx: GpuContext, cache: DeviceCache, src: int, dst: int) -> None:
-    """State slot `dst` of every DeltaNet layer becomes a copy of `src` (conv and recurrent state), synchronously."""
+    """State slot `dst` of every DeltaNet layer becomes a copy of `src` (conv and recurrent state), enqueued on the
+    stream: every reader of the states is a kernel on that stream, so no sync (a prefix snapshot taken while the
+    next step is being built must not drain the GPU)."""
     for c in cache.deltanet.values():
         for arr in (c.conv, c.state):
             row = arr.nbytes // arr.shape[0]
             ctx.device.copy(arr.ptr + dst * row, arr.ptr + src * row, row)
-    ctx.device.sync()
