@@ -9,7 +9,7 @@ a step); "m2n32" / "m2n64" give each warp two m-tiles (128 rows a block), so eve
 memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step (nvcc
 13.0 -Xptxas -v: 214 / 228 registers at head_dim 72 / 80, no spills; "m2n64" takes 254 / 255 and spills at 80).
 On the H200 (16 heads x 72; session 6 in git history of bench/results/cuda/vision_flash_bench.json) m2n32 ran 208 /
-225 / 258 TFLOP/s at 4096 / 8580 / 47376 rows, m2n64 205-242, m1 143-170: DEFAULT_VARIANT is m2n32. Head dims
+225 / 258 TFLOP/s at 4096 / 8580 / 47376 rows, m2n64 205-242, m1 143-170: m2n32 was the default until session 10. Head dims
 without an m2 instantiation (128) run "m1".
 
 "wg64" (kernels/vision_flash_wg.cu) is the same schedule on Hopper's warpgroup MMA (wgmma, compiled for sm_90a):
@@ -27,7 +27,9 @@ softmax while the P V is in flight, then waits for that and rescales O. Q sits i
 the registers it frees keep the kernel at 122, two blocks an SM, NVRTC 13.5 ptxas, no spills) and K | V stream through
 four stages copied two tiles ahead (98,304 bytes of shared memory a block). "wg64pr" is the same schedule with Q in
 registers (RS form, wg64's checked building block, in case the SS-form Q operand is wrong): 126 registers and 40
-bytes of spills at two blocks an SM, 77,824 bytes of shared memory. Both compiled only, not yet run on a GPU.
+bytes of spills at two blocks an SM, 77,824 bytes of shared memory. Session 10 on an H200: both pass
+check_vision_flash; wg64p 243 / 242 / 282 TFLOP/s against m2n32's 223 / 227 / 258 (vision_flash_bench.json), and
+check_vision passes with it: DEFAULT_VARIANT is wg64p (m2n32 on other devices and head dims, resolve_variant).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128), "wg64pr": (4, 
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256
-DEFAULT_VARIANT = "m2n32"
+DEFAULT_VARIANT = "wg64p"  # resolve_variant: m2n32 where wgmma or head_dim 72 is not there
 _PAD = 8  # bf16 elements of padding per shared-memory row (VF_PAD)
 _MAX_GRID_X = 2**31 - 1
 _MAX_HEADS = 65535  # heads are gridDim.y

@@ -150,9 +150,12 @@ def test_wgmma_variant_launch(arch, name, threads) -> None:
 
 
 def test_default_variant_and_fallback_to_m1() -> None:
-    ctx = SimpleNamespace(device=RecordingDevice())
+    hopper = SimpleNamespace(device=RecordingDevice("sm_90"))
+    vision_flash.vision_flash_attention(hopper, arr((200, 16 * 72)), arr((200, 3 * 16 * 72)), 16, 72, 100, 0.1)
+    assert hopper.device.calls[-1][1] == vision_flash.kernel_name(72, vision_flash.DEFAULT_VARIANT)
+    ctx = SimpleNamespace(device=RecordingDevice())  # no wgmma here: the default falls back to m2n32
     vision_flash.vision_flash_attention(ctx, arr((200, 16 * 72)), arr((200, 3 * 16 * 72)), 16, 72, 100, 0.1)
-    assert ctx.device.calls[-1][1] == vision_flash.kernel_name(72, vision_flash.DEFAULT_VARIANT)
+    assert ctx.device.calls[-1][1] == vision_flash.kernel_name(72, "m2n32")
     vision_flash.vision_flash_attention(ctx, arr((200, 4 * 128)), arr((200, 3 * 4 * 128)), 4, 128, 100, 0.1)
     assert ctx.device.calls[-1][1:3] == ("vision_flash_bf16_hd128", (4, 4))  # no m2 kernel at hd 128: 64-row tiles
     with pytest.raises(ShapeError, match="variant"):
