@@ -9,8 +9,8 @@ a step); "m2n32" / "m2n64" give each warp two m-tiles (128 rows a block), so eve
 memory feeds two mma and each key tile fetched from L2 serves twice the rows; "m2n32" streams 32 keys a step (nvcc
 13.0 -Xptxas -v: 214 / 228 registers at head_dim 72 / 80, no spills; "m2n64" takes 254 / 255 and spills at 80).
 On the H200 (16 heads x 72; session 6 in git history of bench/results/cuda/vision_flash_bench.json) m2n32 ran 208 /
-225 / 258 TFLOP/s at 4096 / 8580 / 47376 rows, m2n64 205-242, m1 143-170: m2n32 was the default until session 10. Head dims
-without an m2 instantiation (128) run "m1".
+225 / 258 TFLOP/s at 4096 / 8580 / 47376 rows, m2n64 205-242, m1 143-170: m2n32 was the default until session 10.
+Head dims without an m2 instantiation (128) run "m1".
 
 "wg64" (kernels/vision_flash_wg.cu) is the same schedule on Hopper's warpgroup MMA (wgmma, compiled for sm_90a):
 two warpgroups of 64 query rows (128 a block, 256 threads), 64 keys a step, head_dim 72 only; elsewhere (another
