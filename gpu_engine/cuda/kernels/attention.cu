@@ -318,6 +318,7 @@ __device__ void paged_attention_gqa_impl(float* part_acc, float* part_ml, const 
 #define PM_BN (16 * PM_WARPS)  // keys per pipeline stage: 16 per warp
 #define PM_STAGES 3            // stages in flight: 2 tiles load while one is used
 #define PM_PAD 8               // bf16 elements of padding per shared row (16 bytes: ldmatrix rows hit 8 bank groups)
+#include "paged_mma_common.cuh"
 
 template <int HD> struct PagedMmaShape {
     static constexpr int LD = HD + PM_PAD;
@@ -344,9 +345,8 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
     if (token >= n || kvh >= kv_heads) return;  // whole block: before any barrier
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
     const int seq = token_seq[token], last = token_pos[token];
-    const int per_split = (last + splits) / splits;
-    const int lo = split * per_split, hi = min(last + 1, lo + per_split);
-    const int n_tiles = hi > lo ? (hi - lo + PM_BN - 1) / PM_BN : 0;
+    const PmSplit keys = pm_split(last, split, splits);
+    const int lo = keys.lo, hi = keys.hi, n_tiles = keys.n_tiles;
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
     const long long row_width = (long long)kv_heads * HD;
     const float sl = scale * 1.4426950408889634f;  // scores -> exp2 domain
@@ -377,10 +377,7 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
             const int r = copy_row0 + i * ROWS_PER_PASS, kp = k0 + r;
             const bool valid = kp < hi;
             long long off = 0;
-            if (valid) {
-                const int blk = bs_pow2 ? kp >> bs_shift : kp / block_size;
-                off = ((long long)table[blk] * block_size + (kp - blk * block_size)) * row_width;
-            }
+            if (valid) off = pm_slot(table, kp, block_size, bs_pow2, bs_shift) * row_width;
             const unsigned so = (unsigned)((buf * S::KV_TILE + r * LD + copy_d8) * 2);
             cp_async16(ks_base + so, k_head + off, valid ? 16 : 0);
             cp_async16(vs_base + so, v_head + off, valid ? 16 : 0);
@@ -398,16 +395,9 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
     for (int mt = 0; mt < MT_O; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // heads 2 tig and 2 tig + 1 (raw dot units)
 
-#pragma unroll
-    for (int t = 0; t < PM_STAGES - 1; ++t) {
-        if (t < n_tiles) load_kv(t, t);
-        cp_async_commit();  // empty groups keep the count uniform
-    }
+    pm_pipeline_fill<PM_STAGES>(n_tiles, load_kv);
     for (int t = 0; t < n_tiles; ++t) {
-        cp_async_wait<PM_STAGES - 2>();  // tile t has landed (for this thread) ...
-        __syncthreads();                 // ... for every thread, and stage (t - 1) % STAGES is free again
-        if (t + PM_STAGES - 1 < n_tiles) load_kv(t + PM_STAGES - 1, (t + PM_STAGES - 1) % PM_STAGES);
-        cp_async_commit();
+        pm_pipeline_next<PM_STAGES>(t, n_tiles, load_kv);
         const int buf = t % PM_STAGES;
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // two chains of mma
 #pragma unroll
@@ -436,73 +426,19 @@ __device__ void paged_attention_mma_impl(float* part_acc, float* part_ml, const 
         l0 = l0 * corr0 + p0 + p2;
         l1 = l1 * corr1 + p1 + p3;
         // P^T [key][head] through shared memory, back as the B fragment (k = keys, n = heads)
-        __syncwarp();
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ps_base + (unsigned)((g * 8 + 2 * tig) * 2)),
-                     "r"(pack_bf16(p0, p1)) : "memory");
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ps_base + (unsigned)(((g + 8) * 8 + 2 * tig) * 2)),
-                     "r"(pack_bf16(p2, p3)) : "memory");
-        __syncwarp();
+        pm_stage_pt(ps_base, g, tig, p0, p1, p2, p3);
         unsigned pb[2];
         ldsm_x2_trans(pb, p_lane);
 #pragma unroll
         for (int mt = 0; mt < MT_O; ++mt) {  // O^T m-tile mt: dims 16 mt + g (o0, o1), + 8 (o2, o3)
-            o[mt][0] *= corr0;
-            o[mt][1] *= corr1;
-            o[mt][2] *= corr0;
-            o[mt][3] *= corr1;
+            pm_rescale(o[mt], corr0, corr1);
             unsigned a[4];
             ldsm_x4_trans(a, vs_base + (unsigned)((buf * S::KV_TILE + v_lane + mt * 16) * 2));
             mma_bf16(o[mt], a, pb[0], pb[1]);
         }
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the pipeline's shared memory now holds the warps' states
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {  // each group summed its own keys
-        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-    }
-    float* s_acc = reinterpret_cast<float*>(smem);  // [PM_WARPS][8 heads][HD]
-    float* s_m = s_acc + PM_WARPS * 8 * HD;         // [PM_WARPS][8]
-    float* s_l = s_m + PM_WARPS * 8;
-    const int h0 = 2 * tig, h1 = h0 + 1;
-#pragma unroll
-    for (int mt = 0; mt < MT_O; ++mt) {
-        const int d = 16 * mt + g;
-        s_acc[(warp * 8 + h0) * HD + d] = o[mt][0];
-        s_acc[(warp * 8 + h1) * HD + d] = o[mt][1];
-        s_acc[(warp * 8 + h0) * HD + d + 8] = o[mt][2];
-        s_acc[(warp * 8 + h1) * HD + d + 8] = o[mt][3];
-    }
-    if (g == 0) {
-        s_m[warp * 8 + h0] = m0;
-        s_m[warp * 8 + h1] = m1;
-        s_l[warp * 8 + h0] = l0;
-        s_l[warp * 8 + h1] = l1;
-    }
-    __syncthreads();
-    const int heads = kv_heads * group;
-    for (int i = threadIdx.x; i < group * HD; i += THREADS) {
-        const int hh = i / HD, d = i % HD;
-        float m_blk = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < PM_WARPS; ++w) m_blk = fmaxf(m_blk, s_m[w * 8 + hh]);
-        float acc = 0.0f, l_blk = 0.0f;
-#pragma unroll
-        for (int w = 0; w < PM_WARPS; ++w) {
-            const float mw = s_m[w * 8 + hh];
-            if (mw == NEG_INF) continue;
-            const float c = exp2_ftz((mw - m_blk) * sl);
-            acc += s_acc[(w * 8 + hh) * HD + d] * c;
-            l_blk += s_l[w * 8 + hh] * c;
-        }
-        const long long part = ((long long)token * heads + kvh * group + hh) * splits + split;
-        part_acc[part * HD + d] = acc;
-        if (d == 0) {
-            part_ml[2 * part] = m_blk == NEG_INF ? NEG_INF : m_blk * scale;  // paged_attention's units
-            part_ml[2 * part + 1] = l_blk;
-        }
-    }
+    pm_merge_write<HD, 8>(smem, o, m0, m1, l0, l1, [=](int mt) { return 16 * mt + g; }, warp, g, tig, part_acc,
+                          part_ml, token, kvh, kv_heads, group, split, splits, sl, scale);
 }
 
 // paged_attention_mma_fp8_impl: the same kernel over an FP8 KV cache
