@@ -220,6 +220,15 @@ class BlockManager:
         seq.num_committed_blocks = full
         return taken
 
+    def chunk_computed(self, seq: Sequence, chunk_tokens: int) -> tuple[list[bytes], bytes | None]:
+        """After a chunk of `chunk_tokens` tokens of `seq` ran (seq.num_computed is its end): its filled blocks to the
+        prefix cache, and the linear-attention state kept at a prompt block boundary; only when a block may have
+        filled up. Returns what was added (the hashes, the snapshot's), which withdraw() takes back."""
+        if seq.num_computed % self.block_size and chunk_tokens <= 1:
+            return [], None
+        hashes = self.commit(seq)
+        return hashes, self.snapshot_state(seq) if seq.num_computed <= seq.prompt_len else None
+
     def withdraw(self, hashes: list[bytes], snapshots: list[bytes]) -> None:
         """Take back what commit() / snapshot_state() returned for a step whose forward then failed (its KV and state
         cannot be trusted): those blocks and snapshots are no prefix for anyone."""

@@ -351,10 +351,7 @@ class Engine:
                 continue
             count_computed(self._counters, sc)
             seq.num_computed = sc.end
-            if seq.num_computed % self.config.block_size == 0 or sc.num_tokens > 1:
-                self.blocks.commit(seq)  # only when a block may have filled up
-                if seq.num_computed <= seq.prompt_len:
-                    self.blocks.snapshot_state(seq)
+            self.blocks.chunk_computed(seq, sc.num_tokens)
             if sc.wants_logits:
                 to_sample.append((seq, offsets[i]))
         outputs = self._sample_rows(to_sample, logits, plan) if to_sample else []

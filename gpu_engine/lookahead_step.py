@@ -52,24 +52,21 @@ class NextStep:
 
 
 def settle(eng: Engine, infl: InFlight) -> Settled:
-    """The in-flight chunks' cache bookkeeping, as Engine._after_forward does it (see the module docstring)."""
+    """The in-flight chunks' cache bookkeeping (BlockManager.chunk_computed, as Engine._after_forward does it)."""
     out = Settled()
     if infl.settled:
         return out
     infl.settled = True
-    bs = eng.config.block_size
     for sc in infl.scheduled:
         seq = sc.seq
         if seq.status is not SeqStatus.RUNNING:
             continue  # ended while in flight
         count_computed(eng._counters, sc)
         seq.num_computed = sc.end
-        if seq.num_computed % bs == 0 or sc.num_tokens > 1:
-            out.hashes += eng.blocks.commit(seq)
-            if seq.num_computed <= seq.prompt_len:
-                h = eng.blocks.snapshot_state(seq)
-                if h is not None:
-                    out.snapshots.append(h)
+        hashes, snapshot = eng.blocks.chunk_computed(seq, sc.num_tokens)
+        out.hashes += hashes
+        if snapshot is not None:
+            out.snapshots.append(snapshot)
     return out
 
 
