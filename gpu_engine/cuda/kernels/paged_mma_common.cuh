@@ -1,7 +1,7 @@
 // What the paged-attention mma kernels (paged_attention_mma in attention.cu, its FP8 form in paged_mma_fp8.cuh)
-// share (only paged_attention_mma uses it so far; the FP8 form is to follow): one block of PM_WARPS warps per
-// (query token, KV head, key split), each warp's 16 keys of a stage in an m16n8 score fragment (lane (g, tig):
-// keys g and g + 8, heads 2 tig and 2 tig + 1), the exp2-domain online
+// share (the FP8 form takes the merge only: its pipeline through these helpers compiled to other PTX): one block
+// of PM_WARPS warps per (query token, KV head, key split), each warp's 16 keys of a stage in an m16n8 score
+// fragment (lane (g, tig): keys g and g + 8, heads 2 tig and 2 tig + 1), the exp2-domain online
 // softmax over them, P^T staged through shared memory as the PV product's B fragment, and the merge of the warps'
 // states into paged_attention's partial form. The two differ in how K / V reach the mma (ldmatrix of bf16 rows vs
 // e4m3 bytes widened in registers) and so in which head dims an O^T fragment row holds: the merge takes that

@@ -236,52 +236,6 @@ __device__ void paged_attention_mma_fp8_impl(float* part_acc, float* part_ml, co
             mma_bf16(o[mt], a, pb[0], pb[1]);
         }
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the pipeline's shared memory now holds the warps' states
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {  // each group summed its own keys
-        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-    }
-    float* s_acc = reinterpret_cast<float*>(smem8);  // [PM_WARPS][8 heads][HD]
-    float* s_m = s_acc + PM_WARPS * 8 * HD;          // [PM_WARPS][8]
-    float* s_l = s_m + PM_WARPS * 8;
-    const int h0 = 2 * tig, h1 = h0 + 1;
-#pragma unroll
-    for (int mt = 0; mt < MT_O; ++mt) {
-        const int d = pm8_v_dim<HD>(g, mt >> 1) + 2 * (mt & 1);
-        s_acc[(warp * 8 + h0) * HD + d] = o[mt][0];
-        s_acc[(warp * 8 + h1) * HD + d] = o[mt][1];
-        s_acc[(warp * 8 + h0) * HD + d + 1] = o[mt][2];
-        s_acc[(warp * 8 + h1) * HD + d + 1] = o[mt][3];
-    }
-    if (g == 0) {
-        s_m[warp * 8 + h0] = m0;
-        s_m[warp * 8 + h1] = m1;
-        s_l[warp * 8 + h0] = l0;
-        s_l[warp * 8 + h1] = l1;
-    }
-    __syncthreads();
-    const int heads = kv_heads * group;
-    for (int i = threadIdx.x; i < group * HD; i += THREADS) {
-        const int hh = i / HD, d = i % HD;
-        float m_blk = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < PM_WARPS; ++w) m_blk = fmaxf(m_blk, s_m[w * 8 + hh]);
-        float acc = 0.0f, l_blk = 0.0f;
-#pragma unroll
-        for (int w = 0; w < PM_WARPS; ++w) {
-            const float mw = s_m[w * 8 + hh];
-            if (mw == NEG_INF) continue;
-            const float c = exp2_ftz((mw - m_blk) * sl);
-            acc += s_acc[(w * 8 + hh) * HD + d] * c;
-            l_blk += s_l[w * 8 + hh] * c;
-        }
-        const long long part = ((long long)token * heads + kvh * group + hh) * splits + split;
-        part_acc[part * HD + d] = acc;
-        if (d == 0) {
-            part_ml[2 * part] = m_blk == NEG_INF ? NEG_INF : m_blk * scale;  // paged_attention's units
-            part_ml[2 * part + 1] = l_blk;
-        }
-    }
+    pm_merge_write<HD, 1>(smem8, o, m0, m1, l0, l1, [=](int mt) { return pm8_v_dim<HD>(g, mt >> 1) + 2 * (mt & 1); },
+                          warp, g, tig, part_acc, part_ml, token, kvh, kv_heads, group, split, splits, sl, scale);
 }
