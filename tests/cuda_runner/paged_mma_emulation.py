@@ -15,6 +15,8 @@ The FP8 KV cache form (kernels/paged_mma_fp8.cuh) has its own emulation: paged_m
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from gpu_engine.cuda.bf16 import round_to_bf16
@@ -69,6 +71,49 @@ def shfl_xor_sum(v: np.ndarray, offsets=(4, 8, 16)) -> np.ndarray:
 
 
 THREADS = 32 * WARPS
+
+
+def merge_warps(o: np.ndarray, m0: np.ndarray, m1: np.ndarray, l0: np.ndarray, l1: np.ndarray, hd: int, group: int,
+                sl: float, scale: float, dim_of: Callable[[int, int], int], row_b: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """paged_mma_common.cuh's pm_merge_write: the warps' states through shared s_acc [warp][8 heads][hd] and s_m /
+    s_l [warp][8] into (acc, max in scale units, sum); O^T m-tile mt of lane group g holds dims dim_of(g, mt) and
+    dim_of(g, mt) + row_b."""
+    mt_o = hd // 16
+    s_acc, s_m, s_l = np.zeros((WARPS, 8, hd)), np.full((WARPS, 8), -np.inf), np.zeros((WARPS, 8))
+    for w in range(WARPS):
+        lw0, lw1 = shfl_xor_sum(l0[w]), shfl_xor_sum(l1[w])
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            for mt in range(mt_o):
+                d = dim_of(g, mt)
+                s_acc[w, 2 * tig, d], s_acc[w, 2 * tig + 1, d] = o[w, mt, lane, 0], o[w, mt, lane, 1]
+                s_acc[w, 2 * tig, d + row_b], s_acc[w, 2 * tig + 1, d + row_b] = o[w, mt, lane, 2], o[w, mt, lane, 3]
+            if g == 0:
+                s_m[w, 2 * tig], s_m[w, 2 * tig + 1] = m0[w, lane], m1[w, lane]
+                s_l[w, 2 * tig], s_l[w, 2 * tig + 1] = lw0[lane], lw1[lane]
+    acc, m_out, l_out = np.zeros((group, hd)), np.full(group, -np.inf), np.zeros(group)
+    for hh in range(group):
+        m_blk = s_m[:, hh].max()
+        for w in range(WARPS):
+            if s_m[w, hh] == -np.inf:
+                continue
+            c = np.exp2((s_m[w, hh] - m_blk) * sl)
+            acc[hh] += s_acc[w, hh] * c
+            l_out[hh] += s_l[w, hh] * c
+        m_out[hh] = -np.inf if m_blk == -np.inf else m_blk * scale
+    return acc, m_out, l_out
+
+
+def combine_splits(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], group: int) -> np.ndarray:
+    """attention_combine's merge of the splits' (acc, max, sum) of one (token, KV head), without the gate:
+    [group, hd] float64."""
+    out = np.zeros((group, parts[0][0].shape[-1]))
+    for hh in range(group):
+        ms = np.array([p[1][hh] for p in parts])
+        w = np.where(ms == -np.inf, 0.0, np.exp(ms - ms.max()))
+        out[hh] = sum(wi * p[0][hh] for wi, p in zip(w, parts)) / sum(wi * p[2][hh] for wi, p in zip(w, parts))
+    return out
 
 
 def block_emulated(q_row: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray, last: int,
@@ -132,30 +177,7 @@ def block_emulated(q_row: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
             for mt in range(mt_o):
                 o[w, mt] *= np.stack([corr0, corr1, corr0, corr1], axis=1)
                 o[w, mt] = mma(o[w, mt], ldmatrix(vs_mem, v_lane + mt * 16, 4, trans=True), pb)
-    # merge: shared s_acc [warp][8 heads][hd], s_m / s_l [warp][8]
-    s_acc, s_m, s_l = np.zeros((WARPS, 8, hd)), np.full((WARPS, 8), -np.inf), np.zeros((WARPS, 8))
-    for w in range(WARPS):
-        lw0, lw1 = shfl_xor_sum(l0[w]), shfl_xor_sum(l1[w])
-        for lane in range(32):
-            g, tig = lane // 4, lane % 4
-            for mt in range(mt_o):
-                d = 16 * mt + g
-                s_acc[w, 2 * tig, d], s_acc[w, 2 * tig + 1, d] = o[w, mt, lane, 0], o[w, mt, lane, 1]
-                s_acc[w, 2 * tig, d + 8], s_acc[w, 2 * tig + 1, d + 8] = o[w, mt, lane, 2], o[w, mt, lane, 3]
-            if g == 0:
-                s_m[w, 2 * tig], s_m[w, 2 * tig + 1] = m0[w, lane], m1[w, lane]
-                s_l[w, 2 * tig], s_l[w, 2 * tig + 1] = lw0[lane], lw1[lane]
-    acc, m_out, l_out = np.zeros((group, hd)), np.full(group, -np.inf), np.zeros(group)
-    for hh in range(group):
-        m_blk = s_m[:, hh].max()
-        for w in range(WARPS):
-            if s_m[w, hh] == -np.inf:
-                continue
-            c = np.exp2((s_m[w, hh] - m_blk) * sl)
-            acc[hh] += s_acc[w, hh] * c
-            l_out[hh] += s_l[w, hh] * c
-        m_out[hh] = -np.inf if m_blk == -np.inf else m_blk * scale
-    return acc, m_out, l_out
+    return merge_warps(o, m0, m1, l0, l1, hd, group, sl, scale, lambda g, mt: 16 * mt + g, 8)
 
 
 def paged_attention_mma_emulated(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
@@ -169,11 +191,5 @@ def paged_attention_mma_emulated(q: np.ndarray, k_cache: np.ndarray, v_cache: np
         for kvh in range(kv_heads):
             parts = [block_emulated(q[i], k_cache, v_cache, tables[seq], int(last), kvh, group, s, splits,
                                     block_size, scale) for s in range(splits)]
-            for hh in range(group):
-                ms = np.array([p[1][hh] for p in parts])
-                m_all = ms.max()
-                w = np.where(ms == -np.inf, 0.0, np.exp(ms - m_all))
-                num = sum(wi * p[0][hh] for wi, p in zip(w, parts))
-                den = sum(wi * p[2][hh] for wi, p in zip(w, parts))
-                out[i, kvh * group + hh] = num / den
+            out[i, kvh * group : (kvh + 1) * group] = combine_splits(parts, group)
     return out

@@ -20,7 +20,9 @@ from tests.cuda_runner.paged_mma_emulation import (
     LANES,
     LOG2E,
     WARPS,
+    combine_splits,
     ldmatrix,
+    merge_warps,
     mma,
     shfl_xor_max,
     shfl_xor_sum,
@@ -183,29 +185,8 @@ def block_emulated(q_row: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, k_
             for mt in range(mt_o):
                 o[w, mt] *= np.stack([corr0, corr1, corr0, corr1], axis=1)
                 o[w, mt] = mma(o[w, mt], av[mt], pb)
-    s_acc, s_m, s_l = np.zeros((WARPS, 8, hd)), np.full((WARPS, 8), -np.inf), np.zeros((WARPS, 8))
-    for w in range(WARPS):
-        lw0, lw1 = shfl_xor_sum(l0[w]), shfl_xor_sum(l1[w])
-        for lane in range(32):
-            g, tig = lane // 4, lane % 4
-            for mt in range(mt_o):
-                d = v_dim(hd, g, mt >> 1) + 2 * (mt & 1)
-                s_acc[w, 2 * tig, d], s_acc[w, 2 * tig + 1, d] = o[w, mt, lane, 0], o[w, mt, lane, 1]
-                s_acc[w, 2 * tig, d + 1], s_acc[w, 2 * tig + 1, d + 1] = o[w, mt, lane, 2], o[w, mt, lane, 3]
-            if g == 0:
-                s_m[w, 2 * tig], s_m[w, 2 * tig + 1] = m0[w, lane], m1[w, lane]
-                s_l[w, 2 * tig], s_l[w, 2 * tig + 1] = lw0[lane], lw1[lane]
-    acc, m_out, l_out = np.zeros((group, hd)), np.full(group, -np.inf), np.zeros(group)
-    for hh in range(group):
-        m_blk = s_m[:, hh].max()
-        for w in range(WARPS):
-            if s_m[w, hh] == -np.inf:
-                continue
-            c = np.exp2((s_m[w, hh] - m_blk) * sl)
-            acc[hh] += s_acc[w, hh] * c
-            l_out[hh] += s_l[w, hh] * c
-        m_out[hh] = -np.inf if m_blk == -np.inf else m_blk * scale
-    return acc, m_out, l_out
+    return merge_warps(o, m0, m1, l0, l1, hd, group, sl, scale,
+                       lambda g, mt: v_dim(hd, g, mt >> 1) + 2 * (mt & 1), 1)
 
 
 def paged_attention_mma_fp8_emulated(q: np.ndarray, k_bits: np.ndarray, v_bits: np.ndarray, k_scale: np.ndarray,
@@ -220,9 +201,5 @@ def paged_attention_mma_fp8_emulated(q: np.ndarray, k_bits: np.ndarray, v_bits: 
         for kvh in range(kv_heads):
             parts = [block_emulated(q[i], k_bits, v_bits, k_scale, v_scale, tables[seq], int(last), kvh, group, s,
                                     splits, block_size, scale) for s in range(splits)]
-            for hh in range(group):
-                ms = np.array([p[1][hh] for p in parts])
-                w = np.where(ms == -np.inf, 0.0, np.exp(ms - ms.max()))
-                out[i, kvh * group + hh] = (sum(wi * p[0][hh] for wi, p in zip(w, parts))
-                                            / sum(wi * p[2][hh] for wi, p in zip(w, parts)))
+            out[i, kvh * group : (kvh + 1) * group] = combine_splits(parts, group)
     return out
