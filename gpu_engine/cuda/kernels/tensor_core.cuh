@@ -58,14 +58,13 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // (8 * NT_S)-key score block as m16n8 accumulators s[nt][0..3]: lane rows a = lane / 4 (elements 0, 1) and
 // b = a + 8 (elements 2, 3), each row spread over the 4 lanes of its group. Scores times `sl` are in the exp2 domain.
 
-// The rows' new running max m (over the group), with the sums l and the output accumulators o rescaled to it;
-// base_a / base_b: what this block's probabilities subtract. ROWS_MAY_BE_EMPTY: a row that has seen no visible key
-// yet keeps max -inf, and subtracts 0 instead (its p and corr are then 0).
-template <bool ROWS_MAY_BE_EMPTY, int NT_S, int NT_O>
-__device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float sl, float& m_a, float& m_b,
-                                                float& l_a, float& l_b, float (&o)[NT_O][4], float& base_a,
-                                                float& base_b) {
-    float mx_a = m_a, mx_b = m_b;
+// The two rows' max (rows g and g + 8 of an m16 score fragment, over the 4 lanes of the group) of scores s and the
+// running maxes m_a / m_b.
+template <int NT_S>
+__device__ __forceinline__ void softmax_row_max(const float (&s)[NT_S][4], float m_a, float m_b, float& mx_a,
+                                                float& mx_b) {
+    mx_a = m_a;
+    mx_b = m_b;
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
         mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
@@ -76,6 +75,17 @@ __device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float
         mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
     }
+}
+
+// The rows' new running max m (over the group), with the sums l and the output accumulators o rescaled to it;
+// base_a / base_b: what this block's probabilities subtract. ROWS_MAY_BE_EMPTY: a row that has seen no visible key
+// yet keeps max -inf, and subtracts 0 instead (its p and corr are then 0).
+template <bool ROWS_MAY_BE_EMPTY, int NT_S, int NT_O>
+__device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float sl, float& m_a, float& m_b,
+                                                float& l_a, float& l_b, float (&o)[NT_O][4], float& base_a,
+                                                float& base_b) {
+    float mx_a, mx_b;
+    softmax_row_max(s, m_a, m_b, mx_a, mx_b);
     if constexpr (ROWS_MAY_BE_EMPTY) {
         base_a = (mx_a == NEG_INF ? 0.0f : mx_a) * sl;
         base_b = (mx_b == NEG_INF ? 0.0f : mx_b) * sl;

@@ -196,6 +196,25 @@ __device__ __forceinline__ void vw_load_kv(unsigned k_dst, unsigned v_dst, const
 // true (wg64s, not yet run on a GPU): wait for tile j, fence, barrier, then issue tile j + 1 into the other stage
 // (every warp has passed the barrier, so it is done with step j - 1, the last reader of that stage) and compute:
 // one barrier a step, and the fence never has the next tile's copies in flight behind it.
+// After the key loop: a warp's 16 rows (ra = its first + g, and ra + 8) normalised by their sums and stored as bf16
+// (rows past the segment skipped); o: the m64nHD accumulator's NT_O n-tiles of this lane.
+template <int HD>
+__device__ __forceinline__ void vw_store_rows(const float (&o)[HD / 8][4], float l_a, float l_b, int ra, int seg_len,
+                                              long long seg_first, bf16_t* out, long long width, int h, int tig) {
+    softmax_row_sums(l_a, l_b);
+    const int rb = ra + 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if ((half ? rb : ra) >= seg_len) continue;
+        const long long tok = seg_first + (half ? rb : ra);
+        const float inv_l = 1.0f / (half ? l_b : l_a);
+        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; ++nt)
+            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
+    }
+}
+
 template <bool PREFETCH_AFTER_BARRIER>
 __device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int heads, int seg_len,
                                              int tiles_per_seg, float scale) {
@@ -312,18 +331,7 @@ __device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int
         if constexpr (!PREFETCH_AFTER_BARRIER) __syncthreads();   // this stage is refilled by the next copy
     }
 
-    softmax_row_sums(l_a, l_b);
-    const int ra = wrow + g, rb = ra + 8;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        if ((half ? rb : ra) >= seg_len) continue;
-        const long long tok = seg_first + (half ? rb : ra);
-        const float inv_l = 1.0f / (half ? l_b : l_a);
-        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt)
-            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
-    }
+    vw_store_rows<HD>(o, l_a, l_b, wrow + g, seg_len, seg_first, out, width, h, tig);
 }
 
 // ---- wg64p: the softmax of key tile j overlaps the tensor cores' P V of tile j - 1 (FlashAttention-3's
@@ -343,17 +351,8 @@ __device__ __forceinline__ void vw_attention(bf16_t* out, const bf16_t* qkv, int
 template <int NT_S>
 __device__ __forceinline__ void vw_softmax_in_place(float (&s)[NT_S][4], float sl, float& m_a, float& m_b, float& l_a,
                                                     float& l_b, float& corr_a, float& corr_b) {
-    float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt) {
-        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {   // the 4 lanes of a group share a row
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
+    float mx_a, mx_b;
+    softmax_row_max(s, m_a, m_b, mx_a, mx_b);
     const float base_a = mx_a * sl, base_b = mx_b * sl;
     corr_a = exp2_ftz(m_a * sl - base_a);
     corr_b = exp2_ftz(m_b * sl - base_b);
@@ -558,18 +557,7 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
     vw_wait<0>();
     vw_fence_operand(o);
 
-    softmax_row_sums(l_a, l_b);
-    const int ra = q0 + warp * 16 + g, rb = ra + 8;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        if ((half ? rb : ra) >= seg_len) continue;
-        const long long tok = seg_first + (half ? rb : ra);
-        const float inv_l = 1.0f / (half ? l_b : l_a);
-        unsigned* oh = (unsigned*)(out + tok * width + (long long)h * HD);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt)
-            oh[(nt * 8 + tig * 2) >> 1] = pack_bf16(o[nt][half * 2] * inv_l, o[nt][half * 2 + 1] * inv_l);
-    }
+    vw_store_rows<HD>(o, l_a, l_b, q0 + warp * 16 + g, seg_len, seg_first, out, width, h, tig);
 }
 
 extern "C" __global__ void __launch_bounds__(VW_THREADS, 2) vision_flash_wg_bf16_hd72_n64(
