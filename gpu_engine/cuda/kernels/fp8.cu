@@ -275,3 +275,198 @@ extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, con
     for (int s = 0; s < splits; ++s) v += part[s * mn + i];
     y[(i / n) * y_ld + i % n] = from_f<bf16_t>(v);
 }
+
+// ---- stream-K streaming GEMM (decode, m <= 8): the whole machine on every shape ---------------------------------
+// The work is U = tiles * G units (16-row tile, 128-group), tile-major. Warp w of the W warps launched takes the
+// units [lo(w), lo(w + 1)), lo(w) = w * U / W (W <= U: no warp is empty), so every warp streams the same bytes to
+// within one unit, whatever n and k (the tile grid above leaves 1.2 waves on n = 5120 and 3.4 on 14336). A warp
+// keeps DEPTH units of weight (with their block scales) in flight in a register ring and the activations of the
+// next 2 units (L2-resident: nearer), refilling a slot as soon as its mma has read it; the block scale is applied
+// once a unit (sw * sx on the unit's f32 sums, as fp8_gemv does). A tile inside one warp's range is written by that
+// warp; a tile shared by several warps (only a warp's first and last tile can be) gets one f32 partial from each
+// (slot 0: the warp's first tile, slot 1: its last), and the warp that arrives last at the tile's counter adds them
+// in warp order (deterministic), writes the tile and re-zeroes the counter: one launch, graph-safe.
+// counters: one zeroed u32 a tile, owned by the weight; part: 2 * W * 128 f32. Fragment layout and k order within a
+// group are fp8_gemv's (rows gid, gid + 8; token gid; columns 16 * tig and 64 + 16 * tig).
+#define FP8_SK_WARPS 8
+#define FP8_SK_XDEPTH 2
+
+struct SkW {  // one unit's weight: rows gid / gid + 8 at columns c0 / c0 + 64, and its 128x128 block scale
+    uint4 w00, w01, w10, w11;
+    float ws;
+};
+
+struct SkX {  // one group's activations: token gid at c0 / c0 + 64, the scales of tokens 2 tig, 2 tig + 1
+    uint4 x0, x1;
+    float s0, s1;
+};
+
+struct SkArgs {
+    const u8_t* xq;
+    long long xq_ld;
+    const float* sx;
+    long long sx_g, sx_m;
+    const u8_t* w;
+    long long w_ld;
+    const float* sw;
+    long long sw_nb, sw_kb;
+    int m, n, k;
+};
+
+__device__ __forceinline__ int sk_lo(int w, int units, int warps) {
+    return (int)((long long)w * units / warps);
+}
+
+// the warp whose range holds unit u: the largest w with lo(w) <= u
+__device__ __forceinline__ int sk_owner(int u, int units, int warps) {
+    return (int)(((long long)(u + 1) * warps - 1) / units);
+}
+
+__device__ __forceinline__ void sk_load_w(SkW& s, const SkArgs& a, int t, int g, int gid, int tig) {
+    const int r0 = t * 16 + gid, r1 = r0 + 8, c0 = g * 128 + tig * 16, c1 = c0 + 64;
+    s.w00 = load16(a.w, r0, a.w_ld, c0, r0 < a.n && c0 < a.k);
+    s.w01 = load16(a.w, r0, a.w_ld, c1, r0 < a.n && c1 < a.k);
+    s.w10 = load16(a.w, r1, a.w_ld, c0, r1 < a.n && c0 < a.k);
+    s.w11 = load16(a.w, r1, a.w_ld, c1, r1 < a.n && c1 < a.k);
+    s.ws = __ldg(a.sw + (long long)(t >> 3) * a.sw_nb + (long long)g * a.sw_kb);
+}
+
+__device__ __forceinline__ void sk_load_x(SkX& s, const SkArgs& a, int g, int gid, int tig) {
+    const int c0 = g * 128 + tig * 16, c1 = c0 + 64, col = tig * 2;
+    s.x0 = load16(a.xq, gid, a.xq_ld, c0, gid < a.m && c0 < a.k);
+    s.x1 = load16(a.xq, gid, a.xq_ld, c1, gid < a.m && c1 < a.k);
+    s.s0 = col < a.m ? __ldg(a.sx + (long long)g * a.sx_g + (long long)col * a.sx_m) : 0.f;
+    s.s1 = col + 1 < a.m ? __ldg(a.sx + (long long)g * a.sx_g + (long long)(col + 1) * a.sx_m) : 0.f;
+}
+
+__device__ __forceinline__ void sk_consume(float* acc, const SkW& w, const SkX& x) {
+    const unsigned int a0[4] = {w.w00.x, w.w10.x, w.w00.y, w.w10.y}, a1[4] = {w.w00.z, w.w10.z, w.w00.w, w.w10.w};
+    const unsigned int a2[4] = {w.w01.x, w.w11.x, w.w01.y, w.w11.y}, a3[4] = {w.w01.z, w.w11.z, w.w01.w, w.w11.w};
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_e4m3(c, a0, x.x0.x, x.x0.y);
+    mma_e4m3(c, a1, x.x0.z, x.x0.w);
+    mma_e4m3(c, a2, x.x1.x, x.x1.y);
+    mma_e4m3(c, a3, x.x1.z, x.x1.w);
+    const float s0 = x.s0 * w.ws, s1 = x.s1 * w.ws;
+    acc[0] += c[0] * s0;
+    acc[1] += c[1] * s1;
+    acc[2] += c[2] * s0;
+    acc[3] += c[3] * s1;
+}
+
+// a lane's 4 outputs of tile t: rows 16t + gid (v[0], v[1]) and + 8 (v[2], v[3]), tokens 2 tig and 2 tig + 1
+__device__ __forceinline__ void sk_store(bf16_t* y, long long y_ld, const float* v, int t, int lane, int m, int n) {
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = t * 16 + gid + (i < 2 ? 0 : 8), tok = tig * 2 + (i & 1);
+        if (row < n && tok < m) y[(long long)tok * y_ld + row] = from_f<bf16_t>(v[i]);
+    }
+}
+
+// after this warp's partial of the shared tile t is in part: count it in; the last of the tile's warps adds the
+// partials in warp order, writes the tile and re-zeroes its counter
+__device__ __noinline__ void sk_settle(bf16_t* y, long long y_ld, const float* part, unsigned int* counters, int t,
+                                       int groups, int units, int warps, int m, int n) {
+    const int lane = threadIdx.x & 31;
+    __threadfence();
+    __syncwarp();
+    const int wf = sk_owner(t * groups, units, warps), wl = sk_owner(t * groups + groups - 1, units, warps);
+    unsigned int seen = 0u;
+    if (lane == 0) seen = atomicAdd(counters + t, 1u);
+    seen = __shfl_sync(0xffffffffu, seen, 0);
+    if (seen != (unsigned int)(wl - wf)) return;
+    __threadfence();
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int o = wf; o <= wl; ++o) {
+        const int slot = sk_lo(o, units, warps) / groups == t ? 0 : 1;
+        const float4 p = __ldcg(reinterpret_cast<const float4*>(part + ((long long)o * 2 + slot) * 128 + lane * 4));
+        v[0] += p.x;
+        v[1] += p.y;
+        v[2] += p.z;
+        v[3] += p.w;
+    }
+    sk_store(y, y_ld, v, t, lane, m, n);
+    if (lane == 0) counters[t] = 0u;
+}
+
+// DEPTH: a multiple of FP8_SK_XDEPTH, so both rings' slots are compile-time indices of the unrolled loop
+template <int DEPTH>
+__device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_ld, float* __restrict__ part,
+                                            unsigned int* counters, int warps_total, const SkArgs& a) {
+    static_assert(DEPTH % FP8_SK_XDEPTH == 0, "DEPTH must be a multiple of FP8_SK_XDEPTH");
+    pdl_entry();
+    const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const int wi = blockIdx.x * FP8_SK_WARPS + (threadIdx.x >> 5);
+    if (wi >= warps_total) return;
+    const int groups = (a.k + 127) / 128, units = ((a.n + 15) / 16) * groups;
+    const int u0 = sk_lo(wi, units, warps_total), u1 = sk_lo(wi + 1, units, warps_total);
+    if (u0 >= u1) return;
+    const int t_first = u0 / groups;
+    int lt = t_first, lg = u0 % groups, xg = lg;  // the next unit to load: weight (tile, group), activations' group
+    SkW wr[DEPTH];
+    SkX xr[FP8_SK_XDEPTH];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        if (u0 + d < u1) {
+            sk_load_w(wr[d], a, lt, lg, gid, tig);
+            if (++lg == groups) lg = 0, ++lt;
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < FP8_SK_XDEPTH; ++d) {
+        if (u0 + d < u1) {
+            sk_load_x(xr[d], a, xg, gid, tig);
+            if (++xg == groups) xg = 0;
+        }
+    }
+    int ct = t_first, cg = u0 % groups;  // the unit being consumed
+    int shared0 = -1, shared1 = -1;      // tiles whose partial this warp wrote (its first, its last)
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int base = u0; base < u1; base += DEPTH) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int u = base + d;
+            if (u < u1) {
+                sk_consume(acc, wr[d], xr[d % FP8_SK_XDEPTH]);
+                if (u + DEPTH < u1) {  // refill the slots just read
+                    sk_load_w(wr[d], a, lt, lg, gid, tig);
+                    if (++lg == groups) lg = 0, ++lt;
+                }
+                if (u + FP8_SK_XDEPTH < u1) {
+                    sk_load_x(xr[d % FP8_SK_XDEPTH], a, xg, gid, tig);
+                    if (++xg == groups) xg = 0;
+                }
+                if (++cg == groups || u + 1 == u1) {  // the end of tile ct within this warp's range
+                    const int ts = ct * groups;
+                    if (ts >= u0 && ts + groups <= u1) {
+                        sk_store(y, y_ld, acc, ct, lane, a.m, a.n);
+                    } else {
+                        const int slot = ct == t_first ? 0 : 1;
+                        __stcg(reinterpret_cast<float4*>(part + ((long long)wi * 2 + slot) * 128 + lane * 4),
+                               make_float4(acc[0], acc[1], acc[2], acc[3]));
+                        (slot == 0 ? shared0 : shared1) = ct;
+                    }
+                    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+                    cg = 0;
+                    ++ct;
+                }
+            }
+        }
+    }
+    if (shared0 >= 0) sk_settle(y, y_ld, part, counters, shared0, groups, units, warps_total, a.m, a.n);
+    if (shared1 >= 0) sk_settle(y, y_ld, part, counters, shared1, groups, units, warps_total, a.m, a.n);
+}
+
+#define FP8_STREAMK_ENTRY(DEPTH, MIN_BLOCKS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FP8_SK_WARPS * 32, MIN_BLOCKS)                                   \
+        fp8_streamk_d##DEPTH(bf16_t* y, long long y_ld, float* part, unsigned int* counters, int warps_total,       \
+                             const u8_t* xq, long long xq_ld, const float* sx, long long sx_g, long long sx_m,     \
+                             const u8_t* w, long long w_ld, const float* sw, long long sw_nb, long long sw_kb,      \
+                             int m, int n, int k) {                                                                \
+        const SkArgs a = {xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k};                          \
+        fp8_streamk<DEPTH>(y, y_ld, part, counters, warps_total, a);                                               \
+    }
+FP8_STREAMK_ENTRY(2, 2)
+FP8_STREAMK_ENTRY(4, 2)
+FP8_STREAMK_ENTRY(6, 1)
