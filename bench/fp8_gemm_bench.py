@@ -4,9 +4,12 @@
 
 Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z, attention's q|gate|k|v, o_proj = DeltaNet's
 out_proj) and tokens M in 1, 4, 8, 16, 32, 8192:
-- FP8 streaming kernel (fp8_ops.fp8_gemv, M <= 32), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
-- decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the measured copy
-  bandwidth (a 2 GiB device-to-device copy kernel, read + write) = fraction of the roofline;
+- every FP8 streaming variant (fp8_ops.GEMV_VARIANTS through fp8_ops.fp8_gemv: the tile grid "stream" and
+  "splitk" at M <= 32, the stream-K "streamk<depth>" at M <= 8), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
+- decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the copy bandwidth
+  measured in the same run (the faster of a 1 GiB copy kernel and memcpy, read + write) = fraction of the roofline;
+- per decode M, the FP8 Linears of one decode step of the whole model (each shape's time x the layers that have
+  it) per variant, against the same bytes at the copy rate (`step`: where the GEMM part of the step goes);
 - prefill (M = 8192): TFLOP/s of FP8 (GEMM alone, and with the activation quantisation kernel) and BF16;
 - the norm before an FP8 linear at the hidden size: add_rmsnorm then the quantisation kernel vs the two in one
   (fp8_ops.norm_quant), per M.
@@ -36,11 +39,15 @@ from gpu_engine.cuda.bf16 import f32_to_bf16_bits  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 from gpu_engine.cuda.fp8_ops import (  # noqa: E402
+    GEMV_TOKENS,
+    GEMV_VARIANT,
+    GEMV_VARIANTS,
     Fp8Weight,
     act_buffers,
     fp8_gemv,
     norm_quant,
     quantize_activations,
+    tile_counters,
     weight_scale_grid,
 )
 
@@ -78,7 +85,7 @@ def fp8_weights(ctx: GpuContext, rng: np.random.Generator, n: int, k: int) -> li
         b = ctx.empty((n, k), "u8", f"w8.{i}")
         ctx.device.upload(b.ptr, bits)
         s = ctx.to_device(grid, "f32", f"w8s.{i}")
-        out.append(Fp8Weight(b, s, grid.shape[1], 1))
+        out.append(Fp8Weight(b, s, grid.shape[1], 1, tile_counters(ctx, f"w8c.{i}", n)))
     return out
 
 
@@ -112,16 +119,18 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
         except Exception as exc:  # noqa: BLE001 - reported, the other variants still run
             row["fp8_cublaslt_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if m <= 32:
-            row["fp8_gemv_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w) for w in w8], reps)
-            row["fp8_splitk_us"] = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, variant="splitk") for w in w8],
-                                            reps)
             fp8_bytes = n * k + w8[0].scales.nbytes + m * k + xa.scales.nbytes + m * n * 2
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
-            best = min(row["fp8_gemv_us"], row.get("fp8_cublaslt_us", float("inf")))
             row["fp8_roofline_us"] = fp8_bytes / copy_gbps / 1e3
+            for variant in variants_for(m):
+                us = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, variant=variant) for w in w8], reps)
+                row[f"fp8_{variant}_us"] = us
+                row[f"fp8_{variant}_fraction_of_roofline"] = row["fp8_roofline_us"] / us
+            times = {v: row[f"fp8_{v}_us"] for v in variants_for(m)} | (
+                {"cublaslt": row["fp8_cublaslt_us"]} if "fp8_cublaslt_us" in row else {})
+            row["fp8_best"] = min(times, key=times.__getitem__)
+            best = times[row["fp8_best"]]
             row["fp8_best_fraction_of_roofline"] = row["fp8_roofline_us"] / best
-            row["fp8_gemv_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_gemv_us"]
-            row["fp8_splitk_fraction_of_roofline"] = row["fp8_roofline_us"] / row["fp8_splitk_us"]
             row["bf16_fraction_of_roofline"] = bf16_bytes / copy_gbps / 1e3 / row["bf16_us"]
             row["speedup_fp8_vs_bf16"] = row["bf16_us"] / best
         else:
@@ -146,6 +155,31 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
         print(json.dumps(row), flush=True)
         ctx.arena.release(mark)
     return rows
+
+
+def variants_for(m: int) -> tuple[str, ...]:
+    return tuple(v for v in GEMV_VARIANTS if m <= GEMV_TOKENS or not v.startswith("streamk"))
+
+
+def step_sums(rows: list[dict], per_step: dict[str, int]) -> list[dict]:
+    """Per decode M and variant: the FP8 Linears of one decode step (each shape's time x its count a step), in us,
+    against the roofline sum of the same shapes (the step's FP8 GEMM part; lm_head is BF16, not in it)."""
+    out = []
+    for m in sorted({r["m"] for r in rows if "fp8_roofline_us" in r}):
+        at_m = {r["proj"]: r for r in rows if r["m"] == m}
+        if set(per_step) - set(at_m):
+            continue
+        roof = sum(at_m[p]["fp8_roofline_us"] * c for p, c in per_step.items())
+        entry: dict = {"m": m, "linears_a_step": per_step, "roofline_us": roof}
+        for variant in variants_for(m):
+            total = sum(at_m[p][f"fp8_{variant}_us"] * c for p, c in per_step.items())
+            entry[f"{variant}_us"] = total
+            entry[f"{variant}_fraction_of_roofline"] = roof / total
+        best = sum(min(at_m[p][f"fp8_{v}_us"] for v in variants_for(m)) * c for p, c in per_step.items())
+        entry["best_variant_per_shape_us"] = best
+        entry["best_variant_per_shape_fraction_of_roofline"] = roof / best
+        out.append(entry)
+    return out
 
 
 def bench_norm_quant(ctx: GpuContext, rng: np.random.Generator, dim: int, sizes: tuple[int, ...]) -> list[dict]:
@@ -179,14 +213,15 @@ def bench_norm_quant(ctx: GpuContext, rng: np.random.Generator, dim: int, sizes:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>9} {'fp8 gemv':>9} {'fp8 cuBLASLt':>12} {'roof us':>8} "
-            f"{'best/roof':>9} {'x bf16':>7}")
+    nan = float("nan")
+    head = (f"{'proj':<10} {'m':>5} {'bf16 us':>8} " + " ".join(f"{v:>9}" for v in GEMV_VARIANTS)
+            + f" {'cuBLASLt':>9} {'roof us':>8} {'best/roof':>9} {'x bf16':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['proj']:<10} {r['m']:>5} {r['bf16_us']:>9.1f} {r.get('fp8_gemv_us', float('nan')):>9.1f} "
-                     f"{r.get('fp8_cublaslt_us', float('nan')):>12.1f} {r.get('fp8_roofline_us', float('nan')):>8.1f} "
-                     f"{r.get('fp8_best_fraction_of_roofline', float('nan')):>9.2f} "
-                     f"{r.get('speedup_fp8_vs_bf16', float('nan')):>7.2f}")
+        lines.append(f"{r['proj']:<10} {r['m']:>5} {r['bf16_us']:>8.1f} "
+                     + " ".join(f"{r.get(f'fp8_{v}_us', nan):>9.1f}" for v in GEMV_VARIANTS)
+                     + f" {r.get('fp8_cublaslt_us', nan):>9.1f} {r.get('fp8_roofline_us', nan):>8.1f} "
+                     f"{r.get('fp8_best_fraction_of_roofline', nan):>9.2f} {r.get('speedup_fp8_vs_bf16', nan):>7.2f}")
         if r["m"] == PREFILL_M:
             lines.append(f"{'':<10} {'':>5} TFLOP/s bf16 {r['bf16_TFLOPs']:.0f}, fp8 {r.get('fp8_TFLOPs', 0):.0f}, "
                          f"fp8+quant {r.get('fp8_with_quant_TFLOPs', 0):.0f} (quant {r['quant_us']:.0f} us)")
@@ -208,8 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     conv = 2 * text["linear_num_key_heads"] * 128 + text["linear_num_value_heads"] * 128
     zdim = text["linear_num_value_heads"] * 128
     heads, kv_heads, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
-    shapes = (("gate_up", 2 * inter, hidden), ("down", hidden, inter), ("in_proj", conv + zdim, hidden),
-              ("qkv", (2 * heads + 2 * kv_heads) * hd, hidden), ("o_proj", hidden, heads * hd))
+    shapes = [("gate_up", 2 * inter, hidden), ("down", hidden, inter), ("in_proj", conv + zdim, hidden),
+              ("qkv", (2 * heads + 2 * kv_heads) * hd, hidden), ("o_proj", hidden, heads * hd)]
+    layers, every = text["num_hidden_layers"], text.get("full_attention_interval", 4)
+    full = layers // every
+    per_step = {"gate_up": layers, "down": layers, "in_proj": layers - full, "qkv": full, "o_proj": full}
+    if zdim == heads * hd:  # DeltaNet's out_proj has o_proj's shape (27B): its row stands for both
+        per_step["o_proj"] = layers
+    else:
+        shapes.append(("out_proj", hidden, zdim))
+        per_step["out_proj"] = layers - full
     try:
         ctx = GpuContext(budget_bytes=12 << 30)
     except CudaUnavailable as exc:
@@ -220,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = max(copy["copy_kernel_GBps"], copy["memcpy_GBps"])
     out: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                  "device": ctx.device.info.name, "cublaslt_version": ctx.blas.version, "shape": args.shape,
-                 "copy": copy, "rows": []}
+                 "copy": copy, "roofline_GBps": copy_gbps, "default_variant": GEMV_VARIANT, "rows": []}
     for label, n, k in shapes:
         mark = ctx.arena.mark()
         out["rows"] += bench_shape(ctx, rng, label, n, k, copy_gbps,
                                    DECODE_M if args.decode_only else (*DECODE_M, PREFILL_M))
         ctx.arena.release(mark)
+        out["step"] = step_sums(out["rows"], per_step)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
     out["norm_quant"] = bench_norm_quant(ctx, rng, hidden, DECODE_M if args.decode_only else (*DECODE_M, PREFILL_M))
@@ -234,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx.close()
     print(f"copy {copy_gbps:.0f} GB/s (read + write), cuBLASLt {out['cublaslt_version']}")
     print(table(out["rows"]))
+    for s in out["step"]:
+        parts = (f"{v} {s[f'{v}_us']:.0f} ({s[f'{v}_fraction_of_roofline']:.2f})" for v in variants_for(s["m"]))
+        print(f"step m={s['m']}: FP8 Linears at the roofline {s['roofline_us']:.0f} us; " + ", ".join(parts))
     return 0
 
 

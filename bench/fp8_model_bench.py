@@ -1,13 +1,15 @@
 """The whole decoder with block-FP8 weights on the CUDA runner: bench/cuda_bench.py's model benchmark (prefill 1024
 and 8192 tokens, batch-1 decode eager / graphs / replay, batched decode 8 and 32) with random FP8 Linears.
 
-    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json] [--with-bf16]
+    python3 bench/fp8_model_bench.py [--shape 27b] [--json out.json] [--with-bf16] [--gemv-variants a,b]
 
 The weights are cuda_bench's random bf16 tensors, except that every Linear quantize="fp8" would convert
 (fp8_checkpoint.QUANTIZE_SKIP honoured: lm_head, embeddings, conv1d, in_proj_a / in_proj_b stay bf16) is random
 e4m3 bytes (no NaN patterns) with random 128x128 block scales. decode_bytes / roofline_ms count the FP8 bytes.
 --with-bf16 runs cuda_bench's BF16 model of the same shape first, in the same process (the peer measured in the
-same run), and reports the FP8/BF16 ratios and the fraction of each roofline.
+same run), and reports the FP8/BF16 ratios and the fraction of each roofline. --gemv-variants (names of
+fp8_ops.GEMV_VARIANTS) runs the FP8 model again per variant with that streaming kernel for the decode batches
+(prefill 1024 only, batches 1 and 8), after the main run with fp8_ops.GEMV_VARIANT: `by_variant` in the JSON.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_bench  # noqa: E402
 
+from gpu_engine.cuda import fp8_ops  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 from gpu_engine.fp8_checkpoint import QUANTIZE_SKIP, is_linear_weight, module_name, skipped  # noqa: E402
@@ -89,12 +92,33 @@ def ratios(fp8: dict, bf16: dict) -> dict:
     return out
 
 
+def decode_by_variant(shape: str, variants: list[str], copy_gbps: float) -> dict:
+    """The FP8 model's decode rows with each streaming variant as fp8_ops.GEMV_VARIANT (restored after)."""
+    keep = ("decode_graph_replay_ms", "decode_graph_replay_pdl_ms", "decode_b1_forward_ms", "decode_b1_tok_s",
+            "decode_b8_forward_ms", "decode_b8_tok_s", "roofline_ms")
+    default, out = fp8_ops.GEMV_VARIANT, {}
+    try:
+        for variant in variants:
+            fp8_ops.GEMV_VARIANT = variant
+            run = cuda_bench.bench_model(shape, np.random.default_rng(0), (1024,), 20, copy_gbps, (1, 8))
+            out[variant] = {k: run[k] for k in keep if k in run}
+            out[variant]["b1_replay_fraction_of_roofline"] = run["roofline_ms"] / run["decode_graph_replay_ms"]
+            print(variant, json.dumps(out[variant]), flush=True)
+    finally:
+        fp8_ops.GEMV_VARIANT = default
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--json")
     parser.add_argument("--with-bf16", action="store_true", help="the BF16 model first, same process")
+    parser.add_argument("--gemv-variants", default="", help="comma list of fp8_ops.GEMV_VARIANTS to run again")
     args = parser.parse_args(argv)
+    variants = [v for v in args.gemv_variants.split(",") if v]
+    if set(variants) - set(fp8_ops.GEMV_VARIANTS):
+        parser.error(f"--gemv-variants takes {', '.join(fp8_ops.GEMV_VARIANTS)}")
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
     except CudaUnavailable as exc:
@@ -111,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda_bench.random_bf16_weights = random_fp8_weights  # bench_model builds its weights through this name
     out = run()
     out.update({"weights": "fp8 (random e4m3, 128x128 block scales)", "copy": copy, "cublaslt_version": version,
-                "device": device, "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+                "device": device, "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "gemv_variant": fp8_ops.GEMV_VARIANT})
+    if variants:
+        out["by_variant"] = decode_by_variant(args.shape, variants, copy["memcpy_GBps"])
     if bf16 is not None:
         out["bf16"] = bf16
         out["vs_bf16"] = ratios(out, bf16)

@@ -17,7 +17,8 @@ Each slice of rows is quantised on its own, since cuBLASLt derives the activatio
 Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT is the one path "gemv" runs on up to GEMV_TOKENS tokens):
 "stream" the tile grid (a block a 16-row tile), "splitk" the same with K split over blocks and a reduction pass,
 "streamk<depth>" the stream-K form (every warp of a full-machine grid streams an equal share of the (tile,
-128-group) units with <depth> units of weight in flight; tiles shared by warps settled by the last to finish).
+128-group) units, <depth> units of weight in flight a warp, how they are loaded by the suffix (fp8.cu's MODE);
+tiles shared by warps settled by the last to finish).
 """
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ GEMV_ROWS = 16  # weight rows a block
 GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
 GEMV_BLOCKS_PER_SM = 2  # the streaming kernels' __launch_bounds__(256, 2)
 SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
-STREAMK_BLOCKS_PER_SM = {2: 2, 4: 2, 6: 1}  # fp8_streamk_d<depth>: its __launch_bounds__ minimum blocks an SM
+# stream-K variants: fp8_streamk_<name> (weight units in flight a warp, p: L2 256-byte prefetch loads, b: half-ring
+# burst refills; fp8.cu) -> its __launch_bounds__ minimum blocks an SM
+STREAMK_BLOCKS_PER_SM = {"d2": 2, "d4": 2, "d4p": 2, "d4pb": 2, "d6pb": 1}
 STREAMK_WARPS = 8  # FP8_SK_WARPS
 STREAMK_MIN_UNITS = 4  # units (16 rows x one 128-group) a warp at least: below that, fewer warps than the machine has
-GEMV_VARIANTS = ("stream", "splitk", *(f"streamk{d}" for d in STREAMK_BLOCKS_PER_SM))
-GEMV_VARIANT = "streamk4"  # path "gemv" (auto at m <= GEMV_MAX_M); "stream" is session 6's kernel, kept for A/B
+GEMV_VARIANTS = ("stream", "splitk", *(f"streamk_{d}" for d in STREAMK_BLOCKS_PER_SM))
+GEMV_VARIANT = "streamk_d4p"  # path "gemv" (auto at m <= GEMV_MAX_M); "stream" is session 6's kernel, kept for A/B
 
 
 def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -58,11 +61,11 @@ def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
     return -(-g // gps), gps
 
 
-def streamk_warps(n: int, k: int, sm_count: int, depth: int) -> int:
+def streamk_warps(n: int, k: int, sm_count: int, name: str) -> int:
     """Warps of the stream-K kernel's grid: every resident warp of the machine, or fewer where a warp would get
     under STREAMK_MIN_UNITS units; never more warps than units (the kernel's settling counts on no empty warp)."""
     units = -(-n // GEMV_ROWS) * groups(k)
-    full = sm_count * STREAMK_BLOCKS_PER_SM[depth] * STREAMK_WARPS
+    full = sm_count * STREAMK_BLOCKS_PER_SM[name] * STREAMK_WARPS
     return max(1, min(full, units // STREAMK_MIN_UNITS))
 
 
@@ -257,19 +260,19 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
 
 def _streamk(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int, first_token: int,
              tokens: int, variant: str) -> None:
-    """fp8_streamk_d<depth>: streamk_warps(...) warps, f32 partials [warps, 2, 128] in arena scratch."""
+    """fp8_streamk_<name>: streamk_warps(...) warps, f32 partials [warps, 2, 128] in arena scratch."""
     n, k = w.shape
-    depth = int(variant.removeprefix("streamk") or 0)
-    if depth not in STREAMK_BLOCKS_PER_SM:
+    name = variant.removeprefix("streamk_")
+    if name not in STREAMK_BLOCKS_PER_SM:
         raise ShapeError(f"unknown FP8 GEMV variant {variant!r} (one of {', '.join(GEMV_VARIANTS)})")
     if xa.k != k or not 0 < tokens <= GEMV_TOKENS or first_token + tokens > xa.m or y.dtype != "bf16":
         raise ShapeError(f"fp8 {variant}: activations {xa.q.shape} (tokens {first_token}+{tokens}) vs weight "
                          f"{w.shape}, output {y.dtype}: at most {GEMV_TOKENS} tokens, bf16 out")
     if w.counters is None or w.counters.size < -(-n // GEMV_ROWS):
         raise ShapeError(f"fp8 {variant}: the weight has no tile counters (upload it with upload_fp8_weight)")
-    warps = streamk_warps(n, k, ctx.device.info.sm_count, depth)
+    warps = streamk_warps(n, k, ctx.device.info.sm_count, name)
     part = ctx.empty((warps * 2 * 128,), "f32", "fp8.streamk")
-    ctx.device.launch("fp8", f"fp8_streamk_d{depth}", -(-warps // STREAMK_WARPS), STREAMK_WARPS * 32,
+    ctx.device.launch("fp8", f"fp8_streamk_{name}", -(-warps // STREAMK_WARPS), STREAMK_WARPS * 32,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), part.ptr, w.counters.ptr, i32(warps),
                       xa.q.ptr + first_token * k, i64(k), xa.scales.ptr + first_token * xa.t_stride * 4,
                       i64(xa.g_stride), i64(xa.t_stride), w.bits.ptr, i64(k), w.scales.ptr,
@@ -281,7 +284,7 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_<variant>"
     (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT on up to GEMV_TOKENS tokens, "stream" on more (and
     where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
-    roofline at M=1). Returns the path taken, the variant named ("gemv_streamk4")."""
+    roofline at M=1). Returns the path taken, the variant named ("gemv_streamk_d4p")."""
     n, k = w.shape
     if path == "auto":
         path = "gemv" if xa.m <= GEMV_MAX_M else "cublaslt"

@@ -44,7 +44,8 @@ GEMM_TOL = 1e-2
 TRUTH_RATIO = 1.25  # CUDA FP8 vs the float32 truth, at most this times the reference FP8 emulation's distance
 GEMV_CASES = ((1, 256, 64), (5, 200, 336), (8, 1024, 5120), (16, 640, 2048), (32, 384, 1152), (3, 5120, 17408),
               (1, 5120, 6144))
-GEMV_PATHS = ("gemv", "gemv_stream", "gemv_splitk", "gemv_streamk2", "gemv_streamk4", "gemv_streamk6")
+GEMV_PATHS = ("gemv", "gemv_stream", "gemv_splitk", "gemv_streamk_d2", "gemv_streamk_d4", "gemv_streamk_d4p",
+              "gemv_streamk_d4pb", "gemv_streamk_d6pb")
 STREAMK_MAX_M = 8
 CUBLAS_CASES = ((8, 1024, 5120), (33, 256, 1152), (300, 512, 1024), (64, 384, 336), (1024, 2048, 5120))
 

@@ -145,3 +145,54 @@ def _store(run: StreamkRun, frag: np.ndarray, t: int) -> None:
     height = rows.stop - rows.start
     run.y[:, rows] = block[:height, :m].T
     run.writes[:, rows] += 1
+
+
+def ring_schedule(u0: int, u1: int, groups: int, depth: int, burst: bool, xdepth: int = 2) -> list[tuple]:
+    """fp8_streamk's prologue and unrolled loop over one warp's range, slots and cursors as the kernel keeps them:
+    per consumed unit u, (u, (tile, group) of the weight slot read, group of the activation slot read). MODE
+    SK_BURST (burst) refills slots [0, DEPTH/2) after slot DEPTH/2 - 1 is read and the rest after the last; the
+    other modes refill each slot as soon as it is read."""
+    assert depth % xdepth == 0
+    half = depth // 2
+    lt, lg = divmod(u0, groups)
+    xg = lg
+    wr: list = [None] * depth
+    xr: list = [None] * xdepth
+
+    def next_w() -> tuple[int, int]:
+        nonlocal lt, lg
+        unit = (lt, lg)
+        lg += 1
+        if lg == groups:
+            lg, lt = 0, lt + 1
+        return unit
+
+    def next_x() -> int:
+        nonlocal xg
+        g = xg
+        xg = 0 if xg + 1 == groups else xg + 1
+        return g
+
+    for d in range(depth):
+        if u0 + d < u1:
+            wr[d] = next_w()
+    for d in range(xdepth):
+        if u0 + d < u1:
+            xr[d] = next_x()
+    out = []
+    for base in range(u0, u1, depth):
+        for d in range(depth):
+            u = base + d
+            if u >= u1:
+                continue
+            out.append((u, wr[d], xr[d % xdepth]))
+            wr[d] = xr[d % xdepth] = None  # read: a stale slot shows up as None
+            if not burst and u + depth < u1:
+                wr[d] = next_w()
+            if u + xdepth < u1:
+                xr[d % xdepth] = next_x()
+            if burst and d in (half - 1, depth - 1):
+                for s in range(d + 1 - half, d + 1):
+                    if base + s + depth < u1:
+                        wr[s] = next_w()
+    return out

@@ -67,11 +67,11 @@ def test_owner_is_the_warp_whose_range_holds_the_unit(units, warps):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES_27B))
-@pytest.mark.parametrize("depth", sorted(fp8_ops.STREAMK_BLOCKS_PER_SM))
-def test_27b_shapes_fill_every_resident_warp_with_a_balanced_share(name, depth):
+@pytest.mark.parametrize("variant", sorted(fp8_ops.STREAMK_BLOCKS_PER_SM))
+def test_27b_shapes_fill_every_resident_warp_with_a_balanced_share(name, variant):
     n, k = SHAPES_27B[name]
-    warps = fp8_ops.streamk_warps(n, k, H200_SMS, depth)
-    assert warps == H200_SMS * fp8_ops.STREAMK_BLOCKS_PER_SM[depth] * fp8_ops.STREAMK_WARPS
+    warps = fp8_ops.streamk_warps(n, k, H200_SMS, variant)
+    assert warps == H200_SMS * fp8_ops.STREAMK_BLOCKS_PER_SM[variant] * fp8_ops.STREAMK_WARPS
     units = -(-n // 16) * fp8_ops.groups(k)
     shares = {emu.lo(w + 1, units, warps) - emu.lo(w, units, warps) for w in range(warps)}
     assert max(shares) - min(shares) <= 1 and min(shares) >= fp8_ops.STREAMK_MIN_UNITS
@@ -79,7 +79,7 @@ def test_27b_shapes_fill_every_resident_warp_with_a_balanced_share(name, depth):
 
 @pytest.mark.parametrize("n, k", [(16, 32), (17, 144), (200, 336), (256, 64)])
 def test_small_shapes_launch_fewer_warps_than_units(n, k):
-    warps = fp8_ops.streamk_warps(n, k, H200_SMS, 4)
+    warps = fp8_ops.streamk_warps(n, k, H200_SMS, "d4")
     assert 1 <= warps <= max(1, -(-n // 16) * fp8_ops.groups(k) // fp8_ops.STREAMK_MIN_UNITS)
 
 
@@ -111,9 +111,9 @@ def test_gemv_path_runs_the_default_variant_with_the_planned_grid(m):
     took = fp8_ops.fp8_matmul(ctx, ctx.empty((m, 5120), "bf16", "y"), xa, w)
     assert took == f"gemv_{fp8_ops.GEMV_VARIANT}"
     (module, kernel, grid, block, *args), = ctx.calls
-    depth = int(fp8_ops.GEMV_VARIANT.removeprefix("streamk"))
-    warps = fp8_ops.streamk_warps(5120, 17408, 132, depth)
-    assert (kernel, grid, block) == (f"fp8_streamk_d{depth}", -(-warps // 8), 256)
+    name = fp8_ops.GEMV_VARIANT.removeprefix("streamk_")
+    warps = fp8_ops.streamk_warps(5120, 17408, 132, name)
+    assert (kernel, grid, block) == (f"fp8_streamk_{name}", -(-warps // 8), 256)
     assert args[3] == w.counters.ptr and int(args[4]) == warps and int(args[-3]) == m
 
 
@@ -132,9 +132,19 @@ def test_streamk_refuses_more_than_one_tile_of_tokens_and_unknown_depths():
     w = weight(ctx, 256, 512)
     y = ctx.empty((9, 256), "bf16", "y")
     with pytest.raises(ShapeError):
-        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 9, 512), w, variant="streamk4")
+        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 9, 512), w, variant="streamk_d4")
     with pytest.raises(ShapeError):
-        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 1, 512), w, variant="streamk3")
+        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 1, 512), w, variant="streamk_d3")
     with pytest.raises(ShapeError):
         fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 1, 512), weight(ctx, 256, 512, False),
-                         variant="streamk4")
+                         variant="streamk_d4")
+
+
+@pytest.mark.parametrize("depth, burst", [(2, False), (4, False), (4, True), (6, True), (2, True)])
+@pytest.mark.parametrize("u0, u1, groups", [(0, 1, 40), (3, 5, 4), (37, 79, 40), (130, 151, 136), (5, 12, 3),
+                                            (0, 48, 48), (11, 18, 48)])
+def test_every_unit_is_consumed_from_the_slot_that_holds_it(depth, burst, u0, u1, groups):
+    steps = emu.ring_schedule(u0, u1, groups, depth, burst)
+    assert [s[0] for s in steps] == list(range(u0, u1))
+    for u, w_unit, x_group in steps:
+        assert w_unit == divmod(u, groups) and x_group == u % groups

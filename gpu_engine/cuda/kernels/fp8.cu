@@ -288,8 +288,16 @@ extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, con
 // in warp order (deterministic), writes the tile and re-zeroes the counter: one launch, graph-safe.
 // counters: one zeroed u32 a tile, owned by the weight; part: 2 * W * 128 f32. Fragment layout and k order within a
 // group are fp8_gemv's (rows gid, gid + 8; token gid; columns 16 * tig and 64 + 16 * tig).
+// MODE (how the weight is read; a warp's unit is 128 bytes of each of 16 rows, its next unit the next 128):
+// SK_LDG __ldg, a slot refilled as soon as it is read; SK_PREFETCH the same with ld.global.nc.L1::no_allocate
+// .L2::256B (L2 fetches the row's 256-byte block, so the next unit's bytes come from L2 and DRAM sees 256-byte
+// runs); SK_BURST that, with the first half of the ring refilled together, then the second (DEPTH / 2 adjacent
+// units of each row requested back to back).
 #define FP8_SK_WARPS 8
 #define FP8_SK_XDEPTH 2
+#define SK_LDG 0
+#define SK_PREFETCH 1
+#define SK_BURST 2
 
 struct SkW {  // one unit's weight: rows gid / gid + 8 at columns c0 / c0 + 64, and its 128x128 block scale
     uint4 w00, w01, w10, w11;
@@ -322,12 +330,29 @@ __device__ __forceinline__ int sk_owner(int u, int units, int warps) {
     return (int)(((long long)(u + 1) * warps - 1) / units);
 }
 
+__device__ __forceinline__ uint4 load16_l2(const u8_t* base, long long row, long long ld, int col, bool ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(base + row * ld + col));
+    return v;
+}
+
+template <int MODE>
 __device__ __forceinline__ void sk_load_w(SkW& s, const SkArgs& a, int t, int g, int gid, int tig) {
     const int r0 = t * 16 + gid, r1 = r0 + 8, c0 = g * 128 + tig * 16, c1 = c0 + 64;
-    s.w00 = load16(a.w, r0, a.w_ld, c0, r0 < a.n && c0 < a.k);
-    s.w01 = load16(a.w, r0, a.w_ld, c1, r0 < a.n && c1 < a.k);
-    s.w10 = load16(a.w, r1, a.w_ld, c0, r1 < a.n && c0 < a.k);
-    s.w11 = load16(a.w, r1, a.w_ld, c1, r1 < a.n && c1 < a.k);
+    if (MODE == SK_LDG) {
+        s.w00 = load16(a.w, r0, a.w_ld, c0, r0 < a.n && c0 < a.k);
+        s.w01 = load16(a.w, r0, a.w_ld, c1, r0 < a.n && c1 < a.k);
+        s.w10 = load16(a.w, r1, a.w_ld, c0, r1 < a.n && c0 < a.k);
+        s.w11 = load16(a.w, r1, a.w_ld, c1, r1 < a.n && c1 < a.k);
+    } else {
+        s.w00 = load16_l2(a.w, r0, a.w_ld, c0, r0 < a.n && c0 < a.k);
+        s.w01 = load16_l2(a.w, r0, a.w_ld, c1, r0 < a.n && c1 < a.k);
+        s.w10 = load16_l2(a.w, r1, a.w_ld, c0, r1 < a.n && c0 < a.k);
+        s.w11 = load16_l2(a.w, r1, a.w_ld, c1, r1 < a.n && c1 < a.k);
+    }
     s.ws = __ldg(a.sw + (long long)(t >> 3) * a.sw_nb + (long long)g * a.sw_kb);
 }
 
@@ -391,10 +416,11 @@ __device__ __noinline__ void sk_settle(bf16_t* y, long long y_ld, const float* p
 }
 
 // DEPTH: a multiple of FP8_SK_XDEPTH, so both rings' slots are compile-time indices of the unrolled loop
-template <int DEPTH>
+template <int DEPTH, int MODE>
 __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_ld, float* __restrict__ part,
                                             unsigned int* counters, int warps_total, const SkArgs& a) {
     static_assert(DEPTH % FP8_SK_XDEPTH == 0, "DEPTH must be a multiple of FP8_SK_XDEPTH");
+    constexpr int HALF = DEPTH / 2;  // SK_BURST: slots [0, HALF) are refilled after slot HALF - 1 is read, etc.
     pdl_entry();
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int wi = blockIdx.x * FP8_SK_WARPS + (threadIdx.x >> 5);
@@ -409,7 +435,7 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
         if (u0 + d < u1) {
-            sk_load_w(wr[d], a, lt, lg, gid, tig);
+            sk_load_w<MODE>(wr[d], a, lt, lg, gid, tig);
             if (++lg == groups) lg = 0, ++lt;
         }
     }
@@ -429,9 +455,18 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
             const int u = base + d;
             if (u < u1) {
                 sk_consume(acc, wr[d], xr[d % FP8_SK_XDEPTH]);
-                if (u + DEPTH < u1) {  // refill the slots just read
-                    sk_load_w(wr[d], a, lt, lg, gid, tig);
+                if (MODE != SK_BURST && u + DEPTH < u1) {  // refill the slot just read
+                    sk_load_w<MODE>(wr[d], a, lt, lg, gid, tig);
                     if (++lg == groups) lg = 0, ++lt;
+                }
+                if (MODE == SK_BURST && (d == HALF - 1 || d == DEPTH - 1)) {  // refill the half just read
+#pragma unroll
+                    for (int s = d + 1 - HALF; s <= d; ++s) {
+                        if (base + s + DEPTH < u1) {
+                            sk_load_w<MODE>(wr[s], a, lt, lg, gid, tig);
+                            if (++lg == groups) lg = 0, ++lt;
+                        }
+                    }
                 }
                 if (u + FP8_SK_XDEPTH < u1) {
                     sk_load_x(xr[d % FP8_SK_XDEPTH], a, xg, gid, tig);
@@ -458,15 +493,17 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
     if (shared1 >= 0) sk_settle(y, y_ld, part, counters, shared1, groups, units, warps_total, a.m, a.n);
 }
 
-#define FP8_STREAMK_ENTRY(DEPTH, MIN_BLOCKS)                                                                       \
+#define FP8_STREAMK_ENTRY(NAME, DEPTH, MODE, MIN_BLOCKS)                                                           \
     extern "C" __global__ void __launch_bounds__(FP8_SK_WARPS * 32, MIN_BLOCKS)                                   \
-        fp8_streamk_d##DEPTH(bf16_t* y, long long y_ld, float* part, unsigned int* counters, int warps_total,       \
+        fp8_streamk_##NAME(bf16_t* y, long long y_ld, float* part, unsigned int* counters, int warps_total,       \
                              const u8_t* xq, long long xq_ld, const float* sx, long long sx_g, long long sx_m,     \
                              const u8_t* w, long long w_ld, const float* sw, long long sw_nb, long long sw_kb,      \
                              int m, int n, int k) {                                                                \
         const SkArgs a = {xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k};                          \
-        fp8_streamk<DEPTH>(y, y_ld, part, counters, warps_total, a);                                               \
+        fp8_streamk<DEPTH, MODE>(y, y_ld, part, counters, warps_total, a);                                         \
     }
-FP8_STREAMK_ENTRY(2, 2)
-FP8_STREAMK_ENTRY(4, 2)
-FP8_STREAMK_ENTRY(6, 1)
+FP8_STREAMK_ENTRY(d2, 2, SK_LDG, 2)
+FP8_STREAMK_ENTRY(d4, 4, SK_LDG, 2)
+FP8_STREAMK_ENTRY(d4p, 4, SK_PREFETCH, 2)
+FP8_STREAMK_ENTRY(d4pb, 4, SK_BURST, 2)
+FP8_STREAMK_ENTRY(d6pb, 6, SK_BURST, 1)
