@@ -125,7 +125,7 @@ def tower(ctx, rng: np.random.Generator, variants: list[str]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--variants", default="m1,m2n32,m2n64,wg64,wg64s,wg64p,wg64pr")
+    parser.add_argument("--variants", default="m2n32,wg64p,wg64pr,ws2n128,ws2n64,ws3n64")
     parser.add_argument("--no-tower", action="store_true")
     args = parser.parse_args(argv)
     from gpu_engine.cuda.context import GpuContext

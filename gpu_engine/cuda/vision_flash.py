@@ -30,6 +30,10 @@ registers (RS form, wg64's checked building block, in case the SS-form Q operand
 bytes of spills at two blocks an SM, 77,824 bytes of shared memory. Session 10 on an H200: both pass
 check_vision_flash; wg64p 243 / 242 / 282 TFLOP/s against m2n32's 223 / 227 / 258 (vision_flash_bench.json), and
 check_vision passes with it: DEFAULT_VARIANT is wg64p (m2n32 on other devices and head dims, resolve_variant).
+"ws2n128" / "ws2n64" / "ws3n64" (kernels/vision_flash_ws.cu, session 11) are wg64pr's step with warp specialisation
+(FlashAttention-3's structure): one producer warpgroup copies key tiles through an mbarrier-handed ring and 2 or 3
+consumer warpgroups of 64 rows compute, no block-wide barrier in the key loop, setmaxnreg moving registers to the
+consumers, one block an SM (ptxas, NVRTC 13: 168 / 168 / 128 registers at launch, c3 with 20 bytes of spills).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
 # name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
 # warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
 VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64), "wg64p": (2, 64),
-            "wg64pr": (2, 64)}
+            "wg64pr": (2, 64), "ws2n128": (2, 128), "ws2n64": (2, 64), "ws3n64": (3, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
 # kernels/vision_flash_wg.cu (wgmma, sm_90a): name -> kernel name suffix. wg64s: the next tile's copies issued after
 # the step's barrier, one barrier a step; wg64p: the pipelined kernel (softmax overlapping P V), wg64pr: the same with
@@ -53,6 +57,9 @@ M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the k
 WG_VARIANTS = {"wg64": "", "wg64s": "_sb", "wg64p": "_p", "wg64pr": "_pr"}
 # name -> (K | V stages in shared memory, Q rows staged there too: 0 = Q in registers)
 WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128), "wg64pr": (4, 0)}
+# kernels/vision_flash_ws.cu (warp-specialised wgmma, sm_90a): name -> (consumer warpgroups, keys per step, stages)
+WS_VARIANTS = {"ws2n128": (2, 128, 3), "ws2n64": (2, 64, 4), "ws3n64": (3, 64, 4)}
+HOPPER_VARIANTS = (*WG_VARIANTS, *WS_VARIANTS)  # need WG_ARCHS and a WG_HEAD_DIMS head dim
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256
@@ -87,13 +94,15 @@ def resolve_variant(head_dim: int, variant: str | None = None, arch: str | None 
     name = DEFAULT_VARIANT if variant is None else variant
     if name not in VARIANTS:
         raise ShapeError(f"vision_flash variant must be one of {sorted(VARIANTS)}, got {name!r}")
-    if name in WG_VARIANTS and (head_dim not in WG_HEAD_DIMS or arch not in WG_ARCHS):
+    if name in HOPPER_VARIANTS and (head_dim not in WG_HEAD_DIMS or arch not in WG_ARCHS):
         name = "m2n32"
     return name if name == "m1" or head_dim in M2_HEAD_DIMS else "m1"
 
 
 def kernel_name(head_dim: int, variant: str) -> str:
     m, keys = VARIANTS[variant]
+    if variant in WS_VARIANTS:
+        return f"vision_flash_ws_bf16_hd{head_dim}_c{m}_n{keys}"
     if variant in WG_VARIANTS:
         return f"vision_flash_wg_bf16_hd{head_dim}_n{keys}{WG_VARIANTS[variant]}"
     return f"vision_flash_bf16_hd{head_dim}" if m == 1 else f"vision_flash_bf16_hd{head_dim}_m{m}_n{keys}"
@@ -102,6 +111,9 @@ def kernel_name(head_dim: int, variant: str) -> str:
 def launch_shape(head_dim: int, variant: str) -> tuple[str, int, int]:
     """(kernel family, threads per block, dynamic shared bytes) of a resolved variant."""
     keys = VARIANTS[variant][1]
+    if variant in WS_VARIANTS:
+        consumers, keys, stages = WS_VARIANTS[variant]
+        return "vision_flash_ws", 128 * (1 + consumers), wg_shared_bytes(head_dim, keys, stages)
     if variant in WG_VARIANTS:
         stages, q_rows = WG_STAGING[variant]
         return "vision_flash_wg", WG_THREADS, wg_shared_bytes(head_dim, keys, stages, q_rows)

@@ -6,7 +6,7 @@ Fresh random bf16 q | k | v rows every run (q, k with std 1.5 so the softmax is 
 or padding shows; v std 1), in the fused [n, 3 * heads * head_dim] layout, output poisoned (NaN) first. Cases:
 head_dim 72 (padded to 80 inside) and 64, also 80 and 128; 16 and 4 heads; segments of 1, 17, 64, 100, 129, 257,
 333, 1024, 4096 and 8580 rows, n = several segments. Each case runs every kernel this device has for its head dim:
-the default variant and the wgmma ones (vision_flash.WG_VARIANTS, Hopper only; elsewhere they resolve to m2n32).
+the default variant and the wgmma ones (vision_flash.HOPPER_VARIANTS, Hopper only; elsewhere they resolve to m2n32).
 Pass: rel-L2 <= 1e-2 against float64 segment attention on the same bf16 inputs, and no row left unwritten. Info (not
 a pass criterion): device time of one 4096-row, 16-head, head_dim 72 launch (the 1024^2 image's per-layer attention)
 and its TFLOP/s, per variant. The tower itself (auto -> flash in bf16) is covered by check_vision. Skips (exit 0)
@@ -57,7 +57,7 @@ def checked_variants(head_dim: int, arch: str) -> list[str]:
     """The kernels this device runs for head_dim: the default variant's and every wgmma variant's (each once)."""
     from gpu_engine.cuda import vision_flash
 
-    names = [vision_flash.resolve_variant(head_dim, v, arch) for v in (None, *vision_flash.WG_VARIANTS)]
+    names = [vision_flash.resolve_variant(head_dim, v, arch) for v in (None, *vision_flash.HOPPER_VARIANTS)]
     return list(dict.fromkeys(names))
 
 
@@ -153,7 +153,7 @@ def run_all(seed: int | None = None) -> tuple[list[FlashResult], dict]:
     results: list[FlashResult] = []
     try:
         cases = make_cases(rng)
-        for variant in (None, *vision_flash.WG_VARIANTS):
+        for variant in (None, *vision_flash.HOPPER_VARIANTS):
             name = variant or "default"
             try:
                 got = check_cases(ctx, cases, variant)

@@ -19,7 +19,7 @@ from tests.cuda_runner.check_vision import CONFIGS, random_vision_weights
 from tests.cuda_runner.test_cuda_vision_emulated import FakeDevice, fake_context
 from tests.cuda_runner.vision_flash_emulation import vision_flash_emulated
 
-FLASH_FAMILIES = ("vision_flash", "vision_flash_wg")
+FLASH_FAMILIES = ("vision_flash", "vision_flash_wg", "vision_flash_ws")
 
 
 class FlashFakeDevice(FakeDevice):
@@ -39,7 +39,8 @@ class FlashFakeDevice(FakeDevice):
             return
         out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
         scale = float(args[5])
-        head_dim = int(re.fullmatch(r"vision_flash(?:_wg)?_bf16_hd(\d+)(_m\d+)?(_n\d+)?(_sb|_p|_pr)?", name).group(1))
+        kernel = r"vision_flash(?:_wg|_ws)?_bf16_hd(\d+)(_[mc]\d+)?(_n\d+)?(_sb|_p|_pr)?"
+        head_dim = int(re.fullmatch(kernel, name).group(1))
         variant = next(v for v in vision_flash.VARIANTS if vision_flash.kernel_name(head_dim, v) == name)
         blocks, grid_heads = grid
         rows = vision_flash.tile_rows(variant)
