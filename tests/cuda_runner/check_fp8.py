@@ -72,7 +72,7 @@ class Checker:
 
         self.ctx, self.rng, self._round = ctx, rng, round_to_bf16
         self.results: list[Result] = []
-        self._weights: dict[tuple[int, int], object] = {}  # (n, k) -> Fp8Tensor: one draw per shape
+        self._weights: dict[tuple[int, int], tuple] = {}  # (n, k) -> (Fp8Tensor, float64 dequantised): one draw
 
     def record(self, name: str, err: float, tol: float, note: str = "", dtype: str = "fp8") -> None:
         self.results.append(Result(name, dtype, err, tol, bool(np.isfinite(err) and err <= tol), note))
@@ -208,27 +208,28 @@ class Checker:
                     0.0, "identical to norm then quant: " + ", ".join(f"{k} {v}" for k, v in same.items()))
 
     def device_weight(self, n: int, k: int):
-        """A random FP8 weight of [n, k] (drawn once per shape: the variants share it) and a fresh upload of it
-        (each case's buffers are released after it)."""
+        """A random FP8 weight of [n, k] (drawn once per shape: the variants share it), its float64 dequantised
+        values and a fresh upload of it (each case's buffers are released after it)."""
         from gpu_engine.cuda.fp8_ops import upload_fp8_weight
 
         if (n, k) not in self._weights:
-            self._weights[(n, k)] = self.weight(n, k)
-        wt = self._weights[(n, k)]
-        return wt, upload_fp8_weight(self.ctx, "w", [wt])
+            wt = self.weight(n, k)
+            self._weights[(n, k)] = (wt, wt.dequantize().astype(np.float64))
+        wt, deq = self._weights[(n, k)]
+        return deq, upload_fp8_weight(self.ctx, "w", [wt])
 
     def gemm(self, path: str, m: int, n: int, k: int) -> None:
         from gpu_engine.cuda.fp8_ops import fp8_matmul
 
         ctx = self.ctx
-        wt, w = self.device_weight(n, k)
+        wdeq, w = self.device_weight(n, k)
         xa, xdeq, _ = self._acts(m, k)
         pad, off = 24, 8
         y = ctx.empty((m, n + pad), "bf16", "y")
         ctx.poison(y)
         took = fp8_matmul(ctx, y.view((m, n + pad - off), off), xa, w, y_ld=n + pad, path=path)
         out = ctx.to_host(y)
-        expect = xdeq @ wt.dequantize().astype(np.float64).T
+        expect = xdeq @ wdeq.T
         err = rel_err(out[:, off: off + n], expect)
         outside = np.concatenate([out[:, :off], out[:, off + n:]], axis=1)
         untouched = bool(np.all(np.isnan(outside)))
@@ -242,7 +243,7 @@ class Checker:
         from gpu_engine.cuda.fp8_ops import fp8_gemv
 
         ctx = self.ctx
-        wt, w = self.device_weight(n, k)
+        wdeq, w = self.device_weight(n, k)
         xa, xdeq, _ = self._acts(m, k)
         outs = []
         for _ in range(2):
@@ -252,7 +253,7 @@ class Checker:
             outs.append(ctx.to_host(y))
         same = bool(np.array_equal(outs[0], outs[1], equal_nan=True))
         zero = bool(np.all(ctx.to_host(w.counters) == 0))
-        err = rel_err(outs[1], xdeq @ wt.dequantize().astype(np.float64).T)
+        err = rel_err(outs[1], xdeq @ wdeq.T)
         self.record(f"{variant} twice m{m} n{n} k{k}", err if same and zero else float("nan"), GEMM_TOL,
                     f"second launch bit-identical: {same}; tile counters zero after: {zero}")
 
