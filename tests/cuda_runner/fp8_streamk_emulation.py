@@ -147,13 +147,13 @@ def _store(run: StreamkRun, frag: np.ndarray, t: int) -> None:
     run.writes[:, rows] += 1
 
 
-def ring_schedule(u0: int, u1: int, groups: int, depth: int, burst: bool, xdepth: int = 2) -> list[tuple]:
+def ring_schedule(u0: int, u1: int, groups: int, depth: int, burst: bool) -> list[tuple]:
     """fp8_streamk's prologue and unrolled loop over one warp's range, slots and cursors as the kernel keeps them:
     per consumed unit u, (u, (tile, group) of the weight slot read, group of the activation slot read). MODE
     SK_BURST (burst) refills slots [0, DEPTH/2) after slot DEPTH/2 - 1 is read and the rest after the last; the
-    other modes refill each slot as soon as it is read."""
-    assert depth % xdepth == 0
-    half = depth // 2
+    other modes refill each slot as soon as it is read. The activation ring has DEPTH / 2 slots (XD)."""
+    assert depth % 2 == 0
+    half = xdepth = depth // 2
     lt, lg = divmod(u0, groups)
     xg = lg
     wr: list = [None] * depth

@@ -140,7 +140,7 @@ def test_streamk_refuses_more_than_one_tile_of_tokens_and_unknown_depths():
                          variant="streamk_d4")
 
 
-@pytest.mark.parametrize("depth, burst", [(2, False), (4, False), (4, True), (6, True), (2, True)])
+@pytest.mark.parametrize("depth, burst", [(2, False), (4, False), (4, True), (6, True), (2, True), (6, False)])
 @pytest.mark.parametrize("u0, u1, groups", [(0, 1, 40), (3, 5, 4), (37, 79, 40), (130, 151, 136), (5, 12, 3),
                                             (0, 48, 48), (11, 18, 48)])
 def test_every_unit_is_consumed_from_the_slot_that_holds_it(depth, burst, u0, u1, groups):

@@ -281,11 +281,11 @@ extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, con
 // units [lo(w), lo(w + 1)), lo(w) = w * U / W (W <= U: no warp is empty), so every warp streams the same bytes to
 // within one unit, whatever n and k (the tile grid above leaves 1.2 waves on n = 5120 and 3.4 on 14336). A warp
 // keeps DEPTH units of weight (with their block scales) in flight in a register ring and the activations of the
-// next 2 units (L2-resident: nearer), refilling a slot as soon as its mma has read it; the block scale is applied
-// once a unit (sw * sx on the unit's f32 sums, as fp8_gemv does). A tile inside one warp's range is written by that
-// warp; a tile shared by several warps (only a warp's first and last tile can be) gets one f32 partial from each
-// (slot 0: the warp's first tile, slot 1: its last), and the warp that arrives last at the tile's counter adds them
-// in warp order (deterministic), writes the tile and re-zeroes the counter: one launch, graph-safe.
+// next DEPTH / 2 units (L2-resident: nearer), refilling a slot as soon as its mma has read it; the block scale is
+// applied once a unit (sw * sx on the unit's f32 sums, as fp8_gemv does). A tile inside one warp's range is written
+// by that warp; a tile shared by several warps (only a warp's first and last tile can be) gets one f32 partial from
+// each (slot 0: the warp's first tile, slot 1: its last), and the warp that arrives last at the tile's counter adds
+// them in warp order (deterministic), writes the tile and re-zeroes the counter: one launch, graph-safe.
 // counters: one zeroed u32 a tile, owned by the weight; part: 2 * W * 128 f32. Fragment layout and k order within a
 // group are fp8_gemv's (rows gid, gid + 8; token gid; columns 16 * tig and 64 + 16 * tig).
 // MODE (how the weight is read; a warp's unit is 128 bytes of each of 16 rows, its next unit the next 128):
@@ -294,7 +294,6 @@ extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, con
 // runs); SK_BURST that, with the first half of the ring refilled together, then the second (DEPTH / 2 adjacent
 // units of each row requested back to back).
 #define FP8_SK_WARPS 8
-#define FP8_SK_XDEPTH 2
 #define SK_LDG 0
 #define SK_PREFETCH 1
 #define SK_BURST 2
@@ -415,11 +414,12 @@ __device__ __noinline__ void sk_settle(bf16_t* y, long long y_ld, const float* p
     if (lane == 0) counters[t] = 0u;
 }
 
-// DEPTH: a multiple of FP8_SK_XDEPTH, so both rings' slots are compile-time indices of the unrolled loop
+// DEPTH even: XD = DEPTH / 2 divides it, so both rings' slots are compile-time indices of the unrolled loop
 template <int DEPTH, int MODE>
 __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_ld, float* __restrict__ part,
                                             unsigned int* counters, int warps_total, const SkArgs& a) {
-    static_assert(DEPTH % FP8_SK_XDEPTH == 0, "DEPTH must be a multiple of FP8_SK_XDEPTH");
+    constexpr int XD = DEPTH / 2;  // activation slots: a unit's x arrives from L2 half a weight ring ahead
+    static_assert(DEPTH % 2 == 0, "DEPTH must be even");
     constexpr int HALF = DEPTH / 2;  // SK_BURST: slots [0, HALF) are refilled after slot HALF - 1 is read, etc.
     pdl_entry();
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -431,7 +431,7 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
     const int t_first = u0 / groups;
     int lt = t_first, lg = u0 % groups, xg = lg;  // the next unit to load: weight (tile, group), activations' group
     SkW wr[DEPTH];
-    SkX xr[FP8_SK_XDEPTH];
+    SkX xr[XD];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
         if (u0 + d < u1) {
@@ -440,7 +440,7 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
         }
     }
 #pragma unroll
-    for (int d = 0; d < FP8_SK_XDEPTH; ++d) {
+    for (int d = 0; d < XD; ++d) {
         if (u0 + d < u1) {
             sk_load_x(xr[d], a, xg, gid, tig);
             if (++xg == groups) xg = 0;
@@ -454,7 +454,7 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
         for (int d = 0; d < DEPTH; ++d) {
             const int u = base + d;
             if (u < u1) {
-                sk_consume(acc, wr[d], xr[d % FP8_SK_XDEPTH]);
+                sk_consume(acc, wr[d], xr[d % XD]);
                 if (MODE != SK_BURST && u + DEPTH < u1) {  // refill the slot just read
                     sk_load_w<MODE>(wr[d], a, lt, lg, gid, tig);
                     if (++lg == groups) lg = 0, ++lt;
@@ -468,8 +468,8 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
                         }
                     }
                 }
-                if (u + FP8_SK_XDEPTH < u1) {
-                    sk_load_x(xr[d % FP8_SK_XDEPTH], a, xg, gid, tig);
+                if (u + XD < u1) {
+                    sk_load_x(xr[d % XD], a, xg, gid, tig);
                     if (++xg == groups) xg = 0;
                 }
                 if (++cg == groups || u + 1 == u1) {  // the end of tile ct within this warp's range
@@ -493,14 +493,14 @@ __device__ __forceinline__ void fp8_streamk(bf16_t* __restrict__ y, long long y_
     if (shared1 >= 0) sk_settle(y, y_ld, part, counters, shared1, groups, units, warps_total, a.m, a.n);
 }
 
-#define FP8_STREAMK_ENTRY(NAME, DEPTH, MODE, MIN_BLOCKS)                                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_SK_WARPS * 32, MIN_BLOCKS)                                   \
-        fp8_streamk_##NAME(bf16_t* y, long long y_ld, float* part, unsigned int* counters, int warps_total,       \
-                             const u8_t* xq, long long xq_ld, const float* sx, long long sx_g, long long sx_m,     \
-                             const u8_t* w, long long w_ld, const float* sw, long long sw_nb, long long sw_kb,      \
-                             int m, int n, int k) {                                                                \
-        const SkArgs a = {xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k};                          \
-        fp8_streamk<DEPTH, MODE>(y, y_ld, part, counters, warps_total, a);                                         \
+#define FP8_STREAMK_ENTRY(NAME, DEPTH, MODE, MIN_BLOCKS)                                                               \
+    extern "C" __global__ void __launch_bounds__(FP8_SK_WARPS * 32, MIN_BLOCKS)                                        \
+        fp8_streamk_##NAME(bf16_t* y, long long y_ld, float* part, unsigned int* counters, int warps_total,            \
+                             const u8_t* xq, long long xq_ld, const float* sx, long long sx_g, long long sx_m,         \
+                             const u8_t* w, long long w_ld, const float* sw, long long sw_nb, long long sw_kb,         \
+                             int m, int n, int k) {                                                                    \
+        const SkArgs a = {xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k};                              \
+        fp8_streamk<DEPTH, MODE>(y, y_ld, part, counters, warps_total, a);                                             \
     }
 FP8_STREAMK_ENTRY(d2, 2, SK_LDG, 2)
 FP8_STREAMK_ENTRY(d4, 4, SK_LDG, 2)
