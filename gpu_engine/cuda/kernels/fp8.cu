@@ -286,6 +286,7 @@ extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, con
 // by that warp; a tile shared by several warps (only a warp's first and last tile can be) gets one f32 partial from
 // each (slot 0: the warp's first tile, slot 1: its last), and the warp that arrives last at the tile's counter adds
 // them in warp order (deterministic), writes the tile and re-zeroes the counter: one launch, graph-safe.
+// Contract: W <= U (fp8_ops.streamk_warps; an empty warp would be counted at its tile and never arrive).
 // counters: one zeroed u32 a tile, owned by the weight; part: 2 * W * 128 f32. Fragment layout and k order within a
 // group are fp8_gemv's (rows gid, gid + 8; token gid; columns 16 * tig and 64 + 16 * tig).
 // MODE (how the weight is read; a warp's unit is 128 bytes of each of 16 rows, its next unit the next 128):
