@@ -14,6 +14,7 @@ extracted again in FP8, not answered with the BF16 results. The full weight dige
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from gpu_engine.params import SamplingParams
 from .settings import Settings
 
 _GRACE_S = 30.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,10 +87,13 @@ class EngineClient:
     """ExtractionClient backed by one in-process engine (reference or CUDA runner)."""
 
     def __init__(self, async_engine: Any, *, model_dir: Path, fingerprint: str, timeout_s: float,
-                 quantize: str | None = None, max_num_seqs: int = 0) -> None:
+                 quantize: str | None = None, max_num_seqs: int = 0, preparer: Any = None) -> None:
+        """`preparer`: a pipeline.page_prep.PagePrepPool that prepares the prompts in child processes (None: the
+        engine prepares them on the submitting thread)."""
         import gpu_engine
 
         self._async_engine = async_engine
+        self._preparer = preparer
         self.model_key = model_key(model_dir, quantize)
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
@@ -100,6 +105,12 @@ class EngineClient:
         """The `gpu_engine.AsyncEngine` behind this client, for callers that talk to the engine directly (the
         API's chat endpoint, /metrics). Shared: do not shut it down, use `close()`."""
         return self._async_engine
+
+    @property
+    def prepares_pages(self) -> bool:
+        """Whether requests may carry page images as PNG bytes (extraction.PngImage): they are decoded where the
+        prompt is prepared, in a preparation process, not on the job's thread."""
+        return self._preparer is not None
 
     @classmethod
     def from_settings(cls, settings: Settings, *,
@@ -119,9 +130,19 @@ class EngineClient:
             config_kwargs["kv_cache_bytes"] = settings.engine_kv_cache_bytes
         model_dir = settings.resolved_model_dir()
         quantize = settings.engine_quantize_option()
-        engine = gpu_engine.Engine.from_pretrained(
-            model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs), quantize=quantize
-        )
+        preparer = None
+        if settings.prep_processes():
+            from .page_prep import PagePrepPool
+
+            preparer = PagePrepPool(model_dir, settings.prep_processes(), timeout_s=settings.request_timeout_s)
+        try:
+            engine = gpu_engine.Engine.from_pretrained(
+                model_dir, runner=settings.runner, config=gpu_engine.EngineConfig(**config_kwargs), quantize=quantize
+            )
+        except BaseException:
+            if preparer is not None:
+                preparer.close()
+            raise
         async_engine = gpu_engine.AsyncEngine(engine)
         return cls(
             front(async_engine) if front is not None else async_engine,
@@ -130,6 +151,7 @@ class EngineClient:
             timeout_s=settings.request_timeout_s,
             quantize=quantize,
             max_num_seqs=engine.config.max_num_seqs,
+            preparer=preparer,
         )
 
     def run(self, requests: Sequence[EngineRequest]) -> Iterator[EngineReply]:
@@ -137,8 +159,25 @@ class EngineClient:
         a dead or stopped engine raises (that is the job's problem, not the page's)."""
         started = time.perf_counter()
         # Submitted now, not at the first next(): a job keeps several of these open at once (pipeline.page_feed).
-        handles = [self._async_engine.submit(r.messages, r.params) for r in requests]
+        handles = [self._submit(r) for r in requests]
         return _Replies(self, handles, started)
+
+    def _submit(self, request: EngineRequest) -> Any:
+        if self._preparer is None:
+            return self._async_engine.submit(request.messages, request.params)
+        from gpu_engine.engine import RequestError
+
+        from .extraction import decode_pngs
+        from .page_prep import PrepNoSpace
+
+        try:
+            prompt: Any = self._preparer.prepare(request.messages)
+        except RequestError as exc:  # refused as the engine refuses it: the page's reply carries the reason
+            return _Refused(exc)
+        except PrepNoSpace as exc:  # prepared here instead, as without the pool
+            log.warning("%s; preparing this request in the engine's process", exc)
+            prompt = decode_pngs(request.messages)
+        return self._async_engine.submit(prompt, request.params)
 
     def _reply(self, handle: Any, started: float) -> EngineReply:
         from gpu_engine.engine import RequestError
@@ -169,6 +208,26 @@ class EngineClient:
 
     def close(self) -> None:
         self._async_engine.shutdown()
+        if self._preparer is not None:
+            self._preparer.close()
+
+
+class _Refused:
+    """The handle of a request whose preparation the processor refused: it never reached the engine."""
+
+    request_id = ""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self._error
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
 
 
 class _Replies:

@@ -24,13 +24,20 @@ from .engine_client import EngineReply, EngineRequest
 from .settings import Settings
 
 
+@dataclass(frozen=True)
+class PngImage:
+    """A stored page image still as its PNG bytes (pipeline.page_prep decodes it in a preparation process)."""
+
+    data: bytes
+
+
 @dataclass
 class UnitInput:
     """What one request is made of: `unit` is "page:N" or "video"; frames carry timestamps (seconds)."""
 
     unit: str
     page_index: int | None
-    images: list[Image.Image]
+    images: list[Image.Image | PngImage]  # PngImage: still encoded, decoded where the prompt is prepared
     timestamps: list[float | None]
     anchor_text: str | None = None
 
@@ -185,3 +192,26 @@ def load_png(data: bytes) -> Image.Image:
     image = Image.open(io.BytesIO(data))
     image.load()
     return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def decode_pngs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with every PngImage (an image part's image, a video part's frames) decoded by `load_png`,
+    as the job thread decodes pages when it prepares them itself. Other values are kept as they are."""
+    def decoded(value: Any) -> Any:
+        return load_png(value.data) if isinstance(value, PngImage) else value
+
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                part = dict(part)
+                if part.get("type") == "image":
+                    part["image"] = decoded(part.get("image"))
+                elif part.get("type") == "video" and isinstance(part.get("video"), list):
+                    part["video"] = [decoded(frame) for frame in part["video"]]
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out

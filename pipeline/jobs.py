@@ -34,6 +34,7 @@ from .context import Pipeline
 from .db import rows_matched
 from .errors import JobStateError, NotFoundError
 from .extraction import (
+    PngImage,
     UnitInput,
     UnitOutcome,
     build_request,
@@ -390,10 +391,12 @@ def _run_claimed(p: Pipeline, job_id: int, takeover: bool, alone: bool, started:
 
 def _unit_input(p: Pipeline, unit: dict[str, Any]) -> UnitInput:
     pages = unit["pages"]
+    # A client that prepares prompts in preparation processes takes the PNG bytes: they are decoded there.
+    encoded = bool(getattr(p.client, "prepares_pages", False))
     return UnitInput(
         unit=unit["unit"],
         page_index=unit["page_index"],
-        images=[_page_image(p, pg["blob"]) for pg in pages],
+        images=[PngImage(p.blobs.get_bytes(pg["blob"])) if encoded else _page_image(p, pg["blob"]) for pg in pages],
         timestamps=[pg["timestamp"] for pg in pages],
         anchor_text=pages[0]["text"] if unit["unit"] != "video" else None,
     )

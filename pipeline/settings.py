@@ -38,6 +38,8 @@ REFERENCE_EMBEDDED_JOBS = 4
 # pages decoded and preprocessed, waiting (a processed A4 page at 150 dpi holds 53 MB of float32 pixels until its
 # vision encode).
 PAGES_IN_FLIGHT_PER_BATCH = 2
+# Page preparation processes by default on cuda: one prepares ~7-10 pages/s, 4 outpace the 0.8B engine's ~20.
+PREP_PROCESSES_MAX = 4
 WatchAction = Literal["leave", "move"]
 
 
@@ -94,6 +96,12 @@ class Settings(BaseSettings):
         "once, over all its jobs; each holds its page image and, until its vision encode, its processed pixels (~53 MB "
         "at 150 dpi). 0 = 2 x the engine's max_num_seqs (512 on an H200 with the engine sizing its batch, 32 on "
         "reference)."
+    )
+    engine_prep_processes: int | None = Field(
+        None, ge=0, description="Child processes that prepare page requests (PNG decode, resize, patches, tokens) "
+        "outside the engine's process, handing the pixels back through /dev/shm, so the jobs' CPU work leaves the "
+        "engine's step thread the GIL (pipeline.page_prep). 0 = on the job threads; None = min(4, CPUs / 4) on "
+        "cuda, 0 on reference."
     )
     engine_quantize: Quantize = Field(
         "none", description="Weights: none (as the checkpoint stores them; an FP8 checkpoint runs in FP8) or fp8 (a "
@@ -240,6 +248,16 @@ class Settings(BaseSettings):
         the engine's batch as built: the setting, else PAGES_IN_FLIGHT_PER_BATCH batches. So 12 jobs of 10 pages
         have all 120 pages at an engine batching 256, and 256 jobs hold ~512 pages (~27 GB of pixels), not 2,560."""
         return self.engine_pages_in_flight or max(1, PAGES_IN_FLIGHT_PER_BATCH * engine_max_num_seqs)
+
+    def prep_processes(self) -> int:
+        """Page preparation processes of a process that builds an engine (engine_prep_processes resolved)."""
+        if self.engine_prep_processes is not None:
+            return self.engine_prep_processes
+        if self.runner == "reference":
+            return 0
+        from .threads import usable_cpus  # imported late, as bundled_model_dir
+
+        return max(1, min(PREP_PROCESSES_MAX, usable_cpus() // 4))
 
     def embedded_job_threads(self) -> int:
         """Jobs `docpipe process` runs at once: the setting, else 4 on the reference runner (a small CPU), else as
