@@ -13,18 +13,20 @@ among them):
    (--image-max-pixels, default Qwen3-VL's 16,777,216), loaded by Engine.from_pretrained behind an AsyncEngine,
    as pipeline.engine_client.EngineClient builds it.
 3. per output mode, `--units` fresh units (bench/doc_workload.py: A4 PDF pages at the pipeline's dpi with their
-   text layer, 12 MP phone photos, 8 s videos) become the pipeline's own requests: builtin schema --schema's
-   prompt, pipeline.extraction.build_request, SamplingParams from pipeline.extraction.sampling_params (JSON-schema
-   grammar, logprobs). Modes: `fixedN` = those params with max_tokens=N and ignore_eos (the schema left uncapped,
-   as for a real checkpoint); the engine still ends a request whose JSON is complete (ignore_eos does not outlast
-   the grammar), so a unit may stop before N: `grammar_completed_before_length` counts those, and tokens_per_page
-   says what was generated (in the H200 run every 9B invoice reached 256 tokens and none 1,024); `grammar` = the
+   text layer, 12 MP phone photos, 8 s videos) become the pipeline's own requests: the mode's schema's prompt
+   (bench/doc_schemas.py: a builtin, or the bench-only olmOCR-style `page_text`), pipeline.extraction.build_request,
+   SamplingParams from pipeline.extraction.sampling_params (JSON-schema grammar, logprobs). Modes: `fixedN` = those
+   params with max_tokens=N and ignore_eos (the schema left uncapped, as for a real checkpoint). ignore_eos does not
+   outlast the grammar (the engine ends a request whose JSON is complete), so --schema auto sends `invoice` up to
+   fixed256 (every 9B invoice reached 256 tokens on the H200; its JSON closed at ~484 a page) and `page_text` past
+   it, whose natural_text has a minLength that keeps the JSON open for N tokens (doc_schemas' docstring):
+   fixed1024 is a 1,024-token page transcription, olmOCR's kind of output. A unit that still stops before N is
+   counted in `grammar_completed_before_length`, and tokens_per_page says what was generated. `grammar` = the
    params the pipeline sends for a random-weight model (its grammar caps, Settings.grammar_caps for the bundled
    model, and max_tokens 2048), ending where the grammar ends, with --grammar-schema (default `form`: on the tiny
    model, the invoice's amounts ran on in digits to max_tokens). A warm-up of three units (one of each kind) runs
-   first. All units are submitted at once from
-   --submitters threads (each prepares its images, as the pipeline's job threads do); the clock runs from the
-   first submit to the last final output.
+   first. All units are submitted at once from --submitters threads (each prepares its images, as the pipeline's
+   job threads do); the clock runs from the first submit to the last final output.
 4. what is reported per (shape, mode): pages/s (units/s: a PDF page, a photo or a whole video each), generated
    and prompt tok/s, tokens per page, TTFT and latency p50/p95, fraction_of_limit = t_limit / wall
    (bench/limit_model.py, over the steps this run scheduled), GPU busy (NVML utilisation sampled every 50 ms
@@ -39,9 +41,9 @@ fraction_of_limit still counts bf16 weight bytes and the bf16 GEMM ceiling (row 
 not a fraction of the FP8 limit; compare pages/s with the BF16 row of the same command.
 
 This file is the run (command line, shapes, modes, the JSON); its parts, one job each: doc_models (the model),
-doc_workload (units, requests), doc_ceilings (1.), doc_outcomes (submit all, wait, check, validate), doc_report
-(throughput, latency, limit, time split), gpu_busy (NVML sampler, busy source), doc_engine_fields (engine counters,
-configuration, CUDA graphs, peak memory), doc_table (the printed lines).
+doc_workload (units, requests), doc_schemas (each mode's schema), doc_ceilings (1.), doc_outcomes (submit all,
+wait, check, validate), doc_report (throughput, latency, limit, time split), gpu_busy (NVML sampler, busy source),
+doc_engine_fields (engine counters, configuration, CUDA graphs, peak memory), doc_table (the printed lines).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ from doc_models import QWEN_IMAGE_MAX_PIXELS, SHAPES, build_engine, check_shapes
 from doc_outcomes import DocBenchFailed, check_outcomes, drive, validate
 from doc_outcomes import Outcome as Outcome  # re-exported: the tests build outcomes as doc_throughput.Outcome
 from doc_report import report
+from doc_schemas import mode_schema
 from doc_table import mode_line, table
 from doc_workload import Unit, make_units, unit_request
 from gpu_busy import NvmlSampler, busy_fields
@@ -120,7 +123,6 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
               rows: list[dict[str, Any]], save: Any = lambda: None) -> None:
     """Every mode of one shape, appending a row per mode (`save()` after each, so a run cut short keeps them)."""
     from gpu_engine.async_engine import AsyncEngine
-    from pipeline.builtin_schemas import BUILTIN_SCHEMAS
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="docpipe-doc-"))
     t0 = time.perf_counter()
@@ -136,7 +138,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
     front = AsyncEngine(engine)
     try:
         for m, mode in enumerate(args.modes):
-            spec = BUILTIN_SCHEMAS[args.grammar_schema if mode == "grammar" else args.schema]
+            spec = mode_schema(mode, args.schema, args.grammar_schema)
             settings, params, fixed = mode_params(mode, spec, folder)
             if args.speculative != "product":
                 params = dataclasses.replace(params, speculative=args.speculative)
@@ -192,12 +194,13 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 def preflight(args: argparse.Namespace) -> None:
     """Everything the modes need from pipeline and vision, tried before any lease time goes to the model."""
-    from pipeline.builtin_schemas import BUILTIN_SCHEMAS
     from pipeline.engine_client import EngineReply  # noqa: F401 - imported to prove it imports
     from pipeline.extraction import interpret_reply  # noqa: F401 - imported to prove it imports
+    from pipeline.schemas import validate_schema_definition
 
     for mode in args.modes:
-        spec = BUILTIN_SCHEMAS[args.grammar_schema if mode == "grammar" else args.schema]
+        spec = mode_schema(mode, args.schema, args.grammar_schema)
+        validate_schema_definition(spec.name, spec.json_schema, spec.merge_rules)  # one a user could register
         settings, params, _ = mode_params(mode, spec, Path(tempfile.gettempdir()))
         unit_request(make_units(1, 0, settings, mix=(1, 0, 0))[0], spec.prompt, params, settings)
 
@@ -221,8 +224,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default="fixed256,grammar", help="comma-separated: fixedN and/or grammar")
     parser.add_argument("--units", type=int, default=128, help="units (pages, photos, videos) per mode")
     parser.add_argument("--mix", default="14,1,1", help="PDF pages, photos, videos per period")
-    parser.add_argument("--schema", default="invoice", help="builtin schema of the fixedN modes")
-    parser.add_argument("--grammar-schema", default="form", help="builtin schema of the grammar mode")
+    parser.add_argument("--schema", default="auto",
+                        help="schema of the fixedN modes: a builtin or page_text; auto = invoice up to fixed256, "
+                             "page_text above (bench/doc_schemas.py)")
+    parser.add_argument("--grammar-schema", default="form", help="schema of the grammar mode (as --schema's names)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--submitters", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
