@@ -4,9 +4,9 @@ Preparing one page request (PNG decode, bicubic resize, float32 patches, content
 ~0.1-0.15 s of CPU, much of it holding the GIL; run on the job threads beside the engine's step thread it doubled
 the host time of each engine step in the GPU worker. `PagePrepPool` runs it in `processes` children instead: a job
 thread hands its messages (page images as PNG bytes) to an idle child and waits on the pipe (GIL released), the
-child runs the engine's own processor and writes the pixels into a file in /dev/shm that the parent maps
-(MAP_POPULATE, read-only) and unlinks at once, so the pixels cost neither a pickle nor a copy in this process and
-live exactly as long as the engine holds them. The result is the ProcessedPrompt the engine would have built.
+child runs the engine's own processor and writes the pixels into a file in /dev/shm that the parent maps, copies
+out on the job thread (no pickle, no pipe, the GIL released) and unlinks at once. The result is the
+ProcessedPrompt the engine would have built.
 
 Failure rules:
 - the processor refuses the messages: `RequestError("cannot prepare the messages: ...")`, as the engine raises it;
@@ -243,30 +243,40 @@ class PagePrepPool:
 
 
 def _prompt(reply: tuple[Any, ...], path: str) -> ProcessedPrompt:
-    """The ProcessedPrompt of an "ok" reply, its pixels mapped from the child's file (then unlinked)."""
+    """The ProcessedPrompt of an "ok" reply, its pixels copied out of the child's file (then unlinked)."""
     parts: PreparedParts = reply[1]
     items: list[VisionItem] = []
     if parts.pixel_bytes:
-        pixels = _map_pixels(path, parts.pixel_bytes)
+        pixels = _read_pixels(path, parts.pixel_bytes)
         for it in parts.items:
-            count = int(np.prod(it.shape))
-            rows = np.frombuffer(pixels, np.float32, count, it.offset).reshape(it.shape)
+            start = it.offset // 4
+            rows = pixels[start:start + int(np.prod(it.shape))].reshape(it.shape)
             items.append(VisionItem(it.kind, rows, it.grid_thw, it.token_start, it.num_tokens, it.content_hash,
                                     timestamp=it.timestamp))
     return ProcessedPrompt(token_ids=parts.token_ids, positions=parts.positions, rope_delta=parts.rope_delta,
                            vision_items=items)
 
 
-def _map_pixels(path: str, size: int) -> mmap.mmap:
-    """Map the file read-only, its pages populated now (on this job thread, GIL released: the engine's thread then
-    reads them without page faults), and unlink it: the memory goes when the last array over it does."""
+def _read_pixels(path: str, size: int) -> np.ndarray:
+    """float32 pixels of the file, in this process's own memory, the file unmapped and unlinked before return.
+    Mapped with MAP_POPULATE and copied out on the job's thread (syscall and copy run without the GIL): freeing
+    a tmpfs mapping costs ~10 ms a page, which must not land on the engine's step thread when it drops a
+    finished sequence; a private copy is freed there in well under a millisecond."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(path, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
         _remove(path)
+    try:
+        out = np.empty(size // 4, np.float32)
+        source = np.frombuffer(mapped, np.float32)
+        np.copyto(out, source)
+        del source  # the mapping cannot close while a view exports it
+    finally:
+        mapped.close()
+    return out
 
 
 def _dumps(task: tuple[Any, ...]) -> Any:

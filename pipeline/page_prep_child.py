@@ -9,11 +9,11 @@ own), then answers tasks on its pipe until told to stop or the pipe closes (the 
 The page images arrive as PNG bytes (pipeline.extraction.PngImage) and are decoded here as the job thread would
 decode them (extraction.load_png), so the result equals the in-process one value for value. The float32 pixels of
 every vision item are written into one file at `pixel_path` (the parent names it, in /dev/shm), which the parent
-maps and unlinks: the ~53 MB of a page never go through the pipe.
+maps, copies out and unlinks: the ~53 MB of a page never go through the pipe.
 """
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,26 +73,26 @@ def prepare_parts(prepare: Any, messages: list[dict[str, Any]], pixel_path: str)
                                item.timestamp, offset, tuple(item.pixel_values.shape)))
         offset += item.pixel_values.size * 4
     if offset:
-        _write_pixels(pixel_path, offset, [(p, it.pixel_values) for p, it in zip(items, prompt.vision_items)])
+        _write_pixels(pixel_path, [(p, it.pixel_values) for p, it in zip(items, prompt.vision_items)])
     return PreparedParts(prompt.token_ids, prompt.positions, prompt.rope_delta, items, offset)
 
 
-def _write_pixels(path: str, size: int, parts: list[tuple[ItemParts, np.ndarray]]) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def _write_pixels(path: str, parts: list[tuple[ItemParts, np.ndarray]]) -> None:
+    """pwrite, not a mapping: a full tmpfs is ENOSPC here (never a SIGBUS at a page's first touch), and tmpfs
+    takes the bytes without a page fault per 4 KB (2x faster than fallocate + mmap + copy)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        try:  # reserve the pages now: a full tmpfs is an error here, not a SIGBUS at the first write
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
-        except OSError as exc:
-            raise NoSpaceError(exc.errno, f"cannot allocate {size / 1e6:.0f} MB in {Path(path).parent}: "
-                               f"{exc.strerror}") from exc
-        with mmap.mmap(fd, size) as mm:
-            for part, pixels in parts:
-                view = np.ndarray(part.shape, np.float32, buffer=mm, offset=part.offset)
-                view[...] = pixels
-                del view  # the mmap cannot close while a view exports its buffer
+        for part, pixels in parts:
+            data = memoryview(np.ascontiguousarray(pixels, np.float32)).cast("B")
+            done = 0
+            while done < len(data):
+                try:
+                    done += os.pwrite(fd, data[done:], part.offset + done)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                        raise NoSpaceError(exc.errno, f"cannot write {len(data) / 1e6:.0f} MB of pixels in "
+                                           f"{Path(path).parent}: {exc.strerror}") from exc
+                    raise
     except BaseException:
         os.unlink(path)
         raise
