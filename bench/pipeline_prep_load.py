@@ -101,7 +101,7 @@ def page_messages(model_dir: Path, count: int) -> list[list[dict[str, Any]]]:
     return out
 
 
-def run_mode(clock: StepClock, seconds: float, jobs: int, work: Callable[[int], None] | None,
+def run_mode(clock: StepClock, seconds: float, jobs: int, work: Callable[[int], Any] | None,
              rate: float = 0.0) -> dict[str, Any]:
     stop, done = threading.Event(), [0]
     lock = threading.Lock()

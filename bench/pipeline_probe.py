@@ -14,6 +14,8 @@ Timed (thread-seconds, summed over threads; a nested call inside an already-time
 - page_images: `pipeline.jobs._unit_input` (a job's page images from the cache, or PNG decoding);
 - build_request / interpret: `pipeline.jobs.build_request` / `pipeline.jobs.interpret_reply` (answer parsing,
   jsonschema validation, confidences);
+- page_prep: `pipeline.page_prep.PagePrepPool.prepare` (a job thread waiting for a preparation process and copying
+  its pixels out; the preparation itself runs in the child, outside this process's CPU time);
 - inside the steps, for every engine built in the process (bench/step_profile.StepProfile attached at its
   construction): vision encodes, prefill / decode forwards, grammar masks, host scheduling (the rest of the step),
   and the processor's image preprocessing on the submitting threads; and the engine's batch sizes as built.
@@ -176,6 +178,9 @@ def install(path: Path | None = None, *, engine: bool = True, pipeline: bool = T
         probe.wrap(pipeline.jobs, "_unit_input", "page_images")
         probe.wrap(pipeline.jobs, "build_request", "build_request")
         probe.wrap(pipeline.jobs, "interpret_reply", "interpret")
+        import pipeline.page_prep
+
+        probe.wrap(pipeline.page_prep.PagePrepPool, "prepare", "page_prep")
     if path is not None:
         threading.Thread(target=_answer, args=(probe, Path(path)), name="bench-probe", daemon=True).start()
     return probe

@@ -49,7 +49,7 @@ from pipeline_batch import write_batch
 PARTS = ("engine", "celery", "embedded")  # the ceiling, then the goal's path
 TIMERS = ("db_txn", "db_sql", "db_commit", "render", "page_images", "build_request", "interpret",
           "step_vision_encode", "step_prefill_forward", "step_decode_forward", "step_grammar_mask", "step_host",
-          "image_preprocessing")
+          "image_preprocessing", "page_prep")
 
 
 def part_env(args: argparse.Namespace, model: Path, data_dir: Path, cuda_cache: Path) -> dict[str, str]:

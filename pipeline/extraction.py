@@ -12,7 +12,7 @@ import io
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jsonschema
 from PIL import Image
@@ -37,7 +37,7 @@ class UnitInput:
 
     unit: str
     page_index: int | None
-    images: list[Image.Image | PngImage]  # PngImage: still encoded, decoded where the prompt is prepared
+    images: Sequence[Image.Image | PngImage]  # PngImage: still encoded, decoded where the prompt is prepared
     timestamps: list[float | None]
     anchor_text: str | None = None
 

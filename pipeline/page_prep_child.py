@@ -83,7 +83,7 @@ def _write_pixels(path: str, parts: list[tuple[ItemParts, np.ndarray]]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         for part, pixels in parts:
-            data = memoryview(np.ascontiguousarray(pixels, np.float32)).cast("B")
+            data = np.ascontiguousarray(pixels, np.float32).data.cast("B")
             done = 0
             while done < len(data):
                 try:

@@ -165,7 +165,8 @@ def test_the_client_answers_alike_with_the_pool_without_it_and_when_shm_is_full(
     assert plain.error is None and (pooled.text, pooled.prompt_tokens) == (plain.text, plain.prompt_tokens)
     assert (fallback.text, fallback.prompt_tokens) == (plain.text, plain.prompt_tokens)
     refused = next(iter(pooled_client.run([EngineRequest([{"role": "user", "content": [{"type": "x"}]}], params)])))
-    assert refused.finish_reason == "error" and "the engine refused the request: cannot prepare" in (refused.error or "")
+    assert refused.finish_reason == "error"
+    assert "the engine refused the request: cannot prepare" in (refused.error or "")
 
 
 def _bytes_io(data: bytes) -> Any:
@@ -184,3 +185,21 @@ def test_prep_processes_default_to_off_on_reference_and_on_for_cuda(monkeypatch:
     assert Settings(runner="cuda").prep_processes() == 1
     assert Settings(runner="cuda", engine_prep_processes=0).prep_processes() == 0
     assert Settings(engine_prep_processes=3).prep_processes() == 3
+
+
+def test_a_job_run_through_the_pool_stores_the_results_of_one_without_it(
+        engine_client: Any, pool: PagePrepPool, make_pipeline: Any, inputs: list[Path]) -> None:
+    from sqlalchemy import select
+
+    from pipeline.models import Result
+    from pipeline.processing import process_paths
+
+    pdf = next(p for p in inputs if p.suffix.lower() == ".pdf")
+    texts = []
+    for client, name in ((engine_client, "plain.sqlite"), (_client(engine_client, pool), "pooled.sqlite")):
+        p = make_pipeline(f"sqlite:///{pool.pixel_dir / name}", client=client, image_cache_bytes=0)
+        report = process_paths(p, [pdf])
+        assert [f.state for f in report.files] == ["succeeded"], [(f.name, f.error) for f in report.files]
+        with p.db.read_session() as s:
+            texts.append(list(s.execute(select(Result.unit, Result.raw_text, Result.ok).order_by(Result.unit))))
+    assert texts[0] == texts[1] and len(texts[0]) > 1
