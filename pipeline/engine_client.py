@@ -94,6 +94,7 @@ class EngineClient:
 
         self._async_engine = async_engine
         self._preparer = preparer
+        self._warned_no_space = False
         self.model_key = model_key(model_dir, quantize)
         self.model_fingerprint = fingerprint
         self.engine_version = gpu_engine.__version__
@@ -175,7 +176,9 @@ class EngineClient:
         except RequestError as exc:  # refused as the engine refuses it: the page's reply carries the reason
             return _Refused(exc)
         except PrepNoSpace as exc:  # prepared here instead, as without the pool
-            log.warning("%s; preparing this request in the engine's process", exc)
+            if not self._warned_no_space:
+                self._warned_no_space = True
+                log.warning("%s; preparing such requests in the engine's process (said once)", exc)
             prompt = decode_pngs(request.messages)
         return self._async_engine.submit(prompt, request.params)
 

@@ -44,6 +44,7 @@ from .page_prep_child import PreparedParts
 
 log = logging.getLogger(__name__)
 
+PIXEL_FILE_ROOM = 256 << 20  # one request's pixel file (an A4 page at 150 dpi: 53 MB), with room to spare
 START_TIMEOUT_S = 180.0  # a child imports numpy/PIL/tokenizers and loads the checkpoint's tokenizer
 FILE_PREFIX = "docpipe-prep-"
 _NAMES = itertools.count()  # pixel file numbers, unique in this process whatever the number of pools
@@ -58,10 +59,15 @@ class PrepNoSpace(PagePrepError):
     """The shared-memory folder could not hold this request's pixels."""
 
 
-def default_pixel_dir() -> Path:
-    """/dev/shm where it exists (memory, not disk), else the temp folder."""
+def default_pixel_dir(need_bytes: int = 0) -> Path:
+    """/dev/shm where it is writable with `need_bytes` free (a container's default 64 MB is not), else the temp
+    folder: a file unlinked milliseconds after it was written is dropped from the page cache, not written back."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        stat = os.statvfs(shm)
+        if stat.f_bavail * stat.f_frsize >= need_bytes:
+            return shm
+    return Path(tempfile.gettempdir())
 
 
 class _Child:
@@ -124,7 +130,8 @@ class PagePrepPool:
         if processes < 1:
             raise ValueError(f"a page preparation pool needs at least 1 process, got {processes}")
         self.model_dir, self.processes, self.timeout_s = Path(model_dir), processes, timeout_s
-        self.pixel_dir = Path(pixel_dir) if pixel_dir is not None else default_pixel_dir()
+        # Files live from the child's write to the parent's copy: at most one per child at a time.
+        self.pixel_dir = Path(pixel_dir) if pixel_dir is not None else default_pixel_dir(processes * PIXEL_FILE_ROOM)
         self._idle: queue.Queue[_Child] = queue.Queue()
         self._children: set[_Child] = set()
         self._lock = threading.Lock()

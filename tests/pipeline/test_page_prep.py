@@ -203,3 +203,13 @@ def test_a_job_run_through_the_pool_stores_the_results_of_one_without_it(
         with p.db.read_session() as s:
             texts.append(list(s.execute(select(Result.unit, Result.raw_text, Result.ok).order_by(Result.unit))))
     assert texts[0] == texts[1] and len(texts[0]) > 1
+
+
+def test_pixel_files_go_to_the_temp_folder_when_shared_memory_is_too_small() -> None:
+    import tempfile
+
+    from pipeline.page_prep import default_pixel_dir
+
+    assert default_pixel_dir(1 << 62) == Path(tempfile.gettempdir())  # no /dev/shm holds 4 EiB
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        assert default_pixel_dir(0) == Path("/dev/shm")
