@@ -100,6 +100,18 @@ def _write_pixels(path: str, parts: list[tuple[ItemParts, np.ndarray]]) -> None:
         os.close(fd)
 
 
+def _warm_up(prepare: Any) -> None:
+    """One blank page through the processor before "ready": the first use of the template, tokenizer and the
+    big allocations (a first page took 3x a later one) is paid at start, not by a job's first page."""
+    from PIL import Image
+
+    page = Image.new("RGB", (1240, 1754), "white")  # an A4 page at 150 dpi: the allocations of a real one
+    try:
+        prepare([{"role": "user", "content": [{"type": "image", "image": page}, {"type": "text", "text": "a"}]}])
+    except Exception:  # a processor that refuses this page still serves real ones: their errors say what is wrong
+        pass
+
+
 def child_main(conn: Any, model_dir: str) -> None:
     """A child process's loop. Ends on ("stop",), or when the parent's end closes (the parent is gone)."""
     from gpu_engine.errors import RequestError
@@ -109,6 +121,7 @@ def child_main(conn: Any, model_dir: str) -> None:
     except Exception as exc:  # the parent reports it: the pool cannot start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    _warm_up(prepare)
     conn.send(("ready", os.getpid()))
     while True:
         try:
