@@ -33,7 +33,8 @@ check_vision passes with it: DEFAULT_VARIANT is wg64p (m2n32 on other devices an
 "ws2n128" / "ws2n64" / "ws3n64" (kernels/vision_flash_ws.cu, session 11) are wg64pr's step with warp specialisation
 (FlashAttention-3's structure): one producer warpgroup copies key tiles through an mbarrier-handed ring and 2 or 3
 consumer warpgroups of 64 rows compute, no block-wide barrier in the key loop, setmaxnreg moving registers to the
-consumers, one block an SM (ptxas, NVRTC 13: 168 / 168 / 128 registers at launch, c3 with 20 bytes of spills).
+consumers, one block an SM (ptxas, NVRTC 13: 168 / 168 / 128 registers at launch). The "q" forms keep Q in shared
+memory (wg64p's SS operand), which leaves room for 128 keys a step at 3 consumers, or 4 consumers.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ KEYS_PER_STEP = 64  # keys per step of the m1 variant (VF_BN in the kernel)
 # name -> (query rows per block / 64, keys per step): m-tiles per warp for the mma.sync variants; wg64's two
 # warpgroups of 64 rows make 128 rows a block like m2's 4 warps x 2 m-tiles
 VARIANTS = {"m1": (1, 64), "m2n64": (2, 64), "m2n32": (2, 32), "wg64": (2, 64), "wg64s": (2, 64), "wg64p": (2, 64),
-            "wg64pr": (2, 64), "ws2n128": (2, 128), "ws2n64": (2, 64), "ws3n64": (3, 64)}
+            "wg64pr": (2, 64), "ws2n128": (2, 128), "ws2n64": (2, 64), "ws3n64": (3, 64), "ws3n128q": (3, 128),
+            "ws3n64q": (3, 64), "ws4n64q": (4, 64)}
 M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the kernel)
 # kernels/vision_flash_wg.cu (wgmma, sm_90a): name -> kernel name suffix. wg64s: the next tile's copies issued after
 # the step's barrier, one barrier a step; wg64p: the pipelined kernel (softmax overlapping P V), wg64pr: the same with
@@ -57,8 +59,10 @@ M2_HEAD_DIMS = (64, 72, 80)  # the m2 variants' instantiations (DEFINE2 in the k
 WG_VARIANTS = {"wg64": "", "wg64s": "_sb", "wg64p": "_p", "wg64pr": "_pr"}
 # name -> (K | V stages in shared memory, Q rows staged there too: 0 = Q in registers)
 WG_STAGING = {"wg64": (2, 0), "wg64s": (2, 0), "wg64p": (4, 128), "wg64pr": (4, 0)}
-# kernels/vision_flash_ws.cu (warp-specialised wgmma, sm_90a): name -> (consumer warpgroups, keys per step, stages)
-WS_VARIANTS = {"ws2n128": (2, 128, 3), "ws2n64": (2, 64, 4), "ws3n64": (3, 64, 4)}
+# kernels/vision_flash_ws.cu (warp-specialised wgmma, sm_90a): name -> (consumer warpgroups, keys per step, stages,
+# Q in shared memory)
+WS_VARIANTS = {"ws2n128": (2, 128, 3, False), "ws2n64": (2, 64, 4, False), "ws3n64": (3, 64, 4, False),
+               "ws3n128q": (3, 128, 3, True), "ws3n64q": (3, 64, 4, True), "ws4n64q": (4, 64, 4, True)}
 HOPPER_VARIANTS = (*WG_VARIANTS, *WS_VARIANTS)  # need WG_ARCHS and a WG_HEAD_DIMS head dim
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
@@ -102,7 +106,7 @@ def resolve_variant(head_dim: int, variant: str | None = None, arch: str | None 
 def kernel_name(head_dim: int, variant: str) -> str:
     m, keys = VARIANTS[variant]
     if variant in WS_VARIANTS:
-        return f"vision_flash_ws_bf16_hd{head_dim}_c{m}_n{keys}"
+        return f"vision_flash_ws_bf16_hd{head_dim}_c{m}_n{keys}{'_q' if WS_VARIANTS[variant][3] else ''}"
     if variant in WG_VARIANTS:
         return f"vision_flash_wg_bf16_hd{head_dim}_n{keys}{WG_VARIANTS[variant]}"
     return f"vision_flash_bf16_hd{head_dim}" if m == 1 else f"vision_flash_bf16_hd{head_dim}_m{m}_n{keys}"
@@ -112,8 +116,9 @@ def launch_shape(head_dim: int, variant: str) -> tuple[str, int, int]:
     """(kernel family, threads per block, dynamic shared bytes) of a resolved variant."""
     keys = VARIANTS[variant][1]
     if variant in WS_VARIANTS:
-        consumers, keys, stages = WS_VARIANTS[variant]
-        return "vision_flash_ws", 128 * (1 + consumers), wg_shared_bytes(head_dim, keys, stages)
+        consumers, keys, stages, q_smem = WS_VARIANTS[variant]
+        q_rows = 64 * consumers if q_smem else 0
+        return "vision_flash_ws", 128 * (1 + consumers), wg_shared_bytes(head_dim, keys, stages, q_rows)
     if variant in WG_VARIANTS:
         stages, q_rows = WG_STAGING[variant]
         return "vision_flash_wg", WG_THREADS, wg_shared_bytes(head_dim, keys, stages, q_rows)

@@ -39,7 +39,7 @@ class FlashFakeDevice(FakeDevice):
             return
         out, qkv, heads, seg, tiles = (int(a) for a in args[:5])
         scale = float(args[5])
-        kernel = r"vision_flash(?:_wg|_ws)?_bf16_hd(\d+)(_[mc]\d+)?(_n\d+)?(_sb|_p|_pr)?"
+        kernel = r"vision_flash(?:_wg|_ws)?_bf16_hd(\d+)(_[mc]\d+)?(_n\d+)?(_sb|_p|_pr|_q)?"
         head_dim = int(re.fullmatch(kernel, name).group(1))
         variant = next(v for v in vision_flash.VARIANTS if vision_flash.kernel_name(head_dim, v) == name)
         blocks, grid_heads = grid

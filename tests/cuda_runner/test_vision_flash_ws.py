@@ -20,20 +20,20 @@ SOURCE = Path(KERNEL_DIR) / "vision_flash_ws.cu"
 
 @pytest.mark.parametrize("variant", sorted(vision_flash.WS_VARIANTS))
 def test_each_variant_names_a_kernel_with_its_template_and_block(variant: str) -> None:
-    consumers, keys, stages = vision_flash.WS_VARIANTS[variant]
+    consumers, keys, stages, q_smem = vision_flash.WS_VARIANTS[variant]
     src = SOURCE.read_text()
     name = vision_flash.kernel_name(72, variant)
     threads = 128 * (1 + consumers)
     assert re.search(rf"__launch_bounds__\({threads}, 1\) {name}\(", src), name
     body = src[src.index(f"{name}("):]
-    assert f"vs_attention<{consumers}, {keys}, {stages}>(" in body[: body.index("}")]
+    assert f"vs_attention<{consumers}, {keys}, {stages}, {str(q_smem).lower()}>(" in body[: body.index("}")]
     assert vision_flash.VARIANTS[variant] == (consumers, keys)  # tile rows = 64 per consumer warpgroup
     assert compile_arch("sm_90", expand_source(SOURCE)) == "sm_90a"
 
 
 @pytest.mark.parametrize("variant", sorted(vision_flash.WS_VARIANTS))
 def test_launch_grid_threads_and_shared_memory(variant: str) -> None:
-    consumers, keys, stages = vision_flash.WS_VARIANTS[variant]
+    consumers, keys, stages, q_smem = vision_flash.WS_VARIANTS[variant]
     ctx = SimpleNamespace(device=RecordingDevice("sm_90"))
     seg, segments, heads = 8580, 2, 16
     n = seg * segments
@@ -43,9 +43,10 @@ def test_launch_grid_threads_and_shared_memory(variant: str) -> None:
     tiles = -(-seg // (64 * consumers))
     assert call[:4] == ("vision_flash_ws", vision_flash.kernel_name(72, variant), (segments * tiles, heads),
                         128 * (1 + consumers))
-    # the kernel traps unless it gets STAGES x (K tile of 80 columns + V tile of 72) bf16 rows of `keys`
     assert call[4] == ['int', 'int', 'int32', 'int32', 'int32', 'float32']
-    assert call[5] == stages * keys * (80 + 72) * 2 <= 227 * 1024
+    # the kernel traps unless it gets STAGES x (K tile of 80 columns + V tile of 72) bf16 rows of `keys`, and with
+    # Q in shared memory 64 rows of 80 columns per consumer
+    assert call[5] == (stages * keys * (80 + 72) + q_smem * consumers * 64 * 80) * 2 <= 227 * 1024
 
 
 def test_other_devices_and_head_dims_fall_back_to_m2n32() -> None:
@@ -136,7 +137,7 @@ def replay(n_kt: int, stages: int, consumers: int, seed: int, release_lag: int =
 
 @pytest.mark.parametrize("variant", sorted(vision_flash.WS_VARIANTS))
 def test_the_stage_ring_holds_under_random_interleavings(variant: str) -> None:
-    consumers, _, stages = vision_flash.WS_VARIANTS[variant]
+    consumers, _, stages, _ = vision_flash.WS_VARIANTS[variant]
     for n_kt in range(1, 14):
         for seed in range(40):
             assert replay(n_kt, stages, consumers, seed) == [], (n_kt, seed)

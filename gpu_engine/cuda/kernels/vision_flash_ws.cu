@@ -21,8 +21,8 @@
 #define VS_HD 72
 // setmaxnreg per warpgroup role: 128 x producer + CONSUMERS x 128 x consumer <= 65,536 registers
 template <int CONSUMERS> struct VsRegs {
-    static constexpr int PRODUCER = CONSUMERS == 2 ? 40 : 24;
-    static constexpr int CONSUMER = CONSUMERS == 2 ? 232 : 160;
+    static constexpr int PRODUCER = CONSUMERS == 2 ? 40 : CONSUMERS == 3 ? 32 : 24;
+    static constexpr int CONSUMER = CONSUMERS == 2 ? 232 : CONSUMERS == 3 ? 160 : 120;
     static_assert(128 * PRODUCER + CONSUMERS * 128 * CONSUMER <= 65536, "more registers than an SM has");
 };
 
@@ -97,9 +97,12 @@ __device__ __forceinline__ void vs_produce(char* smem_bytes, unsigned full0, uns
     mbar_arrive(full0 + 8 * ((n_kt - 1) % STAGES));
 }
 
-// A consumer warpgroup (c = 0 .. CONSUMERS - 1): query rows q0 + 64 c .. + 64 over every key tile.
-template <int CONSUMERS, int BN, int STAGES>
-__device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned full0, unsigned empty0, bf16_t* out,
+// A consumer warpgroup (c = 0 .. CONSUMERS - 1): query rows q0 + 64 c .. + 64 over every key tile. Q_SMEM: its Q rows
+// go to its own part of shared memory at q_buf (K's layout, zero columns 72..79 and rows past the segment) and Q K^T
+// takes them as an SS-form operand (wg64p's), which frees the 20 registers of the A fragments.
+template <int CONSUMERS, int BN, int STAGES, bool Q_SMEM>
+__device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned q_buf, unsigned full0, unsigned empty0,
+                                           bf16_t* out,
                                            const bf16_t* q_head, long long row_stride, long long width, int h,
                                            int q0, int seg_len, long long seg_first, int n_kt, float scale) {
     using S = VsShape<BN>;
@@ -108,8 +111,28 @@ __device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned full
     const int row0 = q0 + 64 * c + 16 * w;   // this warp's first row (m64 fragment rows 16 w + g, + 8)
     const float sl = scale * 1.4426950408889634f;   // scores -> exp2 domain
 
-    unsigned qa[KSTEPS][4];   // Q A-fragments (dims 72..79 zero), as wg64 loads them
-    {
+    unsigned qa[KSTEPS][4];   // !Q_SMEM: Q A-fragments (dims 72..79 zero), as wg64 loads them
+    unsigned long long qd[KSTEPS];   // Q_SMEM: its descriptors, k-step kk 256 kk bytes in
+    if constexpr (Q_SMEM) {
+        const int t = threadIdx.x & 127;
+        char* const q_bytes = reinterpret_cast<char*>(__cvta_shared_to_generic(q_buf));
+        for (int i = t; i < 64 * 10; i += 128) {   // row r, chunk ch (9: the zero padding)
+            const int r = i / 10, ch = i - r * 10, row = q0 + 64 * c + r;
+            const unsigned off = (unsigned)((r >> 3) * S::K_GROUP + ch * 128 + (r & 7) * 16);
+            if (ch == 9) {
+                *reinterpret_cast<uint4*>(q_bytes + off) = make_uint4(0, 0, 0, 0);
+            } else {
+                const bool valid = row < seg_len;
+                cp_async16(q_buf + off, q_head + (long long)(valid ? row : 0) * row_stride + ch * 8, valid ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");   // this warpgroup's Q rows written
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) qd[kk] = vw_desc(q_buf + (unsigned)(kk * 256), 128, S::K_GROUP);
+    } else {
         const int ra = row0 + g, rb = ra + 8;
         const bool va = ra < seg_len, vb = rb < seg_len;
         const unsigned* qra = (const unsigned*)(q_head + (long long)(va ? ra : 0) * row_stride);
@@ -139,7 +162,10 @@ __device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned full
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk)
                 kd[kk] = vw_desc(k_buf + (unsigned)(half * 8 * S::K_GROUP + kk * 256), 128, S::K_GROUP);
-            vw_qk<false>(*reinterpret_cast<float(*)[8][4]>(&s[8 * half][0]), qa, kd);
+            if constexpr (Q_SMEM)
+                vw_qk_ss(*reinterpret_cast<float(*)[8][4]>(&s[8 * half][0]), qd, kd);
+            else
+                vw_qk<false>(*reinterpret_cast<float(*)[8][4]>(&s[8 * half][0]), qa, kd);
         }
     };
     const auto issue_pv = [&](int j) {   // NH groups: O += P_j V_j over the two 64-key halves
@@ -210,7 +236,7 @@ __device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned full
     vw_store_rows<HD>(o, l_a, l_b, row0 + g, seg_len, seg_first, out, width, h, tig);
 }
 
-template <int CONSUMERS, int BN, int STAGES>
+template <int CONSUMERS, int BN, int STAGES, bool Q_SMEM>
 __device__ __forceinline__ void vs_attention(bf16_t* out, const bf16_t* qkv, int heads, int seg_len,
                                              int tiles_per_seg, float scale) {
     using S = VsShape<BN>;
@@ -220,7 +246,9 @@ __device__ __forceinline__ void vs_attention(bf16_t* out, const bf16_t* qkv, int
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];   // full[STAGES], then empty[STAGES]
 
     pdl_entry();
-    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)(STAGES * S::STAGE)) __trap();   // host/kernel mismatch
+    constexpr int Q_PART = Q_SMEM ? 8 * S::K_GROUP : 0;   // a consumer's 64 Q rows, after the stages
+    // host/kernel mismatch: vision_flash.wg_shared_bytes(72, BN, STAGES, Q rows)
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned)(STAGES * S::STAGE + CONSUMERS * Q_PART)) __trap();
 
     const int h = blockIdx.y, wg = threadIdx.x >> 7;
     const int segment = blockIdx.x / tiles_per_seg, q0 = (blockIdx.x - segment * tiles_per_seg) * 64 * CONSUMERS;
@@ -244,7 +272,8 @@ __device__ __forceinline__ void vs_attention(bf16_t* out, const bf16_t* qkv, int
                                           width, seg_len, n_kt);
     } else {
         setmaxnreg_inc<VsRegs<CONSUMERS>::CONSUMER>();
-        vs_consume<CONSUMERS, BN, STAGES>(wg - 1, stages, full0, empty0, out, q_head, row_stride, width, h, q0,
+        vs_consume<CONSUMERS, BN, STAGES, Q_SMEM>(wg - 1, stages, stages + STAGES * S::STAGE + (wg - 1) * Q_PART,
+                                                  full0, empty0, out, q_head, row_stride, width, h, q0,
                                           seg_len, seg_first, n_kt, scale);
     }
 }
@@ -252,15 +281,30 @@ __device__ __forceinline__ void vs_attention(bf16_t* out, const bf16_t* qkv, int
 // name: consumers, keys per step (vision_flash.WS_VARIANTS); threads 128 (1 + consumers); shared STAGES stages
 extern "C" __global__ void __launch_bounds__(384, 1) vision_flash_ws_bf16_hd72_c2_n128(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
-    vs_attention<2, 128, 3>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+    vs_attention<2, 128, 3, false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) vision_flash_ws_bf16_hd72_c2_n64(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
-    vs_attention<2, 64, 4>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+    vs_attention<2, 64, 4, false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) vision_flash_ws_bf16_hd72_c3_n64(
         bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
-    vs_attention<3, 64, 4>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+    vs_attention<3, 64, 4, false>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) vision_flash_ws_bf16_hd72_c3_n128_q(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vs_attention<3, 128, 3, true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) vision_flash_ws_bf16_hd72_c3_n64_q(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vs_attention<3, 64, 4, true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(640, 1) vision_flash_ws_bf16_hd72_c4_n64_q(
+        bf16_t* out, const bf16_t* qkv, int heads, int seg_len, int tiles_per_seg, float scale) {
+    vs_attention<4, 64, 4, true>(out, qkv, heads, seg_len, tiles_per_seg, scale);
 }
