@@ -14,11 +14,12 @@ Both are (row stride, column stride) pairs here, so the kernels would take anoth
 and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for m % 4 != 0).
 Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
 `fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
-Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT is the one path "gemv" runs on up to GEMV_TOKENS tokens):
-"stream" the tile grid (a block a 16-row tile), "splitk" the same with K split over blocks and a reduction pass,
-"streamk<depth>" the stream-K form (every warp of a full-machine grid streams an equal share of the (tile,
-128-group) units, <depth> units of weight in flight a warp, how they are loaded by the suffix (fp8.cu's MODE);
-tiles shared by warps settled by the last to finish).
+Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT, "stream", is the one path "gemv" runs): "stream" the tile
+grid (a block a 16-row tile), "splitk" the same with K split over blocks and a reduction pass, "streamk<depth>"
+(up to GEMV_TOKENS tokens; slower than "stream" at every 27B decode shape on the H200) the stream-K form (every
+warp of a full-machine grid streams an equal share of the (tile, 128-group) units, <depth> units of weight in
+flight a warp, how they are loaded by the suffix (fp8.cu's MODE); tiles shared by warps settled by the last to
+finish).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ STREAMK_BLOCKS_PER_SM = {"d2": 2, "d4": 2, "d4p": 2, "d4pb": 2, "d6pb": 1}
 STREAMK_WARPS = 8  # FP8_SK_WARPS
 STREAMK_MIN_UNITS = 4  # units (16 rows x one 128-group) a warp at least: below that, fewer warps than the machine has
 GEMV_VARIANTS = ("stream", "splitk", *(f"streamk_{d}" for d in STREAMK_BLOCKS_PER_SM))
-GEMV_VARIANT = "streamk_d4p"  # path "gemv" (auto at m <= GEMV_MAX_M); "stream" is session 6's kernel, kept for A/B
+GEMV_VARIANT = "stream"  # path "gemv"; the stream-K forms ran slower on the H200 (fp8_gemm_bench.json, 2026-12-03)
 
 
 def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -284,7 +285,7 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_<variant>"
     (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT on up to GEMV_TOKENS tokens, "stream" on more (and
     where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
-    roofline at M=1). Returns the path taken, the variant named ("gemv_streamk_d4p")."""
+    roofline at M=1). Returns the path taken, the variant named ("gemv_stream")."""
     n, k = w.shape
     if path == "auto":
         path = "gemv" if xa.m <= GEMV_MAX_M else "cublaslt"

@@ -104,17 +104,14 @@ def weight(ctx: Launches, n: int, k: int, counters: bool = True) -> fp8_ops.Fp8W
 
 
 @pytest.mark.parametrize("m", [1, 8])
-def test_gemv_path_runs_the_default_variant_with_the_planned_grid(m):
+def test_gemv_path_runs_the_tile_grid_kernel_by_default(m):
     ctx = Launches()
     w = weight(ctx, 5120, 17408)
     xa = fp8_ops.act_buffers(ctx, m, 17408)
     took = fp8_ops.fp8_matmul(ctx, ctx.empty((m, 5120), "bf16", "y"), xa, w)
-    assert took == f"gemv_{fp8_ops.GEMV_VARIANT}"
+    assert took == "gemv_stream"
     (module, kernel, grid, block, *args), = ctx.calls
-    name = fp8_ops.GEMV_VARIANT.removeprefix("streamk_")
-    warps = fp8_ops.streamk_warps(5120, 17408, 132, name)
-    assert (kernel, grid, block) == (f"fp8_streamk_{name}", -(-warps // 8), 256)
-    assert args[3] == w.counters.ptr and int(args[4]) == warps and int(args[-3]) == m
+    assert (kernel, grid, block) == ("fp8_gemv_bf16_t1", 320, 256) and int(args[-3]) == m
 
 
 def test_more_tokens_or_no_counters_take_the_tile_grid_kernel():
