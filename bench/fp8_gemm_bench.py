@@ -5,7 +5,8 @@
 Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z, attention's q|gate|k|v, o_proj = DeltaNet's
 out_proj) and tokens M in 1, 4, 8, 16, 32, 8192:
 - every FP8 streaming variant (fp8_ops.GEMV_VARIANTS through fp8_ops.fp8_gemv: the tile grid "stream" and
-  "splitk" at M <= 32, the stream-K "streamk<depth>" at M <= 8), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
+  "splitk" at M <= 32, "stream3" (the tile grid at 3 blocks an SM) at M <= 8), FP8 cuBLASLt block-scaled matmul,
+  BF16 cuBLASLt;
 - decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the copy bandwidth
   measured in the same run (the faster of a 1 GiB copy kernel and memcpy, read + write) = fraction of the roofline;
 - per decode M, the FP8 Linears of one decode step of the whole model (each shape's time x the layers that have
@@ -47,7 +48,6 @@ from gpu_engine.cuda.fp8_ops import (  # noqa: E402
     fp8_gemv,
     norm_quant,
     quantize_activations,
-    tile_counters,
     weight_scale_grid,
 )
 
@@ -85,7 +85,7 @@ def fp8_weights(ctx: GpuContext, rng: np.random.Generator, n: int, k: int) -> li
         b = ctx.empty((n, k), "u8", f"w8.{i}")
         ctx.device.upload(b.ptr, bits)
         s = ctx.to_device(grid, "f32", f"w8s.{i}")
-        out.append(Fp8Weight(b, s, grid.shape[1], 1, tile_counters(ctx, f"w8c.{i}", n)))
+        out.append(Fp8Weight(b, s, grid.shape[1], 1))
     return out
 
 
@@ -158,7 +158,7 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
 
 
 def variants_for(m: int) -> tuple[str, ...]:
-    return tuple(v for v in GEMV_VARIANTS if m <= GEMV_TOKENS or not v.startswith("streamk"))
+    return tuple(v for v in GEMV_VARIANTS if m <= GEMV_TOKENS or v != "stream3")
 
 
 def step_sums(rows: list[dict], per_step: dict[str, int]) -> list[dict]:

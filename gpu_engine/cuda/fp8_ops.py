@@ -15,11 +15,8 @@ and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorit
 Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
 `fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
 Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT, "stream", is the one path "gemv" runs): "stream" the tile
-grid (a block a 16-row tile), "splitk" the same with K split over blocks and a reduction pass, "streamk<depth>"
-(up to GEMV_TOKENS tokens; slower than "stream" at every 27B decode shape on the H200) the stream-K form (every
-warp of a full-machine grid streams an equal share of the (tile, 128-group) units, <depth> units of weight in
-flight a warp, how they are loaded by the suffix (fp8.cu's MODE); tiles shared by warps settled by the last to
-finish).
+grid (a block a 16-row tile, 2 resident an SM), "stream3" the same kernel at 3 an SM (up to GEMV_TOKENS tokens: one
+wave where the tile grid leaves 1.2, n = 5120 on an H200), "splitk" K split over blocks and a reduction pass.
 """
 from __future__ import annotations
 
@@ -43,13 +40,8 @@ GEMV_ROWS = 16  # weight rows a block
 GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
 GEMV_BLOCKS_PER_SM = 2  # the streaming kernels' __launch_bounds__(256, 2)
 SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
-# stream-K variants: fp8_streamk_<name> (weight units in flight a warp, p: L2 256-byte prefetch loads, b: half-ring
-# burst refills; fp8.cu) -> its __launch_bounds__ minimum blocks an SM
-STREAMK_BLOCKS_PER_SM = {"d2": 2, "d4": 2, "d4p": 2, "d4pb": 2, "d6pb": 1}
-STREAMK_WARPS = 8  # FP8_SK_WARPS
-STREAMK_MIN_UNITS = 4  # units (16 rows x one 128-group) a warp at least: below that, fewer warps than the machine has
-GEMV_VARIANTS = ("stream", "splitk", *(f"streamk_{d}" for d in STREAMK_BLOCKS_PER_SM))
-GEMV_VARIANT = "stream"  # path "gemv"; the stream-K forms ran slower on the H200 (fp8_gemm_bench.json, 2026-12-03)
+GEMV_VARIANTS = ("stream", "stream3", "splitk")
+GEMV_VARIANT = "stream"  # path "gemv" (bench/results/cuda_notes.md, session 11 #15: stream-K was slower, removed)
 
 
 def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -60,14 +52,6 @@ def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
     want = max(1, -(-SPLITK_WAVES * GEMV_BLOCKS_PER_SM * sm_count // tiles))
     gps = _round_up(-(-g // want), GEMV_WARPS)
     return -(-g // gps), gps
-
-
-def streamk_warps(n: int, k: int, sm_count: int, name: str) -> int:
-    """Warps of the stream-K kernel's grid: every resident warp of the machine, or fewer where a warp would get
-    under STREAMK_MIN_UNITS units; never more warps than units (the kernel's settling counts on no empty warp)."""
-    units = -(-n // GEMV_ROWS) * groups(k)
-    full = sm_count * STREAMK_BLOCKS_PER_SM[name] * STREAMK_WARPS
-    return max(1, min(full, units // STREAMK_MIN_UNITS))
 
 
 def _round_up(x: int, to: int) -> int:
@@ -86,7 +70,6 @@ class Fp8Weight:
     scales: DArray  # f32 [ceil(n/128), ld]
     scale_row_stride: int  # per 128-row block
     scale_col_stride: int  # per 128-column block
-    counters: DArray | None = None  # u32 [ceil(n/16)], zero between launches: the stream-K kernel's tile counters
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,14 +133,7 @@ def upload_fp8_weight(ctx: GpuContext, name: str, parts: Sequence[Fp8Tensor]) ->
     ctx.device.upload(d_bits.ptr, np.ascontiguousarray(bits))
     d_scales = ctx.empty(scales.shape, "f32", name + ".scale_inv")
     ctx.device.upload(d_scales.ptr, scales)
-    return Fp8Weight(d_bits, d_scales, scales.shape[1], 1, tile_counters(ctx, name, bits.shape[0]))
-
-
-def tile_counters(ctx: GpuContext, name: str, n: int) -> DArray:
-    """The stream-K kernel's per-tile arrival counters for a weight of n rows, zeroed (each launch leaves them so)."""
-    counters = ctx.empty((-(-n // GEMV_ROWS),), "u32", name + ".tile_counters")
-    ctx.device.upload(counters.ptr, np.zeros(counters.shape, np.uint32))
-    return counters
+    return Fp8Weight(d_bits, d_scales, scales.shape[1], 1)
 
 
 def act_buffers(ctx: GpuContext, m: int, k: int) -> Fp8Activations:
@@ -226,15 +202,15 @@ def norm_quant(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, ep
 
 def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
              first_token: int = 0, tokens: int | None = None, variant: str = "stream") -> None:
-    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32; 8 for streamk*), with the
+    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32; 8 for "stream3"), with the
     streaming kernel of `variant` (module docstring); "splitk": K split over blocks (split_k_plan), f32 partials
     summed in split order by a second pass."""
     n, k = w.shape
-    if variant.startswith("streamk"):
-        _streamk(ctx, y, xa, w, y_ld or n, first_token, xa.m - first_token if tokens is None else tokens, variant)
-        return
+    if variant not in GEMV_VARIANTS:
+        raise ShapeError(f"unknown FP8 GEMV variant {variant!r} (one of {', '.join(GEMV_VARIANTS)})")
     tokens = xa.m - first_token if tokens is None else tokens
-    if xa.k != k or not 0 < tokens <= GEMV_TOKENS * GEMV_MAX_TILES or first_token + tokens > xa.m:
+    most = GEMV_TOKENS if variant == "stream3" else GEMV_TOKENS * GEMV_MAX_TILES
+    if xa.k != k or not 0 < tokens <= most or first_token + tokens > xa.m:
         raise ShapeError(f"fp8_gemv: activations {xa.q.shape} (tokens {first_token}+{tokens}) vs weight {w.shape}")
     if y.dtype != "bf16":
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
@@ -250,41 +226,19 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
         ctx.device.launch("fp8", "fp8_splitk_reduce_bf16", -(-tokens * n // 256), 256,
                           y.ptr + first_token * y_ld * 2, i64(y_ld), part.ptr, i32(splits), i32(tokens), i32(n))
         return
-    if variant != "stream":
-        raise ShapeError(f"unknown FP8 GEMV variant {variant!r}")
-    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
+    kernel = "fp8_gemv_o3_bf16_t1" if variant == "stream3" else f"fp8_gemv_bf16_t{tiles}"
+    ctx.device.launch("fp8", kernel, -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),
                       w.bits.ptr, i64(k), w.scales.ptr, i64(w.scale_row_stride), i64(w.scale_col_stride),
                       i32(tokens), i32(n), i32(k))
 
 
-def _streamk(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int, first_token: int,
-             tokens: int, variant: str) -> None:
-    """fp8_streamk_<name>: streamk_warps(...) warps, f32 partials [warps, 2, 128] in arena scratch."""
-    n, k = w.shape
-    name = variant.removeprefix("streamk_")
-    if name not in STREAMK_BLOCKS_PER_SM:
-        raise ShapeError(f"unknown FP8 GEMV variant {variant!r} (one of {', '.join(GEMV_VARIANTS)})")
-    if xa.k != k or not 0 < tokens <= GEMV_TOKENS or first_token + tokens > xa.m or y.dtype != "bf16":
-        raise ShapeError(f"fp8 {variant}: activations {xa.q.shape} (tokens {first_token}+{tokens}) vs weight "
-                         f"{w.shape}, output {y.dtype}: at most {GEMV_TOKENS} tokens, bf16 out")
-    if w.counters is None or w.counters.size < -(-n // GEMV_ROWS):
-        raise ShapeError(f"fp8 {variant}: the weight has no tile counters (upload it with upload_fp8_weight)")
-    warps = streamk_warps(n, k, ctx.device.info.sm_count, name)
-    part = ctx.empty((warps * 2 * 128,), "f32", "fp8.streamk")
-    ctx.device.launch("fp8", f"fp8_streamk_{name}", -(-warps // STREAMK_WARPS), STREAMK_WARPS * 32,
-                      y.ptr + first_token * y_ld * 2, i64(y_ld), part.ptr, w.counters.ptr, i32(warps),
-                      xa.q.ptr + first_token * k, i64(k), xa.scales.ptr + first_token * xa.t_stride * 4,
-                      i64(xa.g_stride), i64(xa.t_stride), w.bits.ptr, i64(k), w.scales.ptr,
-                      i64(w.scale_row_stride), i64(w.scale_col_stride), i32(tokens), i32(n), i32(k))
-
-
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
                path: str = "auto") -> str:
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_<variant>"
-    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT on up to GEMV_TOKENS tokens, "stream" on more (and
-    where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
+    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT, "stream" where it takes fewer tokens than there are
+    (and where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
     roofline at M=1). Returns the path taken, the variant named ("gemv_stream")."""
     n, k = w.shape
     if path == "auto":
@@ -299,11 +253,11 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
         except ShapeError:  # no block-scaled algorithm in this cuBLASLt: the streaming kernel, 32 tokens a launch
             path = "gemv"
     if path == "gemv":
-        path = f"gemv_{GEMV_VARIANT}" if xa.m <= GEMV_TOKENS and w.counters is not None else "gemv_stream"
+        path = f"gemv_{GEMV_VARIANT}" if xa.m <= GEMV_TOKENS or GEMV_VARIANT != "stream3" else "gemv_stream"
     variant = path.removeprefix("gemv_")
     if not path.startswith("gemv_") or variant not in GEMV_VARIANTS:
         raise ShapeError(f"unknown FP8 GEMM path {path!r}")
-    step = GEMV_TOKENS if variant.startswith("streamk") else GEMV_TOKENS * GEMV_MAX_TILES
+    step = GEMV_TOKENS if variant == "stream3" else GEMV_TOKENS * GEMV_MAX_TILES
     for first in range(0, xa.m, step):
         fp8_gemv(ctx, y, xa, w, y_ld, first, min(step, xa.m - first), variant=variant)
     return path
