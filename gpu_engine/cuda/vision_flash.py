@@ -35,6 +35,10 @@ check_vision passes with it: DEFAULT_VARIANT is wg64p (m2n32 on other devices an
 consumer warpgroups of 64 rows compute, no block-wide barrier in the key loop, setmaxnreg moving registers to the
 consumers, one block an SM (ptxas, NVRTC 13: 168 / 168 / 128 registers at launch). The "q" forms keep Q in shared
 memory (wg64p's SS operand), which leaves room for 128 keys a step at 3 consumers, or 4 consumers.
+Session 11 on an H200: ws2n128 / ws2n64 / ws3n64 pass check_vision_flash (ws3n64q / ws3n128q pass
+vision_flash_bench's checks; ws4n64q not yet run); a 4,096-row layer in 0.240 ms with ws3n64 (322 TFLOP/s) against
+wg64p's 0.319 (242); check_vision passes with ws3n64 as the tower's kernel, and the 9B document run's vision GPU time
+fell from 11.4 to 10.2 s: DEFAULT_VARIANT is ws3n64 since (bench/results/cuda_notes.md, session 11).
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ HOPPER_VARIANTS = (*WG_VARIANTS, *WS_VARIANTS)  # need WG_ARCHS and a WG_HEAD_DI
 WG_HEAD_DIMS = (72,)
 WG_ARCHS = ("sm_90",)  # devices whose arch-specific target has wgmma (gpu_engine.cuda.device.compile_arch)
 WG_THREADS = 256
-DEFAULT_VARIANT = "wg64p"  # resolve_variant: m2n32 where wgmma or head_dim 72 is not there
+DEFAULT_VARIANT = "ws3n64"  # resolve_variant: m2n32 where wgmma or head_dim 72 is not there
 _PAD = 8  # bf16 elements of padding per shared-memory row (VF_PAD)
 _MAX_GRID_X = 2**31 - 1
 _MAX_HEADS = 65535  # heads are gridDim.y
