@@ -133,18 +133,7 @@ __device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned q_bu
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) qd[kk] = vw_desc(q_buf + (unsigned)(kk * 256), 128, S::K_GROUP);
     } else {
-        const int ra = row0 + g, rb = ra + 8;
-        const bool va = ra < seg_len, vb = rb < seg_len;
-        const unsigned* qra = (const unsigned*)(q_head + (long long)(va ? ra : 0) * row_stride);
-        const unsigned* qrb = (const unsigned*)(q_head + (long long)(vb ? rb : 0) * row_stride);
-#pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-            const bool lo_in = kk * 16 + 8 <= HD, hi_in = kk * 16 + 16 <= HD;   // compile-time per kk
-            qa[kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
-            qa[kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
-            qa[kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
-            qa[kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
-        }
+        vw_load_q<HD, KSTEPS>(qa, q_head, row_stride, row0 + g, seg_len, tig);
     }
     float o[NT_O][4], s[NT_S][4];
     unsigned pf[NT_S / 2][4];

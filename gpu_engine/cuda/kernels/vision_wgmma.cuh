@@ -138,6 +138,25 @@ template <int N> __device__ __forceinline__ void vw_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// This warp's Q A-fragments (the mma.sync A layout: rows ra = first row + g and ra + 8, dims kk*16 + 2*tig (+1) and
+// +8), loaded straight from global memory; rows past the segment and dims at or past HD are zero registers.
+template <int HD, int KSTEPS>
+__device__ __forceinline__ void vw_load_q(unsigned (&qa)[KSTEPS][4], const bf16_t* q_head, long long row_stride,
+                                          int ra, int seg_len, int tig) {
+    const int rb = ra + 8;
+    const bool va = ra < seg_len, vb = rb < seg_len;
+    const unsigned* qra = (const unsigned*)(q_head + (long long)(va ? ra : 0) * row_stride);
+    const unsigned* qrb = (const unsigned*)(q_head + (long long)(vb ? rb : 0) * row_stride);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const bool lo_in = kk * 16 + 8 <= HD, hi_in = kk * 16 + 16 <= HD;   // compile-time per kk
+        qa[kk][0] = va && lo_in ? qra[kk * 8 + tig] : 0u;
+        qa[kk][1] = vb && lo_in ? qrb[kk * 8 + tig] : 0u;
+        qa[kk][2] = va && hi_in ? qra[kk * 8 + 4 + tig] : 0u;
+        qa[kk][3] = vb && hi_in ? qrb[kk * 8 + 4 + tig] : 0u;
+    }
+}
+
 // This thread's cp.async pieces of one key tile: row kr = tid / 4 of the tile, chunks kp, kp + 4, kp + 8 (< 9) of K
 // and of V (consecutive lanes read consecutive 16-byte pieces of a row). valid = false zero-fills (src not read).
 __device__ __forceinline__ void vw_load_kv(unsigned k_dst, unsigned v_dst, const bf16_t* k_src, const bf16_t* v_src,
