@@ -138,6 +138,9 @@ def test_a_gpu_crash_is_charged_only_to_the_job_that_caused_it(redis_url, make_c
         if row.state == "failed":
             break
         if row.state == "running" and row.runs not in killed_runs:
+            if not killed_runs:  # the first crash must hit healthy runs too: their claims trail the poison's by ms
+                cluster.wait_for("a healthy job running beside the poison one",
+                                 lambda: any(job(j).state == "running" for j in healthy), timeout=30, poll=0.01)
             cluster.kill(worker, signal.SIGKILL)  # the poison job "crashes" the worker each time it runs
             killed_runs.add(row.runs)
             worker = cluster.start_worker("gpu", "--concurrency", "4")
