@@ -7,7 +7,7 @@ import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from doc_workload import Unit
@@ -28,9 +28,12 @@ class Outcome:
     error: str | None = None
 
 
-def drive(front: Any, units: list[Unit], requests: list[Any], submitters: int) -> tuple[list[Outcome], float]:
+def drive(front: Any, units: list[Unit], requests: list[Any], submitters: int,
+          prepare: Callable[[Any], Any] | None = None) -> tuple[list[Outcome], float]:
     """Submit every request at once (from `submitters` threads) and wait for all; returns outcomes and wall time
-    from the first submit to the last final output."""
+    from the first submit to the last final output. `prepare` turns a request's messages into the engine's
+    ProcessedPrompt on the submitting thread (the product's page-preparation processes); None: the engine's own
+    processor prepares them there."""
     outcomes = [Outcome(u) for u in units]
     done = threading.Event()
     left = [len(units)]
@@ -55,7 +58,8 @@ def drive(front: Any, units: list[Unit], requests: list[Any], submitters: int) -
 
     def submit(i: int) -> None:
         outcomes[i].submitted = time.perf_counter()
-        front.submit(requests[i].messages, requests[i].params, listener=listener(outcomes[i]))
+        prompt = requests[i].messages if prepare is None else prepare(requests[i].messages)
+        front.submit(prompt, requests[i].params, listener=listener(outcomes[i]))
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=submitters) as pool:

@@ -26,7 +26,8 @@ among them):
    model, and max_tokens 2048), ending where the grammar ends, with --grammar-schema (default `form`: on the tiny
    model, the invoice's amounts ran on in digits to max_tokens). A warm-up of three units (one of each kind) runs
    first. All units are submitted at once from --submitters threads (each prepares its images, as the pipeline's
-   job threads do); the clock runs from the first submit to the last final output.
+   job threads do, in --prep-processes child processes by default as the product's cuda runner does:
+   pipeline.page_prep.PagePrepPool); the clock runs from the first submit to the last final output.
 4. what is reported per (shape, mode): pages/s (units/s: a PDF page, a photo or a whole video each), generated
    and prompt tok/s, tokens per page, TTFT and latency p50/p95, fraction_of_limit = t_limit / wall
    (bench/limit_model.py, over the steps this run scheduled), GPU busy (NVML utilisation sampled every 50 ms
@@ -57,7 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,14 +97,14 @@ def mode_params(mode: str, spec: Any, folder: Path) -> tuple[Any, Any, int | Non
 
 def run_mode(front: Any, engine: Any, profile: StepProfile, cost: ModelCost, ceilings: dict[str, Any],
              units: list[Unit], spec: Any, settings: Any, params: Any, fixed: int | None,
-             submitters: int) -> dict[str, Any]:
+             submitters: int, prepare: Callable[[Any], Any] | None) -> dict[str, Any]:
     """One mode's timed run: every unit submitted at once, then its row (outcomes, report, GPU busy, engine)."""
     requests = [unit_request(u, spec.prompt, params, settings) for u in units]
     mark = EngineMark.take(engine)
     profile.reset()
     with NvmlSampler() as nvml:
         t0 = time.perf_counter()
-        outcomes, wall = drive(front, units, requests, submitters)
+        outcomes, wall = drive(front, units, requests, submitters, prepare)
         t1 = t0 + wall
     profile.resolve()
     row: dict[str, Any] = check_outcomes(outcomes, fixed)
@@ -136,7 +137,10 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
     cost = model_cost(engine)
     profile = StepProfile.attach(engine, host_profile=args.host_profile)
     front = AsyncEngine(engine)
+    pool = None
     try:
+        pool = start_prep_pool(folder, args)
+        prepare = None if pool is None else profile.timed_prepare(pool_prepare(pool))
         for m, mode in enumerate(args.modes):
             spec = mode_schema(mode, args.schema, args.grammar_schema)
             settings, params, fixed = mode_params(mode, spec, folder)
@@ -144,14 +148,14 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
                 params = dataclasses.replace(params, speculative=args.speculative)
             warm = make_units(3, args.seed + 1000 + m, settings, mix=(1, 1, 1), **_sizes(args))
             warm_out, warm_wall = drive(front, warm, [unit_request(u, spec.prompt, params, settings) for u in warm],
-                                        args.submitters)
+                                        args.submitters, prepare)
             check_outcomes(warm_out, fixed)
             units = make_units(args.units, args.seed + m, settings, mix=args.mix, **_sizes(args))
             row = {"shape": shape, "output_mode": mode, "runner": args.runner, "quantize": args.quantize,
                    "limit_basis": "bf16 weight bytes, bf16 GEMM ceiling", "schema": spec.name,
                    "max_tokens": params.max_tokens, "speculative": params.speculative,
                    "lookahead": engine.lookahead.enabled,
-                   "max_num_seqs": args.max_num_seqs,
+                   "max_num_seqs": args.max_num_seqs, "prep_processes": args.prep_processes,
                    "max_batched_tokens": args.max_batched_tokens, "write_model_s": write_s, "load_s": load_s,
                    "warmup_wall_s": warm_wall, **info, "device": ceilings["device"],
                    "hbm_bytes_per_s": ceilings["hbm_bytes_per_s"], "gemm_flops_per_s": ceilings["gemm_flops_per_s"],
@@ -160,12 +164,14 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
                    **row_labels(shape, args)}
             rows.append(row)
             row.update(run_mode(front, engine, profile, cost, ceilings, units, spec, settings, params, fixed,
-                                args.submitters))
+                                args.submitters, prepare))
             if args.timeline:
                 write_timeline(Path(args.timeline), row, profile)
             save()
             print(mode_line(row), flush=True)
     finally:
+        if pool is not None:
+            pool.close()
         front.shutdown()
         profile.detach()
         close = getattr(engine.runner, "close", None)
@@ -175,6 +181,29 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_prep_pool(folder: Path, args: argparse.Namespace) -> Any:
+    """The product's page-preparation processes for this model (None with --prep-processes 0)."""
+    if not args.prep_processes:
+        return None
+    from pipeline.page_prep import PagePrepPool
+    from pipeline.settings import Settings
+
+    return PagePrepPool(folder, args.prep_processes, timeout_s=Settings().request_timeout_s)
+
+
+def pool_prepare(pool: Any) -> Callable[[Any], Any]:
+    """pool.prepare, falling back as pipeline.engine_client does when the shared-memory folder is full: the
+    messages go to the engine, which prepares them on the submitting thread."""
+    from pipeline.page_prep import PrepNoSpace
+
+    def prepare(messages: Any) -> Any:
+        try:
+            return pool.prepare(messages)
+        except PrepNoSpace:
+            return messages
+    return prepare
 
 
 def write_timeline(path: Path, row: dict[str, Any], profile: StepProfile) -> None:
@@ -230,6 +259,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grammar-schema", default="form", help="schema of the grammar mode (as --schema's names)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--submitters", type=int, default=8)
+    parser.add_argument("--prep-processes", type=int, default=-1,
+                        help="page-preparation child processes (pipeline.page_prep); -1: the product's default for "
+                             "--runner (Settings.prep_processes: cuda min(4, CPUs/4), reference 0); 0: the engine's "
+                             "processor on the submitting threads")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--min-prefill-tokens", type=int, default=0,
@@ -267,6 +300,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.mix = tuple(int(x) for x in args.mix.split(","))
     if args.units < 1 or len(args.mix) != 3 or not args.shapes or not args.modes:
         raise SystemExit("need --units >= 1, --mix of three counts, and at least one shape and mode")
+    if args.prep_processes < 0:
+        from pipeline.settings import Settings
+
+        args.prep_processes = Settings(runner=args.runner).prep_processes()
     check_shapes(args)
     return args
 

@@ -91,7 +91,7 @@ class StepProfile:
         if device is not None and hasattr(device, "sync"):
             profile._wrap(device, "sync", profile._timer("wait_s"))
         if getattr(engine, "_prepare", None) is not None:
-            profile._wrap(engine, "_prepare", profile._prepare)
+            profile._wrap(engine, "_prepare", profile.timed_prepare)
         return profile
 
     def detach(self) -> None:
@@ -239,7 +239,8 @@ class StepProfile:
             return out
         return encode_batch
 
-    def _prepare(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def timed_prepare(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`original` (messages -> prompt) with its time counted in prepare_s / prepare_count, from any thread."""
         def prepare(messages: Any) -> Any:
             t0 = time.perf_counter()
             out = original(messages)

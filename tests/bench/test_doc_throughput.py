@@ -137,6 +137,30 @@ def test_speculation_can_be_turned_off_for_every_request(tmp_path: Path) -> None
     assert row["engine_counters"]["spec_verify_windows"] == 0 and row["engine_counters"]["spec_draft_tokens"] == 0
 
 
+def test_pages_are_prepared_in_the_products_child_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--prep-processes N: the bench's process never runs the processor (it would raise here); the children do."""
+    from gpu_engine.processor import Processor
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a page was prepared in the bench's own process")
+
+    monkeypatch.setattr(Processor, "prepare", refuse)
+    out = tmp_path / "doc.json"
+    argv = ["--runner", "reference", "--shapes", "tiny", "--units", "2", "--mix", "1,1,0", "--modes", "fixed6",
+            "--image-max-pixels", str(64 * 32 * 32), "--photo-size", "640", "480", "--submitters", "2",
+            "--max-num-seqs", "4", "--max-batched-tokens", "256", "--kv-cache-gib", "0.05",
+            "--encoder-cache-gib", "0.05", "--prep-processes", "1", "--json", str(out)]
+    assert dtp.main(argv) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["prep_processes"] == 1 and row["tokens_per_page"] == 6
+    assert row["time_split"]["image_preprocessing_count"] == 2  # timed on the submitting threads
+
+
+def test_the_reference_runners_default_prepares_in_process() -> None:
+    assert dtp.parse_args(["--runner", "reference", "--shapes", "tiny"]).prep_processes == 0
+    assert dtp.parse_args(["--runner", "reference", "--shapes", "tiny", "--prep-processes", "3"]).prep_processes == 3
+
+
 def test_the_timeline_lists_every_step_and_the_host_profile_its_functions(tmp_path: Path) -> None:
     out, timeline = tmp_path / "doc.json", tmp_path / "timeline.json"
     argv = ["--runner", "reference", "--shapes", "tiny", "--units", "2", "--mix", "1,0,0", "--modes", "fixed12",
