@@ -14,9 +14,11 @@ Both are (row stride, column stride) pairs here, so the kernels would take anoth
 and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for m % 4 != 0).
 Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
 `fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
-Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT, "stream", is the one path "gemv" runs): "stream" the tile
-grid (a block a 16-row tile, 2 resident an SM), "stream3" the same kernel at 3 an SM (up to GEMV_TOKENS tokens: one
-wave where the tile grid leaves 1.2, n = 5120 on an H200), "splitk" K split over blocks and a reduction pass.
+Streaming kernels (fp8_gemv's `variant`): "stream" the tile grid (a block a 16-row tile, 2 resident an SM),
+"stream3" the same kernel at 3 an SM (up to GEMV_TOKENS tokens), "splitk" K split over blocks and a reduction pass.
+Path "gemv" runs GEMV_VARIANT; its default "auto" is gemv_variant_for's pick: "stream3" where its third resident
+block turns the tile grid's 1.x waves into one (n = 5120 on an H200: down_proj, o_proj, out_proj at 27B), else
+"stream".
 """
 from __future__ import annotations
 
@@ -39,9 +41,21 @@ CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row c
 GEMV_ROWS = 16  # weight rows a block
 GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
 GEMV_BLOCKS_PER_SM = 2  # the streaming kernels' __launch_bounds__(256, 2)
+STREAM3_BLOCKS_PER_SM = 3  # fp8_gemv_o3_bf16_t1's __launch_bounds__(256, 3)
 SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
 GEMV_VARIANTS = ("stream", "stream3", "splitk")
-GEMV_VARIANT = "stream"  # path "gemv" (bench/results/cuda_notes.md, session 11 #15: stream-K was slower, removed)
+GEMV_VARIANT = "auto"  # path "gemv": gemv_variant_for's pick; a GEMV_VARIANTS name forces that one (the benches)
+
+
+def gemv_variant_for(n: int, m: int, sm_count: int) -> str:
+    """The streaming variant for n output rows and m tokens: "stream3" where its 3 blocks an SM hold all of n's
+    16-row tiles in one wave and the tile grid's 2 do not, else "stream". H200 (132 SMs), 27B-class shapes, m 1-8
+    (bench/fp8_gemm_bench.py, 2026-12-04): at n = 5120 (320 tiles) down_proj 29.9-30.8 us vs 32.1-33.0, o_proj
+    12.2-12.4 vs 12.4-13.4; at n >= 14336 (many waves either way) the tile grid was 10-13 % faster."""
+    tiles = -(-n // GEMV_ROWS)
+    if m <= GEMV_TOKENS and GEMV_BLOCKS_PER_SM * sm_count < tiles <= STREAM3_BLOCKS_PER_SM * sm_count:
+        return "stream3"
+    return "stream"
 
 
 def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -237,8 +251,8 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
                path: str = "auto") -> str:
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_<variant>"
-    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT, "stream" where it takes fewer tokens than there are
-    (and where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
+    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT ("auto": gemv_variant_for), "stream" where that
+    variant takes fewer tokens than there are (and where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
     roofline at M=1). Returns the path taken, the variant named ("gemv_stream")."""
     n, k = w.shape
     if path == "auto":
@@ -253,7 +267,8 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
         except ShapeError:  # no block-scaled algorithm in this cuBLASLt: the streaming kernel, 32 tokens a launch
             path = "gemv"
     if path == "gemv":
-        path = f"gemv_{GEMV_VARIANT}" if xa.m <= GEMV_TOKENS or GEMV_VARIANT != "stream3" else "gemv_stream"
+        pick = GEMV_VARIANT if GEMV_VARIANT != "auto" else gemv_variant_for(n, xa.m, ctx.device.info.sm_count)
+        path = "gemv_stream" if pick == "stream3" and xa.m > GEMV_TOKENS else f"gemv_{pick}"
     variant = path.removeprefix("gemv_")
     if not path.startswith("gemv_") or variant not in GEMV_VARIANTS:
         raise ShapeError(f"unknown FP8 GEMM path {path!r}")

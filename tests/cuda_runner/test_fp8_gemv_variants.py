@@ -41,12 +41,19 @@ def run(m: int, path: str, n: int = 5120, k: int = 17408) -> tuple[str, list[tup
     return took, ctx.calls
 
 
-@pytest.mark.parametrize("m, kernel", [(1, "fp8_gemv_bf16_t1"), (8, "fp8_gemv_bf16_t1")])
-def test_decode_batches_take_the_tile_grid_kernel(m, kernel):
-    took, calls = run(m, "auto")
-    assert took == "gemv_stream"
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n, took, kernel", [
+    (5120, "gemv_stream3", "fp8_gemv_o3_bf16_t1"),  # 320 tiles: 1.2 waves at 2 an SM (264 of 132 SMs), one at 3
+    (6336, "gemv_stream3", "fp8_gemv_o3_bf16_t1"),  # 396 tiles: still one wave at 3
+    (4224, "gemv_stream", "fp8_gemv_bf16_t1"),  # 264 tiles: one wave at 2 already
+    (6352, "gemv_stream", "fp8_gemv_bf16_t1"),  # 397 tiles: more than a wave either way
+    (16384, "gemv_stream", "fp8_gemv_bf16_t1"),
+])
+def test_decode_batches_pick_the_variant_by_waves(m, n, took, kernel):
+    took_now, calls = run(m, "auto", n=n)
+    assert took_now == took
     (name, grid, block, *args), = calls
-    assert (name, grid, block, int(args[-3])) == (kernel, 320, 256, m)
+    assert (name, grid, block, int(args[-3])) == (kernel, -(-n // 16), 256, m)
 
 
 @pytest.mark.parametrize("m, tokens", [(1, [1]), (8, [8]), (12, [8, 4]), (32, [8, 8, 8, 8])])
@@ -65,11 +72,19 @@ def test_stream3_launches_the_same_grid_eight_tokens_at_a_time(m, tokens):
     assert ctx.calls[0][3:] == calls[0][3:]  # the tile-grid kernel's argument list, unchanged
 
 
-def test_a_stream3_default_hands_larger_batches_to_the_tile_grid(monkeypatch):
-    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", "stream3")
+@pytest.mark.parametrize("forced", ["stream3", "auto"])
+def test_a_stream3_pick_hands_larger_batches_to_the_tile_grid(monkeypatch, forced):
+    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", forced)
     assert run(8, "gemv")[0] == "gemv_stream3"
     took, calls = run(9, "gemv")
     assert took == "gemv_stream" and [c[0] for c in calls] == ["fp8_gemv_bf16_t2"]
+
+
+def test_a_forced_variant_overrides_the_pick(monkeypatch):
+    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", "stream")
+    assert run(1, "auto")[0] == "gemv_stream"  # n = 5120, where "auto" takes stream3
+    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", "splitk")
+    assert run(1, "auto")[0] == "gemv_splitk"
 
 
 def test_refusals():
