@@ -194,15 +194,16 @@ def start_prep_pool(folder: Path, args: argparse.Namespace) -> Any:
 
 
 def pool_prepare(pool: Any) -> Callable[[Any], Any]:
-    """pool.prepare, falling back as pipeline.engine_client does when the shared-memory folder is full: the
-    messages go to the engine, which prepares them on the submitting thread."""
+    """pool.prepare, falling back as pipeline.engine_client.EngineClient.prepare does when the shared-memory folder
+    is full: the PNGs decoded, the engine prepares the rest on the submitting thread."""
+    from pipeline.extraction import decode_pngs
     from pipeline.page_prep import PrepNoSpace
 
     def prepare(messages: Any) -> Any:
         try:
             return pool.prepare(messages)
         except PrepNoSpace:
-            return messages
+            return decode_pngs(messages)
     return prepare
 
 

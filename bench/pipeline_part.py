@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,10 +39,11 @@ def batch_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.pdf"))
 
 
-def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | None
-               ) -> tuple[list[Any], float, bool]:
+def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | None,
+               prepare: Callable[[Any], Any]) -> tuple[list[Any], float, bool]:
     """Submit every request at once (from `submitters` threads, as job threads do) and wait for all, or until
-    `limit` seconds have passed: (final outputs or error texts, None where unfinished; wall; all finished)."""
+    `limit` seconds have passed: (final outputs or error texts, None where unfinished; wall; all finished).
+    `prepare` (EngineClient.prepare) makes each request's prompt on its submitting thread, as a job does."""
     outputs: list[Any] = [None] * len(requests)
     done, left, lock = threading.Event(), [len(requests)], threading.Lock()
 
@@ -65,7 +66,14 @@ def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | 
     def submit(i: int) -> bool:
         if limit is not None and time.perf_counter() - start > limit:
             return False  # past the window: the rest stays unsubmitted
-        front.submit(requests[i].messages, requests[i].params, listener=listener(i))
+        from gpu_engine.errors import RequestError
+
+        try:
+            prompt = prepare(requests[i].messages)
+        except RequestError as exc:  # refused before the engine: the page's output is the reason, as in a job
+            listener(i)(exc)
+            return True
+        front.submit(prompt, requests[i].params, listener=listener(i))
         return True
 
     with ThreadPoolExecutor(max_workers=submitters) as pool:
@@ -99,11 +107,11 @@ def run_engine(args: argparse.Namespace, probe: pipeline_probe.Probe) -> dict[st
     complete = False
     try:
         submit_all(front, [build_request(u.unit, spec.prompt, params, settings) for u in warm], args.submitters,
-                   None)
+                   None, client.prepare)
         requests = [build_request(u.unit, spec.prompt, params, settings) for u in units]
         say("warm-up done; timed run")
         before = probe.snapshot()
-        outputs, wall, complete = submit_all(front, requests, args.submitters, args.run_limit_s)
+        outputs, wall, complete = submit_all(front, requests, args.submitters, args.run_limit_s, client.prepare)
         split = pipeline_probe.delta(before, probe.snapshot())
         config = front.engine.config
         cache_bytes = front.engine.cache_bytes

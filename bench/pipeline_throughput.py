@@ -10,7 +10,8 @@ settings of a real deployment (DOCPIPE_MODEL_DIR, DOCPIPE_RUNNER; the engine's b
 the grammar caps the bundled model gets, so random weights end their answers; schema --schema), then three runs,
 each in processes of its own, each warm (engine built, one warm-up file done) before its clock starts:
   engine    the pages rendered the pipeline's way, the pipeline's requests submitted all at once to the engine the
-            pipeline builds (EngineClient.from_settings) — the ceiling the product is measured against (every page
+            pipeline builds (EngineClient.from_settings), each prepared as that client prepares it (EngineClient.
+            prepare: the page-preparation processes on cuda) — the ceiling the product is measured against (every page
             processed at once: ~53 MB of float32 pixels a page at 150 dpi until its encode, 1,000 pages ~53 GB);
   embedded  `process_paths` over the batch folder (what `docpipe process DIR` runs), SQLite;
   celery    redis-server, `docpipe worker --queues ingest` (prepare/render) and `--queues gpu` (the engine), the

@@ -163,23 +163,32 @@ class EngineClient:
         handles = [self._submit(r) for r in requests]
         return _Replies(self, handles, started)
 
+    def prepare(self, messages: list[dict[str, Any]]) -> Any:
+        """What this client submits to the engine for `messages`: the ProcessedPrompt from the page-preparation
+        processes, or the messages themselves where there are none (the engine prepares them on the submitting
+        thread). Raises RequestError when the processor refuses them."""
+        if self._preparer is None:
+            return messages
+        from .extraction import decode_pngs
+        from .page_prep import PrepNoSpace
+
+        try:
+            return self._preparer.prepare(messages)
+        except PrepNoSpace as exc:  # prepared in this process instead, as without the pool
+            if not self._warned_no_space:
+                self._warned_no_space = True
+                log.warning("%s; preparing such requests in the engine's process (said once)", exc)
+            return decode_pngs(messages)
+
     def _submit(self, request: EngineRequest) -> Any:
         if self._preparer is None:
             return self._async_engine.submit(request.messages, request.params)
         from gpu_engine.engine import RequestError
 
-        from .extraction import decode_pngs
-        from .page_prep import PrepNoSpace
-
         try:
-            prompt: Any = self._preparer.prepare(request.messages)
+            prompt = self.prepare(request.messages)
         except RequestError as exc:  # refused as the engine refuses it: the page's reply carries the reason
             return _Refused(exc)
-        except PrepNoSpace as exc:  # prepared here instead, as without the pool
-            if not self._warned_no_space:
-                self._warned_no_space = True
-                log.warning("%s; preparing such requests in the engine's process (said once)", exc)
-            prompt = decode_pngs(request.messages)
         return self._async_engine.submit(prompt, request.params)
 
     def _reply(self, handle: Any, started: float) -> EngineReply:

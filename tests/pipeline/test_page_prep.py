@@ -169,6 +169,23 @@ def test_the_client_answers_alike_with_the_pool_without_it_and_when_shm_is_full(
     assert "the engine refused the request: cannot prepare" in (refused.error or "")
 
 
+def test_client_prepare_is_what_the_client_submits(engine_client: Any, pool: PagePrepPool) -> None:
+    """EngineClient.prepare (the benches' engine-alone runs use it): the messages as they are without a pool, the
+    pool's ProcessedPrompt with one, the PNGs decoded in-process when /dev/shm is full, RequestError when refused."""
+    from gpu_engine.errors import RequestError
+    from gpu_engine.inputs import ProcessedPrompt
+
+    messages = _image_messages(PngImage(_page(6)))
+    assert _client(engine_client, None).prepare(messages) is messages
+    pooled = _client(engine_client, pool).prepare(messages)
+    assert isinstance(pooled, ProcessedPrompt) and len(pooled.vision_items) == 1
+    fallback = _client(engine_client, _FullShm()).prepare(messages)
+    assert not isinstance(fallback, ProcessedPrompt)
+    assert isinstance(fallback[0]["content"][0]["image"], Image.Image)  # decoded here for the engine
+    with pytest.raises(RequestError, match="cannot prepare"):
+        _client(engine_client, pool).prepare([{"role": "user", "content": [{"type": "x"}]}])
+
+
 def _bytes_io(data: bytes) -> Any:
     import io
 
