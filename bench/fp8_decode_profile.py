@@ -2,7 +2,7 @@
 bench/fp8_model_bench.py (random e4m3 Linears, 128x128 block scales), the FP8 ops traced too.
 
     python3 bench/fp8_decode_profile.py [--shape 27b] [--batches 1,8] [--context 1024] [--steps 5]
-        [--gemv-variants stream3,splitk] [--json out.json]
+        [--gemv-variants stream,splitk] [--json out.json]
 
 Traced besides cuda_decode_profile's ops (norms, attention, DeltaNet, BF16 GEMMs by shape: lm_head and DeltaNet's
 in_proj b|a are BF16): each FP8 GEMM (`fp8_gemm NxK`, the streaming kernel or cuBLASLt, by shape), the quantisation

@@ -5,8 +5,7 @@
 Per projection (the MLP's gate|up and down, DeltaNet's in_proj qkv|z, attention's q|gate|k|v, o_proj = DeltaNet's
 out_proj) and tokens M in 1, 4, 8, 16, 32, 8192:
 - every FP8 streaming variant (fp8_ops.GEMV_VARIANTS through fp8_ops.fp8_gemv: the tile grid "stream" and
-  "splitk" at M <= 32, "stream3" (the tile grid at 3 blocks an SM) at M <= 8), FP8 cuBLASLt block-scaled matmul,
-  BF16 cuBLASLt;
+  "splitk", at M <= 32), FP8 cuBLASLt block-scaled matmul, BF16 cuBLASLt;
 - decode (M <= 32): microseconds, bytes moved (weight + scales + activations + output) over the copy bandwidth
   measured in the same run (the faster of a 1 GiB copy kernel and memcpy, read + write) = fraction of the roofline;
 - per decode M, the FP8 Linears of one decode step of the whole model (each shape's time x the layers that have
@@ -40,7 +39,6 @@ from gpu_engine.cuda.bf16 import f32_to_bf16_bits  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
 from gpu_engine.cuda.errors import CudaUnavailable  # noqa: E402
 from gpu_engine.cuda.fp8_ops import (  # noqa: E402
-    GEMV_TOKENS,
     GEMV_VARIANT,
     GEMV_VARIANTS,
     Fp8Weight,
@@ -122,11 +120,11 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
             fp8_bytes = n * k + w8[0].scales.nbytes + m * k + xa.scales.nbytes + m * n * 2
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             row["fp8_roofline_us"] = fp8_bytes / copy_gbps / 1e3
-            for variant in variants_for(m):
+            for variant in GEMV_VARIANTS:
                 us = graph_us(ctx, [partial(fp8_gemv, ctx, y, xa, w, variant=variant) for w in w8], reps)
                 row[f"fp8_{variant}_us"] = us
                 row[f"fp8_{variant}_fraction_of_roofline"] = row["fp8_roofline_us"] / us
-            times = {v: row[f"fp8_{v}_us"] for v in variants_for(m)} | (
+            times = {v: row[f"fp8_{v}_us"] for v in GEMV_VARIANTS} | (
                 {"cublaslt": row["fp8_cublaslt_us"]} if "fp8_cublaslt_us" in row else {})
             row["fp8_best"] = min(times, key=times.__getitem__)
             best = times[row["fp8_best"]]
@@ -157,10 +155,6 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, label: str, n: int, k
     return rows
 
 
-def variants_for(m: int) -> tuple[str, ...]:
-    return tuple(v for v in GEMV_VARIANTS if m <= GEMV_TOKENS or v != "stream3")
-
-
 def step_sums(rows: list[dict], per_step: dict[str, int]) -> list[dict]:
     """Per decode M and variant: the FP8 Linears of one decode step (each shape's time x its count a step), in us,
     against the roofline sum of the same shapes (the step's FP8 GEMM part; lm_head is BF16, not in it)."""
@@ -171,11 +165,11 @@ def step_sums(rows: list[dict], per_step: dict[str, int]) -> list[dict]:
             continue
         roof = sum(at_m[p]["fp8_roofline_us"] * c for p, c in per_step.items())
         entry: dict = {"m": m, "linears_a_step": per_step, "roofline_us": roof}
-        for variant in variants_for(m):
+        for variant in GEMV_VARIANTS:
             total = sum(at_m[p][f"fp8_{variant}_us"] * c for p, c in per_step.items())
             entry[f"{variant}_us"] = total
             entry[f"{variant}_fraction_of_roofline"] = roof / total
-        best = sum(min(at_m[p][f"fp8_{v}_us"] for v in variants_for(m)) * c for p, c in per_step.items())
+        best = sum(min(at_m[p][f"fp8_{v}_us"] for v in GEMV_VARIANTS) * c for p, c in per_step.items())
         entry["best_variant_per_shape_us"] = best
         entry["best_variant_per_shape_fraction_of_roofline"] = roof / best
         out.append(entry)
@@ -279,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy {copy_gbps:.0f} GB/s (read + write), cuBLASLt {out['cublaslt_version']}")
     print(table(out["rows"]))
     for s in out["step"]:
-        parts = (f"{v} {s[f'{v}_us']:.0f} ({s[f'{v}_fraction_of_roofline']:.2f})" for v in variants_for(s["m"]))
+        parts = (f"{v} {s[f'{v}_us']:.0f} ({s[f'{v}_fraction_of_roofline']:.2f})" for v in GEMV_VARIANTS)
         print(f"step m={s['m']}: FP8 Linears at the roofline {s['roofline_us']:.0f} us; " + ", ".join(parts))
     return 0
 

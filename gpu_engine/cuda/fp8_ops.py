@@ -14,11 +14,8 @@ Both are (row stride, column stride) pairs here, so the kernels would take anoth
 and the streaming kernel for the rest (cuBLASLt 13.1 has no block-scaled algorithm for m % 4 != 0).
 Each slice of rows is quantised on its own, since cuBLASLt derives the activation scales' row stride from its m.
 `fp8_matmul` falls back to the streaming kernel, 32 tokens a launch, where cuBLASLt refuses (correct, slow).
-Streaming kernels (fp8_gemv's `variant`): "stream" the tile grid (a block a 16-row tile, 2 resident an SM),
-"stream3" the same kernel at 3 an SM (up to GEMV_TOKENS tokens), "splitk" K split over blocks and a reduction pass.
-Path "gemv" runs GEMV_VARIANT; its default "auto" is gemv_variant_for's pick: "stream3" where its third resident
-block turns the tile grid's 1.x waves into one (n = 5120 on an H200: down_proj, o_proj, out_proj at 27B), else
-"stream".
+Streaming kernels (fp8_gemv's `variant`; GEMV_VARIANT, "stream", is the one path "gemv" runs): "stream" the tile
+grid (a block a 16-row tile, 2 resident an SM), "splitk" K split over blocks and a reduction pass.
 """
 from __future__ import annotations
 
@@ -41,21 +38,9 @@ CUBLAS_M_MULTIPLE = 4  # cuBLASLt 13.1's block-scaled matmul refuses other row c
 GEMV_ROWS = 16  # weight rows a block
 GEMV_WARPS = 8  # FP8_GEMV_WARPS: a split's groups are a multiple of it, so its warps get equal work
 GEMV_BLOCKS_PER_SM = 2  # the streaming kernels' __launch_bounds__(256, 2)
-STREAM3_BLOCKS_PER_SM = 3  # fp8_gemv_o3_bf16_t1's __launch_bounds__(256, 3)
 SPLITK_WAVES = 4  # split K until the grid is at least this many waves of resident blocks
-GEMV_VARIANTS = ("stream", "stream3", "splitk")
-GEMV_VARIANT = "auto"  # path "gemv": gemv_variant_for's pick; a GEMV_VARIANTS name forces that one (the benches)
-
-
-def gemv_variant_for(n: int, m: int, sm_count: int) -> str:
-    """The streaming variant for n output rows and m tokens: "stream3" where its 3 blocks an SM hold all of n's
-    16-row tiles in one wave and the tile grid's 2 do not, else "stream". H200 (132 SMs), 27B-class shapes, m 1-8
-    (bench/fp8_gemm_bench.py, 2026-12-04): at n = 5120 (320 tiles) down_proj 29.9-30.8 us vs 32.1-33.0, o_proj
-    12.2-12.4 vs 12.4-13.4; at n >= 14336 (many waves either way) the tile grid was 10-13 % faster."""
-    tiles = -(-n // GEMV_ROWS)
-    if m <= GEMV_TOKENS and GEMV_BLOCKS_PER_SM * sm_count < tiles <= STREAM3_BLOCKS_PER_SM * sm_count:
-        return "stream3"
-    return "stream"
+GEMV_VARIANTS = ("stream", "splitk")
+GEMV_VARIANT = "stream"  # path "gemv" (bench/results/cuda_notes.md, session 13 #15: stream3, auto no faster at 27B)
 
 
 def split_k_plan(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -216,15 +201,14 @@ def norm_quant(ctx: GpuContext, out: DArray, x: DArray, w: DArray, rows: int, ep
 
 def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
              first_token: int = 0, tokens: int | None = None, variant: str = "stream") -> None:
-    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32; 8 for "stream3"), with the
-    streaming kernel of `variant` (module docstring); "splitk": K split over blocks (split_k_plan), f32 partials
-    summed in split order by a second pass."""
+    """y[t, :n] = xa[t] @ W^T for the tokens first_token .. +tokens (at most 32), with the streaming kernel of
+    `variant` (module docstring); "splitk": K split over blocks (split_k_plan), f32 partials summed in split order
+    by a second pass."""
     n, k = w.shape
     if variant not in GEMV_VARIANTS:
         raise ShapeError(f"unknown FP8 GEMV variant {variant!r} (one of {', '.join(GEMV_VARIANTS)})")
     tokens = xa.m - first_token if tokens is None else tokens
-    most = GEMV_TOKENS if variant == "stream3" else GEMV_TOKENS * GEMV_MAX_TILES
-    if xa.k != k or not 0 < tokens <= most or first_token + tokens > xa.m:
+    if xa.k != k or not 0 < tokens <= GEMV_TOKENS * GEMV_MAX_TILES or first_token + tokens > xa.m:
         raise ShapeError(f"fp8_gemv: activations {xa.q.shape} (tokens {first_token}+{tokens}) vs weight {w.shape}")
     if y.dtype != "bf16":
         raise ShapeError(f"fp8_gemv writes bf16, got {y.dtype}")
@@ -240,8 +224,7 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
         ctx.device.launch("fp8", "fp8_splitk_reduce_bf16", -(-tokens * n // 256), 256,
                           y.ptr + first_token * y_ld * 2, i64(y_ld), part.ptr, i32(splits), i32(tokens), i32(n))
         return
-    kernel = "fp8_gemv_o3_bf16_t1" if variant == "stream3" else f"fp8_gemv_bf16_t{tiles}"
-    ctx.device.launch("fp8", kernel, -(-n // GEMV_ROWS), 256,
+    ctx.device.launch("fp8", f"fp8_gemv_bf16_t{tiles}", -(-n // GEMV_ROWS), 256,
                       y.ptr + first_token * y_ld * 2, i64(y_ld), xa.q.ptr + first_token * k, i64(k),
                       xa.scales.ptr + first_token * xa.t_stride * 4, i64(xa.g_stride), i64(xa.t_stride),
                       w.bits.ptr, i64(k), w.scales.ptr, i64(w.scale_row_stride), i64(w.scale_col_stride),
@@ -251,9 +234,9 @@ def fp8_gemv(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld:
 def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_ld: int | None = None,
                path: str = "auto") -> str:
     """y[m, n] (bf16, row stride y_ld) = dequant(xa) @ dequant(W)^T; path "auto" | "gemv" | "gemv_<variant>"
-    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT ("auto": gemv_variant_for), "stream" where that
-    variant takes fewer tokens than there are (and where cuBLASLt refuses); on the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8
-    roofline at M=1). Returns the path taken, the variant named ("gemv_stream")."""
+    (GEMV_VARIANTS) | "cublaslt". "gemv" runs GEMV_VARIANT (also where cuBLASLt refuses), 32 tokens a launch; on
+    the H200 "splitk" gained only on the long-K down_proj (0.650 -> 0.695 of the FP8 roofline at M=1). Returns the
+    path taken, the variant named ("gemv_stream")."""
     n, k = w.shape
     if path == "auto":
         path = "gemv" if xa.m <= GEMV_MAX_M else "cublaslt"
@@ -267,12 +250,11 @@ def fp8_matmul(ctx: GpuContext, y: DArray, xa: Fp8Activations, w: Fp8Weight, y_l
         except ShapeError:  # no block-scaled algorithm in this cuBLASLt: the streaming kernel, 32 tokens a launch
             path = "gemv"
     if path == "gemv":
-        pick = GEMV_VARIANT if GEMV_VARIANT != "auto" else gemv_variant_for(n, xa.m, ctx.device.info.sm_count)
-        path = "gemv_stream" if pick == "stream3" and xa.m > GEMV_TOKENS else f"gemv_{pick}"
+        path = f"gemv_{GEMV_VARIANT}"
     variant = path.removeprefix("gemv_")
     if not path.startswith("gemv_") or variant not in GEMV_VARIANTS:
         raise ShapeError(f"unknown FP8 GEMM path {path!r}")
-    step = GEMV_TOKENS if variant == "stream3" else GEMV_TOKENS * GEMV_MAX_TILES
+    step = GEMV_TOKENS * GEMV_MAX_TILES
     for first in range(0, xa.m, step):
         fp8_gemv(ctx, y, xa, w, y_ld, first, min(step, xa.m - first), variant=variant)
     return path

@@ -42,68 +42,52 @@ def run(m: int, path: str, n: int = 5120, k: int = 17408) -> tuple[str, list[tup
 
 
 @pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("n, took, kernel", [
-    (5120, "gemv_stream3", "fp8_gemv_o3_bf16_t1"),  # 320 tiles: 1.2 waves at 2 an SM (264 of 132 SMs), one at 3
-    (6336, "gemv_stream3", "fp8_gemv_o3_bf16_t1"),  # 396 tiles: still one wave at 3
-    (4224, "gemv_stream", "fp8_gemv_bf16_t1"),  # 264 tiles: one wave at 2 already
-    (6352, "gemv_stream", "fp8_gemv_bf16_t1"),  # 397 tiles: more than a wave either way
-    (16384, "gemv_stream", "fp8_gemv_bf16_t1"),
-])
-def test_decode_batches_pick_the_variant_by_waves(m, n, took, kernel):
-    took_now, calls = run(m, "auto", n=n)
-    assert took_now == took
+@pytest.mark.parametrize("n", [4224, 5120, 6336, 16384])
+def test_decode_batches_take_the_tile_grid_kernel(m, n):
+    took, calls = run(m, "auto", n=n)
+    assert took == "gemv_stream"
     (name, grid, block, *args), = calls
-    assert (name, grid, block, int(args[-3])) == (kernel, -(-n // 16), 256, m)
+    assert (name, grid, block, int(args[-3])) == ("fp8_gemv_bf16_t1", -(-n // 16), 256, m)
 
 
-@pytest.mark.parametrize("m, tokens", [(1, [1]), (8, [8]), (12, [8, 4]), (32, [8, 8, 8, 8])])
-def test_stream3_launches_the_same_grid_eight_tokens_at_a_time(m, tokens):
+def test_the_tile_grid_launches_32_tokens_at_a_time():
     ctx = Launches()
-    y, xa, w = ctx.empty((m, 5120), "bf16", "y"), fp8_ops.act_buffers(ctx, m, 17408), weight(ctx, 5120, 17408)
-    assert fp8_ops.fp8_matmul(ctx, y, xa, w, path="gemv_stream3") == "gemv_stream3"
-    calls = list(ctx.calls)
-    assert [(c[0], c[1], c[2]) for c in calls] == [("fp8_gemv_o3_bf16_t1", 320, 256)] * len(tokens)
-    assert [int(c[-3]) for c in calls] == tokens
-    y0, x0, s0 = calls[0][3], calls[0][5], calls[0][7]
-    for i, c in enumerate(calls):  # each launch starts at its first token's row of y, xq and the scales
-        assert (c[3] - y0, c[5] - x0, c[7] - s0) == (i * 8 * 5120 * 2, i * 8 * 17408, i * 8 * 4)
-    ctx.calls.clear()
-    fp8_ops.fp8_gemv(ctx, y, xa, w, tokens=tokens[0], variant="stream")
-    assert ctx.calls[0][3:] == calls[0][3:]  # the tile-grid kernel's argument list, unchanged
+    y, xa, w = ctx.empty((40, 5120), "bf16", "y"), fp8_ops.act_buffers(ctx, 40, 17408), weight(ctx, 5120, 17408)
+    assert fp8_ops.fp8_matmul(ctx, y, xa, w, path="gemv") == "gemv_stream"
+    assert [(c[0], c[1], c[2], int(c[-3])) for c in ctx.calls] == [("fp8_gemv_bf16_t4", 320, 256, 32),
+                                                                 ("fp8_gemv_bf16_t1", 320, 256, 8)]
+    (a, b) = ctx.calls  # the second launch starts at token 32's row of y, xq and the scales
+    assert (b[3] - a[3], b[5] - a[5], b[7] - a[7]) == (32 * 5120 * 2, 32 * 17408, 32 * 4)
 
 
-@pytest.mark.parametrize("forced", ["stream3", "auto"])
-def test_a_stream3_pick_hands_larger_batches_to_the_tile_grid(monkeypatch, forced):
-    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", forced)
-    assert run(8, "gemv")[0] == "gemv_stream3"
-    took, calls = run(9, "gemv")
-    assert took == "gemv_stream" and [c[0] for c in calls] == ["fp8_gemv_bf16_t2"]
-
-
-def test_a_forced_variant_overrides_the_pick(monkeypatch):
-    monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", "stream")
-    assert run(1, "auto")[0] == "gemv_stream"  # n = 5120, where "auto" takes stream3
+@pytest.mark.parametrize("path", ["auto", "gemv"])
+def test_gemv_variant_forces_the_variant_path_gemv_runs(monkeypatch, path):
     monkeypatch.setattr(fp8_ops, "GEMV_VARIANT", "splitk")
-    assert run(1, "auto")[0] == "gemv_splitk"
+    took, calls = run(1, path)
+    assert took == "gemv_splitk" and [c[0] for c in calls] == ["fp8_gemv_splitk_t1", "fp8_splitk_reduce_bf16"]
 
 
 def test_refusals():
     ctx = Launches()
     w = weight(ctx, 256, 512)
-    y = ctx.empty((9, 256), "bf16", "y")
-    with pytest.raises(ShapeError):  # one 8-token tile a launch
-        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 9, 512), w, variant="stream3")
-    for gone in ("streamk_d4p", "stream2"):
-        with pytest.raises(ShapeError):
+    y = ctx.empty((33, 256), "bf16", "y")
+    with pytest.raises(ShapeError):  # at most 4 8-token tiles a launch
+        fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 33, 512), w, variant="stream")
+    for gone in ("stream3", "streamk_d4p", "stream2"):  # removed variants are unknown ones
+        with pytest.raises(ShapeError, match="unknown FP8 GEMV variant"):
             fp8_ops.fp8_gemv(ctx, y, fp8_ops.act_buffers(ctx, 1, 512), w, variant=gone)
-        with pytest.raises(ShapeError):
+        with pytest.raises(ShapeError, match="unknown FP8 GEMM path"):
             run(1, f"gemv_{gone}")
-    assert ctx.calls == []
+    assert ctx.calls == [] and fp8_ops.GEMV_VARIANTS == ("stream", "splitk") and fp8_ops.GEMV_VARIANT == "stream"
 
 
 def test_every_kernel_the_launchers_name_is_an_entry_of_fp8_cu_with_its_residency():
-    """fp8_gemv_o3_bf16_t1 must stay at 3 blocks an SM (its reason to exist), the tile grid's at 2."""
+    """The tile grid's and split-K's entries at 2 blocks an SM; the 3-an-SM entry (stream3) is gone."""
     text = FP8_CU.read_text()
-    assert re.search(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, 3\)\s+fp8_gemv_o3_bf16_t1\(", text)
     assert re.search(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, 2\)\s+\\?\s*fp8_gemv_bf16_t##NT\(", text)
+    assert re.search(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, 2\)\s+\\?\s*fp8_gemv_splitk_t##NT\(", text)
+    assert re.findall(r"FP8_GEMV_ENTRY\((\d)\)", text) == ["1", "2", "3", "4"] and fp8_ops.GEMV_MAX_TILES == 4
+    assert "fp8_splitk_reduce_bf16(" in text
+    assert re.findall(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, (\d)\)", text) == ["2", "2"]
+    assert "fp8_gemv_o3" not in text and not hasattr(fp8_ops, "STREAM3_BLOCKS_PER_SM")
     assert "fp8_streamk" not in text and fp8_ops.GEMV_BLOCKS_PER_SM == 2

@@ -265,17 +265,6 @@ FP8_GEMV_ENTRY(2)
 FP8_GEMV_ENTRY(3)
 FP8_GEMV_ENTRY(4)
 
-// The same kernel at 3 resident blocks an SM, decode up to 8 tokens. Why: a tile grid of ceil(n / 16) blocks over
-// 2 * SMs slots leaves n = 5120 (o_proj, down_proj) 1.2 waves on an H200, its second wave 56 blocks streaming alone;
-// 3 an SM fits those 320 blocks in one wave. The price (NVRTC sm_90): 80 registers where t1 takes 110, so a warp
-// issues one group's weight loads ahead instead of two, and one address is kept in 4 bytes of local memory.
-extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32, 3)
-    fp8_gemv_o3_bf16_t1(bf16_t* y, long long y_ld, const u8_t* xq, long long xq_ld, const float* sx, long long sx_g,
-                        long long sx_m, const u8_t* w, long long w_ld, const float* sw, long long sw_nb,
-                        long long sw_kb, int m, int n, int k) {
-    fp8_gemv<1, false>(y, y_ld, xq, xq_ld, sx, sx_g, sx_m, w, w_ld, sw, sw_nb, sw_kb, m, n, k, nullptr, 0);
-}
-
 // y[tok, row] = bf16(sum over s of part[s][tok][row]), s in index order; one thread an output
 extern "C" __global__ void fp8_splitk_reduce_bf16(bf16_t* y, long long y_ld, const float* part, int splits, int m,
                                                   int n) {
