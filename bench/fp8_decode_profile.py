@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_decode_profile as profile_mod  # noqa: E402
 from cuda_bench import SHAPES, bench_copy  # noqa: E402
-from fp8_model_bench import random_fp8_weights  # noqa: E402
+from fp8_model_bench import gemv_variants_arg, random_fp8_weights  # noqa: E402
 
 from gpu_engine.cuda import fp8_ops, linear  # noqa: E402
 from gpu_engine.cuda.context import GpuContext  # noqa: E402
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-variants", default="", help="comma list of fp8_ops.GEMV_VARIANTS, after 'current'")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    extra = [v for v in args.gemv_variants.split(",") if v]
-    if set(extra) - set(fp8_ops.GEMV_VARIANTS):
-        parser.error(f"--gemv-variants takes {', '.join(fp8_ops.GEMV_VARIANTS)}")
+    extra = gemv_variants_arg(parser, args.gemv_variants)
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
     except CudaUnavailable as exc:

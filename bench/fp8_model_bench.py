@@ -109,6 +109,14 @@ def decode_by_variant(shape: str, variants: list[str], copy_gbps: float) -> dict
     return out
 
 
+def gemv_variants_arg(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """--gemv-variants' comma list, each a name of fp8_ops.GEMV_VARIANTS (else the parser's usage error)."""
+    variants = [v for v in text.split(",") if v]
+    if set(variants) - set(fp8_ops.GEMV_VARIANTS):
+        parser.error(f"--gemv-variants takes {', '.join(fp8_ops.GEMV_VARIANTS)}")
+    return variants
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="27b")
@@ -116,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-bf16", action="store_true", help="the BF16 model first, same process")
     parser.add_argument("--gemv-variants", default="", help="comma list of fp8_ops.GEMV_VARIANTS to run again")
     args = parser.parse_args(argv)
-    variants = [v for v in args.gemv_variants.split(",") if v]
-    if set(variants) - set(fp8_ops.GEMV_VARIANTS):
-        parser.error(f"--gemv-variants takes {', '.join(fp8_ops.GEMV_VARIANTS)}")
+    variants = gemv_variants_arg(parser, args.gemv_variants)
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
     except CudaUnavailable as exc:
