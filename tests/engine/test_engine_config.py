@@ -1,11 +1,12 @@
 """ModelConfig reads every value where transformers 5.17 reads it; bad configs fail with one clear error."""
 from __future__ import annotations
 
-import copy
 import json
+from typing import Any
 
 import pytest
 from ci_rule import require_module
+from config_variants import text_variant
 
 from gpu_engine.config import ConfigError, ModelConfig, UnsupportedModelError
 
@@ -20,14 +21,8 @@ BASE = {
 }
 
 
-def variant(**text_changes) -> dict:
-    raw = copy.deepcopy(BASE)
-    for key, value in text_changes.items():
-        if value is None:
-            raw["text_config"].pop(key, None)
-        else:
-            raw["text_config"][key] = value
-    return raw
+def variant(**text_changes: Any) -> dict[str, Any]:
+    return text_variant(BASE, **text_changes)
 
 
 # Each case exercises one reading rule (priority between two places, or a default).

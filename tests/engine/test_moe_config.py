@@ -2,11 +2,12 @@
 keys that would change the model's meaning refused by name."""
 from __future__ import annotations
 
-import copy
 import json
+from typing import Any
 
 import pytest
 from ci_rule import require_module
+from config_variants import text_variant
 
 from gpu_engine.config import ConfigError, ModelConfig, MoeConfig, UnsupportedModelError
 
@@ -22,14 +23,8 @@ BASE = {
 }
 
 
-def variant(**text_changes) -> dict:
-    raw = copy.deepcopy(BASE)
-    for key, value in text_changes.items():
-        if value is None:
-            raw["text_config"].pop(key, None)
-        else:
-            raw["text_config"][key] = value
-    return raw
+def variant(**text_changes: Any) -> dict[str, Any]:
+    return text_variant(BASE, **text_changes)
 
 
 CASES = {
