@@ -193,6 +193,23 @@ def check_vlm_parity(pair: tuple[Any, Any, Any], hf64: Any, messages: list[dict[
     return prompt
 
 
+def check_vlm_greedy_tokens(pair: tuple[Any, Any, Any], messages: list[dict[str, Any]], images: Any = (),
+                            chunk_size: int = 9) -> None:
+    """24 greedy tokens of ours for `messages`, whole and with prefill chunks of `chunk_size`, equal transformers'
+    greedy generation from the same prompt. `pair`: (transformers model, its image processor, our loaded model)."""
+    import torch
+
+    hf, image_processor, ours = pair
+    prompt = ours.prepare(messages)
+    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
+    with torch.no_grad():
+        out = hf.generate(**kwargs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt):].tolist()
+    assert len(expected) == 24
+    assert ours.generate(messages, max_tokens=24, stop_token_ids=[]) == expected
+    assert ours.generate(messages, max_tokens=24, stop_token_ids=[], chunk_size=chunk_size) == expected
+
+
 # ------------------------------------------------------------------------------ a float64 transformers run
 
 

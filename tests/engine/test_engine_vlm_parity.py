@@ -23,15 +23,12 @@ require_module("transformers")
 
 from engine_hf_models import (
     HF_CONFIGS,
-    assert_logit_parity,
     build_hf_vlm_checkpoint,
+    check_vlm_greedy_tokens,
     check_vlm_parity,
     float64_copy,
-    float64_logits,
-    hf_vlm_inputs,
     random_frames,
     random_image,
-    rel_err,
 )
 
 import gpu_engine
@@ -50,14 +47,6 @@ def pair(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf64(pair):
     return float64_copy(pair[0])
-
-
-def hf_logits(hf, image_processor, ours, messages, images=()):
-    """transformers' logits for the prompt our processor builds (see the module docstring for what is fed)."""
-    prompt = ours.prepare(messages)
-    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
-    with torch.no_grad():
-        return prompt, kwargs, hf(**kwargs).logits[0].numpy()
 
 
 def test_one_image(pair, hf64):
@@ -104,22 +93,11 @@ def test_mixed_multi_turn_conversation(pair, hf64):
     assert [item.kind for item in prompt.vision_items][0] == "image" and prompt.vision_items[-1].kind == "video"
 
 
-def assert_same_greedy_tokens(pair, messages, images=(), chunk_size=9):
-    hf, image_processor, ours = pair
-    prompt, kwargs, _ = hf_logits(hf, image_processor, ours, messages, images)
-    with torch.no_grad():
-        out = hf.generate(**kwargs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[0, len(prompt):].tolist()
-    assert len(expected) == 24
-    assert ours.generate(messages, max_tokens=24, stop_token_ids=[]) == expected
-    assert ours.generate(messages, max_tokens=24, stop_token_ids=[], chunk_size=chunk_size) == expected
-
-
 def test_greedy_generation_with_an_image_is_token_identical(pair):
     rng = np.random.default_rng(5)
     image = random_image(rng, 64, 48)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Read it."}]}]
-    assert_same_greedy_tokens(pair, messages, [image])
+    check_vlm_greedy_tokens(pair, messages, [image])
 
 
 def test_greedy_generation_with_a_video_is_token_identical(pair):
@@ -127,4 +105,4 @@ def test_greedy_generation_with_a_video_is_token_identical(pair):
     frames = random_frames(rng, 12, 36, 52)  # 12 frames at 3 fps -> 8 sampled at 2 fps -> 4 frame groups
     messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 3.0},
                                              {"type": "text", "text": "What happens?"}]}]
-    assert_same_greedy_tokens(pair, messages, chunk_size=11)
+    check_vlm_greedy_tokens(pair, messages, chunk_size=11)

@@ -15,7 +15,7 @@ from ci_rule import require_module
 torch = require_module("torch")
 require_module("transformers")
 
-from engine_hf_models import check_vlm_parity, float64_copy, hf_vlm_inputs, random_frames, random_image
+from engine_hf_models import check_vlm_greedy_tokens, check_vlm_parity, float64_copy, random_frames, random_image
 from moe_hf_models import MOE_HF_CONFIGS, build_hf_moe_vlm_checkpoint
 
 import gpu_engine
@@ -71,23 +71,11 @@ def test_mixed_multi_turn_conversation(pair, hf64):
     assert prompt.vision_items[-1].kind == "video"
 
 
-def assert_same_greedy_tokens(pair, messages, images=(), chunk_size=9):
-    hf, image_processor, ours = pair
-    prompt = ours.prepare(messages)
-    kwargs = hf_vlm_inputs(image_processor, prompt, ours.config, images)
-    with torch.no_grad():
-        out = hf.generate(**kwargs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[0, len(prompt):].tolist()
-    assert len(expected) == 24
-    assert ours.generate(messages, max_tokens=24, stop_token_ids=[]) == expected
-    assert ours.generate(messages, max_tokens=24, stop_token_ids=[], chunk_size=chunk_size) == expected
-
-
 def test_greedy_generation_with_an_image_is_token_identical(pair):
     rng = np.random.default_rng(5)
     image = random_image(rng, 64, 48)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Read it."}]}]
-    assert_same_greedy_tokens(pair, messages, [image])
+    check_vlm_greedy_tokens(pair, messages, [image])
 
 
 def test_greedy_generation_with_a_video_is_token_identical(pair):
@@ -95,4 +83,4 @@ def test_greedy_generation_with_a_video_is_token_identical(pair):
     frames = random_frames(rng, 12, 36, 52)
     messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 3.0},
                                              {"type": "text", "text": "What happens?"}]}]
-    assert_same_greedy_tokens(pair, messages, chunk_size=11)
+    check_vlm_greedy_tokens(pair, messages, chunk_size=11)
