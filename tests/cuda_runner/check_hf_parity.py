@@ -82,6 +82,19 @@ def _require() -> None:
         raise CudaUnavailable("torch sees no CUDA device")
 
 
+def gpu_ready() -> bool:
+    """Whether the GPU, torch and transformers are there (`_require`); when not, False after printing why (the
+    script then exits 0: skipped, not failed)."""
+    from gpu_engine.cuda.errors import CudaUnavailable
+
+    try:
+        _require()
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------------------------------ tiny, fp32
 
 
@@ -345,16 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-1b", action="store_true")
     parser.add_argument("--cpu-harness", action="store_true", help="check this harness on the CPU (see docstring)")
     args = parser.parse_args(argv)
-    from gpu_engine.cuda.errors import CudaUnavailable
-
     if args.cpu_harness:
         _MODE.update(device="cpu", reference=True)
-    else:
-        try:
-            _require()
-        except CudaUnavailable as exc:
-            print(f"SKIP: {exc}")
-            return 0
+    elif not gpu_ready():
+        return 0
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
