@@ -8,6 +8,7 @@
 //   window row win_base[s] + i (conv: [rows, K-1, conv_dim], recurrent: f32 [rows, v_heads, dv, dk]). The state
 //   after the last token is the slot's own, as in a decode step.
 #include "common.cuh"
+#include "deltanet_step.cuh"
 
 #define MAX_CONV 8
 #define MAX_DK_PER_LANE 8
@@ -95,38 +96,10 @@ __device__ void gated_delta_rule_window_impl(T* out, const T* q, const T* k, con
     const float q_scale = rsqrtf((float)dk);
     const int first = cu_seqlens[s], last = cu_seqlens[s + 1];
     for (int t = first; t < last; ++t) {
-        const T* qt = q + t * qkv_stride + (long long)kh * dk;
-        const T* kt = k + t * qkv_stride + (long long)kh * dk;
-        float qss = 0.0f, kss = 0.0f;
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            const float qi = to_f(qt[i]), ki = to_f(kt[i]);
-            q_s[i] = qi;
-            k_s[i] = ki;
-            qss += qi * qi;
-            kss += ki * ki;
-        }
-        const float q_inv = rsqrtf(block_sum(qss, scratch) + 1e-6f) * q_scale;
-        const float k_inv = rsqrtf(block_sum(kss, scratch) + 1e-6f);
-        const float decay = expf(neg_A * softplusf(to_f(a[t * ab_stride + h]) + dt_bias[h]));
-        const float beta = sigmoidf(to_f(b[t * ab_stride + h]));
+        const GdnGates g = gdn_token_gates(q_s, k_s, scratch, q, k, qkv_stride, a, b, ab_stride, dt_bias, neg_A,
+                                           q_scale, t, h, kh, dk);
         if (j < dv) {
-            float kv = 0.0f;
-#pragma unroll
-            for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-                if (lane + 32 * e < dk) {
-                    Sr[e] *= decay;
-                    kv += Sr[e] * k_s[lane + 32 * e] * k_inv;
-                }
-            kv = warp_sum(kv);
-            const float delta = (to_f(v[t * qkv_stride + (long long)h * dv + j]) - kv) * beta;
-            float o = 0.0f;
-#pragma unroll
-            for (int e = 0; e < MAX_DK_PER_LANE; ++e)
-                if (lane + 32 * e < dk) {
-                    Sr[e] += k_s[lane + 32 * e] * k_inv * delta;
-                    o += Sr[e] * q_s[lane + 32 * e] * q_inv;
-                }
-            o = warp_sum(o);
+            const float o = gdn_column_step(Sr, q_s, k_s, g, v + (t * qkv_stride + (long long)h * dv + j), lane, dk);
             if (lane == 0) out[(long long)t * v_heads * dv + (long long)h * dv + j] = from_f<T>(o);
             if (wb >= 0 && t < last - 1) {
                 float* W = window + (long long)(wb + t - first) * v_heads * dv * dk + col;
