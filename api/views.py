@@ -14,7 +14,7 @@ from pipeline.leases import aware as utc
 from pipeline.models import Document, Job, Page, Result, Schema
 from pipeline.queries import status_word
 
-from .queries import DocumentSummary
+from .queries import DocumentSummary, JobRow
 
 Status = Literal["queued", "running", "succeeded", "partial", "failed"]
 
@@ -156,13 +156,18 @@ class DeletedOut(BaseModel):
 # --- conversions ------------------------------------------------------------------------------------------------
 
 
-def job_out(job: Job) -> JobOut:
+def _job_out(job: Job | JobRow, schema_name: str, schema_version: int) -> JobOut:
+    """A job's answer from its ORM object or its summary row: the same names, but for its schema's."""
     return JobOut(
-        id=job.id, document_id=job.document_id, schema_name=job.schema.name, schema_version=job.schema.version,
+        id=job.id, document_id=job.document_id, schema_name=schema_name, schema_version=schema_version,
         state=job.state, attempts=job.attempts, error=job.error, created_at=utc(job.created_at),
         started_at=utc(job.started_at), finished_at=utc(job.finished_at), model_seconds=job.model_seconds,
         prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
     )
+
+
+def job_out(job: Job) -> JobOut:
+    return _job_out(job, job.schema.name, job.schema.version)
 
 
 def _status(doc_status: str, latest_job_state: str | None) -> Status:
@@ -186,10 +191,7 @@ def document_out(doc: Document) -> DocumentOut:
 def summary_out(summary: DocumentSummary) -> DocumentOut:
     """The same as `document_out`, from rows (`queries.document_summary`) instead of ORM objects."""
     doc = summary.document
-    jobs = [JobOut(id=j.id, document_id=j.document_id, schema_name=j.schema_name, schema_version=j.schema_version,
-                   state=j.state, attempts=j.attempts, error=j.error, created_at=utc(j.created_at),
-                   started_at=utc(j.started_at), finished_at=utc(j.finished_at), model_seconds=j.model_seconds,
-                   prompt_tokens=j.prompt_tokens, completion_tokens=j.completion_tokens) for j in summary.jobs]
+    jobs = [_job_out(j, j.schema_name, j.schema_version) for j in summary.jobs]
     status = _status(doc.status, jobs[-1].state if jobs else None)
     return DocumentOut(
         id=doc.id, name=doc.original_name, sha256=doc.sha256, media_type=doc.media_type, kind=doc.kind,
