@@ -7,6 +7,21 @@
 #include "tensor_core.cuh"
 
 // ---- router ------------------------------------------------------------------------------------------------
+struct RoutePick {
+    float p;
+    int e;
+};
+// The warp's best of the lanes' (p, expert) picks, returned in every lane: the largest p, ties toward the lower expert.
+__device__ __forceinline__ RoutePick warp_best(float bv, int be) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+        if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
+    }
+    return {bv, be};
+}
+
 // One warp per token. logits f32 [n, ld]: columns 0..E-1 the router's, column E the shared expert gate's.
 // p = softmax(logits[:E]); the k largest p by falling value, ties toward the lower expert id (reference/moe.py's
 // stable sort); w = p / sum(p of the k). ids i32 [n, stride], weights f32 [n, stride], shared f32 [n] =
@@ -37,12 +52,9 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
             const float p = expf(row[e] - mx) / sum;
             if (p > bv) { bv = p; be = e; }  // e rises within a lane: the first of equal p is the lower id
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
-            if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
-        }
+        const RoutePick best = warp_best(bv, be);
+        bv = best.p;
+        be = best.e;
         if ((be & 31) == lane) taken |= 1u << (be >> 5);
         top_sum += bv;
         if (lane == j) { my_p = bv; my_id = be; }
@@ -97,12 +109,9 @@ extern "C" __global__ void moe_route_v2(const float* __restrict__ logits, int ld
         for (int s = 0; s < 32; ++s) {
             if (!(taken & (1u << s)) && p[s] > bv) { bv = p[s]; be = lane + 32 * s; }
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
-            if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
-        }
+        const RoutePick best = warp_best(bv, be);
+        bv = best.p;
+        be = best.e;
         if ((be & 31) == lane) taken |= 1u << (be >> 5);
         top_sum += bv;
         if (lane == j) { my_p = bv; my_id = be; }
