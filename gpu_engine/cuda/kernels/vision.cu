@@ -106,6 +106,14 @@ __device__ void layernorm_rows_impl(T* out, const T* x, const T* w, const T* b, 
     }
 }
 
+// f(idx) for each idx in [0, n) of this thread in a grid-stride loop (the one-line elementwise kernels below).
+template <typename F>
+__device__ __forceinline__ void grid_stride(long long n, F f) {
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x)
+        f(idx);
+}
+
 __device__ __forceinline__ float apply_act(float v, int act) {
     if (act == 1) {
         const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);  // sqrt(2/pi)
@@ -119,18 +127,14 @@ template <typename T>
 __device__ void bias_act_impl(T* out, const T* x, const T* bias, int rows, int cols, int act) {
     pdl_entry();
     const long long n = (long long)rows * cols;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
-         idx += (long long)gridDim.x * blockDim.x)
-        out[idx] = from_f<T>(apply_act(to_f(x[idx]) + to_f(bias[idx % cols]), act));
+    grid_stride(n, [=](long long idx) { out[idx] = from_f<T>(apply_act(to_f(x[idx]) + to_f(bias[idx % cols]), act)); });
 }
 
 template <typename T>
 __device__ void bias_residual_impl(T* x, const T* y, const T* bias, int rows, int cols) {
     pdl_entry();
     const long long n = (long long)rows * cols;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
-         idx += (long long)gridDim.x * blockDim.x)
-        x[idx] = from_f<T>(to_f(x[idx]) + (to_f(y[idx]) + to_f(bias[idx % cols])));
+    grid_stride(n, [=](long long idx) { x[idx] = from_f<T>(to_f(x[idx]) + (to_f(y[idx]) + to_f(bias[idx % cols]))); });
 }
 
 template <typename T>
@@ -169,9 +173,7 @@ __device__ void softmax_rows_impl(T* out, const float* s, int rows, int cols, fl
 template <typename T>
 __device__ void cast_from_f32_impl(T* out, const float* x, long long n) {
     pdl_entry();
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
-         idx += (long long)gridDim.x * blockDim.x)
-        out[idx] = from_f<T>(x[idx]);
+    grid_stride(n, [=](long long idx) { out[idx] = from_f<T>(x[idx]); });
 }
 
 #define SOFTMAX_PER_THREAD 8
