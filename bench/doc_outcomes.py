@@ -12,6 +12,8 @@ from typing import Any, Callable
 import numpy as np
 from doc_workload import Unit
 
+from gpu_engine.errors import RequestError
+
 
 class DocBenchFailed(RuntimeError):
     """A request did not finish as the mode requires."""
@@ -58,7 +60,11 @@ def drive(front: Any, units: list[Unit], requests: list[Any], submitters: int,
 
     def submit(i: int) -> None:
         outcomes[i].submitted = time.perf_counter()
-        prompt = requests[i].messages if prepare is None else prepare(requests[i].messages)
+        try:
+            prompt = requests[i].messages if prepare is None else prepare(requests[i].messages)
+        except RequestError as exc:  # refused before the engine, as the engine would refuse it: the run fails
+            listener(outcomes[i])(exc)
+            return
         front.submit(prompt, requests[i].params, listener=listener(outcomes[i]))
 
     start = time.perf_counter()

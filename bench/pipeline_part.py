@@ -44,6 +44,8 @@ def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | 
     """Submit every request at once (from `submitters` threads, as job threads do) and wait for all, or until
     `limit` seconds have passed: (final outputs or error texts, None where unfinished; wall; all finished).
     `prepare` (EngineClient.prepare) makes each request's prompt on its submitting thread, as a job does."""
+    from gpu_engine.errors import RequestError
+
     outputs: list[Any] = [None] * len(requests)
     done, left, lock = threading.Event(), [len(requests)], threading.Lock()
 
@@ -66,8 +68,6 @@ def submit_all(front: Any, requests: list[Any], submitters: int, limit: float | 
     def submit(i: int) -> bool:
         if limit is not None and time.perf_counter() - start > limit:
             return False  # past the window: the rest stays unsubmitted
-        from gpu_engine.errors import RequestError
-
         try:
             prompt = prepare(requests[i].messages)
         except RequestError as exc:  # refused before the engine: the page's output is the reason, as in a job

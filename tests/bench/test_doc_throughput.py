@@ -213,6 +213,38 @@ def test_a_request_that_ends_short_fails_the_run() -> None:
         dtp.check_outcomes([failed], fixed=None)
 
 
+def test_a_page_the_preparation_refuses_fails_the_run_with_its_reason() -> None:
+    """drive(): a RequestError from `prepare` reaches the request's outcome (nothing submitted for it), so
+    check_outcomes fails the run naming it; the other requests still run."""
+    from types import SimpleNamespace
+
+    from doc_outcomes import drive
+    from doc_workload import Unit
+
+    from gpu_engine.errors import RequestError
+    from gpu_engine.params import RequestOutput
+
+    submitted = []
+
+    class Front:
+        def submit(self, prompt, params, listener):
+            submitted.append(prompt)
+            listener(RequestOutput("r", "{}", [1], True, "stop"))
+
+    def prepare(messages):
+        if messages == "bad":
+            raise RequestError("cannot prepare the messages: no image")
+        return ("prepared", messages)
+
+    units = [Unit(0, "pdf", None, 0), Unit(1, "pdf", None, 1)]
+    requests = [SimpleNamespace(messages="bad", params=None), SimpleNamespace(messages="good", params=None)]
+    outcomes, _ = drive(Front(), units, requests, submitters=2, prepare=prepare)
+    assert submitted == [("prepared", "good")]
+    assert outcomes[0].error == "RequestError: cannot prepare the messages: no image" and outcomes[1].error is None
+    with pytest.raises(dtp.DocBenchFailed, match="unit 0 .*cannot prepare"):
+        dtp.check_outcomes(outcomes, fixed=None)
+
+
 def test_engine_fields_count_only_the_timed_runs_cut_forced_runs() -> None:
     from types import SimpleNamespace
 
