@@ -140,7 +140,7 @@ def run_shape(shape: str, args: argparse.Namespace, ceilings: dict[str, Any], in
     pool = None
     try:
         pool = start_prep_pool(folder, args)
-        prepare = None if pool is None else profile.timed_prepare(pool_prepare(pool))
+        prepare = None if pool is None else profile.timed_prepare(client_prepare(front, folder, pool))
         for m, mode in enumerate(args.modes):
             spec = mode_schema(mode, args.schema, args.grammar_schema)
             settings, params, fixed = mode_params(mode, spec, folder)
@@ -193,18 +193,16 @@ def start_prep_pool(folder: Path, args: argparse.Namespace) -> Any:
     return PagePrepPool(folder, args.prep_processes, timeout_s=Settings().request_timeout_s)
 
 
-def pool_prepare(pool: Any) -> Callable[[Any], Any]:
-    """pool.prepare, falling back as pipeline.engine_client.EngineClient.prepare does when the shared-memory folder
-    is full: the PNGs decoded, the engine prepares the rest on the submitting thread."""
-    from pipeline.extraction import decode_pngs
-    from pipeline.page_prep import PrepNoSpace
+def client_prepare(front: Any, folder: Path, pool: Any) -> Callable[[Any], Any]:
+    """What the product's EngineClient does with a request's messages before it submits them (the pool's
+    ProcessedPrompt; the PNGs decoded in-process when /dev/shm is full). The client is not closed: run_shape
+    shuts the engine and the pool down itself."""
+    from pipeline.engine_client import EngineClient
+    from pipeline.settings import Settings
 
-    def prepare(messages: Any) -> Any:
-        try:
-            return pool.prepare(messages)
-        except PrepNoSpace:
-            return decode_pngs(messages)
-    return prepare
+    client = EngineClient(front, model_dir=folder, fingerprint="doc_throughput", timeout_s=Settings().request_timeout_s,
+                          preparer=pool)
+    return client.prepare
 
 
 def write_timeline(path: Path, row: dict[str, Any], profile: StepProfile) -> None:

@@ -181,8 +181,6 @@ class EngineClient:
             return decode_pngs(messages)
 
     def _submit(self, request: EngineRequest) -> Any:
-        if self._preparer is None:
-            return self._async_engine.submit(request.messages, request.params)
         from gpu_engine.engine import RequestError
 
         try:
