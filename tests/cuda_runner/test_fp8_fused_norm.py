@@ -21,7 +21,7 @@ class LaunchLog:
     def __init__(self) -> None:
         self._next = 1 << 20
         self.calls: list[tuple[str, tuple]] = []
-        self.device = SimpleNamespace(launch=self._launch, info=SimpleNamespace(sm_count=132))
+        self.device = SimpleNamespace(launch=self._launch)
         self.blas = SimpleNamespace(linear=lambda *a, **k: self.calls.append(("blas.linear", a)),
                                     linear_fp8=lambda *a, **k: self.calls.append(("blas.linear_fp8", a)))
 

@@ -82,12 +82,11 @@ def test_refusals():
 
 
 def test_every_kernel_the_launchers_name_is_an_entry_of_fp8_cu_with_its_residency():
-    """The tile grid's and split-K's entries at 2 blocks an SM; the 3-an-SM entry (stream3) is gone."""
+    """The tile grid's and split-K's entries, each at 2 blocks an SM (no other residency)."""
     text = FP8_CU.read_text()
     assert re.search(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, 2\)\s+\\?\s*fp8_gemv_bf16_t##NT\(", text)
     assert re.search(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, 2\)\s+\\?\s*fp8_gemv_splitk_t##NT\(", text)
     assert re.findall(r"FP8_GEMV_ENTRY\((\d)\)", text) == ["1", "2", "3", "4"] and fp8_ops.GEMV_MAX_TILES == 4
     assert "fp8_splitk_reduce_bf16(" in text
     assert re.findall(r"__launch_bounds__\(FP8_GEMV_WARPS \* 32, (\d)\)", text) == ["2", "2"]
-    assert "fp8_gemv_o3" not in text and not hasattr(fp8_ops, "STREAM3_BLOCKS_PER_SM")
     assert "fp8_streamk" not in text and fp8_ops.GEMV_BLOCKS_PER_SM == 2
