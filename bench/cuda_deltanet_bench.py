@@ -1,19 +1,34 @@
-"""Gated DeltaNet prefill benchmark: the sequential kernel (ops.gated_delta_rule, two-pass: what bf16 prefill ran
-before) against the chunked WY-form tensor-core kernel (deltanet_chunked), one sequence continuing from a state,
-at the DeltaNet head shapes of our model classes (dk = dv = 128).
+"""Gated DeltaNet prefill benchmark: where the chunked WY-form kernel (deltanet_chunked) spends its time, launch by
+launch, at the DeltaNet head shapes of our model classes (dk = dv = 128), for the two workloads a document run feeds
+it, with the sequential kernel (ops.gated_delta_rule two_pass) as the speed and accuracy yardstick.
 
-    python3 bench/cuda_deltanet_bench.py [--json out.json] [--shapes 2b,9b,27b] [--lengths 1024,8192] [--reps 10]
+    python3 bench/cuda_deltanet_bench.py [--json out.json] [--shapes 9b,27b] [--workloads fresh8k,doc] [--reps 20]
 
-Timing: CUDA events around one call (both launches of a method, intermediates from the arena), warm-up first,
-median of repeats; inputs are random bf16 laid out as the runner's conv output (q | k | v in one row) and in_proj
-(b | a). "per 48 layers" multiplies by the 27B-class count of DeltaNet layers. "agree" is ||chunked - sequential||
-/ ||sequential|| for the output and for the final state, both runs from the same initial state (bf16 tensor-core
-rounding: ~1e-3 .. 5e-3 is expected, > 1e-2 means something is wrong). Target (27B heads, 8192 tokens): chunked
-<= 3 ms. Prints a table last; writes JSON with the device, date and every number.
+Workloads (8192 tokens each, one step's worth):
+- fresh8k: one fresh 8192-token sequence (a long prompt's first step);
+- doc: the document step of the 9B profile, 56 one-token decode rows then 4 prompt chunks of 2034 tokens, every
+  sequence continuing from a cached state. The runner hands the chunked kernel all of a step's sequences
+  (text_model._deltanet passes the step's cu/slots/fresh), so the decode rows are 1-token sequences here too.
+Timing: CUDA events before the call, after each of its launches (the launcher's on_launch hook) and after it; the
+median over repeats of each launch's span and of the whole call ("call"); "plain" is bench/cuda_bench.time_ms of the
+call without the hook (the events' own cost shows as call - plain). Warm-up first (compiles the modules). Inputs
+are random bf16 laid out as the runner's conv output (q | k | v in one row) and in_proj (b | a), decays of ~1-10 %
+per token so the state matters across chunks. "agree" is ||chunked - sequential|| / ||sequential|| of the output
+and of the final state, both from the same initial state (bf16 tensor-core rounding: ~1e-3 .. 5e-3 is expected,
+> 1e-2 means something is wrong). "x24/x48" is the call times the 9B/27B DeltaNet layer count. Prints a table last;
+writes JSON (device, date, commit, every number), rewritten after each row. About 15 s on an H200 with the module
+cache warm, plus NVRTC compiles on a bare machine.
 """
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +37,68 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_bench import time_ms  # (CUDA events, warm-up, median)
-from op_bench import agreement, run_op_bench
+from op_bench import agreement
 
 from gpu_engine.cuda import deltanet_chunked, ops
 from gpu_engine.cuda.context import GpuContext
+from gpu_engine.cuda.errors import CudaUnavailable
 
-# name -> (key heads, value heads, dk, dv): bench/cuda_bench.py SHAPES and the ModelConfig defaults (9B)
-SHAPES = {"2b": (16, 16, 128, 128), "9b": (16, 32, 128, 128), "27b": (16, 48, 128, 128)}
-LAYERS_27B = 48
-TARGET_MS = 3.0  # 27B heads, 8192 tokens
+# name -> (key heads, value heads, dk, dv, DeltaNet layers): bench/cuda_bench.py SHAPES and the ModelConfig defaults
+SHAPES = {"2b": (16, 16, 128, 128, 18), "9b": (16, 32, 128, 128, 24), "27b": (16, 48, 128, 128, 48)}
 
 
-def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, warmup: int, reps: int) -> dict:
-    kh, vh, dk, dv = SHAPES[name]
+@dataclass(frozen=True)
+class Workload:
+    lens: tuple[int, ...]  # tokens per sequence, in step order
+    fresh: bool  # every sequence starts here (state zeroed) / every one continues from its slot's state
+
+
+WORKLOADS = {"fresh8k": Workload((8192,), True), "doc": Workload((1,) * 56 + (2034,) * 4, False)}
+
+
+def git_commit() -> str:
+    env = os.environ.get("DOCPIPE_BENCH_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def phase_times(ctx: GpuContext, call: Callable[[Callable[[str], None]], None], warmup: int,
+                reps: int) -> dict[str, float]:
+    """Median ms of each launch of call(on_launch) (the span from the previous event) and of the whole call."""
+    for _ in range(warmup):
+        call(lambda phase: None)
+    ctx.device.sync()
+    samples: dict[str, list[float]] = {}
+    for _ in range(reps):
+        start = ctx.device.event()
+        marks: list[tuple[str, object]] = []
+
+        def mark(phase: str) -> None:
+            ev = ctx.device.event()
+            ctx.device.stream.record(ev)
+            marks.append((phase, ev))
+
+        ctx.device.stream.record(start)
+        call(mark)
+        marks[-1][1].sync()
+        prev = start
+        for phase, ev in marks:
+            samples.setdefault(phase, []).append(ev - prev)
+            prev = ev
+        samples.setdefault("call", []).append(marks[-1][1] - start)
+    return {phase: float(np.median(x)) for phase, x in samples.items()}
+
+
+def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, workload: str, warmup: int,
+               reps: int) -> dict:
+    kh, vh, dk, dv, layers = SHAPES[shape]
+    wl = WORKLOADS[workload]
+    seqs, n = len(wl.lens), sum(wl.lens)
     conv_dim = 2 * kh * dk + vh * dv
     mark = ctx.arena.mark()
     try:
@@ -44,35 +108,39 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
         ab = ctx.to_device(ab_host, "bf16", "ab")
         A_log = ctx.to_device(np.log(rng.uniform(1.0, 16.0, vh)).astype(np.float32), "f32", "A_log")
         dt_bias = ctx.to_device(np.ones(vh, np.float32), "f32", "dt_bias")
-        state0 = (rng.standard_normal((1, vh, dv, dk)) * 0.3).astype(np.float32)
+        state0 = (rng.standard_normal((seqs, vh, dv, dk)) * 0.3).astype(np.float32)
         state = ctx.to_device(state0, "f32", "state")
+        cu = np.concatenate([[0], np.cumsum(wl.lens)])
         meta = {what: ctx.to_device(np.asarray(x, np.int32), "i32", what)
-                for what, x in (("cu", [0, n]), ("slots", [0]), ("fresh", [0]))}
+                for what, x in (("cu", cu), ("slots", np.arange(seqs)), ("fresh", [int(wl.fresh)] * seqs))}
         outs = {m: ctx.empty((n, vh * dv), "bf16", f"out-{m}") for m in ("sequential", "chunked")}
+        args = (qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh, A_log, dt_bias, state,
+                meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv)
 
-        def call(method: str, dv_slice: int | None = None) -> None:  # dv_slice None: the launcher's own choice
-            args = (ctx, outs[method], qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh,
-                    A_log, dt_bias, state, meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv)
-            if method == "chunked":
-                deltanet_chunked.chunked_gated_delta_rule(*args, dv_slice=dv_slice)
-            else:
-                ops.gated_delta_rule(*args, method="two_pass")
+        def sequential() -> None:
+            ops.gated_delta_rule(ctx, outs["sequential"], *args, method="two_pass")
 
-        row: dict = {"shape": name, "tokens": n, "k_heads": kh, "v_heads": vh, "dk": dk, "dv": dv,
-                     "chunked_workspace_MB": deltanet_chunked.workspace_bytes(n, 1, vh, dk, dv) / 2**20}
+        def chunked(on_launch: Callable[[str], None] | None = None) -> None:
+            deltanet_chunked.chunked_gated_delta_rule(ctx, outs["chunked"], *args, on_launch=on_launch)
+
+        row: dict = {"shape": shape, "workload": workload, "tokens": n, "seqs": seqs, "fresh": wl.fresh,
+                     "k_heads": kh, "v_heads": vh, "dk": dk, "dv": dv, "layers": layers,
+                     "scan_slice": deltanet_chunked.scan_slice(dv, vh, seqs, ctx.device.info.sm_count),
+                     "workspace_MB": deltanet_chunked.workspace_bytes(n, seqs, vh, dk, dv) / 2**20}
         results = {}
-        for method in ("sequential", "chunked"):
+        for method, fn in (("sequential", sequential), ("chunked", chunked)):
             ctx.to_device(state0, "f32", "state", out=state)  # same start for the agreement numbers
-            call(method)
+            fn()
             ctx.device.sync()
             results[method] = (ctx.to_host(outs[method]), ctx.to_host(state))
-            row[f"{method}_ms"] = time_ms(ctx, lambda: call(method), warmup, reps)
-        for width in (deltanet_chunked.DV_SLICE, deltanet_chunked.NARROW_DV_SLICE):  # the scan's two slice widths
-            row[f"chunked_slice{width}_ms"] = time_ms(ctx, lambda: call("chunked", width), warmup, reps)
-        row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
-        row["chunked_ms_per_48_layers"] = row["chunked_ms"] * LAYERS_27B
         row["agree_out"] = agreement(results["chunked"][0], results["sequential"][0])
         row["agree_state"] = agreement(results["chunked"][1], results["sequential"][1])
+        row["sequential_ms"] = time_ms(ctx, sequential, 1, max(3, reps // 4))
+        for phase, ms in phase_times(ctx, chunked, warmup, reps).items():
+            row[f"{phase}_ms"] = ms
+        row["plain_ms"] = time_ms(ctx, chunked, warmup, reps)
+        row["speedup"] = row["sequential_ms"] / row["plain_ms"]
+        row["ms_per_model"] = row["plain_ms"] * layers
         return row
     finally:
         ctx.device.sync()
@@ -80,25 +148,52 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'shape':<6} {'tokens':>6} {'heads':>6} {'seq ms':>9} {'chunk ms':>9} {'speedup':>8} "
-             f"{'x48 ms':>8} {'agree out':>10} {'agree S':>9} {'slice32':>8} {'slice16':>8}", "-" * 98]
+    head = (f"{'shape':<5} {'workload':<8} {'heads':>6} {'slice':>5} {'prep ms':>8} {'scan ms':>8} {'call ms':>8} "
+            f"{'plain ms':>8} {'seq ms':>7} {'speedup':>7} {'xL ms':>6} {'agree out':>9} {'agree S':>8}")
+    lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['shape']:<6} {r['tokens']:>6} {r['k_heads']:>2}/{r['v_heads']:<3} {r['sequential_ms']:>9.3f} "
-                     f"{r['chunked_ms']:>9.3f} {r['speedup']:>7.1f}x {r['chunked_ms_per_48_layers']:>8.1f} "
-                     f"{r['agree_out']:>10.1e} {r['agree_state']:>9.1e} {r['chunked_slice32_ms']:>8.3f} "
-                     f"{r['chunked_slice16_ms']:>8.3f}")
-    lines.append(f"(target: 27b, 8192 tokens, chunked <= {TARGET_MS} ms per layer)")
+        lines.append(f"{r['shape']:<5} {r['workload']:<8} {r['k_heads']:>2}/{r['v_heads']:<3} {r['scan_slice']:>5} "
+                     f"{r['prep_ms']:>8.3f} {r['scan_ms']:>8.3f} {r['call_ms']:>8.3f} {r['plain_ms']:>8.3f} "
+                     f"{r['sequential_ms']:>7.2f} {r['speedup']:>6.1f}x {r['ms_per_model']:>6.1f} "
+                     f"{r['agree_out']:>9.1e} {r['agree_state']:>8.1e}")
+    lines.append("(xL: plain ms times the shape's DeltaNet layers, 24 at 9B, 48 at 27B)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_op_bench(
-        argv, __doc__.splitlines()[0], SHAPES,
-        lambda ctx, rng, name, n, reps, args: bench_shape(ctx, rng, name, n, warmup=2, reps=reps),
-        format_table, {"sequential": "ops.gated_delta_rule method=two_pass",
-                       "chunked": "deltanet_chunked (C=64, dv slice 32)"},
-        lengths_help="tokens of the one sequence", reps_help="timed calls per method and shape (median)",
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--shapes", default="9b,27b", help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of " + ",".join(WORKLOADS))
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per case (median)")
+    args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not shapes or not workloads or args.reps < 1 or any(s not in SHAPES for s in shapes) \
+            or any(w not in WORKLOADS for w in workloads):
+        parser.error(f"shapes from {', '.join(SHAPES)}, workloads from {', '.join(WORKLOADS)}, reps >= 1")
+    rng = np.random.default_rng()
+    try:
+        ctx = GpuContext(budget_bytes=4 << 30)
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return 0
+    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
+            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": git_commit(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "workloads": {name: {"lens": list(w.lens), "fresh": w.fresh} for name, w in WORKLOADS.items()}}
+    rows: list[dict] = []
+    try:
+        for shape in shapes:
+            for workload in workloads:
+                rows.append(bench_case(ctx, rng, shape, workload, warmup=2, reps=args.reps))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.json:  # keep what is done if a later case fails
+                    Path(args.json).write_text(json.dumps({"info": info, "results": rows}, indent=1))
+    finally:
+        ctx.close()
+    print(format_table(rows))
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ intermediates taken from the arena for the duration of the call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .context import DArray, GpuContext
 from .errors import ShapeError
 from .ops import _need, i32, i64
@@ -41,12 +43,14 @@ def workspace_bytes(tokens: int, seqs: int, v_heads: int, dk: int, dv: int) -> i
 def chunked_gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray, v: DArray, qkv_stride: int,
                              a: DArray, b: DArray, ab_stride: int, A_log: DArray, dt_bias: DArray, state: DArray,
                              cu_seqlens: DArray, state_slots: DArray, fresh: DArray, k_heads: int, v_heads: int,
-                             dk: int, dv: int, dv_slice: int | None = None) -> None:
+                             dk: int, dv: int, dv_slice: int | None = None,
+                             on_launch: Callable[[str], None] | None = None) -> None:
     """Gated delta rule over a varlen batch, bf16 only; state f32 [slots, v_heads, dv, dk]; out [tokens, v_heads*dv].
 
     q/k/v are column views of one row-major buffer with row stride qkv_stride (q at key head kh * dk, k likewise,
     v at value head h * dv), a/b likewise with ab_stride: the layout ops.gated_delta_rule takes.
     dv_slice: value columns per scan block (32 or 16); None picks with scan_slice from the SM count.
+    on_launch: called after each launch with its phase ("prep", "scan"); the bench records a CUDA event there.
     """
     for arr, name in ((out, "out"), (q, "q"), (k, "k"), (v, "v"), (a, "a"), (b, "b")):
         _need(arr, "bf16", f"chunked gated delta rule {name}")
@@ -84,10 +88,14 @@ def chunked_gated_delta_rule(ctx: GpuContext, out: DArray, q: DArray, k: DArray,
                           Qd.ptr, KdT.ptr, P.ptr, gc.ptr, q.ptr, k.ptr, v.ptr, i64(qkv_stride), a.ptr, b.ptr,
                           i64(ab_stride), A_log.ptr, dt_bias.ptr, cu_seqlens.ptr, i32(seqs), i32(k_heads),
                           i32(v_heads))
+        if on_launch is not None:
+            on_launch("prep")
         scan = f"gdn_chunk_scan{'16' if width == NARROW_DV_SLICE else ''}_{suffix}"
         ctx.device.launch("deltanet_chunked", scan, (dv // width, v_heads, seqs), THREADS,
                           out.ptr, state.ptr, W.ptr, U.ptr, Qd.ptr, KdT.ptr, P.ptr, gc.ptr, cu_seqlens.ptr,
                           state_slots.ptr, fresh.ptr, i32(v_heads))
+        if on_launch is not None:
+            on_launch("scan")
     finally:
         ctx.arena.release(mark)  # stream order keeps the release safe, as in ops.gated_delta_rule
 
