@@ -31,6 +31,11 @@ class AutoBackoff:
         self.step = 0
         self._streaks: dict[int, _Streak] = {}
 
+    @property
+    def tracking(self) -> bool:
+        """Some sequence has a miss streak (else forgetting has nothing to do)."""
+        return bool(self._streaks)
+
     def new_step(self) -> None:
         self.step += 1
 

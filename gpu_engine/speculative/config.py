@@ -24,6 +24,8 @@ class SpeculativeConfig:
     # reading the weights until its batch reaches the GEMMs' compute knee: up to there drafts ride along almost
     # free, past it every rejected draft costs a full token's compute. 128 is a conservative knee for a 27B-class
     # model on one H200 (to be measured for the CUDA runner, bench/; the reference runner gains nothing either way).
+    # On a runner that samples on the device a window costs the whole step that sampling, so there `auto` drafts
+    # only while decode rows * (k + 1) fit (Speculator.auto_room): at 32 and k = 3, batches of up to 8.
     max_step_tokens: int = 128
     # Prompt lookup: the longest / shortest tail n-gram matched against the prompt, output and lookup text.
     ngram_max: int = 4

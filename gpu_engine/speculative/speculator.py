@@ -6,8 +6,10 @@ Drafters (`SamplingParams.speculative`): "ngram" is prompt lookup (prompt, outpu
 lookup_text); "mtp" is the checkpoint's MTP head, run by the runner after each step; "auto" (the default) takes a
 prompt-lookup match when there is one and the MTP head's drafts otherwise (when the runner has one), and obeys the
 cost rule (config.py): `auto` drafts only with the tokens a step has left under max_step_tokens after one per
-decoding sequence, and an `auto` sequence whose attempts gain nothing rests from drafting for longer and longer
-(backoff.py: measured at saturation, rejected drafts cost more than they save). "off" never drafts. Runners
+decoding sequence (on runners that sample on the device, only in steps where every decoding sequence could carry a
+full window: auto_room; past it the step is the plain decode path), and an `auto` sequence whose attempts gain
+nothing rests from drafting for longer and longer (backoff.py: measured at saturation, rejected drafts cost more
+than they save). "off" never drafts. Runners
 without verify (runner_api.py: supports_verify) run every request without speculation; a request that names a
 drafter such a runner cannot serve is refused at add_request.
 """
@@ -27,6 +29,8 @@ from .backoff import AutoBackoff
 from .config import METHODS, SpeculativeConfig
 from .drafters import Auto, Drafter, MtpHead, PromptLookup
 from .verify import Accept, Finish, verify_window
+
+NAMED = ("ngram", "mtp")  # drafters a request names: they draft as asked, outside auto's cost rule and backoff
 
 
 def spec_counters() -> dict[str, int]:
@@ -88,9 +92,25 @@ class Speculator:
         never drafts, loses nothing): `auto` only with room under the cost rule, `ngram` / `mtp` always."""
         if not self.can_verify:
             return False
-        room = self.max_step_tokens - len(running) > 0
+        room = self.auto_room(len(running)) > 0
         return any(s.speculate and s.params.speculative != "off" and (room or s.params.speculative != "auto")
                    for s in running)
+
+    def drafts_per_window(self) -> int:
+        """k: SpeculativeConfig.num_tokens, at most the runner's longest window less one (max_verify_drafts)."""
+        longest = getattr(self.runner, "max_verify_drafts", None)
+        return self.config.num_tokens if longest is None else min(self.config.num_tokens, int(longest))
+
+    def auto_room(self, decoding: int) -> int:
+        """Draft tokens `auto` sequences may take in a step of `decoding` decode rows (the cost rule): what the rows
+        leave under max_step_tokens, or 0 — `auto` off, the plain decode path. On a runner that samples on the
+        device one verify window takes the whole step off it (every row's logits go to the host, no lookahead
+        launch: engine.step), a cost that grows with the batch, not with the drafts; so there `auto` drafts only
+        in steps where every decode row could carry a full window: decoding * (1 + k) <= max_step_tokens."""
+        if getattr(self.runner, "samples_on_device", False) and decoding * (1 + self.drafts_per_window()) > \
+                self.max_step_tokens:
+            return 0
+        return max(self.max_step_tokens - decoding, 0)
 
     # ---- before scheduling ----
     def propose(self, running: list[Sequence], blocks: BlockManager) -> None:
@@ -98,14 +118,17 @@ class Speculator:
         if not self.can_verify:
             return
         self.backoff.new_step()
-        k = self.config.num_tokens
-        longest = getattr(self.runner, "max_verify_drafts", None)  # a runner's longest window, less one
-        if longest is not None:
-            k = min(k, int(longest))
+        k = self.drafts_per_window()
         decoding = [s for s in running if s.status is SeqStatus.RUNNING and s.num_uncomputed == 1
                     and s.num_computed >= s.prompt_len]
         # The cost rule: `auto` drafts only with the tokens the step has left under max_step_tokens.
-        room = self.max_step_tokens - len(decoding)
+        room = self.auto_room(len(decoding))
+        if room == 0:  # `auto` is off this step: only named drafters draft, nothing is looked up for the others
+            if any(s.params.speculative == "auto" for s in decoding):
+                self.counters["spec_auto_off_steps"] += 1
+            decoding = [s for s in decoding if s.params.speculative in NAMED]
+            if not decoding:
+                return
         cut = False
         free = blocks.num_free_blocks
         # A runner may hold rollback state for a limited number of windows a step (CudaRunner.verify_room)
@@ -237,7 +260,8 @@ class Speculator:
             return
         for seq in running:
             seq.num_drafts = 0
-        self.backoff.forget_all_but({seq.seq_id for seq in running})
+        if self.backoff.tracking:
+            self.backoff.forget_all_but({seq.seq_id for seq in running})
 
     def stats(self) -> dict[str, float]:
         c = self.counters
