@@ -45,6 +45,10 @@ class CudaOptions:
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.
     vision_flash: str | None = None
+    # The prefill attention kernel (ops.FLASH_TILE_ROWS; DOCPIPE_CUDA_FLASH_PREFILL): "fa2" (flash_prefill.cu,
+    # mma.sync) or "ws" (flash_prefill_ws.cu: warp-specialised wgmma, 128-row tiles; used for a bf16 KV cache at
+    # head_dim 256 on sm_90, "fa2" elsewhere: ops.flash_variant). "fa2" until "ws" is measured on an H200.
+    flash_prefill: str = "fa2"
     # Same-grid vision items of a step in one tower call (encode_vision_batch, cuda/vision_batch.py;
     # DOCPIPE_CUDA_VISION_BATCH=1). check_vision passed it on an H200, the 9B document run gained nothing: opt-in.
     vision_batch: bool = False
@@ -59,6 +63,10 @@ class CudaOptions:
     # The full-attention layers' KV cache: "auto" (the compute dtype) or "fp8_e4m3" (e4m3 bytes with a float32 scale
     # per token and kv head, kv_fp8.py; gpu_engine.load's kv_cache_dtype). Opt-in until checked on a GPU.
     kv_cache_dtype: str = "auto"
+    # The chunked gated delta rule variant of bf16 prefill (deltanet_chunked.VARIANTS; DOCPIPE_CUDA_DELTANET_CHUNKED):
+    # "current" (prep + scan with the output on the scan's chain) or "states" (prep + a state-only scan + a parallel
+    # output launch, #14). The default stays "current" until "states" has been checked and timed on the H200.
+    deltanet_chunked: str = "current"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -69,9 +77,17 @@ class CudaOptions:
 
         if self.vision_flash is not None and self.vision_flash not in VARIANTS:
             raise ShapeError(f"DOCPIPE_CUDA_VISION_FLASH must be one of {sorted(VARIANTS)}, got {self.vision_flash!r}")
+        from .ops import FLASH_TILE_ROWS
+
+        if self.flash_prefill not in FLASH_TILE_ROWS:
+            raise ShapeError(f"DOCPIPE_CUDA_FLASH_PREFILL must be one of {sorted(FLASH_TILE_ROWS)}, got "
+                             f"{self.flash_prefill!r}")
         from ..reference.fp8_kv import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from .deltanet_chunked import check_variant
+
+        check_variant(self.deltanet_chunked)
         if self.rollback not in ("recompute", "window"):
             raise ShapeError(f"CudaOptions.rollback must be 'recompute' or 'window', got {self.rollback!r}")
         for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id", "verify_window_tokens"):
@@ -102,6 +118,10 @@ class CudaOptions:
             read["vision_batch"] = env["DOCPIPE_CUDA_VISION_BATCH"] == "1"
         if env.get("DOCPIPE_CUDA_VISION_FLASH"):
             read["vision_flash"] = env["DOCPIPE_CUDA_VISION_FLASH"]
+        if env.get("DOCPIPE_CUDA_FLASH_PREFILL"):
+            read["flash_prefill"] = env["DOCPIPE_CUDA_FLASH_PREFILL"]
+        if env.get("DOCPIPE_CUDA_DELTANET_CHUNKED"):
+            read["deltanet_chunked"] = env["DOCPIPE_CUDA_DELTANET_CHUNKED"]
         if "DOCPIPE_CUDA_CACHE" in env:
             read["module_cache"] = Path(env["DOCPIPE_CUDA_CACHE"])
         unknown = set(overrides) - {f.name for f in fields(cls)}

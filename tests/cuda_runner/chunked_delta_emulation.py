@@ -10,6 +10,11 @@ transposed), same chunk-slot numbering, same two passes:
   O = Qd S + P V', S = gc S + Kd^T V'.
 Every exponent is G_i - G_j with i >= j (or G itself), so nothing grows.
 
+variant="states" (gdn_chunk_states + gdn_chunk_output) splits the scan: per sequence and dv slice, sequential,
+Sc = bf16(S) and V' = bf16(U - W Sc) are stored per chunk slot and S = gc S + Kd^T V'; then per chunk slot
+(independent of the others) O = Qd Sc + P V'. Same values at the same rounding points as "current", so the two
+variants agree exactly here (and should on the GPU).
+
 With `bf16=True` values are rounded to bf16 exactly where the kernel stores or feeds bf16 into the tensor cores
 (everything else, like the fp32 accumulators, stays float64 here), so the emulation also predicts the kernel's
 rounding error; with `bf16=False` it is exact float64 algebra and must equal the token-by-token rule to ~1e-12.
@@ -22,6 +27,7 @@ from tests.cuda_runner import references as ref
 
 CHUNK = 64
 DV_SLICE = 32
+VARIANTS = ("current", "states")
 
 
 def _round(x: np.ndarray, on: bool) -> np.ndarray:
@@ -107,18 +113,36 @@ def scan_chunk(S: np.ndarray, c: dict[str, np.ndarray], cols: slice, bf16: bool)
     return O, S
 
 
+def states_chunk(S: np.ndarray, c: dict[str, np.ndarray], cols: slice,
+                 bf16: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One chunk of gdn_chunk_states for the dv columns `cols`. S [VH, dk, slice] (float64, fp32 in the kernel).
+    Returns (Sc: the chunk's entry state as stored, bf16; V' [VH, C, slice] as stored, bf16; the new S)."""
+    Sc = _round(S, bf16)  # the kernel's Sb, also what it stores to Sg
+    Vp = _round(c["U"][:, :, cols] - c["W"] @ Sc, bf16)
+    S = c["gc"][:, None, None] * S + c["Kd"].transpose(0, 2, 1) @ Vp
+    return Sc, Vp, S
+
+
+def output_chunk(c: dict[str, np.ndarray], Sc: np.ndarray, Vp: np.ndarray) -> np.ndarray:
+    """gdn_chunk_output for one chunk slot, all value heads and columns: O = Qd Sc + P V' [VH, C, dv]."""
+    return c["Qd"] @ Sc + c["P"] @ Vp
+
+
 def chunked_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray, b: np.ndarray,
                              A_log: np.ndarray, dt_bias: np.ndarray, state: np.ndarray, cu_seqlens: np.ndarray,
                              state_slots: np.ndarray, fresh: np.ndarray, bf16: bool = False,
-                             dv_slice: int = DV_SLICE) -> tuple[np.ndarray, np.ndarray]:
+                             dv_slice: int = DV_SLICE, variant: str = "current") -> tuple[np.ndarray, np.ndarray]:
     """The whole varlen batch. q/k [n, KH, dk]; v [n, VH, dv]; a/b [n, VH]; state [slots, VH, dv, dk] (not
     modified). Returns out [n, VH*dv] and the new state array (a copy, float64)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     n, KH, dk = q.shape
     VH, dv = v.shape[1], v.shape[2]
     seqs = len(state_slots)
     out = np.zeros((n, VH, dv))
     new_state = state.astype(np.float64).copy()
     prepped: dict[int, dict[str, np.ndarray]] = {}
+    rows: dict[int, tuple[int, int]] = {}  # chunk slot -> (first token, tokens)
     # pass 1: every chunk slot that belongs to a sequence (independent of the state)
     for s in range(seqs):
         t0, t1 = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
@@ -127,6 +151,10 @@ def chunked_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.
             r = slice(start, min(start + CHUNK, t1))
             assert base + ch not in prepped and base + ch < num_chunk_slots(n, seqs)
             prepped[base + ch] = prep_chunk(q[r], k[r], v[r], a[r], b[r], A_log, dt_bias, bf16)
+            rows[base + ch] = (start, r.stop - start)
+    # "states": the entry state and V' of every chunk slot, [VH, dk, dv] and [VH, C, dv]
+    entry = {cs: np.zeros((VH, dk, dv)) for cs in prepped} if variant == "states" else {}
+    vprime = {cs: np.zeros((VH, CHUNK, dv)) for cs in prepped} if variant == "states" else {}
     # pass 2: per sequence and dv slice, sequential over its chunks
     for s in range(seqs):
         t0, t1 = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
@@ -137,10 +165,18 @@ def chunked_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.
             S = (np.zeros((VH, dk, cols.stop - cols.start)) if fresh[s]
                  else state[slot][:, cols, :].astype(np.float64).transpose(0, 2, 1))
             for ch, start in enumerate(range(t0, t1, CHUNK)):
+                if variant == "states":
+                    entry[base + ch][:, :, cols], vprime[base + ch][:, :, cols], S = states_chunk(
+                        S, prepped[base + ch], cols, bf16)
+                    continue
                 L = min(CHUNK, t1 - start)
                 O, S = scan_chunk(S, prepped[base + ch], cols, bf16)
                 out[start:start + L, :, cols] = O[:, :L].transpose(1, 0, 2)
             new_state[slot][:, cols, :] = S.transpose(0, 2, 1)
+    # pass 3 ("states"): every chunk slot's output on its own
+    if variant == "states":
+        for cs, (start, L) in rows.items():
+            out[start:start + L] = output_chunk(prepped[cs], entry[cs], vprime[cs])[:, :L].transpose(1, 0, 2)
     return out.reshape(n, VH * dv), new_state
 
 

@@ -144,3 +144,43 @@ def test_slice_width_does_not_change_the_result(dv_slice) -> None:
     ref_out, ref_state = emu.token_reference_batch(**batch)
     assert _max_rel(out, ref_out) < 1e-10
     assert _max_rel(state, ref_state) < 1e-10
+
+
+@pytest.mark.parametrize("lens, kh, vh, dk, dv, dv_slice", [
+    ([1, 63, 64, 65, 130, 0, 200], 2, 6, 16, 40, 32),  # partial last chunks, an empty sequence, dv not a slice multiple
+    ([129, 5, 300], 1, 2, 32, 64, 16),
+])
+def test_states_variant_equals_token_by_token(lens, kh, vh, dk, dv, dv_slice) -> None:
+    """The states variant (state-only scan storing Sc and V', then O = Qd Sc + P V' per chunk) is the same exact
+    algebra: float64 against the token-by-token rule, fresh and continued sequences of different lengths."""
+    rng = np.random.default_rng()
+    batch = _batch(rng, lens, kh, vh, dk, dv, num_slots=len(lens) + 2, a_shift=-2.0)
+    batch["fresh"][0], batch["fresh"][-1] = 1, 0
+    out, state = emu.chunked_gated_delta_rule(**batch, dv_slice=dv_slice, variant="states")
+    ref_out, ref_state = emu.token_reference_batch(**batch)
+    assert _max_rel(out, ref_out) < 1e-10
+    assert _max_rel(state, ref_state) < 1e-10
+    untouched = np.setdiff1d(np.arange(batch["state"].shape[0]), batch["state_slots"])
+    assert np.array_equal(state[untouched], batch["state"][untouched])
+
+
+@pytest.mark.parametrize("dv_slice", [16, 32])
+def test_states_variant_rounds_where_current_does(dv_slice) -> None:
+    """With the kernels' bf16 rounding points emulated, the states variant gives the current variant's numbers (to
+    float64 summation order: the two store and reuse the same rounded Sc and V'), which is why the GPU check can hold
+    it to the same tolerance; and both round (they differ from the exact algebra by the usual bf16 budget)."""
+    rng = np.random.default_rng()
+    batch = _batch(rng, [40, 200, 1], 1, 2, 128, 64, num_slots=4, a_shift=-4.0)
+    batch["fresh"][:] = 0
+    cur_out, cur_state = emu.chunked_gated_delta_rule(**batch, bf16=True, dv_slice=dv_slice)
+    out, state = emu.chunked_gated_delta_rule(**batch, bf16=True, dv_slice=dv_slice, variant="states")
+    assert _max_rel(out, cur_out) < 1e-12
+    assert _max_rel(state, cur_state) < 1e-12
+    exact_out, _ = emu.chunked_gated_delta_rule(**batch, variant="states")
+    assert 1e-4 < np.linalg.norm(out - exact_out) / np.linalg.norm(exact_out) < 5e-3
+
+
+def test_unknown_variant_is_refused() -> None:
+    rng = np.random.default_rng()
+    with pytest.raises(ValueError, match="variant"):
+        emu.chunked_gated_delta_rule(**_batch(rng, [3], 1, 1, 16, 16, num_slots=1), variant="fast")

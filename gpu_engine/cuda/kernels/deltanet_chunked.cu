@@ -20,6 +20,20 @@
 // Fragment layouts follow the PTX ISA for m16n8k16 (groupID g = lane / 4, tig = lane % 4): A regs {(g, 2tig),
 // (g+8, 2tig), (g, 2tig+8), (g+8, 2tig+8)}, B regs {k 2tig.., k 2tig+8..} of column g, C {(g, 2tig..), (g+8, 2tig..)};
 // the lower k (or column) index sits in the low 16 bits of a packed pair.
+//
+// The "states" variant (deltanet_chunked.VARIANTS; DOCPIPE_CUDA_DELTANET_CHUNKED=states) splits the scan as fla's
+// chunk_gated_delta_rule does: gdn_chunk_states walks the chunks carrying only the state and stores each chunk's
+// entry state Sc = bf16(S) (Sg [slot][head][dv][dk]) and V' (Vg [slot][head][dv][C], transposed); then
+// gdn_chunk_output (grid: chunk slots x value heads, fully parallel) computes O = Qd Sc + P V'. Why: the scan is
+// the only serial part, and per chunk gdn_chunk_scan reads W, Qd, Kd^T, P and U (56 KB a block at dk = dv = 128,
+// again for every dv slice of the head) by 32-bit fragment loads straight from L2 (8 rows x 16 bytes a warp-wide
+// load: half-used sectors), twice behind a barrier, so its chain is load-bound, not math-bound. The states scan
+// needs only W, Kd^T and U (36 KB), takes them by coalesced 16-byte cp.async into a second shared-memory stage
+// while the chunk before computes, and its chain is W Sc, a barrier, Kd^T V'. The output GEMMs (Qd S, P V') and
+// the output stores leave the chain for a launch with thousands of blocks. Cost: Sc and V' go through memory
+// (bf16, 48 KB per chunk and head at dk = dv = 128, written once and read once). Rounding points are those of
+// gdn_chunk_scan (S and V' rounded to bf16 as tensor-core operands, fp32 accumulation in the same order: the same
+// mma sequence per value), so its output and state should equal the current variant's bit for bit.
 #include "common.cuh"
 #include "tensor_core.cuh"
 
@@ -438,6 +452,263 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
                 St[(8 * nt + 2 * tig + (e & 1)) * DK + srow0 + 16 * mt + g + 8 * (e >> 1)] = sacc[mt][nt][e];
 }
 
+// ---- the "states" variant (deltanet_chunked.VARIANTS): the scan carries only the state, the output is a third,
+// fully parallel launch. See the header's second part for why.
+
+// ROWS x COLS bf16 from global (row stride SRC_LD elements) into shared memory (row stride dst_ld) by 16-byte
+// cp.async pieces, consecutive threads on consecutive pieces of a row (coalesced); the caller commits the group.
+template <int ROWS, int COLS, int SRC_LD>
+__device__ __forceinline__ void gs_stage_rows(bf16_t* dst, int dst_ld, const bf16_t* src, int tid) {
+    const unsigned base = smem_addr(dst);
+#pragma unroll 4
+    for (int i = tid; i < ROWS * COLS / 8; i += GC_THREADS) {
+        const int r = i / (COLS / 8), c = (i % (COLS / 8)) * 8;
+        cp_async16(base + (unsigned)(r * dst_ld + c) * 2u, src + (long long)r * SRC_LD + c, 16);
+    }
+}
+
+// ROWS x COLS bf16 from shared memory (row stride src_ld) to global (row stride COLS), 16 bytes a thread and step.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void gs_store_rows(bf16_t* dst, const bf16_t* src, int src_ld, int tid) {
+#pragma unroll 4
+    for (int i = tid; i < ROWS * COLS / 8; i += GC_THREADS) {
+        const int r = i / (COLS / 8), c = (i % (COLS / 8)) * 8;
+        *(uint4*)(dst + (long long)r * COLS + c) = *(const uint4*)(src + r * src_ld + c);
+    }
+}
+
+// Dynamic shared memory of gdn_chunk_states (bytes; deltanet_chunked.states_shared_bytes mirrors it): two stages of
+// the chunk operands on the state's chain (W [C][DK], Kd^T [DK][C], U's slice [C][SLICE]), then Sb and Vb as in
+// gdn_chunk_scan. Rows padded by 8 bf16 (16 bytes): 32-bit fragment reads of 8 rows x 4 words hit 32 banks.
+template <int DK, int SLICE>
+struct GsLayout {
+    static constexpr int W_LD = DK + 8, K_LD = GC_C + 8, U_LD = SLICE + 8, S_LD = DK + 8, V_LD = GC_C + 8;
+    static constexpr int W_OFF = 0, K_OFF = W_OFF + GC_C * W_LD, U_OFF = K_OFF + DK * K_LD;  // bf16 elements
+    static constexpr int STAGE = U_OFF + GC_C * U_LD;
+    static constexpr int SB_OFF = 2 * STAGE, VB_OFF = SB_OFF + SLICE * S_LD;
+    static constexpr int BYTES = 2 * (VB_OFF + SLICE * V_LD);
+};
+
+// gdn_chunk_states: gdn_chunk_scan without the output. Per chunk (grid and state registers as gdn_chunk_scan):
+//   Sc = bf16(S) (to Sg, the chunk's entry state)   V' = bf16(U - W Sc) (to Vg, transposed)   S = gc S + Kd^T V'
+// W, Kd^T and U of chunk c + 1 arrive by cp.async into the other stage while chunk c computes.
+template <int DK, int DV, int SLICE>
+__device__ void gdn_chunk_states_impl(bf16_t* Sg, bf16_t* Vg, float* state, const bf16_t* Wg, const bf16_t* Ug,
+                                      const bf16_t* Kdg, const float* gcg, const int* cu, const int* state_slots,
+                                      const int* fresh, int v_heads) {
+    pdl_entry();
+    using Ly = GsLayout<DK, SLICE>;
+    constexpr int MT = DK / 64, NT = SLICE / 8;
+    extern __shared__ __align__(16) bf16_t gs_smem[];
+    bf16_t(*Sb)[Ly::S_LD] = (bf16_t(*)[Ly::S_LD])(gs_smem + Ly::SB_OFF);
+    bf16_t(*Vb)[Ly::V_LD] = (bf16_t(*)[Ly::V_LD])(gs_smem + Ly::VB_OFF);
+    const int sl = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+    const int dv0 = sl * SLICE;
+    const int t_begin = cu[s], len = cu[s + 1] - t_begin;
+    const int nch = (len + GC_C - 1) / GC_C, base = t_begin / GC_C + s;
+    const bool is_fresh = fresh[s] != 0;
+    float* St = state + ((long long)state_slots[s] * v_heads + h) * DV * DK + (long long)dv0 * DK;  // [slice][DK]
+    const int srow0 = warp * 16 * MT;
+    const int row0 = 16 * warp;
+    auto stage = [&](int ch) {  // chunk ch's W, Kd^T and U slice into stage ch % 2
+        const long long ho = (long long)(base + ch) * v_heads + h;
+        bf16_t* dst = gs_smem + (ch & 1) * Ly::STAGE;
+        gs_stage_rows<GC_C, DK, DK>(dst + Ly::W_OFF, Ly::W_LD, Wg + ho * GC_C * DK, tid);
+        gs_stage_rows<DK, GC_C, GC_C>(dst + Ly::K_OFF, Ly::K_LD, Kdg + ho * DK * GC_C, tid);
+        gs_stage_rows<GC_C, SLICE, DV>(dst + Ly::U_OFF, Ly::U_LD, Ug + ho * GC_C * DV + dv0, tid);
+    };
+    if (nch > 0) stage(0);
+    cp_async_commit();
+    float gc = nch > 0 ? gcg[(long long)base * v_heads + h] : 1.0f;
+
+    float sacc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = srow0 + 16 * mt + g + 8 * (e >> 1), c = 8 * nt + 2 * tig + (e & 1);
+                sacc[mt][nt][e] = is_fresh ? 0.0f : St[c * DK + r];
+            }
+
+    for (int ch = 0; ch < nch; ++ch) {
+        const long long ho = (long long)(base + ch) * v_heads + h;
+        // 1. the state's bf16 copy; then chunk ch's operands are in (this thread's copies by the wait, everyone's
+        //    by the barrier, which also ends every read of chunk ch - 1's stage, Sb and Vb)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    Sb[8 * nt + 2 * tig + (e & 1)][srow0 + 16 * mt + g + 8 * (e >> 1)] =
+                        from_f<bf16_t>(sacc[mt][nt][e]);
+        cp_async_wait<0>();
+        __syncthreads();
+        float gc_next = 1.0f;
+        if (ch + 1 < nch) {
+            stage(ch + 1);
+            gc_next = gcg[ho + v_heads];
+        }
+        cp_async_commit();
+        gs_store_rows<SLICE, DK>(Sg + ho * DV * DK + (long long)dv0 * DK, &Sb[0][0], Ly::S_LD, tid);
+        const bf16_t* Ws = gs_smem + (ch & 1) * Ly::STAGE + Ly::W_OFF;
+        const bf16_t* Ks = gs_smem + (ch & 1) * Ly::STAGE + Ly::K_OFF;
+        const bf16_t* Us = gs_smem + (ch & 1) * Ly::STAGE + Ly::U_OFF;
+        // 2. W Sc for this warp's 16 tokens
+        float vacc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) vacc[nt][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            const int c0 = 16 * ks + 2 * tig;
+            unsigned aw[4];
+            aw[0] = gc_ld32(Ws + (row0 + g) * Ly::W_LD + c0);
+            aw[1] = gc_ld32(Ws + (row0 + g + 8) * Ly::W_LD + c0);
+            aw[2] = gc_ld32(Ws + (row0 + g) * Ly::W_LD + c0 + 8);
+            aw[3] = gc_ld32(Ws + (row0 + g + 8) * Ly::W_LD + c0 + 8);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                mma_bf16(vacc[nt], aw, gc_ld32(&Sb[8 * nt + g][c0]), gc_ld32(&Sb[8 * nt + g][c0 + 8]));
+        }
+        // V' = U - W Sc, transposed into Vb (bf16)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = row0 + g + 8 * hf, c = 8 * nt + 2 * tig;
+                const unsigned uw = gc_ld32(Us + i * Ly::U_LD + c);
+                Vb[c][i] = from_f<bf16_t>(to_f((bf16_t)(uw & 0xffffu)) - vacc[nt][2 * hf]);
+                Vb[c + 1][i] = from_f<bf16_t>(to_f((bf16_t)(uw >> 16)) - vacc[nt][2 * hf + 1]);
+            }
+        __syncthreads();
+        gs_store_rows<SLICE, GC_C>(Vg + ho * DV * GC_C + (long long)dv0 * GC_C, &Vb[0][0], Ly::V_LD, tid);
+        // 3. S = gc S + Kd^T V' (this warp's dk rows)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= gc;
+#pragma unroll
+        for (int ks = 0; ks < GC_C / 16; ++ks) {
+            const int c0 = 16 * ks + 2 * tig;
+            unsigned ak[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r = srow0 + 16 * mt + g;
+                ak[mt][0] = gc_ld32(Ks + r * Ly::K_LD + c0);
+                ak[mt][1] = gc_ld32(Ks + (r + 8) * Ly::K_LD + c0);
+                ak[mt][2] = gc_ld32(Ks + r * Ly::K_LD + c0 + 8);
+                ak[mt][3] = gc_ld32(Ks + (r + 8) * Ly::K_LD + c0 + 8);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const unsigned b0 = gc_ld32(&Vb[8 * nt + g][c0]), b1 = gc_ld32(&Vb[8 * nt + g][c0 + 8]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_bf16(sacc[mt][nt], ak[mt], b0, b1);
+            }
+        }
+        gc = gc_next;
+    }
+    cp_async_wait<0>();  // nothing is outstanding (the last commit was empty); no copy outlives the block
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                St[(8 * nt + 2 * tig + (e & 1)) * DK + srow0 + 16 * mt + g + 8 * (e >> 1)] = sacc[mt][nt][e];
+}
+
+// Dynamic shared memory of gdn_chunk_output (bytes; deltanet_chunked.output_shared_bytes mirrors it): Qd [C][DK],
+// P [C][C], Sc^T [DV][DK], V'^T [DV][C], rows padded by 8 bf16.
+template <int DK, int DV>
+struct GoLayout {
+    static constexpr int Q_LD = DK + 8, P_LD = GC_C + 8, S_LD = DK + 8, V_LD = GC_C + 8;
+    static constexpr int Q_OFF = 0, P_OFF = GC_C * Q_LD, S_OFF = P_OFF + GC_C * P_LD, V_OFF = S_OFF + DV * S_LD;
+    static constexpr int BYTES = 2 * (V_OFF + DV * V_LD);
+};
+
+// gdn_chunk_output (grid: chunk slots x value heads, fully parallel): O = Qd Sc + P V' for one chunk and head, all
+// DV columns (a warp: 16 tokens), accumulated in the order gdn_chunk_scan uses (Qd Sc over dk, then P V').
+template <int DK, int DV>
+__device__ void gdn_chunk_output_impl(bf16_t* out, const bf16_t* Qdg, const bf16_t* Pg, const bf16_t* Sg,
+                                      const bf16_t* Vg, const int* cu, int seqs, int v_heads) {
+    pdl_entry();
+    using Ly = GoLayout<DK, DV>;
+    constexpr int NT = DV / 8;
+    extern __shared__ __align__(16) bf16_t go_smem[];
+    const bf16_t* Qs = go_smem + Ly::Q_OFF;
+    const bf16_t* Ps = go_smem + Ly::P_OFF;
+    const bf16_t* Ss = go_smem + Ly::S_OFF;
+    const bf16_t* Vs = go_smem + Ly::V_OFF;
+    const int cs = blockIdx.x, h = blockIdx.y;
+    const int s = gc_slot_sequence(cu, seqs, cs);
+    const int t0 = cu[s] + (cs - (cu[s] / GC_C + s)) * GC_C;
+    if (t0 >= cu[s + 1]) return;  // a slot no chunk uses (whole block leaves: no barrier skipped)
+    const int L = min(GC_C, cu[s + 1] - t0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+    const long long ho = (long long)cs * v_heads + h;
+    gs_stage_rows<GC_C, DK, DK>(go_smem + Ly::Q_OFF, Ly::Q_LD, Qdg + ho * GC_C * DK, tid);
+    gs_stage_rows<DV, DK, DK>(go_smem + Ly::S_OFF, Ly::S_LD, Sg + ho * DV * DK, tid);
+    cp_async_commit();
+    gs_stage_rows<GC_C, GC_C, GC_C>(go_smem + Ly::P_OFF, Ly::P_LD, Pg + ho * GC_C * GC_C, tid);
+    gs_stage_rows<DV, GC_C, GC_C>(go_smem + Ly::V_OFF, Ly::V_LD, Vg + ho * DV * GC_C, tid);
+    cp_async_commit();
+    const int row0 = 16 * warp;
+    float oacc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) oacc[nt][e] = 0.0f;
+    cp_async_wait<1>();  // Qd and Sc
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ++ks) {
+        const int c0 = 16 * ks + 2 * tig;
+        unsigned aq[4];
+        aq[0] = gc_ld32(Qs + (row0 + g) * Ly::Q_LD + c0);
+        aq[1] = gc_ld32(Qs + (row0 + g + 8) * Ly::Q_LD + c0);
+        aq[2] = gc_ld32(Qs + (row0 + g) * Ly::Q_LD + c0 + 8);
+        aq[3] = gc_ld32(Qs + (row0 + g + 8) * Ly::Q_LD + c0 + 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const bf16_t* sr = Ss + (8 * nt + g) * Ly::S_LD + c0;
+            mma_bf16(oacc[nt], aq, gc_ld32(sr), gc_ld32(sr + 8));
+        }
+    }
+    cp_async_wait<0>();  // P and V'
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < GC_C / 16; ++ks) {
+        const int c0 = 16 * ks + 2 * tig;
+        unsigned ap[4];
+        ap[0] = gc_ld32(Ps + (row0 + g) * Ly::P_LD + c0);
+        ap[1] = gc_ld32(Ps + (row0 + g + 8) * Ly::P_LD + c0);
+        ap[2] = gc_ld32(Ps + (row0 + g) * Ly::P_LD + c0 + 8);
+        ap[3] = gc_ld32(Ps + (row0 + g + 8) * Ly::P_LD + c0 + 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const bf16_t* vr = Vs + (8 * nt + g) * Ly::V_LD + c0;
+            mma_bf16(oacc[nt], ap, gc_ld32(vr), gc_ld32(vr + 8));
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int i = row0 + g + 8 * hf;
+            if (i < L)
+                *(unsigned*)(out + (long long)(t0 + i) * v_heads * DV + (long long)h * DV + 8 * nt + 2 * tig) =
+                    gc_pack(oacc[nt][2 * hf], oacc[nt][2 * hf + 1]);
+        }
+}
+
 #define DEFINE(DK, DV)                                                                                            \
     extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prep_dk##DK##_dv##DV(                       \
         bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t* Kdg, bf16_t* Pg, float* gcg, const bf16_t* q,                 \
@@ -466,3 +737,27 @@ DEFINE(128, 64)
 DEFINE(64, 64)
 DEFINE(64, 128)
 #undef DEFINE
+
+// the "states" variant's two launches after gdn_chunk_prep (32- and 16-column state slices, then the output)
+#define DEFINE_STATES(DK, DV)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_states_dk##DK##_dv##DV(                     \
+        bf16_t* Sg, bf16_t* Vg, float* state, const bf16_t* Wg, const bf16_t* Ug, const bf16_t* Kdg,              \
+        const float* gcg, const int* cu, const int* state_slots, const int* fresh, int v_heads) {                 \
+        gdn_chunk_states_impl<DK, DV, GC_SLICE>(Sg, Vg, state, Wg, Ug, Kdg, gcg, cu, state_slots, fresh,          \
+                                                v_heads);                                                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_states16_dk##DK##_dv##DV(                   \
+        bf16_t* Sg, bf16_t* Vg, float* state, const bf16_t* Wg, const bf16_t* Ug, const bf16_t* Kdg,              \
+        const float* gcg, const int* cu, const int* state_slots, const int* fresh, int v_heads) {                 \
+        gdn_chunk_states_impl<DK, DV, 16>(Sg, Vg, state, Wg, Ug, Kdg, gcg, cu, state_slots, fresh, v_heads);      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_output_dk##DK##_dv##DV(                     \
+        bf16_t* out, const bf16_t* Qdg, const bf16_t* Pg, const bf16_t* Sg, const bf16_t* Vg, const int* cu,      \
+        int seqs, int v_heads) {                                                                                  \
+        gdn_chunk_output_impl<DK, DV>(out, Qdg, Pg, Sg, Vg, cu, seqs, v_heads);                                   \
+    }
+DEFINE_STATES(128, 128)
+DEFINE_STATES(128, 64)
+DEFINE_STATES(64, 64)
+DEFINE_STATES(64, 128)
+#undef DEFINE_STATES
