@@ -2,22 +2,27 @@
 launch, at the DeltaNet head shapes of our model classes (dk = dv = 128), for the two workloads a document run feeds
 it, with the sequential kernel (ops.gated_delta_rule two_pass) as the speed and accuracy yardstick.
 
-    python3 bench/cuda_deltanet_bench.py [--json out.json] [--shapes 9b,27b] [--workloads fresh8k,doc] [--reps 20]
+    python3 bench/cuda_deltanet_bench.py [--json out.json] [--shapes 9b,27b] [--workloads fresh8k,doc]
+        [--variants current,states] [--reps 20]
 
 Workloads (8192 tokens each, one step's worth):
 - fresh8k: one fresh 8192-token sequence (a long prompt's first step);
 - doc: the document step of the 9B profile, 56 one-token decode rows then 4 prompt chunks of 2034 tokens, every
   sequence continuing from a cached state. The runner hands the chunked kernel all of a step's sequences
   (text_model._deltanet passes the step's cu/slots/fresh), so the decode rows are 1-token sequences here too.
-Timing: CUDA events before the call, after each of its launches (the launcher's on_launch hook) and after it; the
-median over repeats of each launch's span and of the whole call ("call"); "plain" is bench/cuda_bench.time_ms of the
-call without the hook (the events' own cost shows as call - plain). Warm-up first (compiles the modules). Inputs
-are random bf16 laid out as the runner's conv output (q | k | v in one row) and in_proj (b | a), decays of ~1-10 %
-per token so the state matters across chunks. "agree" is ||chunked - sequential|| / ||sequential|| of the output
-and of the final state, both from the same initial state (bf16 tensor-core rounding: ~1e-3 .. 5e-3 is expected,
-> 1e-2 means something is wrong). "x24/x48" is the call times the 9B/27B DeltaNet layer count. Prints a table last;
-writes JSON (device, date, commit, every number), rewritten after each row. About 15 s on an H200 with the module
-cache warm, plus NVRTC compiles on a bare machine.
+Variants (deltanet_chunked.VARIANTS): "current" launches prep + scan; "states" prep + a state-only scan ("chain"
+column) + the parallel output. Timing: CUDA events before the call and after each of its launches (the launcher's
+on_launch hook); the median over repeats of each launch's span and of the whole call ("call"); "plain" is
+bench/cuda_bench.time_ms of the call without the hook (the events' own cost shows as call - plain), "other" the
+same at the scan slice width the launcher did not pick. "same" counts output and state elements that differ from
+the current variant's on the same inputs (the states variant is meant to be bit-identical: 0). Warm-up first
+(compiles the modules). Inputs are random bf16 laid out as the runner's conv output (q | k | v in one row) and
+in_proj (b | a), decays of ~1-10 % per token so the state matters across chunks. "agree" is ||chunked - sequential||
+/ ||sequential|| of the output and of the final state, both from the same initial state (bf16 tensor-core rounding:
+~1e-3 .. 5e-3 is expected, > 1e-2 means something is wrong). "xL" is the call times the shape's DeltaNet layers
+(24 at 9B, 48 at 27B). Prints a table last; writes JSON (device, date, commit, every number), rewritten after each
+row. Default run: 8 rows, estimated 15-25 s on an H200 with the module cache warm, plus ~10 s of NVRTC on a bare
+machine.
 """
 from __future__ import annotations
 
@@ -94,8 +99,8 @@ def phase_times(ctx: GpuContext, call: Callable[[Callable[[str], None]], None], 
     return {phase: float(np.median(x)) for phase, x in samples.items()}
 
 
-def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, workload: str, warmup: int,
-               reps: int) -> dict:
+def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, workload: str, variants: list[str],
+               warmup: int, reps: int) -> list[dict]:
     kh, vh, dk, dv, layers = SHAPES[shape]
     wl = WORKLOADS[workload]
     seqs, n = len(wl.lens), sum(wl.lens)
@@ -113,50 +118,69 @@ def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, workload: 
         cu = np.concatenate([[0], np.cumsum(wl.lens)])
         meta = {what: ctx.to_device(np.asarray(x, np.int32), "i32", what)
                 for what, x in (("cu", cu), ("slots", np.arange(seqs)), ("fresh", [int(wl.fresh)] * seqs))}
-        outs = {m: ctx.empty((n, vh * dv), "bf16", f"out-{m}") for m in ("sequential", "chunked")}
+        out = ctx.empty((n, vh * dv), "bf16", "out")
         args = (qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim, ab.at(vh), ab, 2 * vh, A_log, dt_bias, state,
                 meta["cu"], meta["slots"], meta["fresh"], kh, vh, dk, dv)
+        auto = deltanet_chunked.scan_slice(dv, vh, seqs, ctx.device.info.sm_count)
+        other = deltanet_chunked.DV_SLICE + deltanet_chunked.NARROW_DV_SLICE - auto
 
         def sequential() -> None:
-            ops.gated_delta_rule(ctx, outs["sequential"], *args, method="two_pass")
+            ops.gated_delta_rule(ctx, out, *args, method="two_pass")
 
-        def chunked(on_launch: Callable[[str], None] | None = None) -> None:
-            deltanet_chunked.chunked_gated_delta_rule(ctx, outs["chunked"], *args, on_launch=on_launch)
+        def chunked(variant: str, dv_slice: int | None = None) -> Callable[[Callable[[str], None] | None], None]:
+            return lambda on_launch=None: deltanet_chunked.chunked_gated_delta_rule(
+                ctx, out, *args, dv_slice=dv_slice, on_launch=on_launch, variant=variant)
 
-        row: dict = {"shape": shape, "workload": workload, "tokens": n, "seqs": seqs, "fresh": wl.fresh,
-                     "k_heads": kh, "v_heads": vh, "dk": dk, "dv": dv, "layers": layers,
-                     "scan_slice": deltanet_chunked.scan_slice(dv, vh, seqs, ctx.device.info.sm_count),
-                     "workspace_MB": deltanet_chunked.workspace_bytes(n, seqs, vh, dk, dv) / 2**20}
-        results = {}
-        for method, fn in (("sequential", sequential), ("chunked", chunked)):
+        def once(fn: Callable[[], None]) -> tuple[np.ndarray, np.ndarray]:
             ctx.to_device(state0, "f32", "state", out=state)  # same start for the agreement numbers
+            ctx.poison(out)
             fn()
             ctx.device.sync()
-            results[method] = (ctx.to_host(outs[method]), ctx.to_host(state))
-        row["agree_out"] = agreement(results["chunked"][0], results["sequential"][0])
-        row["agree_state"] = agreement(results["chunked"][1], results["sequential"][1])
-        row["sequential_ms"] = time_ms(ctx, sequential, 1, max(3, reps // 4))
-        for phase, ms in phase_times(ctx, chunked, warmup, reps).items():
-            row[f"{phase}_ms"] = ms
-        row["plain_ms"] = time_ms(ctx, chunked, warmup, reps)
-        row["speedup"] = row["sequential_ms"] / row["plain_ms"]
-        row["ms_per_model"] = row["plain_ms"] * layers
-        return row
+            return ctx.to_host(out), ctx.to_host(state)
+
+        seq_out, seq_state = once(sequential)
+        seq_ms = time_ms(ctx, sequential, 1, max(3, reps // 4))
+        firsts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        rows = []
+        for variant in variants:
+            got = firsts[variant] = once(chunked(variant))
+            row: dict = {"shape": shape, "workload": workload, "variant": variant, "tokens": n, "seqs": seqs,
+                         "fresh": wl.fresh, "k_heads": kh, "v_heads": vh, "dk": dk, "dv": dv, "layers": layers,
+                         "scan_slice": auto, "sequential_ms": seq_ms,
+                         "workspace_MB": deltanet_chunked.workspace_bytes(n, seqs, vh, dk, dv, variant) / 2**20,
+                         "agree_out": agreement(got[0], seq_out), "agree_state": agreement(got[1], seq_state)}
+            if variant != "current" and "current" in firsts:
+                row["differ_from_current"] = int(np.sum(got[0] != firsts["current"][0])
+                                                 + np.sum(got[1] != firsts["current"][1]))
+            for phase, ms in phase_times(ctx, chunked(variant), warmup, reps).items():
+                row[f"{phase}_ms"] = ms
+            row["plain_ms"] = time_ms(ctx, chunked(variant), warmup, reps)
+            row[f"slice{other}_ms"] = time_ms(ctx, chunked(variant, other), warmup, reps)
+            row["speedup"] = seq_ms / row["plain_ms"]
+            row["ms_per_model"] = row["plain_ms"] * layers
+            rows.append(row)
+        return rows
     finally:
         ctx.device.sync()
         ctx.arena.release(mark)
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'shape':<5} {'workload':<8} {'heads':>6} {'slice':>5} {'prep ms':>8} {'scan ms':>8} {'call ms':>8} "
-            f"{'plain ms':>8} {'seq ms':>7} {'speedup':>7} {'xL ms':>6} {'agree out':>9} {'agree S':>8}")
+    head = (f"{'shape':<5} {'workload':<8} {'variant':<8} {'heads':>6} {'slice':>5} {'prep':>7} {'chain':>7} "
+            f"{'output':>7} {'call':>7} {'plain':>7} {'other':>7} {'seq':>7} {'speedup':>7} {'xL':>6} "
+            f"{'agree out':>9} {'agree S':>8} {'same':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['shape']:<5} {r['workload']:<8} {r['k_heads']:>2}/{r['v_heads']:<3} {r['scan_slice']:>5} "
-                     f"{r['prep_ms']:>8.3f} {r['scan_ms']:>8.3f} {r['call_ms']:>8.3f} {r['plain_ms']:>8.3f} "
-                     f"{r['sequential_ms']:>7.2f} {r['speedup']:>6.1f}x {r['ms_per_model']:>6.1f} "
-                     f"{r['agree_out']:>9.1e} {r['agree_state']:>8.1e}")
-    lines.append("(xL: plain ms times the shape's DeltaNet layers, 24 at 9B, 48 at 27B)")
+        chain = r.get("scan_ms", r.get("states_ms", float("nan")))
+        other = next(v for k, v in r.items() if k.startswith("slice") and k.endswith("_ms"))
+        same = r.get("differ_from_current")
+        lines.append(f"{r['shape']:<5} {r['workload']:<8} {r['variant']:<8} {r['k_heads']:>2}/{r['v_heads']:<3} "
+                     f"{r['scan_slice']:>5} {r['prep_ms']:>7.3f} {chain:>7.3f} {r.get('output_ms', 0.0):>7.3f} "
+                     f"{r['call_ms']:>7.3f} {r['plain_ms']:>7.3f} {other:>7.3f} {r['sequential_ms']:>7.2f} "
+                     f"{r['speedup']:>6.1f}x {r['ms_per_model']:>6.1f} {r['agree_out']:>9.1e} "
+                     f"{r['agree_state']:>8.1e} {'-' if same is None else same:>5}")
+    lines.append("(ms; chain: the sequential launch; other: plain at the other slice width; xL: plain x layers;")
+    lines.append(" same: output + state elements that differ from the current variant's)")
     return "\n".join(lines)
 
 
@@ -165,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--shapes", default="9b,27b", help="comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of " + ",".join(WORKLOADS))
+    parser.add_argument("--variants", default=",".join(deltanet_chunked.VARIANTS),
+                        help="subset of " + ",".join(deltanet_chunked.VARIANTS))
     parser.add_argument("--reps", type=int, default=20, help="timed calls per case (median)")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
-    if not shapes or not workloads or args.reps < 1 or any(s not in SHAPES for s in shapes) \
-            or any(w not in WORKLOADS for w in workloads):
-        parser.error(f"shapes from {', '.join(SHAPES)}, workloads from {', '.join(WORKLOADS)}, reps >= 1")
+    variants = [v for v in args.variants.split(",") if v]
+    if not shapes or not workloads or not variants or args.reps < 1 or any(s not in SHAPES for s in shapes) \
+            or any(w not in WORKLOADS for w in workloads) or any(v not in deltanet_chunked.VARIANTS for v in variants):
+        parser.error(f"shapes from {', '.join(SHAPES)}, workloads from {', '.join(WORKLOADS)}, variants from "
+                     f"{', '.join(deltanet_chunked.VARIANTS)}, reps >= 1")
     rng = np.random.default_rng()
     try:
         ctx = GpuContext(budget_bytes=4 << 30)
@@ -186,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for shape in shapes:
             for workload in workloads:
-                rows.append(bench_case(ctx, rng, shape, workload, warmup=2, reps=args.reps))
-                print(json.dumps(rows[-1]), flush=True)
+                for row in bench_case(ctx, rng, shape, workload, variants, warmup=2, reps=args.reps):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                 if args.json:  # keep what is done if a later case fails
                     Path(args.json).write_text(json.dumps({"info": info, "results": rows}, indent=1))
     finally:
