@@ -7,9 +7,12 @@ Same rules as check_kernels: fresh random inputs each run (seed printed), bf16 i
 reference sees the rounded values, outputs poisoned before the launch, metric ||out - ref|| / ||ref|| (NaN fails).
 Each case is one varlen batch (random lengths 1..300, a 0-token sequence, chunk-boundary lengths, fresh and
 continued states, state slots in shuffled order, q|k|v and a|b read from wider rows as the runner lays them out);
-outputs and the whole state array (untouched slots must come back bit-identical) are compared. The 8192-token case
-at the 27B head shape also runs the sequential kernel (ops.gated_delta_rule two_pass) on the same inputs and
-reports its error against the same reference. Tolerance: bf16 1e-2.
+outputs and the whole state array (untouched slots must come back bit-identical) are compared. Every variant of
+the launcher (deltanet_chunked.VARIANTS: "current", "states") runs at both scan slice widths on the same inputs and
+is held to the same reference and tolerance; a states row's note also counts the output / state elements that
+differ from the current variant's (the two are meant to be bit-identical; the count is reported, not a failure).
+The 8192-token case at the 27B head shape also runs the sequential kernel (ops.gated_delta_rule two_pass) on the
+same inputs and reports its error against the same reference. Tolerance: bf16 1e-2.
 """
 from __future__ import annotations
 
@@ -109,21 +112,29 @@ class Checker:
         # every shape: 16-column slices are picked for low head x sequence counts, 32 for the rest)
         auto = deltanet_chunked.scan_slice(dv, vh, seqs, ctx.device.info.sm_count)
         other = deltanet_chunked.DV_SLICE + deltanet_chunked.NARROW_DV_SLICE - auto
-        methods = [f"chunked/{auto} (auto)", f"chunked/{other}"] + (["sequential"] if case.with_sequential else [])
+        methods = [f"{variant}/{width}" for variant in deltanet_chunked.VARIANTS
+                   for width in (f"{auto} (auto)", str(other))] + (["sequential"] if case.with_sequential else [])
+        first: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # variant -> (out, state) of its auto-width run
         for method in methods:
             state_d = up(state, "f32", "state")
             out = ctx.empty((n, vh * dv), "bf16", "out")
             ctx.poison(out)
             args = (ctx, out, qkvd, qkvd.at(key_w), qkvd.at(2 * key_w), qkv_w, abd, abd.at(vh), ab_w, A_d, dt_d,
                     state_d, cu_d, slots_d, fresh_d, kh, vh, dk, dv)
-            if method.startswith("chunked"):
+            variant = method.split("/")[0]
+            if variant in deltanet_chunked.VARIANTS:
                 width = None if method.endswith("(auto)") else other
-                deltanet_chunked.chunked_gated_delta_rule(*args, dv_slice=width)
+                deltanet_chunked.chunked_gated_delta_rule(*args, dv_slice=width, variant=variant)
             else:
                 ops.gated_delta_rule(*args, method="two_pass")
             ctx.device.sync()
             got_out, got_state = ctx.to_host(out), ctx.to_host(state_d)
             note = f"{n} tokens, reference {ref_s:.1f} s"
+            first.setdefault(variant, (got_out, got_state))
+            if variant != "current" and variant in deltanet_chunked.VARIANTS and "current" in first:
+                cur_out, cur_state = first["current"]
+                note += (f", differs from current: {int(np.sum(got_out != cur_out))} out / "
+                         f"{int(np.sum(got_state[slots] != cur_state[slots]))} state elements")
             self.record(f"{method}: {label} (out)", rel_err(got_out, exp_out), note)
             self.record(f"{method}: {case.name} (state)", rel_err(got_state[slots], exp_state[slots]), note)
             changed = int(np.sum(got_state[untouched] != state[untouched]))
