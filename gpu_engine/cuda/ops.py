@@ -189,13 +189,34 @@ def qk_norm_rope_store(ctx: GpuContext, q_out: DArray, k_cache: DArray, v_cache:
 FLASH_HEAD_DIMS = (64, 128, 256)  # instantiated in kernels/flash_prefill.cu
 FLASH_TILE = 64  # query rows per tile (FP_ROWS in flash_prefill.cu: 4 warps x 16 rows)
 FLASH_MAX_TILES = 65535  # the tile index is gridDim.y
+# flash_prefill's kernels (CudaOptions.flash_prefill) -> query rows per tile: "fa2" flash_prefill.cu (mma.sync),
+# "ws" flash_prefill_ws.cu (warp-specialised wgmma, FW_ROWS: 2 consumer warpgroups x 64 rows; sm_90a, bf16 KV,
+# head_dim 256 only: flash_variant)
+FLASH_TILE_ROWS = {"fa2": FLASH_TILE, "ws": 128}
+FLASH_WS_HEAD_DIM, FLASH_WS_ARCHS, FLASH_WS_THREADS = 256, ("sm_90",), 384
 
 
-def flash_shared_bytes(head_dim: int, fp8: bool = False) -> int:
+def flash_variant(option: str, head_dim: int, kv_fp8: bool, arch: str | None) -> str:
+    """The flash_prefill kernel a runner uses for every prefill step: `option` ("fa2" or "ws"), with "ws" only for a
+    bf16 KV cache at head_dim 256 on an sm_90 device, else "fa2". Its tiles must be built for it
+    (flash_tiles(lens, FLASH_TILE_ROWS[variant]))."""
+    if option not in FLASH_TILE_ROWS:
+        raise ShapeError(f"flash_prefill variant must be one of {sorted(FLASH_TILE_ROWS)}, got {option!r}")
+    ws = option == "ws" and head_dim == FLASH_WS_HEAD_DIM and not kv_fp8 and arch in FLASH_WS_ARCHS
+    return "ws" if ws else "fa2"
+
+
+FLASH_WS_STAGES = (2, 3)  # K and V stages of flash_prefill_ws.cu (FW_K_STAGES, FW_V_STAGES)
+
+
+def flash_shared_bytes(head_dim: int, fp8: bool = False, ws: bool = False) -> int:
     """Dynamic shared memory of flash_prefill_bf16_hd<head_dim> (FlashShape<HD>::SMEM_BYTES in the kernel, which
     traps if it gets less): double-buffered K and V tiles of `keys` rows, plus the Q tile where Q does not live in
     registers (head_dim 256); every row padded by 8 bf16. fp8 (flash_prefill_fp8_*): one bf16 K and V tile, the
-    double-buffered raw e4m3 rows (padded by 16 bytes) and their float32 scales."""
+    double-buffered raw e4m3 rows (padded by 16 bytes) and their float32 scales. ws (flash_prefill_ws_bf16_hd256,
+    FwShape::SMEM_BYTES): the K and V stages of 64 unpadded rows, then the tile's 128 Q rows (229,376 bytes)."""
+    if ws:
+        return (sum(FLASH_WS_STAGES) * 64 + FLASH_TILE_ROWS["ws"]) * head_dim * 2
     keys = 32 if head_dim >= 256 else 64
     row = head_dim + 8
     q_rows = 0 if head_dim <= 128 else FLASH_TILE
@@ -204,12 +225,13 @@ def flash_shared_bytes(head_dim: int, fp8: bool = False) -> int:
     return base + 4 * keys * (head_dim + 16) + 2 * 2 * keys * 4 if fp8 else base
 
 
-def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
-    """Query tiles for flash_prefill: int32 [tiles, 2] = (first token in the batch, rows), never crossing chunks."""
+def flash_tiles(chunk_lengths: list[int], rows: int = FLASH_TILE) -> np.ndarray:
+    """Query tiles for flash_prefill: int32 [tiles, 2] = (first token in the batch, rows), at most `rows` rows each
+    (FLASH_TILE_ROWS of the kernel variant), never crossing chunks."""
     tiles: list[tuple[int, int]] = []
     base = 0
     for n in chunk_lengths:
-        tiles.extend((base + s, min(FLASH_TILE, n - s)) for s in range(0, n, FLASH_TILE))
+        tiles.extend((base + s, min(rows, n - s)) for s in range(0, n, rows))
         base += n
     return np.array(tiles, np.int32).reshape(-1, 2)
 
@@ -217,12 +239,14 @@ def flash_tiles(chunk_lengths: list[int]) -> np.ndarray:
 def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: DArray, gate_stride: int,
                   gate_head_stride: int, k_cache: DArray, v_cache: DArray, block_tables: DArray, token_seq: DArray,
                   token_pos: DArray, tiles: DArray, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                  scale: float, k_scale: DArray | None = None, v_scale: DArray | None = None) -> None:
+                  scale: float, k_scale: DArray | None = None, v_scale: DArray | None = None,
+                  variant: str = "fa2") -> None:
     """Same function as paged_attention for bf16 prefill chunks, on the tensor cores (see flash_prefill.cu).
-    tiles: i32 [T, 2] from flash_tiles() (at most FLASH_TILE rows each); each tile's tokens belong to one sequence,
-    in position order. q rows, k_cache and v_cache are copied in 16-byte pieces: their addresses must be 16-byte
-    aligned and q_stride a multiple of 8 elements. An FP8 cache (u8 caches with k_scale / v_scale) is dequantised
-    tile by tile in shared memory (flash_prefill_fp8_bf16_hd<D>)."""
+    tiles: i32 [T, 2] from flash_tiles() (at most FLASH_TILE_ROWS[variant] rows each); each tile's tokens belong to
+    one sequence, in position order. q rows, k_cache and v_cache are copied in 16-byte pieces: their addresses must
+    be 16-byte aligned and q_stride a multiple of 8 elements. An FP8 cache (u8 caches with k_scale / v_scale) is
+    dequantised tile by tile in shared memory (flash_prefill_fp8_bf16_hd<D>). variant "ws": the warp-specialised
+    wgmma kernel (flash_prefill_ws.cu; bf16 cache, head_dim 256, sm_90 only: flash_variant picks it)."""
     f8, scales = kv_operands(k_cache, v_cache, k_scale, v_scale)
     for arr in (out, q, gate, *(() if f8 else (k_cache, v_cache))):
         _need(arr, "bf16", "flash_prefill operand")
@@ -236,11 +260,21 @@ def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: 
         raise ShapeError("flash_prefill needs 16-byte aligned q, k_cache and v_cache")
     if len(tiles.shape) != 2 or tiles.shape[1] != 2 or not 0 < tiles.shape[0] <= FLASH_MAX_TILES:
         raise ShapeError(f"flash_prefill tiles must be [1..{FLASH_MAX_TILES}, 2], got {tiles.shape}")
-    ctx.device.launch("flash_prefill", f"flash_prefill{f8}_bf16_hd{head_dim}",
-                      (heads, tiles.shape[0]), 128, out.ptr, q.ptr, i64(q_stride), gate.ptr, i64(gate_stride),
-                      i32(gate_head_stride), k_cache.ptr, v_cache.ptr, *scales, block_tables.ptr,
-                      i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr, tiles.ptr, i32(heads), i32(kv_heads),
-                      i32(block_size), f32(scale), shmem=flash_shared_bytes(head_dim, bool(f8)))
+    if variant not in FLASH_TILE_ROWS:
+        raise ShapeError(f"flash_prefill variant must be one of {sorted(FLASH_TILE_ROWS)}, got {variant!r}")
+    arch = getattr(ctx.device.info, "arch", None)
+    if variant == "ws" and flash_variant("ws", head_dim, bool(f8), arch) != "ws":
+        raise ShapeError(f"flash_prefill variant 'ws' needs a bf16 cache, head_dim {FLASH_WS_HEAD_DIM} and an "
+                         f"{'/'.join(FLASH_WS_ARCHS)} device (got {'fp8' if f8 else 'bf16'}, {head_dim}, "
+                         f"{arch})")
+    ws = variant == "ws"
+    ctx.device.launch("flash_prefill_ws" if ws else "flash_prefill",
+                      f"flash_prefill_ws_bf16_hd{head_dim}" if ws else f"flash_prefill{f8}_bf16_hd{head_dim}",
+                      (heads, tiles.shape[0]), FLASH_WS_THREADS if ws else 128, out.ptr, q.ptr, i64(q_stride),
+                      gate.ptr, i64(gate_stride), i32(gate_head_stride), k_cache.ptr, v_cache.ptr, *scales,
+                      block_tables.ptr, i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr, tiles.ptr,
+                      i32(heads), i32(kv_heads), i32(block_size), f32(scale),
+                      shmem=flash_shared_bytes(head_dim, bool(f8), ws))
 
 
 def attention_splits(ctx: GpuContext, n_tokens: int, heads: int, waves: int = 2) -> int:

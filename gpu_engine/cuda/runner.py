@@ -97,6 +97,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
     mtp: CudaMtpHead | None = None  # the checkpoint's MTP head (runner_api: mtp_head, mtp_draft; mtp.py)
     mtp_head = False
     mtp_in_auto = False  # CudaOptions.mtp_in_auto: `auto` requests draft with the head too
+    flash_tile_rows = ops.FLASH_TILE  # the steps' flash-prefill tiles: CudaTextModel.flash_tile_rows (its kernel's)
     _keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
@@ -111,6 +112,9 @@ class CudaRunner(LaunchSteps, VisionBatch):
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
         self.model.decode_rows_apart = o.decode_rows_apart
+        self.model.flash_variant = ops.flash_variant(o.flash_prefill, self.cfg.head_dim, o.kv_cache_dtype != "auto",
+                                                     self.ctx.device.info.arch)
+        self.flash_tile_rows = self.model.flash_tile_rows
         # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
         self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
         self.mtp_head = self.mtp is not None
@@ -447,7 +451,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
 
     def _prepare(self, batch: StepBatch, table_width: int | None = None, plan: StepPlan | None = None) -> HostStep:
         host = build_step(batch, allocated(self.spec), self.cfg, self.dtype, table_width,
-                          plan.logit_skip if plan is not None else None)
+                          plan.logit_skip if plan is not None else None, tile_rows=self.flash_tile_rows)
         if plan is not None and plan.win is not None and any(c.verify for c in batch.chunks):
             host.tables.win = plan.win  # the window strategy's kernels keep every window token's state
         return host

@@ -83,6 +83,7 @@ class HostStep:
     vision_embeds: np.ndarray | None  # float32 rows for tables.vis_rows, uploaded with the step's buffers
     device_vision: list[DeviceVisionRows]
     padding: int = 0  # trailing sequences (and logits rows) that pad a step to its graph's shape (pad_step)
+    tile_rows: int = ops.FLASH_TILE  # query rows per flash-prefill tile (ops.FLASH_TILE_ROWS of the runner's kernel)
 
     @property
     def batch_logit_rows(self) -> int:
@@ -94,10 +95,12 @@ class HostStep:
 
 
 def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
-               table_width: int | None = None, logit_skip: Sequence[int] | None = None) -> HostStep:
+               table_width: int | None = None, logit_skip: Sequence[int] | None = None,
+               tile_rows: int = ops.FLASH_TILE) -> HostStep:
     """Validate `batch` and lay it out; block tables are padded to `table_width` (a captured graph's width).
     `logit_skip[s]`: leading rows of chunk s that get no logits even when it asks for all (tokens the runner
-    re-feeds in front of a rolled-back verify window, cuda/verify.py).
+    re-feeds in front of a rolled-back verify window, cuda/verify.py). `tile_rows`: the flash-prefill tiles' rows
+    (ops.FLASH_TILE_ROWS of the kernel the model runs, CudaTextModel.flash_tile_rows).
 
     The per-token tables are built with whole-step numpy operations, not per chunk: a step of 256 decode rows
     is 256 chunks, and per-chunk array work cost ~50 us each on the host while the GPU waited."""
@@ -159,7 +162,7 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         slots=np.fromiter((c.state_slot for c in chunks), i32, seqs), fresh=(starts == 0).astype(i32),
         tok_seq=tok_seq.astype(i32), tok_pos=tok_pos.astype(i32), kv_slots=kv_slots.astype(i32),
         tables=block_tables.astype(i32), logit_rows=logit_rows.astype(i32), vis_rows=_cat(vis_rows),
-        tiles=ops.flash_tiles(lens.tolist()).astype(i32),
+        tiles=ops.flash_tiles(lens.tolist(), tile_rows).astype(i32),
     )
     single = np.flatnonzero(lens == 1)
     if single.size and int(lens.max()) >= SPLIT_MIN_CHUNK:
@@ -172,7 +175,8 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
     # stays on the decode kernels, which take chunks of any length, instead of sending the step to flash prefill.
     step = HostStep(n=n, longest_chunk=int((lens - np.asarray(skip, np.int64)).max()), tables=step_tables,
                     logit_rows=int(step_tables.logit_rows.size),
-                    vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision)
+                    vision_embeds=np.concatenate(vis) if vis else None, device_vision=device_vision,
+                    tile_rows=tile_rows)
     _add_sampling(batch, step, cfg.vocab_size)
     return step
 
@@ -221,13 +225,14 @@ def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_s
         tables=np.concatenate([t.tables, np.full((pad_seqs, t.tables.shape[1]), scratch_block, i32)]),
         logit_rows=np.concatenate([t.logit_rows, (pad_cu - 1).astype(i32)]),
         vis_rows=t.vis_rows,
-        tiles=ops.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist()).astype(i32),
+        tiles=ops.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist(), host.tile_rows).astype(i32),
         sample_params=(None if t.sample_params is None
                        else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad_seqs, 1))])),
         win=None if t.win is None else np.concatenate([t.win, np.full(pad_seqs, -1, i32)]),
     )
     padded = HostStep(n=tokens, longest_chunk=max(host.longest_chunk, int(lens.max())), tables=tables,
-                      logit_rows=t.logit_rows.size + pad_seqs, vision_embeds=None, device_vision=[], padding=pad_seqs)
+                      logit_rows=t.logit_rows.size + pad_seqs, vision_embeds=None, device_vision=[], padding=pad_seqs,
+                      tile_rows=host.tile_rows)
     return fill_logit_rows(padded, tokens) if all_rows else padded
 
 
@@ -246,7 +251,7 @@ def fill_logit_rows(host: HostStep, count: int) -> HostStep:
     t.logit_rows = np.concatenate([t.logit_rows, fill])
     return HostStep(n=host.n, longest_chunk=host.longest_chunk, tables=t, logit_rows=count,
                     vision_embeds=host.vision_embeds, device_vision=host.device_vision,
-                    padding=host.padding + extra)
+                    padding=host.padding + extra, tile_rows=host.tile_rows)
 
 
 def _add_sampling(batch: StepBatch, step: HostStep, vocab_size: int) -> None:

@@ -72,6 +72,13 @@ class CudaTextModel:
         # 192 x 8k that is 2.0 instead of 8.1 ms a layer. Off until the runner with it is checked on a GPU
         # (bench/results/cuda_notes.md, session 7, #14 decode helper).
         self.decode_rows_apart = False
+        # The prefill attention kernel (ops.flash_variant of CudaOptions.flash_prefill, set by the runner): every
+        # step's tiles are built for it (build_step's tile_rows = flash_tile_rows).
+        self.flash_variant = "fa2"
+
+    @property
+    def flash_tile_rows(self) -> int:
+        return ops.FLASH_TILE_ROWS[self.flash_variant]
 
     def embed_tokens(self, x: DArray, ids: DArray) -> None:
         ops.embed_gather(self.ctx, x, self.w.embed, ids)
@@ -154,12 +161,13 @@ class CudaTextModel:
         ks, vs = cache.k_scale, cache.v_scale  # FP8 cache only (kv_fp8.py)
         rows, seqs, pos, tiles_apart = m.dec_rows, m.dec_seq, m.dec_pos, m.tiles_apart
         if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
+            flash = dict(k_scale=ks, v_scale=vs, variant=self.flash_variant)
             if self.decode_rows_apart and rows is not None and seqs is not None and pos is not None \
                     and tiles_apart is not None:
-                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
+                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5, **flash)
                 self._decode_rows(out, q, proj, cache, m.tables, rows, seqs, pos, block_size)
             else:
-                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
+                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5, **flash)
         else:  # decode steps, short chunks, fp32 runs
             ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
         w.o_proj(ctx, a.d, out, n)
