@@ -1,4 +1,4 @@
-"""Speculative decoding's cost model on the CUDA runner (issue 16, "Measuring with random weights" (b) and (c)).
+"""Speculative decoding's cost model on the CUDA runner (issue 16, "Measuring with random weights" (b)).
 
     python3 bench/spec_cost_bench.py [--shape 27b] [--json out.json] [--deadline-s 120] [--wait-for FILE]
 
@@ -8,13 +8,8 @@ Random bf16 weights at a Qwen3.5 class's shapes (bench/qwen35_shapes.py), one Cu
     host), per rollback strategy (CudaOptions.rollback: recompute snapshots the window's start state, window
     writes every token's state); plus k = 3 windows whose drafts are all rejected, each rolled back (the worst
     case: recompute re-feeds a token in front of the next window, window copies a state back).
-(c) end to end through the Engine: tokens/s after the prefill with the Replay drafter (the target's own greedy
-    continuation, recorded in a plain run, each draft replaced with probability 1 - a), a = 0.5 / 0.7 / 0.9,
-    k = 3, against the plain run of the same prompts; and batch 32 with the cost rule leaving no room for drafts
-    (SpeculativeConfig.max_step_tokens = 32: `auto` off), which must not be slower than plain.
-These are Replay-drafter figures: random weights make real drafters' acceptance meaningless. `a` is the chance
-that each draft is right; the engine's acceptance rate (accepted / drafted) is lower, since drafts after a
-rejected one count as rejected; both are reported with the mean accepted length.
+Random weights make real drafters' acceptance meaningless; end-to-end speed at a chosen acceptance, part (c), is
+bench/spec_e2e_bench.py (a target whose greedy choice survives the verify step's numerics).
 Rows stop being measured once --deadline-s is near; the JSON is rewritten after every row.
 """
 from __future__ import annotations
@@ -24,7 +19,6 @@ import datetime as dt
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,10 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BATCHES = (1, 8, 32)
 WINDOWS = (2, 3, 4, 5)  # verify-window tokens (k + 1)
-ACCEPTANCE = (0.5, 0.7, 0.9)
 K = 3
 CONTEXT = 512  # prompt tokens of every sequence in the step-cost part
-PROMPT = 160  # prompt tokens of the end-to-end part (+ 48 output: block tables stay in one width bucket)
 REPS = 12
 
 
@@ -133,93 +125,14 @@ def logits_download_ms(runner: Any, rows: int, vocab: int) -> float:
         ctx.arena.release(mark)
 
 
-def e2e(engine: Any, prompts: list[list[int]], max_tokens: int, override: Any = None, method: str = "auto"
-        ) -> dict[str, Any]:
-    """Tokens/s of the decode phase (from the step after which every request has its first token) and the
-    outputs; the speculative counters this run moved."""
-    from gpu_engine.params import SamplingParams
-
-    engine.spec.override = override
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=method)
-    before = dict(engine.stats())
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, request_id=f"r{i}")
-    done: dict[str, list[int]] = {}
-    produced: dict[str, int] = {}
-    t_start, at_start, steps = None, 0, 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            produced[o.request_id] = len(o.token_ids)
-            if o.finished:
-                done[o.request_id] = o.token_ids
-        steps += 1
-        if t_start is None and len(produced) == len(prompts):
-            t_start, at_start, steps = time.perf_counter(), sum(produced.values()), 0
-    wall = time.perf_counter() - (t_start or time.perf_counter())
-    after = engine.stats()
-    moved = {k: after[k] - before.get(k, 0) for k in ("spec_draft_tokens", "spec_accepted_tokens",
-                                                       "spec_verify_windows", "forward_time_s")}
-    tokens = sum(len(t) for t in done.values()) - at_start
-    drafted, windows = moved["spec_draft_tokens"], moved["spec_verify_windows"]
-    return {"tok_s": tokens / wall if wall > 0 else float("nan"), "decode_steps": steps, "outputs": done,
-            # the runner's forward() share of the run (prefill steps included): the rest is the engine's host work
-            "forward_share": moved["forward_time_s"] / wall if wall > 0 else float("nan"),
-            "acceptance_rate": moved["spec_accepted_tokens"] / drafted if drafted else 0.0,
-            "mean_accepted_length": (moved["spec_accepted_tokens"] + windows) / windows if windows else 0.0}
-
-
-def e2e_rows(make_engine: Any, vocab: int, batches: tuple[int, ...], max_tokens: int, rng: np.random.Generator,
-             clock: Clock, seed: int) -> dict[str, Any]:
-    """Per batch: plain, Replay at each acceptance; at the largest batch also `auto` with no room for drafts.
-    A plain and a speculative run of the same prompts go first, untimed: they capture the graphs the timed runs
-    replay (prompts of PROMPT tokens keep the block-table width bucket fixed over the run)."""
-    from gpu_engine.speculative.drafters import Replay
-
-    out: dict[str, Any] = {}
-    engine = make_engine(128)
-    for b in batches:
-        if clock.left() < 8 + 0.25 * b:
-            break
-        prompts = [rng.integers(3, min(vocab, 2000), PROMPT).tolist() for _ in range(b)]
-        recorded = e2e(engine, prompts, max_tokens, method="off")["outputs"]
-        # a named drafter ("ngram", replaced by Replay) drafts every step: the mechanism at acceptance a, without
-        # auto's backoff (speculative/backoff.py) resting sequences after windows that gained nothing
-        e2e(engine, prompts, max_tokens, Replay(recorded, 0.3, vocab, seed=seed), method="ngram")
-        plain = e2e(engine, prompts, max_tokens, method="off")
-        out[f"b{b}_plain_tok_s"] = plain["tok_s"]
-        out[f"b{b}_plain_decode_steps"] = plain["decode_steps"]
-        out[f"b{b}_plain_forward_share"] = plain["forward_share"]
-        out[f"b{b}_plain_repeatable"] = plain["outputs"] == recorded
-        for a in ACCEPTANCE:
-            got = e2e(engine, prompts, max_tokens, Replay(plain["outputs"], 1.0 - a, vocab, seed=seed),
-                      method="ngram")
-            key = f"b{b}_a{a}"
-            same = sum(got["outputs"][r] == t for r, t in plain["outputs"].items())
-            out.update({f"{key}_tok_s": got["tok_s"], f"{key}_speedup": got["tok_s"] / plain["tok_s"],
-                        f"{key}_decode_steps": got["decode_steps"], f"{key}_forward_share": got["forward_share"],
-                        f"{key}_acceptance_rate": got["acceptance_rate"],
-                        f"{key}_mean_accepted_length": got["mean_accepted_length"],
-                        f"{key}_identical_requests": f"{same}/{b}"})
-    b = max(batches)
-    if f"b{b}_plain_tok_s" in out and clock.left() > 10:
-        off = make_engine(32)  # room = 32 - 32 decoding sequences: the cost rule gives `auto` no drafts
-        prompts = [rng.integers(3, min(vocab, 2000), PROMPT).tolist() for _ in range(b)]
-        e2e(off, prompts, max_tokens, method="off")  # graphs
-        plain = e2e(off, prompts, max_tokens, method="off")
-        got = e2e(off, prompts, max_tokens, Replay(plain["outputs"], 0.1, vocab, seed=seed))
-        out[f"b{b}_auto_off_tok_s"], out[f"b{b}_auto_off_plain_tok_s"] = got["tok_s"], plain["tok_s"]
-        out[f"b{b}_auto_off_over_plain"] = got["tok_s"] / plain["tok_s"]
-    return out
-
-
 FALLBACK = ("27b", "9b", "2b")  # smaller classes, tried in order when a shape's weights do not fit
-E2E_BLOCKS = 600  # KV blocks of 16 tokens for the end-to-end engine: 32 sequences of PROMPT + 48 tokens, and more
 SCRATCH_BYTES = 6 << 30  # step activations, logits rows, the graphs' shared buffers
 
 
 def sizes(shape: str) -> tuple[int, int]:
-    """(bf16 weight bytes, arena bytes past them): the larger cache of the two parts, state slots and the verify
-    rows of the window strategy (3 windows a sequence) for the largest batch, and step scratch."""
+    """(bf16 weight bytes, arena bytes past them): the step-cost cache, state slots and the verify rows of the
+    window strategy (3 windows a sequence) for the largest batch, and step scratch (spec_e2e_bench's engine, 1000
+    blocks, fits in it too)."""
     from cuda_bench import model_config
 
     from gpu_engine.loader import expected_shapes
@@ -229,7 +142,7 @@ def sizes(shape: str) -> tuple[int, int]:
     weights = sum(2 * int(np.prod(v)) for k, v in expected_shapes(config).items()
                   if k.startswith(("text/", "lm_head/")))
     rows = max(BATCHES) + 1
-    cache = max(E2E_BLOCKS, rows * ((CONTEXT + REPS * 8 + 64) // 16 + 1)) * kv_bytes_per_block(config.text, 16, 2)
+    cache = rows * ((CONTEXT + REPS * 8 + 64) // 16 + 1) * kv_bytes_per_block(config.text, 16, 2)
     return weights, cache + 4 * rows * state_bytes_per_slot(config.text, 2, 4) + SCRATCH_BYTES
 
 
@@ -258,18 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--deadline-s", type=float, default=150.0)
     parser.add_argument("--wait-for", help="after the set-up, wait (up to 60 s) for this file before timing")
-    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--strategies", default="recompute,window")
     args = parser.parse_args(argv)
     clock = Clock(args.deadline_s)
-    from doc_models import write_model
-
     from gpu_engine.cache_sizing import size_cache  # noqa: F401  (import check before the long set-up)
-    from gpu_engine.engine import Engine
-    from gpu_engine.engine_config import EngineConfig
     from gpu_engine.runner_api import CacheSpec
-    from gpu_engine.speculative import SpeculativeConfig
-    from gpu_engine.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     asked = args.shape
@@ -282,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"device": ctx.device.info.name if ctx is not None else runner.name, "shape": args.shape, "k": K,
             "context": CONTEXT, "shape_asked": asked,
             "setup_s": round(time.perf_counter() - t0, 1), "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
-            "command": " ".join(sys.argv), "drafter": "Replay (benchmark-only: recorded greedy continuation, "
-                                                       "each draft replaced with probability 1 - a)"}
+            "command": " ".join(sys.argv)}
     result: dict[str, Any] = {"info": info}
 
     def write() -> None:
@@ -299,31 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     use_graphs = getattr(runner, "use_graphs", None)
     info["graphs"] = use_graphs
     rng = np.random.default_rng(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = write_model(args.shape, Path(tmp) / "m", 0, 1 << 20, weights=False)
-        tokenizer = Tokenizer.from_pretrained(folder)
-        for strategy in args.strategies.split(","):
-            # every sequence of the largest batch verifies at once (window: 3 windows of 151 MB each at 27B)
-            runner.rollback, runner.verify_rows, runner.verify_memory_fraction = strategy, pool + 1, 0.8
-            bs = 16
-            per = (CONTEXT + REPS * 8 + 64) // bs + 1
-            runner.allocate_cache(CacheSpec(num_kv_blocks=per * pool, block_size=bs, num_state_slots=pool + 1))
-            result[f"steps_{strategy}"] = guarded(lambda: step_costs(runner, vocab, BATCHES, rng, clock))
-            write()
-
-        def make_engine(max_step_tokens: int) -> Any:
-            cfg = EngineConfig(max_num_seqs=pool, max_batched_tokens=4096, num_kv_blocks=E2E_BLOCKS,
-                               num_state_slots=pool + 1, block_size=16)
-            return Engine(runner, tokenizer, vocab_size=vocab, config=cfg,
-                          speculative=SpeculativeConfig(num_tokens=K, max_step_tokens=max_step_tokens))
-
-        for strategy in args.strategies.split(","):
-            if clock.left() < 15:
-                break
-            runner.rollback = strategy
-            result[f"e2e_{strategy}"] = guarded(
-                lambda: e2e_rows(make_engine, vocab, BATCHES, args.max_tokens, rng, clock, seed=2))
-            write()
+    for strategy in args.strategies.split(","):
+        # every sequence of the largest batch verifies at once (window: 3 windows of 151 MB each at 27B)
+        runner.rollback, runner.verify_rows, runner.verify_memory_fraction = strategy, pool + 1, 0.8
+        bs = 16
+        per = (CONTEXT + REPS * 8 + 64) // bs + 1
+        runner.allocate_cache(CacheSpec(num_kv_blocks=per * pool, block_size=bs, num_state_slots=pool + 1))
+        result[f"steps_{strategy}"] = guarded(lambda: step_costs(runner, vocab, BATCHES, rng, clock))
+        write()
     info["seconds"] = round(time.perf_counter() - t0, 1)
     write()
     print(table(result))
@@ -346,7 +234,7 @@ def guarded(part: Any) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"spec_cost_bench {result.get('info', {}).get('shape')} (Replay-drafter figures, k = {K})"]
+    lines = [f"spec_cost_bench {result.get('info', {}).get('shape')} (step costs, k = {K} for the rejected windows)"]
     for name, rows in result.items():
         if name == "info" or not isinstance(rows, dict):
             continue
