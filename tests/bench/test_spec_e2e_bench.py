@@ -76,9 +76,13 @@ def test_corruption_gives_the_engine_rate_aimed_at() -> None:
     assert (a + a * a + a ** 3) / 3 == pytest.approx(0.7) and 0.82 < a < 0.84
 
 
-def test_main_measures_rows_on_the_reference_runner(base: Engine, tmp_path: Path, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("on_device", [False, True])
+def test_main_measures_rows_on_the_reference_runner(base: Engine, tmp_path: Path, monkeypatch: Any,
+                                                    on_device: bool) -> None:
     confident = se.confident_weights(plain_weights(base), base.runner.config.text.hidden_size)  # type: ignore
     runner = ReferenceRunner(base.runner.config, confident.weights)  # type: ignore[attr-defined]
+    # on_device: the CUDA runner's path (sampling on the runner, lookahead launches, auto's whole-step rule)
+    runner.samples_on_device = runner.supports_lookahead = on_device  # type: ignore[misc]
     monkeypatch.setattr(se, "build", lambda shape: (runner, base.runner.config, confident, shape))  # type: ignore
     monkeypatch.setattr(se, "BATCHES", (1, 2))
     monkeypatch.setattr(se, "PROMPT", 8)
