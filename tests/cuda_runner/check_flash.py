@@ -8,6 +8,9 @@ Every case draws fresh random inputs (the seed is printed), fills the whole page
 NaN) before the launch, and compares ||out - ref|| / ||ref|| with the bf16 tolerance 1e-2. Cases: head dims 128 and
 256; GQA 6:1, 4:1 and 1:1; chunks of 1, 15, 64, 200 and 1000 tokens; continued prefill (earlier positions already
 in the cache); several sequences in one launch; block sizes 16 and 64.
+Every head_dim 256 case also runs the warp-specialised wgmma kernel (flash_prefill variant "ws", 128-row tiles, rows
+marked [ws]) where the device has it (sm_90), with the same rule; WS_CASES add the model shapes' GQA (16 / 4, 24 / 4),
+tiles of fewer than 128 rows, a 4-chunk step continuing from cached tokens and block size 24 (not a power of 2).
 """
 from __future__ import annotations
 
@@ -127,6 +130,17 @@ CASES: list[tuple[str, int, int, int, int, list[tuple[int, int]]]] = [
     ("hd128 6:1 continued 1000+64", 12, 2, 128, 16, [(1000, 64)]),
     ("hd128 4:1 varlen 4 seqs", 8, 2, 128, 16, [(70, 200), (0, 1), (17, 33), (0, 130)]),
 ]
+# head_dim 256 at the 9B (16 / 4 heads) and 27B (24 / 4) GQA, for both kernels
+WS_CASES: list[tuple[str, int, int, int, int, list[tuple[int, int]]]] = [
+    ("hd256 16:4 chunk 257 (tiles 128, 128, 1)", 16, 4, 256, 16, [(0, 257)]),
+    ("hd256 16:4 chunk 128", 16, 4, 256, 64, [(0, 128)]),
+    ("hd256 24:4 continued 200+190", 24, 4, 256, 64, [(200, 190)]),
+    ("hd256 16:4 continued 2048+512", 16, 4, 256, 16, [(2048, 512)]),
+    ("hd256 16:4 step 4 x (384+384)", 16, 4, 256, 16, [(384, 384)] * 4),
+    ("hd256 16:4 varlen 4 seqs", 16, 4, 256, 16, [(0, 1), (70, 130), (0, 64), (129, 100)]),
+    ("hd256 24:4 bs 24 varlen", 24, 4, 256, 24, [(100, 150), (0, 33), (5, 1)]),
+    ("hd256 4:1 bs 24 chunk 1000", 4, 1, 256, 24, [(0, 1000)]),
+]
 
 
 class FlashChecker:
@@ -136,7 +150,12 @@ class FlashChecker:
         self.ctx, self.rng, self.ops = ctx, rng, ops
         self.results: list[Result] = []
 
-    def launch(self, case: FlashCase) -> np.ndarray:
+    def variants(self, head_dim: int) -> list[str]:
+        """fa2, and ws where this device runs it for a bf16 cache at this head dim (ops.flash_variant)."""
+        ws = self.ops.flash_variant("ws", head_dim, False, self.ctx.device.info.arch) == "ws"
+        return ["fa2", "ws"] if ws else ["fa2"]
+
+    def launch(self, case: FlashCase, variant: str = "fa2") -> np.ndarray:
         ctx, ops = self.ctx, self.ops
         n, H, D = case.token_seq.size, case.heads, case.head_dim
         up = ctx.to_device
@@ -147,30 +166,32 @@ class FlashChecker:
         ops.flash_prefill(ctx, out, q, H * D, q_gate.at(D), 2 * H * D, 2 * D, up(case.cache_k, "bf16", "k"),
                           up(case.cache_v, "bf16", "v"), up(case.tables, "i32", "tables"),
                           up(case.token_seq, "i32", "seq"), up(case.token_pos, "i32", "pos"),
-                          up(ops.flash_tiles([m for _, m in case.seqs]), "i32", "tiles"), H, case.kv_heads, D,
-                          case.block_size, case.scale)
+                          up(ops.flash_tiles([m for _, m in case.seqs], ops.FLASH_TILE_ROWS[variant]), "i32",
+                             "tiles"), H, case.kv_heads, D, case.block_size, case.scale, variant=variant)
         ctx.device.sync()
         return ctx.to_host(out)
 
     def run(self, name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
             seqs: list[tuple[int, int]]) -> None:
-        label = f"{name} (bs {block_size})"
+        case = make_case(self.rng, heads, kv_heads, head_dim, block_size, seqs)
+        want = expected(case)
+        for variant in self.variants(head_dim):
+            label = f"{name} (bs {block_size})" + ("" if variant == "fa2" else f" [{variant}]")
 
-        def one() -> None:
-            case = make_case(self.rng, heads, kv_heads, head_dim, block_size, seqs)
-            err = rel_err(self.launch(case), expected(case))
-            self.results.append(Result(label, "bf16", err, TOL, bool(np.isfinite(err) and err <= TOL)))
+            def one(variant: str = variant, label: str = label) -> None:
+                err = rel_err(self.launch(case, variant), want)
+                self.results.append(Result(label, "bf16", err, TOL, bool(np.isfinite(err) and err <= TOL)))
 
-        run_guarded(self.ctx, self.results, label, "bf16", TOL, one)
+            run_guarded(self.ctx, self.results, label, "bf16", TOL, one)
 
 
 def run_all(seed: int | None = None) -> tuple[list[Result], dict]:
     """Run every case; raises CudaUnavailable when there is no GPU / cuda-python."""
-    return run_checks(seed, 1 << 30, FlashChecker, CASES, lambda checker, case: checker.run(*case))
+    return run_checks(seed, 1 << 30, FlashChecker, CASES + WS_CASES, lambda checker, case: checker.run(*case))
 
 
 def format_table(results: list[Result]) -> str:
-    return result_table(results, width=44, first="case", dtype=False)
+    return result_table(results, width=52, first="case", dtype=False)
 
 
 def main(argv: list[str] | None = None) -> int:
