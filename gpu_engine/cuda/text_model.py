@@ -75,6 +75,8 @@ class CudaTextModel:
         # The prefill attention kernel (ops.flash_variant of CudaOptions.flash_prefill, set by the runner): every
         # step's tiles are built for it (build_step's tile_rows = flash_tile_rows).
         self.flash_variant = "fa2"
+        # The chunked gated delta rule's variant for bf16 prefill (deltanet_chunked.VARIANTS, set by the runner).
+        self.deltanet_chunked = deltanet_chunked.DEFAULT_VARIANT
 
     @property
     def flash_tile_rows(self) -> int:
@@ -215,7 +217,7 @@ class CudaTextModel:
             verify_ops.gated_delta_rule_window(*gdn_args, window=windows.state, win_base=windows.base)
         elif (t == "bf16" and longest_chunk >= deltanet_chunked.MIN_PREFILL_TOKENS
                 and deltanet_chunked.supports(dk, dv)):  # prefill: chunked WY form on the tensor cores
-            deltanet_chunked.chunked_gated_delta_rule(*gdn_args)
+            deltanet_chunked.chunked_gated_delta_rule(*gdn_args, variant=self.deltanet_chunked)
         else:  # decode steps, short chunks, fp32 runs: the exact token-by-token kernels
             ops.gated_delta_rule(*gdn_args)
         normed = ctx.empty((n * vh, dv), t, "gated_norm")
