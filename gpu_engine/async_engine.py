@@ -16,11 +16,13 @@ RequestError from result() / stream() / agenerate() / astream(); submit() itself
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -40,13 +42,45 @@ class EngineStoppedError(EngineError, RuntimeError):
     """The AsyncEngine was shut down (or its step loop died); the request cannot complete."""
 
 
+class Outbox:
+    """A request's outputs not yet taken by stream(), at most one unfinished output among them: an output that
+    arrives while the previous unfinished one is still waiting replaces it and carries both deltas. A caller that
+    only waits for result() (the pipeline) never reads them: kept one by one, a 1,000-token request would hold
+    1,000 copies of its growing token and logprob lists, and the garbage collector's walks over them made the
+    engine loop's host time per step grow with the output length (bench/results/cuda_notes.md, session 14)."""
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = threading.Condition(threading.Lock())
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        with self._ready:
+            last = self._items[-1] if self._items else None
+            if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+                self._items[-1] = dataclasses.replace(item, delta=last.delta + item.delta)
+            else:
+                self._items.append(item)
+            self._ready.notify()
+
+    def get(self, timeout: float | None = None) -> RequestOutput | BaseException | None:
+        """The oldest output (None: nothing came within `timeout` seconds)."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._items, timeout):
+                return None
+            return self._items.popleft()
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._items)
+
+
 class RequestHandle:
     """One submitted request, as seen from any thread."""
 
     def __init__(self, front: AsyncEngine, request_id: str, listener: Listener | None = None) -> None:
         self.request_id = request_id
         self._front = front
-        self._items: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self._items = Outbox()
         self._done = threading.Event()
         self._final: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -84,10 +118,9 @@ class RequestHandle:
     def stream(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Outputs as they come (each with its `delta`), ending with the finished one. Use once per handle."""
         while True:
-            try:
-                item = self._items.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.request_id}: no output for {timeout} s") from None
+            item = self._items.get(timeout)
+            if item is None:
+                raise TimeoutError(f"request {self.request_id}: no output for {timeout} s")
             if isinstance(item, BaseException):
                 raise item
             yield item
