@@ -47,8 +47,9 @@ class CudaOptions:
     vision_flash: str | None = None
     # The prefill attention kernel (ops.FLASH_TILE_ROWS; DOCPIPE_CUDA_FLASH_PREFILL): "fa2" (flash_prefill.cu,
     # mma.sync) or "ws" (flash_prefill_ws.cu: warp-specialised wgmma, 128-row tiles; used for a bf16 KV cache at
-    # head_dim 256 on sm_90, "fa2" elsewhere: ops.flash_variant). "fa2" until "ws" is measured on an H200.
-    flash_prefill: str = "fa2"
+    # head_dim 256 on sm_90, "fa2" elsewhere: ops.flash_variant). "ws" since session 14: check_flash 39/39 and
+    # 1.16-1.19x fa2 on the H200 at 9B / 27B (bench/results/cuda/cuda_flash_prefill_bench.json).
+    flash_prefill: str = "ws"
     # Same-grid vision items of a step in one tower call (encode_vision_batch, cuda/vision_batch.py;
     # DOCPIPE_CUDA_VISION_BATCH=1). check_vision passed it on an H200, the 9B document run gained nothing: opt-in.
     vision_batch: bool = False
@@ -65,8 +66,9 @@ class CudaOptions:
     kv_cache_dtype: str = "auto"
     # The chunked gated delta rule variant of bf16 prefill (deltanet_chunked.VARIANTS; DOCPIPE_CUDA_DELTANET_CHUNKED):
     # "current" (prep + scan with the output on the scan's chain) or "states" (prep + a state-only scan + a parallel
-    # output launch, #14). The default stays "current" until "states" has been checked and timed on the H200.
-    deltanet_chunked: str = "current"
+    # output launch, #14). "states" since session 14: bit-identical to "current" on the H200 (check_deltanet_chunked
+    # 75/75), 0.80x its time on a fresh 8k chunk, 0.88x on the 27B document step (cuda_deltanet_bench.json).
+    deltanet_chunked: str = "states"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -45,7 +45,7 @@ def test_chunk_slots_and_workspace() -> None:
     assert dc.chunk_slots(8192, 1) == 129
     assert dc.chunk_slots(63, 3) == 3
     # W, Qd, Kd^T (dk each), U (dv) and P (64) in bf16 per 64-token chunk and head, plus one f32 decay
-    assert dc.workspace_bytes(64, 1, 1, 128, 128) == 2 * (2 * 64 * (3 * 128 + 128 + 64) + 4)
+    assert dc.workspace_bytes(64, 1, 1, 128, 128, variant="current") == 2 * (2 * 64 * (3 * 128 + 128 + 64) + 4)
     assert dc.supports(128, 128) and not dc.supports(256, 128)
 
 

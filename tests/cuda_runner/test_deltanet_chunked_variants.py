@@ -49,12 +49,12 @@ def _logging_ctx() -> SimpleNamespace:
     return ctx
 
 
-def test_option_defaults_to_current_and_reads_the_environment() -> None:
-    assert CudaOptions().deltanet_chunked == "current" == dc.DEFAULT_VARIANT
-    assert CudaOptions.from_env({}).deltanet_chunked == "current"
-    assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_CHUNKED": ""}).deltanet_chunked == "current"
-    assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_CHUNKED": "states"}).deltanet_chunked == "states"
-    assert CudaOptions(deltanet_chunked="states").deltanet_chunked == "states"
+def test_option_defaults_to_states_and_reads_the_environment() -> None:
+    assert CudaOptions().deltanet_chunked == "states" == dc.DEFAULT_VARIANT
+    assert CudaOptions.from_env({}).deltanet_chunked == "states"
+    assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_CHUNKED": ""}).deltanet_chunked == "states"
+    assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_CHUNKED": "current"}).deltanet_chunked == "current"
+    assert CudaOptions(deltanet_chunked="current").deltanet_chunked == "current"
 
 
 def test_option_refuses_an_unknown_variant_by_name() -> None:
@@ -110,7 +110,8 @@ def test_states_variant_shared_memory_and_workspace() -> None:
         assert 2 * (dc.states_shared_bytes(128, width) + 1024) <= SM_SHARED
     assert dc.output_shared_bytes(128, 128) <= 227 * 1024
     # Sc [dv, dk] and V'^T [dv, C] in bf16 on top of the current variant's per slot and head
-    extra = dc.workspace_bytes(8192, 1, 32, 128, 128, "states") - dc.workspace_bytes(8192, 1, 32, 128, 128)
+    extra = dc.workspace_bytes(8192, 1, 32, 128, 128, "states") - dc.workspace_bytes(8192, 1, 32, 128, 128,
+                                                                                      "current")
     assert extra == dc.chunk_slots(8192, 1) * 32 * 2 * 128 * (128 + 64)
     with pytest.raises(ShapeError, match="DOCPIPE_CUDA_DELTANET_CHUNKED"):
         dc.workspace_bytes(64, 1, 1, 128, 128, "fast")

@@ -50,10 +50,10 @@ def test_host_constants_match_the_kernel_source() -> None:
 
 
 def test_option_default_environment_and_refusal() -> None:
-    assert CudaOptions().flash_prefill == "fa2"
-    assert CudaOptions.from_env({}).flash_prefill == "fa2"
-    assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": "ws"}).flash_prefill == "ws"
-    assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": ""}).flash_prefill == "fa2"  # empty = unset
+    assert CudaOptions().flash_prefill == "ws"
+    assert CudaOptions.from_env({}).flash_prefill == "ws"
+    assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": "fa2"}).flash_prefill == "fa2"
+    assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": ""}).flash_prefill == "ws"  # empty = unset
     for bad in ("fa3", "WS", "wgmma"):
         with pytest.raises(ShapeError, match="DOCPIPE_CUDA_FLASH_PREFILL"):
             CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": bad})

@@ -22,9 +22,9 @@ def test_table_with_the_dtype_column() -> None:
 
 def test_table_without_the_dtype_column() -> None:
     assert check_flash.format_table(ROWS) == "\n".join([
-        f"{'case':<44}    rel.err      tol  ok", "-" * 70,
-        f"{'short':<44}   1.23e-03    1e-02  PASS",
-        f"{'broken':<44}        nan    1e-04  FAIL  boom",
+        f"{'case':<52}    rel.err      tol  ok", "-" * 78,
+        f"{'short':<52}   1.23e-03    1e-02  PASS",
+        f"{'broken':<52}        nan    1e-04  FAIL  boom",
         "1/2 passed"])
 
 
