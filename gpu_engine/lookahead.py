@@ -9,13 +9,13 @@ SamplingRequest) and returning those tokens; `feed[i] >= 0` makes chunk i's one 
 sequence's next row needs no host round trip. `finish(request)` samples the last launched step.
 
 The engine keeps at most one step in flight (InFlight). A step is launched (not run to completion) when the runner
-samples all its rows (or it has none: prompt chunks only) and it has no verify window, MTP rows or keep-hidden
-rows; its SamplingRequest is built after the launch, while the layers run. The next step is a lookahead step,
-built before the in-flight tokens are known (lookahead_step.py): first the in-flight chunks are settled — counters,
-num_computed, prefix-cache commits and linear-attention snapshots, as the plain take-in does them, so a snapshot
-copy is ordered after the in-flight forward and before the next one and holds the state at its chunk's end — then
-the scheduler's own schedule() decides the step, told which sequences' sampled tokens are in flight. A lookahead
-step may hold, per sequence,
+samples all its rows (or it has none: prompt chunks only) and it has no verify window or keep-hidden rows (a
+request using the MTP head keeps them; the head alone stops nothing); its SamplingRequest is built after the
+launch, while the layers run. The next step is a lookahead step, built before the in-flight tokens are known
+(lookahead_step.py): first the in-flight chunks are settled — counters, num_computed, prefix-cache commits and
+linear-attention snapshots, as the plain take-in does them, so a snapshot copy is ordered after the in-flight
+forward and before the next one and holds the state at its chunk's end — then the scheduler's own schedule()
+decides the step, told which sequences' sampled tokens are in flight. A lookahead step may hold, per sequence,
 - its next token: a decode row fed from the in-flight row's token (none when that token is the request's last by
   max_tokens) — also after a last prompt chunk in flight;
 - its next prompt chunk (the in-flight one was a prompt chunk, or it was not in the in-flight step), sized and cut
@@ -23,7 +23,8 @@ step may hold, per sequence,
 - its known tokens after the in-flight row, when the grammar forced a run there (jump-forward);
 - a newly admitted request's first chunk (slot, prefix-cache hit with its snapshot restored, vision items).
 The plain path runs instead when a waiting request would take the slot of a max_tokens ending, the speculator would
-draft, a row needs penalties, or the cache might have to preempt.
+draft, a running or admissible request uses the MTP head (it needs kept hidden rows and the head's run every step),
+a row needs penalties, or the cache might have to preempt.
 When the in-flight tokens are taken in, a lookahead row whose sequence has ended (stop, error, abort) is dropped,
 and a fed row whose sequence received forced tokens is discarded — its KV stays (it is the token's own), its
 logits row is not sampled, and the forced run follows in the next step. The grammar bitmasks of the lookahead step
@@ -38,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -79,13 +81,26 @@ class Lookahead:
         self.off_reason: str | None = None  # why lookahead was turned off after a failure
         self.in_flight: InFlight | None = None
 
+    def mtp_ahead(self) -> bool:
+        """A running request, or a waiting one the next step could admit, uses the MTP head (Speculator.head_in_use:
+        it needs keep_hidden rows and run_mtp every step, which launched and lookahead steps lack). A checkpoint's
+        head alone does not count: requests with speculation off, or `auto` where the runner keeps the head for
+        "mtp" requests (CudaOptions.mtp_in_auto off, the default), run lookahead steps at any batch."""
+        eng = self.engine
+        if not eng.spec.has_mtp:
+            return False
+        sched = eng.scheduler
+        free = max(eng.config.max_num_seqs - len(sched.running), 0)
+        return eng.spec.head_in_use(chain(sched.running, islice(sched.waiting, free)))
+
     # ---- a plain step, launched ----
     def can_launch(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk]) -> bool:
         """A plain step goes through launch() when the runner samples every row of it and it needs nothing the
-        launch path lacks (verify windows, MTP, kept hidden rows, all-row logits)."""
+        launch path lacks (verify windows, kept hidden rows, all-row logits). A checkpoint's MTP head alone does
+        not refuse it: the chunks of a request using the head keep their hidden rows, and the step after a launched
+        one is a lookahead step only when no request it could run uses the head (_next_step, mtp_ahead)."""
         eng = self.engine
-        if (not self.enabled or self.off_reason is not None or eng.spec.has_mtp
-                or not getattr(eng.runner, "samples_on_device", False)):
+        if not self.enabled or self.off_reason is not None or not getattr(eng.runner, "samples_on_device", False):
             return False
         if any(c.verify or c.keep_hidden or c.logits == "all" for c in chunks):
             return False
@@ -161,8 +176,8 @@ class Lookahead:
 
     def _next_step(self, infl: InFlight) -> NextStep | None:
         """The lookahead step after the (settled) in-flight one, or None when the plain path must run next."""
-        if not self.enabled or self.off_reason is not None or infl.request is None:
-            return None
+        if not self.enabled or self.off_reason is not None or infl.request is None or self.mtp_ahead():
+            return None  # mtp_ahead: a request using the MTP head arrived while the steps ran ahead
         return next_step(self.engine, infl)
 
     def _planned(self, chunks: list[SeqChunk], scheduled: list[ScheduledChunk], fed: list[bool]) -> InFlight:

@@ -15,7 +15,7 @@ drafter such a runner cannot serve is refused at add_request.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,12 @@ class Speculator:
     def uses_mtp(self, seq: Sequence) -> bool:
         method = seq.params.speculative
         return self.has_mtp and seq.speculate and (method == "mtp" or (method == "auto" and self.mtp_in_auto))
+
+    def head_in_use(self, seqs: Iterable[Sequence]) -> bool:
+        """Whether one of `seqs` uses the MTP head ("mtp", or "auto" where the runner lets auto use it): the head
+        must see every position of such a sequence (keep_hidden rows, run_mtp after the step) to fill its own KV,
+        also in steps where it drafts nothing, so a lookahead step (which gives it neither) must not run it."""
+        return self.has_mtp and any(self.uses_mtp(s) for s in seqs)
 
     def may_draft(self, running: list[Sequence]) -> bool:
         """Whether propose() could give some running sequence drafts this step (when not, a lookahead step, which
