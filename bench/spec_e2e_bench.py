@@ -1,6 +1,7 @@
 """End-to-end speed of speculative decoding at a chosen acceptance (issue 16, "Measuring with random weights" (c)).
 
-    python3 bench/spec_e2e_bench.py [--shape 27b] [--json out.json] [--deadline-s 150]
+    python3 bench/spec_e2e_bench.py [--shape 27b] [--json out.json] [--deadline-s 150] [--quantize none|fp8]
+                                    [--rows all|goals]
 
 The drafter is benchmark-only: Replay (speculative/drafters.py) proposes the target's own greedy continuation,
 recorded in a first plain run, each draft replaced by another token with probability c. Plain random weights do
@@ -27,6 +28,13 @@ adds), tokens/s after the prefill and its ratio to the plain (speculative="off")
 same process. Named-drafter rows ("ngram" replaced by Replay) draft every step; the "auto" rows obey auto's cost
 rule and backoff (at batch 32 the CUDA runner's rule turns auto off: it must not be slower than plain).
 Rows stop being measured once --deadline-s is near; the JSON is rewritten after every batch.
+
+--quantize fp8: the confident model, built as above, then quantised as quantize="fp8" does at load (fp8_weights:
+every eligible Linear to 128x128-block e4m3 by fp8.quantize; the embedding, lm_head and norms, the only tensors
+the confident construction changes, stay bf16 by QUANTIZE_SKIP); the CUDA runner runs its FP8 Linears. Its own
+recording run measures the margins again (the FP8 rounding must leave the greedy choice decided). Every row and
+info say `quantize`. --rows goals measures the goals' rows only: k = 3, at the smallest batch the Replay target
+rows and alpha 0.7, at the largest `auto` alone (~half the time of all).
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +108,42 @@ def _times_pow2(a: np.ndarray, shift: int) -> np.ndarray:
     with ThreadPoolExecutor() as pool:
         list(pool.map(part, range(0, a.shape[0], rows)))
     return out
+
+
+def fp8_weights(weights: Any) -> Any:
+    """`weights` with every Linear quantize="fp8" converts at load (fp8_checkpoint: is_linear_weight, QUANTIZE_SKIP)
+    quantised by fp8.quantize, the loader's recipe, as Fp8Tensors in the plain dict (the CUDA runner takes them so,
+    like bench/fp8_model_bench.py's); the rest as it is. Tensors of equal content are quantised once and share one
+    Fp8Tensor: cuda_bench's random weights tile one block, so a projection of one shape is the same in every
+    layer (27B: a few distinct tensors instead of ~25e9 values; content compared by blake2b, on all cores)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpu_engine import fp8
+    from gpu_engine.fp8_checkpoint import QUANTIZE_SKIP, is_linear_weight, module_name, skipped
+    from gpu_engine.loader import ModelWeights
+    from gpu_engine.tensors import Fp8Tensor
+
+    text = dict(weights.text)
+    names = [n for n, a in text.items() if is_linear_weight(n, a.shape) and not skipped(module_name(n), QUANTIZE_SKIP)]
+
+    def content(name: str) -> tuple[Any, ...]:
+        a = np.ascontiguousarray(text[name])
+        return a.shape, a.dtype.str, hashlib.blake2b(a.data, digest_size=16).digest()
+
+    def quantised(name: str) -> Fp8Tensor:
+        bits, scale_inv = fp8.quantize(_f32(text[name]))
+        return Fp8Tensor(bits=bits, scale_inv=scale_inv, block=fp8.BLOCK, scale_dtype="F32")
+
+    with ThreadPoolExecutor() as pool:
+        keys = dict(zip(names, pool.map(content, names)))
+        first: dict[tuple[Any, ...], str] = {}
+        for name in names:
+            first.setdefault(keys[name], name)
+        done = dict(zip(first, pool.map(quantised, first.values())))
+    text.update({name: done[keys[name]] for name in names})
+    return ModelWeights(text=text, vision=weights.vision, lm_head=None if weights.tied else weights.lm_head,
+                        mtp=weights.mtp)
 
 
 @dataclass(frozen=True)
@@ -209,6 +253,7 @@ class Row:
     plain_tok_s: float
     speedup: float
     identical_requests: str  # requests whose output is the plain run's, of the batch
+    quantize: str  # "none" (the bf16 weights) or "fp8" (their Linears block-FP8: fp8_weights)
 
 
 def set_k(engine: Any, k: int) -> None:
@@ -220,7 +265,7 @@ def set_k(engine: Any, k: int) -> None:
 
 
 def batch_rows(engine: Any, b: int, k: int, plans: list[tuple[str, str, float]], rng: np.random.Generator,
-               vocab: int, clock: Clock, seed: int, record: dict[str, Any]) -> list[Row]:
+               vocab: int, clock: Clock, seed: int, record: dict[str, Any], quantize: str) -> list[Row]:
     """At batch b with k drafts: the recording run (margins), one untimed speculative run (graphs), the plain
     run, then one run per (drafter, rule, aim) of `plans` while time is left."""
     from gpu_engine.speculative.drafters import Replay
@@ -241,36 +286,43 @@ def batch_rows(engine: Any, b: int, k: int, plans: list[tuple[str, str, float]],
         got = run(engine, prompts, "ngram" if drafter == "replay" else "auto", Replay(recorded, c, vocab, seed=seed))
         same = sum(got.outputs.get(r) == t for r, t in recorded.items())
         rows.append(Row(b, k, drafter, rule, aim, round(c, 4), got.acceptance_rate, got.mean_accepted_length,
-                        got.windows, got.tok_s, plain.tok_s, got.tok_s / plain.tok_s, f"{same}/{b}"))
+                        got.windows, got.tok_s, plain.tok_s, got.tok_s / plain.tok_s, f"{same}/{b}", quantize))
     return rows
 
 
 def measure(engine: Any, vocab: int, batches: tuple[int, ...], clock: Clock, write: Callable[[], None],
-            result: dict[str, Any], seed: int = 2) -> None:
+            result: dict[str, Any], seed: int = 2, rows_wanted: str = "all", quantize: str = "none") -> None:
+    """The rows at `batches` (module docstring); rows_wanted "goals": the goals' rows alone (--rows)."""
     rng = np.random.default_rng(1)
     rows: list[dict[str, Any]] = result.setdefault("rows", [])
     record: dict[str, Any] = result.setdefault("recording", {})
     main = [("replay", "target", t) for t in TARGETS]
-    for b in batches:  # k = 3: the goals' rows; auto beside them
+    auto = ("auto", "target", 0.7)
+    if rows_wanted == "goals":
+        plans = {batches[0]: [*main, ("replay", "alpha", 0.7)], batches[-1]: [auto]}
+    else:
+        plans = {b: [*main, auto, *([("replay", "alpha", t) for t in TARGETS] if b == 1 else [])] for b in batches}
+    for b, plan in plans.items():  # k = 3: the goals' rows; auto beside them
         if clock.left() < 10 + 0.3 * b:
             break
-        extra = [("replay", "alpha", t) for t in TARGETS] if b == 1 else []
-        rows.extend(asdict(r) for r in batch_rows(engine, b, K, [*main, ("auto", "target", 0.7), *extra], rng,
-                                                  vocab, clock, seed, record))
+        rows.extend(asdict(r) for r in batch_rows(engine, b, K, plan, rng, vocab, clock, seed, record, quantize))
         write()
+    if rows_wanted == "goals":
+        return
     for k in MORE_K:
         for b in batches[:2]:
             if clock.left() < 10 + 0.3 * b:
                 break
-            rows.extend(asdict(r) for r in batch_rows(engine, b, k, main, rng, vocab, clock, seed, record))
+            rows.extend(asdict(r) for r in batch_rows(engine, b, k, main, rng, vocab, clock, seed, record, quantize))
             write()
 
 
 # ------------------------------------------------------------------------------------------------- set-up
-def build(shape: str) -> tuple[Any, Any, Confident, str]:
+def build(shape: str, quantize: str) -> tuple[Any, Any, Confident, str]:
     """(runner, ModelConfig, Confident, shape) on the CUDA runner: random bf16 weights made confident, at `shape`
-    or the first smaller class that fits the card's free memory (spec_cost_bench.fitting_shape). Raises
-    CudaUnavailable without a GPU, before building anything."""
+    or the first smaller class that fits the card's free memory (spec_cost_bench.fitting_shape), then for
+    quantize "fp8" their Linears quantised (fp8_weights). Raises CudaUnavailable without a GPU, before building
+    anything."""
     from cuda_bench import model_config, random_bf16_weights
     from spec_cost_bench import fitting_shape, sizes
 
@@ -281,6 +333,8 @@ def build(shape: str) -> tuple[Any, Any, Confident, str]:
     shape = fitting_shape(shape, CudaDevice(0).mem_info()[0])
     config, _ = model_config(shape)
     confident = confident_weights(random_bf16_weights(config, np.random.default_rng(0)), config.text.hidden_size)
+    if quantize == "fp8":  # after the confident construction: the FP8 model is the confident model quantised
+        confident = replace(confident, weights=fp8_weights(confident.weights))
     runner = CudaRunner(config, confident.weights, CudaOptions(dtype="bf16", memory_budget=sum(sizes(shape))))
     return runner, config, confident, shape
 
@@ -290,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--json")
     parser.add_argument("--deadline-s", type=float, default=150.0)
+    parser.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                        help="fp8: the confident model's Linears block-FP8, as quantize='fp8' at load")
+    parser.add_argument("--rows", default="all", choices=("all", "goals"),
+                        help="goals: k = 3, batch 1 Replay target rows + alpha 0.7, batch 32 auto only")
     args = parser.parse_args(argv)
     clock = Clock(args.deadline_s)
     from doc_models import write_model
@@ -302,19 +360,21 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        runner, config, confident, shape = build(args.shape)
+        runner, config, confident, shape = build(args.shape, args.quantize)
     except CudaUnavailable as exc:
         print(f"SKIP: {exc}")
         return 0
     ctx = getattr(runner, "ctx", None)  # the CPU test runs the reference runner
     info = {"device": ctx.device.info.name if ctx is not None else runner.name, "shape": shape,
-            "shape_asked": args.shape, "k": K,
+            "shape_asked": args.shape, "k": K, "quantize": args.quantize, "rows": args.rows,
             "prompt": PROMPT, "max_tokens": MAX_TOKENS, "setup_s": round(time.perf_counter() - t0, 1),
             "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(), "command": " ".join(sys.argv),
             "graphs": getattr(runner, "use_graphs", None),
             "target": f"confident random weights: embedding x 2**{confident.embed_shift}, final norm scale "
                       f"{confident.norm_gain:.4f}, lm_head = permuted embedding rows (tied: {confident.tied}); "
-                      "same shapes, dtypes and FLOPs as the random model",
+                      "same shapes, dtypes and FLOPs as the random model"
+                      + ("; then every eligible Linear block-FP8 (e4m3, 128x128 scales) as quantize='fp8' at load"
+                         if args.quantize == "fp8" else ""),
             "acceptance": "accepted drafts / drafts verified (engine spec_acceptance_rate); a draft after a "
                           "rejected one counts as rejected",
             "drafter": "Replay (benchmark-only): the recorded greedy continuation, each draft replaced with "
@@ -334,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                         speculative=SpeculativeConfig(num_tokens=K))
         info["auto_max_step_tokens"] = engine.spec.max_step_tokens
         try:
-            measure(engine, vocab, BATCHES, clock, write, result)
+            measure(engine, vocab, BATCHES, clock, write, result, rows_wanted=args.rows, quantize=args.quantize)
         except Exception as exc:  # noqa: BLE001 - keep the rows measured so far, and say why the rest are missing
             import traceback
 
@@ -349,13 +409,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"spec_e2e_bench {result['info'].get('shape')} (Replay-drafter figures on a confident random target)"]
+    info = result["info"]
+    lines = [f"spec_e2e_bench {info.get('shape')} quantize {info.get('quantize', 'none')} (Replay-drafter figures on "
+             "a confident random target)"]
     for key, stats in result.get("recording", {}).items():
         lines.append(f"  {key:<28} {stats}")
-    lines.append(f"  {'b':>3} {'k':>2} {'drafter':<7} {'rule':<6} {'aim':>4} {'c':>6} {'acc':>5} {'len':>5} "
+    lines.append(f"  {'q':<4} {'b':>3} {'k':>2} {'drafter':<7} {'rule':<6} {'aim':>4} {'c':>6} {'acc':>5} {'len':>5} "
                  f"{'tok/s':>8} {'plain':>8} {'x':>5} same")
     for r in result.get("rows", []):
-        lines.append(f"  {r['batch']:>3} {r['k']:>2} {r['drafter']:<7} {r['rule']:<6} {r['aim']:>4} "
+        lines.append(f"  {r.get('quantize', 'none'):<4} {r['batch']:>3} {r['k']:>2} {r['drafter']:<7} "
+                     f"{r['rule']:<6} {r['aim']:>4} "
                      f"{r['corrupt']:>6.3f} {r['acceptance_rate']:>5.3f} {r['mean_accepted_length']:>5.2f} "
                      f"{r['tok_s']:>8.1f} {r['plain_tok_s']:>8.1f} {r['speedup']:>5.2f} {r['identical_requests']}")
     if "error" in result:
