@@ -69,6 +69,13 @@ class CudaOptions:
     # output launch, #14). "states" since session 14: bit-identical to "current" on the H200 (check_deltanet_chunked
     # 75/75), 0.80x its time on a fresh 8k chunk, 0.88x on the 27B document step (cuda_deltanet_bench.json).
     deltanet_chunked: str = "states"
+    # A bf16 step whose chunked delta rule would also run one-token rows (decode rows beside prompt chunks) gives a
+    # leading or trailing run of them to the token kernel, which decode steps use (text_model.CudaTextModel.
+    # deltanet_rows_apart, step.DeltaNetSplit; DOCPIPE_CUDA_DELTANET_ROWS_APART=0 turns it off). Each kernel runs
+    # its own rows as it runs a step of them alone (CPU-tested; check_decode_rows_apart's "deltanet rows apart" is
+    # its GPU check). Why: on the H200 a 9B document step's chunked call took 1.23 ms with its 56 decode rows, 0.96
+    # ms for its 8192 prompt tokens alone (cuda_deltanet_bench, doc vs fresh8k).
+    deltanet_rows_apart: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,6 +121,8 @@ class CudaOptions:
             read["mtp_in_auto"] = env["DOCPIPE_CUDA_MTP_AUTO"] == "1"
         if "DOCPIPE_CUDA_DECODE_ROWS_APART" in env:
             read["decode_rows_apart"] = env["DOCPIPE_CUDA_DECODE_ROWS_APART"] == "1"
+        if "DOCPIPE_CUDA_DELTANET_ROWS_APART" in env:
+            read["deltanet_rows_apart"] = env["DOCPIPE_CUDA_DELTANET_ROWS_APART"] != "0"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
             read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
         if "DOCPIPE_CUDA_VISION_BATCH" in env:

@@ -116,6 +116,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
                                                      self.ctx.device.info.arch)
         self.flash_tile_rows = self.model.flash_tile_rows
         self.model.deltanet_chunked = o.deltanet_chunked
+        self.model.deltanet_rows_apart = o.deltanet_rows_apart
         # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
         self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
         self.mtp_head = self.mtp is not None

@@ -16,7 +16,7 @@ from ..config import TextConfig
 from ..errors import RunnerInputError
 from ..runner_api import CacheSpec, StepBatch
 from ..runner_rules import chunk_problem
-from . import ops
+from . import deltanet_chunked, ops
 from .context import DArray, GpuContext
 from .embeddings import DeviceEmbeddings
 from .sampler import pack_params
@@ -28,6 +28,19 @@ PAD_SAMPLE_PARAMS = np.array([0.0, 0.0, 1.0, 0.0, 0.5, 0.0, -1.0, -1.0], np.floa
 
 T = TypeVar("T", np.ndarray, DArray)
 SPLIT_MIN_CHUNK = 32  # = text_model.FLASH_MIN_CHUNK: from this chunk length on a step's attention is flash_prefill
+
+
+@dataclass(frozen=True)
+class DeltaNetSplit:
+    """Where a mixed step's gated delta rule runs (StepTables.gdn_*): rows [chunk_row, chunk_row + chunk_rows) on
+    the chunked kernel, rows [token_row, token_row + token_rows) (one-token sequences only) on the token kernel.
+    The two blocks are contiguous, disjoint and cover the step; each kernel reads its block as a step of its own
+    (row pointers moved to the block's first row, its tables start at 0). Host facts: not uploaded."""
+
+    chunk_row: int
+    chunk_rows: int
+    token_row: int
+    token_rows: int
 
 
 @dataclass
@@ -56,10 +69,24 @@ class StepTables(Generic[T]):
     dec_seq: T | None = None  # [d] their sequences (tok_seq of those rows)
     dec_pos: T | None = None  # [d] their positions (tok_pos of those rows)
     tiles_apart: T | None = None  # [tiles, 2] flash_tiles of the step without the one-token chunks
+    # bf16 steps with a chunk of deltanet_chunked.MIN_PREFILL_TOKENS+ tokens and a leading or trailing run of
+    # one-token chunks (decode rows): the varlen tables of the two blocks of gdn_split, so that the DeltaNet layer
+    # gives the run to the token kernel and the rest to the chunked one (CudaTextModel.deltanet_rows_apart).
+    gdn_cu: T | None = None  # [c + 1] cu of the chunk block's c sequences, from its first row (0)
+    gdn_slots: T | None = None  # [c] their state slots
+    gdn_fresh: T | None = None  # [c] their fresh flags
+    gdn_tok_cu: T | None = None  # [d + 1] 0..d: the token block's d one-token sequences
+    gdn_tok_slots: T | None = None  # [d]
+    gdn_tok_fresh: T | None = None  # [d]
+    gdn_split: DeltaNetSplit | None = None  # the blocks' rows (host ints, not a table)
 
     def items(self) -> list[tuple[str, T]]:
         """(name, table) in field order: the packing order."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+        return [(f.name, getattr(self, f.name)) for f in fields(self)
+                if f.name not in HOST_FIELDS and getattr(self, f.name) is not None]
+
+
+HOST_FIELDS = ("gdn_split",)  # StepTables fields that are not tables: kept by upload_tables, never packed
 
 
 @dataclass(frozen=True)
@@ -91,7 +118,12 @@ class HostStep:
         return self.logit_rows - self.padding
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: arr.shape for name, arr in self.tables.items()}
+        """Every table's shape, and the DeltaNet split's rows (a captured step launches with them)."""
+        shapes = {name: arr.shape for name, arr in self.tables.items()}
+        split = self.tables.gdn_split
+        if split is not None:
+            shapes["gdn_split"] = (split.chunk_row, split.chunk_rows, split.token_row, split.token_rows)
+        return shapes
 
 
 def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
@@ -171,6 +203,8 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         step_tables.dec_pos = tok_pos[rows].astype(i32)
         tiles = step_tables.tiles
         step_tables.tiles_apart = tiles[~np.isin(tiles[:, 0], rows)]  # a one-token chunk is one tile, at its row
+    if dtype == "bf16" and single.size and int(lens.max()) >= deltanet_chunked.MIN_PREFILL_TOKENS:
+        _split_deltanet(step_tables, lens)
     # Re-fed tokens do not pick the kernels: a decode-phase chunk with a refeed in front (at most 31 + k tokens)
     # stays on the decode kernels, which take chunks of any length, instead of sending the step to flash prefill.
     step = HostStep(n=n, longest_chunk=int((lens - np.asarray(skip, np.int64)).max()), tables=step_tables,
@@ -179,6 +213,28 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
                     tile_rows=tile_rows)
     _add_sampling(batch, step, cfg.vocab_size)
     return step
+
+
+def _split_deltanet(t: StepTables[np.ndarray], lens: np.ndarray) -> None:
+    """The gdn_* tables of a step with a prompt chunk and one-token chunks: the longer of its leading and trailing
+    runs of one-token chunks is the token block, the rest (one-token chunks between prompt chunks included) the
+    chunk block. Neither kernel takes a row table, so each block must be contiguous; no run: no split."""
+    single = lens == 1
+    seqs = lens.size
+    lead, trail = int(np.argmin(single)), int(np.argmin(single[::-1]))  # there is a chunk of 2+ tokens
+    if not lead and not trail:
+        return
+    tok, chunk = (slice(0, lead), slice(lead, seqs)) if lead >= trail else \
+        (slice(seqs - trail, seqs), slice(0, seqs - trail))
+    cu = t.cu
+    first = int(cu[chunk.start])
+    d = tok.stop - tok.start
+    t.gdn_cu = cu[chunk.start : chunk.stop + 1] - np.int32(first)
+    t.gdn_slots, t.gdn_fresh = t.slots[chunk].copy(), t.fresh[chunk].copy()
+    t.gdn_tok_cu = np.arange(d + 1, dtype=np.int32)
+    t.gdn_tok_slots, t.gdn_tok_fresh = t.slots[tok].copy(), t.fresh[tok].copy()
+    t.gdn_split = DeltaNetSplit(chunk_row=first, chunk_rows=int(cu[chunk.stop]) - first, token_row=int(cu[tok.start]),
+                                token_rows=d)
 
 
 def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_size: int, scratch_slot: int,
@@ -283,7 +339,7 @@ def upload_tables(ctx: GpuContext, tables: StepTables[np.ndarray]) -> StepTables
     host, offsets = pack_tables(tables)
     dev = ctx.to_device(host, "i32", "step-meta")
     return StepTables(**{name: dev.view(arr.shape if arr.size else (1,), offsets[name])
-                         for name, arr in tables.items()})
+                         for name, arr in tables.items()}, gdn_split=tables.gdn_split)
 
 
 def _cat(xs: list[np.ndarray]) -> np.ndarray:

@@ -11,6 +11,7 @@ block-FP8).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import TextConfig
@@ -19,7 +20,7 @@ from .context import DArray, GpuContext
 from .errors import ShapeError
 from .fp8_ops import Fp8Activations
 from .linear import SwigluMlp
-from .step import StepTables
+from .step import DeltaNetSplit, StepTables
 from .weights import AttentionWeights, DeltaNetWeights, LayerWeights, TextWeights
 
 FLASH_MIN_CHUNK = 32  # steps whose longest chunk has this many tokens use the tensor-core prefill attention
@@ -77,6 +78,10 @@ class CudaTextModel:
         self.flash_variant = "fa2"
         # The chunked gated delta rule's variant for bf16 prefill (deltanet_chunked.VARIANTS, set by the runner).
         self.deltanet_chunked = deltanet_chunked.DEFAULT_VARIANT
+        # In a step whose chunked delta rule would also take one-token rows, give a leading or trailing run of them
+        # to the token kernel (step.StepTables.gdn_split; set by the runner from CudaOptions.deltanet_rows_apart):
+        # each one-token row otherwise costs a 64-row chunk and a scan chain of its own.
+        self.deltanet_rows_apart = False
 
     @property
     def flash_tile_rows(self) -> int:
@@ -217,9 +222,39 @@ class CudaTextModel:
             verify_ops.gated_delta_rule_window(*gdn_args, window=windows.state, win_base=windows.base)
         elif (t == "bf16" and longest_chunk >= deltanet_chunked.MIN_PREFILL_TOKENS
                 and deltanet_chunked.supports(dk, dv)):  # prefill: chunked WY form on the tensor cores
-            deltanet_chunked.chunked_gated_delta_rule(*gdn_args, variant=self.deltanet_chunked)
+            split = m.gdn_split if self.deltanet_rows_apart else None
+            if split is None:
+                deltanet_chunked.chunked_gated_delta_rule(*gdn_args, variant=self.deltanet_chunked)
+            else:
+                self._delta_rule_apart(w, core, conv_out, proj, cache, m, split)
         else:  # decode steps, short chunks, fp32 runs: the exact token-by-token kernels
             ops.gated_delta_rule(*gdn_args)
         normed = ctx.empty((n * vh, dv), t, "gated_norm")
         ops.rmsnorm_gated(ctx, normed, core.view((n * vh, dv)), proj.at(conv_dim), w.norm, cfg.rms_norm_eps, vh, width)
         w.out_proj(ctx, a.d, normed, n)
+
+    def _delta_rule_apart(self, w: DeltaNetWeights, core: DArray, conv_out: DArray, proj: DArray,
+                          cache: DeltaNetCache, m: StepTables[DArray], split: DeltaNetSplit) -> None:
+        """The gated delta rule of a mixed step in two launches over disjoint rows and state slots: the chunk
+        block on the chunked kernel, the run of one-token rows on the token kernel (what a decode step of those
+        rows runs). Each sees its block as a whole step: row pointers at the block's first row, its own tables."""
+        cfg = self.config
+        kh, vh, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+            cfg.linear_value_head_dim
+        conv_dim, vdim = cfg.linear_conv_dim, cfg.linear_value_dim
+        width = proj.shape[1]
+        if m.gdn_cu is None or m.gdn_slots is None or m.gdn_fresh is None or m.gdn_tok_cu is None \
+                or m.gdn_tok_slots is None or m.gdn_tok_fresh is None:
+            raise ShapeError("a step with a DeltaNet split lacks its gdn_* tables")
+
+        def on_rows(rule: Callable[..., None], row: int, rows: int, cu: DArray, slots: DArray, fresh: DArray,
+                    **options: str) -> None:
+            qkv, ab = conv_out.at(row * conv_dim), proj.at(row * width)
+            rule(self.ctx, core.view((rows, vdim), row * vdim), qkv, qkv.at(kh * dk), qkv.at(2 * kh * dk), conv_dim,
+                 ab.at(conv_dim + vdim + vh), ab.at(conv_dim + vdim), width, w.A_log, w.dt_bias, cache.state, cu,
+                 slots, fresh, kh, vh, dk, dv, **options)
+
+        on_rows(deltanet_chunked.chunked_gated_delta_rule, split.chunk_row, split.chunk_rows, m.gdn_cu, m.gdn_slots,
+                m.gdn_fresh, variant=self.deltanet_chunked)
+        on_rows(ops.gated_delta_rule, split.token_row, split.token_rows, m.gdn_tok_cu, m.gdn_tok_slots,
+                m.gdn_tok_fresh)

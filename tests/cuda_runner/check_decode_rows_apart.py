@@ -1,15 +1,19 @@
-"""GPU check of CudaOptions.decode_rows_apart: a step that carries a prompt chunk of 32+ tokens beside decode rows
-gives the same logits when its decode rows go to the decode attention kernel as when every row goes to
-flash_prefill (the runner's default, which check_runner compares with the reference runner).
+"""GPU check of a mixed step's decode rows apart from its prompt chunks: CudaOptions.decode_rows_apart (the
+attention's decode rows on the decode kernel instead of flash_prefill) and CudaOptions.deltanet_rows_apart (the
+DeltaNet's leading or trailing run of decode rows on the token kernel instead of the chunked one, step.DeltaNetSplit)
+give the same logits as the runner with neither, and the default runner (both) stays as close to the numpy
+reference runner as bf16 allows.
 
     python3 -m tests.cuda_runner.check_decode_rows_apart [--json out.json] [--seed N]
 
-Two bf16 CudaRunners on the same small random checkpoint (head_dim 256: flash_prefill's and paged_attention_mma's
-size), eager steps, one with the option and one without; SEQS sequences prefilled with random prompts of 20-150
-tokens, then SCHEDULE's steps: decode rows of the running sequences beside a new sequence's prompt chunk (33-70
-tokens, first chunks and a continuation), then decode-only steps. Both runners get the first one's greedy tokens.
-Pass: every step's logits within TOL of the other runner's (both bf16; the two attention kernels round P
-differently) and the same argmax on at least TOP1 of the rows. Skips (exit 0) without a GPU.
+bf16 CudaRunners on the same small random checkpoint (head_dim 256: flash_prefill's and paged_attention_mma's size;
+dk = dv = 128: the chunked delta rule's), eager steps: neither option, each option alone, both (the defaults); and
+the ReferenceRunner on the bf16-rounded weights. SEQS sequences prefilled with random prompts of 20-150 tokens, then
+SCHEDULE's steps: decode rows of the running sequences beside a new sequence's prompt chunk (33-96 tokens, first
+chunks and continuations; the chunk after the decode rows, or before them in CHUNK_FIRST's steps), then
+decode-only steps. Every runner gets the reference's greedy tokens. Pass: each option's logits within TOL of the
+runner without it (both bf16; the kernels round differently) with the same argmax on at least TOP1 of the rows;
+the defaults within BF16_SANITY of the reference (check_runner's bound). Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
@@ -29,8 +33,26 @@ SMALL = {
 }
 SEQS, BLOCK, BLOCKS_PER_SEQ = 8, 16, 24  # up to 384 tokens a sequence
 # per step: (running sequences that decode a token, new prompt chunk: (sequence, tokens) or None)
-SCHEDULE = [(5, (5, 64)), (5, (5, 40)), (6, (6, 33)), (7, (7, 70)), (8, None), (8, None)]
+# The chunks of 64+ tokens (deltanet_chunked.MIN_PREFILL_TOKENS) split the DeltaNet: 64 and 70 with leading decode
+# rows, 96 with trailing ones.
+SCHEDULE = [(5, (5, 64)), (5, (5, 40)), (6, (6, 33)), (7, (7, 70)), (7, (7, 96)), (8, None), (8, None)]
+CHUNK_FIRST = {4}  # steps whose prompt chunk goes before the decode rows
 TOL, TOP1 = 2e-2, 0.97
+BF16_SANITY = 1e-1
+
+
+@dataclass(frozen=True)
+class Apart:
+    """A runner's two options."""
+
+    attention: bool  # CudaOptions.decode_rows_apart
+    deltanet: bool  # CudaOptions.deltanet_rows_apart
+
+
+NEITHER, BOTH = Apart(False, False), Apart(True, True)
+# (case, the runner compared, the runner it is compared with)
+CASES = [("attention rows apart", Apart(True, False), NEITHER), ("deltanet rows apart", Apart(False, True), NEITHER),
+         ("both (the defaults)", BOTH, NEITHER)]
 
 
 @dataclass
@@ -71,7 +93,7 @@ def _drive(runner, config, rng_seed: int, forced: list[list[int]] | None = None
         chunks = [SeqChunk(s, np.array([ids[s]]), np.full((3, 1), lens[s]), lens[s], tables[s], s)
                   for s in range(running)]
         if new is not None:
-            chunks.append(prompt_chunk(*new))
+            chunks.insert(0 if i in CHUNK_FIRST else len(chunks), prompt_chunk(*new))
         out = runner.forward(StepBatch(chunks))
         for k, c in enumerate(chunks):
             lens[c.seq_id] += c.token_ids.shape[0]
@@ -86,7 +108,9 @@ def run_all(seed: int | None = None) -> tuple[list[ApartResult], dict]:
     from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.loader import load_weights
+    from gpu_engine.reference.runner import ReferenceRunner
     from gpu_engine.tiny import make_tiny_checkpoint
+    from tests.cuda_runner.check_runner import _rounded
 
     require_gpu()
     seed = fresh_seed(seed)
@@ -94,26 +118,33 @@ def run_all(seed: int | None = None) -> tuple[list[ApartResult], dict]:
         make_tiny_checkpoint(folder, seed=seed % 1000, text_config=SMALL)
         config = ModelConfig.from_pretrained(folder)
         weights, _ = load_weights(folder, config)
-    base = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=1 << 30, use_graphs=False))
-    apart = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=1 << 30, use_graphs=False,
-                                                    decode_rows_apart=True))
-    try:
-        ref_steps, ref_inputs = _drive(base, config, seed)
-        steps, _ = _drive(apart, config, seed, forced=ref_inputs)
-    finally:
-        base.close()
-        apart.close()
-    errs = [rel_err(a, b) for a, b in zip(steps, ref_steps)]
-    print("per-step logits rel. err " + " ".join(f"{e:.1e}" for e in errs))
-    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
-    worst = float(max(errs))
+    ref_steps, ref_inputs = _drive(ReferenceRunner(config, _rounded(weights)), config, seed)
+    runs: dict[Apart, list[np.ndarray]] = {}
+    for options in {o for _, a, b in CASES for o in (a, b)}:
+        runner = CudaRunner(config, weights, CudaOptions(dtype="bf16", memory_budget=1 << 30, use_graphs=False,
+                                                         decode_rows_apart=options.attention,
+                                                         deltanet_rows_apart=options.deltanet))
+        try:
+            runs[options], _ = _drive(runner, config, seed, forced=ref_inputs)
+        finally:
+            runner.close()
     mixed = sum(1 for _, new in SCHEDULE if new is not None)
-    ok = worst <= TOL and agree >= TOP1
-    return [ApartResult("small (hd 256, dk 128)", "bf16", worst, agree, mixed, bool(ok))], {"seed": seed}
+    results = []
+    cases: list[tuple[str, Apart, Apart | None]] = [*CASES, ("the defaults vs reference", BOTH, None)]
+    for name, options, against in cases:
+        other = ref_steps if against is None else runs[against]
+        steps = runs[options]
+        errs = [rel_err(a, b) for a, b in zip(steps, other)]
+        print(f"{name}: per-step logits rel. err " + " ".join(f"{e:.1e}" for e in errs))
+        agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, other)])))
+        worst = float(max(errs))
+        ok = worst <= BF16_SANITY if against is None else (worst <= TOL and agree >= TOP1)
+        results.append(ApartResult(name, "bf16", worst, agree, mixed, bool(ok)))
+    return results, {"seed": seed}
 
 
 def format_table(results: list[ApartResult]) -> str:
-    lines = [f"{'config':<24} {'dtype':<6} {'max rel.err':>11} {'top-1':>6} {'mixed steps':>11}  ok", "-" * 70]
+    lines = [f"{'case':<24} {'dtype':<6} {'max rel.err':>11} {'top-1':>6} {'mixed steps':>11}  ok", "-" * 70]
     for r in results:
         lines.append(f"{r.config:<24} {r.dtype:<6} {r.max_rel_err:>11.2e} {r.top1_agreement:>6.3f} "
                      f"{r.mixed_steps:>11}  {'PASS' if r.ok else 'FAIL'}")
