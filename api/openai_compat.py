@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -233,7 +233,7 @@ def _usage(out: RequestOutput) -> Usage:
     )
 
 
-def _logprobs(items: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+def _logprobs(items: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
     if items is None:
         return None
     return ChoiceLogprobs(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .list_prefix import ListPrefix
 from .params import FinishReason, RequestOutput, TokenLogprob
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, byte_level_token_bytes
@@ -72,18 +73,21 @@ class OutputProcessor:
 
     @staticmethod
     def output(seq: Sequence) -> RequestOutput:
-        """The request's output now; `delta` is the text since the previous output."""
+        """The request's output now; `delta` is the text since the previous output. A final output owns copies of
+        the token and logprob lists; an unfinished one reads the sequence's own in place (list_prefix.py)."""
         text = visible_text(seq)
         delta = text[seq.emitted_chars:]
         seq.emitted_chars = len(text)
+        finished = seq.is_finished
+        ids, lps = seq.output_list, seq.logprobs
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
-            token_ids=seq.output_list[:],
-            finished=seq.is_finished,
+            token_ids=ids[:] if finished else ListPrefix(ids, len(ids)),
+            finished=finished,
             finish_reason=seq.finish_reason,
             error=seq.error,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=None if lps is None else lps[:] if finished else ListPrefix(lps, len(lps)),
             prompt_tokens=seq.prompt_len,
             cached_prompt_tokens=seq.cached_prompt_tokens,
             delta=delta,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .list_prefix import ListPrefix
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -71,11 +73,12 @@ class TokenLogprob:
 class RequestOutput:
     request_id: str
     text: str  # full generated text so far (stop string excluded)
-    token_ids: list[int]
+    # token_ids / logprobs: lists in a final output; in an unfinished one ListPrefixes that read as those lists
+    token_ids: list[int] | ListPrefix[int]
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when finish_reason == "error"
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | ListPrefix[TokenLogprob] | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     delta: str = ""  # text added since the previous output of this request (streaming)

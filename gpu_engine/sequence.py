@@ -76,7 +76,8 @@ class Sequence:
         self.num_tokens = self.prompt_len
         self.logprobs = [] if self.params.logprobs else None
         self._item_ends = [it.token_end for it in self.prompt.vision_items]  # sorted: items are in prompt order
-        self.output_list: list[int] = []  # generated ids as Python ints (cheap copies for every RequestOutput)
+        # generated ids as Python ints; like `logprobs` only ever appended to: unfinished outputs read both in place
+        self.output_list: list[int] = []
         self._bt_source: list[int] | None = None  # the block_table list the cached array was built from
         self._bt_array = np.zeros(0, dtype=np.int32)
         self.sampling_row = sampling_row(self.params)  # the params as SamplingRows wants them, built once
