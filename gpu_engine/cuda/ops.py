@@ -191,19 +191,21 @@ FLASH_TILE = 64  # query rows per tile (FP_ROWS in flash_prefill.cu: 4 warps x 1
 FLASH_MAX_TILES = 65535  # the tile index is gridDim.y
 # flash_prefill's kernels (CudaOptions.flash_prefill) -> query rows per tile: "fa2" flash_prefill.cu (mma.sync),
 # "ws" flash_prefill_ws.cu (warp-specialised wgmma, FW_ROWS: 2 consumer warpgroups x 64 rows; sm_90a, bf16 KV,
-# head_dim 256 only: flash_variant)
-FLASH_TILE_ROWS = {"fa2": FLASH_TILE, "ws": 128}
+# head_dim 256 only: flash_variant); "ws2" the same file's second entry (its header: O's rescale under Q K^T, the
+# producer's hand-over by cp.async.mbarrier.arrive), same tiles and shared memory
+FLASH_TILE_ROWS = {"fa2": FLASH_TILE, "ws": 128, "ws2": 128}
+FLASH_WS_VARIANTS = ("ws", "ws2")  # kernels of flash_prefill_ws.cu: flash_prefill_<variant>_bf16_hd256
 FLASH_WS_HEAD_DIM, FLASH_WS_ARCHS, FLASH_WS_THREADS = 256, ("sm_90",), 384
 
 
 def flash_variant(option: str, head_dim: int, kv_fp8: bool, arch: str | None) -> str:
-    """The flash_prefill kernel a runner uses for every prefill step: `option` ("fa2" or "ws"), with "ws" only for a
-    bf16 KV cache at head_dim 256 on an sm_90 device, else "fa2". Its tiles must be built for it
+    """The flash_prefill kernel a runner uses for every prefill step: `option` ("fa2", "ws" or "ws2"), with the ws
+    kernels only for a bf16 KV cache at head_dim 256 on an sm_90 device, else "fa2". Its tiles must be built for it
     (flash_tiles(lens, FLASH_TILE_ROWS[variant]))."""
     if option not in FLASH_TILE_ROWS:
         raise ShapeError(f"flash_prefill variant must be one of {sorted(FLASH_TILE_ROWS)}, got {option!r}")
-    ws = option == "ws" and head_dim == FLASH_WS_HEAD_DIM and not kv_fp8 and arch in FLASH_WS_ARCHS
-    return "ws" if ws else "fa2"
+    ws = option in FLASH_WS_VARIANTS and head_dim == FLASH_WS_HEAD_DIM and not kv_fp8 and arch in FLASH_WS_ARCHS
+    return option if ws else "fa2"
 
 
 FLASH_WS_STAGES = (2, 3)  # K and V stages of flash_prefill_ws.cu (FW_K_STAGES, FW_V_STAGES)
@@ -263,13 +265,13 @@ def flash_prefill(ctx: GpuContext, out: DArray, q: DArray, q_stride: int, gate: 
     if variant not in FLASH_TILE_ROWS:
         raise ShapeError(f"flash_prefill variant must be one of {sorted(FLASH_TILE_ROWS)}, got {variant!r}")
     arch = getattr(ctx.device.info, "arch", None)
-    if variant == "ws" and flash_variant("ws", head_dim, bool(f8), arch) != "ws":
-        raise ShapeError(f"flash_prefill variant 'ws' needs a bf16 cache, head_dim {FLASH_WS_HEAD_DIM} and an "
+    if variant in FLASH_WS_VARIANTS and flash_variant(variant, head_dim, bool(f8), arch) != variant:
+        raise ShapeError(f"flash_prefill variant {variant!r} needs a bf16 cache, head_dim {FLASH_WS_HEAD_DIM} and an "
                          f"{'/'.join(FLASH_WS_ARCHS)} device (got {'fp8' if f8 else 'bf16'}, {head_dim}, "
                          f"{arch})")
-    ws = variant == "ws"
+    ws = variant in FLASH_WS_VARIANTS
     ctx.device.launch("flash_prefill_ws" if ws else "flash_prefill",
-                      f"flash_prefill_ws_bf16_hd{head_dim}" if ws else f"flash_prefill{f8}_bf16_hd{head_dim}",
+                      f"flash_prefill_{variant}_bf16_hd{head_dim}" if ws else f"flash_prefill{f8}_bf16_hd{head_dim}",
                       (heads, tiles.shape[0]), FLASH_WS_THREADS if ws else 128, out.ptr, q.ptr, i64(q_stride),
                       gate.ptr, i64(gate_stride), i32(gate_head_stride), k_cache.ptr, v_cache.ptr, *scales,
                       block_tables.ptr, i32(block_tables.shape[1]), token_seq.ptr, token_pos.ptr, tiles.ptr,

@@ -11,9 +11,11 @@ in the cache); several sequences in one launch; block sizes 16 and 64.
 Every head_dim 256 case also runs the warp-specialised wgmma kernel (flash_prefill variant "ws", 128-row tiles, rows
 marked [ws]) where the device has it (sm_90), with the same rule; WS_CASES add the model shapes' GQA (16 / 4, 24 / 4),
 tiles of fewer than 128 rows, a 4-chunk step continuing from cached tokens and block size 24 (not a power of 2).
+`--ws-variants ws,ws2` also runs flash_prefill_ws.cu's second kernel ("ws2", rows marked [ws2]) on those cases.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
@@ -144,6 +146,8 @@ WS_CASES: list[tuple[str, int, int, int, int, list[tuple[int, int]]]] = [
 
 
 class FlashChecker:
+    ws_variants: tuple[str, ...] = ("ws",)  # the ws kernels checked where the device has them (--ws-variants)
+
     def __init__(self, ctx, rng: np.random.Generator) -> None:
         from gpu_engine.cuda import ops
 
@@ -151,9 +155,9 @@ class FlashChecker:
         self.results: list[Result] = []
 
     def variants(self, head_dim: int) -> list[str]:
-        """fa2, and ws where this device runs it for a bf16 cache at this head dim (ops.flash_variant)."""
-        ws = self.ops.flash_variant("ws", head_dim, False, self.ctx.device.info.arch) == "ws"
-        return ["fa2", "ws"] if ws else ["fa2"]
+        """fa2, and the ws kernels where this device runs them for a bf16 cache at this head dim (ops.flash_variant)."""
+        arch = self.ctx.device.info.arch
+        return ["fa2"] + [v for v in self.ws_variants if self.ops.flash_variant(v, head_dim, False, arch) == v]
 
     def launch(self, case: FlashCase, variant: str = "fa2") -> np.ndarray:
         ctx, ops = self.ctx, self.ops
@@ -195,7 +199,11 @@ def format_table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return check_main(__doc__.splitlines()[0], run_all, format_table, argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--ws-variants", default="ws")
+    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    FlashChecker.ws_variants = tuple(known.ws_variants.split(","))
+    return check_main(__doc__.splitlines()[0], run_all, format_table, rest)
 
 
 if __name__ == "__main__":

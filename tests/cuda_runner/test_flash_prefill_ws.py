@@ -229,12 +229,14 @@ class Barrier:
 
 
 def replay(n_kt: int, computed: list[int], stages: tuple[int, int], seed: int, *, drain: bool = True,
-           release_before_retire: bool = False, pass_without_wait: bool = False) -> list[str]:
+           release_before_retire: bool = False, pass_without_wait: bool = False, tracked: bool = False) -> list[str]:
     """fw_produce / fw_consume's protocol, one actor per warpgroup, interleaved at random. Ring 0 is K, ring 1 V.
     A copy (group) is in a stage from its issue, usable once handed over (full arrive); a consumer's MMA reads a
     stage from its issue until it retires. computed[c]: key tiles consumer c computes (the rest pass through).
     Returns what went wrong: an MMA on a stage not holding its landed tile, a copy over a stage an MMA still
-    reads, or a deadlock. The flags break the kernel's rules, for the tests' teeth."""
+    reads, or a deadlock. The flags break the kernel's rules, for the tests' teeth. tracked: ws2's producer, whose
+    groups are handed over by cp.async.mbarrier.arrive when they land (in issue order, at any later moment: a lander
+    actor), never by the producer itself, which only waits for empty stages."""
     full = [[Barrier(1) for _ in range(s)] for s in stages]
     empty = [[Barrier(len(computed)) for _ in range(s)] for s in stages]
     occupant: dict[tuple[int, int], tuple[int, bool]] = {}  # (ring, stage) -> (tile, handed over)
@@ -243,6 +245,33 @@ def replay(n_kt: int, computed: list[int], stages: tuple[int, int], seed: int, *
 
     def where(ring: int, tile: int) -> tuple[int, int]:
         return ring, tile % stages[ring]
+
+    landing: list[tuple[int, int]] = []  # tracked: issued groups not yet landed, oldest first
+    issued_all = [False]
+
+    def producer_tracked():
+        for grp in range(2 * n_kt):
+            tile, ring = grp >> 1, grp & 1
+            st = where(ring, tile)
+            if tile >= stages[ring]:
+                while not empty[ring][st[1]].passed((tile // stages[ring] - 1) & 1):
+                    yield False
+            if in_use.get(st):
+                bad.append(f"tile {tile} of ring {ring} copied over stage {st[1]} read by {sorted(in_use[st])}")
+            occupant[st] = (tile, False)
+            landing.append(st)
+            yield True
+        issued_all[0] = True
+
+    def lander():
+        while not (issued_all[0] and not landing):
+            if not landing:
+                yield False
+                continue
+            st = landing.pop(0)
+            occupant[st] = (occupant[st][0], True)
+            full[st[0]][st[1]].arrive()
+            yield True
 
     def producer():
         pending = None
@@ -323,7 +352,7 @@ def replay(n_kt: int, computed: list[int], stages: tuple[int, int], seed: int, *
                 yield True
 
     rng = random.Random(seed)
-    actors = [producer()] + [consumer(c) for c in range(len(computed))]
+    actors = ([producer_tracked(), lander()] if tracked else [producer()]) + [consumer(c) for c in range(len(computed))]
     blocked = 0
     while actors:
         i = rng.randrange(len(actors))
@@ -353,6 +382,22 @@ def test_the_rings_hold_under_random_interleavings(stages) -> None:
                 assert replay(n_kt, computed, stages, seed) == [], (n_kt, computed, seed)
 
 
+@pytest.mark.parametrize("stages", [ops.FLASH_WS_STAGES, (1, 1), (2, 2), (1, 3)])
+def test_the_ws2_rings_hold_with_hand_over_at_landing(stages) -> None:
+    for n_kt in range(1, 12):
+        for computed in computed_splits(n_kt):
+            for seed in range(12):
+                assert replay(n_kt, computed, stages, seed, tracked=True) == [], (n_kt, computed, seed)
+
+
+def test_the_ws2_replay_has_teeth() -> None:
+    splits = [(n, c) for n in range(2, 9) for c in computed_splits(n)]
+    assert any(replay(n, c, ops.FLASH_WS_STAGES, s, release_before_retire=True, tracked=True) for n, c in splits
+               for s in range(30))
+    assert any(replay(n, [n, 1], (1, 1), s, pass_without_wait=True, tracked=True) for n in range(3, 9)
+               for s in range(30))
+
+
 def test_the_replay_has_teeth() -> None:
     splits = [(n, c) for n in range(2, 9) for c in computed_splits(n)]
     # without handing over the group in flight before blocking, one V stage deadlocks (V_t waits for the release
@@ -380,3 +425,40 @@ def test_pass_through_keeps_every_release_of_the_kernel() -> None:
     at = [passing.index(x) for x in steps]
     assert at == sorted(at)
 
+
+
+# ---- ws2 (flash_prefill_ws2_bf16_hd256, the same file's second entry) -----------------------------------------
+def test_ws2_is_an_option_resolved_like_ws_and_launches_its_own_entry() -> None:
+    assert CudaOptions(flash_prefill="ws2").flash_prefill == "ws2"
+    assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": "ws2"}).flash_prefill == "ws2"
+    assert ops.FLASH_TILE_ROWS["ws2"] == WS_ROWS
+    assert ops.flash_variant("ws2", 256, False, "sm_90") == "ws2"
+    assert [ops.flash_variant("ws2", *a) for a in ((256, True, "sm_90"), (128, False, "sm_90"),
+                                                   (256, False, "sm_80"))] == ["fa2"] * 3
+    ctx = SimpleNamespace(device=Hopper())
+    ops.flash_prefill(ctx, *flash_args(), variant="ws2")
+    ops.flash_prefill(ctx, *flash_args(), variant="ws")
+    ws2, ws = ctx.device.calls
+    assert ws2 == ("flash_prefill_ws", "flash_prefill_ws2_bf16_hd256", *ws[2:])
+    ampere = SimpleNamespace(device=SimpleNamespace(info=SimpleNamespace(arch="sm_80"), launch=None))
+    with pytest.raises(ShapeError, match="'ws2' needs"):
+        ops.flash_prefill(ampere, *flash_args(), variant="ws2")
+
+
+def test_ws2_source_keeps_its_order() -> None:
+    """Both entries instantiate one template; ws2's consumer rescales O between S_j's issue and P V_{j-1}'s (ws after
+    the wait), fences after every full wait it computes on, and its producer hands over by the tracked arrival."""
+    src = SOURCE.read_text()
+    assert re.search(r"flash_prefill_ws_bf16_hd256\(FW_PARAMS\) \{\s+fw_kernel<false>", src)
+    assert re.search(r"flash_prefill_ws2_bf16_hd256\(FW_PARAMS\) \{\s+fw_kernel<true>", src)
+    loop = src[src.index("for (int j = 1; j < n_c; ++j)"):]
+    order = ["issue_qk(j)", "if (WS2) rescale_o();", "issue_pv(j - 1)", "vw_wait<1>()", "vw_wait<0>()",
+             "v_empty + v_stage(j - 1)", "if (!WS2) rescale_o();", "vw_pack_p(s, pf)",
+             "if (WS2) rescale_o();   // O to the last", "issue_pv(n_c - 1)"]
+    at = [loop.index(x) for x in order]
+    assert at == sorted(at)
+    consume = src[src.index("__device__ __forceinline__ void fw_consume("):src.index("// key tiles past this")]
+    assert "fw_mbar_wait(" not in consume.replace("fw_mbar_wait(bar, parity);", "")  # every wait fences (WS2)
+    produce = src[src.index("__device__ __forceinline__ void fw_produce("):src.index("// Consumer warpgroup c")]
+    assert produce.index("fw_cp_async_arrive(full)") < produce.index("cp_async_commit()")
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in src

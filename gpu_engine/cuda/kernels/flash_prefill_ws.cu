@@ -28,6 +28,25 @@
 // - P V: B = V MN-major (imm-trans-b 1): leading byte offset GROUP (next 8 keys), stride byte offset 128 (next 8
 //   dims); k-step k2 (16 keys) starts 2 k2 GROUP bytes in.
 // Barrier arrivals: full = the 128 producer threads; empty = lane 0 of each of the 8 consumer warps.
+//
+// flash_prefill_ws2_bf16_hd256 (variant "ws2"): the same kernel with two changes read off ws's code and SASS.
+// 1. O's rescale by the previous step's factor moves to just after S_j's issue (FlashAttention-3's order), so its
+//    128 multiplies run under Q K^T instead of between P V's retirement and the next issue.
+// 2. ws's producer hands a group over only from its own cp.async waits, one group in flight behind the newest, and
+//    blocks on them. ws2's threads end each group with cp.async.mbarrier.arrive.noinc on its full barrier (the
+//    phase completes when every thread's copies have landed), so the producer only waits for empty stages and
+//    keeps every free stage filling; the consumers fence for the async proxy after each full wait (the data was
+//    written through the generic proxy, wgmma reads it through the async one).
+// Found, not fixed: in ws (and ws2) the softmax does NOT overlap P V. ptxas hoists wgmma.wait_group 0 above the
+// row max / exp2 / sum code (SASS: WARPGROUP.DEPBAR.LE gsb0 0x0 before the MUFU.EX2s). Pinning it behind the softmax
+// (a never-taken branch on the row sums) makes ptxas serialise every wgmma (C7512, insufficient registers): with P
+// still in flight the step needs O 128 + S 32 + P 16 + temporaries, and ptxas allocates the consumers within the
+// launch bound's 168 registers (65,536 / 384), not setmaxnreg's 232 (the same code under __launch_bounds__(256, 1)
+// compiles to 232 registers, unserialised). Overlap needs that budget first.
+// Not done, reasoned: inter-warpgroup ping-pong (the softmax is ~1/4 of a step's MMA time at head_dim 256, and
+// FlashAttention-3 turns its scheduler barrier off there); a 128-byte swizzle (every wgmma operand read is a whole
+// 128-byte core matrix and every cp.async quarter-warp writes one: conflict-free already); the diagonal (one masked
+// key tile per warpgroup, ~64 compares and selects a thread).
 #include "common.cuh"
 #include "tensor_core.cuh"
 #include "vision_wgmma.cuh"
@@ -81,6 +100,11 @@ template <int N> __device__ __forceinline__ void fw_setmaxnreg_inc() {
 }
 template <int N> __device__ __forceinline__ void fw_setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// the full barrier's arrival once all of this thread's earlier cp.async copies have landed (counted in its init)
+__device__ __forceinline__ void fw_cp_async_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 __device__ __forceinline__ void fw_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -140,6 +164,8 @@ __device__ __forceinline__ void fw_copy_block(unsigned dst, int t, const Row& ro
 }
 
 // The producer warpgroup (threads 0..127): K_0, V_0, K_1, V_1, ... of the tile's n_kt key tiles through the rings.
+// TRACKED (ws2): each group's full arrival is the cp.async completion's (fw_cp_async_arrive), no waits of its own.
+template <bool TRACKED>
 __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const bf16_t* k_head, const bf16_t* v_head,
                                            const int* table, long long row_width, int block_size, int p_last,
                                            int n_kt) {
@@ -158,7 +184,8 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
         const unsigned full = (is_v ? v_full : k_full) + 8 * st, empty = (is_v ? v_empty : k_empty) + 8 * st;
         if (kt >= stages) {   // the stage's previous tile must have been released by both consumers
             const unsigned parity = (unsigned)(kt / stages - 1) & 1u;
-            if (pending && !fw_mbar_test(empty, parity)) {   // about to block: hand over what is in flight first
+            // about to block: hand over what is in flight first
+            if (!TRACKED && pending && !fw_mbar_test(empty, parity)) {
                 cp_async_wait<0>();
                 fence_proxy_async();
                 fw_mbar_arrive(pending_bar);
@@ -174,6 +201,10 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
             return head + ((long long)table[blk] * block_size + (key - blk * block_size)) * row_width;
         };
         fw_copy_block(smem + (unsigned)((is_v ? S::V_OFFSET : 0) + st * S::TILE), t, row, head);
+        if (TRACKED) {
+            fw_cp_async_arrive(full);
+            continue;
+        }
         cp_async_commit();
         if (pending) {   // the previous group (this thread's part) has landed: the tensor cores' to read
             cp_async_wait<1>();
@@ -183,12 +214,18 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
         pending = true;
         pending_bar = full;
     }
+    if (TRACKED) {
+        asm volatile("cp.async.wait_all;\n" ::: "memory");   // nothing left in flight when the thread ends
+        return;
+    }
     cp_async_wait<0>();
     fence_proxy_async();
     fw_mbar_arrive(pending_bar);
 }
 
 // Consumer warpgroup c: query rows 64 c .. 64 c + 63 of the tile (first .. first + count - 1 are real).
+// WS2: the header's ws2 changes (the rescale after S_j's issue, a proxy fence after each full wait).
+template <bool WS2>
 __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, bf16_t* out, const bf16_t* q,
                                            long long q_stride, const bf16_t* gate, long long gate_stride,
                                            int gate_head_stride, const int* token_pos, int first, int count, int h,
@@ -202,6 +239,10 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
     const auto k_parity = [&](int j) { return (unsigned)(j / FW_K_STAGES) & 1u; };
     const auto v_stage = [&](int j) { return (unsigned)(8 * (j % FW_V_STAGES)); };
     const auto v_parity = [&](int j) { return (unsigned)(j / FW_V_STAGES) & 1u; };
+    const auto wait_full = [&](unsigned bar, unsigned parity) {   // a stage's copies landed, visible to wgmma
+        fw_mbar_wait(bar, parity);
+        if (WS2) fence_proxy_async();
+    };
 
     const int r0 = 64 * c, rows = min(64, count - r0);   // this warpgroup's real rows (may be none)
     const int ra = r0 + 16 * w + g, rb = ra + 8;         // this thread's rows (m64 fragment rows 16 w + g, + 8)
@@ -263,8 +304,18 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
             }
         };
 
+        const auto rescale_o = [&]() {
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt) {
+                o[nt][0] *= corr_a;
+                o[nt][1] *= corr_a;
+                o[nt][2] *= corr_b;
+                o[nt][3] *= corr_b;
+            }
+        };
+
         // step 0: S_0 alone (O is still 0); key 0 is visible to every row, so the running max is finite from here
-        fw_mbar_wait(k_full + k_stage(0), k_parity(0));
+        wait_full(k_full + k_stage(0), k_parity(0));
         vw_fence_operand(s);
         issue_qk(0);
         vw_wait<0>();
@@ -275,12 +326,14 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
         vw_pack_p(s, pf);
 
         for (int j = 1; j < n_c; ++j) {
-            fw_mbar_wait(k_full + k_stage(j), k_parity(j));
+            wait_full(k_full + k_stage(j), k_parity(j));
             vw_fence_operand(s);
             vw_fence_operand(o);
             vw_fence_operand(pf);
             issue_qk(j);                                                  // S_j
-            fw_mbar_wait(v_full + v_stage(j - 1), v_parity(j - 1));
+            if (WS2) rescale_o();                                         // O to step j-1's max, under S_j
+            wait_full(v_full + v_stage(j - 1), v_parity(j - 1));
+            if (WS2) vw_fence_operand(o);
             issue_pv(j - 1);                                              // O += P_{j-1} V_{j-1}, in flight ...
             vw_wait<1>();                                                 // ... while S_j (retired first) ...
             vw_fence_operand(s);
@@ -291,16 +344,11 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
             vw_fence_operand(o);
             vw_fence_operand(pf);
             if (lane == 0) fw_mbar_arrive(v_empty + v_stage(j - 1));      // V_{j-1} is free
-#pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                o[nt][0] *= corr_a;
-                o[nt][1] *= corr_a;
-                o[nt][2] *= corr_b;
-                o[nt][3] *= corr_b;
-            }
+            if (!WS2) rescale_o();
             vw_pack_p(s, pf);
         }
-        fw_mbar_wait(v_full + v_stage(n_c - 1), v_parity(n_c - 1));
+        wait_full(v_full + v_stage(n_c - 1), v_parity(n_c - 1));
+        if (WS2) rescale_o();   // O to the last step's max before its P V
         vw_fence_operand(o);
         vw_fence_operand(pf);
         issue_pv(n_c - 1);
@@ -337,12 +385,17 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
     }
 }
 
-// Same parameters as flash_prefill_bf16_hd256; tiles of up to FW_ROWS rows; FW_THREADS threads a block.
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) flash_prefill_ws_bf16_hd256(
-        bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate, long long gate_stride,
-        int gate_head_stride, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables,
-        int max_blocks_per_seq, const int* token_seq, const int* token_pos, const int* tiles, int heads,
-        int kv_heads, int block_size, float scale) {
+#define FW_PARAMS \
+        bf16_t* out, const bf16_t* q, long long q_stride, const bf16_t* gate, long long gate_stride, \
+        int gate_head_stride, const bf16_t* k_cache, const bf16_t* v_cache, const int* block_tables, \
+        int max_blocks_per_seq, const int* token_seq, const int* token_pos, const int* tiles, int heads, \
+        int kv_heads, int block_size, float scale
+#define FW_ARGS \
+        out, q, q_stride, gate, gate_stride, gate_head_stride, k_cache, v_cache, block_tables, max_blocks_per_seq, \
+        token_seq, token_pos, tiles, heads, kv_heads, block_size, scale
+
+template <bool WS2>
+__device__ __forceinline__ void fw_kernel(FW_PARAMS) {
     extern __shared__ __align__(128) bf16_t smem[];
     // K full[K_STAGES], K empty[K_STAGES], V full[V_STAGES], V empty[V_STAGES]
     __shared__ __align__(8) unsigned long long bars[2 * (FW_K_STAGES + FW_V_STAGES)];
@@ -375,11 +428,21 @@ extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) flash_prefill_ws_bf1
         const int kvh = h / (heads / kv_heads);
         const long long row_width = (long long)kv_heads * FW_HD;
         const int* table = block_tables + (long long)token_seq[first] * max_blocks_per_seq;
-        fw_produce(base, bar0, k_cache + (long long)kvh * FW_HD, v_cache + (long long)kvh * FW_HD, table, row_width,
-                   block_size, p_last, n_kt);
+        fw_produce<WS2>(base, bar0, k_cache + (long long)kvh * FW_HD, v_cache + (long long)kvh * FW_HD, table,
+                        row_width, block_size, p_last, n_kt);
     } else {
         fw_setmaxnreg_inc<FW_CONSUMER_REGS>();
-        fw_consume((threadIdx.x >> 7) - 1, base, bar0, out, q, q_stride, gate, gate_stride, gate_head_stride,
-                   token_pos, first, count, h, heads, n_kt, scale);
+        fw_consume<WS2>((threadIdx.x >> 7) - 1, base, bar0, out, q, q_stride, gate, gate_stride,
+                        gate_head_stride, token_pos, first, count, h, heads, n_kt, scale);
     }
+}
+
+// Same parameters as flash_prefill_bf16_hd256; tiles of up to FW_ROWS rows; FW_THREADS threads a block.
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) flash_prefill_ws_bf16_hd256(FW_PARAMS) {
+    fw_kernel<false>(FW_ARGS);
+}
+
+// The same with the header's ws2 changes (ops.flash_prefill variant "ws2"): same arguments, tiles, shared memory.
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) flash_prefill_ws2_bf16_hd256(FW_PARAMS) {
+    fw_kernel<true>(FW_ARGS);
 }
