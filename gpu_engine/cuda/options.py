@@ -71,11 +71,12 @@ class CudaOptions:
     deltanet_chunked: str = "states"
     # A bf16 step whose chunked delta rule would also run one-token rows (decode rows beside prompt chunks) gives a
     # leading or trailing run of them to the token kernel, which decode steps use (text_model.CudaTextModel.
-    # deltanet_rows_apart, step.DeltaNetSplit; DOCPIPE_CUDA_DELTANET_ROWS_APART=0 turns it off). Each kernel runs
+    # deltanet_rows_apart, step.DeltaNetSplit; DOCPIPE_CUDA_DELTANET_ROWS_APART=1 turns it on). Each kernel runs
     # its own rows as it runs a step of them alone (CPU-tested; check_decode_rows_apart's "deltanet rows apart" is
     # its GPU check). Why: on the H200 a 9B document step's chunked call took 1.23 ms with its 56 decode rows, 0.96
-    # ms for its 8192 prompt tokens alone (cuda_deltanet_bench, doc vs fresh8k).
-    deltanet_rows_apart: bool = True
+    # ms for its 8192 prompt tokens alone (cuda_deltanet_bench, doc vs fresh8k). Opt-in: written in session 14,
+    # when no GPU was left to run its check.
+    deltanet_rows_apart: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -122,7 +123,7 @@ class CudaOptions:
         if "DOCPIPE_CUDA_DECODE_ROWS_APART" in env:
             read["decode_rows_apart"] = env["DOCPIPE_CUDA_DECODE_ROWS_APART"] == "1"
         if "DOCPIPE_CUDA_DELTANET_ROWS_APART" in env:
-            read["deltanet_rows_apart"] = env["DOCPIPE_CUDA_DELTANET_ROWS_APART"] != "0"
+            read["deltanet_rows_apart"] = env["DOCPIPE_CUDA_DELTANET_ROWS_APART"] == "1"
         if "DOCPIPE_CUDA_ENCODER_MEMORY" in env:
             read["encoder_memory"] = int(env["DOCPIPE_CUDA_ENCODER_MEMORY"])
         if "DOCPIPE_CUDA_VISION_BATCH" in env:

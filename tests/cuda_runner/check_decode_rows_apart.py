@@ -1,19 +1,19 @@
 """GPU check of a mixed step's decode rows apart from its prompt chunks: CudaOptions.decode_rows_apart (the
 attention's decode rows on the decode kernel instead of flash_prefill) and CudaOptions.deltanet_rows_apart (the
 DeltaNet's leading or trailing run of decode rows on the token kernel instead of the chunked one, step.DeltaNetSplit)
-give the same logits as the runner with neither, and the default runner (both) stays as close to the numpy
+give the same logits as the runner with neither, and the runner with both stays as close to the numpy
 reference runner as bf16 allows.
 
     python3 -m tests.cuda_runner.check_decode_rows_apart [--json out.json] [--seed N]
 
 bf16 CudaRunners on the same small random checkpoint (head_dim 256: flash_prefill's and paged_attention_mma's size;
-dk = dv = 128: the chunked delta rule's), eager steps: neither option, each option alone, both (the defaults); and
+dk = dv = 128: the chunked delta rule's), eager steps: neither option, each option alone, both; and
 the ReferenceRunner on the bf16-rounded weights. SEQS sequences prefilled with random prompts of 20-150 tokens, then
 SCHEDULE's steps: decode rows of the running sequences beside a new sequence's prompt chunk (33-96 tokens, first
 chunks and continuations; the chunk after the decode rows, or before them in CHUNK_FIRST's steps), then
 decode-only steps. Every runner gets the reference's greedy tokens. Pass: each option's logits within TOL of the
 runner without it (both bf16; the kernels round differently) with the same argmax on at least TOP1 of the rows;
-the defaults within BF16_SANITY of the reference (check_runner's bound). Skips (exit 0) without a GPU.
+both within BF16_SANITY of the reference (check_runner's bound). Skips (exit 0) without a GPU.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class Apart:
 NEITHER, BOTH = Apart(False, False), Apart(True, True)
 # (case, the runner compared, the runner it is compared with)
 CASES = [("attention rows apart", Apart(True, False), NEITHER), ("deltanet rows apart", Apart(False, True), NEITHER),
-         ("both (the defaults)", BOTH, NEITHER)]
+         ("both", BOTH, NEITHER)]
 
 
 @dataclass
@@ -130,7 +130,7 @@ def run_all(seed: int | None = None) -> tuple[list[ApartResult], dict]:
             runner.close()
     mixed = sum(1 for _, new in SCHEDULE if new is not None)
     results = []
-    cases: list[tuple[str, Apart, Apart | None]] = [*CASES, ("the defaults vs reference", BOTH, None)]
+    cases: list[tuple[str, Apart, Apart | None]] = [*CASES, ("both vs reference", BOTH, None)]
     for name, options, against in cases:
         other = ref_steps if against is None else runs[against]
         steps = runs[options]

@@ -71,6 +71,6 @@ def test_run_all_compares_every_case_on_stand_in_runners(monkeypatch):
     monkeypatch.setattr(device, "require_gpu", lambda: None)
     monkeypatch.setattr(runner, "CudaRunner", StandIn)
     results, meta = check.run_all(seed=3)
-    assert [r.config for r in results] == [c[0] for c in check.CASES] + ["the defaults vs reference"]
+    assert [r.config for r in results] == [c[0] for c in check.CASES] + ["both vs reference"]
     assert all(r.ok and r.max_rel_err == 0.0 and r.mixed_steps == 5 for r in results)
     assert "PASS" in check.format_table(results) and meta == {"seed": 3}

@@ -171,8 +171,9 @@ def test_decode_and_prefill_steps_are_unchanged_by_the_option(lens, expect):
     assert m_on.cu.ptr in [arg for _, call in on for arg in call]
 
 
-def test_the_option_is_on_by_default_and_read_from_the_environment():
-    assert CudaOptions().deltanet_rows_apart is True
+def test_the_option_is_off_by_default_and_read_from_the_environment():
+    assert CudaOptions().deltanet_rows_apart is False  # opt-in until its GPU check has run
+    assert CudaOptions.from_env({}).deltanet_rows_apart is False
     assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_ROWS_APART": "1"}).deltanet_rows_apart is True
     assert CudaOptions.from_env({"DOCPIPE_CUDA_DELTANET_ROWS_APART": "0"}).deltanet_rows_apart is False
 
