@@ -50,6 +50,7 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 #include "vision_wgmma.cuh"
+#include "mbarrier.cuh"
 
 #define FW_HD 256
 #define FW_ROWS 128          // query rows per tile; ops.FLASH_TILE_ROWS["ws"] must match
@@ -68,39 +69,6 @@ struct FwShape {
     static constexpr int Q_OFFSET = V_OFFSET + FW_V_STAGES * TILE;
     static constexpr int SMEM_BYTES = Q_OFFSET + 2 * TILE;        // must equal ops.flash_shared_bytes(256, ws=True)
 };
-
-__device__ __forceinline__ void fw_mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void fw_mbar_arrive(unsigned bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-// whether the phase of `bar` with this parity has completed (phase k has parity k & 1); never blocks
-__device__ __forceinline__ bool fw_mbar_test(unsigned bar, unsigned parity) {
-    unsigned done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-
-__device__ __forceinline__ void fw_mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-template <int N> __device__ __forceinline__ void fw_setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> __device__ __forceinline__ void fw_setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // the full barrier's arrival once all of this thread's earlier cp.async copies have landed (counted in its init)
 __device__ __forceinline__ void fw_cp_async_arrive(unsigned bar) {
@@ -185,13 +153,13 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
         if (kt >= stages) {   // the stage's previous tile must have been released by both consumers
             const unsigned parity = (unsigned)(kt / stages - 1) & 1u;
             // about to block: hand over what is in flight first
-            if (!TRACKED && pending && !fw_mbar_test(empty, parity)) {
+            if (!TRACKED && pending && !mbar_test(empty, parity)) {
                 cp_async_wait<0>();
                 fence_proxy_async();
-                fw_mbar_arrive(pending_bar);
+                mbar_arrive(pending_bar);
                 pending = false;
             }
-            fw_mbar_wait(empty, parity);
+            mbar_wait(empty, parity);
         }
         const bf16_t* head = is_v ? v_head : k_head;
         const auto row = [&](int r) -> const bf16_t* {
@@ -209,7 +177,7 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
         if (pending) {   // the previous group (this thread's part) has landed: the tensor cores' to read
             cp_async_wait<1>();
             fence_proxy_async();
-            fw_mbar_arrive(pending_bar);
+            mbar_arrive(pending_bar);
         }
         pending = true;
         pending_bar = full;
@@ -220,7 +188,7 @@ __device__ __forceinline__ void fw_produce(unsigned smem, unsigned bars, const b
     }
     cp_async_wait<0>();
     fence_proxy_async();
-    fw_mbar_arrive(pending_bar);
+    mbar_arrive(pending_bar);
 }
 
 // Consumer warpgroup c: query rows 64 c .. 64 c + 63 of the tile (first .. first + count - 1 are real).
@@ -240,7 +208,7 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
     const auto v_stage = [&](int j) { return (unsigned)(8 * (j % FW_V_STAGES)); };
     const auto v_parity = [&](int j) { return (unsigned)(j / FW_V_STAGES) & 1u; };
     const auto wait_full = [&](unsigned bar, unsigned parity) {   // a stage's copies landed, visible to wgmma
-        fw_mbar_wait(bar, parity);
+        mbar_wait(bar, parity);
         if (WS2) fence_proxy_async();
     };
 
@@ -320,7 +288,7 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
         issue_qk(0);
         vw_wait<0>();
         vw_fence_operand(s);
-        if (lane == 0) fw_mbar_arrive(k_empty + k_stage(0));
+        if (lane == 0) mbar_arrive(k_empty + k_stage(0));
         mask(0);
         vw_softmax_in_place(s, sl, m_a, m_b, l_a, l_b, corr_a, corr_b);
         vw_pack_p(s, pf);
@@ -337,13 +305,13 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
             issue_pv(j - 1);                                              // O += P_{j-1} V_{j-1}, in flight ...
             vw_wait<1>();                                                 // ... while S_j (retired first) ...
             vw_fence_operand(s);
-            if (lane == 0) fw_mbar_arrive(k_empty + k_stage(j));          // K_j is free
+            if (lane == 0) mbar_arrive(k_empty + k_stage(j));          // K_j is free
             mask(j);
             vw_softmax_in_place(s, sl, m_a, m_b, l_a, l_b, corr_a, corr_b);   // ... goes through the softmax
             vw_wait<0>();
             vw_fence_operand(o);
             vw_fence_operand(pf);
-            if (lane == 0) fw_mbar_arrive(v_empty + v_stage(j - 1));      // V_{j-1} is free
+            if (lane == 0) mbar_arrive(v_empty + v_stage(j - 1));      // V_{j-1} is free
             if (!WS2) rescale_o();
             vw_pack_p(s, pf);
         }
@@ -354,14 +322,14 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
         issue_pv(n_c - 1);
         vw_wait<0>();
         vw_fence_operand(o);
-        if (lane == 0) fw_mbar_arrive(v_empty + v_stage(n_c - 1));
+        if (lane == 0) mbar_arrive(v_empty + v_stage(n_c - 1));
     }
     // key tiles past this warpgroup's rows: released as soon as they are there (the ring needs every consumer)
     for (int j = n_c; j < n_kt; ++j) {
-        fw_mbar_wait(k_full + k_stage(j), k_parity(j));
-        if (lane == 0) fw_mbar_arrive(k_empty + k_stage(j));
-        fw_mbar_wait(v_full + v_stage(j), v_parity(j));
-        if (lane == 0) fw_mbar_arrive(v_empty + v_stage(j));
+        mbar_wait(k_full + k_stage(j), k_parity(j));
+        if (lane == 0) mbar_arrive(k_empty + k_stage(j));
+        mbar_wait(v_full + v_stage(j), v_parity(j));
+        if (lane == 0) mbar_arrive(v_empty + v_stage(j));
     }
     if (rows <= 0) return;
 
@@ -412,26 +380,26 @@ __device__ __forceinline__ void fw_kernel(FW_PARAMS) {
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int st = 0; st < FW_K_STAGES; ++st) {
-            fw_mbar_init(bar0 + 8 * st, 128);                       // every producer thread, its copies landed
-            fw_mbar_init(bar0 + 8 * (FW_K_STAGES + st), 8);         // lane 0 of every consumer warp
+            mbar_init(bar0 + 8 * st, 128);                       // every producer thread, its copies landed
+            mbar_init(bar0 + 8 * (FW_K_STAGES + st), 8);         // lane 0 of every consumer warp
         }
 #pragma unroll
         for (int st = 0; st < FW_V_STAGES; ++st) {
-            fw_mbar_init(bar0 + 8 * (2 * FW_K_STAGES + st), 128);
-            fw_mbar_init(bar0 + 8 * (2 * FW_K_STAGES + FW_V_STAGES + st), 8);
+            mbar_init(bar0 + 8 * (2 * FW_K_STAGES + st), 128);
+            mbar_init(bar0 + 8 * (2 * FW_K_STAGES + FW_V_STAGES + st), 8);
         }
     }
     __syncthreads();   // the barriers initialised before anyone arrives; the last block-wide barrier
 
     if (threadIdx.x < 128) {
-        fw_setmaxnreg_dec<FW_PRODUCER_REGS>();
+        setmaxnreg_dec<FW_PRODUCER_REGS>();
         const int kvh = h / (heads / kv_heads);
         const long long row_width = (long long)kv_heads * FW_HD;
         const int* table = block_tables + (long long)token_seq[first] * max_blocks_per_seq;
         fw_produce<WS2>(base, bar0, k_cache + (long long)kvh * FW_HD, v_cache + (long long)kvh * FW_HD, table,
                         row_width, block_size, p_last, n_kt);
     } else {
-        fw_setmaxnreg_inc<FW_CONSUMER_REGS>();
+        setmaxnreg_inc<FW_CONSUMER_REGS>();
         fw_consume<WS2>((threadIdx.x >> 7) - 1, base, bar0, out, q, q_stride, gate, gate_stride,
                         gate_head_stride, token_pos, first, count, h, heads, n_kt, scale);
     }

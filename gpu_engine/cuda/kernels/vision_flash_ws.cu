@@ -17,6 +17,7 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 #include "vision_wgmma.cuh"
+#include "mbarrier.cuh"
 
 #define VS_HD 72
 // setmaxnreg per warpgroup role: 128 x producer + CONSUMERS x 128 x consumer <= 65,536 registers
@@ -25,31 +26,6 @@ template <int CONSUMERS> struct VsRegs {
     static constexpr int CONSUMER = CONSUMERS == 2 ? 232 : CONSUMERS == 3 ? 160 : 120;
     static_assert(128 * PRODUCER + CONSUMERS * 128 * CONSUMER <= 65536, "more registers than an SM has");
 };
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-// until the phase of `bar` with this parity has completed (phase k has parity k & 1)
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 template <int BN>
 struct VsShape {
