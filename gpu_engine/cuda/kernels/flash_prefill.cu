@@ -25,6 +25,7 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 #include "fp8_kv.cuh"
+#include "flash_epilogue.cuh"
 
 #define FP_ROWS 64     // query rows per tile (4 warps x 16); ops.FLASH_TILE must match
 #define FP_THREADS 128
@@ -249,23 +250,8 @@ __device__ void flash_prefill_impl(bf16_t* out, const bf16_t* q, long long q_str
     }
 
     // ---- normalise, gate, store
-    softmax_row_sums(l_a, l_b);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half ? rb : ra;
-        if (r >= count) continue;
-        const long long tok = first + r;
-        const float inv_l = 1.0f / (half ? l_b : l_a);
-        const bf16_t* gh = gate + tok * gate_stride + (long long)h * gate_head_stride;
-        unsigned* oh = (unsigned*)(out + tok * heads * HD + (long long)h * HD);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            const int d = nt * 8 + tig * 2;
-            const float v0 = o[nt][half * 2] * inv_l * sigmoidf(to_f(gh[d]));
-            const float v1 = o[nt][half * 2 + 1] * inv_l * sigmoidf(to_f(gh[d + 1]));
-            oh[d >> 1] = pack_bf16(v0, v1);
-        }
-    }
+    flash_store_gated<HD>(o, l_a, l_b, ra, rb, tig, first, count, h, heads, out, gate, gate_stride,
+                          gate_head_stride);
 }
 
 #define DEFINE(HD)                                                                                                \

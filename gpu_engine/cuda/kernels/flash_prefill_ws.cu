@@ -51,6 +51,7 @@
 #include "tensor_core.cuh"
 #include "vision_wgmma.cuh"
 #include "mbarrier.cuh"
+#include "flash_epilogue.cuh"
 
 #define FW_HD 256
 #define FW_ROWS 128          // query rows per tile; ops.FLASH_TILE_ROWS["ws"] must match
@@ -334,23 +335,8 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
     if (rows <= 0) return;
 
     // ---- normalise, gate, store
-    softmax_row_sums(l_a, l_b);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half ? rb : ra;
-        if (r >= count) continue;
-        const long long tok = first + r;
-        const float inv_l = 1.0f / (half ? l_b : l_a);
-        const bf16_t* gh = gate + tok * gate_stride + (long long)h * gate_head_stride;
-        unsigned* oh = (unsigned*)(out + tok * heads * FW_HD + (long long)h * FW_HD);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            const int d = nt * 8 + tig * 2;
-            const float v0 = o[nt][half * 2] * inv_l * sigmoidf(to_f(gh[d]));
-            const float v1 = o[nt][half * 2 + 1] * inv_l * sigmoidf(to_f(gh[d + 1]));
-            oh[d >> 1] = pack_bf16(v0, v1);
-        }
-    }
+    flash_store_gated<FW_HD>(o, l_a, l_b, ra, rb, tig, first, count, h, heads, out, gate, gate_stride,
+                             gate_head_stride);
 }
 
 #define FW_PARAMS \
