@@ -301,6 +301,59 @@ __device__ void gdn_chunk_prep_impl(bf16_t* Wg, bf16_t* Ug, bf16_t* Qdg, bf16_t*
     if (tid == 0) gcg[ho] = eG[GC_C - 1];
 }
 
+// The pieces gdn_chunk_scan and gdn_chunk_states share. The state slice lives in registers sacc[MT][NT][4]:
+// element (mt, nt, e) is dk row srow0 + 16 mt + g + 8 (e >> 1), slice column 8 nt + 2 tig + (e & 1).
+// St [slice][DK] fp32 into the registers (zeros for a fresh sequence)
+template <int DK, int MT, int NT>
+__device__ __forceinline__ void gc_state_load(float (&sacc)[MT][NT][4], const float* St, bool is_fresh, int srow0,
+                                              int g, int tig) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = srow0 + 16 * mt + g + 8 * (e >> 1), c = 8 * nt + 2 * tig + (e & 1);
+                sacc[mt][nt][e] = is_fresh ? 0.0f : St[c * DK + r];
+            }
+}
+
+// the registers back to St
+template <int DK, int MT, int NT>
+__device__ __forceinline__ void gc_state_store(float* St, const float (&sacc)[MT][NT][4], int srow0, int g, int tig) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                St[(8 * nt + 2 * tig + (e & 1)) * DK + srow0 + 16 * mt + g + 8 * (e >> 1)] = sacc[mt][nt][e];
+}
+
+// the state's bf16 copy, transposed: Sb[slice column][dk row]
+template <int LD, int MT, int NT>
+__device__ __forceinline__ void gc_state_to_bf16(bf16_t (*Sb)[LD], const float (&sacc)[MT][NT][4], int srow0, int g,
+                                                 int tig) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                Sb[8 * nt + 2 * tig + (e & 1)][srow0 + 16 * mt + g + 8 * (e >> 1)] = from_f<bf16_t>(sacc[mt][nt][e]);
+}
+
+// S *= gc (the chunk's decay)
+template <int MT, int NT>
+__device__ __forceinline__ void gc_state_scale(float (&sacc)[MT][NT][4], float gc) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= gc;
+}
+
 template <int DK, int DV, int SLICE>
 __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg, const bf16_t* Ug,
                                     const bf16_t* Qdg, const bf16_t* Kdg, const bf16_t* Pg, const float* gcg,
@@ -322,15 +375,7 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
 
     // S accumulator element (mt, nt, e): dk row srow0 + 16 mt + g + 8 (e >> 1), slice column 8 nt + 2 tig + (e & 1)
     float sacc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = srow0 + 16 * mt + g + 8 * (e >> 1), c = 8 * nt + 2 * tig + (e & 1);
-                sacc[mt][nt][e] = is_fresh ? 0.0f : St[c * DK + r];
-            }
+    gc_state_load<DK>(sacc, St, is_fresh, srow0, g, tig);
 
     for (int ch = 0; ch < nch; ++ch) {
         const long long ho = (long long)(base + ch) * v_heads + h;
@@ -354,13 +399,7 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
             }
         }
         // 1. the state's bf16 copy
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    Sb[8 * nt + 2 * tig + (e & 1)][srow0 + 16 * mt + g + 8 * (e >> 1)] = from_f<bf16_t>(sacc[mt][nt][e]);
+        gc_state_to_bf16(Sb, sacc, srow0, g, tig);
         __syncthreads();
         // 2. W S and Qd S for this warp's 16 tokens
         float vacc[NT][4], oacc[NT][4];
@@ -399,12 +438,7 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
             }
         __syncthreads();
         // 3. O += P V' (this warp's tokens) and S = gc S + Kd^T V' (this warp's dk rows): same B fragments
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= gc;
+        gc_state_scale(sacc, gc);
 #pragma unroll
         for (int ks = 0; ks < GC_C / 16; ++ks) {
             const int c0 = 16 * ks + 2 * tig;
@@ -443,13 +477,7 @@ __device__ void gdn_chunk_scan_impl(bf16_t* out, float* state, const bf16_t* Wg,
         // the next chunk's writes to Sb come after this chunk's reads of Sb (barrier above), and its writes to Vb
         // after its own first barrier, which every warp reaches only once done with this chunk's Vb
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                St[(8 * nt + 2 * tig + (e & 1)) * DK + srow0 + 16 * mt + g + 8 * (e >> 1)] = sacc[mt][nt][e];
+    gc_state_store<DK>(St, sacc, srow0, g, tig);
 }
 
 // ---- the "states" variant (deltanet_chunked.VARIANTS): the scan carries only the state, the output is a third,
@@ -523,28 +551,13 @@ __device__ void gdn_chunk_states_impl(bf16_t* Sg, bf16_t* Vg, float* state, cons
     float gc = nch > 0 ? gcg[(long long)base * v_heads + h] : 1.0f;
 
     float sacc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = srow0 + 16 * mt + g + 8 * (e >> 1), c = 8 * nt + 2 * tig + (e & 1);
-                sacc[mt][nt][e] = is_fresh ? 0.0f : St[c * DK + r];
-            }
+    gc_state_load<DK>(sacc, St, is_fresh, srow0, g, tig);
 
     for (int ch = 0; ch < nch; ++ch) {
         const long long ho = (long long)(base + ch) * v_heads + h;
         // 1. the state's bf16 copy; then chunk ch's operands are in (this thread's copies by the wait, everyone's
         //    by the barrier, which also ends every read of chunk ch - 1's stage, Sb and Vb)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    Sb[8 * nt + 2 * tig + (e & 1)][srow0 + 16 * mt + g + 8 * (e >> 1)] =
-                        from_f<bf16_t>(sacc[mt][nt][e]);
+        gc_state_to_bf16(Sb, sacc, srow0, g, tig);
         cp_async_wait<0>();
         __syncthreads();
         float gc_next = 1.0f;
@@ -588,12 +601,7 @@ __device__ void gdn_chunk_states_impl(bf16_t* Sg, bf16_t* Vg, float* state, cons
         __syncthreads();
         gs_store_rows<SLICE, GC_C>(Vg + ho * DV * GC_C + (long long)dv0 * GC_C, &Vb[0][0], Ly::V_LD, tid);
         // 3. S = gc S + Kd^T V' (this warp's dk rows)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= gc;
+        gc_state_scale(sacc, gc);
 #pragma unroll
         for (int ks = 0; ks < GC_C / 16; ++ks) {
             const int c0 = 16 * ks + 2 * tig;
@@ -616,13 +624,7 @@ __device__ void gdn_chunk_states_impl(bf16_t* Sg, bf16_t* Vg, float* state, cons
         gc = gc_next;
     }
     cp_async_wait<0>();  // nothing is outstanding (the last commit was empty); no copy outlives the block
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                St[(8 * nt + 2 * tig + (e & 1)) * DK + srow0 + 16 * mt + g + 8 * (e >> 1)] = sacc[mt][nt][e];
+    gc_state_store<DK>(St, sacc, srow0, g, tig);
 }
 
 // Dynamic shared memory of gdn_chunk_output (bytes; deltanet_chunked.output_shared_bytes mirrors it): Qd [C][DK],
