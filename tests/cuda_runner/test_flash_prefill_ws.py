@@ -458,7 +458,7 @@ def test_ws2_source_keeps_its_order() -> None:
     at = [loop.index(x) for x in order]
     assert at == sorted(at)
     consume = src[src.index("__device__ __forceinline__ void fw_consume("):src.index("// key tiles past this")]
-    assert "fw_mbar_wait(" not in consume.replace("fw_mbar_wait(bar, parity);", "")  # every wait fences (WS2)
+    assert "mbar_wait(" not in consume.replace("mbar_wait(bar, parity);", "")  # every wait fences (WS2)
     produce = src[src.index("__device__ __forceinline__ void fw_produce("):src.index("// Consumer warpgroup c")]
     assert produce.index("fw_cp_async_arrive(full)") < produce.index("cp_async_commit()")
     assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in src
