@@ -404,7 +404,7 @@ class Engine:
                  top: list[list[tuple[int, float]]], dead: list[Sequence]) -> list[RequestOutput]:
         """Sampled tokens (host or runner) -> appended, grammar advanced, stop conditions checked, outputs."""
         outputs = []
-        self._counters["sampled_tokens"] += sum(1 for s in seqs if not (dead and s in dead))
+        self._counters["sampled_tokens"] += len(seqs) - (sum(s in dead for s in seqs) if dead else 0)
         for i, seq in enumerate(seqs):
             if dead and seq in dead:
                 err = seq.matcher.get_error() or "the grammar allows no further token"
@@ -422,18 +422,20 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         reason = self.outputs.append(seq, token, logprob=logprob, top=top)
-        if reason is None and seq.matcher is not None:
-            if not seq.matcher.consume_token(token):
-                return self._finish(seq, "error", f"structured output failed: {seq.matcher.get_error()}")
-            if seq.matcher.is_stopped():
+        matcher = seq.matcher
+        if reason is None and matcher is not None:
+            if not matcher.consume_token(token):
+                return self._finish(seq, "error", f"structured output failed: {matcher.get_error()}")
+            if matcher.is_stopped():
                 reason = "stop"
             elif self.config.enable_jump_forward:
-                for forced in StructuredOutput.forced_tokens(seq.matcher, seq.remaining_tokens):
+                forced_run = StructuredOutput.forced_tokens(matcher, seq.remaining_tokens)
+                for forced in forced_run:
                     self._counters["forced_tokens"] += 1
                     reason = self.outputs.append(seq, forced, forced=True)
                     if reason is not None:
                         break
-                if reason is None and seq.matcher.is_stopped():
+                if forced_run and reason is None and matcher.is_stopped():  # it was not before the forced run
                     reason = "stop"
         if reason is not None:
             return self._finish(seq, reason)

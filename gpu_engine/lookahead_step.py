@@ -115,7 +115,12 @@ def _build(eng: Engine, chunks_in: list[ScheduledChunk], fed_from: dict[int, int
     scheduled: list[ScheduledChunk] = []
     fed: list[int] = []
     enc.prefetch([item for sc in chunks_in for item in sc.vision_items])
-    for sc in chunks_in:
+    # One-token rows (fed or decode) take views of two arrays built for the whole step, as Engine.step() does:
+    # their positions (start + rope_delta on all three axes) and the fed rows' placeholder tokens.
+    one_pos = np.array([sc.start + sc.seq.prompt.rope_delta for sc in chunks_in], np.int64)
+    one_pos = np.broadcast_to(one_pos, (3, len(chunks_in))).copy()
+    placeholders = np.zeros(len(chunks_in), np.int64)
+    for k, sc in enumerate(chunks_in):
         seq = sc.seq
         src = fed_from.get(seq.seq_id, -1)
         try:
@@ -124,10 +129,9 @@ def _build(eng: Engine, chunks_in: list[ScheduledChunk], fed_from: dict[int, int
             outputs.append(eng._finish(seq, "error", f"vision encoding failed: {exc}"))
             continue
         if src >= 0:  # the runner puts the in-flight row's token in
-            token_ids = np.zeros(1, np.int64)
-            pos = np.full((3, 1), sc.start + seq.prompt.rope_delta, np.int64)
+            token_ids, pos = placeholders[k : k + 1], one_pos[:, k : k + 1]
         elif sc.is_decode:
-            token_ids, pos = seq.token_slice(sc.start, sc.end), np.full((3, 1), sc.start + seq.prompt.rope_delta)
+            token_ids, pos = seq.token_slice(sc.start, sc.end), one_pos[:, k : k + 1]
         else:
             token_ids, pos = seq.token_slice(sc.start, sc.end), seq.positions(sc.start, sc.num_tokens)
         chunks.append(SeqChunk(seq_id=seq.seq_id, token_ids=token_ids, positions=pos, start=sc.start,

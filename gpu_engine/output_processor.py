@@ -45,22 +45,25 @@ class OutputProcessor:
     ) -> FinishReason | None:
         """Append one generated token; returns a finish reason when this token ends the request."""
         seq.append(token)
+        params = seq.params
         if seq.logprobs is not None:
-            # A forced token was the only one the grammar allowed: probability 1 under the constrained distribution.
-            lp = 0.0 if forced else logprob
-            seq.logprobs.append(TokenLogprob(
-                token_id=token, text=self.token_text(token), logprob=lp,
-                top=[(token, 0.0)] if forced and seq.params.top_logprobs else list(top or []),
-            ))
-        if token in seq.eos_token_ids or token in seq.params.stop_token_ids:
+            text = self._token_text.get(token)
+            if text is None:
+                text = self.token_text(token)
+            if forced:  # the only token the grammar allowed: probability 1 under the constrained distribution
+                entry = TokenLogprob(token, text, 0.0, [(token, 0.0)] if params.top_logprobs else [])
+            else:
+                entry = TokenLogprob(token, text, logprob, list(top) if top else [])
+            seq.logprobs.append(entry)
+        if token in seq.eos_token_ids or token in params.stop_token_ids:
             return "stop"  # the stop token's text is not part of the output
         piece = seq.detok.push(token)
         if piece:
             seq.text += piece
-            if seq.params.stop and cut_stop_string(seq, len(piece)):
+            if params.stop and cut_stop_string(seq, len(piece)):
                 seq.stopped_by_string = True
                 return "stop"
-        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens:  # == remaining_tokens <= 0, without 2 calls
+        if seq.num_tokens - seq.prompt_len >= params.max_tokens:  # == remaining_tokens <= 0, without 2 calls
             return "length"
         return None
 
@@ -75,10 +78,10 @@ class OutputProcessor:
     def output(seq: Sequence) -> RequestOutput:
         """The request's output now; `delta` is the text since the previous output. A final output owns copies of
         the token and logprob lists; an unfinished one reads the sequence's own in place (list_prefix.py)."""
-        text = visible_text(seq)
+        finished = seq.is_finished
+        text = seq.text if finished or not seq.params.stop else visible_text(seq)
         delta = text[seq.emitted_chars:]
         seq.emitted_chars = len(text)
-        finished = seq.is_finished
         ids, lps = seq.output_list, seq.logprobs
         return RequestOutput(
             request_id=seq.request_id,

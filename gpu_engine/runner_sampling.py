@@ -49,17 +49,16 @@ def plan_runner_sampling(scheduled: list[ScheduledChunk], rng_of: Callable[[Sequ
     bitmask = mask_index = None
     dead: list[Sequence] = []
     mask_s = 0.0
-    constrained = [(s.matcher, r) for r, s in enumerate(seqs) if s.matcher is not None]
-    if constrained:
+    at = [r for r, s in enumerate(seqs) if s.matcher is not None]  # the constrained rows; mask j is row at[j]'s
+    if at:
         tm = time.perf_counter()
-        bitmask = structured().bitmask([(m, j) for j, (m, _) in enumerate(constrained)], len(constrained))
-        mask_index = np.full(len(seqs), -1, np.int64)
+        bitmask = structured().bitmask([(seqs[r].matcher, j) for j, r in enumerate(at)], len(at))
         allows_any = bitmask_allows_any(bitmask, vocab_size)
-        for j, (_, r) in enumerate(constrained):
-            if allows_any[j]:
-                mask_index[r] = j
-            else:
-                dead.append(seqs[r])
+        rows_at = np.asarray(at, np.int64)
+        mask_index = np.full(len(seqs), -1, np.int64)
+        mask_index[rows_at[allows_any]] = np.nonzero(allows_any)[0]
+        if not allows_any.all():
+            dead = [seqs[r] for r in rows_at[~allows_any].tolist()]
         mask_s = time.perf_counter() - tm
     request = SamplingRequest(
         temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, uniform=uniform,

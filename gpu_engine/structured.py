@@ -138,7 +138,11 @@ class StructuredOutput:
         """Consume and return the run of tokens the grammar forces next (at most `limit`)."""
         if limit <= 0 or matcher.is_stopped():
             return []
-        forced = list(matcher.compute_ff_tokens())[:limit]
-        if forced and not matcher.consume_tokens(forced):
+        forced = matcher.compute_ff_tokens()  # a new list
+        if not forced:
+            return forced
+        if len(forced) > limit:
+            forced = forced[:limit]
+        if not matcher.consume_tokens(forced):
             raise GrammarError(f"grammar rejected its own forced tokens: {matcher.get_error()}")
         return forced
