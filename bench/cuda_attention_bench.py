@@ -23,7 +23,7 @@ BENCH_KERNELS = Path(__file__).resolve().parent / "kernels"
 from cuda_bench import time_ms  # (CUDA events, warm-up, median)
 from op_bench import agreement, run_op_bench
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.context import GpuContext
 
 # name -> (q heads, kv heads, head dim)
@@ -54,7 +54,7 @@ def bench_shape(ctx: GpuContext, rng: np.random.Generator, name: str, n: int, wa
         tail = (np.int32(heads), np.int32(kvh), np.int32(BLOCK_SIZE), np.float32(hd ** -0.5))
         flops = 4 * n * n / 2 * hd * heads
         out_new = ctx.empty((n, heads * hd), "bf16", "out-new")
-        tiles = ctx.to_device(ops.flash_tiles([n]), "i32", "tiles")
+        tiles = ctx.to_device(flash_plan.flash_tiles([n]), "i32", "tiles")
         new_ms = time_ms(ctx, lambda: ops.flash_prefill(ctx, out_new, q, heads * hd, gate, heads * hd, hd, kc, vc,
                                                         table, seq, pos, tiles, heads, kvh, hd, BLOCK_SIZE,
                                                         hd ** -0.5), warmup, reps)

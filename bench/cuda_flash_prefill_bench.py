@@ -6,7 +6,7 @@ warp-specialised wgmma kernel, flash_prefill_ws.cu, sm_90 only), bf16 paged KV c
 Shapes: 9B (16 q / 4 kv heads) and 27B (24 / 4). Workloads: one fresh 8192-token chunk, and the document step's
 attention (4 chunks of 2048 tokens, each continuing from 2048 cached ones). Block size 16 (the engine's), each
 sequence's blocks a random permutation; random bf16 inputs. Timing: CUDA events around one launch, median of
-`reps` after 3 warm-ups; each variant gets its own tiles (ops.FLASH_TILE_ROWS). TFLOP/s counts the causal FLOPs,
+`reps` after 3 warm-ups; each variant gets its own tiles (flash_plan.FLASH_TILE_ROWS). TFLOP/s counts the causal FLOPs,
 4 * head_dim * q_heads * (keys each row sees). "agree": ||ws - fa2|| / ||fa2|| over the whole output (both bf16,
 both round P to bf16: ~1e-3 is expected, > 1e-2 means one of them is wrong; check_flash judges each against
 float64). Prints a table; writes JSON with device, date, commit and every number. Skips (exit 0) without a GPU.
@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_engine.cuda import flash_plan  # noqa: E402  # after the path insert
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"9b": (16, 4), "27b": (24, 4)}  # q heads, kv heads
@@ -73,7 +75,8 @@ def bench_case(ctx, rng: np.random.Generator, shape: str, workload: str, variant
         flops = causal_flops(seqs, heads)
         rows, outs = [], {}
         for v in variants:
-            tiles = ctx.to_device(ops.flash_tiles([m for _, m in seqs], ops.FLASH_TILE_ROWS[v]), "i32", f"tiles-{v}")
+            rows = flash_plan.FLASH_TILE_ROWS[v]
+            tiles = ctx.to_device(flash_plan.flash_tiles([m for _, m in seqs], rows), "i32", f"tiles-{v}")
             out = ctx.empty((n, heads * hd), "bf16", f"out-{v}")
             ctx.poison(out)
 
@@ -113,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--ws-variants", default="ws", help="ws kernels timed beside fa2 on sm_90, e.g. ws,ws2")
     args = parser.parse_args(argv)
-    from gpu_engine.cuda import ops
     from gpu_engine.cuda.errors import CudaUnavailable
 
     try:
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(seed)
     ctx = GpuContext(8 << 30)
     arch = ctx.device.info.arch
-    variants = ["fa2"] + [v for v in args.ws_variants.split(",") if ops.flash_variant(v, HEAD_DIM, False, arch) == v]
+    variants = ["fa2"] + [v for v in args.ws_variants.split(",")
+                          if flash_plan.flash_variant(v, HEAD_DIM, False, arch) == v]
     result: dict = {"device": ctx.device.info.name, "arch": arch, "commit": commit(), "seed": seed,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "block_size": BLOCK_SIZE,
                     "variants": variants, "rows": []}

@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 from cuda_bench import TEXT_2B, random_bf16, time_ms
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.context import GpuContext
 
 
@@ -96,7 +96,7 @@ def bench_prefill_ops(ctx: GpuContext, rng: np.random.Generator, n: int) -> dict
     out[f"paged_attention n={n}"] = time_ms(ctx, lambda: ops.paged_attention(
         ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, nh, kvh, hd, bs,
         hd ** -0.5), warmup=1, reps=3)
-    tiles = ctx.to_device(ops.flash_tiles([n]), "i32", "tiles")
+    tiles = ctx.to_device(flash_plan.flash_tiles([n]), "i32", "tiles")
     out[f"flash_prefill n={n}"] = time_ms(ctx, lambda: ops.flash_prefill(
         ctx, att, q, 2 * nh * hd, q.at(hd), 2 * nh * hd, 2 * hd, kc, vc, table, seq, pos, tiles, nh, kvh, hd, bs,
         hd ** -0.5), warmup=1, reps=3)

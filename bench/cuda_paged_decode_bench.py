@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_bench import bench_copy, time_ms
 from op_bench import agreement
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.context import GpuContext
 
 SHAPES = {"27b": (24, 4, 256), "9b": (16, 4, 256), "2b": (8, 2, 256)}  # q heads, kv heads, head dim
@@ -79,7 +79,7 @@ def bench_case(ctx: GpuContext, rng: np.random.Generator, shape: str, batch: int
         proj = ctx.to_device(rng.standard_normal((batch, 2 * heads * hd)).astype(np.float32), "bf16", "q|gate")
         gate = proj.at(hd)  # as the runner passes it: the fused q|gate rows, gate_h at (2h+1)*hd
         nbytes = kv_bytes(batch, context, kvh, hd)
-        tiles = ctx.to_device(ops.flash_tiles([1] * batch), "i32", "tiles")
+        tiles = ctx.to_device(flash_plan.flash_tiles([1] * batch), "i32", "tiles")
         rows, first = [], None
         for text in variants:
             method, splits = parse_variant(text)

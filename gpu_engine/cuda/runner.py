@@ -28,7 +28,7 @@ from ..inputs import VisionItem
 from ..loader import ModelWeights
 from ..runner_api import CacheSpec, MtpDraftRequest, StepBatch, StepOutput
 from ..runner_rules import allocated, check_cache_spec, check_state_slots, row_offsets, state_bytes_per_slot
-from . import ops
+from . import flash_plan, ops
 from .cache_layers import allocate_layers, copy_slot_states
 from .captured_step import CapturedStep, StepBuffers, first_rows, graphable
 from .context import ITEMSIZE, DArray, GpuContext
@@ -97,7 +97,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
     mtp: CudaMtpHead | None = None  # the checkpoint's MTP head (runner_api: mtp_head, mtp_draft; mtp.py)
     mtp_head = False
     mtp_in_auto = False  # CudaOptions.mtp_in_auto: `auto` requests draft with the head too
-    flash_tile_rows = ops.FLASH_TILE  # the steps' flash-prefill tiles: CudaTextModel.flash_tile_rows (its kernel's)
+    flash_tile_rows = flash_plan.FLASH_TILE  # the steps' flash-prefill tiles: CudaTextModel.flash_tile_rows
     _keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
@@ -112,8 +112,8 @@ class CudaRunner(LaunchSteps, VisionBatch):
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
         self.model.decode_rows_apart = o.decode_rows_apart
-        self.model.flash_variant = ops.flash_variant(o.flash_prefill, self.cfg.head_dim, o.kv_cache_dtype != "auto",
-                                                     self.ctx.device.info.arch)
+        self.model.flash_variant = flash_plan.flash_variant(o.flash_prefill, self.cfg.head_dim,
+                                                            o.kv_cache_dtype != "auto", self.ctx.device.info.arch)
         self.flash_tile_rows = self.model.flash_tile_rows
         self.model.deltanet_chunked = o.deltanet_chunked
         self.model.deltanet_rows_apart = o.deltanet_rows_apart

@@ -16,7 +16,7 @@ from ..config import TextConfig
 from ..errors import RunnerInputError
 from ..runner_api import CacheSpec, StepBatch
 from ..runner_rules import chunk_problem
-from . import deltanet_chunked, ops
+from . import deltanet_chunked, flash_plan
 from .context import DArray, GpuContext
 from .embeddings import DeviceEmbeddings
 from .sampler import pack_params
@@ -59,7 +59,7 @@ class StepTables(Generic[T]):
     tables: T  # [seqs, width] block tables, padded with block 0
     logit_rows: T  # [rows] step rows that get logits, in StepOutput row order
     vis_rows: T  # [v] step rows replaced by host vision embeddings
-    tiles: T  # [tiles, 2] flash-prefill query tiles (ops.flash_tiles)
+    tiles: T  # [tiles, 2] flash-prefill query tiles (flash_plan.flash_tiles)
     sample_params: T | None = None  # float32 bits [rows, 8] of the SamplingRequest (sampler.pack_params)
     win: T | None = None  # [seqs] first verify-window row of each sequence, -1 = none (verify.py, window strategy)
     # Steps that carry a prompt chunk of SPLIT_MIN_CHUNK+ tokens beside one-token chunks (decode rows): those rows,
@@ -110,7 +110,7 @@ class HostStep:
     vision_embeds: np.ndarray | None  # float32 rows for tables.vis_rows, uploaded with the step's buffers
     device_vision: list[DeviceVisionRows]
     padding: int = 0  # trailing sequences (and logits rows) that pad a step to its graph's shape (pad_step)
-    tile_rows: int = ops.FLASH_TILE  # query rows per flash-prefill tile (ops.FLASH_TILE_ROWS of the runner's kernel)
+    tile_rows: int = flash_plan.FLASH_TILE  # query rows per flash-prefill tile (FLASH_TILE_ROWS of the runner's kernel)
 
     @property
     def batch_logit_rows(self) -> int:
@@ -128,11 +128,11 @@ class HostStep:
 
 def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
                table_width: int | None = None, logit_skip: Sequence[int] | None = None,
-               tile_rows: int = ops.FLASH_TILE) -> HostStep:
+               tile_rows: int = flash_plan.FLASH_TILE) -> HostStep:
     """Validate `batch` and lay it out; block tables are padded to `table_width` (a captured graph's width).
     `logit_skip[s]`: leading rows of chunk s that get no logits even when it asks for all (tokens the runner
     re-feeds in front of a rolled-back verify window, cuda/verify.py). `tile_rows`: the flash-prefill tiles' rows
-    (ops.FLASH_TILE_ROWS of the kernel the model runs, CudaTextModel.flash_tile_rows).
+    (flash_plan.FLASH_TILE_ROWS of the kernel the model runs, CudaTextModel.flash_tile_rows).
 
     The per-token tables are built with whole-step numpy operations, not per chunk: a step of 256 decode rows
     is 256 chunks, and per-chunk array work cost ~50 us each on the host while the GPU waited."""
@@ -194,7 +194,7 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         slots=np.fromiter((c.state_slot for c in chunks), i32, seqs), fresh=(starts == 0).astype(i32),
         tok_seq=tok_seq.astype(i32), tok_pos=tok_pos.astype(i32), kv_slots=kv_slots.astype(i32),
         tables=block_tables.astype(i32), logit_rows=logit_rows.astype(i32), vis_rows=_cat(vis_rows),
-        tiles=ops.flash_tiles(lens.tolist(), tile_rows).astype(i32),
+        tiles=flash_plan.flash_tiles(lens.tolist(), tile_rows).astype(i32),
     )
     single = np.flatnonzero(lens == 1)
     if single.size and int(lens.max()) >= SPLIT_MIN_CHUNK:
@@ -281,7 +281,7 @@ def pad_step(host: HostStep, rows: int, tokens: int, scratch_block: int, block_s
         tables=np.concatenate([t.tables, np.full((pad_seqs, t.tables.shape[1]), scratch_block, i32)]),
         logit_rows=np.concatenate([t.logit_rows, (pad_cu - 1).astype(i32)]),
         vis_rows=t.vis_rows,
-        tiles=ops.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist(), host.tile_rows).astype(i32),
+        tiles=flash_plan.flash_tiles(np.diff(np.concatenate([t.cu, pad_cu])).tolist(), host.tile_rows).astype(i32),
         sample_params=(None if t.sample_params is None
                        else np.concatenate([t.sample_params, np.tile(PAD_SAMPLE_PARAMS.view(i32), (pad_seqs, 1))])),
         win=None if t.win is None else np.concatenate([t.win, np.full(pad_seqs, -1, i32)]),

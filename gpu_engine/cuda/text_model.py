@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import TextConfig
-from . import deltanet_chunked, fp8_ops, ops, rotary, verify_ops
+from . import deltanet_chunked, flash_plan, fp8_ops, ops, rotary, verify_ops
 from .context import DArray, GpuContext
 from .errors import ShapeError
 from .fp8_ops import Fp8Activations
@@ -73,7 +73,7 @@ class CudaTextModel:
         # 192 x 8k that is 2.0 instead of 8.1 ms a layer. Off until the runner with it is checked on a GPU
         # (bench/results/cuda_notes.md, session 7, #14 decode helper).
         self.decode_rows_apart = False
-        # The prefill attention kernel (ops.flash_variant of CudaOptions.flash_prefill, set by the runner): every
+        # The prefill attention kernel (flash_plan.flash_variant of CudaOptions.flash_prefill, set by the runner): every
         # step's tiles are built for it (build_step's tile_rows = flash_tile_rows).
         self.flash_variant = "fa2"
         # The chunked gated delta rule's variant for bf16 prefill (deltanet_chunked.VARIANTS, set by the runner).
@@ -85,7 +85,7 @@ class CudaTextModel:
 
     @property
     def flash_tile_rows(self) -> int:
-        return ops.FLASH_TILE_ROWS[self.flash_variant]
+        return flash_plan.FLASH_TILE_ROWS[self.flash_variant]
 
     def embed_tokens(self, x: DArray, ids: DArray) -> None:
         ops.embed_gather(self.ctx, x, self.w.embed, ids)
@@ -167,7 +167,7 @@ class CudaTextModel:
         args = (out, q, nh * hd, proj.at(hd), width, 2 * hd, cache.k, cache.v, m.tables, m.tok_seq, m.tok_pos)
         ks, vs = cache.k_scale, cache.v_scale  # FP8 cache only (kv_fp8.py)
         rows, seqs, pos, tiles_apart = m.dec_rows, m.dec_seq, m.dec_pos, m.tiles_apart
-        if t == "bf16" and hd in ops.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
+        if t == "bf16" and hd in flash_plan.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
             flash = dict(k_scale=ks, v_scale=vs, variant=self.flash_variant)
             if self.decode_rows_apart and rows is not None and seqs is not None and pos is not None \
                     and tiles_apart is not None:

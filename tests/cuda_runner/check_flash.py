@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu_engine.cuda import flash_plan
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.harness import Result, check_main, rel_err, result_table, run_checks, run_guarded
 
@@ -155,9 +156,9 @@ class FlashChecker:
         self.results: list[Result] = []
 
     def variants(self, head_dim: int) -> list[str]:
-        """fa2, and the ws kernels where this device runs them for a bf16 cache at this head dim (ops.flash_variant)."""
+        """fa2, and the ws kernels where this device runs them for a bf16 cache at this head dim (flash_variant)."""
         arch = self.ctx.device.info.arch
-        return ["fa2"] + [v for v in self.ws_variants if self.ops.flash_variant(v, head_dim, False, arch) == v]
+        return ["fa2"] + [v for v in self.ws_variants if flash_plan.flash_variant(v, head_dim, False, arch) == v]
 
     def launch(self, case: FlashCase, variant: str = "fa2") -> np.ndarray:
         ctx, ops = self.ctx, self.ops
@@ -170,8 +171,8 @@ class FlashChecker:
         ops.flash_prefill(ctx, out, q, H * D, q_gate.at(D), 2 * H * D, 2 * D, up(case.cache_k, "bf16", "k"),
                           up(case.cache_v, "bf16", "v"), up(case.tables, "i32", "tables"),
                           up(case.token_seq, "i32", "seq"), up(case.token_pos, "i32", "pos"),
-                          up(ops.flash_tiles([m for _, m in case.seqs], ops.FLASH_TILE_ROWS[variant]), "i32",
-                             "tiles"), H, case.kv_heads, D, case.block_size, case.scale, variant=variant)
+                          up(flash_plan.flash_tiles([m for _, m in case.seqs], flash_plan.FLASH_TILE_ROWS[variant]),
+                             "i32", "tiles"), H, case.kv_heads, D, case.block_size, case.scale, variant=variant)
         ctx.device.sync()
         return ctx.to_host(out)
 

@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from gpu_engine.cuda import flash_plan
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.check_kernels import TOL
 from tests.cuda_runner.check_kernels import Checker as KernelChecker
@@ -137,7 +138,7 @@ class Checker(KernelChecker):
                                         gate[row:row + n], np.arange(s, s + n), scale))
             row += n
         want = np.concatenate(expect)
-        if t == "bf16" and hd in self.ops.FLASH_HEAD_DIMS:
+        if t == "bf16" and hd in flash_plan.FLASH_HEAD_DIMS:
             # flash_prefill_fp8 defines its K / V as bf16(e4m3 x scale) (as the bf16 cache holds bf16 K / V): its
             # reference is float64 attention over those values, so the 1e-2 bf16 tolerance judges its arithmetic
             # (over the exact values it is marginal: 0.93e-2 and 1.21e-2 at two seeds on the H200, session 10)
@@ -162,9 +163,9 @@ class Checker(KernelChecker):
                                          v_scale=vs)
                 self.record(f"paged_attention {method} fp8 ({shape}, s={splits or 'auto'})", t,
                             rel_err(self.get(out), want))
-        if t == "bf16" and hd in self.ops.FLASH_HEAD_DIMS:
+        if t == "bf16" and hd in flash_plan.FLASH_HEAD_DIMS:
             out = self.out((total, heads * hd), t)
-            tiles = self.up(self.ops.flash_tiles([n for _, n in seqs]), "i32")
+            tiles = self.up(flash_plan.flash_tiles([n for _, n in seqs]), "i32")
             self.ops.flash_prefill(self.ctx, out, qdev, heads * hd, qd.at(hd), qw, 2 * hd, k8, v8, tdev, sdev, pdev,
                                    tiles, heads, kvh, hd, BS, scale, k_scale=ks, v_scale=vs)
             self.record(f"flash_prefill fp8 ({shape})", t, rel_err(self.get(out), want_flash))

@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from gpu_engine.cuda import flash_plan
 from tests.cuda_runner import logits_checks
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.harness import Result, check_main, fresh_seed, rel_err, result_table, run_guarded
@@ -202,8 +203,8 @@ class Checker(NormChecks):
             gi = gate[row : row + n]
             expect.append(ref.attention(qi, full_k[i], full_v[i], gi, np.arange(s, s + n), scale))
             row += n
-        if t == "bf16" and hd in self.ops.FLASH_HEAD_DIMS:  # the tensor-core prefill kernel, same cache and queries
-            tiles = self.ops.flash_tiles([n for _, n in seqs])
+        if t == "bf16" and hd in flash_plan.FLASH_HEAD_DIMS:  # the tensor-core prefill kernel, same cache and queries
+            tiles = flash_plan.flash_tiles([n for _, n in seqs])
             outs["flash"] = self.out((total, heads * hd), t)
             self.ops.flash_prefill(ctx, outs["flash"], qdev, heads * hd, qd.at(hd), qw, 2 * hd, kc, vc, tdev, sdev,
                                    pdev, self.up(tiles, "i32"), heads, kvh, hd, bs, scale)
@@ -242,7 +243,7 @@ class Checker(NormChecks):
                                    self.up(cache_k, t), self.up(cache_v, t), self.up(tables, "i32"),
                                    self.up(np.array(token_seq, np.int32), "i32"),
                                    self.up(np.array(token_pos, np.int32), "i32"),
-                                   self.up(self.ops.flash_tiles([n for _, n in seqs]), "i32"), heads, kvh, hd, bs,
+                                   self.up(flash_plan.flash_tiles([n for _, n in seqs]), "i32"), heads, kvh, hd, bs,
                                    scale)
             expect, row = [], 0
             for i, (s, n) in enumerate(seqs):

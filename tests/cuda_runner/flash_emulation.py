@@ -1,6 +1,6 @@
 """numpy emulation of kernels/flash_prefill.cu's schedule, for CPU tests of the tiling itself.
 
-What is emulated, step by step as the kernel does it: the host's tiles (ops.flash_tiles), tiles taken in reverse
+What is emulated, step by step as the kernel does it: the host's tiles (flash_plan.flash_tiles), tiles taken in reverse
 order, one query tile of up to FLASH_TILE rows at a time (rows past the tile's count are zero queries that are never
 stored), key tiles of BN keys from 0 to the tile holding the last query's position (nothing beyond is read), keys
 past that position zero-filled, the causal mask applied only to key tiles that reach past the first query's
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.bf16 import round_to_bf16
 
 LOG2E = 1.4426950408889634
@@ -41,7 +41,7 @@ def flash_prefill_emulated(q: np.ndarray, gate: np.ndarray, cache_k: np.ndarray,
     """q/gate [n, heads, hd]; cache_k/v [blocks, block_size, kv_heads, hd]; returns out [n, heads*hd] (bf16 values)."""
     n, _, hd = q.shape
     block_size = cache_k.shape[1]
-    bn, rows = keys_per_step(hd), ops.FLASH_TILE
+    bn, rows = keys_per_step(hd), flash_plan.FLASH_TILE
     sl = np.float32(scale * LOG2E)
     out = np.full((n, heads, hd), np.nan, np.float32)  # poisoned: every row must be written
     for tile in reversed(range(tiles.shape[0])):

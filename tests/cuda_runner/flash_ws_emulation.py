@@ -1,6 +1,6 @@
 """numpy emulation of kernels/flash_prefill_ws.cu's tile bookkeeping, for CPU tests (the kernel: check_flash).
 
-Emulated as the kernel does it: the host's 128-row tiles (ops.flash_tiles(lens, FLASH_TILE_ROWS["ws"])), tiles in
+Emulated as the kernel does it: the host's 128-row tiles (flash_plan.flash_tiles(lens, FLASH_TILE_ROWS["ws"])), tiles in
 reverse order; per tile the producer's key tiles 0 .. p_last // 64 (keys past p_last zero-filled); per consumer
 warpgroup c (rows 64 c .. 64 c + 63): no real rows -> nothing computed; else key tiles 0 .. its last row's position
 // 64 (the later ones only passed through), the mask applied only to key tiles reaching past its first row, rows
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.bf16 import round_to_bf16
 
 LOG2E = 1.4426950408889634
@@ -47,7 +47,7 @@ def flash_prefill_ws_emulated(q: np.ndarray, gate: np.ndarray, cache_k: np.ndarr
     computed_tiles(pos, c): the kernel's per-warpgroup key-tile count (a test swaps in wrong ones)."""
     n, _, hd = q.shape
     block_size = cache_k.shape[1]
-    rows_per_tile = ops.FLASH_TILE_ROWS["ws"]
+    rows_per_tile = flash_plan.FLASH_TILE_ROWS["ws"]
     sl = np.float32(scale * LOG2E)
     out = np.full((n, heads, hd), np.nan, np.float32)
     for tile in reversed(range(tiles.shape[0])):

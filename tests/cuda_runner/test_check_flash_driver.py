@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_engine.cuda import context, ops
+from gpu_engine.cuda import context, flash_plan, ops
 from tests.cuda_runner import check_flash
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.harness import passed
@@ -105,4 +105,4 @@ def test_the_bench_times_both_kernels_and_reports_agreement(monkeypatch):
         assert [r["variant"] for r in rows] == ["fa2", "ws"] and all(r["finite"] for r in rows)
         assert rows[1]["agree_vs_fa2"] < 1e-2 and rows[0]["tflops"] > 0
     assert bench.causal_flops([(2, 3)], 16) == 4 * 256 * 16 * (3 + 4 + 5)
-    assert ops.FLASH_TILE_ROWS == {"fa2": 64, "ws": 128, "ws2": 128}
+    assert flash_plan.FLASH_TILE_ROWS == {"fa2": 64, "ws": 128, "ws2": 128}

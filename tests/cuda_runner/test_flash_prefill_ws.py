@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.device import KERNEL_DIR, compile_arch, expand_source
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.options import CudaOptions
@@ -27,7 +27,7 @@ from tests.cuda_runner.test_decode_rows_apart import CFG, SPEC, _attention_launc
 from tests.cuda_runner.test_flash_tiling import flash_args
 
 SOURCE = Path(KERNEL_DIR) / "flash_prefill_ws.cu"
-WS_ROWS = ops.FLASH_TILE_ROWS["ws"]
+WS_ROWS = flash_plan.FLASH_TILE_ROWS["ws"]
 
 
 def define(name: str) -> int:
@@ -39,13 +39,13 @@ def test_host_constants_match_the_kernel_source() -> None:
     src = expand_source(SOURCE)
     assert compile_arch("sm_90", src) == "sm_90a" and compile_arch("sm_80", src) == "sm_80"
     assert re.search(r"__launch_bounds__\(FW_THREADS, 1\) flash_prefill_ws_bf16_hd256\(", src)
-    assert define("FW_ROWS") == WS_ROWS == 2 * 64 and define("FW_THREADS") == ops.FLASH_WS_THREADS == 3 * 128
-    assert define("FW_HD") == ops.FLASH_WS_HEAD_DIM and define("FW_BN") == BN
-    assert (define("FW_K_STAGES"), define("FW_V_STAGES")) == ops.FLASH_WS_STAGES
+    assert define("FW_ROWS") == WS_ROWS == 2 * 64 and define("FW_THREADS") == flash_plan.FLASH_WS_THREADS == 3 * 128
+    assert define("FW_HD") == flash_plan.FLASH_WS_HEAD_DIM and define("FW_BN") == BN
+    assert (define("FW_K_STAGES"), define("FW_V_STAGES")) == flash_plan.FLASH_WS_STAGES
     # FwShape: K and V stages of 64 rows x 256 bf16, then 128 Q rows; one block an SM (227 KiB at most)
     stages = define("FW_K_STAGES") + define("FW_V_STAGES")
-    assert ops.flash_shared_bytes(256, ws=True) == (stages * 64 + WS_ROWS) * 256 * 2 == 229_376
-    assert ops.flash_shared_bytes(256, ws=True) + 128 <= 227 * 1024  # + the static barriers
+    assert flash_plan.flash_shared_bytes(256, ws=True) == (stages * 64 + WS_ROWS) * 256 * 2 == 229_376
+    assert flash_plan.flash_shared_bytes(256, ws=True) + 128 <= 227 * 1024  # + the static barriers
     assert 128 * define("FW_PRODUCER_REGS") + 2 * 128 * define("FW_CONSUMER_REGS") <= 65536
 
 
@@ -62,20 +62,20 @@ def test_option_default_environment_and_refusal() -> None:
 
 
 def test_ws_only_for_a_bf16_cache_at_head_dim_256_on_sm_90() -> None:
-    assert ops.flash_variant("ws", 256, False, "sm_90") == "ws"
-    assert ops.flash_variant("ws", 256, True, "sm_90") == "fa2"  # FP8 cache
-    assert ops.flash_variant("ws", 128, False, "sm_90") == "fa2"
-    assert ops.flash_variant("ws", 256, False, "sm_80") == "fa2"
-    assert ops.flash_variant("ws", 256, False, None) == "fa2"
-    assert ops.flash_variant("fa2", 256, False, "sm_90") == "fa2"
+    assert flash_plan.flash_variant("ws", 256, False, "sm_90") == "ws"
+    assert flash_plan.flash_variant("ws", 256, True, "sm_90") == "fa2"  # FP8 cache
+    assert flash_plan.flash_variant("ws", 128, False, "sm_90") == "fa2"
+    assert flash_plan.flash_variant("ws", 256, False, "sm_80") == "fa2"
+    assert flash_plan.flash_variant("ws", 256, False, None) == "fa2"
+    assert flash_plan.flash_variant("fa2", 256, False, "sm_90") == "fa2"
     with pytest.raises(ShapeError, match="variant"):
-        ops.flash_variant("fa3", 256, False, "sm_90")
+        flash_plan.flash_variant("fa3", 256, False, "sm_90")
 
 
 # ---- tiles ---------------------------------------------------------------------------------------------------
 def test_128_row_tiles_cover_each_token_once_and_never_cross_chunks() -> None:
     lengths = [1, 15, 64, 65, 127, 128, 129, 200, 1000, 3]
-    tiles = ops.flash_tiles(lengths, WS_ROWS)
+    tiles = flash_plan.flash_tiles(lengths, WS_ROWS)
     assert tiles.dtype == np.int32 and np.all((tiles[:, 1] >= 1) & (tiles[:, 1] <= WS_ROWS))
     starts = np.concatenate([[0], np.cumsum(lengths)])
     assert np.array_equal(np.concatenate([np.arange(f, f + c) for f, c in tiles]), np.arange(starts[-1]))
@@ -83,7 +83,8 @@ def test_128_row_tiles_cover_each_token_once_and_never_cross_chunks() -> None:
         chunk_of = np.searchsorted(starts, f, side="right") - 1
         assert f + c <= starts[chunk_of + 1]
     assert len(tiles) == sum(-(-n // WS_ROWS) for n in lengths)
-    assert np.array_equal(ops.flash_tiles(lengths), ops.flash_tiles(lengths, ops.FLASH_TILE))  # fa2 unchanged
+    fa2 = flash_plan.flash_tiles(lengths, flash_plan.FLASH_TILE)
+    assert np.array_equal(flash_plan.flash_tiles(lengths), fa2)  # fa2 unchanged
 
 
 def test_step_tables_carry_the_tiles_of_the_runners_kernel_through_padding() -> None:
@@ -96,7 +97,7 @@ def test_step_tables_carry_the_tiles_of_the_runners_kernel_through_padding() -> 
                         tile_rows=WS_ROWS)
     padded = pad_step(decode, 4, 30, scratch_block=63, block_size=16, scratch_slot=5)
     assert padded.tile_rows == WS_ROWS
-    assert padded.tables.tiles.tolist() == ops.flash_tiles([1, 1, 16, 12], WS_ROWS).tolist()
+    assert padded.tables.tiles.tolist() == flash_plan.flash_tiles([1, 1, 16, 12], WS_ROWS).tolist()
 
 
 def test_the_runner_builds_its_steps_for_its_models_kernel() -> None:
@@ -126,7 +127,7 @@ def test_launch_grid_threads_and_shared_memory() -> None:
     ops.flash_prefill(ctx, *flash_args())
     ws, fa2 = ctx.device.calls
     assert ws == ("flash_prefill_ws", "flash_prefill_ws_bf16_hd256", (8, 3), 384, 229_376, fa2[5])  # same args
-    assert fa2[:5] == ("flash_prefill", "flash_prefill_bf16_hd256", (8, 3), 128, ops.flash_shared_bytes(256))
+    assert fa2[:5] == ("flash_prefill", "flash_prefill_bf16_hd256", (8, 3), 128, flash_plan.flash_shared_bytes(256))
 
 
 def test_ws_is_refused_where_its_kernel_does_not_apply() -> None:
@@ -171,7 +172,7 @@ def test_the_attention_layer_launches_the_models_variant(monkeypatch) -> None:
 
 # ---- tile bookkeeping (numpy emulation) ----------------------------------------------------------------------
 def emulate(case, **kwargs) -> np.ndarray:
-    tiles = ops.flash_tiles([n for _, n in case.seqs], WS_ROWS)
+    tiles = flash_plan.flash_tiles([n for _, n in case.seqs], WS_ROWS)
     return flash_prefill_ws_emulated(case.q, case.gate, case.cache_k, case.cache_v, case.tables, case.token_seq,
                                      case.token_pos, tiles, case.heads, case.kv_heads, case.scale, **kwargs)
 
@@ -192,7 +193,7 @@ def test_emulated_ws_schedule_matches_the_reference(heads, kv_heads, bs, seqs) -
     assert err <= 1e-2, err
     n = case.token_seq.size
     assert sorted(trace.stored_rows) == list(range(n))  # every real row stored once, none past a tile's count
-    tiles = ops.flash_tiles([m for _, m in case.seqs], WS_ROWS)
+    tiles = flash_plan.flash_tiles([m for _, m in case.seqs], WS_ROWS)
     for t, (first, count) in enumerate(tiles):
         p_last = int(case.token_pos[first + count - 1])
         assert trace.copied[t] == p_last // BN + 1 and trace.max_key[t] == p_last  # causal skip: nothing beyond
@@ -374,7 +375,7 @@ def computed_splits(n_kt: int) -> list[list[int]]:
     return [[n_kt, n_kt], [max(1, n_kt - 1), n_kt], [n_kt, 0], [1, 0] if n_kt == 1 else [n_kt - 1, n_kt]]
 
 
-@pytest.mark.parametrize("stages", [ops.FLASH_WS_STAGES, (1, 1), (2, 2), (3, 2), (1, 3)])
+@pytest.mark.parametrize("stages", [flash_plan.FLASH_WS_STAGES, (1, 1), (2, 2), (3, 2), (1, 3)])
 def test_the_rings_hold_under_random_interleavings(stages) -> None:
     for n_kt in range(1, 12):
         for computed in computed_splits(n_kt):
@@ -382,7 +383,7 @@ def test_the_rings_hold_under_random_interleavings(stages) -> None:
                 assert replay(n_kt, computed, stages, seed) == [], (n_kt, computed, seed)
 
 
-@pytest.mark.parametrize("stages", [ops.FLASH_WS_STAGES, (1, 1), (2, 2), (1, 3)])
+@pytest.mark.parametrize("stages", [flash_plan.FLASH_WS_STAGES, (1, 1), (2, 2), (1, 3)])
 def test_the_ws2_rings_hold_with_hand_over_at_landing(stages) -> None:
     for n_kt in range(1, 12):
         for computed in computed_splits(n_kt):
@@ -392,7 +393,7 @@ def test_the_ws2_rings_hold_with_hand_over_at_landing(stages) -> None:
 
 def test_the_ws2_replay_has_teeth() -> None:
     splits = [(n, c) for n in range(2, 9) for c in computed_splits(n)]
-    assert any(replay(n, c, ops.FLASH_WS_STAGES, s, release_before_retire=True, tracked=True) for n, c in splits
+    assert any(replay(n, c, flash_plan.FLASH_WS_STAGES, s, release_before_retire=True, tracked=True) for n, c in splits
                for s in range(30))
     assert any(replay(n, [n, 1], (1, 1), s, pass_without_wait=True, tracked=True) for n in range(3, 9)
                for s in range(30))
@@ -404,7 +405,7 @@ def test_the_replay_has_teeth() -> None:
     # of V_{t-1}, whose step needs K_t, which the producer holds)
     assert any("deadlock" in " ".join(replay(n, c, (2, 1), s, drain=False)) for n, c in splits for s in range(6))
     # releasing V_{j-1} while its P V still reads it lets the producer copy over it
-    assert any(replay(n, c, ops.FLASH_WS_STAGES, s, release_before_retire=True) for n, c in splits
+    assert any(replay(n, c, flash_plan.FLASH_WS_STAGES, s, release_before_retire=True) for n, c in splits
                for s in range(30))
     # a passing warpgroup releasing before the stage is filled completes a phase for the wrong tile
     assert any(replay(n, [n, 1], (1, 1), s, pass_without_wait=True) for n in range(3, 9) for s in range(30))
@@ -431,9 +432,9 @@ def test_pass_through_keeps_every_release_of_the_kernel() -> None:
 def test_ws2_is_an_option_resolved_like_ws_and_launches_its_own_entry() -> None:
     assert CudaOptions(flash_prefill="ws2").flash_prefill == "ws2"
     assert CudaOptions.from_env({"DOCPIPE_CUDA_FLASH_PREFILL": "ws2"}).flash_prefill == "ws2"
-    assert ops.FLASH_TILE_ROWS["ws2"] == WS_ROWS
-    assert ops.flash_variant("ws2", 256, False, "sm_90") == "ws2"
-    assert [ops.flash_variant("ws2", *a) for a in ((256, True, "sm_90"), (128, False, "sm_90"),
+    assert flash_plan.FLASH_TILE_ROWS["ws2"] == WS_ROWS
+    assert flash_plan.flash_variant("ws2", 256, False, "sm_90") == "ws2"
+    assert [flash_plan.flash_variant("ws2", *a) for a in ((256, True, "sm_90"), (128, False, "sm_90"),
                                                    (256, False, "sm_80"))] == ["fa2"] * 3
     ctx = SimpleNamespace(device=Hopper())
     ops.flash_prefill(ctx, *flash_args(), variant="ws2")

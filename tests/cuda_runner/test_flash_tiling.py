@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.errors import ShapeError
 from tests.cuda_runner import references as ref
 from tests.cuda_runner.check_flash import CASES, attention_f64, expected, make_case
@@ -27,7 +27,7 @@ def rng() -> np.random.Generator:
 
 
 def emulate(case, **kwargs) -> np.ndarray:
-    tiles = ops.flash_tiles([n for _, n in case.seqs])
+    tiles = flash_plan.flash_tiles([n for _, n in case.seqs])
     return flash_prefill_emulated(case.q, case.gate, case.cache_k, case.cache_v, case.tables, case.token_seq,
                                   case.token_pos, tiles, case.heads, case.kv_heads, case.scale, **kwargs)
 
@@ -68,7 +68,7 @@ def test_every_row_is_written_and_rows_past_count_do_not_leak(rng) -> None:
 
 def test_causal_skip_reads_no_key_past_the_tile(rng) -> None:
     case = make_case(rng, 2, 1, 256, 16, [(40, 150), (0, 64)])
-    tiles = ops.flash_tiles([n for _, n in case.seqs])
+    tiles = flash_plan.flash_tiles([n for _, n in case.seqs])
     trace = Trace()
     flash_prefill_emulated(case.q, case.gate, case.cache_k, case.cache_v, case.tables, case.token_seq,
                            case.token_pos, tiles, case.heads, case.kv_heads, case.scale, trace=trace)
@@ -90,9 +90,9 @@ def test_without_the_mask_the_emulation_is_wrong(rng) -> None:
 
 def test_tiles_cover_each_token_once_and_never_cross_chunks() -> None:
     lengths = [1, 15, 64, 65, 200, 1000, 3]
-    tiles = ops.flash_tiles(lengths)
+    tiles = flash_plan.flash_tiles(lengths)
     assert tiles.dtype == np.int32 and tiles.shape[1] == 2
-    assert np.all((tiles[:, 1] >= 1) & (tiles[:, 1] <= ops.FLASH_TILE))
+    assert np.all((tiles[:, 1] >= 1) & (tiles[:, 1] <= flash_plan.FLASH_TILE))
     starts = np.concatenate([[0], np.cumsum(lengths)])
     covered = np.concatenate([np.arange(f, f + c) for f, c in tiles])
     assert np.array_equal(covered, np.arange(starts[-1]))
@@ -103,14 +103,14 @@ def test_tiles_cover_each_token_once_and_never_cross_chunks() -> None:
 
 def test_host_constants_match_the_kernel_source() -> None:
     src = KERNEL.read_text()
-    assert int(re.search(r"#define FP_ROWS (\d+)", src).group(1)) == ops.FLASH_TILE
+    assert int(re.search(r"#define FP_ROWS (\d+)", src).group(1)) == flash_plan.FLASH_TILE
     pad = int(re.search(r"#define FP_PAD (\d+)", src).group(1))
     assert "BN = HD >= 256 ? 32 : 64" in src and "Q_IN_REGS = HD <= 128" in src
-    for hd in ops.FLASH_HEAD_DIMS:
+    for hd in flash_plan.FLASH_HEAD_DIMS:
         bn, row = keys_per_step(hd), hd + pad
-        q_rows = 0 if hd <= 128 else ops.FLASH_TILE
-        assert ops.flash_shared_bytes(hd) == 2 * (4 * bn * row + q_rows * row)
-        assert 2 * ops.flash_shared_bytes(hd) <= 227 * 1024  # two blocks fit an H100/H200 SM
+        q_rows = 0 if hd <= 128 else flash_plan.FLASH_TILE
+        assert flash_plan.flash_shared_bytes(hd) == 2 * (4 * bn * row + q_rows * row)
+        assert 2 * flash_plan.flash_shared_bytes(hd) <= 227 * 1024  # two blocks fit an H100/H200 SM
 
 
 class RecordingDevice:
@@ -135,7 +135,7 @@ def test_launch_grid_and_shared_memory() -> None:
     ctx = SimpleNamespace(device=RecordingDevice())
     ops.flash_prefill(ctx, *flash_args())
     assert ctx.device.calls == [("flash_prefill", "flash_prefill_bf16_hd256", (8, 3), 128,
-                                 ops.flash_shared_bytes(256))]
+                                 flash_plan.flash_shared_bytes(256))]
 
 
 @pytest.mark.parametrize("bad,match", [

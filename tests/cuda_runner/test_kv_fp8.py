@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpu_engine import runner_rules
-from gpu_engine.cuda import ops
+from gpu_engine.cuda import flash_plan, ops
 from gpu_engine.cuda.bf16 import round_to_bf16
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.kv_fp8 import allocate_layer, layer_kv_bytes_per_token
@@ -164,12 +164,12 @@ def test_shared_memory_of_the_fp8_kernels_matches_their_layout_and_fits():
         tile, raw, scales = 2 * BN * (hd + PAD) * 2, 3 * 2 * BN * (hd + 16), 3 * 2 * BN * 4
         assert ops.paged_mma_shared_bytes(hd, fp8=True) == max(tile + raw + scales, 4 * 8 * (hd + 2) * 4) + 1024
         assert ops.paged_mma_shared_bytes(hd, fp8=True) <= 227 * 1024
-    for hd in ops.FLASH_HEAD_DIMS:
+    for hd in flash_plan.FLASH_HEAD_DIMS:
         keys = 32 if hd >= 256 else 64
-        q_tile = 0 if hd <= 128 else ops.FLASH_TILE * (hd + 8) * 2
+        q_tile = 0 if hd <= 128 else flash_plan.FLASH_TILE * (hd + 8) * 2
         want = 2 * keys * (hd + 8) * 2 + q_tile + 4 * keys * (hd + 16) + 4 * keys * 4
-        assert ops.flash_shared_bytes(hd, fp8=True) == want
-        assert 2 * ops.flash_shared_bytes(hd, fp8=True) <= 227 * 1024  # two blocks an SM, as the bf16 kernel
+        assert flash_plan.flash_shared_bytes(hd, fp8=True) == want
+        assert 2 * flash_plan.flash_shared_bytes(hd, fp8=True) <= 227 * 1024  # two blocks an SM, as the bf16 kernel
 
 
 def test_cache_bytes_per_token_halve_plus_the_scales():
