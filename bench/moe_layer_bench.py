@@ -9,7 +9,10 @@ timed as issue 17 sets its targets:
   here; also whether every chosen expert sits in one tile (its weights streamed once a step), and each step of the
   layer (router GEMM, route, plan, the two grouped GEMMs, combine) timed alone in a graph of its own;
 - both plan kernels (moe_plan, moe_plan_v2) at every size, and the kernels on trial (moe_route_v2, moe_combine_v2,
-  the tile shapes of moe_plan.TRIAL_TILES) beside the chosen ones on the same tables.
+  the tile shapes of moe_plan.TRIAL_TILES) beside the chosen ones on the same tables;
+- the fused decode path (moe_decode.py, CudaOptions.moe_decode="fused") against the grouped one at batch 1, 2, 4 and
+  8, each with and without PDL, graphs as above, against the same bytes roofline; its three launches each alone in
+  a graph, and its output's distance to the grouped path's.
     python3 bench/moe_layer_bench.py [--json out.json] [--reps N]
 Weights are random bf16 (a 32 MiB random block copied across the expert stacks: uploading 1.5 GiB of fresh random
 numbers would take the lease's time); the router is fully random, so routing is spread like a trained router's.
@@ -108,7 +111,7 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
 
         def layer_once(xx: Any, yy: Any, rows: int) -> Any:
             mark = ctx.arena.mark()
-            bufs = layer.forward(ctx, yy, xx, rows)
+            bufs = layer.grouped_forward(ctx, yy, xx, rows)
             ctx.arena.release(mark)  # host bookkeeping only: stream order keeps the scratch valid for this call
             return bufs
 
@@ -119,7 +122,7 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
                           "TFLOPs": m * flops_per_token / (pre_ms * 1e-3) / 1e12,
                           "vs_gemm_rate": m * flops_per_token / (pre_ms * 1e-3) / rate}
         mark = ctx.arena.mark()  # the two grouped GEMMs alone, on one forward's tables
-        bufs = layer.forward(ctx, y, x, m)
+        bufs = layer.grouped_forward(ctx, y, x, m)
         rows = m * layer.slots
         for name, fn, flop in (
                 ("gate_up", lambda: grouped_gemm(ctx, bufs.act, x, h, bufs.sorted_token, layer.gate_up, bufs.tiles,
@@ -154,7 +157,7 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             unique, tiles_max = [], 0
             for xi, yi in zip(xs, ys):  # eager: plans, modules; the routing of each input
                 mark = ctx.arena.mark()
-                bufs = layer.forward(ctx, yi, xi, batch)
+                bufs = layer.grouped_forward(ctx, yi, xi, batch)
                 ids = ctx.to_host(bufs.ids)[:, :k]  # routed experts (the stacked shared one is counted apart)
                 tiles = ctx.to_host(bufs.tiles)
                 used = tiles[tiles[:, 2] > 0, 0]
@@ -166,7 +169,8 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             for pdl in (False, True):  # programmatic dependent launch between the graph's kernels (CudaOptions.use_pdl)
                 ctx.device.pdl = pdl
                 mark = ctx.arena.mark()
-                graph = ctx.device.capture(lambda: [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)])
+                graph = ctx.device.capture(lambda: [layer.grouped_forward(ctx, yi, xi, batch)
+                                                    for xi, yi in zip(xs, ys)])
                 ctx.device.launch_graph(graph)
                 ms = _time_ms(ctx, lambda: ctx.device.launch_graph(graph), reps) / len(xs)
                 ctx.device.sync()
@@ -178,13 +182,76 @@ def run(reps: int, ctx: Any = None, text: dict[str, Any] | None = None, tokens: 
             ctx.device.pdl = False
             out["decode"][-1]["stages_us"] = _decode_stages(ctx, layer, xs, ys, batch, reps)
             mark = ctx.arena.mark()
-            out["decode"][-1]["trials"] = _trials(ctx, layer, xs[0], layer.forward(ctx, ys[0], xs[0], batch), rate,
-                                                  reps, timed=False)  # timed among the steps, in graphs
+            first = layer.grouped_forward(ctx, ys[0], xs[0], batch)
+            out["decode"][-1]["trials"] = _trials(ctx, layer, xs[0], first, rate, reps,
+                                                  timed=False)  # timed among the steps, in graphs
             ctx.device.sync()
             ctx.arena.release(mark)
+        if stacked:  # the fused kernels run the shared expert as expert E of the stacks
+            out["decode_fused"] = _fused_decode(ctx, layer, rng, bw, reps)
     finally:
         ctx.close()
     return out
+
+
+def _fused_decode(ctx: Any, layer: Any, rng: Any, bw: float, reps: int, batches: tuple[int, ...] = (1, 2, 4, 8)
+                  ) -> list[dict[str, Any]]:
+    """Fused vs grouped decode at small batches: per batch, 8 inputs a graph (as the decode rows above), each path
+    with PDL off and on, us a call and the fraction of the roofline of the bytes a call reads (distinct chosen experts
+    + router + shared expert + activations); the fused launches alone (us a call, 8 a graph); rel. err of the fused
+    output against the grouped one (bf16 roundings and the rare near-tie routing flip apart, ~1e-3)."""
+    from gpu_engine.cuda import moe_decode
+
+    e, k, h, inter = layer.num_experts, layer.top_k, layer.hidden, layer.inter
+    expert_bytes = 3 * h * inter * 2
+    rows = []
+    for batch in batches:
+        xs = [ctx.to_device(rng.standard_normal((batch, h)).astype(np.float32), "bf16", f"fx{i}") for i in range(8)]
+        ys = [ctx.empty((batch, h), "bf16", f"fy{i}") for i in range(8)]
+        unique, outs = [], {}
+        for decode in ("grouped", "fused"):  # eager: modules; the routing of each input; input 0's output
+            for i, (xi, yi) in enumerate(zip(xs, ys)):
+                mark = ctx.arena.mark()
+                bufs = layer.forward(ctx, yi, xi, batch, decode=decode)
+                if decode == "fused":
+                    unique.append(len(np.unique(ctx.to_host(bufs.ids)[:, :k])))
+                if i == 0:
+                    outs[decode] = ctx.to_host(yi).astype(np.float64)
+                ctx.arena.release(mark)
+        nbytes = (statistics.mean(unique) * expert_bytes + (e + 1) * h * 2 + expert_bytes
+                  + batch * h * 2 * 2 + batch * (k + 1) * inter * 2 * 2)
+        diff = float(np.linalg.norm(outs["fused"] - outs["grouped"]) / max(np.linalg.norm(outs["grouped"]), 1e-30))
+        row: dict[str, Any] = {"batch": batch, "distinct_experts": statistics.mean(unique), "bytes_MB": nbytes / 1e6,
+                               "roofline_us": nbytes / bw * 1e6, "fused_vs_grouped_rel_err": diff}
+        for decode in ("grouped", "fused"):
+            for pdl in (False, True):
+                ctx.device.pdl = pdl
+                mark = ctx.arena.mark()
+                graph = ctx.device.capture(lambda d=decode: [layer.forward(ctx, yi, xi, batch, decode=d)
+                                                             for xi, yi in zip(xs, ys)])
+                ctx.device.launch_graph(graph)
+                ms = _time_ms(ctx, lambda: ctx.device.launch_graph(graph), reps) / len(xs)
+                ctx.device.sync()
+                ctx.arena.release(mark)
+                key = decode + ("_pdl" if pdl else "")
+                row[f"{key}_us"] = ms * 1e3
+                row[f"{key}_vs_roofline"] = nbytes / bw / (ms * 1e-3)
+        ctx.device.pdl = False
+        mark = ctx.arena.mark()
+        bufs = [moe_decode.fused_forward(ctx, layer, yi, xi, batch) for xi, yi in zip(xs, ys)]  # their tables
+        steps = {"route": lambda x, y, b: moe_decode.launch_route(ctx, layer, x, batch, b),
+                 "gate_up": lambda x, y, b: moe_decode.launch_gate_up(ctx, layer, x, batch, b),
+                 "down": lambda x, y, b: moe_decode.launch_down(ctx, layer, y, batch, b)}
+        stages = {}
+        for name, step in steps.items():
+            graph = ctx.device.capture(lambda step=step: [step(x, y, b) for x, y, b in zip(xs, ys, bufs)])
+            ctx.device.launch_graph(graph)
+            stages[name] = _time_ms(ctx, lambda graph=graph: ctx.device.launch_graph(graph), reps) / len(xs) * 1e3
+        ctx.device.sync()
+        ctx.arena.release(mark)
+        row["fused_stages_us"] = stages
+        rows.append(row)
+    return rows
 
 
 def _trials(ctx: Any, layer: Any, x: Any, bufs: Any, rate: float, reps: int, timed: bool = True
@@ -227,7 +294,7 @@ def _decode_stages(ctx: Any, layer: Any, xs: list[Any], ys: list[Any], batch: in
     e, k, h, inter, slots = layer.num_experts, layer.top_k, layer.hidden, layer.inter, layer.slots
     ld = -(-(e + 1) // 8) * 8
     mark = ctx.arena.mark()
-    bufs = [layer.forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)]  # kept: every step reads its own tables
+    bufs = [layer.grouped_forward(ctx, yi, xi, batch) for xi, yi in zip(xs, ys)]  # kept: each step reads its own
     shared_y = None
     if layer.shared is not None:
         shared_y = ctx.empty((batch, h), xs[0].dtype, "shared_y")
@@ -299,6 +366,14 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"  trial {name}: err vs chosen {t['rel_err_vs_chosen']:.1e}")
         if "stages_us" in d:
             lines.append("  steps alone (us a call): " + ", ".join(f"{n} {t:.1f}" for n, t in d["stages_us"].items()))
+    for d in r.get("decode_fused", []):
+        paths = ", ".join(f"{key} {d[key + '_us']:.1f} us = {d[key + '_vs_roofline']:.2f}"
+                          for key in ("grouped", "grouped_pdl", "fused", "fused_pdl"))
+        lines.append(f"decode batch {d['batch']} fused vs grouped: {paths} of roofline {d['roofline_us']:.1f} us "
+                     f"({d['distinct_experts']:.1f} experts, {d['bytes_MB']:.1f} MB; fused vs grouped rel. err "
+                     f"{d['fused_vs_grouped_rel_err']:.1e})")
+        lines.append("  fused steps alone (us a call): "
+                     + ", ".join(f"{n} {t:.1f}" for n, t in d["fused_stages_us"].items()))
     return "\n".join(lines)
 
 

@@ -13,6 +13,8 @@ decode step with its routing is captured in a CUDA graph like any other:
    token's entry k (weight sigmoid(gate)), so the same two launches run it; otherwise the dense linear layers
    (linear.SwigluMlp: BF16 or block-FP8);
 6. moe_combine: y = sum of the weighted expert rows (+ gate * shared output), per token.
+With decode="fused" (CudaOptions.moe_decode) a call of at most moe_decode.MAX_ROWS rows takes moe_decode.py's three
+fused launches instead (router GEMV + top-k, gate|up, down + combine); larger calls take the steps above.
 Routed experts are bf16 / f32 stacks [E, 2I, H] and [E, H, I] (moe_weights.py); an FP8 expert stack would be
 another `ExpertStack` format behind the same grouped-GEMM call.
 """
@@ -25,6 +27,7 @@ import numpy as np
 from .context import DArray, GpuContext
 from .errors import ShapeError
 from .linear import SwigluMlp
+from .moe_decode import DECODE_PATHS, MAX_ROWS, FusedBuffers, fused_forward, fused_problem
 from .moe_plan import (
     MAX_EXPERTS,
     MAX_TOP_K,
@@ -65,6 +68,8 @@ class MoeLayer:
     gate_up: DArray  # [stacks, 2I, H] (gate rows, then up rows, per expert)
     down: DArray  # [stacks, H, I]
     shared: SwigluMlp | None  # the shared expert as linear layers; None: it is expert E of the stacks (stacks E + 1)
+    # Calls of <= moe_decode.MAX_ROWS rows: "grouped" (the steps above) or "fused" (moe_decode.py), which must fit
+    decode: str = "grouped"
 
     def __post_init__(self) -> None:
         stacks, two_i, h = self.gate_up.shape
@@ -76,6 +81,12 @@ class MoeLayer:
         if not 0 < self.top_k <= min(e, MAX_TOP_K) or e > MAX_EXPERTS:
             raise ShapeError(f"the CUDA MoE kernels take up to {MAX_EXPERTS} experts and top-k up to {MAX_TOP_K} "
                              f"(<= experts); got {e} experts, top-{self.top_k}")
+        if self.decode not in DECODE_PATHS:
+            raise ShapeError(f"MoE decode path must be one of {DECODE_PATHS}, got {self.decode!r}")
+        problem = fused_problem(self) if self.decode == "fused" else None
+        if problem is not None:
+            raise ShapeError(f"moe_decode='fused' cannot run this layer: {problem}. Use moe_decode='grouped' "
+                             "(DOCPIPE_CUDA_MOE_DECODE=grouped)")
 
     @property
     def hidden(self) -> int:
@@ -98,8 +109,22 @@ class MoeLayer:
     def __call__(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> None:
         self.forward(ctx, y, x, m)
 
-    def forward(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> MoeBuffers:
-        """y [m, H] = the layer's MLP of x [m, H] (enqueue only; scratch from the arena, the caller releases it)."""
+    def takes_fused(self, m: int, decode: str | None = None) -> bool:
+        """Whether a call of m rows runs the fused decode path (decode: this call's path; None: the layer's)."""
+        return (decode or self.decode) == "fused" and 0 < m <= MAX_ROWS
+
+    def forward(self, ctx: GpuContext, y: DArray, x: DArray, m: int, decode: str | None = None
+                ) -> MoeBuffers | FusedBuffers:
+        """y [m, H] = the layer's MLP of x [m, H] (enqueue only; scratch from the arena, the caller releases it).
+        decode: "grouped" | "fused" for this call (the checks and the bench); None: the layer's own."""
+        if decode is not None and decode not in DECODE_PATHS:
+            raise ShapeError(f"MoE decode path must be one of {DECODE_PATHS}, got {decode!r}")
+        if self.takes_fused(m, decode):
+            return fused_forward(ctx, self, y, x, m)
+        return self.grouped_forward(ctx, y, x, m)
+
+    def grouped_forward(self, ctx: GpuContext, y: DArray, x: DArray, m: int) -> MoeBuffers:
+        """The steps of the module docstring, at any m."""
         dtype, e, slots, h, inter = x.dtype, self.num_experts, self.slots, self.hidden, self.inter
         stacks = self.gate_up.shape[0]
         if y.dtype != dtype or self.gate_up.dtype != dtype or x.shape[-1] != h:

@@ -10,7 +10,8 @@ reads bf16 / f32 stacks only (an FP8 expert stack is the next format behind the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,3 +77,11 @@ def upload_moe_mlp(up: _Uploader, moe: MoeConfig, w: Mapping[str, np.ndarray], p
                       prefix + "shared_expert.up_proj.weight"),
             up.linear(prefix + "shared_expert.down", prefix + "shared_expert.down_proj.weight")),
     )
+
+
+def set_moe_decode(layers: list[Any], decode: str) -> None:
+    """Give every MoE layer of `layers` (TextWeights.layers, replaced in place) the decode path `decode`
+    (CudaOptions.moe_decode); MoeLayer refuses "fused" for a layer its kernels cannot take, naming why."""
+    for i, layer in enumerate(layers):
+        if isinstance(layer.mlp, MoeLayer) and layer.mlp.decode != decode:
+            layers[i] = replace(layer, mlp=replace(layer.mlp, decode=decode))

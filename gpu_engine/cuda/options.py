@@ -77,6 +77,12 @@ class CudaOptions:
     # ms for its 8192 prompt tokens alone (cuda_deltanet_bench, doc vs fresh8k). Opt-in: written in session 14,
     # when no GPU was left to run its check.
     deltanet_rows_apart: bool = False
+    # An MoE layer's calls of <= moe_decode.MAX_ROWS (8) token rows (decode): "grouped" (router GEMM, route, plan,
+    # grouped GEMMs, combine) or "fused" (moe_decode.py: three launches, the router GEMV + top-k, gate|up, down with
+    # the combine; DOCPIPE_CUDA_MOE_DECODE). Opt-in: written without a GPU, check_moe and bench/moe_layer_bench.py
+    # have not run it yet. moe_weights.set_moe_decode hands it to a model's layers (ShapeError, by name, for a layer
+    # the fused kernels cannot take).
+    moe_decode: str = "grouped"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,6 +104,10 @@ class CudaOptions:
         from .deltanet_chunked import check_variant
 
         check_variant(self.deltanet_chunked)
+        from .moe_decode import DECODE_PATHS
+
+        if self.moe_decode not in DECODE_PATHS:
+            raise ShapeError(f"DOCPIPE_CUDA_MOE_DECODE must be one of {list(DECODE_PATHS)}, got {self.moe_decode!r}")
         if self.rollback not in ("recompute", "window"):
             raise ShapeError(f"CudaOptions.rollback must be 'recompute' or 'window', got {self.rollback!r}")
         for name in ("memory_budget", "graph_memory", "encoder_memory", "device_id", "verify_window_tokens"):
@@ -132,6 +142,8 @@ class CudaOptions:
             read["vision_flash"] = env["DOCPIPE_CUDA_VISION_FLASH"]
         if env.get("DOCPIPE_CUDA_FLASH_PREFILL"):
             read["flash_prefill"] = env["DOCPIPE_CUDA_FLASH_PREFILL"]
+        if env.get("DOCPIPE_CUDA_MOE_DECODE"):
+            read["moe_decode"] = env["DOCPIPE_CUDA_MOE_DECODE"]
         if env.get("DOCPIPE_CUDA_DELTANET_CHUNKED"):
             read["deltanet_chunked"] = env["DOCPIPE_CUDA_DELTANET_CHUNKED"]
         if "DOCPIPE_CUDA_CACHE" in env:

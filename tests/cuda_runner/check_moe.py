@@ -1,7 +1,7 @@
 """Check the CUDA MoE path on the GPU: each kernel of kernels/moe.cu against float64 numpy, the whole MoeLayer, then
 the tiny qwen3_5_moe models (both expert layouts) CudaRunner vs the reference runner.
 
-    python3 -m tests.cuda_runner.check_moe [--json out.json] [--seed N] [--part kernels|model|all]
+    python3 -m tests.cuda_runner.check_moe [--json out.json] [--seed N] [--part kernels|model|fused|all]
 
 Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - ref|| / ||ref||):
 - moe_route on random f32 logits with exact ties planted among each row's largest: the chosen ids equal the
@@ -17,6 +17,11 @@ Kernels (fresh random inputs, outputs poisoned with 0xFF first, metric ||out - r
 - MoeLayer.forward (router GEMM .. combine) against the float64 formula of reference/moe.py on the same rounded
   weights and inputs, with the routing the device chose (its agreement with the float64 routing is required to be
   total in f32 and reported in bf16, where rounding may flip a near tie).
+Fused decode (moe_decode.py, CudaOptions.moe_decode="fused"; --part fused runs these alone): each of its three
+kernels against moe_decode_emulation's mirror of its arithmetic order on the device's own inputs to it (router
+logits f32 1e-6; ids equal on the device's logits, weights 1e-6; act and y bf16 1e-3 / f32 1e-6, the bit-exact share
+reported), bit-reproducible (two eager calls, PDL on, two graph replays: the same bits), and MoeLayer.forward with
+decode="fused" against the float64 formula like the grouped rows; the stacked-shared tiny model with "fused" too.
 Model: make_tiny_moe_checkpoint (6 experts top-2, odd widths: the plain kernel for down; an aligned config that
 takes the tensor-core kernels for both GEMMs; one with the shared expert stacked), check_runner's scenario (chunked
 prefill, vision slice, batched decode, graph replay; CudaOptions.from_env, so DOCPIPE_CUDA_GRAPHS=0 runs the decode
@@ -61,6 +66,12 @@ GEMM_CASES = (
 LAYER_CASES = ((1, 16, 4, 256, 96, 80, "bf16"), (7, 16, 4, 256, 96, 80, "f32"), (300, 16, 4, 256, 96, 80, "bf16"),
                (1, 12, 8, 2048, 512, 512, "bf16"), (32, 16, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"),
                (9, 6, 2, 64, 24, 24, "f32"), (700, 8, 2, 256, 128, 128, "bf16"))
+# fused decode: (tokens, experts, top-k, hidden, intermediate, dtype); the shared expert stacked (width = I)
+FUSED_CASES = ((1, 256, 8, 2048, 512, "bf16"), (8, 256, 8, 2048, 512, "bf16"), (3, 6, 2, 96, 40, "bf16"),
+               (5, 6, 2, 96, 40, "f32"), (2, 300, 10, 520, 72, "bf16"), (4, 40, 4, 4096, 64, "bf16"),
+               (8, 64, 8, 1032, 1040, "f32"), (1, 64, 31, 64, 16, "f32"))
+FUSED_LAYER_CASES = ((1, 12, 8, 2048, 512, 512, "bf16"), (8, 16, 4, 256, 96, 96, "bf16"),
+                     (8, 16, 4, 256, 96, 96, "f32"), (5, 6, 2, 64, 24, 24, "f32"))
 # name -> (text_config over TINY_MOE_TEXT, layouts); the layouts upload the same stacks (test_moe_upload), so the
 # larger configs run one
 MODEL_CONFIGS = {
@@ -71,6 +82,7 @@ MODEL_CONFIGS = {
                                            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
                                           ("per_expert",)),
 }
+FUSED_MODELS = ("stacked shared (E7 top-2, I=S=32)",)  # the configs the fused decode kernels take (stacked shared)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -225,9 +237,10 @@ class Checker:
         want_out = emulate_grouped_gemm(act_host, None, w_down, tiles, rows, swiglu=False)  # on the device's act
         self.record(f"gemm down {name}", dtype, rel_err(ctx.to_host(out), want_out), TOL[dtype], took2)
 
-    def layer(self, n: int, e: int, k: int, h: int, inter: int, s: int, dtype: str) -> None:
+    def layer(self, n: int, e: int, k: int, h: int, inter: int, s: int, dtype: str, decode: str = "grouped"
+              ) -> None:
         from gpu_engine.cuda.linear import DenseLinear, SwigluMlp
-        from gpu_engine.cuda.moe import MoeLayer
+        from gpu_engine.cuda.moe import MoeBuffers, MoeLayer
 
         ctx = self.ctx
         rnd = _bf16 if dtype == "bf16" else (lambda a: np.asarray(a, np.float32))
@@ -253,7 +266,8 @@ class Checker:
                                    "router"), put(gu_stack, dtype, "gu"), put(dn_stack, dtype, "dn"), shared)
         y = ctx.empty((n, h), dtype, "y")
         ctx.poison(y)
-        bufs = layer.forward(ctx, y, put(x, dtype, "x"), n)
+        bufs = layer.forward(ctx, y, put(x, dtype, "x"), n, decode=decode)
+        path = bufs.tile.name + " tiles" if isinstance(bufs, MoeBuffers) else "fused"
         ids, weights = ctx.to_host(bufs.ids), ctx.to_host(bufs.weights).astype(np.float64)
         gate64 = 1 / (1 + np.exp(-(x.astype(np.float64) @ host["shared_expert_gate.weight"].astype(np.float64).T)))
         if stacked:  # every token's last entry: (E, sigmoid(gate)); the rest is the routing
@@ -281,19 +295,90 @@ class Checker:
         need_all = dtype == "f32"
         err = rel_err(ctx.to_host(y), want)
         routing_ok = bool(agree.all()) or not need_all
-        self.record(f"MoeLayer n{n} E{e} top-{k} H{h} I{inter} S{s}", dtype,
+        self.record(f"MoeLayer{' fused' if decode == 'fused' else ''} n{n} E{e} top-{k} H{h} I{inter} S{s}", dtype,
                     err if routing_ok and w_err <= 1e-4 else float("nan"), TOL[dtype],
-                    f"{bufs.tile.name} tiles{', shared stacked' if stacked else ''}; routing agrees in "
+                    f"{path}{', shared stacked' if stacked else ''}; routing agrees in "
                     f"{agree.mean():.3f} of tokens, weights err {w_err:.1e}")
 
+    def fused(self, n: int, e: int, k: int, h: int, inter: int, dtype: str) -> None:
+        """The fused decode kernels against their arithmetic-order emulation, each on the device's own inputs to
+        it, and the same bits from two eager calls, a PDL call and two graph replays."""
+        from gpu_engine.cuda.moe import MoeLayer
+        from tests.cuda_runner import moe_decode_emulation as emul
 
-def run_kernels(seed: int) -> tuple[list[Result], dict]:
+        ctx, tag = self.ctx, f"n{n} E{e} top-{k} H{h} I{inter}"
+        rnd = _bf16 if dtype == "bf16" else (lambda a: np.asarray(a, np.float32))
+        router = rnd(self.normal((e + 1, h), 4 * h ** -0.5))
+        gu = rnd(self.normal((e + 1, 2 * inter, h), h ** -0.5))
+        dn = rnd(self.normal((e + 1, h, inter), inter ** -0.5))
+        x = rnd(self.normal((n, h)))
+        put = ctx.to_device
+        layer = MoeLayer(e, k, put(router, dtype, "router"), put(gu, dtype, "gu"), put(dn, dtype, "dn"), None,
+                         decode="fused")
+        dx = put(x, dtype, "x")
+
+        def call() -> tuple[np.ndarray, object]:
+            y = ctx.empty((n, h), dtype, "y")
+            ctx.poison(y)
+            bufs = layer.forward(ctx, y, dx, n)
+            return ctx.to_host(y), bufs
+
+        got, bufs = call()
+        logits = ctx.to_host(bufs.logits)[:, :e + 1]
+        ids, weights = ctx.to_host(bufs.ids), ctx.to_host(bufs.weights)
+        act = ctx.to_host(bufs.act)
+        self.record(f"moe_decode_route logits {tag}", "f32", rel_err(logits, emul.router_logits(x, router, dtype)),
+                    1e-6)
+        routed = [emul.route_token(z, e, k) for z in logits]
+        want_ids = np.stack([r[0] for r in routed])
+        same_ids = bool(np.array_equal(ids, want_ids))
+        err = max(rel_err(weights, np.stack([r[1] for r in routed])),
+                  rel_err(ctx.to_host(bufs.shared_gate), np.array([r[2] for r in routed])))
+        self.record(f"moe_decode_route top-k {tag}", "f32", err if same_ids else float("nan"), 1e-6,
+                    "ids equal the emulation's on the device's logits" if same_ids else f"ids {ids} vs {want_ids}")
+        tol = 1e-3 if dtype == "bf16" else 1e-6
+        want_act = emul.gate_up(x, ids, gu, dtype)
+        self.record(f"moe_decode_gate_up {tag}", dtype, rel_err(act, want_act), tol,
+                    f"bit-exact share {np.mean(act == want_act):.4f}")
+        want_y = emul.down(act, ids, weights, dn, dtype)
+        self.record(f"moe_decode_down {tag}", dtype, rel_err(got, want_y), tol,
+                    f"bit-exact share {np.mean(got == want_y):.4f}")
+        again = [call()[0]]
+        pdl = ctx.device.pdl
+        ctx.device.pdl = True
+        try:
+            again.append(call()[0])
+        finally:
+            ctx.device.pdl = pdl
+        y = ctx.empty((n, h), dtype, "y.graph")
+        graph = ctx.device.capture(lambda: layer.forward(ctx, y, dx, n))
+        for _ in range(2):
+            ctx.poison(y)
+            ctx.device.launch_graph(graph)
+            again.append(ctx.to_host(y))
+        same = [bool(np.array_equal(a.view(np.uint32) if a.dtype == np.float32 else a, got.view(np.uint32)
+                                    if got.dtype == np.float32 else got)) for a in again]
+        self.record(f"moe_decode reproducible {tag}", dtype, 0.0 if all(same) else float("nan"), 0.0,
+                    f"eager, PDL, 2 graph replays: {same}")
+
+
+def run_fused(c: Checker) -> None:
+    for case in FUSED_CASES:
+        c.run(f"moe_decode {case}", case[-1], lambda case=case: c.fused(*case))
+    for case in FUSED_LAYER_CASES:
+        c.run(f"MoeLayer fused {case}", case[-1], lambda case=case: c.layer(*case, decode="fused"))
+
+
+def run_kernels(seed: int, fused_only: bool = False) -> tuple[list[Result], dict]:
     from gpu_engine.cuda.context import GpuContext
 
     ctx = GpuContext(budget_bytes=6 << 30)
     info = {"seed": seed, "device": ctx.device.info.name, "arch": ctx.device.info.arch}
     try:
         c = Checker(ctx, np.random.default_rng(seed))
+        if fused_only:
+            run_fused(c)
+            return c.results, info
         for n, e, k, stacked in ROUTE_CASES:
             c.run(f"route n{n} E{e}", "f32", lambda n=n, e=e, k=k, st=stacked: c.route(n, e, k, st))
         for n, e, k, tile in ((1, 256, 8, "decode"), (32, 256, 8, "decode"), (8192, 256, 8, "prefill"),
@@ -311,13 +396,15 @@ def run_kernels(seed: int) -> tuple[list[Result], dict]:
             c.run(f"gemm {case[0]}", case[6], lambda case=case: c.gemm(*case))
         for case in LAYER_CASES:
             c.run(f"MoeLayer {case}", case[-1], lambda case=case: c.layer(*case))
+        run_fused(c)
         return c.results, info
     finally:
         ctx.close()
 
 
-def run_model(seed: int) -> list[Result]:
+def run_model(seed: int, fused_only: bool = False) -> list[Result]:
     from gpu_engine.config import ModelConfig
+    from gpu_engine.cuda.moe_weights import set_moe_decode
     from gpu_engine.cuda.options import CudaOptions
     from gpu_engine.cuda.runner import CudaRunner
     from gpu_engine.loader import load_weights
@@ -327,39 +414,44 @@ def run_model(seed: int) -> list[Result]:
     from tests.cuda_runner.moe_routing import CudaRoutingTrace, forced_routing
 
     results = []
-    for name, (text_cfg, layouts) in MODEL_CONFIGS.items():
-        for layout in layouts:
-            with tempfile.TemporaryDirectory() as folder:
-                make_tiny_moe_checkpoint(folder, seed=seed % 1000, layout=layout, text_config=text_cfg)
-                config = ModelConfig.from_pretrained(folder)
-                weights, _ = load_weights(folder, config)
-            for dtype in ("f32", "bf16"):
-                ref_weights = weights if dtype == "f32" else _rounded(weights)
-                ref_steps, ref_greedy = _drive(ReferenceRunner(config, ref_weights), config, seed)
-                runner = CudaRunner(config, weights, CudaOptions.from_env(dtype=dtype, memory_budget=1 << 30))
-                trace = CudaRoutingTrace(runner)
-                try:
-                    steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
-                    c = runner.decode_counts  # graph replays seen by the taps (a failed capture would run eager)
-                    counts = f"steps graphed {c.graphed}, eager-graphable {c.eager_graphable}, other {c.other}"
-                finally:
-                    runner.close()
-                reference = ReferenceRunner(config, ref_weights)
-                with forced_routing(reference, trace.calls) as routing:
-                    routed_steps, _ = _drive(reference, config, seed, forced=ref_greedy if dtype == "bf16" else None)
-                unforced = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
-                routed = float(max(rel_err(a, b) for a, b in zip(steps, routed_steps)))
-                agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
-                same = greedy == ref_greedy
-                note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}; {counts}; {routing.note()}"
-                if dtype == "f32":  # no flip may happen at f32 noise: the unforced run is the verdict
-                    worst, tol = unforced, 1e-4
-                    ok = unforced <= tol and same and routing.flips == 0 and routing.consistent
-                else:
-                    worst, tol = routed, BF16_SANITY
-                    ok, note = routed <= tol and routing.consistent, note + f"; unforced {unforced:.3f}"
-                results.append(Result(f"model {name} {layout}", dtype, worst, tol, bool(ok), note))
-                print(f"row: {results[-1]}", flush=True)
+    runs = [(name, layout, decode) for name, (_, layouts) in MODEL_CONFIGS.items() for layout in layouts
+            for decode in (("grouped", "fused") if name in FUSED_MODELS else ("grouped",))
+            if decode == "fused" or not fused_only]
+    for name, layout, decode in runs:
+        text_cfg = MODEL_CONFIGS[name][0]
+        with tempfile.TemporaryDirectory() as folder:
+            make_tiny_moe_checkpoint(folder, seed=seed % 1000, layout=layout, text_config=text_cfg)
+            config = ModelConfig.from_pretrained(folder)
+            weights, _ = load_weights(folder, config)
+        for dtype in ("f32", "bf16"):
+            ref_weights = weights if dtype == "f32" else _rounded(weights)
+            ref_steps, ref_greedy = _drive(ReferenceRunner(config, ref_weights), config, seed)
+            runner = CudaRunner(config, weights, CudaOptions.from_env(dtype=dtype, memory_budget=1 << 30))
+            set_moe_decode(runner.model.w.layers, decode)  # (the runner does not pass CudaOptions.moe_decode yet)
+            trace = CudaRoutingTrace(runner)
+            try:
+                steps, greedy = _drive(runner, config, seed, forced=ref_greedy if dtype == "bf16" else None)
+                c = runner.decode_counts  # graph replays seen by the taps (a failed capture would run eager)
+                counts = f"steps graphed {c.graphed}, eager-graphable {c.eager_graphable}, other {c.other}"
+            finally:
+                runner.close()
+            reference = ReferenceRunner(config, ref_weights)
+            with forced_routing(reference, trace.calls) as routing:
+                routed_steps, _ = _drive(reference, config, seed, forced=ref_greedy if dtype == "bf16" else None)
+            unforced = float(max(rel_err(a, b) for a, b in zip(steps, ref_steps)))
+            routed = float(max(rel_err(a, b) for a, b in zip(steps, routed_steps)))
+            agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(steps, ref_steps)])))
+            same = greedy == ref_greedy
+            note = f"top-1 {agree:.3f}, greedy {'same' if same else 'DIFF'}; {counts}; {routing.note()}"
+            if dtype == "f32":  # no flip may happen at f32 noise: the unforced run is the verdict
+                worst, tol = unforced, 1e-4
+                ok = unforced <= tol and same and routing.flips == 0 and routing.consistent
+            else:
+                worst, tol = routed, BF16_SANITY
+                ok, note = routed <= tol and routing.consistent, note + f"; unforced {unforced:.3f}"
+            label = f"model {name} {layout}{' fused' if decode == 'fused' else ''}"
+            results.append(Result(label, dtype, worst, tol, bool(ok), note))
+            print(f"row: {results[-1]}", flush=True)
     return results
 
 
@@ -368,11 +460,12 @@ def run_all(seed: int | None = None, part: str = "all") -> tuple[list[Result], d
 
     require_gpu()
     seed = fresh_seed(seed)
-    results, info = run_kernels(seed) if part in ("all", "kernels") else ([], {"seed": seed})
+    results, info = (run_kernels(seed, part == "fused") if part in ("all", "kernels", "fused")
+                     else ([], {"seed": seed}))
     mark = len(results)
-    if part in ("all", "model"):
+    if part in ("all", "model", "fused"):
         try:
-            results += run_model(seed)
+            results += run_model(seed, part == "fused")
         except Exception as exc:  # noqa: BLE001 - the kernel rows above still print
             import traceback
 
@@ -388,7 +481,7 @@ def format_table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--part", choices=("all", "kernels", "model"), default="all")
+    parser.add_argument("--part", choices=("all", "kernels", "model", "fused"), default="all")
     known, rest = parser.parse_known_args(argv)
     return check_main(__doc__.splitlines()[0], lambda seed: run_all(seed, known.part), format_table, rest)
 

@@ -6,6 +6,7 @@ The emulations follow the kernels' contracts, not their arithmetic order: moe_ro
 first, ties toward the lower id, renormalised), moe_plan's tables with each expert's rows in a shuffled order (the
 device's order within an expert is atomic), the grouped GEMMs walking the tile table and rounding as the kernels
 store (bf16: gate and up rounded before silu, the product rounded), the combine in float32 rounded once.
+The fused decode kernels (moe_decode_*) run moe_decode_emulation's mirror of their arithmetic order.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import numpy as np
 from gpu_engine.cuda.arena import Arena
 from gpu_engine.cuda.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from gpu_engine.cuda.context import ITEMSIZE, DArray
+from gpu_engine.cuda.moe_decode import DOWN_WARPS, GATE_UP_WARPS, ROUTE_WARPS
 from gpu_engine.cuda.moe_plan import host_plan
+from tests.cuda_runner import moe_decode_emulation as fused
 
 _NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u32": np.uint32, "u8": np.uint8}
 BASE = 1 << 16
@@ -135,6 +138,12 @@ class EmulatedContext:
             self._plan(*a[:6], *a[7:], shared_last=bool(a[6]))
         elif name.startswith("moe_gemm_"):
             self._gemm(name, grid, *a)
+        elif name.startswith("moe_decode_route_"):  # moe_decode_route_<dtype>_e<experts>
+            self._decode_route(name.split("_")[3], grid, *a)
+        elif name.startswith("moe_decode_gate_up_"):
+            self._decode_gate_up(name.rsplit("_", 1)[1], grid, *a)
+        elif name.startswith("moe_decode_down_"):
+            self._decode_down(name.rsplit("_", 1)[1], grid, *a)
         elif name.startswith("moe_combine_"):
             self._combine(name.rsplit("_", 1)[1], *a)
         elif name.startswith("silu_mul_"):
@@ -209,6 +218,32 @@ class EmulatedContext:
         yv = self.read(ys, t, (int(total), h)).astype(np.float64)
         w = np.where(rows >= 0, w, 0.0)  # an entry without a row (-1) adds nothing, as in the kernel
         self.write(out, t, (g[:, None] * sy + np.einsum("nk,nkh->nh", w, yv[np.maximum(rows, 0)])).astype(np.float32))
+
+    # ---- fused decode (moe_decode.py) ---------------------------------------------------------------------
+    def _decode_route(self, t: str, grid: Any, x: int, m: int, h: int, router: int, e: int, k: int, logits: int,
+                      ld: int, ids: int, weights: int, gate: int) -> None:
+        assert grid == -(-(e + 1) // ROUTE_WARPS), grid
+        z = fused.router_logits(self.read(x, t, (m, h)), self.read(router, t, (e + 1, h)), t)
+        self.write(logits, "f32", z, ld)
+        routed = [fused.route_token(row, e, k) for row in z]
+        self.write(ids, "i32", np.stack([r[0] for r in routed]))
+        self.write(weights, "f32", np.stack([r[1] for r in routed]))
+        self.write(gate, "f32", np.array([[r[2] for r in routed]], np.float32))
+
+    def _decode_gate_up(self, t: str, grid: Any, x: int, h: int, ids: int, k: int, e: int, gu: int, inter: int,
+                        act: int) -> None:
+        m = grid[0] // (k + 1)
+        assert grid == (m * (k + 1), -(-inter // GATE_UP_WARPS)), grid
+        stacks = self.read(gu, t, ((e + 1) * 2 * inter, h)).reshape(e + 1, 2 * inter, h)
+        self.write(act, t, fused.gate_up(self.read(x, t, (m, h)), self.read(ids, "i32", (m, k + 1)), stacks, t))
+
+    def _decode_down(self, t: str, grid: Any, act: int, ids: int, weights: int, k: int, e: int, dn: int, inter: int,
+                     h: int, y: int) -> None:
+        m = grid[0]
+        assert grid == (m, -(-h // DOWN_WARPS)), grid
+        stacks = self.read(dn, t, ((e + 1) * h, inter)).reshape(e + 1, h, inter)
+        self.write(y, t, fused.down(self.read(act, t, (m * (k + 1), inter)), self.read(ids, "i32", (m, k + 1)),
+                                    self.read(weights, "f32", (m, k + 1)), stacks, t))
 
     @staticmethod
     def _round(v: np.ndarray, t: str) -> np.ndarray:

@@ -138,5 +138,8 @@ def test_the_layer_bench_runs_end_to_end_on_the_emulation() -> None:
     assert r["prefill"]["gate_up"]["ms"] >= 0 and len(r["decode"]) == 4
     assert all(d["max_tiles_per_expert"] == 1 for d in r["decode"])
     assert "decode batch 32 pdl" in moe_layer_bench.table(r)
+    assert [d["batch"] for d in r["decode_fused"]] == [1, 2, 4, 8]  # fused vs grouped (the shared expert stacked)
+    assert set(r["decode_fused"][0]["fused_stages_us"]) == {"route", "gate_up", "down"}
+    assert "decode batch 8 fused vs grouped" in moe_layer_bench.table(r)
     assert {"router_gemm", "route", "route_v2", "moe_plan", "moe_plan_v2", "gate_up", "down", "combine", "combine_v2",
             "gate_up[decode_bn32]"} <= set(r["decode"][-1]["stages_us"])

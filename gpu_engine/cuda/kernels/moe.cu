@@ -570,3 +570,339 @@ extern "C" __global__ void moe_combine_bf16(bf16_t* out, const bf16_t* y_sorted,
                                             const bf16_t* shared_y, int n, int H) {
     combine<bf16_t>(out, y_sorted, entry_row, weights, k, shared_gate, shared_y, n, H);
 }
+
+// ---- fused small-batch decode (host side gpu_engine/cuda/moe_decode.py; CudaOptions.moe_decode = "fused") --------
+// A few tokens (moe_decode.MAX_ROWS), three launches and no plan: at batch 1 the grouped path's six launches spend
+// ~65 of their ~79 us in per-kernel latency (35B-A3B, H200), while its bytes need ~14 us. Here every block is a
+// GEMV slice whose 16-byte weight loads are all issued at once (P or R pieces a lane in flight), so the launches are
+// bandwidth-bound, and each is one dependent step of the chain
+//   moe_decode_route:   logits = [router; shared gate] x (a warp a router row), then the last block to finish
+//                       (a self-resetting arrival counter) takes top-k / weights / sigmoid of every token,
+//   moe_decode_gate_up: act[entry] = silu(gate) * up, a block (entry, 4 features), entry = (token, slot); slot k is
+//                       the stacked shared expert (expert E of the stacks, weight sigmoid(gate)),
+//   moe_decode_down:    y[t, c] = sum over the token's slots in order of w_j (down_j[c] . act[t, j]), a block
+//                       (token, 4 columns): the combine is fused, fp32 throughout, one rounding at the store.
+// Weights a launch knows before its predecessor ends (the router rows; the shared expert's rows) are loaded into
+// registers between griddepcontrol.launch_dependents and griddepcontrol.wait, so with PDL they stream during the
+// previous kernel. Grids put the entry (gate_up) or the token (down) fastest: blocks that read the same expert (two
+// tokens that chose it, the shared expert of every token) run side by side and meet in L2, so DRAM reads each
+// chosen expert about once without a dedup table.
+// Determinism: every sum has a fixed order (a lane's 16-byte pieces g = 0, 1, ... at element (32 g + lane) V, then
+// the xor butterfly; slots 0..k in order), no atomics touch values (the arrival counter only elects the block that
+// routes, which reads the complete logits), so outputs are bit-identical across runs and graph replays.
+// tests/cuda_runner/moe_decode_emulation.py mirrors this arithmetic order in numpy. Needs H and I multiples of
+// 16 / sizeof(T), 16-byte aligned bases, E <= 1024, k <= 32 (the host checks: moe_decode.fused_problem).
+
+// Blocks of the running moe_decode_route that have finished their rows (zero at module load; atomicInc wraps it
+// back to zero in the last block, so each launch finds it at zero). One moe_decode_route runs at a time per loaded
+// module: launches on one stream, and a PDL-early launch does not reach the counter before its griddepcontrol.wait.
+__device__ unsigned int moe_decode_route_arrivals;
+
+__device__ __forceinline__ void moe_pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void moe_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename T>
+union Piece16 {
+    uint4 u;
+    T v[16 / sizeof(T)];
+};
+
+// acc + w . x over one 16-byte piece, one fmaf a value in order (bf16 products are exact in fp32).
+template <typename T>
+__device__ __forceinline__ float piece_dot(uint4 w, uint4 x, float acc) {
+    Piece16<T> a, b;
+    a.u = w;
+    b.u = x;
+#pragma unroll
+    for (int i = 0; i < (int)(16 / sizeof(T)); ++i) acc = fmaf(to_f(a.v[i]), to_f(b.v[i]), acc);
+    return acc;
+}
+
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// One token's routing by one warp from its logits row (written by other blocks of this launch: read through L2):
+// moe_route_v2's arithmetic, expression for expression (the same ids and weights from the same logits), with the
+// warp's pick taken by two redux.sync (sm_80+, as cp.async above: largest p; among equal p the lowest expert)
+// instead of a shuffle butterfly.
+// Expert e is lane e % 32, slot e / 32 (E <= 32 * SLOTS).
+template <int SLOTS>
+__device__ __forceinline__ void decode_route_token(const float* row, int E, int k, int* __restrict__ ids,
+                                                   float* __restrict__ weights, float* __restrict__ shared_gate) {
+    const int lane = threadIdx.x & 31;
+    float p[SLOTS];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? __ldcg(row + e) : NEG_INF;
+        mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s)
+        if (lane + 32 * s < E) sum += expf(p[s] - mx);
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) p[s] = lane + 32 * s < E ? expf(p[s] - mx) / sum : -1.f;  // -1: never picked
+    unsigned taken = 0u;
+    float top_sum = 0.f, my_p = 0.f;
+    int my_id = 0;
+    for (int j = 0; j < k; ++j) {
+        unsigned bk = 0u;  // key: p's bits + 1 (p >= 0 orders as its bits); 0: nothing left in this lane
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int s = 0; s < SLOTS; ++s) {
+            const unsigned key = __float_as_uint(p[s]) + 1u;
+            if (!(taken & (1u << s)) && p[s] >= 0.f && key > bk) { bk = key; be = lane + 32 * s; }
+        }
+        const unsigned wk = __reduce_max_sync(0xffffffffu, bk);
+        be = (int)__reduce_min_sync(0xffffffffu, bk == wk ? (unsigned)be : 0xffffffffu);
+        const float bv = __uint_as_float(wk - 1u);
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        top_sum += bv;
+        if (lane == j) { my_p = bv; my_id = be; }
+    }
+    if (lane < k) {
+        ids[lane] = my_id;
+        weights[lane] = my_p / top_sum;
+    }
+    if (lane == 0) {
+        const float sg = sigmoidf(__ldcg(row + E));
+        *shared_gate = sg;
+        ids[k] = E;
+        weights[k] = sg;
+    }
+}
+
+// Block = ROUTE warps, warp w of block b owns router row b * warps + w (E + 1 rows: the experts', then the shared
+// gate's). x [m, H] packed; logits f32 [m, ld]; ids / weights [m, k + 1]; shared_gate [m]. Dynamic smem: m * H * T.
+template <typename T, int SLOTS>
+__device__ __forceinline__ void decode_route(const T* __restrict__ x, int m, int H, const T* __restrict__ router,
+                                             int E, int k, float* __restrict__ logits, int ld, int* __restrict__ ids,
+                                             float* __restrict__ weights, float* __restrict__ shared_gate) {
+    constexpr int V = 16 / sizeof(T), P = 8;  // P pieces a lane in flight: 32 * P * V values of a row a pass
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint4* xs = reinterpret_cast<uint4*>(smem_raw);  // [m, H / V]
+    __shared__ int last;
+    const int tid = threadIdx.x, lane = tid & 31, warps = blockDim.x >> 5, row = blockIdx.x * warps + (tid >> 5);
+    const bool live = row <= E;  // warp-uniform
+    const T* w = router + (long long)(live ? row : 0) * H;
+    uint4 w0[P];
+    moe_pdl_launch_dependents();
+#pragma unroll
+    for (int i = 0; i < P; ++i) {  // the router is a weight: its row streams before the input is ready
+        const int c = (i * 32 + lane) * V;
+        w0[i] = live && c < H ? ldg16(w + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    moe_pdl_wait();
+    const int hv = H / V;
+    for (int i = tid; i < m * hv; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(x)[i];
+    __syncthreads();
+    if (live) {
+        for (int t = 0; t < m; ++t) {
+            const uint4* xt = xs + t * hv;
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < P; ++i) {
+                const int c = (i * 32 + lane) * V;
+                if (c < H) acc = piece_dot<T>(w0[i], xt[c / V], acc);
+            }
+            for (int c0 = 32 * P * V; c0 < H; c0 += 32 * P * V) {  // rows longer than one pass
+#pragma unroll
+                for (int i = 0; i < P; ++i) {
+                    const int c = c0 + (i * 32 + lane) * V;
+                    if (c < H) acc = piece_dot<T>(ldg16(w + c), xt[c / V], acc);
+                }
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) logits[(long long)t * ld + row] = acc;
+        }
+    }
+    __threadfence();  // this block's logits reach L2 before its arrival is counted
+    __syncthreads();
+    if (tid == 0) last = atomicInc(&moe_decode_route_arrivals, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = tid >> 5; t < m; t += warps)
+        decode_route_token<SLOTS>(logits + (long long)t * ld, E, k, ids + t * (k + 1), weights + t * (k + 1),
+                                  shared_gate + t);
+}
+
+// Block (entry = token * (k + 1) + slot, WARPS features); warp: feature f's gate row f and up row I + f of the
+// slot's expert (slot k: expert E, the stacked shared expert, known before the wait). act [m * (k + 1), I] =
+// from_f(silu(from_f(gate)) * from_f(up)) (the grouped kernels' rounding). Dynamic smem: H * T (the token's x).
+template <typename T, int WARPS>
+__device__ __forceinline__ void decode_gate_up(const T* __restrict__ x, int H, const int* __restrict__ ids, int k,
+                                               int E, const T* __restrict__ gate_up, int I, T* __restrict__ act) {
+    constexpr int V = 16 / sizeof(T), P = 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint4* xs = reinterpret_cast<uint4*>(smem_raw);  // [H / V]
+    const int tid = threadIdx.x, lane = tid & 31, entry = blockIdx.x, stride = k + 1;
+    const int t = entry / stride, slot = entry - t * stride, f = blockIdx.y * WARPS + (tid >> 5);
+    const bool live = f < I, shared = slot == k;
+    uint4 g0[P], u0[P];
+    const T* g = gate_up + ((long long)E * 2 * I + (live ? f : 0)) * H;  // the shared expert's; routed: below
+    moe_pdl_launch_dependents();
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int c = (i * 32 + lane) * V;
+        const bool ok = shared && live && c < H;
+        g0[i] = ok ? ldg16(g + c) : make_uint4(0u, 0u, 0u, 0u);
+        u0[i] = ok ? ldg16(g + (long long)I * H + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    moe_pdl_wait();
+    if (!shared && live) {  // the routed expert: its rows in flight while x is staged
+        g = gate_up + ((long long)ids[entry] * 2 * I + f) * H;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int c = (i * 32 + lane) * V;
+            g0[i] = c < H ? ldg16(g + c) : make_uint4(0u, 0u, 0u, 0u);
+            u0[i] = c < H ? ldg16(g + (long long)I * H + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    const int hv = H / V;
+    for (int i = tid; i < hv; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(x + (long long)t * H)[i];
+    __syncthreads();
+    if (!live) return;
+    float ag = 0.f, au = 0.f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int c = (i * 32 + lane) * V;
+        if (c < H) {
+            ag = piece_dot<T>(g0[i], xs[c / V], ag);
+            au = piece_dot<T>(u0[i], xs[c / V], au);
+        }
+    }
+    for (int c0 = 32 * P * V; c0 < H; c0 += 32 * P * V) {
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int c = c0 + (i * 32 + lane) * V;
+            if (c < H) {
+                ag = piece_dot<T>(ldg16(g + c), xs[c / V], ag);
+                au = piece_dot<T>(ldg16(g + (long long)I * H + c), xs[c / V], au);
+            }
+        }
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) act[(long long)entry * I + f] = from_f<T>(silu(to_f(from_f<T>(ag))) * to_f(from_f<T>(au)));
+}
+
+// Block (token t, WARPS output columns); warp: column c, y[t, c] = sum over slots j = 0..k in order of
+// fmaf(w_j, part_j, .) with part_j a lane's share of down_j[c, :] . act[t * (k + 1) + j, :], then the butterfly.
+// Routed slots' pieces go R at a time in flight (across slots), the first R issued before the activations are
+// staged; the shared slot's row (expert E) is loaded before the wait (SP pieces: I <= 32 * SP * V, more are read
+// after). Lane j holds slot j's expert and weight (shuffled out). Dynamic smem: (k + 1) * I * T (the activations).
+template <typename T, int WARPS, int R, int SP>
+__device__ __forceinline__ void decode_down(const T* __restrict__ act, const int* __restrict__ ids,
+                                            const float* __restrict__ weights, int k, int E,
+                                            const T* __restrict__ down, int I, int H, T* __restrict__ y) {
+    constexpr int V = 16 / sizeof(T);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint4* as = reinterpret_cast<uint4*>(smem_raw);  // [(k + 1) * I / V]
+    const int tid = threadIdx.x, lane = tid & 31, t = blockIdx.x, stride = k + 1;
+    const int col = blockIdx.y * WARPS + (tid >> 5);
+    const bool live = col < H;  // warp-uniform
+    const T* sw = down + ((long long)E * H + (live ? col : 0)) * I;  // the shared expert's row
+    uint4 s0[SP];
+    moe_pdl_launch_dependents();
+#pragma unroll
+    for (int i = 0; i < SP; ++i) {
+        const int c = (i * 32 + lane) * V;
+        s0[i] = live && c < I ? ldg16(sw + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    moe_pdl_wait();
+    const int my_id = lane < k ? ids[t * stride + lane] : 0;
+    const float my_w = lane < stride ? weights[t * stride + lane] : 0.f;
+    const int CH = (I + 32 * V - 1) / (32 * V), Q = live ? k * CH : 0;
+    uint4 wv[R];
+    int j0 = 0, g0 = 0;  // slot and piece of the batch's first load (q0 = j0 * CH + g0)
+    auto load = [&](int q0) {
+        int j = j0, gq = g0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int c = (gq * 32 + lane) * V;
+            const long long row = (long long)__shfl_sync(0xffffffffu, my_id, j & 31) * H + col;
+            wv[r] = q0 + r < Q && c < I ? ldg16(down + row * I + c) : make_uint4(0u, 0u, 0u, 0u);
+            if (++gq == CH) { gq = 0; ++j; }
+        }
+    };
+    if (live) load(0);
+    const int iv = I / V;
+    for (int i = tid; i < stride * iv; i += blockDim.x)
+        as[i] = reinterpret_cast<const uint4*>(act + (long long)t * stride * I)[i];
+    __syncthreads();
+    if (!live) return;
+    float acc = 0.f, part = 0.f;
+    for (int q0 = 0; q0 < Q; q0 += R) {
+        if (q0) load(q0);
+        int j = j0, gq = g0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int c = (gq * 32 + lane) * V;
+            const float w = __shfl_sync(0xffffffffu, my_w, j & 31);
+            if (q0 + r < Q) {
+                if (c < I) part = piece_dot<T>(wv[r], as[(j * I + c) / V], part);
+                if (gq == CH - 1) {
+                    acc = fmaf(w, part, acc);
+                    part = 0.f;
+                }
+            }
+            if (++gq == CH) { gq = 0; ++j; }
+        }
+        j0 = j;
+        g0 = gq;
+    }
+#pragma unroll
+    for (int i = 0; i < SP; ++i) {
+        const int c = (i * 32 + lane) * V;
+        if (c < I) part = piece_dot<T>(s0[i], as[(k * I + c) / V], part);
+    }
+    for (int c0 = 32 * SP * V; c0 < I; c0 += 32 * V) {  // shared rows longer than the preloaded pieces
+        const int c = c0 + lane * V;
+        if (c < I) part = piece_dot<T>(ldg16(sw + c), as[(k * I + c) / V], part);
+    }
+    acc = fmaf(__shfl_sync(0xffffffffu, my_w, k), part, acc);
+    acc = warp_sum(acc);
+    if (lane == 0) y[(long long)t * H + col] = from_f<T>(acc);
+}
+
+// Entries (moe_decode.py names them): route by dtype and experts a lane (e256: E <= 256, e1024: E <= 1024).
+#define MOE_DECODE_ROUTE_ENTRY(NAME, T, SLOTS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                              \
+        NAME(const T* x, int m, int H, const T* router, int E, int k, float* logits, int ld, int* ids,            \
+             float* weights, float* shared_gate) {                                                                 \
+        decode_route<T, SLOTS>(x, m, H, router, E, k, logits, ld, ids, weights, shared_gate);                     \
+    }
+MOE_DECODE_ROUTE_ENTRY(moe_decode_route_bf16_e256, bf16_t, 8)
+MOE_DECODE_ROUTE_ENTRY(moe_decode_route_bf16_e1024, bf16_t, 32)
+MOE_DECODE_ROUTE_ENTRY(moe_decode_route_f32_e256, float, 8)
+MOE_DECODE_ROUTE_ENTRY(moe_decode_route_f32_e1024, float, 32)
+
+// 4 blocks an SM at least: ptxas otherwise settles on 80 registers and spills (NVRTC 13.5, sm_90).
+#define MOE_DECODE_GATE_UP_ENTRY(NAME, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 4)                                                           \
+        NAME(const T* x, int H, const int* ids, int k, int E, const T* gate_up, int I, T* act) {                  \
+        decode_gate_up<T, 4>(x, H, ids, k, E, gate_up, I, act);                                                    \
+    }
+MOE_DECODE_GATE_UP_ENTRY(moe_decode_gate_up_bf16, bf16_t)
+MOE_DECODE_GATE_UP_ENTRY(moe_decode_gate_up_f32, float)
+
+#define MOE_DECODE_DOWN_ENTRY(NAME, T, SP)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128)                                                              \
+        NAME(const T* act, const int* ids, const float* weights, int k, int E, const T* down, int I, int H,       \
+             T* y) {                                                                                               \
+        decode_down<T, 4, 16, SP>(act, ids, weights, k, E, down, I, H, y);                                         \
+    }
+MOE_DECODE_DOWN_ENTRY(moe_decode_down_bf16, bf16_t, 2)
+MOE_DECODE_DOWN_ENTRY(moe_decode_down_f32, float, 4)
