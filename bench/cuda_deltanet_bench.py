@@ -30,7 +30,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_commit import git_commit
 from cuda_bench import time_ms  # (CUDA events, warm-up, median)
 from op_bench import agreement
 
@@ -59,17 +59,6 @@ class Workload:
 
 
 WORKLOADS = {"fresh8k": Workload((8192,), True), "doc": Workload((1,) * 56 + (2034,) * 4, False)}
-
-
-def git_commit() -> str:
-    env = os.environ.get("DOCPIPE_BENCH_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def phase_times(ctx: GpuContext, call: Callable[[Callable[[str], None]], None], warmup: int,

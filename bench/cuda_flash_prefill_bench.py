@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,20 +24,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_engine.cuda import flash_plan  # noqa: E402  # after the path insert
+from bench_commit import git_commit  # noqa: E402  # after the path insert
+
+from gpu_engine.cuda import flash_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"9b": (16, 4), "27b": (24, 4)}  # q heads, kv heads
 HEAD_DIM, BLOCK_SIZE = 256, 16
 WORKLOADS = {"fresh 8192": [(0, 8192)], "doc 4 x (2048+2048)": [(2048, 2048)] * 4}  # (cached, new) per sequence
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def causal_flops(seqs: list[tuple[int, int]], heads: int) -> float:
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     arch = ctx.device.info.arch
     variants = ["fa2"] + [v for v in args.ws_variants.split(",")
                           if flash_plan.flash_variant(v, HEAD_DIM, False, arch) == v]
-    result: dict = {"device": ctx.device.info.name, "arch": arch, "commit": commit(), "seed": seed,
+    result: dict = {"device": ctx.device.info.name, "arch": arch, "commit": git_commit(), "seed": seed,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "block_size": BLOCK_SIZE,
                     "variants": variants, "rows": []}
     try:

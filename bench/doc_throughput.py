@@ -52,8 +52,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +61,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_commit import git_commit
 from doc_ceilings import measure_ceilings
 from doc_engine_fields import EngineMark, engine_fields
 from doc_models import QWEN_IMAGE_MAX_PIXELS, SHAPES, build_engine, check_shapes, model_cost, row_labels, write_model
@@ -231,17 +230,6 @@ def preflight(args: argparse.Namespace) -> None:
         validate_schema_definition(spec.name, spec.json_schema, spec.merge_rules)  # one a user could register
         settings, params, _ = mode_params(mode, spec, Path(tempfile.gettempdir()))
         unit_request(make_units(1, 0, settings, mix=(1, 0, 0))[0], spec.prompt, params, settings)
-
-
-def git_commit() -> str:
-    env = os.environ.get("DOCPIPE_BENCH_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_commit import git_commit
 from doc_models import QWEN_IMAGE_MAX_PIXELS, write_model
-from doc_throughput import git_commit
 from pipeline_batch import write_batch
 
 PARTS = ("engine", "celery", "embedded")  # the ceiling, then the goal's path
