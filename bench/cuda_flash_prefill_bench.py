@@ -28,7 +28,6 @@ from bench_commit import git_commit  # noqa: E402  # after the path insert
 
 from gpu_engine.cuda import flash_plan  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"9b": (16, 4), "27b": (24, 4)}  # q heads, kv heads
 HEAD_DIM, BLOCK_SIZE = 256, 16
 WORKLOADS = {"fresh 8192": [(0, 8192)], "doc 4 x (2048+2048)": [(2048, 2048)] * 4}  # (cached, new) per sequence
