@@ -67,8 +67,8 @@ def bench_case(ctx, rng: np.random.Generator, shape: str, workload: str, variant
         flops = causal_flops(seqs, heads)
         rows, outs = [], {}
         for v in variants:
-            rows = flash_plan.FLASH_TILE_ROWS[v]
-            tiles = ctx.to_device(flash_plan.flash_tiles([m for _, m in seqs], rows), "i32", f"tiles-{v}")
+            tile_rows = flash_plan.FLASH_TILE_ROWS[v]
+            tiles = ctx.to_device(flash_plan.flash_tiles([m for _, m in seqs], tile_rows), "i32", f"tiles-{v}")
             out = ctx.empty((n, heads * hd), "bf16", f"out-{v}")
             ctx.poison(out)
 
