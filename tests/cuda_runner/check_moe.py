@@ -67,7 +67,10 @@ LAYER_CASES = ((1, 16, 4, 256, 96, 80, "bf16"), (7, 16, 4, 256, 96, 80, "f32"), 
                (1, 12, 8, 2048, 512, 512, "bf16"), (32, 16, 8, 2048, 512, 512, "bf16"), (20, 6, 2, 64, 21, 37, "f32"),
                (9, 6, 2, 64, 24, 24, "f32"), (700, 8, 2, 256, 128, 128, "bf16"))
 # fused decode: (tokens, experts, top-k, hidden, intermediate, dtype); the shared expert stacked (width = I)
-FUSED_CASES = ((1, 256, 8, 2048, 512, "bf16"), (8, 256, 8, 2048, 512, "bf16"), (3, 6, 2, 96, 40, "bf16"),
+# (35B-A3B's H, I and top-8 over 32 experts: the numpy mirror gathers every entry's expert in float32; 256 experts
+# at a small width)
+FUSED_CASES = ((1, 32, 8, 2048, 512, "bf16"), (8, 32, 8, 2048, 512, "bf16"), (8, 256, 8, 64, 16, "bf16"),
+               (3, 6, 2, 96, 40, "bf16"),
                (5, 6, 2, 96, 40, "f32"), (2, 300, 10, 520, 72, "bf16"), (4, 40, 4, 4096, 64, "bf16"),
                (8, 64, 8, 1032, 1040, "f32"), (1, 64, 31, 64, 16, "f32"))
 FUSED_LAYER_CASES = ((1, 12, 8, 2048, 512, 512, "bf16"), (8, 16, 4, 256, 96, 96, "bf16"),
