@@ -53,6 +53,7 @@ from .memory_plan import (
     step_reserve_bytes,
     vision_reserve_bytes,
 )
+from .moe_weights import set_moe_decode
 from .mtp import (
     CudaMtpHead,
     KeptRows,
@@ -117,6 +118,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
         self.flash_tile_rows = self.model.flash_tile_rows
         self.model.deltanet_chunked = o.deltanet_chunked
         self.model.deltanet_rows_apart = o.deltanet_rows_apart
+        set_moe_decode(self.model.w.layers, o.moe_decode)  # MoE layers' small-batch path (no-op for dense models)
         # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
         self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
         self.mtp_head = self.mtp is not None
