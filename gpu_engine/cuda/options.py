@@ -45,9 +45,9 @@ class CudaOptions:
     # The vision tower's flash-attention kernel variant (vision_flash.VARIANTS; DOCPIPE_CUDA_VISION_FLASH); None:
     # vision_flash.DEFAULT_VARIANT.
     vision_flash: str | None = None
-    # The prefill attention kernel (ops.FLASH_TILE_ROWS; DOCPIPE_CUDA_FLASH_PREFILL): "fa2" (flash_prefill.cu,
+    # The prefill attention kernel (flash_plan.FLASH_TILE_ROWS; DOCPIPE_CUDA_FLASH_PREFILL): "fa2" (flash_prefill.cu,
     # mma.sync) or "ws" (flash_prefill_ws.cu: warp-specialised wgmma, 128-row tiles; used for a bf16 KV cache at
-    # head_dim 256 on sm_90, "fa2" elsewhere: ops.flash_variant). "ws" since session 14: check_flash 39/39 and
+    # head_dim 256 on sm_90, "fa2" elsewhere: flash_plan.flash_variant). "ws" since session 14: check_flash 39/39 and
     # 1.16-1.19x fa2 on the H200 at 9B / 27B (bench/results/cuda/cuda_flash_prefill_bench.json).
     flash_prefill: str = "ws"
     # Same-grid vision items of a step in one tower call (encode_vision_batch, cuda/vision_batch.py;
@@ -93,7 +93,7 @@ class CudaOptions:
 
         if self.vision_flash is not None and self.vision_flash not in VARIANTS:
             raise ShapeError(f"DOCPIPE_CUDA_VISION_FLASH must be one of {sorted(VARIANTS)}, got {self.vision_flash!r}")
-        from .ops import FLASH_TILE_ROWS
+        from .flash_plan import FLASH_TILE_ROWS
 
         if self.flash_prefill not in FLASH_TILE_ROWS:
             raise ShapeError(f"DOCPIPE_CUDA_FLASH_PREFILL must be one of {sorted(FLASH_TILE_ROWS)}, got "
