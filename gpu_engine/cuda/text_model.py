@@ -168,13 +168,15 @@ class CudaTextModel:
         ks, vs = cache.k_scale, cache.v_scale  # FP8 cache only (kv_fp8.py)
         rows, seqs, pos, tiles_apart = m.dec_rows, m.dec_seq, m.dec_pos, m.tiles_apart
         if t == "bf16" and hd in flash_plan.FLASH_HEAD_DIMS and longest_chunk >= FLASH_MIN_CHUNK:
-            flash = dict(k_scale=ks, v_scale=vs, variant=self.flash_variant)
+            variant = self.flash_variant
             if self.decode_rows_apart and rows is not None and seqs is not None and pos is not None \
                     and tiles_apart is not None:
-                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5, **flash)
+                ops.flash_prefill(ctx, *args, tiles_apart, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks,
+                                  v_scale=vs, variant=variant)
                 self._decode_rows(out, q, proj, cache, m.tables, rows, seqs, pos, block_size)
             else:
-                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5, **flash)
+                ops.flash_prefill(ctx, *args, m.tiles, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs,
+                                  variant=variant)
         else:  # decode steps, short chunks, fp32 runs
             ops.paged_attention(ctx, *args, nh, kvh, hd, block_size, hd ** -0.5, k_scale=ks, v_scale=vs)
         w.o_proj(ctx, a.d, out, n)
