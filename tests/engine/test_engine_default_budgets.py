@@ -10,6 +10,7 @@ import pytest
 from test_engine_core_fakes import FakeRunner, tiny_tokenizer, vision_prompt
 
 from gpu_engine.cache_sizing import cache_budget, size_cache
+from gpu_engine.config import ModelConfig
 from gpu_engine.cuda import memory_plan
 from gpu_engine.cuda.options import DEFAULT_ENCODER_MEMORY, CudaOptions, encoder_region_bytes
 from gpu_engine.encoder_cache import DEFAULT_ENCODER_TOKENS, MIN_ENCODER_BUDGET, default_encoder_budget
@@ -109,7 +110,7 @@ def test_cuda_default_encoder_region_takes_at_most_a_quarter_of_a_small_budget(b
     assert encoder_region_bytes(12345, budget) == 12345  # an explicit size is kept
 
 
-TEXT_9B = SimpleNamespace(hidden_size=4096, intermediate_size=12288, vocab_size=248320)
+TEXT_9B = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": {}, "vision_config": {}}).text  # 9B
 VISION_9B = SimpleNamespace(patch_dim=1536, hidden_size=1152, intermediate_size=4304)
 
 
