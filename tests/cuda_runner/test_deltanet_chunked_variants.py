@@ -3,6 +3,8 @@ the launcher's refusal of an unknown variant before any launch, and what each va
 dynamic shared memory, arena use)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from gpu_engine.cuda import deltanet_chunked as dc
 from gpu_engine.cuda.arena import Arena
 from gpu_engine.cuda.context import DArray
+from gpu_engine.cuda.device import KERNEL_DIR
 from gpu_engine.cuda.errors import ShapeError
 from gpu_engine.cuda.options import CudaOptions
 from tests.cuda_runner.no_launch import arr, no_launch_ctx
@@ -115,3 +118,26 @@ def test_states_variant_shared_memory_and_workspace() -> None:
     assert extra == dc.chunk_slots(8192, 1) * 32 * 2 * 128 * (128 + 64)
     with pytest.raises(ShapeError, match="DOCPIPE_CUDA_DELTANET_CHUNKED"):
         dc.workspace_bytes(64, 1, 1, 128, 128, "fast")
+
+
+def _layout_bytes(struct: str, **params: int) -> int:
+    """BYTES of a layout struct of kernels/deltanet_chunked.cu, its constexpr lines evaluated in order with the
+    template parameters and the file's #defines."""
+    src = (Path(KERNEL_DIR) / "deltanet_chunked.cu").read_text()
+    env: dict[str, int] = {name: int(v) for name, v in re.findall(r"#define (GC_\w+) (\d+)", src)} | params
+    body = re.search(rf"struct {struct} {{(.*?)\n}};", src, re.S)
+    assert body is not None, struct
+    for decl in re.findall(r"static constexpr int (.*?);", body.group(1)):
+        for part in decl.split(", "):
+            name, expr = part.split(" = ")
+            env[name] = eval(expr, {}, dict(env))  # integer arithmetic on the names above: nothing else is in scope
+    return env["BYTES"]
+
+
+@pytest.mark.parametrize("dk,dv", dc.HEAD_DIMS)
+def test_host_shared_memory_matches_the_kernels_layouts(dk: int, dv: int) -> None:
+    # the kernels do not check their dynamic shared memory: the host's count must be the layout's own
+    assert re.findall(r"#define GC_C (\d+)", (Path(KERNEL_DIR) / "deltanet_chunked.cu").read_text()) == [str(dc.CHUNK)]
+    for width in (dc.DV_SLICE, dc.NARROW_DV_SLICE):
+        assert dc.states_shared_bytes(dk, width) == _layout_bytes("GsLayout", DK=dk, SLICE=width)
+    assert dc.output_shared_bytes(dk, dv) == _layout_bytes("GoLayout", DK=dk, DV=dv)

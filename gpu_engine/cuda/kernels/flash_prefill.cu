@@ -27,7 +27,7 @@
 #include "fp8_kv.cuh"
 #include "flash_epilogue.cuh"
 
-#define FP_ROWS 64     // query rows per tile (4 warps x 16); ops.FLASH_TILE must match
+#define FP_ROWS 64     // query rows per tile (4 warps x 16); flash_plan.FLASH_TILE must match
 #define FP_THREADS 128
 #define FP_PAD 8       // bf16 elements of padding per shared-memory row (16 bytes)
 
@@ -41,7 +41,8 @@ template <int HD, bool FP8 = false> struct FlashShape {
     static constexpr int RAW_TILE = BN * LDB;          // FP8: bytes of one raw K (or V) buffer
     static constexpr int RAW_OFFSET = 2 * (2 * TILES * KV_TILE + (Q_IN_REGS ? 0 : FP_ROWS * LD));  // bytes
     static constexpr int SCALE_OFFSET = RAW_OFFSET + 4 * RAW_TILE;  // [buffer][K, V][BN] float
-    // K[2] + V[2] (+ Q), FP8: K + V (+ Q) + raw K[2] + V[2] + scales: must equal ops.flash_shared_bytes(HD, fp8)
+    // K[2] + V[2] (+ Q), FP8: K + V (+ Q) + raw K[2] + V[2] + scales:
+    // must equal flash_plan.flash_shared_bytes(HD, fp8)
     static constexpr int SMEM_BYTES = FP8 ? SCALE_OFFSET + 2 * 2 * BN * 4 : RAW_OFFSET;
 };
 

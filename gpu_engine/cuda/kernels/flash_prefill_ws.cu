@@ -2,7 +2,8 @@
 // flash_prefill.cu's function at head_dim 256 (bf16 paged KV cache) on Hopper's warpgroup MMA with warp
 // specialisation (FlashAttention-3's structure): same arguments, same outputs (ops.flash_prefill, variant "ws").
 //
-// A tile is up to FW_ROWS = 128 consecutive query tokens of ONE sequence (host-built, ops.flash_tiles(lens, 128));
+// A tile is up to FW_ROWS = 128 consecutive query tokens of ONE sequence (host-built,
+// flash_plan.flash_tiles(lens, 128));
 // grid (query heads, tiles) as flash_prefill.cu: the heads sharing a KV head are neighbouring blocks (L2 reuse), and
 // the heaviest (latest) tiles run first. A block is one producer warpgroup that only copies keys and values, and two
 // consumer warpgroups of 64 query rows each that only compute; setmaxnreg moves registers from the producer to them.
@@ -54,7 +55,7 @@
 #include "flash_epilogue.cuh"
 
 #define FW_HD 256
-#define FW_ROWS 128          // query rows per tile; ops.FLASH_TILE_ROWS["ws"] must match
+#define FW_ROWS 128          // query rows per tile; flash_plan.FLASH_TILE_ROWS["ws"] must match
 #define FW_BN 64             // keys per step
 #define FW_THREADS 384       // producer + 2 consumer warpgroups
 #define FW_K_STAGES 2
@@ -68,7 +69,8 @@ struct FwShape {
     static constexpr int TILE = FW_BN / 8 * GROUP;                // one K or V stage (64 rows), one consumer's Q
     static constexpr int V_OFFSET = FW_K_STAGES * TILE;
     static constexpr int Q_OFFSET = V_OFFSET + FW_V_STAGES * TILE;
-    static constexpr int SMEM_BYTES = Q_OFFSET + 2 * TILE;        // must equal ops.flash_shared_bytes(256, ws=True)
+    // must equal flash_plan.flash_shared_bytes(256, ws=True)
+    static constexpr int SMEM_BYTES = Q_OFFSET + 2 * TILE;
 };
 
 // the full barrier's arrival once all of this thread's earlier cp.async copies have landed (counted in its init)
