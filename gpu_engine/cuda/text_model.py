@@ -70,8 +70,8 @@ class CudaTextModel:
         self.rope_axis = ctx.to_device(rotary.mrope_axis(config.rotary_dim, config.mrope_section), "i32", "rope.axis")
         # In a step that carries a prompt chunk of FLASH_MIN_CHUNK+ tokens, give its one-token rows (decode tokens)
         # to paged_attention instead of one flash_prefill tile each (step.StepTables.dec_rows): on the H200 at
-        # 192 x 8k that is 2.0 instead of 8.1 ms a layer. Off until the runner with it is checked on a GPU
-        # (bench/results/cuda_notes.md, session 7, #14 decode helper).
+        # 192 x 8k that is 2.0 instead of 8.1 ms a layer. Set by the runner from CudaOptions.decode_rows_apart (on
+        # by default since check_decode_rows_apart passed on an H200, session 8); off here for bare models.
         self.decode_rows_apart = False
         # The prefill attention kernel (flash_plan.flash_variant of CudaOptions.flash_prefill, set by the runner): every
         # step's tiles are built for it (build_step's tile_rows = flash_tile_rows).
