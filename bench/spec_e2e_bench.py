@@ -54,6 +54,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from spec_cost_bench import Clock  # noqa: E402  (after the path set-up: bench/ is not a package)
+
 BATCHES = (1, 8, 32)
 K = 3  # the goals' drafts per window
 MORE_K = (1, 2)  # measured after the k = 3 rows while time is left (batch 1 and 8)
@@ -63,16 +65,6 @@ MAX_TOKENS = 96  # output tokens per request
 EMBED_RMS = 1024.0  # the scaled embedding's rms: far above the layers' adds (27B random: ~200 after layer 0)
 TOP_LOGIT = 24.0  # nats: the greedy token's logit, roughly (the others stay within a few nats of 0)
 E2E_BLOCKS = 1000  # KV blocks of 16 tokens: 32 requests of PROMPT + MAX_TOKENS + drafts, twice over
-
-
-class Clock:
-    """The run's deadline: a row starts only with `need` seconds left."""
-
-    def __init__(self, deadline_s: float) -> None:
-        self.t0, self.deadline = time.perf_counter(), deadline_s
-
-    def left(self) -> float:
-        return self.deadline - (time.perf_counter() - self.t0)
 
 
 # ------------------------------------------------------------------------------------------- the confident target

@@ -184,3 +184,9 @@ def test_main_fp8_goal_rows_on_the_reference_runner(base: Engine, tmp_path: Path
     assert all(r["quantize"] == "fp8" and r["k"] == 3 and r["identical_requests"] == f"{r['batch']}/{r['batch']}"
                for r in rows)
     assert "fp8" in se.table(result)
+
+
+def test_the_deadline_clock_has_one_home() -> None:
+    import spec_cost_bench
+
+    assert se.Clock is spec_cost_bench.Clock  # spec_e2e_bench kept its own copy of the class
