@@ -116,7 +116,9 @@ class RequestHandle:
         return self._final
 
     def stream(self, timeout: float | None = None) -> Iterator[RequestOutput]:
-        """Outputs as they come (each with its `delta`), ending with the finished one. Use once per handle."""
+        """Outputs as they come (each with its `delta`), ending with the finished one. A reader that falls behind
+        gets the latest unfinished output with the deltas it missed joined (Outbox), not one output per step. Use
+        once per handle."""
         while True:
             item = self._items.get(timeout)
             if item is None:

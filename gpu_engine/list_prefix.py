@@ -4,7 +4,9 @@ An unfinished RequestOutput's token_ids and logprobs are ListPrefixes of its seq
 ever appends to them), so that an output costs O(1) at every token instead of an O(n) copy of both lists; at 1,024
 tokens x 192 requests those copies (and the garbage collector's walks over them) were most of a decode step's host
 time (bench/engine_host_overhead.py). It reads as the list it stands for: len, indexing, slices (lists), iteration,
-== with lists, + with lists; copy and pickle give a plain list.
+== with lists, + with lists; copy and pickle give a plain list. It is not a list, though: json.dumps refuses it,
+isinstance(x, list) is False, and dataclasses.asdict turns it into a list of copies of its items (TokenLogprobs, not
+dicts); call tolist() first.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ outputs use it without changing what a caller sees."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import pickle
 
 import pytest
@@ -28,6 +30,18 @@ def test_reads_as_the_prefix_while_the_list_grows() -> None:
         assert type(clone) is list and clone == [10, 11]
     with pytest.raises(TypeError):
         hash(view)
+
+
+def test_not_a_list_where_the_docstring_says_so() -> None:
+    from gpu_engine.params import RequestOutput, TokenLogprob
+
+    view = ListPrefix([1, 2, 3], 2)
+    assert not isinstance(view, list) and json.dumps(view.tolist()) == "[1, 2]"
+    with pytest.raises(TypeError):
+        json.dumps(view)
+    lp = TokenLogprob(1, "a", -0.5)
+    out = RequestOutput("r", "a", view, False, logprobs=ListPrefix([lp], 1))
+    assert dataclasses.asdict(out)["logprobs"] == [lp]  # the items themselves, not {"token_id": ...} dicts
 
 
 def test_unfinished_outputs_keep_what_they_showed(tmp_path) -> None:
