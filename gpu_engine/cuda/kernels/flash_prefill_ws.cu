@@ -276,13 +276,7 @@ __device__ __forceinline__ void fw_consume(int c, unsigned smem, unsigned bars, 
         };
 
         const auto rescale_o = [&]() {
-#pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                o[nt][0] *= corr_a;
-                o[nt][1] *= corr_a;
-                o[nt][2] *= corr_b;
-                o[nt][3] *= corr_b;
-            }
+            scale_o_rows(o, corr_a, corr_b);
         };
 
         // step 0: S_0 alone (O is still 0); key 0 is visible to every row, so the running max is finite from here

@@ -77,6 +77,18 @@ __device__ __forceinline__ void softmax_row_max(const float (&s)[NT_S][4], float
     }
 }
 
+// O's rows g (accumulators 0, 1 of each n-tile) and g + 8 (2, 3) scaled by the online softmax's corrections.
+template <int NT_O>
+__device__ __forceinline__ void scale_o_rows(float (&o)[NT_O][4], float corr_a, float corr_b) {
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+        o[nt][0] *= corr_a;
+        o[nt][1] *= corr_a;
+        o[nt][2] *= corr_b;
+        o[nt][3] *= corr_b;
+    }
+}
+
 // The rows' new running max m (over the group), with the sums l and the output accumulators o rescaled to it;
 // base_a / base_b: what this block's probabilities subtract. ROWS_MAY_BE_EMPTY: a row that has seen no visible key
 // yet keeps max -inf, and subtracts 0 instead (its p and corr are then 0).
@@ -98,13 +110,7 @@ __device__ __forceinline__ void softmax_rescale(const float (&s)[NT_S][4], float
     m_b = mx_b;
     l_a *= corr_a;
     l_b *= corr_b;
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt) {
-        o[nt][0] *= corr_a;
-        o[nt][1] *= corr_a;
-        o[nt][2] *= corr_b;
-        o[nt][3] *= corr_b;
-    }
+    scale_o_rows(o, corr_a, corr_b);
 }
 
 // The probabilities of score n-tiles 2 k2 and 2 k2 + 1 as the bf16 A fragment of P V's k-step k2, added to the sums.

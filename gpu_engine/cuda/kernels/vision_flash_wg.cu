@@ -335,13 +335,7 @@ __device__ __forceinline__ void vw_attention_pipelined(bf16_t* out, const bf16_t
         vw_wait<0>();                 // the P V too: O and P's registers are free
         vw_fence_operand(o);
         vw_fence_operand(pf);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            o[nt][0] *= corr_a;
-            o[nt][1] *= corr_a;
-            o[nt][2] *= corr_b;
-            o[nt][3] *= corr_b;
-        }
+        scale_o_rows(o, corr_a, corr_b);
         vw_pack_p(s, pf);
     }
     v_descs(n_kt - 1, vd);

@@ -183,13 +183,7 @@ __device__ __forceinline__ void vs_consume(int c, unsigned stages, unsigned q_bu
         vw_fence_operand(o);
         vw_fence_operand(pf);
         if (lane == 0) mbar_arrive(empty0 + 8 * ((j - 1) % STAGES));
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-            o[nt][0] *= corr_a;
-            o[nt][1] *= corr_a;
-            o[nt][2] *= corr_b;
-            o[nt][3] *= corr_b;
-        }
+        scale_o_rows(o, corr_a, corr_b);
         vw_pack_p(s, pf);
     }
     vw_fence_operand(o);
