@@ -27,9 +27,7 @@ machine.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,11 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_commit import git_commit
 from cuda_bench import time_ms  # (CUDA events, warm-up, median)
-from op_bench import agreement
+from op_bench import agreement, open_context, run_info
 
 from gpu_engine.cuda import deltanet_chunked, ops
 from gpu_engine.cuda.context import GpuContext
-from gpu_engine.cuda.errors import CudaUnavailable
 
 # name -> (key heads, value heads, dk, dv, DeltaNet layers): bench/cuda_bench.py SHAPES and the ModelConfig defaults
 SHAPES = {"2b": (16, 16, 128, 128, 18), "9b": (16, 32, 128, 128, 24), "27b": (16, 48, 128, 128, 48)}
@@ -190,14 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"shapes from {', '.join(SHAPES)}, workloads from {', '.join(WORKLOADS)}, variants from "
                      f"{', '.join(deltanet_chunked.VARIANTS)}, reps >= 1")
     rng = np.random.default_rng()
-    try:
-        ctx = GpuContext(budget_bytes=4 << 30)
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
+    ctx = open_context()
+    if ctx is None:
         return 0
-    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
-            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": git_commit(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    info = {**run_info(ctx), "commit": git_commit(),
             "workloads": {name: {"lens": list(w.lens), "fresh": w.fresh} for name, w in WORKLOADS.items()}}
     rows: list[dict] = []
     try:

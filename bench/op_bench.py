@@ -26,6 +26,22 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def open_context() -> GpuContext | None:
+    """A 4 GiB arena on the GPU, or None (after printing SKIP and why) where there is none."""
+    try:
+        return GpuContext(budget_bytes=4 << 30)
+    except CudaUnavailable as exc:
+        print(f"SKIP: {exc}")
+        return None
+
+
+def run_info(ctx: GpuContext) -> dict[str, Any]:
+    """Device, arch, SM count, UTC date and the command line of this run (the head of every JSON it writes)."""
+    return {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
+            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+
+
 def run_op_bench(
     argv: list[str] | None,
     description: str,
@@ -51,14 +67,10 @@ def run_op_bench(
     if any(s not in shapes for s in names) or not lengths or min(lengths) < 1 or args.reps < 1:
         parser.error(f"shapes from {', '.join(shapes)}, positive lengths and reps")
     rng = np.random.default_rng()
-    try:
-        ctx = GpuContext(budget_bytes=4 << 30)
-    except CudaUnavailable as exc:
-        print(f"SKIP: {exc}")
+    ctx = open_context()
+    if ctx is None:
         return 0
-    info = {"device": ctx.device.info.name, "arch": ctx.device.info.arch, "sm_count": ctx.device.info.sm_count,
-            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), **info}
+    info = {**run_info(ctx), **info}
     rows: list[dict] = []
     try:
         for name in names:
