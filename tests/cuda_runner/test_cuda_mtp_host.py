@@ -27,6 +27,7 @@ from gpu_engine.runner_api import CacheSpec, MtpDraftRequest, SeqChunk
 from gpu_engine.speculative import SpeculativeConfig
 from gpu_engine.tiny import make_tiny_checkpoint
 from gpu_engine.tokenizer import Tokenizer
+from tests.engine.engine_runs import run_prompts
 
 PROMPTS = [np.random.default_rng(1).integers(10, 2000, n).tolist() for n in (9, 23, 14)]
 
@@ -134,15 +135,7 @@ def emulated_engine(folder: Path, k: int = 3, num_kv_blocks: int | None = None,
 
 
 def generate_all(eng: Engine, prompts: list[Any], speculative: str = "mtp") -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True, speculative=speculative),
-                        request_id=f"r{i}")
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_prompts(eng, prompts, SamplingParams(max_tokens=24, ignore_eos=True, speculative=speculative))
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -17,6 +17,7 @@ from gpu_engine.params import SamplingParams
 from gpu_engine.speculative import SpeculativeConfig
 from gpu_engine.speculative.drafters import Replay
 from gpu_engine.tiny import make_tiny_checkpoint
+from tests.engine.engine_runs import run_prompts
 
 VOCAB = 2074  # the tiny tokenizer's
 PROMPTS = [np.random.default_rng(5).integers(10, 2000, n).tolist() for n in (9, 21, 14, 11)]
@@ -48,14 +49,7 @@ def device_engine(folder: Path, k: int) -> Engine:
 
 
 def drive(eng: Engine, params: list[SamplingParams]) -> dict[str, list[int]]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-        eng.add_request(p, sp, request_id=f"r{i}")
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_prompts(eng, PROMPTS, params)
 
 
 def params(method: str, lengths: tuple[int, ...] = (24, 24, 24, 24)) -> list[SamplingParams]:

@@ -16,6 +16,7 @@ from gpu_engine.speculative import SpeculativeConfig
 from gpu_engine.speculative.backoff import MAX_REST_STEPS, AutoBackoff
 from gpu_engine.speculative.drafters import Replay
 from gpu_engine.tiny import make_tiny_checkpoint
+from tests.engine.engine_runs import run_prompts
 
 VOCAB = 2074  # the tiny tokenizer's
 TOKENS = 48
@@ -69,14 +70,7 @@ def generate(folder: Path, method: str, corrupt: float | None, plain: dict[str, 
 
 def drive(eng: Engine, params: SamplingParams) -> dict[str, list[int]]:
     """Every prompt through `eng` with `params`, to the end: the token ids by request."""
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(p, params, request_id=f"r{i}")
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_prompts(eng, PROMPTS, params)
 
 
 @pytest.fixture(scope="module")
