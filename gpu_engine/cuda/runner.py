@@ -99,6 +99,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
     mtp_head = False
     mtp_in_auto = False  # CudaOptions.mtp_in_auto: `auto` requests draft with the head too
     flash_tile_rows = flash_plan.FLASH_TILE  # the steps' flash-prefill tiles: CudaTextModel.flash_tile_rows
+    deltanet_split = False  # the steps carry the DeltaNet split tables (CudaOptions.deltanet_rows_apart)
     _keeping: StepBatch | None = None  # the step whose keep_hidden rows are being kept
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, options: CudaOptions | None = None) -> None:
@@ -117,7 +118,7 @@ class CudaRunner(LaunchSteps, VisionBatch):
                                                             o.kv_cache_dtype != "auto", self.ctx.device.info.arch)
         self.flash_tile_rows = self.model.flash_tile_rows
         self.model.deltanet_chunked = o.deltanet_chunked
-        self.model.deltanet_rows_apart = o.deltanet_rows_apart
+        self.model.deltanet_rows_apart = self.deltanet_split = o.deltanet_rows_apart
         set_moe_decode(self.model.w.layers, o.moe_decode)  # MoE layers' small-batch path (no-op for dense models)
         # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
         self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
@@ -455,7 +456,8 @@ class CudaRunner(LaunchSteps, VisionBatch):
 
     def _prepare(self, batch: StepBatch, table_width: int | None = None, plan: StepPlan | None = None) -> HostStep:
         host = build_step(batch, allocated(self.spec), self.cfg, self.dtype, table_width,
-                          plan.logit_skip if plan is not None else None, tile_rows=self.flash_tile_rows)
+                          plan.logit_skip if plan is not None else None, tile_rows=self.flash_tile_rows,
+                          deltanet_split=self.deltanet_split)
         if plan is not None and plan.win is not None and any(c.verify for c in batch.chunks):
             host.tables.win = plan.win  # the window strategy's kernels keep every window token's state
         return host

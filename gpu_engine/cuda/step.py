@@ -128,11 +128,12 @@ class HostStep:
 
 def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
                table_width: int | None = None, logit_skip: Sequence[int] | None = None,
-               tile_rows: int = flash_plan.FLASH_TILE) -> HostStep:
+               tile_rows: int = flash_plan.FLASH_TILE, deltanet_split: bool = False) -> HostStep:
     """Validate `batch` and lay it out; block tables are padded to `table_width` (a captured graph's width).
     `logit_skip[s]`: leading rows of chunk s that get no logits even when it asks for all (tokens the runner
     re-feeds in front of a rolled-back verify window, cuda/verify.py). `tile_rows`: the flash-prefill tiles' rows
-    (flash_plan.FLASH_TILE_ROWS of the kernel the model runs, CudaTextModel.flash_tile_rows).
+    (flash_plan.FLASH_TILE_ROWS of the kernel the model runs, CudaTextModel.flash_tile_rows). `deltanet_split`:
+    build the gdn_* tables of a mixed step (only a model that runs them: CudaTextModel.deltanet_rows_apart).
 
     The per-token tables are built with whole-step numpy operations, not per chunk: a step of 256 decode rows
     is 256 chunks, and per-chunk array work cost ~50 us each on the host while the GPU waited."""
@@ -203,7 +204,7 @@ def build_step(batch: StepBatch, spec: CacheSpec, cfg: TextConfig, dtype: str,
         step_tables.dec_pos = tok_pos[rows].astype(i32)
         tiles = step_tables.tiles
         step_tables.tiles_apart = tiles[~np.isin(tiles[:, 0], rows)]  # a one-token chunk is one tile, at its row
-    if dtype == "bf16" and single.size and int(lens.max()) >= deltanet_chunked.MIN_PREFILL_TOKENS:
+    if deltanet_split and dtype == "bf16" and single.size and int(lens.max()) >= deltanet_chunked.MIN_PREFILL_TOKENS:
         _split_deltanet(step_tables, lens)
     # Re-fed tokens do not pick the kernels: a decode-phase chunk with a refeed in front (at most 31 + k tokens)
     # stays on the decode kernels, which take chunks of any length, instead of sending the step to flash prefill.

@@ -44,7 +44,7 @@ def test_the_driver_replays_its_inputs_and_its_mixed_steps_are_split():
     assert len(steps) == 1 + len(check.SCHEDULE)
     split, deltanet = [], []
     for batch in first.batches[1:]:
-        tables = build_step(batch, first.spec, config.text, "bf16").tables
+        tables = build_step(batch, first.spec, config.text, "bf16", deltanet_split=True).tables
         split.append(tables.dec_rows is not None and tables.dec_rows.size == len(batch.chunks) - 1)
         gdn = tables.gdn_split
         deltanet.append(None if gdn is None else (gdn.token_rows, gdn.token_row == 0))

@@ -37,7 +37,8 @@ def steps(lens: list[int], fresh_every: int = 3) -> StepBatch:
 
 
 def tables(lens: list[int], dtype: str = "bf16") -> StepTables[np.ndarray]:
-    return build_step(steps(lens), SPEC, CFG, dtype).tables  # type: ignore[arg-type]  # CFG: the fields it reads
+    return build_step(steps(lens), SPEC, CFG, dtype,  # type: ignore[arg-type]  # CFG: the fields it reads
+                      deltanet_split=True).tables
 
 
 def test_leading_decode_rows_are_the_token_block():
@@ -77,7 +78,7 @@ def test_steps_without_a_split(lens, dtype):
 
 
 def test_the_split_travels_with_the_upload_and_the_shapes_and_padding_drops_it():
-    host = build_step(steps([1, 1, 70]), SPEC, CFG, "bf16")  # type: ignore[arg-type]
+    host = build_step(steps([1, 1, 70]), SPEC, CFG, "bf16", deltanet_split=True)  # type: ignore[arg-type]
     assert host.shapes()["gdn_split"] == (2, 70, 0, 2)
     dev = upload_tables(LaunchLog(), host.tables)  # type: ignore[arg-type]  # to_device: a pointer, no copy
     assert dev.gdn_split == host.tables.gdn_split and dev.gdn_tok_cu is not None and dev.gdn_tok_cu.shape == (3,)
@@ -100,7 +101,7 @@ def layer_launches(lens: list[int], apart: bool) -> tuple[list[tuple[str, tuple]
     ctx.device.info.sm_count = 1  # 32-column scan slices whatever the grid (the kernel names say which)
     model = CudaTextModel(ctx, config, weights=None, dtype="bf16")  # type: ignore[arg-type]  # weights unused here
     model.deltanet_rows_apart = apart
-    host = build_step(steps(lens), SPEC, CFG, "bf16")  # type: ignore[arg-type]
+    host = build_step(steps(lens), SPEC, CFG, "bf16", deltanet_split=True)  # type: ignore[arg-type]
     m = StepTables(**{name: ctx.empty(arr.shape if arr.size else (1,), "i32", name)
                       for name, arr in host.tables.items()}, gdn_split=host.tables.gdn_split)
     w = DeltaNetWeights(in_proj=DenseLinear(ctx.empty((WIDTH, HIDDEN), "bf16", "win")),
