@@ -53,7 +53,6 @@ from .memory_plan import (
     step_reserve_bytes,
     vision_reserve_bytes,
 )
-from .moe_weights import set_moe_decode
 from .mtp import (
     CudaMtpHead,
     KeptRows,
@@ -113,13 +112,9 @@ class CudaRunner(LaunchSteps, VisionBatch):
         self.ctx.device.pdl = o.use_pdl and int(self.ctx.device.info.arch.removeprefix("sm_")) >= 90
         self.model = CudaTextModel(self.ctx, self.cfg, upload_text_weights(self.ctx, self.cfg, weights, o.dtype),
                                    o.dtype)
-        self.model.decode_rows_apart = o.decode_rows_apart
-        self.model.flash_variant = flash_plan.flash_variant(o.flash_prefill, self.cfg.head_dim,
-                                                            o.kv_cache_dtype != "auto", self.ctx.device.info.arch)
+        self.model.use_options(o, self.ctx.device.info.arch)
         self.flash_tile_rows = self.model.flash_tile_rows
-        self.model.deltanet_chunked = o.deltanet_chunked
-        self.model.deltanet_rows_apart = self.deltanet_split = o.deltanet_rows_apart
-        set_moe_decode(self.model.w.layers, o.moe_decode)  # MoE layers' small-batch path (no-op for dense models)
+        self.deltanet_split = self.model.deltanet_rows_apart
         # The MTP head, if the checkpoint has one this runner computes (else mtp_problem: why); KV: allocate_cache
         self.mtp, self.mtp_problem = build_mtp_head(self.ctx, self.cfg, weights, self.model, o.dtype)
         self.mtp_head = self.mtp is not None

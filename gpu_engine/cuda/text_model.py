@@ -20,6 +20,8 @@ from .context import DArray, GpuContext
 from .errors import ShapeError
 from .fp8_ops import Fp8Activations
 from .linear import SwigluMlp
+from .moe_weights import set_moe_decode
+from .options import CudaOptions
 from .step import DeltaNetSplit, StepTables
 from .weights import AttentionWeights, DeltaNetWeights, LayerWeights, TextWeights
 
@@ -82,6 +84,15 @@ class CudaTextModel:
         # to the token kernel (step.StepTables.gdn_split; set by the runner from CudaOptions.deltanet_rows_apart):
         # each one-token row otherwise costs a 64-row chunk and a scan chain of its own.
         self.deltanet_rows_apart = False
+
+    def use_options(self, o: CudaOptions, arch: str) -> None:
+        """The kernel choices of CudaOptions (the runner calls this once, after building the model)."""
+        self.decode_rows_apart = o.decode_rows_apart
+        self.flash_variant = flash_plan.flash_variant(o.flash_prefill, self.config.head_dim,
+                                                      o.kv_cache_dtype != "auto", arch)
+        self.deltanet_chunked = o.deltanet_chunked
+        self.deltanet_rows_apart = o.deltanet_rows_apart
+        set_moe_decode(self.w.layers, o.moe_decode)  # the MoE layers' small-batch path (no-op for dense models)
 
     @property
     def flash_tile_rows(self) -> int:
